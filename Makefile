@@ -1,0 +1,61 @@
+# robobus: the two commands are `make run` and `make test`; each sets up what is missing first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+NODEV  := tests/contract/asyncapi-validate
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check clean help
+
+help:
+	@echo "make run     start a local mosquitto and every service on simulators"
+	@echo "make test    lint + the whole test suite"
+	@echo "make lint    ruff + mypy"
+	@echo "make bench   benchmarks (bench/*.py); BENCH_ARGS=--quick for a short run"
+	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json"
+
+setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed
+
+# Debian packages: mosquitto (broker), its clients, iproute2 (netns/veth for the EtherCAT tests),
+# rt-tests (cyclictest, the realtime anchor of bench/ethercat_cycle.py), nodejs/npm (AsyncAPI parser).
+system-deps:
+	@deploy/dev/system-deps.sh
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[all,dev]'
+	@touch $@
+
+$(NODEV)/node_modules/.installed: $(NODEV)/package.json $(NODEV)/package-lock.json
+	cd $(NODEV) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+run: setup
+	@deploy/dev/run-local.sh
+
+lint: setup
+	$(BIN)/ruff check shared services tests bench
+	$(BIN)/mypy shared services $(wildcard bench/*.py)
+
+pytest: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint pytest
+
+schema: setup
+	$(BIN)/robobus schema --out docs
+
+schema-check: setup
+	$(BIN)/robobus schema --out docs --check
+
+bench: setup
+	@set -e; for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b $(BENCH_ARGS); done
+
+bench-quick:
+	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick
+
+clean:
+	rm -rf $(VENV) $(NODEV)/node_modules .pytest_cache .mypy_cache .ruff_cache

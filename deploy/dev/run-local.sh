@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make run`: a local mosquitto (unless ROBOBUS_MQTT_URL names another broker) and every service on
+# its simulator, under honcho (deploy/Procfile.sim). Ctrl-C stops everything cleanly.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PATH="$PWD/.venv/bin:$PATH:/usr/sbin"
+procfile=deploy/Procfile.sim
+procs=$(grep -E '^[a-z0-9_-]+:' "$procfile" | cut -d: -f1)
+if [ -n "${ROBOBUS_MQTT_URL:-}" ]; then
+  echo "robobus: using the broker at $ROBOBUS_MQTT_URL (no local mosquitto)"
+  procs=$(echo "$procs" | grep -vx broker)
+else
+  export ROBOBUS_MQTT_URL=mqtt://127.0.0.1:1883
+  if (exec 3<>/dev/tcp/127.0.0.1/1883) 2>/dev/null; then
+    echo "robobus: something already listens on 127.0.0.1:1883; stop it or set ROBOBUS_MQTT_URL" >&2
+    exit 1
+  fi
+fi
+exec honcho -f "$procfile" -d . start $(echo $procs)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install the Debian packages robobus needs for `make run` / `make test`, only if missing.
+set -euo pipefail
+need=()
+command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
+command -v mosquitto_sub >/dev/null 2>&1 || need+=(mosquitto-clients)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v cyclictest >/dev/null 2>&1 || need+=(rt-tests)
+command -v node >/dev/null 2>&1 || need+=(nodejs)
+command -v npm >/dev/null 2>&1 || need+=(npm)
+[ ${#need[@]} -eq 0 ] && exit 0
+echo "robobus: installing Debian packages: ${need[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; else
+    echo "robobus: not root and no sudo: please install ${need[*]}" >&2; exit 1; fi
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+# The Debian package enables a system broker on :1883; robobus runs its own, so keep it off.
+if [[ " ${need[*]} " == *" mosquitto "* ]]; then
+  (command -v systemctl >/dev/null && $SUDO systemctl disable --now mosquitto >/dev/null 2>&1) || true
+  (command -v service >/dev/null && $SUDO service mosquitto stop >/dev/null 2>&1) || true
+fi

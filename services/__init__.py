@@ -1,0 +1,9 @@
+"""robobus services: one package per transport, each with protocol / transport / sim / service.
+
+SERVICE_APIS names each service's declarative contract (schema export, `robobus schema`);
+SERVICE_CLIS names CLI sub-commands services contribute. Out-of-tree services use the
+`robobus.services` and `robobus.cli` entry points instead."""
+
+SERVICE_APIS: dict[str, str] = {}
+
+SERVICE_CLIS: dict[str, str] = {}

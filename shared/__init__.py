@@ -1,0 +1,26 @@
+"""robobus service kit: the MQTT session, contract, health, commands, jobs and schema export
+that every robobus service process is built on. The SDK owns the bus; a service owns its device."""
+
+from shared.contract import BinarySpec, CommandSpec, EventSpec, JobSpec, ServiceAPI, StateSpec
+from shared.errors import CommandError, ErrorCode
+from shared.node import Device, JobContext, Node
+from shared.settings import KitSettings, load_settings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BinarySpec",
+    "CommandError",
+    "CommandSpec",
+    "Device",
+    "ErrorCode",
+    "EventSpec",
+    "JobContext",
+    "JobSpec",
+    "KitSettings",
+    "Node",
+    "ServiceAPI",
+    "StateSpec",
+    "__version__",
+    "load_settings",
+]

@@ -1,0 +1,356 @@
+"""AsyncAPI 3.0 document and JSON Schemas, generated from the declared service APIs.
+
+The way FastStream does it: every pydantic model gives its JSON Schema, `$defs` are hoisted into
+`components/schemas` and references rewritten. Channels use address parameters for the parts a
+deployment chooses ({root}, {node}, {device}); commands are `receive` operations with an MQTT 5
+reply (Response Topic + Correlation Data)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Iterable
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from shared.contract import BinarySpec, ServiceAPI, StateSpec
+from shared.messages import ErrorReply, Health, NodeStats, OkReply, Status
+
+REF = "#/components/schemas/{model}"
+MQTT_BINDING = "0.2.0"
+
+
+def discover_apis() -> list[ServiceAPI]:
+    """Every service's contract: the in-tree services list plus `robobus.services` entry points."""
+    specs: dict[str, str] = {}
+    try:
+        from services import SERVICE_APIS
+
+        specs.update(SERVICE_APIS)
+    except ImportError:
+        pass
+    for ep in entry_points(group="robobus.services"):
+        specs.setdefault(ep.name, ep.value)
+    apis = []
+    for name in sorted(specs):
+        mod, _, attr = specs[name].partition(":")
+        api = getattr(importlib.import_module(mod), attr or "API")
+        if not isinstance(api, ServiceAPI):
+            raise TypeError(f"{specs[name]} is not a ServiceAPI")
+        apis.append(api)
+    return apis
+
+
+def _cid(*parts: str) -> str:
+    return "_".join(re.sub(r"[^A-Za-z0-9_-]", "-", p) for p in parts)
+
+
+def _reply_schema(reply: type[BaseModel]) -> dict[str, Any]:
+    """{"ok": true, "result": <reply>} | {"ok": false, "error": ...}"""
+    return {
+        "oneOf": [
+            {
+                "type": "object",
+                "required": ["ok", "result"],
+                "properties": {"ok": {"const": True}, "result": {"$ref": REF.format(model=reply.__name__)}},
+            },
+            {"$ref": REF.format(model="ErrorReply")},
+        ]
+    }
+
+
+PARAMS = {
+    "root": {"description": "Topic root (ROBOBUS_TOPIC_ROOT), e.g. 'robobus' or 'site1/robobus'",
+             "default": "robobus"},
+    "node": {"description": "Node name (ROBOBUS_NODE); defaults to the service name"},
+    "device": {"description": "Device name, one per piece of hardware the node serves"},
+}
+
+
+class DocBuilder:
+    def __init__(self, title: str, version: str) -> None:
+        self.title = title
+        self.version = version
+        self.models: dict[str, type[BaseModel]] = {}
+        self.extra_schemas: dict[str, dict[str, Any]] = {}
+        self.channels: dict[str, Any] = {}
+        self.operations: dict[str, Any] = {}
+        self.messages: dict[str, Any] = {}
+
+    def model(self, m: type[BaseModel]) -> dict[str, str]:
+        prev = self.models.get(m.__name__)
+        if prev is not None and prev is not m:
+            raise ValueError(f"two different models are named {m.__name__}: {prev} and {m}; rename one")
+        self.models[m.__name__] = m
+        return {"$ref": REF.format(model=m.__name__)}
+
+    def message(self, mid: str, payload: dict[str, Any], *, summary: str, content_type: str = "application/json",
+                correlated: bool = False) -> dict[str, str]:
+        msg: dict[str, Any] = {"name": mid, "summary": summary or mid, "contentType": content_type,
+                               "payload": payload}
+        if correlated:
+            msg["correlationId"] = {"description": "MQTT 5 Correlation Data, echoed in the reply",
+                                    "location": "$message.header#/correlationData"}
+        self.messages[mid] = msg
+        return {"$ref": f"#/components/messages/{mid}"}
+
+    def channel(self, cid: str, address: str | None, messages: dict[str, dict[str, str]], description: str,
+                *, retain: bool = False, qos: int = 0) -> None:
+        params = {p: PARAMS[p] for p in re.findall(r"{(\w+)}", address or "")}
+        ch: dict[str, Any] = {"address": address, "messages": messages, "description": description}
+        if params:
+            ch["parameters"] = params
+        self.channels[cid] = ch
+
+    def operation(self, oid: str, action: str, cid: str, summary: str, *, reply_cid: str | None = None,
+                  qos: int = 0, retain: bool = False) -> None:
+        op: dict[str, Any] = {
+            "action": action,
+            "channel": {"$ref": f"#/channels/{cid}"},
+            "summary": summary,
+            "messages": [{"$ref": f"#/channels/{cid}/messages/{k}"} for k in self.channels[cid]["messages"]],
+            "bindings": {"mqtt": {"qos": qos, "retain": retain, "bindingVersion": MQTT_BINDING}},
+        }
+        if reply_cid:
+            op["reply"] = {
+                "address": {"description": "The request's MQTT 5 Response Topic (else `<request topic>/reply`)",
+                            "location": "$message.header#/responseTopic"},
+                "channel": {"$ref": f"#/channels/{reply_cid}"},
+                "messages": [{"$ref": f"#/channels/{reply_cid}/messages/{k}"}
+                             for k in self.channels[reply_cid]["messages"]],
+            }
+        self.operations[oid] = op
+
+    # -- the kit's own channels, common to every service --------------------------------------
+    def kit(self) -> None:
+        self.channel("status", "{root}/{node}/status",
+                     {"Status": self.message("Status", self.model(Status), summary="Node birth / death")},
+                     "Retained. Published on connect (online=true); the Last Will says online=false.",
+                     retain=True, qos=1)
+        self.operation("publishStatus", "send", "status", "Node liveness", qos=1, retain=True)
+        self.channel("health", "{root}/{node}/{device}/health",
+                     {"Health": self.message("Health", self.model(Health), summary="Device health")},
+                     "Retained. On change and on the heartbeat (ROBOBUS_HEALTH_INTERVAL_S).", retain=True, qos=1)
+        self.operation("publishHealth", "send", "health", "Device health", qos=1, retain=True)
+        self.channel("nodeStats", "{root}/{node}/_node/state/stats",
+                     {"NodeStats": self.message("NodeStats", self.model(NodeStats), summary="Kit counters")},
+                     "Retained, on the heartbeat: command outcomes, publishes, decode errors, reconnects.",
+                     retain=True)
+        self.operation("publishNodeStats", "send", "nodeStats", "Kit statistics", retain=True)
+        self.model(ErrorReply)
+        self.model(OkReply)
+
+    def service(self, api: ServiceAPI) -> None:
+        svc = api.service
+        dev = "{root}/{node}/{device}"
+        for name, st in sorted(api.states.items()):
+            cid = _cid(svc, "state", name)
+            mid = _cid(svc, "state", name)
+            if isinstance(st, BinarySpec):
+                payload: dict[str, Any] = {"type": "string", "format": "binary",
+                                           "description": f"raw bytes, {st.content_type}"}
+                ctype = st.content_type
+            else:
+                assert isinstance(st, StateSpec)
+                payload = self.model(st.model)
+                ctype = "application/json"
+            rate = f" Rate cap {st.rate_hz:g} Hz (ROBOBUS_STATE_RATES)." if st.rate_hz else ""
+            self.channel(cid, f"{dev}/state/{name}",
+                         {mid: self.message(mid, payload, summary=st.doc or name, content_type=ctype)},
+                         f"{svc}: {st.doc or name}.{rate}{' Retained.' if st.retain else ''}",
+                         retain=st.retain, qos=st.qos)
+            self.operation(_cid(svc, "publish", name), "send", cid, st.doc or name, qos=st.qos, retain=st.retain)
+        for name, ev in sorted(api.events.items()):
+            cid = _cid(svc, "event", name)
+            self.channel(cid, f"{dev}/event/{name}",
+                         {cid: self.message(cid, self.model(ev.model), summary=ev.doc or name)},
+                         f"{svc}: {ev.doc or name}", qos=ev.qos)
+            self.operation(_cid(svc, "emit", name), "send", cid, ev.doc or name, qos=ev.qos)
+        calls: list[tuple[str, type[BaseModel], type[BaseModel] | None, str]] = [
+            (n, c.request, c.reply, c.doc) for n, c in api.commands.items()
+        ] + [(n, j.request, None, j.doc) for n, j in api.jobs.items()]
+        for name, req, rep, doc in sorted(calls, key=lambda c: c[0]):
+            cid = _cid(svc, "cmd", name)
+            rid = _cid(svc, "cmd", name, "reply")
+            reply_model = rep
+            if rep is None:  # a job: the immediate reply is JobAccepted, the result comes as an event
+                from shared.messages import JobAccepted, JobResult
+
+                reply_model = JobAccepted
+                res_model = api.jobs[name].result
+                self.model(JobResult)
+                doc = (doc or name) + f" (job: replies with a job id; result model {res_model.__name__} " \
+                                      "in event/job_result)"
+                self.model(res_model)
+            assert reply_model is not None
+            self.model(reply_model)
+            self.channel(cid, f"{dev}/cmd/{name}",
+                         {cid: self.message(cid, self.model(req), summary=doc or name, correlated=True)},
+                         f"{svc}: {doc or name}", qos=1)
+            self.channel(rid, None,
+                         {rid: self.message(rid, _reply_schema(reply_model), summary=f"reply to {name}",
+                                            correlated=True)},
+                         f"Reply to {svc} {name}", qos=1)
+            self.operation(_cid(svc, "cmd", name), "receive", cid, doc or name, reply_cid=rid, qos=1)
+        for name, sp in sorted(api.streams.items()):
+            cid = _cid(svc, "stream", name)
+            self.channel(cid, f"{dev}/stream/{name}",
+                         {cid: self.message(cid, self.model(sp.model), summary=sp.doc or name)},
+                         f"{svc}: {sp.doc or name} (stream, {'into' if sp.direction == 'in' else 'out of'} "
+                         "the node)", qos=sp.qos)
+            self.operation(_cid(svc, "stream", name), "receive" if sp.direction == "in" else "send", cid,
+                           sp.doc or name, qos=sp.qos)
+
+    def schemas(self) -> dict[str, Any]:
+        pairs = [(m, "validation") for _, m in sorted(self.models.items())]
+        _, top = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
+        defs: dict[str, Any] = dict(top.get("$defs", {}))
+        defs.update(self.extra_schemas)
+        return dict(sorted(defs.items()))
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "asyncapi": "3.0.0",
+            "info": {
+                "title": self.title,
+                "version": self.version,
+                "description": (
+                    "robobus: every robot transport behind its own process, all speaking pydantic-validated "
+                    "JSON over MQTT 5. Generated from the services' pydantic models by `make schema`; "
+                    "do not edit by hand."
+                ),
+            },
+            "defaultContentType": "application/json",
+            "servers": {
+                "local": {"host": "127.0.0.1:1883", "protocol": "mqtt", "protocolVersion": "5",
+                          "description": "The broker `make run` starts (also websockets on 9001)"},
+            },
+            "channels": self.channels,
+            "operations": self.operations,
+            "components": {"schemas": self.schemas(), "messages": dict(sorted(self.messages.items()))},
+        }
+
+
+def build_document(apis: Iterable[ServiceAPI] | None = None) -> dict[str, Any]:
+    from shared import __version__
+
+    b = DocBuilder("robobus", __version__)
+    b.kit()
+    for api in apis if apis is not None else discover_apis():
+        b.service(api)
+    return b.document()
+
+
+def render_yaml(doc: dict[str, Any]) -> str:
+    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=100)
+
+
+def write_docs(out_dir: Path, apis: Iterable[ServiceAPI] | None = None) -> list[Path]:
+    """docs/asyncapi.yaml plus one standalone JSON Schema per model in docs/schemas/."""
+    doc = build_document(apis)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "asyncapi.yaml"]
+    paths[0].write_text(render_yaml(doc))
+    sdir = out_dir / "schemas"
+    sdir.mkdir(exist_ok=True)
+    for old in sdir.glob("*.json"):
+        old.unlink()
+    schemas = doc["components"]["schemas"]
+    for name in schemas:
+        standalone = _standalone(name, schemas)
+        p = sdir / f"{name}.json"
+        p.write_text(json.dumps(standalone, indent=2, sort_keys=True) + "\n")
+        paths.append(p)
+    return paths
+
+
+def _standalone(name: str, schemas: dict[str, Any]) -> dict[str, Any]:
+    """One model with the definitions it uses, refs rewritten to local $defs."""
+    needed: dict[str, Any] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                if k == "$ref" and isinstance(v, str) and v.startswith("#/components/schemas/"):
+                    ref = v.rsplit("/", 1)[-1]
+                    if ref not in needed:
+                        needed[ref] = None
+                        needed[ref] = walk(schemas[ref])
+                    out[k] = f"#/$defs/{ref}"
+                else:
+                    out[k] = walk(v)
+            return out
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    root = walk(schemas[name])
+    root = {"$schema": "https://json-schema.org/draft/2020-12/schema", **root}
+    defs = {k: v for k, v in needed.items() if k != name}
+    if defs:
+        root["$defs"] = dict(sorted(defs.items()))
+    return root
+
+
+class ContractValidator:
+    """Match a published topic to its channel and validate the payload against its schema.
+    Tests use it to prove that every message on the bus is what the document says."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        import jsonschema
+
+        self._jsonschema = jsonschema
+        self.schemas = doc["components"]["schemas"]
+        self.routes: list[tuple[re.Pattern[str], dict[str, Any], str]] = []
+        msgs = doc["components"]["messages"]
+        for cid, ch in doc["channels"].items():
+            addr = ch.get("address")
+            if not addr:
+                continue
+            pat = re.escape(addr)
+            pat = pat.replace(re.escape("{root}"), r"(?P<root>.+?)")
+            for p in ("node", "device"):
+                pat = pat.replace(re.escape("{" + p + "}"), rf"(?P<{p}>[^/]+)")
+            ref = next(iter(ch["messages"].values()))["$ref"].rsplit("/", 1)[-1]
+            self.routes.append((re.compile(f"^{pat}$"), msgs[ref], cid))
+        # most specific first: the kit's `_node` stats before a service's `{device}` channels
+        self.routes.sort(key=lambda r: (-r[0].pattern.count("_node"), -len(r[0].pattern)))
+
+    def channel_for(self, topic: str) -> tuple[str, dict[str, Any]] | None:
+        for pat, msg, cid in self.routes:
+            if pat.match(topic):
+                return cid, msg
+        return None
+
+    def validate(self, topic: str, payload: bytes) -> str:
+        """Return the channel id; raise AssertionError when the topic or payload is not in the contract."""
+        hit = self.channel_for(topic)
+        if hit is None:
+            raise AssertionError(f"topic {topic!r} is not in the AsyncAPI document")
+        cid, msg = hit
+        if msg.get("contentType", "application/json") != "application/json":
+            return cid
+        try:
+            data = json.loads(payload)
+        except ValueError as exc:
+            raise AssertionError(f"{topic}: payload is not JSON ({exc})") from None
+        schema = {**msg["payload"], "components": {"schemas": self.schemas}}
+        errors = sorted(self._jsonschema.Draft202012Validator(schema).iter_errors(data), key=str)
+        if errors:
+            raise AssertionError(f"{topic} ({cid}): {errors[0].message} at {list(errors[0].absolute_path)}")
+        return cid
+
+    def validate_reply(self, doc: dict[str, Any], command_cid: str, payload: bytes) -> None:
+        """Validate a command reply against `{command_cid}_reply` of the document."""
+        msg = doc["components"]["messages"][f"{command_cid}_reply"]
+        schema = {**msg["payload"], "components": {"schemas": self.schemas}}
+        errors = list(self._jsonschema.Draft202012Validator(schema).iter_errors(json.loads(payload)))
+        if errors:
+            raise AssertionError(f"reply on {command_cid}: {errors[0].message}")

@@ -1,0 +1,277 @@
+"""`robobus`: look at the bus and talk to it from a terminal.
+
+    robobus status                       every node and device, from retained status and health
+    robobus call NODE/DEVICE CMD '{..}'  any command; jobs show a progress bar until their result
+    robobus watch 'robobus/#'            live messages
+    robobus schema                       write docs/asyncapi.yaml and docs/schemas/*.json
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from datetime import datetime
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from shared.rpc import RpcClient
+from shared.settings import KitSettings, load_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="robobus: every robot transport on one MQTT 5 bus.")
+console = Console()
+err_console = Console(stderr=True)
+
+Broker = Annotated[str | None, typer.Option("--broker", "-b", help="Broker URL (default ROBOBUS_MQTT_URL)")]
+Root = Annotated[str | None, typer.Option("--root", help="Topic root (default ROBOBUS_TOPIC_ROOT)")]
+
+
+def _settings(broker: str | None, root: str | None) -> KitSettings:
+    overrides: dict[str, Any] = {}
+    if broker:
+        overrides["mqtt_url"] = broker
+    if root:
+        overrides["topic_root"] = root
+    return load_settings(KitSettings, **overrides)
+
+
+def _client(broker: str | None, root: str | None) -> RpcClient:
+    c = RpcClient(_settings(broker, root), name="robobus-cli")
+    try:
+        c.connect(timeout=5.0)
+    except ConnectionError as exc:
+        err_console.print(f"[red]robobus: {exc}[/red]")
+        raise typer.Exit(3) from None
+    return c
+
+
+def _age(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    d = time.time() - ts
+    return f"{d:.1f}s ago" if d < 120 else datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+
+
+@app.command()
+def status(
+    broker: Broker = None,
+    root: Root = None,
+    wait: Annotated[float, typer.Option(help="Seconds to gather retained messages")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+) -> None:
+    """Every node and device, from the retained status and health topics."""
+    c = _client(broker, root)
+    try:
+        msgs = c.collect(f"{c.root}/+/status", wait) + c.collect(f"{c.root}/+/+/health", wait)
+    finally:
+        c.close()
+    nodes: dict[str, dict[str, Any]] = {}
+    health: dict[tuple[str, str], dict[str, Any]] = {}
+    for topic, payload, _ in msgs:
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            continue
+        parts = topic[len(c.root) + 1:].split("/")
+        if len(parts) == 2 and parts[1] == "status":
+            nodes[parts[0]] = data
+        elif len(parts) == 3 and parts[2] == "health":
+            health[(parts[0], parts[1])] = data
+    if as_json:
+        print(json.dumps({"nodes": nodes, "health": {f"{n}/{d}": h for (n, d), h in health.items()}}, indent=2))
+        return
+    table = Table(title=f"robobus on {c.session.broker.host}:{c.session.broker.port} (root {c.root})")
+    for col in ("node", "service", "online", "device", "conn", "oper", "state", "error", "updated"):
+        table.add_column(col)
+    for name in sorted(set(nodes) | {n for n, _ in health}):
+        st = nodes.get(name, {})
+        online = st.get("online")
+        on = "[green]online[/]" if online else ("[red]offline[/]" if online is False else "?")
+        devs = sorted(d for n, d in health if n == name) or [""]
+        for i, dev in enumerate(devs):
+            h = health.get((name, dev), {})
+            err = h.get("error_message", "") if h.get("error") else ""
+            table.add_row(
+                name if i == 0 else "", st.get("service", "") if i == 0 else "", on if i == 0 else "",
+                dev, _yn(h.get("connection")), _yn(h.get("operational")), str(h.get("state", "")),
+                f"[red]{err}[/]" if err else "", _age(h.get("ts") or st.get("ts")),
+            )
+    if not nodes and not health:
+        console.print(f"no robobus nodes under '{c.root}/' on this broker")
+        raise typer.Exit(1)
+    console.print(table)
+
+
+def _yn(v: Any) -> str:
+    return "[green]yes[/]" if v is True else ("[red]no[/]" if v is False else "-")
+
+
+@app.command()
+def call(
+    target: Annotated[str, typer.Argument(help="NODE/DEVICE")],
+    command: Annotated[str, typer.Argument(help="Command name")],
+    payload: Annotated[str, typer.Argument(help="JSON request; '-' reads standard input")] = "{}",
+    broker: Broker = None,
+    root: Root = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the reply")] = 10.0,
+    job_timeout: Annotated[float, typer.Option(help="Seconds to wait for a job's result")] = 3600.0,
+    no_follow: Annotated[bool, typer.Option("--no-follow", help="Do not follow a job to its result")] = False,
+) -> None:
+    """Send any command; print the reply; exit 1 on an error reply. Jobs show a progress bar."""
+    if "/" not in target:
+        err_console.print("[red]robobus: target must be NODE/DEVICE[/red]")
+        raise typer.Exit(2)
+    node, device = target.split("/", 1)
+    body = sys.stdin.read() if payload == "-" else payload
+    try:
+        req = json.loads(body) if body.strip() else {}
+    except ValueError as exc:
+        err_console.print(f"[red]robobus: the request is not JSON: {exc}[/red]")
+        raise typer.Exit(2) from None
+    c = _client(broker, root)
+    try:
+        if no_follow:
+            rep = c.call(node, device, command, req, timeout=timeout)
+            print(json.dumps(json.loads(rep.raw), indent=2))
+            raise typer.Exit(0 if rep.ok else 1)
+        rep, result = run_job_with_progress(c, node, device, command, req, timeout, job_timeout)
+        print(json.dumps(result if result is not None else json.loads(rep.raw), indent=2))
+        ok = rep.ok and (result is None or bool(result.get("ok")))
+        raise typer.Exit(0 if ok else 1)
+    except TimeoutError as exc:
+        err_console.print(f"[red]robobus: {exc}[/red]")
+        raise typer.Exit(4) from None
+    finally:
+        c.close()
+
+
+def run_job_with_progress(c: RpcClient, node: str, device: str, command: str, req: dict[str, Any],
+                          timeout: float, job_timeout: float) -> tuple[Any, dict[str, Any] | None]:
+    """Call a command; if it starts a job, show a rich progress bar until its result event."""
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console,
+                  transient=False) as bar:
+        task = bar.add_task(f"{device} {command}", total=None, info="")
+
+        def on_progress(ev: dict[str, Any]) -> None:
+            total = ev.get("total") or None
+            info = ev.get("info") or {}
+            text = " ".join(f"{k}={v}" for k, v in list(info.items())[:4])
+            bar.update(task, description=f"{device} {ev.get('phase', '')}", total=total,
+                       completed=ev.get("done", 0), info=text)
+
+        rep, result = c.call_job(node, device, command, req, on_progress, timeout=job_timeout,
+                                 accept_timeout=timeout)
+        if result is None or "job_id" not in rep.result:
+            bar.remove_task(task)
+        elif result.get("ok"):
+            t = bar.tasks[0]
+            bar.update(task, completed=t.total or 1, total=t.total or 1, description=f"{device} done")
+    return rep, result
+
+
+@app.command()
+def watch(
+    topic_filter: Annotated[str, typer.Argument(help="MQTT topic filter, e.g. 'robobus/#'")] = "",
+    broker: Broker = None,
+    root: Root = None,
+    count: Annotated[int, typer.Option(help="Stop after this many messages (0 = never)")] = 0,
+    seconds: Annotated[float, typer.Option(help="Stop after this many seconds (0 = never)")] = 0.0,
+) -> None:
+    """Live view of messages under a topic filter."""
+    import threading
+
+    c = _client(broker, root)
+    filt = topic_filter or f"{c.root}/#"
+    seen = 0
+    done = threading.Event()
+
+    def on(msg: Any) -> None:
+        nonlocal seen
+        ctype = getattr(getattr(msg, "properties", None), "ContentType", None)
+        if ctype and not ctype.startswith("application/json"):
+            text = f"<{len(msg.payload)} bytes {ctype}>"
+        else:
+            try:
+                text = msg.payload.decode()
+            except UnicodeDecodeError:
+                text = f"<{len(msg.payload)} bytes>"
+        stamp = datetime.now().strftime("%H:%M:%S.%f")[:-3]
+        console.print(f"[dim]{stamp}[/] [cyan]{msg.topic}[/]{' [dim](retained)[/]' if msg.retain else ''} {text}",
+                      markup=True, highlight=False, soft_wrap=True)
+        seen += 1
+        if count and seen >= count:
+            done.set()
+
+    c.session.subscribe(filt, on, qos=0)
+    try:
+        done.wait(seconds or None)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        c.close()
+
+
+@app.command()
+def schema(
+    out: Annotated[Path, typer.Option(help="Output folder")] = Path("docs"),
+    check: Annotated[bool, typer.Option(help="Exit 1 if the files on disk are stale; write nothing")] = False,
+) -> None:
+    """Write the AsyncAPI 3.0 document and the JSON Schemas of every message."""
+    from shared.asyncapi import build_document, render_yaml, write_docs
+
+    if check:
+        current = (out / "asyncapi.yaml").read_text() if (out / "asyncapi.yaml").exists() else ""
+        if current != render_yaml(build_document()):
+            err_console.print(f"[red]{out}/asyncapi.yaml is stale: run `make schema`[/red]")
+            raise typer.Exit(1)
+        console.print(f"{out}/asyncapi.yaml is up to date")
+        return
+    paths = write_docs(out)
+    console.print(f"wrote {paths[0]} and {len(paths) - 1} JSON Schemas in {out}/schemas/")
+
+
+def _load_plugins() -> None:
+    """Sub-commands contributed by services (robobus flash, robobus can, ...)."""
+    specs: dict[str, str] = {}
+    try:
+        from services import SERVICE_CLIS
+
+        specs.update(SERVICE_CLIS)
+    except ImportError:
+        pass
+    for ep in entry_points(group="robobus.cli"):
+        specs.setdefault(ep.name, ep.value)
+    for name, spec in sorted(specs.items()):
+        mod, _, attr = spec.partition(":")
+        try:
+            obj = getattr(importlib.import_module(mod), attr or "app")
+        except ImportError as exc:  # a service whose extra is not installed
+            err = str(exc)
+
+            def missing(_err: str = err) -> None:
+                err_console.print(f"[red]robobus: this command needs a service extra: {_err}[/red]")
+                raise typer.Exit(2)
+            app.command(name=name, help=f"(unavailable: {err})")(missing)
+            continue
+        if isinstance(obj, typer.Typer):
+            app.add_typer(obj, name=name)
+        else:
+            app.command(name=name)(obj)
+
+
+def main() -> None:
+    _load_plugins()
+    app()
+
+
+if __name__ == "__main__":
+    main()

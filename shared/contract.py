@@ -1,0 +1,197 @@
+"""The declarative contract of a service: what it publishes and what it answers.
+
+A service declares its surface once, at import time, on a `ServiceAPI`; no broker, no hardware.
+The node binds handlers and publishes through these specs at run time, and the schema exporter
+reads the same specs to write the AsyncAPI document, so code and document cannot drift apart.
+
+    API = ServiceAPI("epuck-gateway", device_doc="one e-puck2 robot")
+    SENSORS = API.state("sensors", Sensors, rate_hz=50)
+    SET_SPEED = API.command("set_speed", SetSpeed, Ack)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from shared.messages import (
+    CancelReply,
+    CancelRequest,
+    JobAccepted,
+    JobProgress,
+    JobResult,
+)
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Topic segments must not hold MQTT wildcards or separators."""
+    if not NAME_RE.match(name):
+        raise ValueError(f"{kind} name {name!r} must match {NAME_RE.pattern} (no '/', '+', '#', spaces)")
+    return name
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """`{device}/state/{name}`: JSON state, rate-capped, latest value retained when `retain`."""
+
+    name: str
+    model: type[BaseModel]
+    rate_hz: float | None = None  # default cap; None = every update
+    retain: bool = True
+    qos: int = 0
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class BinarySpec:
+    """`{device}/state/{name}`: binary payload (e.g. JPEG) with an MQTT 5 Content Type."""
+
+    name: str
+    content_type: str
+    rate_hz: float | None = None
+    retain: bool = False
+    qos: int = 0
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """`{device}/event/{name}`: something happened (never retained)."""
+
+    name: str
+    model: type[BaseModel]
+    qos: int = 1
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """`{device}/cmd/{name}`: request with MQTT 5 Response Topic + Correlation Data, one reply."""
+
+    name: str
+    request: type[BaseModel]
+    reply: type[BaseModel]
+    doc: str = ""
+    # Synchronous handlers run on the command pool; the network loop never waits on them.
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A long command: replies at once with a job id, streams progress, ends with a result event."""
+
+    name: str
+    request: type[BaseModel]
+    result: type[BaseModel]
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A raw, high-rate channel outside the request/reply pattern (e.g. a CAN bridge lease).
+
+    `direction` is "in" (the node subscribes) or "out" (the node publishes). The topic is
+    `{root}/{node}/{device}/{kind}/{name}` where kind is "stream"."""
+
+    name: str
+    model: type[BaseModel]
+    direction: str
+    qos: int = 0
+    doc: str = ""
+
+
+JOB_PROGRESS = EventSpec("job_progress", JobProgress, doc="Progress of a running job")
+JOB_RESULT = EventSpec("job_result", JobResult, doc="The end of a job: its result or error")
+CANCEL = CommandSpec("cancel", CancelRequest, CancelReply, doc="Cancel one job, or every job of the device")
+
+
+@dataclass
+class ServiceAPI:
+    """Everything one service publishes and answers, per device."""
+
+    service: str
+    device_doc: str = "a device served by this node"
+    doc: str = ""
+    states: dict[str, StateSpec | BinarySpec] = field(default_factory=dict)
+    events: dict[str, EventSpec] = field(default_factory=dict)
+    commands: dict[str, CommandSpec] = field(default_factory=dict)
+    jobs: dict[str, JobSpec] = field(default_factory=dict)
+    streams: dict[str, StreamSpec] = field(default_factory=dict)
+
+    def _free(self, name: str, table: dict[str, object], kind: str) -> None:
+        check_name(kind, name)
+        if name in table:
+            raise ValueError(f"{self.service}: {kind} {name!r} declared twice")
+
+    def state(
+        self,
+        name: str,
+        model: type[BaseModel],
+        *,
+        rate_hz: float | None = None,
+        retain: bool = True,
+        qos: int = 0,
+        doc: str = "",
+    ) -> StateSpec:
+        self._free(name, self.states, "state")  # type: ignore[arg-type]
+        spec = StateSpec(name, model, rate_hz, retain, qos, doc or (model.__doc__ or "").strip())
+        self.states[name] = spec
+        return spec
+
+    def binary(
+        self,
+        name: str,
+        content_type: str,
+        *,
+        rate_hz: float | None = None,
+        retain: bool = False,
+        doc: str = "",
+    ) -> BinarySpec:
+        self._free(name, self.states, "state")  # type: ignore[arg-type]
+        spec = BinarySpec(name, content_type, rate_hz, retain, 0, doc)
+        self.states[name] = spec
+        return spec
+
+    def event(self, name: str, model: type[BaseModel], *, qos: int = 1, doc: str = "") -> EventSpec:
+        self._free(name, self.events, "event")  # type: ignore[arg-type]
+        spec = EventSpec(name, model, qos, doc or (model.__doc__ or "").strip())
+        self.events[name] = spec
+        return spec
+
+    def command(
+        self, name: str, request: type[BaseModel], reply: type[BaseModel], *, doc: str = ""
+    ) -> CommandSpec:
+        if name in self.jobs:
+            raise ValueError(f"{self.service}: command {name!r} already declared as a job")
+        self._free(name, self.commands, "command")  # type: ignore[arg-type]
+        spec = CommandSpec(name, request, reply, doc)
+        self.commands[name] = spec
+        return spec
+
+    def job(self, name: str, request: type[BaseModel], result: type[BaseModel], *, doc: str = "") -> JobSpec:
+        if name in self.commands:
+            raise ValueError(f"{self.service}: job {name!r} already declared as a command")
+        self._free(name, self.jobs, "job")  # type: ignore[arg-type]
+        spec = JobSpec(name, request, result, doc)
+        self.jobs[name] = spec
+        # Jobs bring the kit's job events and the cancel command with them.
+        self.events.setdefault(JOB_PROGRESS.name, JOB_PROGRESS)
+        self.events.setdefault(JOB_RESULT.name, JOB_RESULT)
+        self.commands.setdefault(CANCEL.name, CANCEL)
+        return spec
+
+    def stream(
+        self, name: str, model: type[BaseModel], direction: str, *, qos: int = 0, doc: str = ""
+    ) -> StreamSpec:
+        if direction not in ("in", "out"):
+            raise ValueError("stream direction must be 'in' or 'out'")
+        self._free(name, self.streams, "stream")  # type: ignore[arg-type]
+        spec = StreamSpec(name, model, direction, qos, doc or (model.__doc__ or "").strip())
+        self.streams[name] = spec
+        return spec
+
+    def job_accepted_model(self) -> type[BaseModel]:
+        return JobAccepted

@@ -1,0 +1,120 @@
+"""The kit's own messages: node status, device health, command replies, job events.
+
+Every service publishes these with the same shapes, so a dashboard written for one works for all."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.errors import ErrorCode
+
+
+class Status(BaseModel):
+    """`{root}/{node}/status`, retained. Birth on connect, Last Will (online=false) on death."""
+
+    model_config = ConfigDict(extra="forbid")
+    online: bool
+    node: str
+    service: str
+    version: str
+    ts: float = Field(description="Unix time (s) when this status was made")
+    session: int = Field(description="Counts connections of this process; pairs a birth with its death")
+    devices: list[str] = Field(default_factory=list)
+    pid: int | None = None
+    host: str | None = None
+    reason: str | None = Field(default=None, description="Why the node went offline (Will or shutdown)")
+
+
+class Health(BaseModel):
+    """`{root}/{node}/{device}/health`, retained; the ROI Health fields plus identity and time."""
+
+    model_config = ConfigDict(extra="forbid")
+    connection: bool = Field(description="The transport reaches the device")
+    operational: bool = Field(description="The device can do its job now")
+    state: str = Field(description="Short machine-readable state of the device, e.g. 'running'")
+    error: bool = Field(description="An error is present (see error_message)")
+    error_message: str = Field(default="", description="Human-readable health message (ROI Health MSG)")
+    service: str
+    node: str
+    device: str
+    version: str
+    ts: float
+    details: dict[str, Any] = Field(default_factory=dict, description="Service-specific extras")
+
+
+class ErrorInfo(BaseModel):
+    code: ErrorCode
+    message: str
+
+
+class OkReply(BaseModel):
+    ok: Literal[True] = True
+    result: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorReply(BaseModel):
+    ok: Literal[False] = False
+    error: ErrorInfo
+
+
+class Empty(BaseModel):
+    """A request or reply with no fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class JobAccepted(BaseModel):
+    """The immediate reply to a job command: the work goes on, its events carry this id."""
+
+    job_id: str
+    command: str
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    job_id: str | None = Field(default=None, description="Job to cancel; omit to cancel every job of the device")
+
+
+class CancelReply(BaseModel):
+    cancelled: list[str]
+
+
+class JobProgress(BaseModel):
+    """`event/job_progress`: streamed while a job runs."""
+
+    job_id: str
+    command: str
+    phase: str
+    done: float = 0.0
+    total: float = 0.0
+    info: dict[str, Any] = Field(default_factory=dict)
+    ts: float
+
+
+class JobResult(BaseModel):
+    """`event/job_result`: the one message that ends a job."""
+
+    job_id: str
+    command: str
+    ok: bool
+    cancelled: bool = False
+    result: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    duration_s: float
+    ts: float
+
+
+class NodeStats(BaseModel):
+    """`{root}/{node}/_node/state/stats`: what the kit itself counts."""
+
+    commands_ok: int
+    commands_failed: dict[str, int] = Field(description="Error replies by code")
+    jobs_running: int
+    published: int
+    publish_dropped: int = Field(description="Publishes refused while disconnected or over the queue limit")
+    decode_errors: int = Field(description="Bad bytes from devices, counted by services")
+    reconnects: int
+    uptime_s: float
+    ts: float

@@ -1,0 +1,220 @@
+"""MQTT 5 session on paho-mqtt 2.x, with the pitfalls of DESIGN.md handled once, here.
+
+- TCP_NODELAY on the socket (paho never sets it; without it a QoS 1 round trip costs ~88 ms).
+- Reconnect with capped exponential backoff (paho's own loop, fractional delays).
+- Subscriptions are remembered and made again in `on_connect` (paho 2.x forgets them).
+- Last Will registered before CONNECT; `on_connect` hooks publish the birth.
+- Callbacks must not block: the session only dispatches, callers hand slow work to threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from shared.settings import KitSettings
+
+log = logging.getLogger("robobus.mqtt")
+
+MessageHandler = Callable[[mqtt.MQTTMessage], None]
+
+
+@dataclass
+class Will:
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+def unique_client_id(prefix: str) -> str:
+    """Two clients with one id kick each other off forever: always add a random part."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in prefix)[:40]
+    return f"{safe}-{uuid.uuid4().hex[:10]}"
+
+
+def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # unix sockets, websockets wrapper
+        pass
+
+
+class MqttSession:
+    """One paho client with remembered subscriptions and connect hooks."""
+
+    def __init__(self, settings: KitSettings, client_id: str, will: Will | None = None) -> None:
+        self.settings = settings
+        self.client_id = client_id
+        self.connected = threading.Event()
+        self.reconnects = 0
+        self.dropped = 0
+        self._subs: dict[str, tuple[int, MessageHandler]] = {}
+        self._connect_hooks: list[Callable[[], None]] = []
+        self._disconnect_hooks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._ever_connected = False
+        self._closing = False
+
+        c = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            protocol=mqtt.MQTTv5,
+        )
+        c.on_socket_open = _nodelay
+        c.on_connect = self._on_connect
+        c.on_disconnect = self._on_disconnect
+        c.on_message = self._on_message
+        c.max_inflight_messages_set(1000)
+        c.max_queued_messages_set(settings.mqtt_max_queued)
+        c.reconnect_delay_set(settings.mqtt_reconnect_min_s, settings.mqtt_reconnect_max_s)  # type: ignore[arg-type]
+        broker = settings.broker()
+        if broker.username:
+            c.username_pw_set(broker.username, broker.password)
+        if broker.tls:
+            c.tls_set(
+                ca_certs=str(settings.mqtt_tls_ca) if settings.mqtt_tls_ca else None,
+                certfile=str(settings.mqtt_tls_cert) if settings.mqtt_tls_cert else None,
+                keyfile=str(settings.mqtt_tls_key) if settings.mqtt_tls_key else None,
+                cert_reqs=ssl.CERT_REQUIRED,
+            )
+            c.tls_insecure_set(settings.mqtt_tls_insecure)
+        if will is not None:
+            c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        self.client = c
+        self.broker = broker
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect in the background; paho's thread reconnects for as long as we run."""
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        props.SessionExpiryInterval = 0
+        self.client.connect_async(
+            self.broker.host, self.broker.port, keepalive=self.settings.mqtt_keepalive_s, properties=props
+        )
+        self.client.loop_start()
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self.connected.wait(timeout)
+
+    def stop(self) -> None:
+        self._closing = True
+        try:
+            self.client.disconnect()
+        finally:
+            self.client.loop_stop()
+
+    def on_connect(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on every (re)connect, after subscriptions are restored (e.g. publish a birth)."""
+        self._connect_hooks.append(fn)
+
+    def on_disconnect(self, fn: Callable[[], None]) -> None:
+        self._disconnect_hooks.append(fn)
+
+    # -- pub/sub -----------------------------------------------------------------------------
+    def subscribe(self, topic: str, handler: MessageHandler, qos: int = 1) -> None:
+        with self._lock:
+            self._subs[topic] = (qos, handler)
+        if self.connected.is_set():
+            self.client.subscribe(topic, qos=qos)
+
+    def unsubscribe(self, topic: str) -> None:
+        with self._lock:
+            self._subs.pop(topic, None)
+        if self.connected.is_set():
+            self.client.unsubscribe(topic)
+
+    def publish(
+        self,
+        topic: str,
+        payload: bytes | str,
+        *,
+        qos: int = 0,
+        retain: bool = False,
+        properties: Properties | None = None,
+    ) -> bool:
+        """Publish; False (and counted) when paho refused it, e.g. QoS 0 while disconnected."""
+        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            self.dropped += 1
+            return False
+        return True
+
+    def publish_wait(self, topic: str, payload: bytes | str, *, qos: int = 1, retain: bool = False,
+                     timeout: float = 2.0) -> bool:
+        """Publish and wait until the broker has it (used for the offline status at shutdown)."""
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            return False
+        try:
+            info.wait_for_publish(timeout)
+        except (RuntimeError, ValueError):
+            return False
+        return info.is_published()
+
+    # -- paho callbacks (network thread: never block here) ------------------------------------
+    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode,
+                    properties: Properties | None = None) -> None:
+        if rc.is_failure:
+            log.warning("broker refused connection", extra={"reason": str(rc)})
+            return
+        if self._ever_connected:
+            self.reconnects += 1
+        self._ever_connected = True
+        with self._lock:
+            subs = list(self._subs.items())
+        for topic, (qos, _) in subs:
+            client.subscribe(topic, qos=qos)
+        self.connected.set()
+        log.info("connected", extra={"broker": f"{self.broker.host}:{self.broker.port}",
+                                     "client_id": self.client_id})
+        for hook in self._connect_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("connect hook failed")
+
+    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode,
+                       properties: Properties | None = None) -> None:
+        was = self.connected.is_set()
+        self.connected.clear()
+        if was and not self._closing:
+            log.warning("disconnected from broker; reconnecting", extra={"reason": str(rc)})
+        for hook in self._disconnect_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("disconnect hook failed")
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        with self._lock:
+            handlers = [h for t, (_, h) in self._subs.items() if mqtt.topic_matches_sub(t, msg.topic)]
+        for h in handlers:
+            try:
+                h(msg)
+            except Exception:
+                log.exception("message handler failed", extra={"topic": msg.topic})
+
+
+def reply_properties(response_topic: str | None = None, correlation: bytes | None = None,
+                     content_type: str | None = None) -> Properties:
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    if response_topic:
+        props.ResponseTopic = response_topic
+    if correlation is not None:
+        props.CorrelationData = correlation
+    if content_type:
+        props.ContentType = content_type
+    return props

@@ -1,0 +1,203 @@
+"""Client side of the contract: call commands, follow jobs, read retained status and health.
+
+Used by the CLI, the tests, the benchmarks and by services that talk to another node
+(can-bootloader leasing ethercat-loop's CAN bridge)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from shared.mqtt import MqttSession, reply_properties, unique_client_id
+from shared.settings import KitSettings
+
+
+class RpcError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Reply:
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: dict[str, Any] | None = None
+    raw: bytes = b""
+
+    def unwrap(self) -> dict[str, Any]:
+        if not self.ok:
+            err = self.error or {}
+            raise RpcError(str(err.get("code", "internal")), str(err.get("message", "")))
+        return self.result
+
+
+class RpcClient:
+    """A connected MQTT client that can call `{root}/{node}/{device}/cmd/{name}`."""
+
+    def __init__(self, settings: KitSettings | None = None, name: str = "robobus-client") -> None:
+        self.settings = settings or KitSettings()
+        self.root = self.settings.topic_root
+        self.session = MqttSession(self.settings, unique_client_id(name))
+        self.reply_topic = f"{self.root}/_client/{self.session.client_id}/reply"
+        self._pending: dict[bytes, queue.Queue[Reply]] = {}
+        self._lock = threading.Lock()
+        self.session.subscribe(self.reply_topic, self._on_reply, qos=1)
+
+    def __enter__(self) -> RpcClient:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connect(self, timeout: float = 10.0) -> None:
+        self.session.start()
+        if not self.session.wait_connected(timeout):
+            self.session.stop()
+            b = self.session.broker
+            raise ConnectionError(f"no MQTT broker at {b.host}:{b.port} after {timeout:.0f} s")
+        # The SUBACK for the reply topic must be in before the first request goes out.
+        self._settle()
+
+    def _settle(self) -> None:
+        probe = self.reply_topic
+        corr = b"__settle__"
+        with self._lock:
+            q: queue.Queue[Reply] = queue.Queue()
+            self._pending[corr] = q
+        self.session.publish(probe, b'{"ok":true,"result":{}}', qos=1,
+                             properties=reply_properties(None, corr))
+        try:
+            q.get(timeout=5.0)
+        except queue.Empty:
+            pass
+        finally:
+            with self._lock:
+                self._pending.pop(corr, None)
+
+    def close(self) -> None:
+        self.session.stop()
+
+    def _on_reply(self, msg: mqtt.MQTTMessage) -> None:
+        corr = getattr(getattr(msg, "properties", None), "CorrelationData", None)
+        with self._lock:
+            q = self._pending.get(bytes(corr)) if corr is not None else None
+        if q is None:
+            return
+        try:
+            data = json.loads(msg.payload)
+            rep = Reply(ok=bool(data.get("ok")), result=data.get("result") or {}, error=data.get("error"),
+                        raw=bytes(msg.payload))
+        except (ValueError, AttributeError):
+            rep = Reply(ok=False, error={"code": "internal", "message": "unparseable reply"},
+                        raw=bytes(msg.payload))
+        q.put(rep)
+
+    def topic(self, node: str, device: str, kind: str, name: str) -> str:
+        return f"{self.root}/{node}/{device}/{kind}/{name}"
+
+    def call(self, node: str, device: str, command: str, payload: dict[str, Any] | bytes | str | None = None,
+             timeout: float = 10.0) -> Reply:
+        """Send one request and wait for its reply (TimeoutError if none comes)."""
+        corr = uuid.uuid4().bytes
+        q: queue.Queue[Reply] = queue.Queue(maxsize=1)
+        with self._lock:
+            self._pending[corr] = q
+        if payload is None:
+            body: bytes | str = b"{}"
+        elif isinstance(payload, dict):
+            body = json.dumps(payload)
+        else:
+            body = payload
+        try:
+            self.session.publish(self.topic(node, device, "cmd", command), body, qos=1,
+                                 properties=reply_properties(self.reply_topic, corr, "application/json"))
+            try:
+                return q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no reply from {node}/{device} to {command} within {timeout} s") from None
+        finally:
+            with self._lock:
+                self._pending.pop(corr, None)
+
+    def collect(self, topic_filter: str, duration: float, until: Callable[[str, bytes], bool] | None = None
+                ) -> list[tuple[str, bytes, bool]]:
+        """Subscribe, gather (topic, payload, retained) for `duration` s or until `until` says so."""
+        out: list[tuple[str, bytes, bool]] = []
+        done = threading.Event()
+
+        def on(msg: mqtt.MQTTMessage) -> None:
+            out.append((msg.topic, bytes(msg.payload), bool(msg.retain)))
+            if until is not None and until(msg.topic, bytes(msg.payload)):
+                done.set()
+
+        self.session.subscribe(topic_filter, on, qos=1)
+        done.wait(duration)
+        self.session.unsubscribe(topic_filter)
+        return out
+
+    def call_job(self, node: str, device: str, command: str, payload: dict[str, Any] | None,
+                 on_progress: Callable[[dict[str, Any]], None], timeout: float = 3600.0,
+                 accept_timeout: float = 10.0) -> tuple[Reply, dict[str, Any] | None]:
+        """Start a job and wait for its result event, feeding progress events to `on_progress`.
+        Subscribes to the device's events before the request, so no event can be missed.
+        Returns (the immediate reply, the result event or None when the job was refused)."""
+        events: queue.Queue[dict[str, Any]] = queue.Queue()
+
+        def on(msg: mqtt.MQTTMessage) -> None:
+            try:
+                data = json.loads(msg.payload)
+            except ValueError:
+                return
+            if isinstance(data, dict) and "job_id" in data:
+                data["_kind"] = msg.topic.rsplit("/", 1)[-1]
+                events.put(data)
+
+        filt = f"{self.root}/{node}/{device}/event/+"
+        self.subscribe_before(filt, on)
+        try:
+            rep = self.call(node, device, command, payload, timeout=accept_timeout)
+            if not rep.ok:
+                return rep, None
+            job_id = rep.result.get("job_id")
+            end = time.monotonic() + timeout
+            while True:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"job {job_id} gave no result within {timeout} s")
+                try:
+                    ev = events.get(timeout=left)
+                except queue.Empty:
+                    continue
+                if ev.get("job_id") != job_id:
+                    continue
+                kind = ev.pop("_kind")
+                if kind == "job_result":
+                    return rep, ev
+                on_progress(ev)
+        finally:
+            self.session.unsubscribe(filt)
+
+    def subscribe_before(self, topic_filter: str, handler: Callable[[mqtt.MQTTMessage], None]) -> None:
+        """Subscribe and wait until the broker has the subscription (so nothing after is missed)."""
+        self.session.subscribe(topic_filter, handler, qos=1)
+        self._settle()
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

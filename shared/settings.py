@@ -1,0 +1,193 @@
+"""Settings: `ROBOBUS_*` environment variables over an optional config file, validated by pydantic.
+
+A service subclasses `KitSettings` with its own fields. `load_settings` turns a validation error
+into one clear line naming the field and exits with status 2, before anything connects."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from shared.contract import NAME_RE
+
+CONFIG_ENV = "ROBOBUS_CONFIG"
+
+
+class BrokerAddress(BaseModel):
+    scheme: str
+    host: str
+    port: int
+    username: str | None
+    password: str | None
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme in ("mqtts", "ssl")
+
+
+class KitSettings(BaseSettings):
+    """What every node needs. Environment: ROBOBUS_<FIELD>; file: ROBOBUS_CONFIG=path (.toml/.yaml/.json)."""
+
+    model_config = SettingsConfigDict(env_prefix="ROBOBUS_", extra="ignore", validate_default=True)
+
+    mqtt_url: str = Field(
+        "mqtt://127.0.0.1:1883", description="Broker URL: mqtt://[user:pass@]host[:port] or mqtts://..."
+    )
+    mqtt_username: str | None = Field(None, description="Overrides the URL's user")
+    mqtt_password: str | None = Field(None, description="Overrides the URL's password")
+    mqtt_tls_ca: Path | None = Field(None, description="CA bundle for mqtts:// (system CAs when unset)")
+    mqtt_tls_cert: Path | None = Field(None, description="Client certificate (mutual TLS)")
+    mqtt_tls_key: Path | None = Field(None, description="Client key (mutual TLS)")
+    mqtt_tls_insecure: bool = Field(False, description="Skip host name checks (test brokers only)")
+    mqtt_keepalive_s: int = Field(15, ge=5, le=3600)
+    mqtt_reconnect_min_s: float = Field(0.1, gt=0, le=60)
+    mqtt_reconnect_max_s: float = Field(2.0, gt=0, le=600, description="Cap of the reconnect backoff")
+    mqtt_max_queued: int = Field(10000, ge=10, description="QoS>0 messages kept while disconnected")
+    topic_root: str = Field("robobus", description="First topic level; a fleet may use site/host here")
+    node: str | None = Field(None, description="Node name (topic level 2); defaults to the service name")
+    health_interval_s: float = Field(5.0, gt=0, le=3600, description="Health heartbeat period")
+    command_workers: int = Field(16, ge=1, le=256, description="Threads running command handlers")
+    state_rates: dict[str, float] = Field(
+        default_factory=dict, description="Per-state rate caps in Hz, e.g. {\"joints\": 200}"
+    )
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
+    log_json: bool = Field(False, description="One JSON object per log line")
+
+    @field_validator("topic_root")
+    @classmethod
+    def _root(cls, v: str) -> str:
+        parts = v.split("/")
+        if not v or any(not NAME_RE.match(p) for p in parts):
+            raise ValueError("topic_root must be one or more '/'-separated names without wildcards")
+        return v
+
+    @field_validator("node")
+    @classmethod
+    def _node(cls, v: str | None) -> str | None:
+        if v is not None and not NAME_RE.match(v):
+            raise ValueError("node must be a single topic level: letters, digits, '_', '-', '.'")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.upper()
+        if v not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError("log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return v
+
+    @field_validator("mqtt_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parse_broker_url(v)
+        return v
+
+    @field_validator("state_rates")
+    @classmethod
+    def _rates(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, hz in v.items():
+            if hz <= 0:
+                raise ValueError(f"rate for {k!r} must be > 0 Hz")
+        return v
+
+    def broker(self) -> BrokerAddress:
+        b = parse_broker_url(self.mqtt_url)
+        if self.mqtt_username is not None:
+            b.username = self.mqtt_username
+        if self.mqtt_password is not None:
+            b.password = self.mqtt_password
+        return b
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get(CONFIG_ENV)
+        if path:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigFileError(f"{CONFIG_ENV}={path}: no such file")
+            suffix = p.suffix.lower()
+            if suffix == ".toml":
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=p))
+            elif suffix in (".yaml", ".yml"):
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=p))
+            elif suffix == ".json":
+                sources.append(JsonConfigSettingsSource(settings_cls, json_file=p))
+            else:
+                raise ConfigFileError(f"{CONFIG_ENV}={path}: use a .toml, .yaml or .json file")
+        return tuple(sources)
+
+
+class ConfigFileError(ValueError):
+    pass
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    if parts.scheme not in ("mqtt", "tcp", "mqtts", "ssl"):
+        raise ValueError(f"unsupported broker scheme {parts.scheme!r} (use mqtt:// or mqtts://)")
+    if not parts.hostname:
+        raise ValueError("broker URL has no host")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"broker URL port: {exc}") from None
+    tls = parts.scheme in ("mqtts", "ssl")
+    return BrokerAddress(
+        scheme=parts.scheme,
+        host=parts.hostname,
+        port=port or (8883 if tls else 1883),
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )
+
+
+S = TypeVar("S", bound=KitSettings)
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "ROBOBUS_") -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "settings"
+        env = prefix + str(err["loc"][0]).upper() if err["loc"] else ""
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        lines.append(f"invalid setting {field} [{env}]: {err['msg']}{shown}")
+    return "; ".join(lines)
+
+
+def load_settings(cls: type[S], **overrides: Any) -> S:
+    """Build settings or stop the process with one clear message naming the field."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        print(f"robobus: {format_validation_error(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ConfigFileError as exc:
+        print(f"robobus: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def hostname() -> str:
+    return socket.gethostname()

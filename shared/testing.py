@@ -1,0 +1,188 @@
+"""Test helpers every service's tests share: a real mosquitto on a free loopback port, nodes run
+in subprocesses or threads, and the contract validator. Loaded as a pytest plugin by tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.rpc import RpcClient
+from shared.settings import KitSettings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mosquitto_bin() -> str | None:
+    return shutil.which("mosquitto") or (
+        "/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
+
+
+@dataclass
+class Broker:
+    """A real mosquitto on 127.0.0.1:<port>; `restart()` kills it hard and starts it again."""
+
+    port: int
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        conf = self.workdir / "mosquitto.conf"
+        conf.write_text(
+            "per_listener_settings false\nallow_anonymous true\npersistence false\n"
+            "set_tcp_nodelay true\nmax_queued_messages 100000\nmax_inflight_messages 0\n"
+            f"listener {self.port} 127.0.0.1\n"
+        )
+        exe = mosquitto_bin()
+        assert exe, "mosquitto is not installed (make test installs it)"
+        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"mosquitto did not listen on {self.port}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def restart(self, down_s: float = 0.3) -> None:
+        self.kill()
+        time.sleep(down_s)
+        self.start()
+
+    def settings(self, **kw: Any) -> KitSettings:
+        return KitSettings(mqtt_url=self.url, **kw)
+
+
+@pytest.fixture(scope="session")
+def broker_session() -> Iterator[Broker]:
+    if mosquitto_bin() is None:
+        pytest.skip("mosquitto is not installed (run `make test`, which installs it)")
+    with tempfile.TemporaryDirectory(prefix="robobus-broker-") as d:
+        b = Broker(free_port(), Path(d))
+        b.start()
+        yield b
+        b.kill()
+
+
+@pytest.fixture
+def broker() -> Iterator[Broker]:
+    """A broker of the test's own, for tests that kill or restart it."""
+    if mosquitto_bin() is None:
+        pytest.skip("mosquitto is not installed (run `make test`, which installs it)")
+    with tempfile.TemporaryDirectory(prefix="robobus-broker-") as d:
+        b = Broker(free_port(), Path(d))
+        b.start()
+        yield b
+        b.kill()
+
+
+@pytest.fixture
+def client(broker_session: Broker) -> Iterator[RpcClient]:
+    c = RpcClient(broker_session.settings(), name="test-client")
+    c.connect()
+    yield c
+    c.close()
+
+
+class NodeProcess:
+    """A service node in its own process (python -m ...), for kill -9, SIGTERM and isolation tests."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, *args], env=full_env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line.decode(errors="replace").rstrip())
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._reader.join(2)
+        return int(self.proc.returncode)
+
+    def text(self) -> str:
+        return "\n".join(self.output)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Any]:
+    """spawn(args, env) -> NodeProcess; every process is stopped at the end of the test."""
+    procs: list[NodeProcess] = []
+
+    def _spawn(args: list[str], env: dict[str, str] | None = None) -> NodeProcess:
+        p = NodeProcess(args, env or {})
+        procs.append(p)
+        return p
+
+    yield _spawn
+    for p in procs:
+        if p.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.proc.pid, signal.SIGKILL)
+            p.proc.wait(5)
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def can_netns() -> str | None:
+    """None if network namespaces and veth pairs can be made here, else the reason."""
+    if not is_root():
+        return "needs root (network namespaces, raw sockets)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (`ip`)"
+    name = f"rbprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
