@@ -170,7 +170,7 @@ def run_job_with_progress(c: RpcClient, node: str, device: str, command: str, re
 
         rep, result = c.call_job(node, device, command, req, on_progress, timeout=job_timeout,
                                  accept_timeout=timeout)
-        if result is None or "job_id" not in rep.result:
+        if result is None:
             bar.remove_task(task)
         elif result.get("ok"):
             t = bar.tasks[0]

@@ -59,6 +59,8 @@ class MqttSession:
         self.settings = settings
         self.client_id = client_id
         self.connected = threading.Event()
+        self.ready = threading.Event()  # connected AND the broker acknowledged every subscription
+        self._pending_subacks: set[int] = set()
         self.reconnects = 0
         self.dropped = 0
         self._subs: dict[str, tuple[int, MessageHandler]] = {}
@@ -77,6 +79,7 @@ class MqttSession:
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
+        c.on_subscribe = self._on_subscribe
         c.max_inflight_messages_set(1000)
         c.max_queued_messages_set(settings.mqtt_max_queued)
         c.reconnect_delay_set(settings.mqtt_reconnect_min_s, settings.mqtt_reconnect_max_s)  # type: ignore[arg-type]
@@ -109,6 +112,10 @@ class MqttSession:
     def wait_connected(self, timeout: float) -> bool:
         return self.connected.wait(timeout)
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Connected, and every subscription made so far is acknowledged by the broker."""
+        return self.ready.wait(timeout)
+
     def stop(self) -> None:
         self._closing = True
         try:
@@ -127,8 +134,11 @@ class MqttSession:
     def subscribe(self, topic: str, handler: MessageHandler, qos: int = 1) -> None:
         with self._lock:
             self._subs[topic] = (qos, handler)
-        if self.connected.is_set():
-            self.client.subscribe(topic, qos=qos)
+            if self.connected.is_set():
+                rc, mid = self.client.subscribe(topic, qos=qos)
+                if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
+                    self._pending_subacks.add(mid)
+                    self.ready.clear()
 
     def unsubscribe(self, topic: str) -> None:
         with self._lock:
@@ -175,8 +185,13 @@ class MqttSession:
         self._ever_connected = True
         with self._lock:
             subs = list(self._subs.items())
-        for topic, (qos, _) in subs:
-            client.subscribe(topic, qos=qos)
+            self._pending_subacks.clear()
+            for topic, (qos, _) in subs:
+                rc, mid = client.subscribe(topic, qos=qos)
+                if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
+                    self._pending_subacks.add(mid)
+            if not self._pending_subacks:
+                self.ready.set()
         self.connected.set()
         log.info("connected", extra={"broker": f"{self.broker.host}:{self.broker.port}",
                                      "client_id": self.client_id})
@@ -190,6 +205,7 @@ class MqttSession:
                        properties: Properties | None = None) -> None:
         was = self.connected.is_set()
         self.connected.clear()
+        self.ready.clear()
         if was and not self._closing:
             log.warning("disconnected from broker; reconnecting", extra={"reason": str(rc)})
         for hook in self._disconnect_hooks:
@@ -197,6 +213,13 @@ class MqttSession:
                 hook()
             except Exception:
                 log.exception("disconnect hook failed")
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any,
+                      properties: Properties | None = None) -> None:
+        with self._lock:
+            self._pending_subacks.discard(mid)
+            if not self._pending_subacks and self.connected.is_set():
+                self.ready.set()
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
         with self._lock:

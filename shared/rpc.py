@@ -167,9 +167,9 @@ class RpcClient:
         self.subscribe_before(filt, on)
         try:
             rep = self.call(node, device, command, payload, timeout=accept_timeout)
-            if not rep.ok:
+            if not rep.ok or not is_job_accepted(rep.result, command):
                 return rep, None
-            job_id = rep.result.get("job_id")
+            job_id = rep.result["job_id"]
             end = time.monotonic() + timeout
             while True:
                 left = end - time.monotonic()
@@ -192,6 +192,11 @@ class RpcClient:
         """Subscribe and wait until the broker has the subscription (so nothing after is missed)."""
         self.session.subscribe(topic_filter, handler, qos=1)
         self._settle()
+
+
+def is_job_accepted(result: dict[str, Any], command: str) -> bool:
+    """A job command's immediate reply is exactly {job_id, command}."""
+    return set(result) == {"job_id", "command"} and result.get("command") == command
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:

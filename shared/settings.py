@@ -18,6 +18,7 @@ from pydantic_settings import (
     JsonConfigSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
@@ -184,8 +185,9 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
     except ValidationError as exc:
         print(f"robobus: {format_validation_error(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
-    except ConfigFileError as exc:
-        print(f"robobus: {exc}", file=sys.stderr)
+    except (ConfigFileError, SettingsError) as exc:
+        # SettingsError: a complex field (list/dict) whose environment value is not JSON
+        print(f"robobus: invalid setting: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

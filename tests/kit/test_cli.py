@@ -1,0 +1,66 @@
+"""The robobus CLI against a real broker and a real node."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from shared import Node
+from shared.testing import Broker
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def robobus(broker: Broker, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROBOBUS_MQTT_URL": broker.url, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60, input=stdin)
+
+
+def test_call_ok_and_error_exit_codes(broker_session: Broker, echo_node: Node) -> None:
+    ok = robobus(broker_session, "call", f"{echo_node.name}/dev1", "echo", '{"text": "cli"}')
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout) == {"ok": True, "result": {"text": "cli", "count": 1}}
+    bad = robobus(broker_session, "call", f"{echo_node.name}/dev1", "echo", '{"count": 99}')
+    assert bad.returncode == 1
+    assert json.loads(bad.stdout)["error"]["code"] == "invalid_request"
+    notjson = robobus(broker_session, "call", f"{echo_node.name}/dev1", "echo", "{oops")
+    assert notjson.returncode == 2 and "not JSON" in notjson.stderr
+
+
+def test_call_follows_a_job_to_its_result(broker_session: Broker, echo_node: Node) -> None:
+    r = robobus(broker_session, "call", f"{echo_node.name}/dev1", "count", '{"n": 20, "delay_s": 0.01}')
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["result"] == {"counted": 20}
+    assert "done" in r.stderr  # the progress bar's last state
+
+
+def test_status_table_and_json(broker_session: Broker, echo_node: Node) -> None:
+    r = robobus(broker_session, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["nodes"][echo_node.name]["online"] is True
+    assert data["health"][f"{echo_node.name}/dev1"]["state"] == "running"
+    t = robobus(broker_session, "status")
+    assert echo_node.name in t.stdout and "running" in t.stdout
+
+
+def test_watch_prints_live_messages(broker_session: Broker, echo_node: Node) -> None:
+    r = robobus(broker_session, "watch", f"robobus/{echo_node.name}/dev1/state/#", "--count", "3",
+                "--seconds", "10")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("state/counter") >= 3
+
+
+def test_schema_check(tmp_path: Path) -> None:
+    env = {**os.environ}
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "schema", "--out", str(tmp_path)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "asyncapi.yaml").exists() and list((tmp_path / "schemas").glob("*.json"))
+    c = subprocess.run([sys.executable, "-m", "shared.cli", "schema", "--out", str(tmp_path), "--check"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert c.returncode == 0

@@ -1,0 +1,89 @@
+"""Jobs (accept, progress, result, cancel, busy) and rate-capped, retained state."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from pydantic import BaseModel
+
+from shared import Node, ServiceAPI
+from shared.rpc import RpcClient, wait_for
+from shared.testing import Broker
+
+
+def test_job_progress_and_result(echo_node: Node, client: RpcClient) -> None:
+    progress: list[dict] = []
+    rep, result = client.call_job(echo_node.name, "dev1", "count", {"n": 30, "delay_s": 0.01}, progress.append)
+    assert rep.ok and "job_id" in rep.result
+    assert result is not None and result["ok"] and result["result"] == {"counted": 30}
+    assert progress and all(p["job_id"] == rep.result["job_id"] for p in progress)
+    assert progress[-1]["done"] <= 30 and progress[0]["phase"] == "counting"
+
+
+def test_job_cancel_and_busy(echo_node: Node, client: RpcClient) -> None:
+    out: dict = {}
+
+    def run() -> None:
+        out["rep"], out["result"] = client.call_job(echo_node.name, "dev1", "count",
+                                                    {"n": 10000, "delay_s": 0.01}, lambda e: None)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert wait_for(lambda: bool(echo_node.devices["dev1"].running_jobs()), 5)
+    busy = client.call(echo_node.name, "dev1", "count", {"n": 1})
+    assert not busy.ok and busy.error and busy.error["code"] == "busy"
+    job_id = echo_node.devices["dev1"].running_jobs()[0]
+    cancel = client.call(echo_node.name, "dev1", "cancel", {"job_id": job_id})
+    assert cancel.ok and cancel.result == {"cancelled": [job_id]}
+    t.join(10)
+    assert out["result"]["cancelled"] is True and out["result"]["ok"] is False
+    missing = client.call(echo_node.name, "dev1", "cancel", {"job_id": "nope"})
+    assert not missing.ok and missing.error and missing.error["code"] == "not_found"
+
+
+class Reading(BaseModel):
+    value: int
+
+
+RATE_API = ServiceAPI("rate-test")
+READING = RATE_API.state("reading", Reading, rate_hz=10)
+
+
+def test_rate_cap_keeps_the_newest_and_retains_it(broker_session: Broker, client: RpcClient) -> None:
+    node = Node(RATE_API, broker_session.settings(node="rate1"))
+    dev = node.device("d")
+    node.start()
+    assert node.session.wait_ready(10)
+    got: list[int] = []
+    client.subscribe_before("robobus/rate1/d/state/reading", lambda m: got.append(json.loads(m.payload)["value"]))
+    try:
+        for i in range(2000):  # far faster than 10 Hz
+            dev.publish(READING, Reading(value=i))
+        assert wait_for(lambda: bool(got) and got[-1] == 1999, 3), got
+        assert len(got) <= 3, f"rate cap let {len(got)} through a burst"
+        retained = client.collect("robobus/rate1/d/state/reading", 2, until=lambda t, p: True)
+        assert retained and json.loads(retained[-1][1]) == {"value": 1999} and retained[-1][2]
+    finally:
+        node.stop()
+
+
+def test_state_rates_setting_overrides_the_cap(broker_session: Broker) -> None:
+    node = Node(RATE_API, broker_session.settings(node="rate2", state_rates={"reading": 1000}))
+    slot = node.device("d")._slot(READING)
+    assert abs(slot.interval - 0.001) < 1e-9
+    node.stop()
+
+
+def test_health_heartbeat_and_change(echo_node: Node, client: RpcClient) -> None:
+    topic = f"robobus/{echo_node.name}/dev1/health"
+    seen: list[dict] = []
+    client.subscribe_before(topic, lambda m: seen.append(json.loads(m.payload)))
+    assert wait_for(lambda: len(seen) >= 2, 3)  # retained copy + heartbeat at 0.5 s
+    echo_node.devices["dev1"].set_health(error=True, error_message="overheated")
+    assert wait_for(lambda: seen[-1]["error_message"] == "overheated", 2)
+    h = seen[-1]
+    assert {"connection", "operational", "state", "error", "error_message", "service", "node", "device",
+            "version", "ts"} <= set(h)
+    assert time.time() - h["ts"] < 5
