@@ -1,0 +1,33 @@
+"""Camera frames: RGB565 from the robot to Pillow images, JPEG and PNG. CPU work, no I/O."""
+
+from __future__ import annotations
+
+import io
+from array import array
+
+from PIL import Image
+
+from services.epuck_gateway.protocol import IMAGE_HEIGHT, IMAGE_SIZE, IMAGE_WIDTH, ProtocolError
+
+
+def rgb565_image(data: bytes) -> Image.Image:
+    """The robot's 565 words are big-endian; Pillow's "BGR;16" unpacker reads little-endian words
+    with red in the high bits, so swap the bytes of each word and let Pillow's C code expand them."""
+    if len(data) != IMAGE_SIZE:
+        raise ProtocolError(f"an image is {IMAGE_SIZE} bytes, got {len(data)}")
+    words = array("H")
+    words.frombytes(data)
+    words.byteswap()
+    return Image.frombytes("RGB", (IMAGE_WIDTH, IMAGE_HEIGHT), words.tobytes(), "raw", "BGR;16")
+
+
+def to_jpeg(data: bytes, quality: int) -> bytes:
+    out = io.BytesIO()
+    rgb565_image(data).save(out, "JPEG", quality=quality)
+    return out.getvalue()
+
+
+def to_png(data: bytes) -> bytes:
+    out = io.BytesIO()
+    rgb565_image(data).save(out, "PNG")
+    return out.getvalue()
