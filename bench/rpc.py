@@ -93,7 +93,7 @@ def serve_bare(url: str, topic: str) -> None:
 # -- clients -----------------------------------------------------------------------------------
 def pct(xs: list[float], p: float) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def kit_round_trips(c: RpcClient, n: int) -> list[float]:
