@@ -1,0 +1,532 @@
+"""The flashing state machine, sans-I/O: frames in, frames and events out, time passed in.
+
+A driver (transport.py, the tests, the benchmark) loops:
+
+    frames = flasher.poll(now)          # send these
+    flasher.receive(frame, now)         # for every frame the bus delivers
+    flasher.tick(now)                   # timeouts; call at flasher.deadline() at the latest
+    flasher.events()                    # phase changes, rewinds, warnings, the final result
+
+The sequence is the original SimpleMotorFlasher's (reference §4): magic packet, erase, per 32-byte block
+WRITE_FLASH_ADDRESS + 4 × WRITE_FLASH_DATA, read-back of the whole image 8 bytes at a time, reset; then
+(robobus addition, seed 000 "BEWARE") a second magic packet proves the new firmware is bootloader-aware.
+Differences from the original, each deliberate:
+- every retry is bounded and configurable (the original retried ERASE, WRITE_ADDRESS and RESET forever);
+- the dummy frame (id 0, length 0) the original sent first is not sent: its own code questioned it
+  ("@todo") and the bootloader ignores it;
+- 32-byte blocks that are all 0xFF are not written (ERASE left them so) but are verified;
+- up to `window` frames are in flight. ACKs come back in order (one bus, one bootloader that handles one
+  frame at a time), so the oldest unanswered frame is the one an ACK must match. A missing ACK (timeout, or
+  the ACK of a later frame arriving first) rewinds to the start of its 32-byte block, as the original did on
+  a WRITE_DATA timeout: WRITE_FLASH_ADDRESS resets the bootloader's `position`, and rewriting a block with
+  the same bytes is harmless (flash programming only clears bits). Before resending, the flasher waits
+  `drain_s` and ignores everything, so stale ACKs of the abandoned window cannot be taken for new ones;
+- a read-back mismatch is retried (up to `read_retries` per chunk, the original's max_retry = 20),
+  re-reading the last `window` chunks (READ answers carry no address, only their order ties them to a
+  request); if the flash really holds other bytes, the whole flash restarts from ERASE (`restarts` times).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from services.can_bootloader import protocol as p
+from services.can_bootloader.image import CHUNK, FlashImage
+
+
+class Phase(StrEnum):
+    IDLE = "idle"
+    MAGIC = "magic"
+    ERASE = "erase"
+    WRITE = "write"
+    VERIFY = "verify"
+    RESET = "reset"
+    CHECK = "check"  # post-reset magic packet: is the new firmware bootloader-aware?
+    CHECK_RESET = "check_reset"  # it was: reset it again into the application
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    """Timeouts and retries; defaults are the original's where it had bounded ones (reference §4)."""
+
+    window: int = 2  # frames in flight; 1 = the original's stop-and-wait
+    magic_timeout_s: float = 0.1
+    magic_tries: int = 2
+    erase_timeout_s: float = 3.0
+    erase_tries: int = 3  # original: forever
+    post_erase_delay_s: float = 0.0  # original: sleep(1); the bootloader ACKs ERASE after its erase loop
+    frame_timeout_s: float = 0.1  # WRITE_ADDRESS, WRITE_DATA, READ
+    block_retries: int = 20  # rewinds of one 32-byte block (original: forever)
+    read_retries: int = 20  # per 8-byte chunk (original max_retry)
+    reset_timeout_s: float = 1.0
+    reset_tries: int = 3  # original: forever
+    check_bootloader_aware: bool = True
+    check_delay_s: float = 0.05  # let the new application start before the magic packet
+    check_timeout_s: float = 0.5
+    check_tries: int = 1
+    drain_s: float = 0.05  # quiet time after a rewind with several frames in flight
+    restarts: int = 1  # full re-erase + rewrite after a read-back that re-reading cannot fix
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError("window must be >= 1")
+        for name in ("magic_tries", "erase_tries", "reset_tries", "check_tries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+# -- events ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PhaseStarted:
+    phase: Phase
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Rewind:
+    phase: Phase
+    address: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class FlashWarning:
+    message: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    ok: bool
+    reason: str
+    phase: Phase  # where it ended (DONE on success, else the failing phase)
+    address: int | None
+    bootloader_aware: bool | None
+    cancelled: bool = False
+
+
+FlashEvent = PhaseStarted | Rewind | FlashWarning | Finished
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    phase: Phase
+    done: int
+    total: int
+    frames_sent: int
+    frames_received: int
+    retries: int
+    restarts: int
+
+
+# -- the generic pipelined exchange ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Op:
+    frame: p.BootFrame
+    address: int | None = None
+    expect: bytes | None = None  # READ_FLASH: the bytes the reply must carry
+    unit: int = 0  # index of the first op to resend when this one is lost (block start)
+    data_bytes: int = 0  # bytes this op accounts for in progress
+
+
+@dataclass
+class Failure:
+    reason: str
+    address: int | None
+    op_index: int
+
+
+class Pipeline:
+    """Send `ops` in order with up to `window` in flight; ACKs must arrive in order.
+
+    `rewind_to(i)` names the op to resend from when op i is lost; retries are counted per rewind target.
+    `keep_replies` stores the matching reply of every op (READ dumps, READ_VERSION).
+    """
+
+    def __init__(self, ops: list[Op], *, window: int, timeout_s: float, tries: int, drain_s: float,
+                 rewind_to: Callable[[int], int] | None = None, keep_replies: bool = False,
+                 not_before: float = 0.0) -> None:
+        self.ops = ops
+        self.window = window
+        self.timeout_s = timeout_s
+        self.tries = tries
+        self.drain_s = drain_s
+        self.rewind_to = rewind_to or (lambda i: self.ops[i].unit)
+        self.replies: list[p.BootFrame | None] = [None] * len(ops) if keep_replies else []
+        self.keep_replies = keep_replies
+        self.acked = 0
+        self.next = 0
+        self.sent_at: list[float] = [0.0] * len(ops)
+        self.attempts: dict[int, int] = {}
+        self.retries = 0
+        self.frames_sent = 0
+        self.stray = 0
+        self.drain_until: float | None = None
+        self.not_before = not_before
+        self.failure: Failure | None = None
+        self.rewinds: list[tuple[int, str]] = []  # (op index lost, reason), drained by the owner
+
+    @property
+    def finished(self) -> bool:
+        return self.failure is None and self.acked >= len(self.ops)
+
+    @property
+    def active(self) -> bool:
+        return self.failure is None and self.acked < len(self.ops)
+
+    def in_flight(self) -> int:
+        return self.next - self.acked
+
+    def poll(self, now: float) -> list[p.BootFrame]:
+        if not self.active or now < self.not_before:
+            return []
+        if self.drain_until is not None:
+            if now < self.drain_until:
+                return []
+            self.drain_until = None
+        out: list[p.BootFrame] = []
+        while self.next < len(self.ops) and self.next - self.acked < self.window:
+            self.sent_at[self.next] = now
+            out.append(self.ops[self.next].frame)
+            self.next += 1
+        self.frames_sent += len(out)
+        return out
+
+    def _matches(self, op: Op, frame: p.BootFrame) -> bool:
+        if op.expect is not None:
+            return p.read_matches(op.frame, frame, op.expect)
+        return p.is_ack(op.frame, frame)
+
+    def receive(self, frame: p.BootFrame, now: float) -> bool:
+        """Feed one received frame; True if it was taken as an ACK."""
+        if not self.active or self.drain_until is not None or self.next == self.acked:
+            self.stray += 1
+            return False
+        op = self.ops[self.acked]
+        if self._matches(op, frame):
+            if self.keep_replies:
+                self.replies[self.acked] = frame
+            self.acked += 1
+            return True
+        if op.expect is not None and p.is_ack(op.frame, frame):
+            self._lost(self.acked, now, f"read-back mismatch: expected {op.expect.hex(' ')}, "
+                                        f"read {frame.data.hex(' ')}")
+            return False
+        for j in range(self.acked + 1, self.next):
+            if self.ops[j].expect is None and p.is_ack(self.ops[j].frame, frame):
+                self._lost(self.acked, now, f"ACK of {self.ops[self.acked].frame} missing "
+                                            f"(the ACK of a later frame came first)")
+                return False
+        self.stray += 1
+        return False
+
+    def tick(self, now: float) -> None:
+        if not self.active or self.drain_until is not None or self.next == self.acked:
+            return
+        if now - self.sent_at[self.acked] >= self.timeout_s:
+            self._lost(self.acked, now, f"no ACK to {self.ops[self.acked].frame} within "
+                                        f"{self.timeout_s * 1000:.0f} ms")
+
+    def deadline(self) -> float | None:
+        if not self.active:
+            return None
+        if self.drain_until is not None:
+            return self.drain_until
+        if self.next == self.acked:
+            return self.not_before if self.not_before else None
+        return self.sent_at[self.acked] + self.timeout_s
+
+    def _lost(self, i: int, now: float, reason: str) -> None:
+        target = self.rewind_to(i)
+        n = self.attempts.get(target, 1) + 1
+        self.attempts[target] = n
+        if n > self.tries:
+            self.failure = Failure(f"{reason}; gave up after {self.tries} tries", self.ops[i].address, i)
+            return
+        self.retries += 1
+        self.rewinds.append((i, reason))
+        several = self.next - self.acked > 1
+        self.acked = self.next = min(target, self.acked)
+        if several:
+            # Frames of the abandoned window may still be answered: let them pass, ignore them.
+            self.drain_until = now + self.drain_s
+
+    def progress_bytes(self) -> int:
+        return sum(op.data_bytes for op in self.ops[:self.acked])
+
+
+# -- the flasher --------------------------------------------------------------------------------------------
+@dataclass
+class _Counters:
+    frames_sent: int = 0
+    frames_received: int = 0
+    retries: int = 0
+    restarts: int = 0
+
+
+class Flasher:
+    """Flash one board: one bus, one bootloader, one image."""
+
+    def __init__(self, local_id: int, image: FlashImage, config: FlashConfig | None = None) -> None:
+        if not 0 <= local_id < p.BOARDS_PER_BUS:
+            raise p.ProtocolError(f"local board id {local_id} is out of range 0–9")
+        self.local_id = local_id
+        self.image = image
+        self.cfg = config or FlashConfig()
+        self.phase = Phase.IDLE
+        self.pipe: Pipeline | None = None
+        self._events: list[FlashEvent] = []
+        self._counters = _Counters()
+        self.result: Finished | None = None
+        self._write_ops = self._build_write_ops()
+        self._verify_ops = self._build_verify_ops()
+        for w in image.warnings:
+            self._events.append(FlashWarning(w))
+
+    # -- op lists ------------------------------------------------------------------------------------------
+    def _build_write_ops(self) -> list[Op]:
+        ops: list[Op] = []
+        for addr, block in self.image.write_blocks():
+            start = len(ops)
+            ops.append(Op(p.write_flash_address(self.local_id, addr), addr, unit=start))
+            for k in range(0, len(block), CHUNK):
+                ops.append(Op(p.write_flash_data(self.local_id, block[k:k + CHUNK]), addr + k, unit=start,
+                              data_bytes=CHUNK))
+        return ops
+
+    def _build_verify_ops(self) -> list[Op]:
+        return [Op(p.read_flash(self.local_id, addr), addr, expect=chunk, data_bytes=len(chunk))
+                for addr, chunk in self.image.chunks()]
+
+    # -- driving ---------------------------------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError("flasher already started")
+        self._enter(Phase.MAGIC, now)
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def events(self) -> list[FlashEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def poll(self, now: float) -> list[p.BootFrame]:
+        self._advance(now)
+        if self.pipe is None or self.done:
+            return []
+        frames = self.pipe.poll(now)
+        self._counters.frames_sent += len(frames)
+        return frames
+
+    def receive(self, frame: p.BootFrame, now: float) -> None:
+        self._counters.frames_received += 1
+        if self.pipe is None or self.done:
+            return
+        self.pipe.receive(frame, now)
+        self._advance(now)
+
+    def tick(self, now: float) -> None:
+        if self.pipe is None or self.done:
+            return
+        self.pipe.tick(now)
+        self._advance(now)
+
+    def deadline(self) -> float | None:
+        if self.pipe is None or self.done:
+            return None
+        return self.pipe.deadline()
+
+    def cancel(self, now: float) -> bool:
+        """Stop before the RESET goes out: the board stays in its bootloader (EEPROM flag 0xFF), ready to
+        be flashed again. After RESET the flash is complete and the job finishes on its own: False."""
+        if self.done:
+            return False
+        if self.phase in (Phase.RESET, Phase.CHECK, Phase.CHECK_RESET):
+            return False
+        addr = self._current_address()
+        self._finish(False, "cancelled by request; the board stays in its bootloader, ready to be flashed again",
+                     address=addr, cancelled=True)
+        return True
+
+    def snapshot(self) -> Snapshot:
+        done = self.pipe.progress_bytes() if self.pipe is not None else 0
+        total = self._phase_total(self.phase)
+        retries = self._counters.retries + (self.pipe.retries if self.pipe is not None else 0)
+        return Snapshot(self.phase, done, total, self._counters.frames_sent, self._counters.frames_received,
+                        retries, self._counters.restarts)
+
+    # -- internals --------------------------------------------------------------------------------------------
+    def _phase_total(self, phase: Phase) -> int:
+        if phase is Phase.WRITE:
+            return sum(op.data_bytes for op in self._write_ops)
+        if phase is Phase.VERIFY:
+            return len(self.image.data)
+        return 0
+
+    def _current_address(self) -> int | None:
+        if self.pipe is None or not self.pipe.ops:
+            return None
+        i = min(self.pipe.acked, len(self.pipe.ops) - 1)
+        return self.pipe.ops[i].address
+
+    def _enter(self, phase: Phase, now: float) -> None:
+        if self.pipe is not None:
+            self._counters.retries += self.pipe.retries
+        self.phase = phase
+        cfg, lid = self.cfg, self.local_id
+
+        def single(frame: p.BootFrame, timeout_s: float, tries: int, not_before: float = 0.0) -> Pipeline:
+            return Pipeline([Op(frame)], window=1, timeout_s=timeout_s, tries=tries, drain_s=cfg.drain_s,
+                            not_before=not_before)
+
+        if phase is Phase.MAGIC:
+            self.pipe = single(p.magic_packet(lid), cfg.magic_timeout_s, cfg.magic_tries)
+        elif phase is Phase.ERASE:
+            self.pipe = single(p.erase_flash(lid), cfg.erase_timeout_s, cfg.erase_tries)
+        elif phase is Phase.WRITE:
+            self.pipe = Pipeline(self._write_ops, window=cfg.window, timeout_s=cfg.frame_timeout_s,
+                                 tries=cfg.block_retries + 1, drain_s=cfg.drain_s,
+                                 not_before=now + cfg.post_erase_delay_s)
+        elif phase is Phase.VERIFY:
+            w = cfg.window
+            self.pipe = Pipeline(self._verify_ops, window=w, timeout_s=cfg.frame_timeout_s,
+                                 tries=cfg.read_retries, drain_s=cfg.drain_s,
+                                 rewind_to=lambda i: max(0, i - (w - 1)))
+        elif phase in (Phase.RESET, Phase.CHECK_RESET):
+            self.pipe = single(p.reset(lid), cfg.reset_timeout_s, cfg.reset_tries)
+        elif phase is Phase.CHECK:
+            self.pipe = single(p.magic_packet(lid), cfg.check_timeout_s, cfg.check_tries,
+                               not_before=now + cfg.check_delay_s)
+        self._events.append(PhaseStarted(phase, self._phase_total(phase)))
+
+    def _advance(self, now: float) -> None:
+        while self.pipe is not None and not self.done:
+            pipe = self.pipe
+            for i, reason in pipe.rewinds:
+                self._events.append(Rewind(self.phase, pipe.ops[i].address, reason))
+            pipe.rewinds.clear()
+            if pipe.failure is not None:
+                self._on_failure(pipe.failure, now)
+                return
+            if not pipe.finished:
+                return
+            self._on_phase_done(now)
+
+    def _on_phase_done(self, now: float) -> None:
+        ph = self.phase
+        if ph is Phase.MAGIC:
+            self._enter(Phase.ERASE, now)
+        elif ph is Phase.ERASE:
+            self._enter(Phase.WRITE, now)
+        elif ph is Phase.WRITE:
+            self._enter(Phase.VERIFY, now)
+        elif ph is Phase.VERIFY:
+            self._enter(Phase.RESET, now)
+        elif ph is Phase.RESET:
+            if self.cfg.check_bootloader_aware:
+                self._enter(Phase.CHECK, now)
+            else:
+                self._finish(True, "flashed, verified and reset", address=None, aware=None)
+        elif ph is Phase.CHECK:
+            self._enter(Phase.CHECK_RESET, now)
+        elif ph is Phase.CHECK_RESET:
+            self._finish(True, "flashed, verified and reset; the new firmware is bootloader-aware",
+                         address=None, aware=True)
+
+    def _on_failure(self, failure: Failure, now: float) -> None:
+        ph = self.phase
+        if ph is Phase.MAGIC:
+            self._finish(False, f"None of the magic packets were ACKed: {failure.reason}. Is board "
+                                f"{self.local_id} on this bus powered, and running the bootloader or a "
+                                "bootloader-aware firmware?", address=None)
+        elif ph is Phase.VERIFY and failure.reason.startswith("read-back mismatch") \
+                and self._counters.restarts < self.cfg.restarts:
+            self._counters.restarts += 1
+            self._events.append(FlashWarning(f"verify failed at 0x{failure.address or 0:06X} ({failure.reason}); "
+                                             "erasing and writing again"))
+            self._enter(Phase.ERASE, now)
+        elif ph is Phase.CHECK:
+            msg = ("the new firmware did not answer the magic packet after the reset: it is NOT bootloader-aware, "
+                   "so this board can no longer be reflashed over CAN until EEPROM[0xFF] is set to 0xFF by hand "
+                   "(seed 000, BEWARE)")
+            self._events.append(FlashWarning(msg))
+            self._finish(True, "flashed, verified and reset; " + msg, address=None, aware=False)
+        else:
+            where = f" at 0x{failure.address:06X}" if failure.address is not None else ""
+            self._finish(False, f"{ph.value} failed{where}: {failure.reason}", address=failure.address)
+
+    def _finish(self, ok: bool, reason: str, *, address: int | None, aware: bool | None = None,
+                cancelled: bool = False) -> None:
+        if self.pipe is not None:
+            self._counters.retries += self.pipe.retries
+            self.pipe.retries = 0
+        phase = Phase.DONE if ok else self.phase
+        self.result = Finished(ok, reason, phase, address, aware, cancelled)
+        self._events.append(self.result)
+        if ok:
+            self.phase = Phase.DONE
+
+
+# -- single exchanges (read_version, read_flash dump, reset) ----------------------------------------------
+@dataclass
+class Exchange:
+    """A pipelined run of requests whose replies the caller wants (sans-I/O, like Flasher)."""
+
+    ops: list[Op]
+    window: int = 1
+    timeout_s: float = 0.1
+    tries: int = 3
+    drain_s: float = 0.05
+    pipe: Pipeline = field(init=False)
+
+    def __post_init__(self) -> None:
+        w = self.window
+        self.pipe = Pipeline(self.ops, window=w, timeout_s=self.timeout_s, tries=self.tries, drain_s=self.drain_s,
+                             rewind_to=lambda i: max(0, i - (w - 1)), keep_replies=True)
+
+    @property
+    def done(self) -> bool:
+        return not self.pipe.active
+
+    @property
+    def ok(self) -> bool:
+        return self.pipe.finished
+
+    def poll(self, now: float) -> list[p.BootFrame]:
+        return self.pipe.poll(now)
+
+    def receive(self, frame: p.BootFrame, now: float) -> None:
+        self.pipe.receive(frame, now)
+
+    def tick(self, now: float) -> None:
+        self.pipe.tick(now)
+
+    def deadline(self) -> float | None:
+        return self.pipe.deadline()
+
+    def error(self) -> str:
+        f = self.pipe.failure
+        if f is None:
+            return ""
+        where = f" at 0x{f.address:06X}" if f.address is not None else ""
+        return f"{f.reason}{where}"
+
+
+def version_exchange(local_id: int, timeout_s: float = 0.1, tries: int = 3) -> Exchange:
+    return Exchange([Op(p.read_version(local_id))], timeout_s=timeout_s, tries=tries)
+
+
+def reset_exchange(local_id: int, timeout_s: float = 1.0, tries: int = 3) -> Exchange:
+    return Exchange([Op(p.reset(local_id))], timeout_s=timeout_s, tries=tries)
+
+
+def read_exchange(local_id: int, start: int, length: int, window: int = 1, timeout_s: float = 0.1,
+                  tries: int = 20) -> Exchange:
+    """READ_FLASH every 8 bytes from `start` (rounded down to 8) covering `length` bytes."""
+    first = start - start % CHUNK
+    ops = [Op(p.read_flash(local_id, a), a) for a in range(first, start + length, CHUNK)]
+    return Exchange(ops, window=window, timeout_s=timeout_s, tries=tries)
