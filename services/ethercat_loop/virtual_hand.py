@@ -1,0 +1,390 @@
+"""The virtual Shadow hand on the wire: two software ESCs (the bridge, product 0, then the palm,
+0220 or 0230) answering real EtherCAT frames on a raw socket, with the palm's process data driven
+once per cycle by the shared palm model (`sim.PalmModel`).
+
+Run it on one end of a veth pair (netns.py does the plumbing):
+    python -m services.ethercat_loop.virtual_hand --iface ech0 --protocol 0220 --control /run/x.sock
+Faults are injected at run time through the control socket (`HandControl`), or from the start
+with --drop-every / --delay-every.
+
+The palm firmware loads its status after it has processed the command (reference §1.10), so the
+status a master reads in frame N answers command N-1; the model runs after the reply has left, which
+also keeps the Python model's cost out of the master's round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from services.ethercat_loop.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc, EscChain, ExpectedSm
+from services.ethercat_loop.esc_frames import (
+    ETH_HEADER_LEN,
+    ETHERTYPE_ECAT,
+    FrameError,
+    build_datagrams,
+    parse_datagrams,
+)
+from services.ethercat_loop.esc_sii import SM_TYPE_INPUTS, SM_TYPE_OUTPUTS, PdoSpec, SiiConfig, SmSpec, build_sii
+from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, PalmCommand, ProtocolInfo, unpack_command
+
+PACKET_OUTGOING = 4
+DEFAULT_VENDOR = 0x00000530  # no public source gives Shadow's vendor id (reference §2.1); a placeholder
+DEFAULT_SERIAL = 1234
+DEFAULT_REVISION = 0x00000001
+
+
+class PalmLike(Protocol):
+    """The palm firmware model: one 1 ms cycle, command + CAN bridge in, status + CAN bridge out."""
+
+    def exchange(self, command: bytes) -> bytes: ...
+
+
+@dataclass
+class HandOptions:
+    protocol: str = "0220"
+    serial: int = DEFAULT_SERIAL
+    vendor: int = DEFAULT_VENDOR
+    revision: int = DEFAULT_REVISION
+    left: bool = False  # 0230 only: product 0x01000001 instead of 0x01000000
+    sii_process_data: bool = True  # False: SII without SM/PDO categories (the master must program them)
+    status_size_delta: int = 0  # != 0: SII declares a status PDO of the wrong size (master must refuse)
+    drop_every: int = 0
+    delay_every: int = 0
+    delay_us: int = 3000
+
+
+def palm_product(opts: HandOptions) -> int:
+    codes = PROTOCOLS[opts.protocol].product_codes
+    return codes[1] if opts.left and len(codes) > 1 else codes[0]
+
+
+def palm_sii(opts: HandOptions) -> SiiConfig:
+    info = PROTOCOLS[opts.protocol]
+    cfg = SiiConfig(opts.vendor, palm_product(opts), opts.revision, opts.serial, f"Shadow palm {info.name}")
+    if opts.sii_process_data:
+        (c0, l0, k0), (c1, l1, k1), (c2, l2, k2), (c3, l3, k3) = info.sync_managers
+        cfg.sms = [SmSpec(c0, l0, k0, 1, SM_TYPE_OUTPUTS), SmSpec(c1, l1, k1, 1, SM_TYPE_OUTPUTS),
+                   SmSpec(c2, l2, k2, 1, SM_TYPE_INPUTS), SmSpec(c3, l3, k3, 1, SM_TYPE_INPUTS)]
+        cfg.rx_pdos = [PdoSpec(0x1600, 0, l0, "command"), PdoSpec(0x1601, 1, l1, "CAN bridge command")]
+        cfg.tx_pdos = [PdoSpec(0x1A00, 2, l2 + opts.status_size_delta, "status"),
+                       PdoSpec(0x1A01, 3, l3, "CAN bridge status")]
+        cfg.fmmu_functions = [1, 2, 0]
+    return cfg
+
+
+def bridge_sii(opts: HandOptions) -> SiiConfig:
+    return SiiConfig(opts.vendor, BRIDGE_PRODUCT_CODE, opts.revision, 0, "Shadow EtherCAT bridge")
+
+
+def build_chain(opts: HandOptions) -> tuple[EscChain, Esc, Esc]:
+    info = PROTOCOLS[opts.protocol]
+    # DL status: bridge has ports 0 and 1 open with communication; the palm ends the line.
+    bridge = Esc(build_sii(bridge_sii(opts)), name="bridge", dl_status=0x0A30)
+    palm = Esc(build_sii(palm_sii(opts)), name="palm", dl_status=0x0610,
+               expected_sms=tuple(ExpectedSm(i, a, n) for i, (a, n, _c) in enumerate(info.sync_managers)))
+    return EscChain([bridge, palm]), bridge, palm
+
+
+def load_model(spec: str, protocol: str) -> PalmLike:
+    """`module:factory` called with protocol=..., default the shared palm model in sim.py."""
+    mod_name, _, attr = spec.partition(":")
+    factory: Callable[..., PalmLike] = getattr(importlib.import_module(mod_name), attr or "PalmModel")
+    return factory(protocol=protocol)
+
+
+@dataclass
+class Faults:
+    """Pending one-shot faults (counted down per process-data frame) and periodic ones."""
+
+    drop: int = 0
+    delay: int = 0
+    delay_us: int = 3000
+    corrupt_wkc: int = 0
+    drop_every: int = 0
+    delay_every: int = 0
+
+
+@dataclass
+class HandStats:
+    frames: int = 0
+    pd_frames: int = 0
+    garbage: int = 0
+    dropped: int = 0
+    delayed: int = 0
+    corrupted: int = 0
+    palm_cycles: int = 0
+    left_op: int = 0
+    zero_demand_frames_before_leaving_op: int = -1  # -1: the palm has not left OP yet
+    transitions: list[str] = field(default_factory=list)
+
+
+class PalmFirmware:
+    """The PIC32 side of the palm ESC: once per written command, run the model and load the status."""
+
+    def __init__(self, esc: Esc, info: ProtocolInfo, model: PalmLike, stats: HandStats) -> None:
+        self.esc, self.info, self.model, self.stats = esc, info, model, stats
+        self.cmd_at = info.sync_managers[0][0]
+        self.status_at = info.sync_managers[2][0]
+        self.last_command = bytes(info.command_size)
+        self.zero_run = 0  # consecutive commands with every motor demand at zero
+        self.changes: deque[tuple[int, str]] = deque(maxlen=50_000)  # (CLOCK_MONOTONIC ns, command hex)
+
+    def after_frame(self, now_ns: int) -> None:
+        events = self.esc.take_sm_events()
+        if 1 not in events or self.esc.al_state != OP:
+            return  # the command mailbox (SM0 + SM1) is full only once SM1's last byte has arrived
+        cmd = self.esc.pdi_read(self.cmd_at, self.info.command_size)
+        if cmd != self.last_command:
+            self.changes.append((now_ns, cmd.hex()))
+        self.last_command = cmd
+        decoded = unpack_command(cmd, self.info.name)
+        zero = isinstance(decoded, PalmCommand) and not any(decoded.motor_data)
+        self.zero_run = self.zero_run + 1 if zero else 0
+        status = self.model.exchange(cmd)
+        self.esc.pdi_write(self.status_at, status[: self.info.status_size])
+        self.stats.palm_cycles += 1
+
+
+class VirtualHand:
+    """Frames in, frames out: the ESC chain plus fault injection and the palm firmware."""
+
+    def __init__(self, opts: HandOptions, model: PalmLike) -> None:
+        self.opts = opts
+        self.info = PROTOCOLS[opts.protocol]
+        self.chain, self.bridge, self.palm = build_chain(opts)
+        self.stats = HandStats()
+        self.faults = Faults(delay_us=opts.delay_us, drop_every=opts.drop_every, delay_every=opts.delay_every)
+        self.firmware = PalmFirmware(self.palm, self.info, model, self.stats)
+        self._palm_state = self.palm.al_state
+
+    def handle(self, payload: bytes, now_ns: int) -> tuple[bytes | None, int]:
+        """One EtherCAT payload in; (reply payload or None to drop it, delay in µs)."""
+        self.stats.frames += 1
+        try:
+            dgs = parse_datagrams(payload)
+        except FrameError:
+            self.stats.garbage += 1
+            return None, 0
+        self.chain.process(dgs)
+        self._watch_state()
+        delay = 0
+        if any(d.cmd in (10, 11, 12) for d in dgs):  # process data: the faults apply to these frames
+            self.stats.pd_frames += 1
+            n = self.stats.pd_frames
+            f = self.faults
+            if f.drop > 0 or (f.drop_every and n % f.drop_every == 0):
+                f.drop = max(0, f.drop - 1)
+                self.stats.dropped += 1
+                return None, 0  # the slaves processed it (the palm still runs); only the way back is lost
+            if f.delay > 0 or (f.delay_every and n % f.delay_every == 0):
+                f.delay = max(0, f.delay - 1)
+                self.stats.delayed += 1
+                delay = f.delay_us
+            if f.corrupt_wkc > 0:
+                f.corrupt_wkc -= 1
+                self.stats.corrupted += 1
+                for d in dgs:
+                    d.wkc = (d.wkc + 7) & 0xFFFF
+        return build_datagrams(dgs), delay
+
+    def _watch_state(self) -> None:
+        st = self.palm.al_state | (0x10 if self.palm.al_error else 0)
+        if st != self._palm_state:
+            self.stats.transitions.append(f"{self._palm_state:#04x}->{st:#04x}")
+            del self.stats.transitions[:-50]
+            if self._palm_state == OP:
+                self.stats.left_op += 1
+                self.stats.zero_demand_frames_before_leaving_op = self.firmware.zero_run
+            self._palm_state = st
+
+    def leave_op(self) -> None:
+        """The palm drops to SAFE-OP with an error, as after an SM watchdog expiry."""
+        self.palm.fault(SAFEOP, AL_CODE_SM_WATCHDOG)
+        self._watch_state()
+
+    def control(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        n = int(msg.get("n", 1))
+        if op == "drop":
+            self.faults.drop += n
+        elif op == "delay":
+            self.faults.delay += n
+            self.faults.delay_us = int(msg.get("us", self.faults.delay_us))
+        elif op == "corrupt_wkc":
+            self.faults.corrupt_wkc += n
+        elif op == "leave_op":
+            self.leave_op()
+        elif op == "changes":
+            out: list[tuple[int, str]] = []
+            while self.firmware.changes and len(out) < int(msg.get("max", 400)):
+                out.append(self.firmware.changes.popleft())
+            return {"ok": True, "changes": out}
+        elif op != "stats":
+            return {"ok": False, "error": f"unknown op {op!r}"}
+        return {"ok": True, **self.snapshot()}
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "frames": s.frames, "pd_frames": s.pd_frames, "garbage": s.garbage, "dropped": s.dropped,
+            "delayed": s.delayed, "corrupted": s.corrupted, "palm_cycles": s.palm_cycles, "left_op": s.left_op,
+            "zero_demand_frames_before_leaving_op": s.zero_demand_frames_before_leaving_op,
+            "transitions": s.transitions[-20:], "palm_state": self.palm.al_state, "palm_error": self.palm.al_error,
+            "bridge_state": self.bridge.al_state, "last_command": self.firmware.last_command.hex(),
+            "protocol": self.info.name, "product": palm_product(self.opts), "serial": self.opts.serial,
+        }
+
+
+def open_raw(iface: str) -> socket.socket:
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETHERTYPE_ECAT))
+    s.bind((iface, ETHERTYPE_ECAT))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    return s
+
+
+def reply_frame(raw: bytes, payload: bytes) -> bytes:
+    # An ESC's port 0 sets the locally-administered bit of the source MAC on the way back (ETG.1000.4).
+    src = bytes([raw[6] | 0x02]) + raw[7:12]
+    out = raw[0:6] + src + raw[12:14] + payload
+    return out + bytes(60 - len(out)) if len(out) < 60 else out
+
+
+def serve(hand: VirtualHand, iface: str, control_path: str | None, stop: Callable[[], bool]) -> None:
+    """The hand's loop: answer frames until `stop()`; control datagrams are served in between."""
+    raw = open_raw(iface)
+    ctl: socket.socket | None = None
+    if control_path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(control_path)
+        ctl = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        ctl.bind(control_path)
+    watch = [raw] + ([ctl] if ctl else [])
+    try:
+        while not stop():
+            ready, _, _ = select.select(watch, [], [], 0.2)
+            if ctl is not None and ctl in ready:
+                data, addr = ctl.recvfrom(65536)
+                try:
+                    reply = hand.control(json.loads(data))
+                except (ValueError, TypeError) as exc:
+                    reply = {"ok": False, "error": str(exc)}
+                if addr:
+                    with contextlib.suppress(OSError):
+                        ctl.sendto(json.dumps(reply).encode(), addr)
+            if raw not in ready:
+                continue
+            while True:  # drain everything queued before going back to select
+                try:
+                    frame, meta = raw.recvfrom(2048, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                if meta[2] == PACKET_OUTGOING or len(frame) < ETH_HEADER_LEN + 2:
+                    continue
+                now = time.monotonic_ns()
+                payload, delay_us = hand.handle(frame[ETH_HEADER_LEN:], now)
+                if payload is not None:
+                    if delay_us:
+                        time.sleep(delay_us / 1e6)
+                    raw.send(reply_frame(frame, payload))
+                hand.firmware.after_frame(now)
+    finally:
+        raw.close()
+        if ctl is not None:
+            ctl.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(control_path or "")
+
+
+class HandControl:
+    """Client of the control socket (tests, bench, CLI)."""
+
+    def __init__(self, path: str, timeout: float = 2.0) -> None:
+        self.path = path
+        self.timeout = timeout
+
+    def call(self, op: str, **kw: Any) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="rbvh-") as d, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.bind(os.path.join(d, "c.sock"))
+            s.settimeout(self.timeout)
+            s.sendto(json.dumps({"op": op, **kw}).encode(), self.path)
+            reply: dict[str, Any] = json.loads(s.recv(1 << 20))
+            return reply
+
+    def wait_ready(self, timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.call("stats")
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+def set_realtime(priority: int) -> str | None:
+    """SCHED_FIFO + mlockall for the hand process; returns a warning instead of failing."""
+    if priority <= 0:
+        return None
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except OSError as exc:
+        return f"SCHED_FIFO {priority} refused ({exc}); the virtual hand runs at normal priority"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.ethercat_loop.virtual_hand",
+                                description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--iface", required=True, help="interface to answer on (one end of a veth pair)")
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="0220")
+    p.add_argument("--serial", type=int, default=DEFAULT_SERIAL)
+    p.add_argument("--vendor", type=lambda s: int(s, 0), default=DEFAULT_VENDOR)
+    p.add_argument("--revision", type=lambda s: int(s, 0), default=DEFAULT_REVISION)
+    p.add_argument("--left", action="store_true", help="0230: the left hand's product code")
+    p.add_argument("--no-sii-pd", action="store_true", help="palm SII without SyncManager/PDO categories")
+    p.add_argument("--status-size-delta", type=int, default=0, help="declare a wrong status size in the SII")
+    p.add_argument("--model", default="services.ethercat_loop.sim:PalmModel", help="palm model factory module:name")
+    p.add_argument("--control", help="UNIX datagram socket for fault injection and stats")
+    p.add_argument("--drop-every", type=int, default=0, help="drop every Nth process-data frame")
+    p.add_argument("--delay-every", type=int, default=0, help="delay every Nth process-data frame")
+    p.add_argument("--delay-us", type=int, default=3000)
+    p.add_argument("--rt-priority", type=int, default=0, help="SCHED_FIFO priority for the hand (0: normal)")
+    a = p.parse_args(argv)
+    opts = HandOptions(a.protocol, a.serial, a.vendor, a.revision, a.left, not a.no_sii_pd, a.status_size_delta,
+                       a.drop_every, a.delay_every, a.delay_us)
+    hand = VirtualHand(opts, load_model(a.model, a.protocol))
+    warning = set_realtime(a.rt_priority)
+    if warning:
+        print(f"virtual_hand: warning: {warning}", file=sys.stderr, flush=True)
+    stopping = False
+
+    def on_term(_sig: int, _frm: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    print(f"virtual_hand: {opts.protocol} palm (product {palm_product(opts):#x}, serial {opts.serial}) "
+          f"behind the bridge on {a.iface}", flush=True)
+    serve(hand, a.iface, a.control, lambda: stopping)
+    print(f"virtual_hand: stopped: {json.dumps(hand.snapshot())}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
