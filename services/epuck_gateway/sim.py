@@ -1,0 +1,329 @@
+"""Simulated e-puck2 robots: the radio module's TCP server (port 1000 on a real robot), on a real socket.
+
+Behaviour copied from the ESP32 WiFi firmware as the reference describes it (section 4):
+- `listen(1)` and one client at a time; the next client is accepted only after the current one left;
+- nothing is sent before the first command, which must be 21 bytes starting with 0x80;
+- then the robot streams with the last command it got: each cycle it takes one queued command
+  (if 5 or more are queued, the older ones are flushed), applies it to the "F407" (every flag is
+  level-triggered: calibration and sound repeat until a command clears them), and sends the image
+  (id byte, then 9 x 4092 + 1572 bytes), then the sensors packet, or 0x03 when nothing is requested;
+- on a disconnect the motors keep their last speeds (no watchdog on the robot).
+
+Run several robots: python -m services.epuck_gateway.sim --count 2 --base-port 11000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import math
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from services.epuck_gateway.protocol import (
+    COMMAND_ID,
+    COMMAND_SIZE,
+    EMPTY_ID,
+    IMAGE_ID,
+    IMAGE_SEGMENTS,
+    REQ_IMAGE,
+    REQ_SENSORS,
+    SENSORS_ID,
+    EpuckCommand,
+)
+from services.epuck_gateway.simworld import EpuckWorld
+
+log = logging.getLogger("robobus.epuck.sim")
+T = TypeVar("T")
+QUEUE_FLUSH = 5  # firmware: with >= 5 commands queued, the older ones are dropped
+
+
+@dataclass
+class EpuckSimConfig:
+    sensors_hz: float = 50.0  # cycle rate; 0 = as fast as the socket takes it (benchmarks)
+    image_fps: float = 10.0  # 0 = an image every cycle
+    stamp: bool = False  # benchmarks: magnetometer X carries the send time (unix time mod 1000 s)
+    nodelay: bool = True  # the ESP32's lwIP uses Nagle; the sim does not, so latency figures are the gateway's
+
+
+@dataclass
+class EpuckSimStats:
+    connections: int = 0
+    commands: int = 0
+    bad_commands: int = 0
+    flushed_commands: int = 0
+    images_sent: int = 0
+    sensors_sent: int = 0
+    empty_sent: int = 0
+    received: collections.deque[EpuckCommand] = field(default_factory=lambda: collections.deque(maxlen=2000))
+
+    def summary(self) -> dict[str, int]:
+        return {"connections": self.connections, "commands": self.commands, "bad_commands": self.bad_commands,
+                "flushed_commands": self.flushed_commands, "images_sent": self.images_sent,
+                "sensors_sent": self.sensors_sent, "empty_sent": self.empty_sent}
+
+
+class EpuckSimRobot:
+    """One simulated robot: a listening socket, one client at a time, the streaming loop."""
+
+    def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0,
+                 config: EpuckSimConfig | None = None, world: EpuckWorld | None = None) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.config = config or EpuckSimConfig()
+        self.world = world or EpuckWorld()
+        self.stats = EpuckSimStats()
+        self.command: EpuckCommand | None = None  # the one the robot repeats
+        self.connected = False
+        self.silent = False  # tests: keep the socket open but send nothing (a robot out of WiFi range)
+        self._sock: socket.socket | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self._client: asyncio.StreamWriter | None = None
+        self._inject: list[bytes] = []
+        self._last_physics = time.monotonic()
+
+    # -- lifecycle (on the simulator's loop) ----------------------------------------------------
+    async def start(self) -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.host, self.port))
+        s.listen(1)  # the ESP32's backlog: one client at a time
+        s.setblocking(False)
+        self.port = s.getsockname()[1]
+        self._sock = s
+        self._server_task = asyncio.ensure_future(self._serve())
+
+    async def stop(self) -> None:
+        """The robot goes away: listening socket and current client closed."""
+        if self._server_task is not None:
+            self._server_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._server_task
+            self._server_task = None
+        self.drop_client()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def drop_client(self) -> None:
+        """Reset the current connection (tests: a lost robot)."""
+        w = self._client
+        if w is not None:
+            with contextlib.suppress(OSError):
+                sock = w.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            w.transport.abort()
+
+    def inject(self, data: bytes) -> None:
+        """Tests: put raw bytes into the stream between two packets (e.g. a bad id)."""
+        self._inject.append(data)
+
+    # -- serving --------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            conn, peer = await loop.sock_accept(self._sock)
+            if self.config.nodelay:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.stats.connections += 1
+            log.info("client connected", extra={"robot": self.name, "peer": str(peer)})
+            try:
+                await self._session(conn)
+            except (ConnectionError, OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                self.connected = False
+                self._client = None
+                conn.close()
+            log.info("client left", extra={"robot": self.name})
+
+    async def _session(self, conn: socket.socket) -> None:
+        reader, writer = await asyncio.open_connection(sock=conn)
+        self._client = writer
+        self.connected = True
+        queue: collections.deque[EpuckCommand] = collections.deque()
+        first = asyncio.Event()
+
+        async def read_commands() -> None:
+            while True:
+                # A partial command is completed with a blocking MSG_WAITALL recv in the firmware.
+                data = await reader.readexactly(COMMAND_SIZE)
+                if data[0] != COMMAND_ID:
+                    self.stats.bad_commands += 1
+                    continue
+                cmd = EpuckCommand.decode(data)
+                self.stats.commands += 1
+                self.stats.received.append(cmd)
+                queue.append(cmd)
+                first.set()
+
+        rx = asyncio.ensure_future(read_commands())
+        try:
+            waiter = asyncio.ensure_future(first.wait())
+            await asyncio.wait([rx, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if rx.done():
+                rx.result()
+                return
+            await self._stream(writer, queue, rx)
+        finally:
+            rx.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await rx
+            writer.transport.abort()
+
+    async def _stream(self, writer: asyncio.StreamWriter, queue: collections.deque[EpuckCommand],
+                      rx: asyncio.Task[None]) -> None:
+        cfg = self.config
+        period = 1.0 / cfg.sensors_hz if cfg.sensors_hz > 0 else 0.0
+        img_period = 1.0 / cfg.image_fps if cfg.image_fps > 0 else 0.0
+        next_tick = time.monotonic()
+        next_image = next_tick
+        while not rx.done():
+            if len(queue) >= QUEUE_FLUSH:
+                self.stats.flushed_commands += len(queue) - 1
+                while len(queue) > 1:
+                    queue.popleft()
+            if queue:
+                self.command = queue.popleft()
+            cmd = self.command
+            assert cmd is not None
+            now = time.monotonic()
+            self.world.advance(now - self._last_physics)
+            self._last_physics = now
+            self.world.apply(cmd)
+            while self._inject:
+                writer.write(self._inject.pop(0))
+            if not self.silent:
+                if cmd.request & REQ_IMAGE and now >= next_image:
+                    next_image = max(next_image + img_period, now - img_period)
+                    frame = self.world.camera()
+                    writer.write(bytes([IMAGE_ID]))
+                    pos = 0
+                    for seg in IMAGE_SEGMENTS:  # the ESP32's send() calls, one per SPI block
+                        writer.write(frame[pos:pos + seg])
+                        pos += seg
+                    self.stats.images_sent += 1
+                if cmd.request & REQ_SENSORS:
+                    stamp = (time.time() % 1000.0) if cfg.stamp else None
+                    writer.write(bytes([SENSORS_ID]) + self.world.sensors(stamp).encode())
+                    self.stats.sensors_sent += 1
+                if not cmd.request & (REQ_IMAGE | REQ_SENSORS):
+                    writer.write(bytes([EMPTY_ID]))
+                    self.stats.empty_sent += 1
+            await writer.drain()  # a client that does not read stalls the robot, as a blocking send() would
+            if period:
+                next_tick += period
+                delay = next_tick - time.monotonic()
+                if delay < -period:  # fell behind (slow client): do not burst to catch up
+                    next_tick = time.monotonic()
+                    delay = 0.0
+                await asyncio.sleep(max(delay, 0.0))
+            else:
+                await asyncio.sleep(0)
+
+
+def initial_world(index: int) -> EpuckWorld:
+    """Different start poses so the robots' pictures differ."""
+    return EpuckWorld(x=200.0 + 60.0 * (index % 10), y=200.0 + 50.0 * (index // 10), theta=0.7 * index % (2 * math.pi))
+
+
+class EpuckSimulator:
+    """Several robots on consecutive ports of one host, on one asyncio loop."""
+
+    def __init__(self, count: int, host: str = "127.0.0.1", base_port: int = 0,
+                 config: EpuckSimConfig | None = None) -> None:
+        self.robots = [
+            EpuckSimRobot(f"epuck{i + 1}", host, base_port + i if base_port else 0, config, initial_world(i))
+            for i in range(count)
+        ]
+
+    async def start(self) -> None:
+        for r in self.robots:
+            await r.start()
+
+    async def stop(self) -> None:
+        for r in self.robots:
+            await r.stop()
+
+    def summary(self) -> dict[str, Any]:
+        return {r.name: {"port": r.port, **r.stats.summary()} for r in self.robots}
+
+
+class EpuckSimThread:
+    """Tests: the simulator on its own loop in a daemon thread; `call` runs a function on that loop."""
+
+    def __init__(self, count: int, config: EpuckSimConfig | None = None, host: str = "127.0.0.1") -> None:
+        self.sim = EpuckSimulator(count, host, 0, config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="epuck-sim", daemon=True)
+
+    @property
+    def robots(self) -> list[EpuckSimRobot]:
+        return self.sim.robots
+
+    def start(self) -> EpuckSimThread:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.sim.start(), self.loop).result(10)
+        return self
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def run() -> T:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+    def run(self, coro_fn: Callable[[], Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(10)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.sim.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Simulated e-puck2 robots (WiFi TCP protocol)")
+    p.add_argument("--count", type=int, default=2, help="robots, on consecutive ports")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--base-port", type=int, default=11000, help="port of the first robot (a real one uses 1000)")
+    p.add_argument("--sensors-hz", type=float, default=50.0, help="cycle rate; 0 = line rate")
+    p.add_argument("--image-fps", type=float, default=10.0, help="image rate cap; 0 = every cycle")
+    p.add_argument("--stamp", action="store_true", help="benchmarks: send time in magnetometer X")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s epuck-sim %(message)s")
+    cfg = EpuckSimConfig(sensors_hz=a.sensors_hz, image_fps=a.image_fps, stamp=a.stamp)
+    sim = EpuckSimulator(a.count, a.host, a.base_port, cfg)
+
+    async def run() -> None:
+        await sim.start()
+        ports = ", ".join(f"{r.name}@{a.host}:{r.port}" for r in sim.robots)
+        log.info(f"serving {ports}")
+        print(json.dumps({"ready": True, "robots": {r.name: r.port for r in sim.robots}}), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await sim.stop()
+        print(json.dumps({"stats": sim.summary()}), flush=True)
+
+    asyncio.run(run())
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
