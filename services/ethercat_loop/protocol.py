@@ -10,8 +10,12 @@ Decoders never raise: they return a `DecodeError` that the caller counts.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
+from typing import TypeVar
+
+T = TypeVar("T")
 
 NUM_MOTORS = 20
 NUM_SENSORS = 37  # SENSORS_NUM_0220 = 36 plus the IGNORE slot
@@ -416,7 +420,7 @@ _ST_0230 = struct.Struct("<I37H40HIH80HI16HIhII" + "hH" * 10 + "H")
 assert _CMD_0220.size == 58 and _CMD_0230.size == 62 and _ST_0220.size == 220 and _ST_0230.size == 416
 
 
-def _words(vals: tuple[int, ...] | list[int], n: int, what: str) -> list[int]:
+def _words(vals: Sequence[T], n: int, what: str) -> list[T]:
     if len(vals) != n:
         raise ValueError(f"{what}: need {n} values, got {len(vals)}")
     return list(vals)

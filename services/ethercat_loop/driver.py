@@ -1,0 +1,671 @@
+"""The per-cycle palm logic (what SR06 packCommand/unpackState did), pure: no I/O, no clock.
+
+`PalmDriver.cycle(status, now_ns)` decodes the previous status (None = lost frame) and returns the next
+command bytes; `apply(msg)` takes a control message from the MQTT side; `snapshot()` is a picklable view.
+The messages below are small frozen dataclasses so the cycle process can receive them over a
+multiprocessing queue.
+
+Fixed defects of the original (reference §2.3): demands expire (deadman) and a halt zeroes them (the
+original ignored its halt flag); torque is not updated from SLOW_MISC/READBACK replies, whose `torque`
+word holds a type; a demand is sent at least every MAX_NON_DEMAND_CYCLES cycles so queued configs or
+controls can never starve the motors into their 20 ms no-demand stop; queues are bounded.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.ethercat_loop.calibration import HandCalibration
+from services.ethercat_loop.protocol import (
+    CONFIG_TYPES,
+    DEMAND_RANGES,
+    NO_CAN,
+    NUM_MOTORS,
+    PROTOCOLS,
+    SERIOUS_ERROR_FLAGS,
+    SLOW_DATA_LAST,
+    SYSTEM_RESET_MAGIC,
+    CanBridgeFrame,
+    DecodeError,
+    EdcCommand,
+    FromMotorDataType,
+    FromMotorSlowDataType,
+    PalmCommand,
+    PalmStatus,
+    ToMotorDataType,
+    config_crc,
+    flag_names,
+    pack_command,
+    s16,
+    unpack_status,
+)
+
+MAX_NON_DEMAND_CYCLES = 8  # < the motors' 20 ms no-demand timeout, with margin
+INIT_TIMEOUT_NS = 5_000_000_000  # like the original's 5 s "Motor Initialization Timeout"
+CAN_TX_QUEUE_MAX = 4096
+CAN_RX_KEEP = 4096
+
+# motor_data_polling.yaml keys -> FROM_MOTOR data types
+POLL_TYPES: dict[str, FromMotorDataType] = {
+    "sgl": FromMotorDataType.SGL, "sgr": FromMotorDataType.SGR, "pwm": FromMotorDataType.PWM,
+    "flags": FromMotorDataType.FLAGS, "current": FromMotorDataType.CURRENT, "voltage": FromMotorDataType.VOLTAGE,
+    "temperature": FromMotorDataType.TEMPERATURE, "can_num_received": FromMotorDataType.CAN_NUM_RECEIVED,
+    "can_num_transmitted": FromMotorDataType.CAN_NUM_TRANSMITTED, "slow_data": FromMotorDataType.SLOW_MISC,
+    "can_error_counters": FromMotorDataType.CAN_ERROR_COUNTERS, "pterm": FromMotorDataType.PTERM,
+    "iterm": FromMotorDataType.ITERM, "dterm": FromMotorDataType.DTERM,
+}
+# The current per-hand defaults (sr_hand_config/2106/rates/motor_data_polling.yaml):
+# -1 important (round robin), -2 initialisation only, >0 period in seconds.
+DEFAULT_POLLING: dict[str, float] = {
+    "sgl": -1, "sgr": -1, "pwm": -1, "flags": -1, "current": -1, "voltage": 2, "temperature": 1,
+    "can_num_received": 0.1, "can_num_transmitted": 0.1, "slow_data": -2, "can_error_counters": 0.1,
+    "pterm": -2, "iterm": -2, "dterm": -2,
+}
+
+ControlMode = Literal["torque", "pwm"]
+
+
+# ------------------------------------------------------------------------------------------- messages
+@dataclass(frozen=True)
+class SetControlMode:
+    """Torque (the motors' FPID loop) or PWM (straight to the H-bridge). Switching zeroes all demands."""
+
+    mode: ControlMode
+
+
+@dataclass(frozen=True)
+class SetDemands:
+    """motor id -> demand; each value stays valid for `demand_timeout_ms` from the cycle it reached."""
+
+    demands: dict[int, int]
+
+
+@dataclass(frozen=True)
+class NullifyDemands:
+    """While enabled, every demand is zero (the original `nullify_demand` service)."""
+
+    enable: bool = True
+
+
+@dataclass(frozen=True)
+class MotorConfig:
+    """The FPID configuration of one motor (TO_MOTOR config types 0x5..0xE)."""
+
+    torque_limit: int = 0
+    torque_limiter_gain: int = 0
+    max_pwm: int = 0
+    sgl_ref: int = 0
+    sgr_ref: int = 0
+    f: int = 0
+    p: int = 0
+    i: int = 0
+    d: int = 0
+    imax: int = 0
+    deadband: int = 0
+    sign: int = 0
+
+    def words(self) -> dict[int, int]:
+        t = ToMotorDataType
+        return {
+            t.CONFIG_TORQUE_LIMIT: self.torque_limit & 0xFFFF,
+            t.CONFIG_TORQUE_LIMITER_GAIN: self.torque_limiter_gain & 0xFFFF,
+            t.CONFIG_MAX_PWM: self.max_pwm & 0xFFFF,
+            t.CONFIG_SG_REFS: (self.sgl_ref & 0xFF) | ((self.sgr_ref & 0xFF) << 8),
+            t.CONFIG_F: self.f & 0xFFFF, t.CONFIG_P: self.p & 0xFFFF, t.CONFIG_I: self.i & 0xFFFF,
+            t.CONFIG_D: self.d & 0xFFFF, t.CONFIG_IMAX: self.imax & 0xFFFF,
+            t.CONFIG_DEADBAND_SIGN: (self.deadband & 0xFF) | ((self.sign & 0xFF) << 8),
+        }
+
+    def check(self) -> str | None:
+        t = ToMotorDataType
+        vals = {t.CONFIG_TORQUE_LIMIT: self.torque_limit, t.CONFIG_TORQUE_LIMITER_GAIN: self.torque_limiter_gain,
+                t.CONFIG_MAX_PWM: self.max_pwm, t.CONFIG_F: self.f, t.CONFIG_P: self.p, t.CONFIG_I: self.i,
+                t.CONFIG_D: self.d, t.CONFIG_IMAX: self.imax}
+        for k, v in vals.items():
+            lo, hi = DEMAND_RANGES[k]
+            if not lo <= v <= hi:
+                return f"{k.name.lower()[7:]} {v} out of range {lo}..{hi}"
+        for name, v, hi in (("sgl_ref", self.sgl_ref, 255), ("sgr_ref", self.sgr_ref, 255),
+                            ("deadband", self.deadband, 255), ("sign", self.sign, 1)):
+            if not 0 <= v <= hi:
+                return f"{name} {v} out of range 0..{hi}"
+        return None
+
+
+@dataclass(frozen=True)
+class SetMotorConfig:
+    """Push a config to some motors: one type per cycle, ending with the CRC."""
+
+    motors: tuple[int, ...]
+    config: MotorConfig
+
+
+@dataclass(frozen=True)
+class SystemControls:
+    """MOTOR_SYSTEM_CONTROLS bits for some motors (backlash, gauge tracking, jiggle, EEPROM write)."""
+
+    motors: tuple[int, ...]
+    controls: int
+
+
+@dataclass(frozen=True)
+class ResetMotors:
+    motors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SetTestMode:
+    """EDC_command for the coming cycles: SENSOR_DATA (normal), SENSOR_CHANNEL_NUMBERS or SENSOR_ADC_CHANNEL_CS."""
+
+    edc_command: int
+
+
+@dataclass(frozen=True)
+class SetCanDirect:
+    """CAN direct mode (the bridge lease): no demands, the CAN-bridge frames go to and from the buses."""
+
+    enable: bool
+    flush: bool = True  # drop frames still queued for the wire
+
+
+@dataclass(frozen=True)
+class CanFrame:
+    bus: int  # 1 or 2
+    sid: int  # 11-bit
+    data: bytes  # up to 8 bytes
+
+
+@dataclass(frozen=True)
+class CanTx:
+    """Frames for the bridge, one per cycle in CAN direct mode."""
+
+    frames: tuple[CanFrame, ...]
+
+
+@dataclass(frozen=True)
+class CanRxFrame:
+    bus: int
+    sid: int
+    data: bytes
+    cycle: int  # the driver cycle whose status carried it
+
+
+@dataclass(frozen=True)
+class Halt:
+    """Zero every demand from the next cycle on (shutdown, leaving OP)."""
+
+    enable: bool = True
+
+
+@dataclass(frozen=True)
+class SetPolling:
+    """Replace the motor data polling schedule (keys and semantics of motor_data_polling.yaml)."""
+
+    rates: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ReinitializeMotors:
+    """Start the initialisation phase again (after a motor was flashed or reset)."""
+
+
+ControlMessage = (SetControlMode | SetDemands | NullifyDemands | SetMotorConfig | SystemControls | ResetMotors
+                  | SetTestMode | SetCanDirect | CanTx | Halt | SetPolling | ReinitializeMotors)
+
+
+def check_message(msg: object, mode: ControlMode | None = None) -> str | None:
+    """None if `msg` is acceptable, else why not. The service calls it before submitting (to answer
+    with an error); the driver calls it again, counting what it rejects."""
+
+    def motors_ok(ms: tuple[int, ...]) -> str | None:
+        bad = [m for m in ms if not 0 <= m < NUM_MOTORS]
+        return f"motor ids {bad} not in 0..{NUM_MOTORS - 1}" if bad else None
+
+    if isinstance(msg, SetDemands):
+        err = motors_ok(tuple(msg.demands))
+        if err or mode is None:
+            return err
+        lo, hi = DEMAND_RANGES[ToMotorDataType.DEMAND_TORQUE if mode == "torque" else ToMotorDataType.DEMAND_PWM]
+        bad = {m: v for m, v in msg.demands.items() if not lo <= v <= hi}
+        return f"demands {bad} out of the {mode} range {lo}..{hi}" if bad else None
+    if isinstance(msg, SetControlMode):
+        return None if msg.mode in ("torque", "pwm") else f"unknown control mode {msg.mode!r}"
+    if isinstance(msg, SetMotorConfig):
+        return motors_ok(msg.motors) or msg.config.check()
+    if isinstance(msg, SystemControls):
+        return motors_ok(msg.motors) or (None if 0 < msg.controls <= 0xFF else "controls must be 1..0xFF")
+    if isinstance(msg, ResetMotors):
+        return motors_ok(msg.motors)
+    if isinstance(msg, SetTestMode):
+        ok = (EdcCommand.SENSOR_DATA, EdcCommand.SENSOR_CHANNEL_NUMBERS, EdcCommand.SENSOR_ADC_CHANNEL_CS)
+        return None if msg.edc_command in ok else f"EDC_command {msg.edc_command} is not a sensor mode"
+    if isinstance(msg, CanTx):
+        for f in msg.frames:
+            if f.bus not in (1, 2) or not 0 <= f.sid <= 0x7FF or len(f.data) > 8:
+                return f"bad CAN frame {f}"
+        return None
+    if isinstance(msg, SetPolling):
+        bad_keys = sorted(set(msg.rates) - set(POLL_TYPES))
+        if bad_keys:
+            return f"unknown polling keys {bad_keys}"
+        bad_vals = {k: v for k, v in msg.rates.items() if not (v in (-1, -2) or v > 0)}
+        return f"polling rates must be -1, -2 or > 0 s: {bad_vals}" if bad_vals else None
+    if isinstance(msg, NullifyDemands | SetCanDirect | Halt | ReinitializeMotors):
+        return None
+    return f"unknown message {type(msg).__name__}"
+
+
+# ------------------------------------------------------------------------------------------- snapshot
+@dataclass(frozen=True)
+class PalmMotorSnapshot:
+    id: int
+    joint: str | None
+    torque: int | None
+    demand: int  # the latest demand asked for (before expiry)
+    demand_sent: int  # what the last demand cycle put on the wire
+    flags: int | None
+    flag_names: tuple[str, ...]
+    serious: bool
+    temperature: float | None  # °C
+    current: float | None  # A
+    voltage: float | None  # V
+    pwm: int | None
+    sgl: int | None
+    sgr: int | None
+    last_seen_ns: int | None
+    missed: int  # polls without an answer
+    data_errors: int
+    slow: dict[str, int]
+    last_config: tuple[int, int] | None
+    can_received: int | None
+    can_transmitted: int | None
+    can_errors: tuple[int, int] | None  # (tx, rx)
+    terms: dict[str, int]
+
+
+@dataclass(frozen=True)
+class PalmJointSnapshot:
+    name: str
+    position: float | None  # rad
+    raw: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PalmSnapshot:
+    cycle: int
+    now_ns: int
+    protocol: str
+    phase: str  # "init" | "operation"
+    mode: ControlMode
+    edc_command: int  # what we send
+    edc_echo: int  # what the last good status echoed
+    status_count: int
+    can_direct: bool
+    halted: bool
+    nullified: bool
+    joints: tuple[PalmJointSnapshot, ...]
+    sensors_raw: tuple[int, ...]
+    motors: tuple[PalmMotorSnapshot, ...]
+    tactile_type: int
+    tactile_valid: int
+    tactile: tuple[tuple[int, ...], ...]
+    imu: tuple[int, ...]  # ACCX..GYRZ as int16s
+    analog: tuple[int, ...]  # AN0..AN3
+    idle_time_us: int
+    counters: dict[str, int]
+
+
+# ------------------------------------------------------------------------------------------- state
+@dataclass
+class _Motor:
+    id: int
+    torque: int | None = None
+    flags: int | None = None
+    temperature: float | None = None
+    current: float | None = None
+    voltage: float | None = None
+    pwm: int | None = None
+    sgl: int | None = None
+    sgr: int | None = None
+    last_seen_ns: int | None = None
+    missed: int = 0
+    data_errors: int = 0
+    slow: dict[str, int] = field(default_factory=dict)
+    last_config: tuple[int, int] | None = None
+    can_received: int | None = None
+    can_transmitted: int | None = None
+    can_errors: tuple[int, int] | None = None
+    terms: dict[str, int] = field(default_factory=dict)
+    demand: int = 0
+    demand_ns: int | None = None
+    demand_sent: int = 0
+
+
+class PollSchedule:
+    """Which FROM_MOTOR type to ask for next (generic_updater semantics)."""
+
+    def __init__(self, rates: dict[str, float], now_ns: int = 0) -> None:
+        self.important = [POLL_TYPES[k] for k, v in rates.items() if v == -1]
+        self.init_types = [POLL_TYPES[k] for k, v in rates.items() if v == -2]
+        self.timers = {POLL_TYPES[k]: int(v * 1e9) for k, v in rates.items() if v > 0}
+        self.due = {t: now_ns + p for t, p in self.timers.items()}
+        self.queue: deque[FromMotorDataType] = deque()
+        self.rr = 0
+        self.init_rr = 0
+
+    def next(self, now_ns: int, init: list[FromMotorDataType]) -> FromMotorDataType:
+        for t, due in self.due.items():
+            if now_ns >= due:
+                self.due[t] = now_ns + self.timers[t]
+                if t not in self.queue:
+                    self.queue.append(t)
+        if self.queue:  # queued "unimportant" types take priority, as in the original
+            return self.queue.popleft()
+        if init and self.init_rr % 2 == 0:  # during initialisation, every other slot is an init type
+            self.init_rr += 1
+            return init[(self.init_rr // 2) % len(init)]
+        self.init_rr += 1
+        if not self.important:
+            return init[0] if init else FromMotorDataType.FLAGS
+        self.rr = (self.rr + 1) % len(self.important)
+        return self.important[self.rr]
+
+
+class PalmDriver:
+    """One palm's per-cycle logic. Not thread-safe: the cycle owner calls everything (apply from the
+    same thread or under its own lock)."""
+
+    def __init__(self, protocol: str = "0220", calibration: HandCalibration | None = None,
+                 polling: dict[str, float] | None = None, demand_timeout_ms: float = 100.0,
+                 mode: ControlMode = "pwm", tactile_data_type: int = 0) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {protocol!r}")
+        self.protocol = protocol
+        self.info = PROTOCOLS[protocol]
+        self.cal = calibration or HandCalibration.load()
+        self.rates = dict(DEFAULT_POLLING if polling is None else polling)
+        self.demand_timeout_ns = int(demand_timeout_ms * 1e6)
+        self.mode: ControlMode = mode
+        self.tactile_data_type = tactile_data_type
+        self.motors = [_Motor(i) for i in range(NUM_MOTORS)]
+        self.schedule = PollSchedule(self.rates)
+        self.cycle_no = 0
+        self.now_ns = 0
+        self.which = 1  # the first command asks the even motors
+        self.data_type: FromMotorDataType = FromMotorDataType.FLAGS
+        self.edc_mode: int = EdcCommand.SENSOR_DATA
+        self.can_direct = False
+        self.halted = False
+        self.nullified = False
+        self.non_demand_streak = 0
+        self.start_ns: int | None = None
+        self.phase = "init"
+        self._init_seen: dict[int, set[int]] = {}
+        self._slow_seen: list[set[int]] = [set() for _ in range(NUM_MOTORS)]
+        self._fresh: dict[int, int] = {}
+        self._controls: deque[tuple[int, dict[int, int]]] = deque(maxlen=64)  # (to_motor type, motor -> word)
+        self._config_steps: deque[tuple[int, dict[int, int]]] = deque(maxlen=64 * 11)
+        self._can_tx: deque[CanFrame] = deque()
+        self._can_rx: deque[CanRxFrame] = deque(maxlen=CAN_RX_KEEP)
+        self.last: PalmStatus | None = None
+        self.last_sensor_data: tuple[int, ...] | None = None
+        self.c: dict[str, int] = dict.fromkeys(
+            ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
+             "demands_expired", "configs_sent", "controls_sent", "resets_sent", "rejected", "init_timeout",
+             "can_tx", "can_rx", "can_tx_overflow", "non_demand_cycles"), 0)
+        self.last_error = ""
+        self._reset_init()
+
+    # -- control messages -----------------------------------------------------------------------------
+    def apply(self, msg: ControlMessage) -> str | None:
+        """Apply one control message; returns None, or why it was rejected (counted, never raised)."""
+        err = check_message(msg, self.mode)
+        if err:
+            self.c["rejected"] += 1
+            self.last_error = err
+            return err
+        if isinstance(msg, SetDemands):
+            self._fresh.update(msg.demands)
+        elif isinstance(msg, SetControlMode):
+            if msg.mode != self.mode:
+                self.mode = msg.mode
+                self._zero_demands()
+        elif isinstance(msg, NullifyDemands):
+            self.nullified = msg.enable
+        elif isinstance(msg, Halt):
+            self.halted = msg.enable
+            if msg.enable:
+                self._zero_demands()
+        elif isinstance(msg, SetMotorConfig):
+            words = msg.config.words()
+            crc = config_crc(words)
+            for t in CONFIG_TYPES:
+                self._config_steps.append((t, dict.fromkeys(msg.motors, words[t])))
+            self._config_steps.append((ToMotorDataType.CONFIG_CRC, dict.fromkeys(msg.motors, crc)))
+        elif isinstance(msg, SystemControls):
+            self._controls.append((ToMotorDataType.SYSTEM_CONTROLS, dict.fromkeys(msg.motors, msg.controls)))
+        elif isinstance(msg, ResetMotors):
+            self._controls.append((ToMotorDataType.SYSTEM_RESET,
+                                   {m: SYSTEM_RESET_MAGIC | (m % 10) for m in msg.motors}))
+        elif isinstance(msg, SetTestMode):
+            self.edc_mode = msg.edc_command
+        elif isinstance(msg, SetCanDirect):
+            self.can_direct = msg.enable
+            if msg.flush:
+                self._can_tx.clear()
+            self._zero_demands()
+        elif isinstance(msg, CanTx):
+            for f in msg.frames:
+                if len(self._can_tx) >= CAN_TX_QUEUE_MAX:
+                    self.c["can_tx_overflow"] += 1
+                else:
+                    self._can_tx.append(f)
+        elif isinstance(msg, SetPolling):
+            self.rates = {**self.rates, **msg.rates}
+            self.schedule = PollSchedule(self.rates, self.now_ns)
+            self._reset_init()
+        elif isinstance(msg, ReinitializeMotors):
+            self._reset_init()
+        return None
+
+    def _zero_demands(self) -> None:
+        self._fresh.clear()
+        for m in self.motors:
+            m.demand, m.demand_ns = 0, None
+
+    def _reset_init(self) -> None:
+        self.phase = "init"
+        self.start_ns = None
+        self._init_seen = {int(t): set() for t in self.schedule.init_types}
+        self._slow_seen = [set() for _ in range(NUM_MOTORS)]
+
+    # -- the cycle ------------------------------------------------------------------------------------
+    def cycle(self, status: bytes | None, now_ns: int) -> bytes:
+        """Decode the previous cycle's status (None: the frame was lost) and build the next command."""
+        self.cycle_no += 1
+        self.c["cycles"] += 1
+        self.now_ns = now_ns
+        if self.start_ns is None:
+            self.start_ns = now_ns
+        if status is None:
+            self.c["lost"] += 1
+        else:
+            self._unpack(status, now_ns)
+        return pack_command(self._pack(now_ns), self.protocol)
+
+    def _unpack(self, buf: bytes, now_ns: int) -> None:
+        st = unpack_status(buf, self.protocol)
+        if isinstance(st, DecodeError):
+            self.c["decode_errors"] += 1
+            self.last_error = str(st)
+            return
+        if st.dropped:  # empty mailbox: count and skip, like the original (no halt)
+            self.c["dropped"] += 1
+            return
+        self.c["statuses"] += 1
+        self.last = st
+        if st.edc_command == EdcCommand.SENSOR_DATA:
+            self.last_sensor_data = st.sensors
+        if st.edc_command == EdcCommand.CAN_DIRECT_MODE:
+            if not st.can.empty:
+                self.c["can_rx"] += 1
+                self._can_rx.append(CanRxFrame(st.can.can_bus, st.can.message_id, st.can.payload, self.cycle_no))
+            return
+        self._motor_block(st, now_ns)
+
+    def _motor_block(self, st: PalmStatus, now_ns: int) -> None:
+        kind = st.motor_data_type
+        for m in self.motors[st.which_motors::2]:
+            if not st.which_motor_data_arrived & (1 << m.id):
+                m.missed += 1
+                self.c["motor_missing"] += 1
+                continue
+            # bit motor_id/2 of had_errors, as the original reads it (reference §2.3)
+            if st.which_motor_data_had_errors & (1 << (m.id // 2)):
+                m.data_errors += 1
+                self.c["motor_data_errors"] += 1
+                continue
+            torque, misc = st.motor_data_packet[m.id // 2]
+            m.last_seen_ns = now_ns
+            if kind not in (FromMotorDataType.SLOW_MISC, FromMotorDataType.READBACK_LAST_CONFIG):
+                m.torque = torque  # in those two replies `torque` holds a type, not a torque
+            self._misc(m, kind, torque, misc)
+            if self.phase == "init":
+                self._note_init(m, kind, torque)
+
+    def _misc(self, m: _Motor, kind: int, torque: int, misc: int) -> None:
+        k = FromMotorDataType
+        if kind == k.SGL:
+            m.sgl = misc
+        elif kind == k.SGR:
+            m.sgr = misc
+        elif kind == k.PWM:
+            m.pwm = s16(misc)
+        elif kind == k.FLAGS:
+            m.flags = misc
+        elif kind == k.CURRENT:
+            m.current = misc / 1000.0
+        elif kind == k.VOLTAGE:
+            m.voltage = misc / 256.0
+        elif kind == k.TEMPERATURE:
+            m.temperature = misc / 256.0
+        elif kind == k.CAN_NUM_RECEIVED:
+            m.can_received = misc
+        elif kind == k.CAN_NUM_TRANSMITTED:
+            m.can_transmitted = misc
+        elif kind == k.CAN_ERROR_COUNTERS:
+            m.can_errors = (misc & 0xFF, misc >> 8)
+        elif kind == k.SLOW_MISC:
+            if 0 < torque <= SLOW_DATA_LAST:
+                m.slow[FromMotorSlowDataType(torque).name.lower()] = misc
+        elif kind == k.READBACK_LAST_CONFIG:
+            m.last_config = (torque & 0xFFFF, misc)
+        elif kind in (k.PTERM, k.ITERM, k.DTERM):
+            m.terms[k(kind).name.lower()] = s16(misc)
+
+    def _note_init(self, m: _Motor, kind: int, torque: int) -> None:
+        if kind == FromMotorDataType.SLOW_MISC:
+            if 0 < torque <= SLOW_DATA_LAST:
+                self._slow_seen[m.id].add(torque)
+            if len(self._slow_seen[m.id]) < int(SLOW_DATA_LAST):
+                return
+        seen = self._init_seen.get(kind)
+        if seen is not None:
+            seen.add(m.id)
+
+    def _init_pending(self) -> list[FromMotorDataType]:
+        return [FromMotorDataType(t) for t, seen in self._init_seen.items() if len(seen) < NUM_MOTORS]
+
+    def _pack(self, now_ns: int) -> PalmCommand:
+        self.which ^= 1
+        if self.phase == "init":
+            pending = self._init_pending()
+            if not pending:
+                self.phase = "operation"
+            elif self.start_ns is not None and now_ns - self.start_ns > INIT_TIMEOUT_NS:
+                self.phase = "operation"  # like the original: go on anyway, and say so
+                self.c["init_timeout"] += 1
+        if self.which == 0:  # a new pair (even, then odd) asks for the next type
+            self.data_type = self.schedule.next(now_ns, self._init_pending() if self.phase == "init" else [])
+        if self.can_direct:
+            frame = NO_CAN
+            if self._can_tx:
+                f = self._can_tx.popleft()
+                frame = CanBridgeFrame(f.bus, len(f.data), f.sid, f.data)
+                self.c["can_tx"] += 1
+            return PalmCommand(EdcCommand.CAN_DIRECT_MODE, self.data_type, self.which, ToMotorDataType.INVALID,
+                               (0,) * NUM_MOTORS, self.tactile_data_type, 0, frame)
+        kind, data = self._to_motors(now_ns)
+        return PalmCommand(self.edc_mode, self.data_type, self.which, kind, data, self.tactile_data_type, 0, NO_CAN)
+
+    def _to_motors(self, now_ns: int) -> tuple[int, tuple[int, ...]]:
+        if self.non_demand_streak < MAX_NON_DEMAND_CYCLES:
+            # priority as in packCommand: system controls, then resets, then one config type per cycle
+            step = self._controls.popleft() if self._controls else (
+                self._config_steps.popleft() if self._config_steps else None)
+            if step is not None:
+                kind, words = step
+                self.non_demand_streak += 1
+                self.c["non_demand_cycles"] += 1
+                key = {ToMotorDataType.SYSTEM_CONTROLS: "controls_sent", ToMotorDataType.SYSTEM_RESET: "resets_sent",
+                       ToMotorDataType.CONFIG_CRC: "configs_sent"}.get(ToMotorDataType(kind))
+                if key:
+                    self.c[key] += 1
+                if kind == ToMotorDataType.SYSTEM_RESET:
+                    self._reset_init()
+                return kind, tuple(s16(words.get(i, 0)) for i in range(NUM_MOTORS))
+        self.non_demand_streak = 0
+        for mid, v in self._fresh.items():
+            self.motors[mid].demand, self.motors[mid].demand_ns = v, now_ns
+        self._fresh.clear()
+        out = []
+        for m in self.motors:
+            v = m.demand
+            if m.demand_ns is None or now_ns - m.demand_ns > self.demand_timeout_ns:
+                if m.demand_ns is not None:
+                    self.c["demands_expired"] += 1
+                    m.demand, m.demand_ns = 0, None
+                v = 0
+            if self.halted or self.nullified:
+                v = 0
+            m.demand_sent = v
+            out.append(v)
+        kind = ToMotorDataType.DEMAND_TORQUE if self.mode == "torque" else ToMotorDataType.DEMAND_PWM
+        return kind, tuple(out)
+
+    # -- outputs --------------------------------------------------------------------------------------
+    def take_can_rx(self) -> list[CanRxFrame]:
+        """Bridge frames received since the last call (CAN direct mode)."""
+        out = list(self._can_rx)
+        self._can_rx.clear()
+        return out
+
+    @property
+    def can_tx_pending(self) -> int:
+        return len(self._can_tx)
+
+    def snapshot(self) -> PalmSnapshot:
+        st = self.last or PalmStatus()
+        joints: tuple[PalmJointSnapshot, ...]
+        if self.last_sensor_data is not None:
+            joints = tuple(PalmJointSnapshot(j.name, j.position, j.raw) for j in self.cal.joints(self.last_sensor_data))
+        else:
+            joints = ()
+        motors = tuple(PalmMotorSnapshot(
+            id=m.id, joint=self.cal.joint_of_motor.get(m.id), torque=m.torque, demand=m.demand,
+            demand_sent=m.demand_sent, flags=m.flags, flag_names=tuple(flag_names(m.flags or 0)),
+            serious=bool((m.flags or 0) & SERIOUS_ERROR_FLAGS), temperature=m.temperature, current=m.current,
+            voltage=m.voltage, pwm=m.pwm, sgl=m.sgl, sgr=m.sgr, last_seen_ns=m.last_seen_ns, missed=m.missed,
+            data_errors=m.data_errors, slow=dict(m.slow), last_config=m.last_config, can_received=m.can_received,
+            can_transmitted=m.can_transmitted, can_errors=m.can_errors, terms=dict(m.terms)) for m in self.motors)
+        sensors = st.sensors
+        return PalmSnapshot(
+            cycle=self.cycle_no, now_ns=self.now_ns, protocol=self.protocol, phase=self.phase, mode=self.mode,
+            edc_command=int(EdcCommand.CAN_DIRECT_MODE if self.can_direct else self.edc_mode),
+            edc_echo=st.edc_command, status_count=self.c["statuses"], can_direct=self.can_direct,
+            halted=self.halted, nullified=self.nullified, joints=joints, sensors_raw=sensors, motors=motors,
+            tactile_type=st.tactile_data_type, tactile_valid=st.tactile_data_valid, tactile=st.tactile,
+            imu=tuple(s16(v) for v in sensors[26:32]), analog=tuple(sensors[32:36]), idle_time_us=st.idle_time_us,
+            counters={**self.c, "can_tx_pending": len(self._can_tx)})

@@ -1,0 +1,395 @@
+"""The palm's side of the same wire protocol: a Shadow palm (PIC32 + 20 motor boards on two CAN buses).
+
+`PalmModel.exchange(command) -> status` is one 1 ms EtherCAT cycle: it takes the command + CAN-bridge
+bytes the host wrote and returns the status + CAN-bridge bytes the palm loaded. The in-process backend
+calls it directly; the virtual EtherCAT slave (esc.py) calls it from its process-data hook.
+
+What it models (reference §1, §2.3, seed 001): EDC_command, data type and parity echoed; the requested
+data type answered by the polled parity with arrived/error bits; torque that follows the demand and
+joints that tendons pull; the 20 ms no-demand stop; config with CRC; system controls; slow data;
+sensor channel-number test mode; CAN direct mode, where the bridge frame goes onto a simulated CAN bus
+and received frames come back one per cycle, one cycle later; injectable faults.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.ethercat_loop.calibration import HandCalibration
+from services.ethercat_loop.protocol import (
+    CONFIG_TYPES,
+    DEMAND_RANGES,
+    EXPECTED_CHANNELS,
+    NO_CAN,
+    NO_DEMAND_TIMEOUT_MS,
+    NUM_MOTORS,
+    PROTOCOLS,
+    SENSOR_NAMES,
+    SERIOUS_ERROR_FLAGS,
+    SYSTEM_RESET_MAGIC,
+    CanBridgeFrame,
+    CanDirection,
+    DecodeError,
+    EdcCommand,
+    FromMotorDataType,
+    FromMotorSlowDataType,
+    MotorFlag,
+    PalmStatus,
+    SystemControl,
+    ToMotorDataType,
+    channel_word,
+    config_crc,
+    make_sid,
+    pack_status,
+    split_sid,
+    unpack_command,
+)
+
+CanReply = tuple[int, int, bytes]  # (bus 1|2, sid, data)
+
+
+class CanNode(Protocol):
+    """A peer on the simulated CAN buses (e.g. the PIC18F bootloader model of can-bootloader)."""
+
+    def on_can_frame(self, bus: int, sid: int, data: bytes) -> list[CanReply]: ...
+
+
+AMBIENT_C = 30.0
+OVER_TEMPERATURE_C = 60.0  # firmware cut-out ("increased temperature cutout to 60 °C")
+TORQUE_TAU_CYCLES = 5.0  # first-order torque response
+RAD_PER_TORQUE_S = 0.004  # joint speed (rad/s) per unit of tendon torque
+PWM_TO_TORQUE = 1.5
+
+
+@dataclass
+class PalmMotorModel:
+    """One motor board (PIC18F simplemotor) as the palm sees it."""
+
+    id: int
+    torque: float = 0.0
+    demand: int = 0
+    mode: int = ToMotorDataType.INVALID
+    last_demand_cycle: int = -10_000
+    flags: int = 0
+    temperature: float = AMBIENT_C
+    current: float = 0.0
+    voltage: float = 24.0
+    pwm: int = 0
+    pending: dict[int, int] = field(default_factory=dict)
+    config: dict[int, int] = field(default_factory=dict)
+    config_accepted: int = 0
+    last_config: tuple[int, int] = (0, 0)
+    backlash: bool = True
+    jiggle_left: int = 0
+    eeprom_left: int = 0
+    eeprom_writes: int = 0
+    sg_tracking: int = 0
+    resets: int = 0
+    slow_index: int = 0
+    can_rx: int = 0
+    can_tx: int = 0
+    silent: bool = False
+    overheat: bool = False
+    data_error: bool = False
+
+    @property
+    def running(self) -> bool:
+        return not (self.flags & SERIOUS_ERROR_FLAGS)
+
+    def slow_value(self, kind: int) -> int:
+        c = self.config
+        values = {
+            FromMotorSlowDataType.SVN_REVISION: 1930, FromMotorSlowDataType.SVN_SERVER_REVISION: 1930,
+            FromMotorSlowDataType.SVN_MODIFIED: 0, FromMotorSlowDataType.SERIAL_NUMBER_LOW: 2000 + self.id,
+            FromMotorSlowDataType.SERIAL_NUMBER_HIGH: 0, FromMotorSlowDataType.GEAR_RATIO: 131,
+            FromMotorSlowDataType.ASSEMBLY_DATE_YYYY: 2013, FromMotorSlowDataType.ASSEMBLY_DATE_MMDD: 415,
+            FromMotorSlowDataType.CONTROLLER_F: c.get(ToMotorDataType.CONFIG_F, 0),
+            FromMotorSlowDataType.CONTROLLER_P: c.get(ToMotorDataType.CONFIG_P, 0),
+            FromMotorSlowDataType.CONTROLLER_I: c.get(ToMotorDataType.CONFIG_I, 0),
+            FromMotorSlowDataType.CONTROLLER_IMAX: c.get(ToMotorDataType.CONFIG_IMAX, 0),
+            FromMotorSlowDataType.CONTROLLER_D: c.get(ToMotorDataType.CONFIG_D, 0),
+            FromMotorSlowDataType.CONTROLLER_DEADSIGN: c.get(ToMotorDataType.CONFIG_DEADBAND_SIGN, 0),
+            FromMotorSlowDataType.CONTROLLER_FREQUENCY: 5000,
+            FromMotorSlowDataType.STRAIN_GAUGE_TYPE: 0x0C,
+        }
+        return values.get(FromMotorSlowDataType(kind), 0) & 0xFFFF
+
+    def sg(self, left: bool) -> int:
+        half = self.torque / 2
+        return max(0, min(0xFFFF, int(2048 + (half if left else -half))))
+
+    def answer(self, kind: int) -> tuple[int, int]:
+        """(torque word, misc word) for a FROM_MOTOR request."""
+        t = max(-0x8000, min(0x7FFF, round(self.torque)))
+        k = FromMotorDataType
+        if kind == k.SLOW_MISC:
+            self.slow_index = self.slow_index % int(FromMotorSlowDataType.STRAIN_GAUGE_TYPE) + 1
+            return self.slow_index, self.slow_value(self.slow_index)
+        if kind == k.READBACK_LAST_CONFIG:
+            return self.last_config[0], self.last_config[1] & 0xFFFF
+        misc = {
+            k.SGL: self.sg(True), k.SGR: self.sg(False), k.PWM: self.pwm & 0xFFFF, k.FLAGS: self.flags,
+            k.CURRENT: int(self.current * 1000), k.VOLTAGE: int(self.voltage * 256),
+            k.TEMPERATURE: int(self.temperature * 256), k.CAN_NUM_RECEIVED: self.can_rx & 0xFFFF,
+            k.CAN_NUM_TRANSMITTED: self.can_tx & 0xFFFF, k.CAN_ERROR_COUNTERS: 0,
+            k.PTERM: (int(self.torque * 3)) & 0xFFFF, k.ITERM: 0x0100, k.DTERM: (-0x80) & 0xFFFF,
+        }.get(k(kind) if 0 <= kind <= 0xF else k.INVALID, 0)
+        return t, misc & 0xFFFF
+
+
+class PalmModel:
+    """A simulated palm. Not thread-safe: one caller (the cycle) drives `exchange`; fault injection
+    from another thread only flips plain attributes, which is safe under the GIL."""
+
+    def __init__(self, protocol: str = "0220", can_nodes: list[CanNode] | None = None,
+                 calibration: HandCalibration | None = None, motor_can_replies: bool = True) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {protocol!r} (known: {sorted(PROTOCOLS)})")
+        self.protocol = protocol
+        self.info = PROTOCOLS[protocol]
+        self.cal = calibration or HandCalibration.load()
+        self.can_nodes: list[CanNode] = list(can_nodes or [])
+        self.motor_can_replies = motor_can_replies
+        self.motors = [PalmMotorModel(i) for i in range(NUM_MOTORS)]
+        self.cycle = 0
+        self.command_errors = 0
+        self.drop_next = 0
+        self.channel_overrides: dict[str, tuple[int, int]] = {}
+        self.bus_log: deque[tuple[int, int, int, bytes]] = deque(maxlen=256)  # (cycle, bus, sid, data)
+        self._rx: deque[tuple[int, int, int, bytes]] = deque(maxlen=4096)  # (ready cycle, bus, sid, data)
+        self.edc_command = 0
+        # joint angles (rad) of every calibrated joint; J0 is J1 + J2
+        self.angles = {n: self._rest(n) for n in self.cal.tables}
+
+    # -- wiring and faults ----------------------------------------------------------------------------
+    def add_can_node(self, node: CanNode) -> None:
+        self.can_nodes.append(node)
+
+    def drop_status(self, n: int = 1) -> None:
+        """The next `n` statuses read as an empty mailbox (all zeros), as when the palm is late."""
+        self.drop_next += n
+
+    def silence_motor(self, motor: int, silent: bool = True) -> None:
+        """The motor stops answering (not on the EtherCAT status, not on CAN)."""
+        self.motors[motor].silent = silent
+
+    def overheat_motor(self, motor: int, on: bool = True) -> None:
+        m = self.motors[motor]
+        m.overheat = on
+        if not on:
+            m.temperature = AMBIENT_C
+            m.flags &= ~MotorFlag.OVER_TEMPERATURE
+
+    def corrupt_motor_data(self, motor: int, on: bool = True) -> None:
+        """The motor sends the wrong data type (its had-errors bit is set)."""
+        self.motors[motor].data_error = on
+
+    # -- the cycle ------------------------------------------------------------------------------------
+    def exchange(self, command: bytes) -> bytes:
+        self.cycle += 1
+        cmd = unpack_command(bytes(command), self.protocol)
+        if isinstance(cmd, DecodeError):
+            self.command_errors += 1
+            self._physics(ToMotorDataType.INVALID)
+            return bytes(self.info.status_size)
+        self.edc_command = cmd.edc_command
+        edc = cmd.edc_command
+        block: tuple[int, int, int, int, tuple[tuple[int, int], ...]] = (0, 0, 0, 0, ((0, 0),) * 10)
+        can_out = NO_CAN
+        if edc == EdcCommand.CAN_DIRECT_MODE:
+            if not cmd.can.empty:
+                self._bus_send(cmd.can.can_bus, cmd.can.message_id, cmd.can.payload)
+            can_out = self._bus_receive()
+            self._physics(ToMotorDataType.INVALID)  # a pure bridge: no demands reach the motors
+        elif edc in (EdcCommand.SENSOR_DATA, EdcCommand.SENSOR_CHANNEL_NUMBERS, EdcCommand.SENSOR_ADC_CHANNEL_CS):
+            self._to_motors(cmd.to_motor_data_type, cmd.motor_data)
+            self._physics(cmd.to_motor_data_type)
+            block = self._poll(cmd.from_motor_data_type, cmd.which_motors)
+        else:
+            self._physics(ToMotorDataType.INVALID)
+        if self.drop_next > 0 or edc == EdcCommand.INVALID:
+            self.drop_next = max(0, self.drop_next - 1)
+            return bytes(self.info.status_size)
+        st = PalmStatus(
+            edc_command=edc, sensors=self._sensors(edc), tactile_data_type=cmd.tactile_data_type,
+            tactile_data_valid=0x1F, tactile=self._tactile(), idle_time_us=180 + self.cycle % 40,
+            tactile_mid_prox=((0,) * 8,) * 5 if self.protocol == "0230" else (),
+            aux_spi_data_type=cmd.aux_data_type, aux_spi_sensor=(0,) * 16 if self.protocol == "0230" else (),
+            motor_data_type=block[0], which_motors=block[1], which_motor_data_arrived=block[2],
+            which_motor_data_had_errors=block[3], motor_data_packet=block[4], can=can_out)
+        return pack_status(st, self.protocol)
+
+    # -- motors ---------------------------------------------------------------------------------------
+    def _to_motors(self, kind: int, data: tuple[int, ...]) -> None:
+        t = ToMotorDataType
+        for m in self.motors:
+            if m.silent:
+                continue
+            v = data[m.id]
+            m.can_rx += 1
+            if kind in (t.DEMAND_TORQUE, t.DEMAND_PWM):
+                m.mode, m.demand, m.last_demand_cycle = kind, v, self.cycle
+                m.flags &= ~MotorFlag.NO_DEMAND_SEEN
+            elif kind == t.SYSTEM_RESET and (v & 0xFFFF) == SYSTEM_RESET_MAGIC | (m.id % 10):
+                self._reset(m)
+            elif kind == t.SYSTEM_CONTROLS and v:
+                self._controls(m, v & 0xFF)
+            elif t.CONFIG_TORQUE_LIMIT <= kind <= t.CONFIG_DEADBAND_SIGN:
+                m.pending[kind] = v & 0xFFFF
+                m.last_config = (kind, v & 0xFFFF)
+            elif kind == t.CONFIG_CRC and v:
+                self._crc(m, v & 0xFFFF)
+
+    def _reset(self, m: PalmMotorModel) -> None:
+        m.resets += 1
+        m.flags = MotorFlag.OVER_TEMPERATURE if m.overheat else 0
+        m.demand, m.torque, m.pwm, m.pending = 0, 0.0, 0, {}
+        m.last_demand_cycle = self.cycle
+
+    def _controls(self, m: PalmMotorModel, bits: int) -> None:
+        if bits & SystemControl.BACKLASH_COMPENSATION_ENABLE:
+            m.backlash = True
+        if bits & SystemControl.BACKLASH_COMPENSATION_DISABLE:
+            m.backlash = False
+        for inc, dec in ((SystemControl.SGL_TRACKING_INC, SystemControl.SGL_TRACKING_DEC),
+                         (SystemControl.SGR_TRACKING_INC, SystemControl.SGR_TRACKING_DEC)):
+            m.sg_tracking += (1 if bits & inc else 0) - (1 if bits & dec else 0)
+        if bits & SystemControl.INITIATE_JIGGLING:
+            m.jiggle_left = 200
+        if bits & SystemControl.EEPROM_WRITE:
+            m.eeprom_left, m.eeprom_writes = 30, m.eeprom_writes + 1
+
+    def _crc(self, m: PalmMotorModel, crc: int) -> None:
+        words: dict[int, int] = {int(k): m.pending.get(k, 0) for k in CONFIG_TYPES}
+        m.pending = {}
+        if crc != config_crc(words):
+            m.flags |= MotorFlag.LAST_CONFIG_CRC_FAILED
+            return
+        m.flags &= ~MotorFlag.LAST_CONFIG_CRC_FAILED
+        for k, (lo, hi) in DEMAND_RANGES.items():
+            v = words.get(k)
+            signed = v - 0x10000 if v is not None and v & 0x8000 else v
+            if signed is not None and not lo <= signed <= hi:
+                m.flags |= MotorFlag.LAST_CONFIG_OUT_OF_RANGE
+                return
+        m.flags &= ~MotorFlag.LAST_CONFIG_OUT_OF_RANGE
+        m.config, m.config_accepted = words, m.config_accepted + 1
+
+    def _physics(self, kind: int) -> None:
+        dt = 0.001
+        for m in self.motors:
+            if self.cycle - m.last_demand_cycle > NO_DEMAND_TIMEOUT_MS:
+                m.flags |= MotorFlag.NO_DEMAND_SEEN
+            if m.overheat:
+                m.temperature = min(m.temperature + 0.5, 70.0)
+            if m.temperature > OVER_TEMPERATURE_C:
+                m.flags |= MotorFlag.OVER_TEMPERATURE
+            m.flags = (m.flags & ~MotorFlag.JIGGLING_IN_PROGRESS) | (
+                MotorFlag.JIGGLING_IN_PROGRESS if m.jiggle_left > 0 else 0)
+            m.flags = (m.flags & ~MotorFlag.EEPROM_WRITING) | (MotorFlag.EEPROM_WRITING if m.eeprom_left > 0 else 0)
+            m.jiggle_left, m.eeprom_left = max(0, m.jiggle_left - 1), max(0, m.eeprom_left - 1)
+            target, m.pwm = 0.0, 0
+            if m.running and not m.silent:
+                if m.mode == ToMotorDataType.DEMAND_TORQUE:
+                    limit = m.config.get(ToMotorDataType.CONFIG_TORQUE_LIMIT, 0)
+                    target = float(max(-limit, min(limit, m.demand)) if limit else m.demand)
+                    m.pwm = max(-0x3FF, min(0x3FF, round((target - m.torque) * 0.5)))
+                elif m.mode == ToMotorDataType.DEMAND_PWM:
+                    m.pwm = max(-0x3FF, min(0x3FF, m.demand))
+                    target = m.pwm * PWM_TO_TORQUE
+            m.torque += (target - m.torque) / TORQUE_TAU_CYCLES
+            if abs(m.torque) < 0.05 and target == 0.0:
+                m.torque = 0.0
+            m.current = abs(m.pwm) / 0x3FF * 1.2
+            if not m.overheat:  # copper heats with current, cools towards ambient
+                m.temperature += (m.current * m.current * 0.02 - (m.temperature - AMBIENT_C) * 0.001) * dt * 10
+            self._move(m, dt)
+
+    def _move(self, m: PalmMotorModel, dt: float) -> None:
+        joint = self.cal.joint_of_motor.get(m.id)
+        if joint is None or m.torque == 0.0:
+            return
+        names = [f"{joint[:2]}J1", f"{joint[:2]}J2"] if joint.endswith("J0") else [joint]
+        for n in names:
+            lo, hi = self.cal.tables[n].range_rad
+            self.angles[n] = max(lo, min(hi, self.angles[n] + m.torque * RAD_PER_TORQUE_S * dt / len(names)))
+
+    def _poll(self, kind: int, which: int) -> tuple[int, int, int, int, tuple[tuple[int, int], ...]]:
+        arrived = errors = 0
+        packets = [(0, 0)] * 10
+        for m in self.motors:
+            if m.id % 2 != which or m.silent:
+                continue
+            arrived |= 1 << m.id
+            m.can_tx += 1
+            packets[m.id // 2] = m.answer(kind)
+            if m.data_error:
+                # the driver tests bit motor_id/2 of had_errors (reference §2.3); we set that bit
+                errors |= 1 << (m.id // 2)
+        return kind, which, arrived, errors, tuple(packets)
+
+    # -- sensors --------------------------------------------------------------------------------------
+    def _rest(self, name: str) -> float:
+        lo, hi = self.cal.tables[name].range_rad
+        return max(lo, min(hi, 0.1))
+
+    def joint_raw(self, name: str) -> int:
+        return max(0, min(4095, round(self.cal.tables[name].inverse(self.angles[name]))))
+
+    def _sensors(self, edc: int) -> tuple[int, ...]:
+        if edc == EdcCommand.SENSOR_CHANNEL_NUMBERS:
+            return tuple(channel_word(*self.channel_overrides.get(n, EXPECTED_CHANNELS[n])) for n in SENSOR_NAMES)
+        if edc == EdcCommand.SENSOR_ADC_CHANNEL_CS:
+            return tuple(self.channel_overrides.get(n, EXPECTED_CHANNELS[n])[0] for n in SENSOR_NAMES)
+        raw = {n: self.joint_raw(n) for n in self.angles}
+        wobble = round(20 * math.sin(self.cycle / 500))
+        extra = {"THJ5A": raw["THJ5"], "THJ5B": raw["THJ5"], "WRJ1A": raw["WRJ1"], "WRJ1B": raw["WRJ1"],
+                 "ACCX": wobble & 0xFFFF, "ACCY": 0, "ACCZ": 16384, "GYRX": (-wobble) & 0xFFFF, "GYRY": 3,
+                 "GYRZ": 0, "AN0": 1000, "AN1": 1001, "AN2": 1002, "AN3": 1003, "IGNORE": 0}
+        return tuple(raw[n] if n in raw else extra[n] for n in SENSOR_NAMES)
+
+    def _tactile(self) -> tuple[tuple[int, ...], ...]:
+        words = 16 if self.protocol == "0230" else 8
+        return tuple(tuple((100 * (t + 1) + k + (self.cycle // 100) % 10) & 0xFFFF for k in range(words))
+                     for t in range(5))
+
+    # -- CAN direct mode ------------------------------------------------------------------------------
+    def _bus_send(self, bus: int, sid: int, data: bytes) -> None:
+        self.bus_log.append((self.cycle, bus, sid, data))
+        replies: list[CanReply] = []
+        if self.motor_can_replies:
+            replies += self._motor_boards(bus, sid)
+        for node in self.can_nodes:
+            replies += node.on_can_frame(bus, sid, data)
+        for rbus, rsid, rdata in replies:
+            self._rx.append((self.cycle + 1, rbus, rsid & 0x7FF, bytes(rdata[:8])))
+
+    def _motor_boards(self, bus: int, sid: int) -> list[CanReply]:
+        """Application firmware on the motor boards: a DATA_REQUEST gets one FROM_MOTOR frame per
+        board on that bus (torque, misc little-endian)."""
+        direction, _, _, kind = split_sid(sid)
+        if direction != CanDirection.DATA_REQUEST or bus not in (1, 2):
+            return []
+        out: list[CanReply] = []
+        for m in self.motors[(bus - 1) * 10: bus * 10]:
+            if m.silent:
+                continue
+            torque, misc = m.answer(kind)
+            data = (torque & 0xFFFF).to_bytes(2, "little") + misc.to_bytes(2, "little")
+            out.append((bus, make_sid(CanDirection.FROM_MOTOR, m.id % 10, kind), data))
+        return out
+
+    def _bus_receive(self) -> CanBridgeFrame:
+        """One received frame per cycle, and never before the cycle after it was sent."""
+        if self._rx and self._rx[0][0] <= self.cycle:
+            _, bus, sid, data = self._rx.popleft()
+            return CanBridgeFrame(bus, len(data), sid, data)
+        return NO_CAN
+
+    # -- views for tests and the stop report ---------------------------------------------------------
+    @property
+    def demands(self) -> list[int]:
+        return [m.demand for m in self.motors]
