@@ -45,6 +45,7 @@ class Phase(StrEnum):
     RESET = "reset"
     CHECK = "check"  # post-reset magic packet: is the new firmware bootloader-aware?
     CHECK_RESET = "check_reset"  # it was: reset it again into the application
+    REENTER = "reenter"  # a RESET went unanswered: magic packet to get back into the bootloader, then RESET
     DONE = "done"
 
 
@@ -280,6 +281,8 @@ class Flasher:
         self._events: list[FlashEvent] = []
         self._counters = _Counters()
         self.result: Finished | None = None
+        self._reset_attempts = 1
+        self._resume = Phase.RESET
         self._write_ops = self._build_write_ops()
         self._verify_ops = self._build_verify_ops()
         for w in image.warnings:
@@ -345,7 +348,7 @@ class Flasher:
         be flashed again. After RESET the flash is complete and the job finishes on its own: False."""
         if self.done:
             return False
-        if self.phase in (Phase.RESET, Phase.CHECK, Phase.CHECK_RESET):
+        if self.phase in (Phase.RESET, Phase.CHECK, Phase.CHECK_RESET, Phase.REENTER):
             return False
         addr = self._current_address()
         self._finish(False, "cancelled by request; the board stays in its bootloader, ready to be flashed again",
@@ -397,7 +400,11 @@ class Flasher:
                                  tries=cfg.read_retries, drain_s=cfg.drain_s,
                                  rewind_to=lambda i: max(0, i - (w - 1)))
         elif phase in (Phase.RESET, Phase.CHECK_RESET):
-            self.pipe = single(p.reset(lid), cfg.reset_timeout_s, cfg.reset_tries)
+            # One try per pipeline: a RESET whose ACK was lost has already started the application, which
+            # ignores RESET; the flasher re-enters the bootloader first (Phase.REENTER).
+            self.pipe = single(p.reset(lid), cfg.reset_timeout_s, 1)
+        elif phase is Phase.REENTER:
+            self.pipe = single(p.magic_packet(lid), cfg.magic_timeout_s, cfg.magic_tries)
         elif phase is Phase.CHECK:
             self.pipe = single(p.magic_packet(lid), cfg.check_timeout_s, cfg.check_tries,
                                not_before=now + cfg.check_delay_s)
@@ -433,6 +440,8 @@ class Flasher:
                 self._finish(True, "flashed, verified and reset", address=None, aware=None)
         elif ph is Phase.CHECK:
             self._enter(Phase.CHECK_RESET, now)
+        elif ph is Phase.REENTER:
+            self._enter(self._resume, now)
         elif ph is Phase.CHECK_RESET:
             self._finish(True, "flashed, verified and reset; the new firmware is bootloader-aware",
                          address=None, aware=True)
@@ -449,6 +458,18 @@ class Flasher:
             self._events.append(FlashWarning(f"verify failed at 0x{failure.address or 0:06X} ({failure.reason}); "
                                              "erasing and writing again"))
             self._enter(Phase.ERASE, now)
+        elif ph in (Phase.RESET, Phase.CHECK_RESET) and self._reset_attempts < self.cfg.reset_tries:
+            self._reset_attempts += 1
+            self._counters.retries += 1
+            self._resume = ph
+            self._events.append(Rewind(ph, None, f"{failure.reason}; sending the magic packet to get back into "
+                                                 "the bootloader, then RESET again"))
+            self._enter(Phase.REENTER, now)
+        elif ph is Phase.REENTER:
+            self._finish(False, f"{self._resume.value} failed: RESET was not acknowledged and the board does not "
+                                f"answer the magic packet ({failure.reason}). The image was written and verified; "
+                                "the board is either running it (and it is not bootloader-aware) or not powered",
+                         address=None)
         elif ph is Phase.CHECK:
             msg = ("the new firmware did not answer the magic packet after the reset: it is NOT bootloader-aware, "
                    "so this board can no longer be reflashed over CAN until EEPROM[0xFF] is set to 0xFF by hand "

@@ -428,10 +428,11 @@ def make_firmware(first: int = SIMPLEMOTOR_FIRST, last: int = SIMPLEMOTOR_LAST, 
     for g in range(gaps):
         off = ((g + 1) * n // (gaps + 2)) & ~(BLOCK - 1)
         off += (-(first + off)) % BLOCK
-        buf[off:off + 3 * BLOCK] = b"\xff" * (3 * BLOCK)
-    if aware:
+        if off + 3 * BLOCK <= n:
+            buf[off:off + 3 * BLOCK] = b"\xff" * (3 * BLOCK)
+    if aware and n >= 64 + len(BOOT_AWARE_MARKER):
         buf[64:64 + len(BOOT_AWARE_MARKER)] = BOOT_AWARE_MARKER
-    return bytes(buf)
+    return bytes(buf[:n])
 
 
 def make_intel_hex(first: int = SIMPLEMOTOR_FIRST, last: int = SIMPLEMOTOR_LAST, *, aware: bool = True,
