@@ -414,7 +414,7 @@ class PalmDriver:
         self.c: dict[str, int] = dict.fromkeys(
             ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
              "demands_expired", "configs_sent", "controls_sent", "resets_sent", "rejected", "init_timeout",
-             "can_tx", "can_rx", "can_tx_overflow", "non_demand_cycles"), 0)
+             "can_tx", "can_rx", "can_tx_overflow", "non_demand_cycles", "halt_zero_cycles"), 0)
         self.last_error = ""
         self._reset_init()
 
@@ -632,6 +632,8 @@ class PalmDriver:
                 v = 0
             m.demand_sent = v
             out.append(v)
+        if self.halted:
+            self.c["halt_zero_cycles"] += 1
         kind = ToMotorDataType.DEMAND_TORQUE if self.mode == "torque" else ToMotorDataType.DEMAND_PWM
         return kind, tuple(out)
 
