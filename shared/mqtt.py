@@ -62,6 +62,7 @@ class MqttSession:
         self.ready = threading.Event()  # connected AND the broker acknowledged every subscription
         self._pending_subacks: set[int] = set()
         self.reconnects = 0
+        self.last_error = ""  # why the last connection attempt failed (refused, auth, TLS, ...)
         self.dropped = 0
         self._subs: dict[str, tuple[int, MessageHandler]] = {}
         self._connect_hooks: list[Callable[[], None]] = []
@@ -80,6 +81,7 @@ class MqttSession:
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
         c.on_subscribe = self._on_subscribe
+        c.on_connect_fail = self._on_connect_fail
         c.max_inflight_messages_set(1000)
         c.max_queued_messages_set(settings.mqtt_max_queued)
         c.reconnect_delay_set(settings.mqtt_reconnect_min_s, settings.mqtt_reconnect_max_s)  # type: ignore[arg-type]
@@ -178,8 +180,10 @@ class MqttSession:
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode,
                     properties: Properties | None = None) -> None:
         if rc.is_failure:
+            self.last_error = f"broker refused the connection: {rc}"
             log.warning("broker refused connection", extra={"reason": str(rc)})
             return
+        self.last_error = ""
         if self._ever_connected:
             self.reconnects += 1
         self._ever_connected = True
@@ -213,6 +217,13 @@ class MqttSession:
                 hook()
             except Exception:
                 log.exception("disconnect hook failed")
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
+        # paho swallows the exception; the socket or TLS error is the most useful thing to report
+        import sys
+
+        exc = sys.exc_info()[1]
+        self.last_error = f"cannot connect: {exc}" if exc else "cannot connect"
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any,
                       properties: Properties | None = None) -> None:

@@ -65,7 +65,8 @@ class RpcClient:
         if not self.session.wait_connected(timeout):
             self.session.stop()
             b = self.session.broker
-            raise ConnectionError(f"no MQTT broker at {b.host}:{b.port} after {timeout:.0f} s")
+            why = self.session.last_error or "no answer"
+            raise ConnectionError(f"cannot use the MQTT broker at {b.host}:{b.port} ({why}) after {timeout:g} s")
         # The SUBACK for the reply topic must be in before the first request goes out.
         self._settle()
 
