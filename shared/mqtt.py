@@ -191,8 +191,8 @@ class MqttSession:
             subs = list(self._subs.items())
             self._pending_subacks.clear()
             for topic, (qos, _) in subs:
-                rc, mid = client.subscribe(topic, qos=qos)
-                if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
+                sub_rc, mid = client.subscribe(topic, qos=qos)
+                if sub_rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
                     self._pending_subacks.add(mid)
             if not self._pending_subacks:
                 self.ready.set()
