@@ -5,5 +5,6 @@ SERVICE_CLIS names CLI sub-commands services contribute. Out-of-tree services us
 `robobus.services` and `robobus.cli` entry points instead."""
 
 SERVICE_APIS: dict[str, str] = {}
+SERVICE_APIS["epuck-gateway"] = "services.epuck_gateway.service:API"
 
 SERVICE_CLIS: dict[str, str] = {}

@@ -1,0 +1,498 @@
+"""epuck-gateway's MQTT surface: per robot health, sensors, camera, link stats, faults and commands.
+
+One process, one asyncio loop, one `EpuckRobot` per configured robot. Everything that touches a
+link runs on the loop (command handlers are coroutines); the JPEG/PNG encoding runs on a small
+thread pool at the fps cap only, so it never delays a sensors packet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from services.epuck_gateway.image import to_jpeg, to_png
+from services.epuck_gateway.models import (
+    EpuckActuators,
+    EpuckColor,
+    EpuckEmpty,
+    EpuckFault,
+    EpuckImageInfo,
+    EpuckLeds,
+    EpuckLinkStats,
+    EpuckMicrophones,
+    EpuckObstacleAvoidance,
+    EpuckRgb,
+    EpuckSensors,
+    EpuckSetSpeed,
+    EpuckSetSteps,
+    EpuckSnapshot,
+    EpuckSnapshotRequest,
+    EpuckSound,
+    EpuckSteps,
+    EpuckStream,
+    EpuckTvRemote,
+    EpuckXYZ,
+    EpuckXYZRaw,
+)
+from services.epuck_gateway.pacing import RateGate
+from services.epuck_gateway.protocol import (
+    IMAGE_HEIGHT,
+    IMAGE_WIDTH,
+    LED_BITS,
+    MIC_NAMES,
+    REQ_IMAGE,
+    REQ_SENSORS,
+    RGB_LEDS,
+    SOUNDS,
+    EpuckController,
+    EpuckRawSensors,
+    FramingError,
+    ImagePacket,
+    Packet,
+    ProtocolError,
+    SensorsPacket,
+    StepUnwrapper,
+    acc_to_g,
+    battery_volts,
+    finite,
+    gyro_to_dps,
+)
+from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig
+from shared import CommandError, ErrorCode, KitSettings, Node, ServiceAPI
+from shared.contract import NAME_RE
+
+log = logging.getLogger("robobus.epuck")
+
+API = ServiceAPI("epuck-gateway", device_doc="one e-puck2 robot on WiFi (TCP port 1000, selector 15)",
+                 doc="e-puck2 robots over WiFi: sensors, camera, motors, LEDs, sound")
+SENSORS = API.state("sensors", EpuckSensors, doc="Decoded sensors packet; rate cap ROBOBUS_SENSORS_HZ (default 50)")
+IMAGE = API.binary("image", "image/jpeg", doc="Camera, 160x120 JPEG; fps cap ROBOBUS_IMAGE_FPS (default 10), "
+                                              "quality ROBOBUS_JPEG_QUALITY")
+IMAGE_INFO = API.state("image_info", EpuckImageInfo, doc="Sequence, time and size of the latest image")
+LINK = API.state("link", EpuckLinkStats, doc="TCP link statistics, once a second and on change")
+FAULT = API.event("fault", EpuckFault)
+SET_SPEED = API.command("set_speed", EpuckSetSpeed, EpuckActuators,
+                        doc="Wheel speeds, +-1000 steps/s; the robot is stopped after motion_timeout_ms "
+                            "without a new set_speed")
+SET_STEPS = API.command("set_steps", EpuckSetSteps, EpuckActuators, doc="Overwrite the motor step counters")
+LEDS = API.command("leds", EpuckLeds, EpuckActuators, doc="LED1/3/5/7, body and front LED on/off")
+RGB_CMD = API.command("rgb", EpuckRgb, EpuckActuators, doc="RGB LEDs 2/4/6/8, red/green/blue 0..100")
+SOUND = API.command("sound", EpuckSound, EpuckActuators,
+                    doc="Play mario, underworld, star_wars, 4khz, 10khz, or stop")
+CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators,
+                           doc="Calibrate the IR proximity sensors (keep objects away)")
+OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators,
+                       doc="Enable or disable the on-board obstacle avoidance")
+STREAM = API.command("stream", EpuckStream, EpuckActuators, doc="Image and sensors streams on/off")
+SNAPSHOT = API.command("snapshot", EpuckSnapshotRequest, EpuckSnapshot,
+                       doc="One fresh camera frame as PNG, base64 in the reply (png_base64)")
+
+
+class EpuckRobotConfig(BaseModel):
+    id: str = Field(pattern=NAME_RE.pattern, description="Device name on the bus")
+    host: str
+    port: int = Field(1000, ge=1, le=65535)
+
+
+class EpuckSettings(KitSettings):
+    """ROBOBUS_ROBOTS='[{"id":"epuck1","host":"192.168.1.20"}]' and the knobs below (ROBOBUS_<NAME>)."""
+
+    robots: list[EpuckRobotConfig] = Field(min_length=1, description="The robots: id, host, port (1000)")
+    sensors_hz: float = Field(50.0, ge=0, le=1000, description="Sensors rate cap per robot; 0 = every packet")
+    image_fps: float = Field(10.0, ge=0, le=100, description="JPEG rate cap per robot; 0 = every frame")
+    jpeg_quality: int = Field(80, ge=1, le=95)
+    stream_image: bool = Field(True, description="Image stream on at start")
+    stream_sensors: bool = Field(True, description="Sensors stream on at start")
+    motion_timeout_ms: int = Field(1000, ge=50, le=60000, description="Stop a robot without a fresh set_speed")
+    connect_timeout_s: float = Field(3.0, gt=0, le=60)
+    reconnect_min_s: float = Field(0.2, gt=0, le=60)
+    reconnect_max_s: float = Field(2.0, gt=0, le=600)
+    stale_timeout_s: float = Field(0.8, gt=0, le=60, description="Silence that counts as a lost robot")
+    encode_workers: int = Field(2, ge=1, le=32, description="Threads encoding JPEG/PNG")
+
+
+class EpuckRobot:
+    """One robot's device on the bus, wired to its link."""
+
+    def __init__(self, node: Node, cfg: EpuckRobotConfig, settings: EpuckSettings, pool: ThreadPoolExecutor) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        self.dev = node.device(cfg.id)
+        self.node = node
+        self.pool = pool
+        self.controller = EpuckController()
+        self.want_image = settings.stream_image
+        self.want_sensors = settings.stream_sensors
+        self._snapshot_holds = 0
+        self._apply_stream()
+        self.link = EpuckLink(cfg.id, EpuckLinkConfig(
+            host=cfg.host, port=cfg.port, connect_timeout_s=settings.connect_timeout_s,
+            reconnect_min_s=settings.reconnect_min_s, reconnect_max_s=settings.reconnect_max_s,
+            stale_timeout_s=settings.stale_timeout_s), self.controller, self._on_packets, self._on_link_state,
+            self._on_framing_error)
+        self.sensors_gate = RateGate(settings.sensors_hz)
+        self.image_gate = RateGate(settings.image_fps)
+        self.unwrap_l, self.unwrap_r = StepUnwrapper(), StepUnwrapper()
+        self.sensors_seq = 0
+        self.sensors_published = 0
+        self._pending_sensors: tuple[bytes, float, int] | None = None
+        self._sensors_timer: asyncio.TimerHandle | None = None
+        self.image_seq = 0
+        self.images_published = 0
+        self.frames_dropped = 0
+        self._frame: tuple[bytes, float, int] | None = None  # newest frame not yet encoded
+        self._last_frame: tuple[bytes, float, int] | None = None
+        self._encoding = False
+        self._image_timer: asyncio.TimerHandle | None = None
+        self._snapshot_waiters: list[asyncio.Future[tuple[bytes, float, int]]] = []
+        self._motion_timer: asyncio.TimerHandle | None = None
+        self._motion_deadline: float | None = None
+        self._was_connected = False
+        self._health_state = ""
+        self._stats_prev: tuple[float, int, int, int, int, int] | None = None
+        self._bind()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self.link.start()
+        self.dev.set_health(connection=False, operational=False, state="connecting", error=False,
+                            error_message="", details={"host": self.cfg.host, "port": self.cfg.port})
+
+    async def close(self) -> None:
+        self._cancel_motion_timer()
+        for t in (self._sensors_timer, self._image_timer):
+            if t is not None:
+                t.cancel()
+        await self.link.close()
+        self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
+                            error_message="gateway stopped; the robot was sent a stop command")
+
+    async def stats_loop(self) -> None:
+        while True:
+            self.publish_link_stats()
+            await asyncio.sleep(1.0)
+
+    # -- link callbacks (on the loop) --------------------------------------------------------------
+    def _on_link_state(self, connected: bool, state: str, message: str) -> None:
+        if connected:
+            self.unwrap_l.reset()
+            self.unwrap_r.reset()
+            self.dev.set_health(connection=True, operational=True, state="streaming", error=False,
+                                error_message="", details=self._details())
+        else:
+            self._cancel_motion_timer()
+            for fut in self._snapshot_waiters:
+                if not fut.done():
+                    fut.set_exception(CommandError(ErrorCode.UNAVAILABLE, f"robot link lost: {message}"))
+            self._snapshot_waiters.clear()
+            if self._was_connected and state == "disconnected":
+                self.dev.emit(FAULT, EpuckFault(kind="link_lost", message=message, ts=time.time()))
+            self.dev.set_health(connection=False, operational=False, state=state,
+                                error=state == "disconnected", error_message=message, details=self._details())
+        if connected != self._was_connected:
+            self._was_connected = connected
+            self.publish_link_stats()
+
+    def _details(self) -> dict[str, Any]:
+        s = self.link.stats
+        return {"host": self.cfg.host, "port": self.cfg.port, "reconnects": s.reconnects,
+                "framing_errors": s.framing_errors}
+
+    def _on_framing_error(self, err: FramingError) -> None:
+        self.node.count_decode_error(f"{self.cfg.id}: packet id 0x{err.bad_id:02x}")
+        self.dev.emit(FAULT, EpuckFault(kind="framing_error", ts=time.time(),
+                                        message=f"unknown packet id 0x{err.bad_id:02x} after {err.offset} bytes; "
+                                                "link reset"))
+
+    def _on_packets(self, packets: list[Packet], ts: float) -> None:
+        # Only the newest sensors packet and the newest image of a read matter: older ones are stale.
+        sensors: SensorsPacket | None = None
+        image: ImagePacket | None = None
+        for p in packets:
+            if isinstance(p, SensorsPacket):
+                sensors = p
+                self.sensors_seq += 1
+            elif isinstance(p, ImagePacket):
+                if image is not None:
+                    self.frames_dropped += 1
+                image = p
+                self.image_seq += 1
+        if sensors is not None:
+            self._offer_sensors(sensors.data, ts, self.sensors_seq)
+        if image is not None:
+            self._offer_image(image.data, ts, self.image_seq)
+
+    # -- sensors -----------------------------------------------------------------------------------
+    def _offer_sensors(self, data: bytes, ts: float, seq: int) -> None:
+        loop = asyncio.get_running_loop()
+        if self.sensors_gate.try_pass(loop.time()):
+            self._pending_sensors = None
+            self._publish_sensors(data, ts, seq)
+            return
+        self._pending_sensors = (data, ts, seq)
+        if self._sensors_timer is None:
+            self._sensors_timer = loop.call_later(self.sensors_gate.wait_s(loop.time()), self._flush_sensors)
+
+    def _flush_sensors(self) -> None:
+        self._sensors_timer = None
+        pending, self._pending_sensors = self._pending_sensors, None
+        if pending is not None:
+            self._offer_sensors(*pending)
+
+    def _publish_sensors(self, data: bytes, ts: float, seq: int) -> None:
+        try:
+            self.dev.publish(SENSORS, sensors_model(EpuckRawSensors.decode(data), ts, seq, self.unwrap_l,
+                                                    self.unwrap_r))
+            self.sensors_published += 1
+        except ProtocolError as exc:  # cannot happen with a 104-byte payload; counted all the same
+            self.node.count_decode_error(f"{self.cfg.id}: {exc}")
+
+    # -- images ------------------------------------------------------------------------------------
+    def _offer_image(self, data: bytes, ts: float, seq: int) -> None:
+        self._last_frame = (data, ts, seq)
+        for fut in self._snapshot_waiters:
+            if not fut.done():
+                fut.set_result(self._last_frame)
+        self._snapshot_waiters.clear()
+        if not self.want_image:
+            return  # a frame fetched for a snapshot only
+        if self._frame is not None:
+            self.frames_dropped += 1  # superseded before it was encoded
+        self._frame = (data, ts, seq)
+        self._pump_images()
+
+    def _pump_images(self) -> None:
+        if self._encoding or self._frame is None:
+            return
+        loop = asyncio.get_running_loop()
+        if not self.image_gate.try_pass(loop.time()):
+            if self._image_timer is None:
+                self._image_timer = loop.call_later(self.image_gate.wait_s(loop.time()), self._image_due)
+            return
+        frame, self._frame = self._frame, None
+        self._encoding = True
+        fut = loop.run_in_executor(self.pool, to_jpeg, frame[0], self.settings.jpeg_quality)
+        fut.add_done_callback(lambda f: self._encoded(f, frame[1], frame[2]))
+
+    def _image_due(self) -> None:
+        self._image_timer = None
+        self._pump_images()
+
+    def _encoded(self, fut: asyncio.Future[bytes], ts: float, seq: int) -> None:
+        self._encoding = False
+        try:
+            jpeg = fut.result()
+        except Exception:
+            log.exception("JPEG encoding failed", extra={"robot": self.cfg.id})
+        else:
+            self.dev.publish(IMAGE, jpeg)
+            self.dev.publish(IMAGE_INFO, EpuckImageInfo(seq=seq, ts=ts, width=IMAGE_WIDTH, height=IMAGE_HEIGHT,
+                                                        bytes=len(jpeg), quality=self.settings.jpeg_quality))
+            self.images_published += 1
+        self._pump_images()
+
+    # -- link stats ----------------------------------------------------------------------------------
+    def publish_link_stats(self) -> None:
+        s = self.link.stats
+        now = time.monotonic()
+        cur = (now, s.packets, s.images, s.sensors, s.empty, s.bytes)
+        prev = self._stats_prev or cur
+        self._stats_prev = cur
+        dt = (now - prev[0]) or 1.0
+
+        def rate(i: int) -> float:
+            return round((cur[i] - prev[i]) / dt, 2)
+
+        self.dev.publish(LINK, EpuckLinkStats(
+            connected=self.link.connected, host=self.cfg.host, port=self.cfg.port, packets_per_s=rate(1),
+            images_per_s=rate(2), sensors_per_s=rate(3), empty_per_s=rate(4), bytes_per_s=rate(5),
+            framing_errors=s.framing_errors, reconnects=s.reconnects, images_received=self.image_seq,
+            images_published=self.images_published, frames_dropped=self.frames_dropped,
+            sensors_received=self.sensors_seq, sensors_published=self.sensors_published,
+            commands_sent=s.commands_sent, image_stream=self.want_image, sensors_stream=self.want_sensors,
+            ts=time.time()))
+
+    # -- commands (coroutines: they run on the loop, next to the link) ------------------------------
+    def _bind(self) -> None:
+        d = self.dev
+        d.bind(SET_SPEED, self.cmd_set_speed)
+        d.bind(SET_STEPS, self.cmd_set_steps)
+        d.bind(LEDS, self.cmd_leds)
+        d.bind(RGB_CMD, self.cmd_rgb)
+        d.bind(SOUND, self.cmd_sound)
+        d.bind(CALIBRATE_IR, self.cmd_calibrate_ir)
+        d.bind(OBSTACLE, self.cmd_obstacle)
+        d.bind(STREAM, self.cmd_stream)
+        d.bind(SNAPSHOT, self.cmd_snapshot)
+
+    def _require_link(self) -> None:
+        if not self.link.connected:
+            h = self.dev.health
+            raise CommandError(ErrorCode.UNAVAILABLE,
+                               f"robot {self.cfg.id} ({self.cfg.host}:{self.cfg.port}) is not connected"
+                               + (f": {h['error_message']}" if h.get("error_message") else ""))
+
+    def _send(self) -> EpuckActuators:
+        self.link.send_state()
+        return self.actuators()
+
+    def actuators(self) -> EpuckActuators:
+        c = self.controller
+        left = self._motion_deadline
+        expires = None if left is None else max(0, int((left - asyncio.get_running_loop().time()) * 1000))
+        return EpuckActuators(
+            connected=self.link.connected, left_speed=c.left, right_speed=c.right, motion_expires_in_ms=expires,
+            leds={name: bool(c.leds & bit) for name, bit in LED_BITS.items()},
+            rgb={name: EpuckColor(red=v[0], green=v[1], blue=v[2]) for name, v in zip(RGB_LEDS, c.rgb, strict=True)},
+            obstacle_avoidance=c.obstacle_avoidance, image_stream=self.want_image, sensors_stream=self.want_sensors)
+
+    async def cmd_set_speed(self, req: EpuckSetSpeed) -> EpuckActuators:
+        self._require_link()
+        self.controller.set_speed(req.left, req.right)
+        self._cancel_motion_timer()
+        if req.left or req.right:
+            loop = asyncio.get_running_loop()
+            timeout = self.settings.motion_timeout_ms / 1000.0
+            self._motion_deadline = loop.time() + timeout
+            self._motion_timer = loop.call_later(timeout, self._motion_expired)
+        return self._send()
+
+    def _cancel_motion_timer(self) -> None:
+        if self._motion_timer is not None:
+            self._motion_timer.cancel()
+        self._motion_timer = None
+        self._motion_deadline = None
+
+    def _motion_expired(self) -> None:
+        """Fail safe: a commanding client that went quiet must not leave the robot driving."""
+        self._motion_timer = None
+        self._motion_deadline = None
+        if self.controller.left or self.controller.right:
+            self.controller.set_speed(0, 0)
+            self.link.send_state()
+            msg = f"no set_speed for {self.settings.motion_timeout_ms} ms: robot stopped"
+            log.warning(msg, extra={"robot": self.cfg.id})
+            self.dev.emit(FAULT, EpuckFault(kind="motion_timeout", message=msg, ts=time.time()))
+
+    async def cmd_set_steps(self, req: EpuckSetSteps) -> EpuckActuators:
+        self._require_link()
+        self.controller.set_steps(req.left, req.right)
+        return self._send()
+
+    async def cmd_leds(self, req: EpuckLeds) -> EpuckActuators:
+        self._require_link()
+        self.controller.set_leds(**req.model_dump())
+        return self._send()
+
+    async def cmd_rgb(self, req: EpuckRgb) -> EpuckActuators:
+        self._require_link()
+        colors = [None if c is None else (c.red, c.green, c.blue) for c in (req.led2, req.led4, req.led6, req.led8)]
+        self.controller.set_rgb(colors)
+        return self._send()
+
+    async def cmd_sound(self, req: EpuckSound) -> EpuckActuators:
+        self._require_link()
+        self.controller.play(SOUNDS[req.sound])
+        return self._send()
+
+    async def cmd_calibrate_ir(self, req: EpuckEmpty) -> EpuckActuators:
+        self._require_link()
+        self.controller.calibrate_ir()
+        return self._send()
+
+    async def cmd_obstacle(self, req: EpuckObstacleAvoidance) -> EpuckActuators:
+        self._require_link()
+        self.controller.obstacle_avoidance = req.enabled
+        return self._send()
+
+    async def cmd_stream(self, req: EpuckStream) -> EpuckActuators:
+        self._require_link()
+        if req.image is not None:
+            self.want_image = req.image
+        if req.sensors is not None:
+            self.want_sensors = req.sensors
+        self._apply_stream()
+        reply = self._send()
+        self.publish_link_stats()
+        return reply
+
+    def _apply_stream(self) -> None:
+        self.controller.set_stream(image=self.want_image or self._snapshot_holds > 0, sensors=self.want_sensors)
+
+    async def cmd_snapshot(self, req: EpuckSnapshotRequest) -> EpuckSnapshot:
+        self._require_link()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[bytes, float, int]] = loop.create_future()
+        self._snapshot_waiters.append(fut)
+        hold = not (self.controller.request & REQ_IMAGE)
+        if hold:  # image stream off: turn it on for one frame
+            self._snapshot_holds += 1
+            self._apply_stream()
+            self.link.send_state()
+        try:
+            data, ts, seq = await asyncio.wait_for(fut, req.timeout_s)
+        except TimeoutError:
+            raise CommandError(ErrorCode.TIMEOUT, f"no image from {self.cfg.id} within {req.timeout_s} s") from None
+        finally:
+            if fut in self._snapshot_waiters:
+                self._snapshot_waiters.remove(fut)
+            if hold:
+                self._snapshot_holds -= 1
+                self._apply_stream()
+                if self.link.connected:
+                    self.link.send_state()
+        png = await loop.run_in_executor(self.pool, to_png, data)
+        return EpuckSnapshot(png_base64=base64.b64encode(png).decode(), width=IMAGE_WIDTH, height=IMAGE_HEIGHT,
+                             seq=seq, ts=ts)
+
+
+def sensors_model(s: EpuckRawSensors, ts: float, seq: int, unwrap_l: StepUnwrapper,
+                  unwrap_r: StepUnwrapper) -> EpuckSensors:
+    ax, ay, az = s.acc
+    gx, gy, gz = s.gyro
+    acc = finite(s.acceleration)
+    return EpuckSensors(
+        seq=seq, ts=ts,
+        acc_raw=EpuckXYZRaw(x=ax, y=ay, z=az), acc_g=EpuckXYZ(x=acc_to_g(ax), y=acc_to_g(ay), z=acc_to_g(az)),
+        acceleration_raw=acc, acceleration_g=None if acc is None else acc_to_g(acc),
+        orientation_deg=finite(s.orientation), inclination_deg=finite(s.inclination),
+        gyro_raw=EpuckXYZRaw(x=gx, y=gy, z=gz), gyro_dps=EpuckXYZ(x=gyro_to_dps(gx), y=gyro_to_dps(gy),
+                                                                   z=gyro_to_dps(gz)),
+        magnetometer_ut=EpuckXYZ(x=finite(s.mag[0]), y=finite(s.mag[1]), z=finite(s.mag[2])),
+        temperature_c=s.temperature, proximity=list(s.proximity), ambient=list(s.ambient), tof_mm=s.tof,
+        microphones=EpuckMicrophones(**dict(zip(MIC_NAMES, s.mic, strict=True))),
+        steps=EpuckSteps(left=s.steps[0], right=s.steps[1], left_total=unwrap_l.update(s.steps[0]),
+                         right_total=unwrap_r.update(s.steps[1])),
+        battery_raw=s.battery, battery_v=round(battery_volts(s.battery), 4), sd_card=s.sd_state == 1,
+        tv_remote=EpuckTvRemote(toggle=s.tv_toggle, address=s.tv_address, data=s.tv_data), selector=s.selector,
+        ground_proximity=list(s.ground_proximity), ground_ambient=list(s.ground_ambient), button=s.button == 1)
+
+
+async def serve(node: Node, settings: EpuckSettings) -> None:
+    """Run every robot until cancelled; then stop each robot (stop command, drain to 0x03), close."""
+    pool = ThreadPoolExecutor(max_workers=settings.encode_workers, thread_name_prefix="epuck-encode")
+    robots = [EpuckRobot(node, cfg, settings, pool) for cfg in settings.robots]
+    stats_tasks = []
+    for r in robots:
+        r.start()
+        stats_tasks.append(asyncio.ensure_future(r.stats_loop()))
+    log.info("serving robots", extra={"robots": [f"{r.cfg.id}@{r.cfg.host}:{r.cfg.port}" for r in robots]})
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for t in stats_tasks:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*(r.close() for r in robots), return_exceptions=True), 3.0)
+        pool.shutdown(wait=False, cancel_futures=True)
+        log.info("all robots stopped")
+
+
+__all__ = ["API", "REQ_IMAGE", "REQ_SENSORS", "EpuckRobot", "EpuckSettings", "serve"]
