@@ -23,6 +23,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -112,7 +113,7 @@ def bare_round_trips(url: str, topic: str, n: int) -> list[float]:
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"barec-{uuid.uuid4().hex[:8]}", protocol=mqtt.MQTTv5)
     c.on_socket_open = _nodelay
     rt = f"bench/_bare/{uuid.uuid4().hex[:8]}"
-    c.on_message = lambda cl, ud, msg: replies.put(msg.properties.CorrelationData)
+    c.on_message = lambda cl, ud, msg: replies.put(msg.properties.CorrelationData)  # type: ignore[union-attr]
     c.connect("127.0.0.1", port)
     c.loop_start()
     c.subscribe(rt, qos=1)
@@ -211,7 +212,7 @@ def main() -> None:
                 p.wait(10)
             broker.kill()
 
-    res = {
+    res: dict[str, Any] = {
         "bench": "rpc",
         "calls": len(kit),
         "kit_p50_ms": round(pct(kit, 50), 3), "kit_p99_ms": round(pct(kit, 99), 3),
