@@ -289,8 +289,9 @@ class EthercatSettings(KitSettings):
     ethercat_push_config_on_start: bool = Field(True, description="Send the default motor config at start")
     ethercat_drop_threshold: int = Field(10, ge=0, description="Dropped statuses per 1 s window above which "
                                          "health reports an error")
-    ethercat_overrun_threshold: int = Field(10, ge=0, description="Overruns per 1 s window above which "
-                                            "health reports an error")
+    ethercat_overrun_threshold: int | None = Field(
+        None, ge=0, description="Overruns per 1 s window above which health reports an error (default 10; 250 "
+                                "for the model backend, whose thread shares the GIL with MQTT and is no realtime path)")
     ethercat_silent_motor_ms: int = Field(500, ge=10, description="A motor unseen this long is reported")
     ethercat_serial: int = Field(1234, description="Serial the palm model reports")
 
@@ -301,6 +302,12 @@ class EthercatSettings(KitSettings):
         if err:
             raise ValueError(err)
         return v
+
+
+def overrun_threshold(settings: EthercatSettings) -> int:
+    if settings.ethercat_overrun_threshold is not None:
+        return settings.ethercat_overrun_threshold
+    return 250 if settings.backend == "model" else 10
 
 
 def build_driver(settings: EthercatSettings, protocol: str | None = None) -> PalmDriver:

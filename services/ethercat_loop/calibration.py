@@ -42,6 +42,10 @@ class PiecewiseLinear:
     raws: tuple[float, ...]
     rads: tuple[float, ...]
 
+    def __post_init__(self) -> None:
+        pairs = sorted(zip(self.rads, self.raws, strict=True))
+        object.__setattr__(self, "_inv", (tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)))
+
     @classmethod
     def from_degrees(cls, points: list[tuple[float, float]]) -> PiecewiseLinear:
         pts = sorted(points)
@@ -58,8 +62,8 @@ class PiecewiseLinear:
 
     def inverse(self, rad: float) -> float:
         """radians -> raw (the palm model uses it to produce sensor values); needs monotonic points."""
-        pairs = sorted(zip(self.rads, self.raws, strict=True))
-        return self._interp(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), rad)
+        xs, ys = self._inv  # type: ignore[attr-defined]
+        return self._interp(xs, ys, rad)
 
     @property
     def range_rad(self) -> tuple[float, float]:

@@ -62,6 +62,16 @@ OVER_TEMPERATURE_C = 60.0  # firmware cut-out ("increased temperature cutout to 
 TORQUE_TAU_CYCLES = 5.0  # first-order torque response
 RAD_PER_TORQUE_S = 0.004  # joint speed (rad/s) per unit of tendon torque
 PWM_TO_TORQUE = 1.5
+# plain ints: IntFlag arithmetic costs microseconds per operation, and this runs 20 times a cycle
+F_CRC_FAILED = int(MotorFlag.LAST_CONFIG_CRC_FAILED)
+F_OUT_OF_RANGE = int(MotorFlag.LAST_CONFIG_OUT_OF_RANGE)
+F_JIGGLING = int(MotorFlag.JIGGLING_IN_PROGRESS)
+F_EEPROM = int(MotorFlag.EEPROM_WRITING)
+F_NO_DEMAND = int(MotorFlag.NO_DEMAND_SEEN)
+F_OVER_TEMP = int(MotorFlag.OVER_TEMPERATURE)
+T_TORQUE = int(ToMotorDataType.DEMAND_TORQUE)
+T_PWM = int(ToMotorDataType.DEMAND_PWM)
+SERIOUS = int(SERIOUS_ERROR_FLAGS)
 
 
 @dataclass
@@ -97,7 +107,7 @@ class PalmMotorModel:
 
     @property
     def running(self) -> bool:
-        return not (self.flags & SERIOUS_ERROR_FLAGS)
+        return not (self.flags & SERIOUS)
 
     def slow_value(self, kind: int) -> int:
         c = self.config
@@ -130,13 +140,30 @@ class PalmMotorModel:
             return self.slow_index, self.slow_value(self.slow_index)
         if kind == k.READBACK_LAST_CONFIG:
             return self.last_config[0], self.last_config[1] & 0xFFFF
-        misc = {
-            k.SGL: self.sg(True), k.SGR: self.sg(False), k.PWM: self.pwm & 0xFFFF, k.FLAGS: self.flags,
-            k.CURRENT: int(self.current * 1000), k.VOLTAGE: int(self.voltage * 256),
-            k.TEMPERATURE: int(self.temperature * 256), k.CAN_NUM_RECEIVED: self.can_rx & 0xFFFF,
-            k.CAN_NUM_TRANSMITTED: self.can_tx & 0xFFFF, k.CAN_ERROR_COUNTERS: 0,
-            k.PTERM: (int(self.torque * 3)) & 0xFFFF, k.ITERM: 0x0100, k.DTERM: (-0x80) & 0xFFFF,
-        }.get(k(kind) if 0 <= kind <= 0xF else k.INVALID, 0)
+        if kind == k.SGL or kind == k.SGR:
+            misc = self.sg(kind == k.SGL)
+        elif kind == k.PWM:
+            misc = self.pwm
+        elif kind == k.FLAGS:
+            misc = self.flags
+        elif kind == k.CURRENT:
+            misc = int(self.current * 1000)
+        elif kind == k.VOLTAGE:
+            misc = int(self.voltage * 256)
+        elif kind == k.TEMPERATURE:
+            misc = int(self.temperature * 256)
+        elif kind == k.CAN_NUM_RECEIVED:
+            misc = self.can_rx
+        elif kind == k.CAN_NUM_TRANSMITTED:
+            misc = self.can_tx
+        elif kind == k.PTERM:
+            misc = int(self.torque * 3)
+        elif kind == k.ITERM:
+            misc = 0x0100
+        elif kind == k.DTERM:
+            misc = -0x80
+        else:  # INVALID, CAN_ERROR_COUNTERS (no errors on a simulated bus)
+            misc = 0
         return t, misc & 0xFFFF
 
 
@@ -181,7 +208,7 @@ class PalmModel:
         m.overheat = on
         if not on:
             m.temperature = AMBIENT_C
-            m.flags &= ~MotorFlag.OVER_TEMPERATURE
+            m.flags &= ~F_OVER_TEMP
 
     def corrupt_motor_data(self, motor: int, on: bool = True) -> None:
         """The motor sends the wrong data type (its had-errors bit is set)."""
@@ -232,7 +259,7 @@ class PalmModel:
             m.can_rx += 1
             if kind in (t.DEMAND_TORQUE, t.DEMAND_PWM):
                 m.mode, m.demand, m.last_demand_cycle = kind, v, self.cycle
-                m.flags &= ~MotorFlag.NO_DEMAND_SEEN
+                m.flags &= ~F_NO_DEMAND
             elif kind == t.SYSTEM_RESET and (v & 0xFFFF) == SYSTEM_RESET_MAGIC | (m.id % 10):
                 self._reset(m)
             elif kind == t.SYSTEM_CONTROLS and v:
@@ -245,7 +272,7 @@ class PalmModel:
 
     def _reset(self, m: PalmMotorModel) -> None:
         m.resets += 1
-        m.flags = MotorFlag.OVER_TEMPERATURE if m.overheat else 0
+        m.flags = F_OVER_TEMP if m.overheat else 0
         m.demand, m.torque, m.pwm, m.pending = 0, 0.0, 0, {}
         m.last_demand_cycle = self.cycle
 
@@ -266,38 +293,38 @@ class PalmModel:
         words: dict[int, int] = {int(k): m.pending.get(k, 0) for k in CONFIG_TYPES}
         m.pending = {}
         if crc != config_crc(words):
-            m.flags |= MotorFlag.LAST_CONFIG_CRC_FAILED
+            m.flags |= F_CRC_FAILED
             return
-        m.flags &= ~MotorFlag.LAST_CONFIG_CRC_FAILED
+        m.flags &= ~F_CRC_FAILED
         for k, (lo, hi) in DEMAND_RANGES.items():
             v = words.get(k)
             signed = v - 0x10000 if v is not None and v & 0x8000 else v
             if signed is not None and not lo <= signed <= hi:
-                m.flags |= MotorFlag.LAST_CONFIG_OUT_OF_RANGE
+                m.flags |= F_OUT_OF_RANGE
                 return
-        m.flags &= ~MotorFlag.LAST_CONFIG_OUT_OF_RANGE
+        m.flags &= ~F_OUT_OF_RANGE
         m.config, m.config_accepted = words, m.config_accepted + 1
 
     def _physics(self, kind: int) -> None:
         dt = 0.001
         for m in self.motors:
             if self.cycle - m.last_demand_cycle > NO_DEMAND_TIMEOUT_MS:
-                m.flags |= MotorFlag.NO_DEMAND_SEEN
+                m.flags |= F_NO_DEMAND
             if m.overheat:
                 m.temperature = min(m.temperature + 0.5, 70.0)
             if m.temperature > OVER_TEMPERATURE_C:
-                m.flags |= MotorFlag.OVER_TEMPERATURE
-            m.flags = (m.flags & ~MotorFlag.JIGGLING_IN_PROGRESS) | (
-                MotorFlag.JIGGLING_IN_PROGRESS if m.jiggle_left > 0 else 0)
-            m.flags = (m.flags & ~MotorFlag.EEPROM_WRITING) | (MotorFlag.EEPROM_WRITING if m.eeprom_left > 0 else 0)
+                m.flags |= F_OVER_TEMP
+            m.flags = (m.flags & ~F_JIGGLING) | (
+                F_JIGGLING if m.jiggle_left > 0 else 0)
+            m.flags = (m.flags & ~F_EEPROM) | (F_EEPROM if m.eeprom_left > 0 else 0)
             m.jiggle_left, m.eeprom_left = max(0, m.jiggle_left - 1), max(0, m.eeprom_left - 1)
             target, m.pwm = 0.0, 0
             if m.running and not m.silent:
-                if m.mode == ToMotorDataType.DEMAND_TORQUE:
+                if m.mode == T_TORQUE:
                     limit = m.config.get(ToMotorDataType.CONFIG_TORQUE_LIMIT, 0)
                     target = float(max(-limit, min(limit, m.demand)) if limit else m.demand)
                     m.pwm = max(-0x3FF, min(0x3FF, round((target - m.torque) * 0.5)))
-                elif m.mode == ToMotorDataType.DEMAND_PWM:
+                elif m.mode == T_PWM:
                     m.pwm = max(-0x3FF, min(0x3FF, m.demand))
                     target = m.pwm * PWM_TO_TORQUE
             m.torque += (target - m.torque) / TORQUE_TAU_CYCLES
