@@ -7,5 +7,6 @@ SERVICE_CLIS names CLI sub-commands services contribute. Out-of-tree services us
 SERVICE_APIS: dict[str, str] = {}
 SERVICE_APIS["epuck-gateway"] = "services.epuck_gateway.service:API"
 SERVICE_APIS["can-bootloader"] = "services.can_bootloader.service:API"
+SERVICE_APIS["ethercat-loop"] = "services.ethercat_loop.service:API"
 
 SERVICE_CLIS: dict[str, str] = {}
