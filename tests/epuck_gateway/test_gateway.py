@@ -1,0 +1,292 @@
+"""The gateway process against simulated robots and a real broker: the MQTT surface end to end."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import time
+
+import pytest
+from PIL import Image
+
+from services.epuck_gateway.image import rgb565_image
+from services.epuck_gateway.protocol import SET_CALIBRATE_IR, SOUND_MARIO, SOUND_STOP, EpuckCommand
+from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
+from shared.asyncapi import ContractValidator, build_document
+from shared.testing import Broker
+from tests.epuck_gateway.conftest import NODE, Gateway, start_gateway, wait_until
+
+
+def mean_abs_diff(a: Image.Image, b: Image.Image) -> float:
+    pa, pb = a.convert("RGB").tobytes(), b.convert("RGB").tobytes()
+    assert len(pa) == len(pb)
+    return sum(abs(x - y) for x, y in zip(pa, pb, strict=True)) / len(pa)
+
+
+def test_five_robots_stream_sensors_images_and_link(gateway: Gateway) -> None:
+    mark = gateway.bus.mark()
+    names = [r.name for r in gateway.sim.robots]
+    assert len(names) == 5
+
+    def every_robot_has(suffix: str) -> bool:
+        return all(gateway.bus.since(mark, f"/{n}/state/{suffix}") for n in names)
+
+    assert wait_until(lambda: every_robot_has("sensors") and every_robot_has("image")
+                      and every_robot_has("image_info") and every_robot_has("link"), 10)
+    s = gateway.bus.latest_json("/epuck3/state/sensors", mark)
+    assert s is not None
+    assert s["selector"] == 15 and s["acc_g"]["z"] == pytest.approx(1.0) and len(s["proximity"]) == 8
+    assert set(s["microphones"]) == {"right", "left", "back", "front"}
+    assert s["battery_v"] == pytest.approx(3400 / 819.2, abs=1e-3) and s["sd_card"] is True
+    link = gateway.bus.wait_json("/epuck3/state/link", lambda d: d["sensors_per_s"] > 0, mark)
+    assert link is not None and link["connected"] and link["framing_errors"] == 0
+
+
+def test_every_published_message_matches_the_contract(gateway: Gateway) -> None:
+    doc = build_document()
+    validator = ContractValidator(doc)
+    mark = gateway.bus.mark()
+    wait_until(lambda: gateway.bus.since(mark, "/state/link"), 5)
+    rep = gateway.call("epuck1", "leds", {"led1": True})
+    validator.validate_reply(doc, f"{NODE}_cmd_leds", rep.raw)
+    bad = gateway.call("epuck1", "set_speed", {"left": 5000, "right": 0})
+    validator.validate_reply(doc, f"{NODE}_cmd_set_speed", bad.raw)
+    time.sleep(1.2)
+    seen = set()
+    for m in gateway.bus.messages:
+        if m.topic.startswith(f"robobus/{NODE}/") and "/cmd/" not in m.topic:  # requests are the tests' own
+            seen.add(validator.validate(m.topic, m.payload))
+    assert {f"{NODE}_state_sensors", f"{NODE}_state_image", f"{NODE}_state_image_info",
+            f"{NODE}_state_link"} <= seen
+
+
+def test_image_topic_is_jpeg_of_the_simulators_picture(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[4]
+    mark = gateway.bus.mark()
+    wait_until(lambda: gateway.bus.since(mark, "/epuck5/state/image"), 5)
+    msg = gateway.bus.since(mark, "/epuck5/state/image")[-1]
+    assert msg.content_type == "image/jpeg"
+    jpeg = Image.open(io.BytesIO(msg.payload))
+    assert jpeg.format == "JPEG" and jpeg.size == (160, 120)
+    # the robot stands still, so every frame is the picture of its current pose
+    truth = rgb565_image(gateway.sim.call(robot.world.camera))
+    assert mean_abs_diff(jpeg, truth) < 4.0
+    other = rgb565_image(gateway.sim.call(gateway.sim.robots[0].world.camera))
+    assert mean_abs_diff(jpeg, other) > 10.0  # a different pose is a different picture
+    info = gateway.bus.latest_json("/epuck5/state/image_info", mark)
+    assert info is not None and info["width"] == 160 and info["content_type"] == "image/jpeg"
+
+
+def test_snapshot_returns_png_even_with_the_image_stream_off(gateway: Gateway) -> None:
+    assert gateway.call("epuck5", "stream", {"image": False}).ok
+    try:
+        rep = gateway.call("epuck5", "snapshot", {})
+        assert rep.ok, rep.error
+        png = Image.open(io.BytesIO(base64.b64decode(rep.result["png_base64"])))
+        assert png.format == "PNG" and png.size == (160, 120)
+        truth = rgb565_image(gateway.sim.call(gateway.sim.robots[4].world.camera))
+        assert mean_abs_diff(png, truth) == 0.0  # PNG is lossless
+        assert gateway.sim.robots[4].command is not None
+        assert wait_until(lambda: gateway.sim.robots[4].command.request == 2, 5)  # type: ignore[union-attr]
+    finally:
+        assert gateway.call("epuck5", "stream", {"image": True}).ok
+
+
+def test_set_speed_moves_the_robot_and_motion_expires(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[1]
+    mark = gateway.bus.mark()
+    rep = gateway.call("epuck2", "set_speed", {"left": 500, "right": 500})
+    assert rep.ok and rep.result["left_speed"] == 500 and rep.result["motion_expires_in_ms"] is not None
+    assert wait_until(lambda: robot.world.speed_left == 500, 5)
+    # nobody renews the demand: the gateway stops the robot (motion_timeout_ms=400 here)
+    assert wait_until(lambda: robot.world.speed_left == 0 and robot.world.speed_right == 0, 10)
+    fault = gateway.bus.wait_json("/epuck2/event/fault", lambda d: d["kind"] == "motion_timeout", mark)
+    assert fault is not None
+    s = gateway.bus.wait_json("/epuck2/state/sensors", lambda d: d["steps"]["left_total"] > 0, mark)
+    assert s is not None  # the wheels turned
+
+
+def test_renewed_set_speed_keeps_moving(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[1]
+    for _ in range(6):  # 6 x 150 ms > the 400 ms timeout, but each demand renews it
+        assert gateway.call("epuck2", "set_speed", {"left": -100, "right": 100}).ok
+        time.sleep(0.15)
+        assert robot.world.speed_left == -100
+    assert gateway.call("epuck2", "set_speed", {"left": 0, "right": 0}).result["motion_expires_in_ms"] is None
+
+
+def test_leds_rgb_obstacle_reach_the_robot(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[0]
+    assert gateway.call("epuck1", "leds", {"led3": True, "front": True, "led1": False}).ok
+    rep = gateway.call("epuck1", "rgb", {"led2": {"red": 100, "green": 0, "blue": 50}, "led8": {"red": 1, "green": 2,
+                                                                                                "blue": 3}})
+    assert rep.ok and rep.result["rgb"]["led8"] == {"red": 1, "green": 2, "blue": 3}
+    assert gateway.call("epuck1", "obstacle_avoidance", {"enabled": True}).ok
+    assert wait_until(lambda: robot.world.obstacle_avoidance, 5)
+    assert robot.world.leds == 0x22
+    assert robot.world.rgb[0] == (100, 0, 50) and robot.world.rgb[3] == (1, 2, 3)
+    assert gateway.call("epuck1", "obstacle_avoidance", {"enabled": False}).ok
+
+
+def test_oneshot_flags_are_cleared_by_the_next_command(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[0]
+    n = len(robot.stats.received)
+    assert gateway.call("epuck1", "sound", {"sound": "mario"}).ok
+    assert gateway.call("epuck1", "calibrate_ir", {}).ok
+
+    def cleared() -> bool:
+        sent = list(robot.stats.received)[n:]
+        cal = [k for k, c in enumerate(sent) if c.settings & SET_CALIBRATE_IR]
+        return bool(cal) and len(sent) > cal[-1] + 1
+
+    assert wait_until(cleared, 5)
+    sent = list(robot.stats.received)[n:]
+    i = next(k for k, c in enumerate(sent) if c.sound == SOUND_MARIO)
+    assert sent[i + 1].sound == 0  # the very next command clears it
+    j = next(k for k, c in enumerate(sent) if c.settings & SET_CALIBRATE_IR)
+    assert not sent[j + 1].settings & SET_CALIBRATE_IR and sent[j + 1].sound == 0
+    # the robot takes one queued command per cycle: wait for both to be applied
+    assert wait_until(lambda: robot.world.sound_starts >= 1 and robot.world.calibrations >= 1
+                      and robot.command is not None and robot.command == sent[-1], 5)
+    starts, cals = robot.world.sound_starts, robot.world.calibrations
+    time.sleep(0.3)
+    assert (robot.world.sound_starts, robot.world.calibrations) == (starts, cals)  # not re-applied
+    # calibrated against open space: proximity now reads ~0
+    mark = gateway.bus.mark()
+    s = gateway.bus.wait_json("/epuck1/state/sensors", lambda d: True, mark)
+    assert s is not None and max(s["proximity"]) <= 5
+
+
+def test_set_steps_overwrites_the_counters(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[2]
+    assert gateway.call("epuck3", "set_steps", {"left": -1234, "right": 4321}).ok
+    mark = gateway.bus.mark()
+    s = gateway.bus.wait_json("/epuck3/state/sensors", lambda d: d["steps"]["left"] == -1234, mark)
+    assert s is not None and s["steps"]["right"] == 4321
+    assert wait_until(lambda: robot.command is not None and not robot.command.settings & 0x04, 5)
+
+
+@pytest.mark.parametrize("command,payload", [
+    ("set_speed", {"left": 1001, "right": 0}),
+    ("set_speed", {"left": -1001, "right": 0}),
+    ("set_speed", {"left": "100", "right": 0}),
+    ("set_speed", {"left": 1.5, "right": 0}),
+    ("set_speed", {"left": 10}),
+    ("set_speed", {"left": 10, "right": 10, "turbo": True}),
+    ("set_steps", {"left": 40000, "right": 0}),
+    ("rgb", {"led2": {"red": 101, "green": 0, "blue": 0}}),
+    ("rgb", {"led3": {"red": 1, "green": 0, "blue": 0}}),
+    ("leds", {"led2": True}),
+    ("sound", {"sound": "beethoven"}),
+    ("stream", {"image": "yes"}),
+    ("snapshot", {"timeout_s": 100}),
+    ("set_speed", b"not json"),
+    ("set_speed", b"[1, 2]"),
+])
+def test_bad_commands_get_invalid_request(gateway: Gateway, command: str, payload: object) -> None:
+    rep = gateway.call("epuck1", command, payload)
+    assert not rep.ok and rep.error["code"] == "invalid_request", rep.raw
+
+
+def test_unknown_device_and_unknown_command(gateway: Gateway) -> None:
+    assert gateway.call("nobody", "set_speed", {"left": 0, "right": 0}).error["code"] == "not_found"
+    assert gateway.call("epuck1", "fly", {}).error["code"] == "not_found"
+
+
+def test_unreachable_robot_is_unavailable_and_unhealthy(gateway: Gateway) -> None:
+    rep = gateway.call("ghost", "set_speed", {"left": 10, "right": 10})
+    assert not rep.ok and rep.error["code"] == "unavailable"
+    h = gateway.bus.wait_json("/ghost/health", lambda d: d["error"], 0)
+    assert h is not None and not h["connection"] and "cannot connect" in h["error_message"]
+
+
+def test_disconnect_and_reconnect(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[2]
+    mark = gateway.bus.mark()
+    gateway.sim.call(robot.drop_client)
+    down = gateway.bus.wait_json("/epuck3/health", lambda d: not d["connection"], mark)
+    assert down is not None and down["state"] == "disconnected"
+    up = gateway.bus.wait_json("/epuck3/health", lambda d: d["connection"], mark)
+    assert up is not None
+    assert gateway.bus.wait_json("/epuck3/event/fault", lambda d: d["kind"] == "link_lost", mark)
+    link = gateway.bus.wait_json("/epuck3/state/link", lambda d: d["reconnects"] >= 1 and d["connected"], mark)
+    assert link is not None
+    # the robot's process goes away and comes back on the same port: the gateway keeps retrying
+    mark = gateway.bus.mark()
+    gateway.sim.run(robot.stop)
+    assert gateway.bus.wait_json("/epuck3/health", lambda d: "cannot connect" in d["error_message"], mark)
+    gateway.sim.run(robot.start)
+    assert gateway.bus.wait_json("/epuck3/health", lambda d: d["connection"], mark)
+    assert gateway.call("epuck3", "leds", {"body": True}).ok
+
+
+def test_silent_robot_goes_disconnected(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[3]
+    mark = gateway.bus.mark()
+    robot.silent = True  # the socket stays open, nothing arrives (a robot out of WiFi range)
+    try:
+        down = gateway.bus.wait_json("/epuck4/health", lambda d: not d["connection"], mark)
+        assert down is not None and "no data" in down["error_message"]
+    finally:
+        robot.silent = False
+    assert gateway.bus.wait_json("/epuck4/health", lambda d: d["connection"], mark)
+
+
+def test_framing_error_is_counted_reported_and_the_link_reset(gateway: Gateway) -> None:
+    robot = gateway.sim.robots[3]
+    wait_until(lambda: robot.connected, 5)
+    mark = gateway.bus.mark()
+    conns = robot.stats.connections
+    gateway.sim.call(lambda: robot.inject(b"\x7f"))
+    fault = gateway.bus.wait_json("/epuck4/event/fault", lambda d: d["kind"] == "framing_error", mark)
+    assert fault is not None and "0x7f" in fault["message"]
+    assert wait_until(lambda: robot.stats.connections > conns and robot.connected, 10)
+    link = gateway.bus.wait_json("/epuck4/state/link", lambda d: d["framing_errors"] >= 1 and d["connected"], mark)
+    assert link is not None
+    # the robot was told to stop before the link was closed
+    assert any(c.sound == SOUND_STOP and c.request == 0 for c in robot.stats.received)
+
+
+def test_gateway_stop_sends_stop_command(broker_session: Broker) -> None:
+    sim = EpuckSimThread(2, EpuckSimConfig()).start()
+    try:
+        proc, _ = start_gateway(broker_session, sim)
+        assert wait_until(lambda: all(r.connected and r.command is not None for r in sim.robots), 15), proc.text()
+        sim.robots[0].world.speed_left = 300  # as if a set_speed were in force
+        assert proc.stop() == 0
+        for r in sim.robots:
+            last = r.stats.received[-1]
+            assert last == EpuckCommand(request=0, settings=0, left=0, right=0, leds=0, sound=SOUND_STOP)
+        assert wait_until(lambda: sim.robots[0].world.speed_left == 0, 2)
+        assert "all robots stopped" in proc.text()
+    finally:
+        sim.close()
+
+
+def test_gateway_retries_until_the_simulator_is_up(broker_session: Broker) -> None:
+    sim = EpuckSimThread(1, EpuckSimConfig())
+    port = sim.robots[0].port = __import__("shared.testing", fromlist=["free_port"]).free_port()
+    robots = [{"id": "late", "host": "127.0.0.1", "port": port}]
+    from shared.testing import NodeProcess
+    proc = NodeProcess(["-m", "services.epuck_gateway"], {
+        "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_ROBOTS": json.dumps(robots),
+        "ROBOBUS_RECONNECT_MAX_S": "0.3", **{k: v for k, v in os.environ.items() if k == "PATH"}})
+    try:
+        time.sleep(1.0)
+        assert proc.alive()
+        sim.start()
+        assert wait_until(lambda: sim.robots[0].connected and sim.robots[0].command is not None, 10), proc.text()
+    finally:
+        proc.stop()
+        sim.close()
+
+
+def test_bad_configuration_exits_with_a_clear_message(broker_session: Broker) -> None:
+    from shared.testing import NodeProcess
+    proc = NodeProcess(["-m", "services.epuck_gateway"], {"ROBOBUS_MQTT_URL": broker_session.url,
+                                                           "ROBOBUS_ROBOTS": '[{"id": "a/b", "host": "x"}]'})
+    assert proc.proc.wait(20) == 2
+    proc.stop()
+    assert "robots" in proc.text()
