@@ -483,6 +483,7 @@ class CanBootService:
                     "retries": snap.retries})
 
         flasher.start(t0)
+        every(t0)
         try:
             port.drain()
             port.drive(flasher, cancel=(lambda: job.cancelled) if job is not None else None,

@@ -1,0 +1,168 @@
+"""The MQTT surface on a real broker: flash jobs, busy buses, cancel, refused images, the contract."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from services.can_bootloader.image import load_intel_hex
+from services.can_bootloader.service import API
+from services.can_bootloader.sim import FLAG_RUN_APP, FLAG_STAY, make_intel_hex
+from shared.asyncapi import ContractValidator, build_document
+from shared.rpc import RpcClient, wait_for
+from shared.testing import Broker
+
+HEX = make_intel_hex()
+IMAGE = load_intel_hex(HEX)
+SMALL_HEX = make_intel_hex(0x1000, 0x13FF)
+SMALL = load_intel_hex(SMALL_HEX)
+DEV = "motors"
+
+
+def memory_equals(board: Any, image: Any) -> bool:
+    return bool(board.app_image(image.base, image.end) == image.data)
+
+
+def test_flash_read_back_and_contract(boot_node: Any, client: RpcClient) -> None:
+    validator = ContractValidator(build_document([API]))
+    bn = boot_node()
+    seen: list[tuple[str, bytes]] = []
+    client.subscribe_before(f"robobus/{bn.name}/#", lambda m: seen.append((m.topic, bytes(m.payload))))
+    progress: list[dict[str, Any]] = []
+    rep, result = client.call_job(bn.name, DEV, "flash", {"board": 8, "hex": HEX}, progress.append, timeout=60)
+    assert rep.ok, rep.error
+    assert result is not None and result["ok"], result
+    res = result["result"]
+    assert res["board"] == 8 and res["bus"] == 1 and res["bootloader_aware"] is True and res["phase"] == "done"
+    assert res["image_first"] == 0x04C0 and res["image_last"] == 0x7D4B
+    assert any("configuration words" in w for w in res["warnings"])
+    assert res["frames_sent"] > 8000 and res["retries"] == 0
+    phases = {e["phase"] for e in progress}
+    assert {"magic", "erase", "write", "verify"} <= phases
+    assert all("frames_per_s" in e["info"] and "retries" in e["info"] for e in progress if e["phase"] == "write")
+    board = bn.board(8)
+    assert memory_equals(board, IMAGE) and board.eeprom[0xFF] == FLAG_RUN_APP
+    # the board runs its application now: READ_VERSION gets no answer
+    rep = client.call(bn.name, DEV, "read_version", {"board": 8})
+    assert not rep.ok and rep.error["code"] == "timeout"
+    # bootloader commands on a board in its bootloader
+    rep = client.call(bn.name, DEV, "read_version", {"board": 13})
+    assert rep.ok and rep.result == {"board": 13, "bus": 2, "version": "40414243"}
+    rep = client.call(bn.name, DEV, "read_flash", {"board": 3, "address": 0x0005, "length": 21})
+    assert rep.ok and bytes.fromhex(rep.result["data"]) == bytes(bn.board(3).flash[5:26])
+    rep = client.call(bn.name, DEV, "reset", {"board": 3})
+    assert rep.ok and bn.board(3).mode == "app"
+    time.sleep(0.7)  # a health heartbeat
+    # overlapping subscriptions of one client (ours and call_job's) deliver each event twice: dedupe
+    reports = [json.loads(pl) for pl in {pl for t, pl in seen if t.endswith("/event/flash_report")}]
+    assert len(reports) == 1 and reports[0]["ok"]
+    checked = {validator.validate(t, pl) for t, pl in seen}
+    assert len(checked) >= 4  # status, health, job events, flash_report
+
+
+def test_refused_images_send_no_frame(boot_node: Any, client: RpcClient, tmp_path: Path) -> None:
+    bn = boot_node()
+    cases = {
+        make_intel_hex(0x0400, 0x0600): "bootloader",
+        make_intel_hex(0x7000, 0x7E00): "past the application region",
+        ":10000000DEADBEEF\n": "malformed",
+        "": "empty",
+        ":020000040030CA\n:0100010055A9\n:00000001FF\n": "empty",
+    }
+    for text, why in cases.items():
+        rep = client.call(bn.name, DEV, "flash", {"board": 8, "hex": text})
+        assert not rep.ok and rep.error["code"] == "invalid_request" and why in rep.error["message"], rep.error
+    rep = client.call(bn.name, DEV, "flash", {"board": 8, "hex": HEX, "path": "x.hex"})
+    assert not rep.ok and rep.error["code"] == "invalid_request"
+    rep = client.call(bn.name, DEV, "flash", {"board": 8, "path": "../../etc/passwd"})
+    assert not rep.ok and rep.error["code"] == "forbidden", rep.error
+    rep = client.call(bn.name, DEV, "flash", {"board": 8, "path": "missing.hex"})
+    assert not rep.ok and rep.error["code"] == "not_found"
+    rep = client.call(bn.name, DEV, "flash", {"board": 20, "hex": HEX})
+    assert not rep.ok and rep.error["code"] == "invalid_request"
+    assert bn.frames_sent() == 0
+    # a file in the firmware folder is fine
+    (tmp_path / "fw.hex").write_text(SMALL_HEX)
+    rep, result = client.call_job(bn.name, DEV, "flash", {"board": 3, "path": "fw.hex"}, lambda e: None, timeout=30)
+    assert result is not None and result["ok"], result
+    assert memory_equals(bn.board(3), SMALL)
+
+
+def test_busy_bus_and_cancel(boot_node: Any, client: RpcClient, broker_session: Broker) -> None:
+    bn = boot_node(erase_s=1.5)  # a slow erase keeps bus 1 busy
+    results: dict[str, Any] = {}
+    first_progress = threading.Event()
+    other = RpcClient(broker_session.settings(), name="test-other")  # call_job unsubscribes when it ends
+    other.connect()
+
+    def first() -> None:
+        results["first"] = other.call_job(bn.name, DEV, "flash", {"board": 8, "hex": HEX},
+                                           lambda e: first_progress.set(), timeout=60)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert first_progress.wait(10)
+    rep = client.call(bn.name, DEV, "flash", {"board": 3, "hex": SMALL_HEX})
+    assert not rep.ok and rep.error["code"] == "busy" and "bus 1" in rep.error["message"]
+    rep = client.call(bn.name, DEV, "read_version", {"board": 3})
+    assert not rep.ok and rep.error["code"] == "busy"
+    rep = client.call(bn.name, DEV, "flash_many", {"boards": [13, 3], "hex": SMALL_HEX})
+    assert not rep.ok and rep.error["code"] == "busy"
+    # bus 2 is free
+    _rep2, res2 = client.call_job(bn.name, DEV, "flash", {"board": 13, "hex": SMALL_HEX}, lambda e: None, timeout=30)
+    assert res2 is not None and res2["ok"], res2
+    rep = client.call(bn.name, DEV, "cancel", {})
+    assert rep.ok and len(rep.result["cancelled"]) == 1
+    t.join(30)
+    other.close()
+    _rep1, res1 = results["first"]
+    assert res1 is not None and not res1["ok"] and res1["cancelled"]
+    board = bn.board(8)
+    assert wait_for(lambda: board.mode == "bootloader", 3)
+    assert board.eeprom[0xFF] == FLAG_STAY  # left in the bootloader, ready to be flashed again
+    rep, res = client.call_job(bn.name, DEV, "flash", {"board": 8, "hex": SMALL_HEX}, lambda e: None, timeout=30)
+    assert res is not None and res["ok"], res
+    assert memory_equals(board, SMALL)
+
+
+def test_flash_many_in_parallel(boot_node: Any, client: RpcClient) -> None:
+    bn = boot_node(boards=(0, 1, 10, 11))
+    _rep, result = client.call_job(bn.name, DEV, "flash_many", {"boards": [0, 1, 10, 11], "hex": SMALL_HEX},
+                                  lambda e: None, timeout=60)
+    assert result is not None and result["ok"], result
+    rs = result["result"]["results"]
+    assert [r["board"] for r in rs] == [0, 1, 10, 11] and all(r["ok"] for r in rs)
+    for b in (0, 1, 10, 11):
+        assert memory_equals(bn.board(b), SMALL)
+    # a missing board fails the job with its reason, the others are flashed
+    _rep, result = client.call_job(bn.name, DEV, "flash_many", {"boards": [0, 5], "hex": SMALL_HEX},
+                                  lambda e: None, timeout=60)
+    assert result is not None and not result["ok"]
+    assert "board 5" in result["error"]["message"] and "magic" in result["error"]["message"]
+
+
+def test_not_bootloader_aware_is_loud(boot_node: Any, client: RpcClient) -> None:
+    bn = boot_node(app_aware=False)
+    health: list[dict[str, Any]] = []
+    client.subscribe_before(f"robobus/{bn.name}/{DEV}/health", lambda m: health.append(json.loads(m.payload)))
+    _rep, result = client.call_job(bn.name, DEV, "flash", {"board": 13, "hex": SMALL_HEX}, lambda e: None,
+                                  timeout=30)
+    assert result is not None and result["ok"]
+    res = result["result"]
+    assert res["bootloader_aware"] is False and "NOT bootloader-aware" in res["reason"]
+    assert any("no longer be reflashed" in w for w in res["warnings"])
+    assert wait_for(lambda: any(h["error"] and "NOT bootloader-aware" in h["error_message"] for h in health), 3)
+    _rep, result = client.call_job(bn.name, DEV, "flash", {"board": 13, "hex": SMALL_HEX}, lambda e: None,
+                                  timeout=30)
+    assert result is not None and not result["ok"] and "magic" in result["error"]["message"]
+
+
+def test_health(boot_node: Any, client: RpcClient) -> None:
+    bn = boot_node()
+    msgs = client.collect(f"robobus/{bn.name}/{DEV}/health", 1.0)
+    h = json.loads(msgs[-1][1])
+    assert h["connection"] and h["operational"] and h["state"] == "idle"
+    assert h["details"]["bus1"]["interface"] == "virtual"
