@@ -19,6 +19,7 @@ from typing import Literal
 
 from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.protocol import (
+    CONFIG_FIRST,
     CONFIG_TYPES,
     DEMAND_RANGES,
     NO_CAN,
@@ -42,7 +43,8 @@ from services.ethercat_loop.protocol import (
     unpack_status,
 )
 
-MAX_NON_DEMAND_CYCLES = 8  # < the motors' 20 ms no-demand timeout, with margin
+MAX_NON_DEMAND_CYCLES = 12  # one whole config push (11 cycles) + 1; well under the motors' 20 ms timeout
+CONFIG_PUSH_CYCLES = len(CONFIG_TYPES) + 1
 INIT_TIMEOUT_NS = 5_000_000_000  # like the original's 5 s "Motor Initialization Timeout"
 CAN_TX_QUEUE_MAX = 4096
 CAN_RX_KEEP = 4096
@@ -603,8 +605,13 @@ class PalmDriver:
     def _to_motors(self, now_ns: int) -> tuple[int, tuple[int, ...]]:
         if self.non_demand_streak < MAX_NON_DEMAND_CYCLES:
             # priority as in packCommand: system controls, then resets, then one config type per cycle
-            step = self._controls.popleft() if self._controls else (
-                self._config_steps.popleft() if self._config_steps else None)
+            step = None
+            mid_push = bool(self._config_steps) and self._config_steps[0][0] != CONFIG_FIRST
+            if self._controls and not mid_push:
+                step = self._controls.popleft()
+            elif self._config_steps and (self._config_steps[0][0] != CONFIG_FIRST or  # a push is never split
+                                         self.non_demand_streak + CONFIG_PUSH_CYCLES <= MAX_NON_DEMAND_CYCLES):
+                step = self._config_steps.popleft()
             if step is not None:
                 kind, words = step
                 self.non_demand_streak += 1
