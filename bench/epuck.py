@@ -1,0 +1,192 @@
+"""Benchmark: one epuck-gateway process serving 20 simulated e-puck2 robots.
+
+Each simulated robot streams sensors at 50 Hz and images at 10 fps (the firmware's realistic best,
+reference section 5) on 127.0.0.1. The simulator stamps its send time into magnetometer X
+(`--stamp`), so a subscriber can measure sensor latency from the robot's send() to the MQTT message
+arriving. Reported: gateway CPU (% of one core, from /proc), latency p50/p99, frames dropped
+end to end, and whether latency grows over the run. Last line: one JSON object.
+
+    python bench/epuck.py            # 60 s measured
+    python bench/epuck.py --quick    # ~25 s in all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from shared.mqtt import MqttSession, unique_client_id  # noqa: E402
+from shared.settings import KitSettings  # noqa: E402
+from shared.testing import Broker, free_port  # noqa: E402
+
+TARGET_CPU_PCT = 60.0
+TARGET_P99_MS = 20.0
+LAG_GROWTH_LIMIT_MS = 5.0  # p50 of the last third minus p50 of the first third
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
+    return s[k]
+
+
+class Recorder:
+    """Arrival time and latency of every sensors message; image counts per robot."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.samples: list[tuple[float, float]] = []  # (arrival monotonic, latency ms)
+        self.images: dict[str, int] = {}
+        self.sensors = 0
+        self.recording = False
+
+    def on_sensors(self, msg: mqtt.MQTTMessage) -> None:
+        now = time.time()
+        data = json.loads(msg.payload)
+        stamp = data["magnetometer_ut"]["x"]
+        lat = ((now % 1000.0) - stamp) % 1000.0
+        if lat > 500.0:  # float32 rounding made it slightly negative
+            lat -= 1000.0
+        with self.lock:
+            self.sensors += 1
+            if self.recording:
+                self.samples.append((time.monotonic(), lat * 1000.0))
+
+    def on_image(self, msg: mqtt.MQTTMessage) -> None:
+        robot = msg.topic.split("/")[2]
+        with self.lock:
+            self.images[robot] = self.images.get(robot, 0) + 1
+
+
+def read_json_line(proc: subprocess.Popen[str], key: str, timeout: float) -> dict[str, Any]:
+    assert proc.stdout is not None
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        line = line.strip()
+        if line.startswith("{"):
+            data = json.loads(line)
+            if key in data:
+                return data  # type: ignore[no-any-return]
+    raise RuntimeError(f"the simulator did not report {key!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short run (about 25 s)")
+    ap.add_argument("--robots", type=int, default=20)
+    ap.add_argument("--duration", type=float, default=None, help="measured seconds")
+    ap.add_argument("--sensors-hz", type=float, default=50.0)
+    ap.add_argument("--image-fps", type=float, default=10.0)
+    a = ap.parse_args()
+    duration = a.duration or (15.0 if a.quick else 60.0)
+    warmup = 3.0 if a.quick else 5.0
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    with tempfile.TemporaryDirectory(prefix="robobus-bench-epuck-") as tmp:
+        broker = Broker(free_port(), Path(tmp))
+        broker.start()
+        sim = subprocess.Popen(
+            [sys.executable, "-m", "services.epuck_gateway.sim", "--count", str(a.robots), "--base-port", "0",
+             "--stamp", "--sensors-hz", str(a.sensors_hz), "--image-fps", str(a.image_fps)],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        gw: subprocess.Popen[bytes] | None = None
+        sub = MqttSession(KitSettings(mqtt_url=broker.url), unique_client_id("bench-epuck"))
+        rec = Recorder()
+        try:
+            ready = read_json_line(sim, "ready", 20)
+            robots = [{"id": name, "host": "127.0.0.1", "port": port} for name, port in ready["robots"].items()]
+            sub.subscribe("robobus/epuck-gateway/+/state/sensors", rec.on_sensors, qos=0)
+            sub.subscribe("robobus/epuck-gateway/+/state/image", rec.on_image, qos=0)
+            sub.start()
+            if not sub.wait_connected(10):
+                raise RuntimeError("subscriber could not connect to the broker")
+            time.sleep(0.3)
+            gw = subprocess.Popen(
+                [sys.executable, "-m", "services.epuck_gateway"], cwd=REPO,
+                env={**env, "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_ROBOTS": json.dumps(robots),
+                     "ROBOBUS_SENSORS_HZ": str(a.sensors_hz), "ROBOBUS_IMAGE_FPS": str(a.image_fps),
+                     "ROBOBUS_LOG_LEVEL": "WARNING"},
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(warmup)
+            with rec.lock:
+                rec.recording = True
+            cpu0, t0 = cpu_seconds(gw.pid), time.monotonic()
+            time.sleep(duration)
+            cpu1, t1 = cpu_seconds(gw.pid), time.monotonic()
+            with rec.lock:
+                rec.recording = False
+            gw.send_signal(signal.SIGTERM)
+            gw.wait(15)
+            time.sleep(0.3)
+            sim.send_signal(signal.SIGTERM)
+            stats = read_json_line(sim, "stats", 15)["stats"]
+            sim.wait(10)
+        finally:
+            for p in (gw, sim):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait(5)
+            sub.stop()
+            broker.kill()
+
+    lat = [s[1] for s in rec.samples]
+    third = max(1, len(rec.samples) // 3)
+    first = [s[1] for s in rec.samples[:third]]
+    last = [s[1] for s in rec.samples[-third:]]
+    growth = (statistics.median(last) - statistics.median(first)) if first and last else float("nan")
+    frames_sent = sum(r["images_sent"] for r in stats.values())
+    frames_received = sum(rec.images.values())
+    cpu_pct = 100.0 * (cpu1 - cpu0) / (t1 - t0)
+    p50, p99 = percentile(lat, 50), percentile(lat, 99)
+    result = {
+        "bench": "epuck-gateway",
+        "robots": a.robots,
+        "sensors_hz": a.sensors_hz,
+        "image_fps": a.image_fps,
+        "measured_s": round(t1 - t0, 1),
+        "gateway_cpu_pct_of_one_core": round(cpu_pct, 1),
+        "sensor_latency_ms": {"p50": round(p50, 2), "p99": round(p99, 2), "max": round(max(lat, default=0.0), 2)},
+        "sensor_msgs_measured": len(lat),
+        "sensor_msgs_per_s": round(len(lat) / (t1 - t0), 1),
+        "frames_sent": frames_sent,
+        "frames_received": frames_received,
+        "frames_dropped": max(0, frames_sent - frames_received),
+        "lag_growth_ms": round(growth, 2),
+        "lag_growing": bool(growth > LAG_GROWTH_LIMIT_MS),
+        "targets": {"cpu_pct_le_60": cpu_pct <= TARGET_CPU_PCT, "p99_le_20ms": p99 <= TARGET_P99_MS,
+                    "no_growing_lag": not growth > LAG_GROWTH_LIMIT_MS},
+    }
+    result["pass"] = all(result["targets"].values())  # type: ignore[attr-defined]
+    print(f"gateway CPU {cpu_pct:.1f} % of one core; sensor latency p50 {p50:.2f} ms, p99 {p99:.2f} ms; "
+          f"frames {frames_received}/{frames_sent}; lag growth {growth:+.2f} ms")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
