@@ -1,0 +1,582 @@
+"""The realtime wire backend: the 1 kHz cycle in its OWN PROCESS (pysoem master + PalmDriver),
+joined to the MQTT process by shared memory and two pipes, so MQTT, JSON and logging never hold
+the GIL the cycle needs.
+
+    MQTT process (ProcessBackend)                 cycle process (cycle_main), single-threaded
+    submit(msg) --pickle--> control pipe ------>  drained once per cycle, driver.apply()
+    snapshot() <-- seqlock slot in /dev/shm <---  driver.snapshot(), snapshot_hz times a second
+    stats()    <-- counters + histograms <------  incremented in place every cycle
+    on_can_rx  <-- event pipe (non-blocking) <--  driver.take_can_rx()
+
+One cycle: sleep until the absolute deadline (CLOCK_MONOTONIC) -> record the wake-up latency ->
+exchange the command prepared last cycle (so the frame leaves right at the deadline) -> apply
+control messages -> driver.cycle(status) builds the next command -> state check / snapshot in the
+slack -> next deadline, skipping to the next period boundary on an overrun (counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from services.ethercat_loop.backend import (
+    STOP_ZERO_CYCLES,
+    BackendUnavailable,
+    CanRxHandler,
+    EthercatSettings,
+    HandBackend,
+    build_driver,
+)
+from services.ethercat_loop.cycle_rt import AbsoluteSleeper, RtSettings, apply_realtime, current_policy, next_deadline
+from services.ethercat_loop.cycle_shm import HIST_US, C, SharedBlock, percentiles
+from services.ethercat_loop.driver import CanRxFrame, CanTx, ControlMessage, Halt, PalmDriver, PalmSnapshot
+from services.ethercat_loop.master import EthercatMaster, MasterConfig, MasterError
+
+log = logging.getLogger("robobus.ethercat.cycle")
+PR_SET_PDEATHSIG = 1
+MAX_MSGS_PER_CYCLE = 64
+CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
+PIPE_ATOMIC = 4096
+REPO = Path(__file__).resolve().parents[2]
+
+
+class WireSettings(EthercatSettings):
+    """Settings of the wire backends on top of EthercatSettings (ROBOBUS_ETHERCAT_*)."""
+
+    ethercat_netns: str = Field("", description="Network namespace holding the NIC (the virtual hand's "
+                                "namespace from `make ethercat-vhand`); empty: the host's")
+    ethercat_rt_priority: int = Field(80, ge=0, le=99, description="SCHED_FIFO priority of the cycle process "
+                                      "(0: normal scheduling)")
+    ethercat_cpus: list[int] = Field(default_factory=list, description="CPU affinity of the cycle process")
+    ethercat_lock_memory: bool = Field(True, description="mlockall in the cycle process")
+    ethercat_recv_timeout_us: int = Field(700, ge=50, le=100_000, description="Receive timeout per frame, "
+                                          "well under the period")
+    ethercat_late_us: int = Field(350, ge=10, description="A reply later than this counts as a late frame")
+    ethercat_program_sms: Literal["auto", "always", "never"] = Field(
+        "auto", description="Program the 4 mailbox SMs + 2 FMMUs when the palm's SII lacks them")
+    ethercat_error_after_lost: int = Field(20, ge=1, description="Consecutive cycles without a valid status "
+                                           "after which health reports an error (the motors cut out at 20 ms)")
+    ethercat_snapshot_hz: float = Field(100.0, gt=0, le=1000, description="Driver snapshots per second")
+    ethercat_state_check_ms: int = Field(100, ge=1, description="Period of the AL state check")
+    ethercat_virtual_args: list[str] = Field(default_factory=list, description="Extra virtual_hand options "
+                                             "when the virtual backend starts its own hand")
+
+
+@dataclass
+class CycleConfig:
+    """Everything the cycle process needs (picklable: it crosses a spawn)."""
+
+    settings: WireSettings
+    master: MasterConfig
+    rt: RtSettings
+    period_ns: int
+    snapshot_every: int
+    state_check_every: int
+    error_after: int
+    zero_cycles: int = STOP_ZERO_CYCLES
+
+
+@dataclass
+class _Stop:
+    """Control message: zero demands, then leave OP and exit."""
+
+    reason: str = "stop"
+
+
+@dataclass
+class _CycleState:
+    state: str = "starting"
+    error: str = ""
+    fatal: str = ""
+    warnings: list[str] = field(default_factory=list)
+    state_issue: str = ""
+    policy: str = ""
+    identity: dict[str, Any] = field(default_factory=dict)
+    stop_report: dict[str, Any] = field(default_factory=dict)
+
+
+# ============================================================================ the cycle process
+def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connection) -> None:
+    """Entry point of the cycle process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s ethercat-cycle: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us cleanly
+    stopping: list[str] = []
+    signal.signal(signal.SIGTERM, lambda _s, _f: stopping.append("SIGTERM"))
+    with contextlib.suppress(OSError, AttributeError):  # the parent's death stops us the same way
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.set_blocking(events.fileno(), False)
+    shm = SharedBlock(shm_path)
+    st = _CycleState()
+
+    def publish() -> None:
+        shm.write_slot("status", pickle.dumps(st, 5))
+
+    st.warnings = apply_realtime(cfg.rt)
+    st.policy = current_policy()
+    for w in st.warnings:
+        log.warning("%s", w)
+    publish()
+    master = EthercatMaster(cfg.master)
+    try:
+        ident = master.open()
+        driver = build_driver(cfg.settings, ident.protocol)
+        master.to_op()
+    except (MasterError, OSError, ValueError) as exc:
+        st.state, st.fatal, st.error = "error", str(exc), str(exc)
+        publish()
+        log.error("%s", exc)
+        master.close()
+        shm.close()
+        raise SystemExit(3) from None
+    st.identity = ident.as_dict()
+    st.state = "op"
+    publish()
+    try:
+        _run(cfg, master, driver, shm, ctl, events, st, publish, stopping)
+    finally:
+        with contextlib.suppress(Exception):
+            master.leave_op()
+        master.close()
+        st.state = "stopped"
+        publish()
+        shm.close()
+
+
+def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,
+         events: Connection, st: _CycleState, publish: Callable[[], None], stopping: list[str]) -> None:
+    cnt, h_wake, h_cpu, h_rtt = shm.counters, shm.hist["wake"], shm.hist["cpu"], shm.hist["rtt"]
+    wc = master.counters
+    period = cfg.period_ns
+    sleeper = AbsoluteSleeper()
+    mono, cpu_clock, loads, dumps = time.monotonic_ns, time.thread_time_ns, pickle.loads, pickle.dumps
+    cnt[C["period_ns"]] = period
+    command = driver.cycle(None, mono())
+    halt_sent_at: int | None = None
+    check_due = cfg.state_check_every
+    # Everything allocated so far lives for the whole run: freeze it and keep the collector out of the cycle.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    deadline = mono() + period
+    cnt[C["started_ns"]] = deadline
+    cycle = 0
+    while True:
+        sleeper.sleep_until(deadline)
+        wake = mono()
+        cpu0 = cpu_clock()
+        lat = wake - deadline
+        h_wake[min(lat // 1000, HIST_US)] += 1
+        if lat > cnt[C["wake_ns_max"]]:
+            cnt[C["wake_ns_max"]] = lat
+        # ---- the wire ----
+        ex = master.exchange(command)
+        h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
+        cycle += 1
+        cnt[C["cycles"]] = cycle
+        cnt[C["frames"]] = wc.frames
+        cnt[C["lost"]] = wc.lost
+        cnt[C["late"]] = wc.late
+        cnt[C["wkc_errors"]] = wc.wkc_errors
+        cnt[C["rtt_ns_max"]] = wc.rtt_max_ns
+        # ---- control messages ----
+        n = 0
+        while n < MAX_MSGS_PER_CYCLE and ctl.poll(0):
+            n += 1
+            try:
+                msg = loads(ctl.recv_bytes())
+            except (EOFError, OSError):
+                stopping.append("parent gone")
+                break
+            if isinstance(msg, _Stop):
+                stopping.append(msg.reason)
+            elif driver.apply(msg) is None:
+                cnt[C["commands_applied"]] += 1
+            else:
+                cnt[C["commands_rejected"]] += 1
+        if stopping and halt_sent_at is None:
+            driver.apply(Halt(True))
+            halt_sent_at = cycle
+            st.state = "stopping"
+            publish()
+        # ---- the driver ----
+        command = driver.cycle(ex.status, wake)
+        if ex.status is None:
+            cnt[C["no_status"]] += 1
+            run = cnt[C["consecutive_no_status"]] + 1
+            cnt[C["consecutive_no_status"]] = run
+            if run > cnt[C["max_consecutive_no_status"]]:
+                cnt[C["max_consecutive_no_status"]] = run
+            if run == cfg.error_after:
+                cnt[C["health_error"]] = 1
+                st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
+                publish()
+        elif cnt[C["consecutive_no_status"]]:
+            cnt[C["consecutive_no_status"]] = 0
+            if cnt[C["health_error"]]:
+                cnt[C["health_error"]] = 0
+                st.error = ""
+                publish()
+        rx = driver.take_can_rx()
+        if rx:
+            _send_events(events, rx, cnt)
+        # ---- slack work: state check, snapshot ----
+        check_due -= 1
+        if check_due <= 0 or (ex.status is None and cycle % 10 == 0) or (st.state_issue and cycle % 10 == 0):
+            check_due = cfg.state_check_every
+            cnt[C["state_checks"]] += 1
+            issue = master.check_states()
+            cnt[C["recoveries"]] = wc.recoveries
+            cnt[C["left_op"]] = wc.left_op
+            cnt[C["in_op"]] = 0 if issue else 1
+            if issue != st.state_issue:
+                st.state_issue = issue
+                st.state = "recovering" if issue else ("stopping" if halt_sent_at else "op")
+                publish()
+        if cycle % cfg.snapshot_every == 0:
+            shm.write_slot("snapshot", dumps(driver.snapshot(), 5))
+            cnt[C["snapshots"]] += 1
+        if halt_sent_at is not None and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:
+            st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
+                              "demands_sent_last": [m.demand_sent for m in driver.motors],
+                              "reason": stopping[0]}
+            shm.write_slot("snapshot", dumps(driver.snapshot(), 5))
+            publish()
+            return
+        cpu = cpu_clock() - cpu0
+        h_cpu[min(cpu // 1000, HIST_US)] += 1
+        cnt[C["cpu_ns_sum"]] += cpu
+        if cpu > cnt[C["cpu_ns_max"]]:
+            cnt[C["cpu_ns_max"]] = cpu
+        now = mono()
+        cnt[C["heartbeat_ns"]] = now
+        deadline, skipped = next_deadline(deadline, now, period)
+        if skipped:
+            cnt[C["overruns"]] += 1
+            cnt[C["skipped_cycles"]] += skipped
+        elif cycle % 1000 == 0 and deadline - mono() > period // 2:
+            gc.collect(0)  # young objects only, and only with half a period of slack left
+
+
+def _send_events(events: Connection, rx: list[CanRxFrame], cnt: Any) -> None:
+    for i in range(0, len(rx), CAN_RX_CHUNK):
+        try:
+            events.send_bytes(pickle.dumps(rx[i : i + CAN_RX_CHUNK], 5))
+        except BlockingIOError:
+            cnt[C["events_dropped"]] += 1  # the MQTT side is not reading: frames are dropped, not queued
+            break
+
+
+# ============================================================================ the MQTT side
+class ProcessBackend(HandBackend):
+    """HandBackend whose cycle runs in its own realtime process against pysoem (virtual hand or NIC)."""
+
+    def __init__(self, settings: EthercatSettings, start_timeout_s: float = 30.0) -> None:
+        self.settings = settings if isinstance(settings, WireSettings) else WireSettings(**settings.model_dump())
+        s = self.settings
+        self.start_timeout_s = start_timeout_s
+        self.period_ns = s.ethercat_period_us * 1000
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._shm: SharedBlock | None = None
+        self._ctl_w: Connection | None = None
+        self._events_r: Connection | None = None
+        self._lock = threading.Lock()
+        self._state = _CycleState()
+        self._snap: PalmSnapshot | None = None
+        self._snap_seq = 0
+        self._rx_handler: CanRxHandler | None = None
+        self._threads: list[threading.Thread] = []
+        self._running = False
+        self._stopped = False
+        self._window: dict[str, Any] = {}
+        self._win_prev: tuple[int, dict[str, int], Any] | None = None
+        self._netns: Any = None
+        self.dropped_submits = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def _master_config(self) -> MasterConfig:
+        s = self.settings
+        iface, netns = s.ethercat_ifname, s.ethercat_netns or None
+        if s.backend == "virtual" and not iface:
+            from services.ethercat_loop.netns import VethNetns  # late: only this path needs ip/netns
+
+            ns = VethNetns(f"rbec{os.getpid()}")
+            try:
+                ns.up()
+                # the hand answers frames a little below the cycle's priority: it must not starve either
+                hand_rt = ["--rt-priority", str(max(1, s.ethercat_rt_priority - 10))] if s.ethercat_rt_priority else []
+                ns.start_hand(s.ethercat_protocol, ["--serial", str(s.ethercat_serial), *hand_rt,
+                                                    *s.ethercat_virtual_args])
+            except Exception as exc:
+                ns.down()
+                raise BackendUnavailable(f"cannot start the virtual EtherCAT hand (needs root, iproute2): {exc}") \
+                    from exc
+            self._netns = ns
+            iface, netns = ns.master_if, ns.name
+        if not iface:
+            raise BackendUnavailable(f"backend {s.backend!r} needs ROBOBUS_ETHERCAT_IFNAME (the EtherCAT NIC)")
+        return MasterConfig(iface, netns, None, s.ethercat_recv_timeout_us, s.ethercat_late_us, s.ethercat_program_sms)
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        s = self.settings
+        period_ms = self.period_ns / 1e6
+        cfg = CycleConfig(
+            s, self._master_config(), RtSettings(s.ethercat_rt_priority, tuple(s.ethercat_cpus),
+                                                 s.ethercat_lock_memory),
+            self.period_ns, max(1, round(1000 / period_ms / s.ethercat_snapshot_hz)),
+            max(1, round(s.ethercat_state_check_ms / period_ms)), s.ethercat_error_after_lost)
+        self._shm = SharedBlock.create()
+        # A fresh interpreter (not fork: no paho threads or held locks inherited; not multiprocessing
+        # spawn: no re-import of the caller's __main__): `python -m services.ethercat_loop.cycle`.
+        ctl_r, ctl_w = os.pipe()
+        ev_r, ev_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "services.ethercat_loop.cycle", str(ctl_r), str(ev_w), self._shm.path],
+                stdin=subprocess.PIPE, pass_fds=(ctl_r, ev_w), cwd=REPO,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                               os.environ.get("PYTHONPATH")]))})
+        finally:
+            os.close(ctl_r)
+            os.close(ev_w)
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(pickle.dumps(cfg, 5))
+        self._proc.stdin.close()
+        self._ctl_w, self._events_r = Connection(ctl_w, readable=False), Connection(ev_r, writable=False)
+        os.set_blocking(ctl_w, False)
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            self._poll_state()
+            if self._state.state == "op":
+                break
+            if self._state.fatal or self._proc.poll() is not None:
+                err = self._state.fatal or f"cycle process exited ({self._proc.returncode}) before OP"
+                self._teardown()
+                raise BackendUnavailable(err)
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                self._proc.wait(5)
+                self._teardown()
+                raise BackendUnavailable(f"cycle process did not reach OP within {self.start_timeout_s}s")
+            time.sleep(0.02)
+        self._running = True
+        for target, name in ((self._monitor, "ethercat-monitor"), (self._pump_events, "ethercat-events")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        ident = self._state.identity
+        log.info("EtherCAT cycle process %d: palm %s protocol %s serial %s, %s; %s", self._proc.pid,
+                 ident.get("palm_name"), ident.get("protocol"), ident.get("serial"), self._state.policy,
+                 "; ".join(self._state.warnings) or "realtime settings applied")
+
+    def stop(self) -> None:
+        if self._stopped or self._proc is None:
+            return
+        self._stopped = True
+        self._send(_Stop("stop"), force=True)
+        try:
+            self._proc.wait(max(3.0, 3 * STOP_ZERO_CYCLES * self.period_ns / 1e9))
+        except subprocess.TimeoutExpired:
+            log.error("cycle process did not stop in time: killing it")
+            self._proc.kill()
+            self._proc.wait(5)
+        self._poll_state()
+        self._running = False
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for t in self._threads:
+            t.join(1.0)
+        for conn in (self._ctl_w, self._events_r):
+            if conn is not None:
+                conn.close()
+        self._ctl_w = self._events_r = None
+        if self._shm is not None:
+            self._read_snapshot()
+            self._shm.close()
+            self._shm = None
+        if self._netns is not None:
+            self._netns.down()
+            self._netns = None
+
+    def stop_report(self) -> dict[str, Any]:
+        return dict(self._state.stop_report)
+
+    # ---- messages -------------------------------------------------------------------------
+    def submit(self, msg: ControlMessage) -> None:
+        if isinstance(msg, CanTx) and len(msg.frames) > CAN_RX_CHUNK:
+            for i in range(0, len(msg.frames), CAN_RX_CHUNK):
+                self._send(CanTx(msg.frames[i : i + CAN_RX_CHUNK]))
+            return
+        self._send(msg)
+
+    def _send(self, msg: object, force: bool = False) -> None:
+        data = pickle.dumps(msg, 5)
+        with self._lock:
+            conn = self._ctl_w
+            if conn is None:
+                return
+            try:
+                if force or len(data) > PIPE_ATOMIC - 8:
+                    os.set_blocking(conn.fileno(), True)  # rare: must arrive whole
+                    try:
+                        conn.send_bytes(data)
+                    finally:
+                        os.set_blocking(conn.fileno(), False)
+                else:
+                    conn.send_bytes(data)
+            except BlockingIOError:
+                self.dropped_submits += 1  # the cycle is not draining: never block the MQTT side on it
+                log.warning("control pipe full: dropped %s", type(msg).__name__)
+            except (BrokenPipeError, OSError):
+                self.dropped_submits += 1
+
+    # ---- views ----------------------------------------------------------------------------
+    def _poll_state(self) -> None:
+        shm = self._shm
+        got = shm.read_slot("status") if shm is not None else None
+        if got is not None:
+            new: _CycleState = pickle.loads(got[1])
+            old = self._state
+            if new.state_issue != old.state_issue:
+                if new.state_issue:
+                    log.warning("EtherCAT: %s; recovering", new.state_issue)
+                else:
+                    log.info("EtherCAT: all slaves back in OP")
+            if new.error != old.error and new.error:
+                log.error("EtherCAT: %s", new.error)
+            self._state = new
+
+    def _read_snapshot(self) -> PalmSnapshot | None:
+        shm = self._shm
+        if shm is not None:
+            got = shm.read_slot("snapshot")
+            if got is not None and got[0] != self._snap_seq:
+                self._snap_seq = got[0]
+                self._snap = pickle.loads(got[1])
+        return self._snap
+
+    def snapshot(self) -> PalmSnapshot | None:
+        with self._lock:
+            return self._read_snapshot()
+
+    def _monitor(self) -> None:
+        while self._running:
+            self._poll_state()
+            self._roll_window()
+            if self._proc is not None and self._proc.poll() is not None and not self._stopped:
+                self._state.state, self._state.error = "error", f"cycle process died ({self._proc.returncode})"
+                log.error("EtherCAT: %s", self._state.error)
+                self._running = False
+                return
+            time.sleep(0.05)
+
+    def _roll_window(self) -> None:
+        shm = self._shm
+        if shm is None:
+            return
+        now = time.monotonic_ns()
+        if self._win_prev is not None and now - self._win_prev[0] < 1_000_000_000:
+            return
+        counters, wake = shm.counters_dict(), shm.hist["wake"].copy()
+        if self._win_prev is not None:
+            t0, c0, w0 = self._win_prev
+            dc = {k: counters[k] - c0[k] for k in ("cycles", "overruns", "lost", "no_status", "wkc_errors", "late")}
+            p = percentiles(wake - w0)
+            secs = (now - t0) / 1e9
+            self._window = {
+                "period_us": round(secs * 1e6 / dc["cycles"], 3) if dc["cycles"] else 0.0,
+                "target_period_us": self.period_ns / 1000.0, "cycles": dc["cycles"],
+                "jitter_p50_us": p["p50"] or 0.0, "jitter_p99_us": p["p99"] or 0.0,
+                "jitter_max_us": p["max"] or 0.0, "overruns": dc["overruns"], "drops": dc["no_status"],
+                "frames_lost": dc["lost"], "decode_errors": 0, "window_s": round(secs, 3),
+                "total_cycles": counters["cycles"], "total_overruns": counters["overruns"],
+                "late_frames": dc["late"], "wkc_errors": dc["wkc_errors"],
+            }
+        self._win_prev = (now, counters, wake)
+
+    def stats(self) -> dict[str, Any]:
+        """The last full 1 s window (LoopStatsWindow keys) plus totals since start."""
+        shm = self._shm
+        out: dict[str, Any] = dict(self._window)
+        if shm is None:
+            return out
+        c = shm.counters_dict()
+        cycles = max(1, c["cycles"])
+        out["totals"] = {
+            **{k: c[k] for k in ("cycles", "overruns", "skipped_cycles", "frames", "lost", "late", "wkc_errors",
+                                 "no_status", "recoveries", "left_op", "max_consecutive_no_status",
+                                 "commands_applied", "commands_rejected", "state_checks", "events_dropped")},
+            "wake_us": percentiles(shm.hist["wake"]), "cpu_us": percentiles(shm.hist["cpu"]),
+            "rtt_us": percentiles(shm.hist["rtt"]), "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
+            "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,
+            "dropped_submits": self.dropped_submits,
+        }
+        out["realtime"] = {"policy": self._state.policy, "warnings": list(self._state.warnings)}
+        out["health_error"] = bool(c["health_error"])
+        out["state_issue"] = self._state.state_issue
+        return out
+
+    def histograms(self) -> dict[str, Any]:
+        """Raw 1 µs histograms (wake, cpu, rtt) for the benchmark."""
+        shm = self._shm
+        return {k: v.copy() for k, v in shm.hist.items()} if shm is not None else {}
+
+    def info(self) -> dict[str, Any]:
+        self._poll_state()
+        st = self._state
+        ident = st.identity
+        return {"vendor": ident.get("vendor"), "product": ident.get("product"), "revision": ident.get("revision"),
+                "serial": ident.get("serial"), "protocol": ident.get("protocol", self.settings.ethercat_protocol),
+                "backend": self.settings.backend, "connected": self._running and st.state in ("op", "stopping")
+                and not st.state_issue, "state": st.state, "error": st.error or st.fatal,
+                "warnings": list(st.warnings), "mapping": ident.get("mapping"), "slaves": ident.get("slaves"),
+                "realtime_policy": st.policy, "state_issue": st.state_issue}
+
+    def on_can_rx(self, handler: CanRxHandler) -> None:
+        self._rx_handler = handler
+
+    def _pump_events(self) -> None:
+        conn = self._events_r
+        while self._running and conn is not None:
+            try:
+                if not conn.poll(0.2):
+                    continue
+                frames: list[CanRxFrame] = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if self._rx_handler is not None:
+                try:
+                    self._rx_handler(frames)
+                except Exception:
+                    log.exception("CAN rx handler failed")
+
+
+def _child_entry(argv: list[str]) -> None:
+    """`python -m services.ethercat_loop.cycle CTL_FD EVENTS_FD SHM_PATH`, the config pickled on stdin."""
+    cfg: CycleConfig = pickle.loads(sys.stdin.buffer.read())
+    cycle_main(cfg, argv[2], Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False))
+
+
+if __name__ == "__main__":
+    # run the copy imported under its package name, so pickled classes resolve in both processes
+    from services.ethercat_loop import cycle as _cycle
+
+    _cycle._child_entry(sys.argv[1:])

@@ -1,0 +1,93 @@
+"""Realtime plumbing for the cycle process: SCHED_FIFO, mlockall, CPU affinity, absolute sleeps on
+CLOCK_MONOTONIC, and the deadline arithmetic (pure) that skips to the next period boundary on an
+overrun instead of bursting to catch up.
+
+Every privileged step degrades to a warning: the loop still runs, and the warnings reach logs and
+health so nobody mistakes an unprivileged run for a realtime one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from dataclasses import dataclass
+
+CLOCK_MONOTONIC = 1
+TIMER_ABSTIME = 1
+MCL_CURRENT = 1
+MCL_FUTURE = 2
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.clock_nanosleep.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Timespec), ctypes.c_void_p]
+_libc.clock_nanosleep.restype = ctypes.c_int
+_libc.mlockall.argtypes = [ctypes.c_int]
+_libc.mlockall.restype = ctypes.c_int
+
+
+class AbsoluteSleeper:
+    """clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME): the wake-up does not drift with the time
+    spent between reading the clock and going to sleep (time.sleep is relative)."""
+
+    def __init__(self) -> None:
+        self._ts = _Timespec()
+        self._ref = ctypes.byref(self._ts)
+
+    def sleep_until(self, deadline_ns: int) -> None:
+        self._ts.tv_sec, self._ts.tv_nsec = divmod(deadline_ns, 1_000_000_000)
+        while _libc.clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, self._ref, None) == errno.EINTR:
+            pass
+
+
+def next_deadline(deadline_ns: int, now_ns: int, period_ns: int) -> tuple[int, int]:
+    """The deadline after `deadline_ns`, and how many periods were skipped to get there.
+
+    If `now_ns` has already passed `deadline_ns + period_ns` (an overrun), the next deadline is the
+    first period boundary (deadline + k*period, integer arithmetic) after `now_ns`: missed cycles are
+    skipped, never run back to back to catch up.
+    """
+    nxt = deadline_ns + period_ns
+    if now_ns < nxt:
+        return nxt, 0
+    skipped = (now_ns - deadline_ns) // period_ns
+    return deadline_ns + (skipped + 1) * period_ns, skipped
+
+
+@dataclass
+class RtSettings:
+    priority: int = 80  # SCHED_FIFO priority (1..99); 0 = do not ask for realtime scheduling
+    cpus: tuple[int, ...] = ()  # CPU affinity; empty = leave as is
+    lock_memory: bool = True
+
+
+def apply_realtime(rt: RtSettings) -> list[str]:
+    """Ask for SCHED_FIFO, mlockall and affinity; return the warnings for what was refused."""
+    warnings: list[str] = []
+    if rt.cpus:
+        try:
+            os.sched_setaffinity(0, set(rt.cpus))
+        except (OSError, ValueError) as exc:
+            warnings.append(f"CPU affinity {list(rt.cpus)} refused ({exc})")
+    if rt.lock_memory and _libc.mlockall(MCL_CURRENT | MCL_FUTURE) != 0:
+        err = ctypes.get_errno()
+        warnings.append(f"mlockall refused ({os.strerror(err)}): page faults may stall the cycle "
+                        "(needs CAP_IPC_LOCK or a memlock ulimit)")
+    if rt.priority > 0:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt.priority))
+        except OSError as exc:
+            warnings.append(f"SCHED_FIFO priority {rt.priority} refused ({exc}): the cycle runs at normal "
+                            "priority, expect jitter (needs CAP_SYS_NICE or an rtprio ulimit)")
+    return warnings
+
+
+def current_policy() -> str:
+    pol = os.sched_getscheduler(0)
+    names = {os.SCHED_OTHER: "SCHED_OTHER", os.SCHED_FIFO: "SCHED_FIFO", os.SCHED_RR: "SCHED_RR"}
+    return f"{names.get(pol, str(pol))}/{os.sched_getparam(0).sched_priority}"

@@ -1,0 +1,133 @@
+"""Shared memory between the cycle process and the MQTT process, without locks the cycle could
+wait on: counters and histograms the cycle increments in place (the reader tolerates a counter
+being one cycle stale), and latest-value slots guarded by a sequence counter (a seqlock: the writer
+makes the sequence odd while writing; a reader retries if it saw an odd or changed sequence).
+
+The block is a file in /dev/shm mapped by both processes (no multiprocessing resource tracker,
+which would unlink a segment when the first attached process exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import tempfile
+
+import numpy as np
+import numpy.typing as npt
+
+COUNTERS = (
+    "cycles", "overruns", "skipped_cycles", "frames", "lost", "late", "wkc_errors", "no_status", "recoveries",
+    "left_op", "consecutive_no_status", "max_consecutive_no_status", "cpu_ns_sum", "cpu_ns_max", "wake_ns_max",
+    "rtt_ns_max", "commands_applied", "commands_rejected", "snapshots", "state_checks", "period_ns",
+    "started_ns", "heartbeat_ns", "in_op", "health_error", "events_dropped",
+)
+C = {name: i for i, name in enumerate(COUNTERS)}
+N_COUNTERS = 64
+HIST_US = 20_000  # 1 µs bins up to 20 ms; the last bin holds everything later
+HISTOGRAMS = ("wake", "cpu", "rtt")
+SLOTS = {"snapshot": 1 << 20, "status": 1 << 16, "info": 1 << 16}
+_SEQ = struct.Struct("<QI")  # sequence, payload length
+
+
+def _layout() -> tuple[dict[str, tuple[int, int]], int]:
+    regions: dict[str, tuple[int, int]] = {"counters": (0, 8 * N_COUNTERS)}
+    off = 8 * N_COUNTERS
+    for h in HISTOGRAMS:
+        regions[h] = (off, 8 * (HIST_US + 1))
+        off += 8 * (HIST_US + 1)
+    for name, size in SLOTS.items():
+        regions[name] = (off, _SEQ.size + size)
+        off += _SEQ.size + size
+    return regions, off
+
+
+REGIONS, TOTAL = _layout()
+
+
+class SharedBlock:
+    """Create with `SharedBlock.create()` (parent), attach with `SharedBlock(path)` (cycle process)."""
+
+    def __init__(self, path: str, owner: bool = False) -> None:
+        self.path = path
+        self.owner = owner
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, TOTAL)
+        finally:
+            os.close(fd)
+        off, _size = REGIONS["counters"]
+        self.counters: npt.NDArray[np.int64] = np.frombuffer(self.mm, np.int64, N_COUNTERS, off)
+        self.hist: dict[str, npt.NDArray[np.int64]] = {
+            h: np.frombuffer(self.mm, np.int64, HIST_US + 1, REGIONS[h][0]) for h in HISTOGRAMS}
+
+    @classmethod
+    def create(cls) -> SharedBlock:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="robobus-ecat-", dir=base)
+        try:
+            os.ftruncate(fd, TOTAL)
+        finally:
+            os.close(fd)
+        return cls(path, owner=True)
+
+    def close(self) -> None:
+        # numpy views pin the buffer: drop them before closing the mapping
+        self.counters = np.zeros(0, np.int64)
+        self.hist = {}
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    # ---- seqlock slots --------------------------------------------------------------------
+    def write_slot(self, name: str, payload: bytes) -> bool:
+        off, size = REGIONS[name]
+        if len(payload) > size - _SEQ.size:
+            return False
+        seq, _ = _SEQ.unpack_from(self.mm, off)
+        _SEQ.pack_into(self.mm, off, seq + 1, len(payload))  # odd: write in progress
+        self.mm[off + _SEQ.size : off + _SEQ.size + len(payload)] = payload
+        _SEQ.pack_into(self.mm, off, seq + 2, len(payload))
+        return True
+
+    def read_slot(self, name: str, retries: int = 50) -> tuple[int, bytes] | None:
+        """(sequence, payload) of a consistent read, or None if nothing was ever written."""
+        off, _size = REGIONS[name]
+        for _ in range(retries):
+            seq, n = _SEQ.unpack_from(self.mm, off)
+            if seq == 0:
+                return None
+            if seq & 1:
+                continue
+            data = bytes(self.mm[off + _SEQ.size : off + _SEQ.size + n])
+            seq2, _ = _SEQ.unpack_from(self.mm, off)
+            if seq2 == seq:
+                return seq, data
+        return None
+
+    # ---- counters -------------------------------------------------------------------------
+    def get(self, name: str) -> int:
+        return int(self.counters[C[name]])
+
+    def counters_dict(self) -> dict[str, int]:
+        vals = self.counters.copy()
+        return {name: int(vals[i]) for name, i in C.items()}
+
+
+def percentiles(hist: npt.NDArray[np.int64], qs: tuple[float, ...] = (0.5, 0.99, 0.999)) -> dict[str, float | None]:
+    """Percentiles (µs) of a 1 µs-bin histogram; the last bin stands for 'HIST_US or more'."""
+    total = int(hist.sum())
+    out: dict[str, float | None] = {}
+    if total == 0:
+        empty: dict[str, float | None] = {f"p{q * 100:g}": None for q in qs}
+        return {**empty, "max": None, "count": 0.0}
+    cum = np.cumsum(hist)
+    for q in qs:
+        out[f"p{q * 100:g}"] = float(np.searchsorted(cum, q * total, side="left"))
+    out["max"] = float(np.nonzero(hist)[0][-1])
+    out["count"] = float(total)
+    return out
