@@ -213,6 +213,10 @@ class CanBootService:
             ports = {}
             for n, cfg in ((1, settings.bus1), (2, settings.bus2)):
                 if cfg is not None:
+                    if cfg.interface == BRIDGE_INTERFACE:
+                        # the bridge talks to ethercat-loop on this node's broker unless told otherwise
+                        opts = {"mqtt_url": settings.mqtt_url, "topic_root": settings.topic_root, **cfg.options}
+                        cfg = cfg.model_copy(update={"options": opts})
                     ports[n] = CanPort(n, cfg)
         self.ports = ports
         self._mutex = threading.Lock()
