@@ -1,0 +1,115 @@
+"""The full path: MQTT -> can-bootloader -> robobus_bridge (python-can) -> ethercat-loop's leased CAN bridge ->
+palm model (1 kHz cycle, CAN direct mode) -> the PIC18F bootloader model."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+
+import can
+import pytest
+
+from services.can_bootloader.image import load_intel_hex
+from services.can_bootloader.service import API, CanBootService, CanBootSettings, build
+from services.can_bootloader.sim import FLAG_RUN_APP, BootBoardSet, make_boards, make_intel_hex
+from services.can_bootloader.transport import CanBusConfig
+from shared import Node
+from shared.asyncapi import ContractValidator, build_document
+from shared.rpc import RpcClient
+from shared.testing import Broker
+
+palm_loop = pytest.importorskip("services.ethercat_loop.service")
+palm_backend = pytest.importorskip("services.ethercat_loop.backend")
+
+HEX = make_intel_hex()
+IMAGE = load_intel_hex(HEX)
+SMALL_HEX = make_intel_hex(0x2000, 0x23FF)
+SMALL = load_intel_hex(SMALL_HEX)
+_ids = itertools.count()
+
+
+class Palm:
+    def __init__(self, broker: Broker) -> None:
+        n = next(_ids)
+        self.name = f"palm{n}-{time.monotonic_ns() % 100000}"
+        self.settings = palm_backend.EthercatSettings(mqtt_url=broker.url, node=self.name, backend="model",
+                                                      health_interval_s=1.0)
+        self.device = self.settings.ethercat_device
+        self.backend = palm_backend.make_backend(self.settings)
+        self.boards = BootBoardSet(make_boards([3, 8, 13]))
+        self.backend.model.add_can_node(self.boards)
+        self.node = Node(palm_loop.API, self.settings)
+        self.svc = palm_loop.PalmService(self.node, self.backend, self.settings)
+        self.node.start()
+        assert self.node.session.wait_ready(10)
+        self.svc.start()
+        self.thread = threading.Thread(target=self.svc.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.svc.shutdown()
+        self.node.stop()
+
+
+@pytest.fixture
+def palm(broker_session: Broker) -> Iterator[Palm]:
+    pm = Palm(broker_session)
+    yield pm
+    pm.stop()
+
+
+def boot_service(broker: Broker, palm: Palm) -> tuple[Node, CanBootService]:
+    opts = {"node": palm.name, "device": palm.device}
+    settings = CanBootSettings(mqtt_url=broker.url, node=f"boot-{palm.name}", health_interval_s=1.0,
+                               bus1=CanBusConfig(interface="robobus_bridge", channel="1", options=opts),
+                               bus2=CanBusConfig(interface="robobus_bridge", channel="2", options=opts))
+    node = Node(API, settings)
+    svc = build(node, settings)
+    node.start()
+    assert node.session.wait_ready(10)
+    return node, svc
+
+
+def test_python_can_opens_the_bridge(broker_session: Broker, palm: Palm) -> None:
+    bus = can.Bus(interface="robobus_bridge", channel="2", mqtt_url=broker_session.url, node=palm.name,
+                  device=palm.device)
+    try:
+        bus.send(can.Message(arbitration_id=0x604, data=b"", is_extended_id=False))  # READ_VERSION, board 10+0
+        bus.send(can.Message(arbitration_id=0x664, data=b"", is_extended_id=False))  # READ_VERSION, board 13
+        msg = bus.recv(2.0)
+        assert msg is not None and msg.arbitration_id == 0x674 and bytes(msg.data) == bytes.fromhex("40414243")
+        assert bus.recv(0.2) is None  # board 10 is not there
+    finally:
+        bus.shutdown()
+
+
+def test_full_path_flash(broker_session: Broker, palm: Palm, client: RpcClient) -> None:
+    node, _svc = boot_service(broker_session, palm)
+    validator = ContractValidator(build_document([API]))
+    seen: list[tuple[str, bytes]] = []
+    client.subscribe_before(f"robobus/{node.name}/#", lambda m: seen.append((m.topic, bytes(m.payload))))
+    try:
+        t0 = time.monotonic()
+        _rep, result = client.call_job(node.name, "motors", "flash", {"board": 8, "hex": HEX}, lambda e: None,
+                                       timeout=120)
+        elapsed = time.monotonic() - t0
+        assert result is not None and result["ok"], result
+        res = result["result"]
+        assert res["bootloader_aware"] is True
+        board = palm.boards.board(8)
+        assert board.app_image(IMAGE.base, IMAGE.end) == IMAGE.data
+        assert board.eeprom[0xFF] == FLAG_RUN_APP and board.mode == "app"
+        print(f"full path: {res['frames_sent']} frames in {elapsed:.1f} s, {res['frames_per_s']} frames/s, "
+              f"retries {res['retries']}")
+        # both buses, one lease, the palm's single bridge slot shared
+        _rep, result = client.call_job(node.name, "motors", "flash_many", {"boards": [3, 13], "hex": SMALL_HEX},
+                                       lambda e: None, timeout=60)
+        assert result is not None and result["ok"], result
+        for b in (3, 13):
+            assert palm.boards.board(b).app_image(SMALL.base, SMALL.end) == SMALL.data
+        for t, pl in seen:
+            validator.validate(t, pl)
+    finally:
+        node.stop()
