@@ -10,3 +10,5 @@ SERVICE_APIS["can-bootloader"] = "services.can_bootloader.service:API"
 SERVICE_APIS["ethercat-loop"] = "services.ethercat_loop.service:API"
 
 SERVICE_CLIS: dict[str, str] = {}
+SERVICE_CLIS["flash"] = "services.can_bootloader.cli:flash"
+SERVICE_CLIS["can"] = "services.can_bootloader.cli:can_app"
