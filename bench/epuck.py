@@ -103,7 +103,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=None, help="measured seconds")
     ap.add_argument("--sensors-hz", type=float, default=50.0)
     ap.add_argument("--image-fps", type=float, default=10.0)
+    ap.add_argument("--line-rate", action="store_true",
+                    help="robots stream as fast as the socket takes it; the gateway keeps its caps")
     a = ap.parse_args()
+    robot_hz, robot_fps = ("0", "0") if a.line_rate else (str(a.sensors_hz), str(a.image_fps))
     duration = a.duration or (15.0 if a.quick else 60.0)
     warmup = 3.0 if a.quick else 5.0
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -113,7 +116,7 @@ def main() -> None:
         broker.start()
         sim = subprocess.Popen(
             [sys.executable, "-m", "services.epuck_gateway.sim", "--count", str(a.robots), "--base-port", "0",
-             "--stamp", "--sensors-hz", str(a.sensors_hz), "--image-fps", str(a.image_fps)],
+             "--stamp", "--sensors-hz", robot_hz, "--image-fps", robot_fps],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         gw: subprocess.Popen[bytes] | None = None
         sub = MqttSession(KitSettings(mqtt_url=broker.url), unique_client_id("bench-epuck"))
@@ -129,8 +132,8 @@ def main() -> None:
             time.sleep(0.3)
             gw = subprocess.Popen(
                 [sys.executable, "-m", "services.epuck_gateway"], cwd=REPO,
-                env={**env, "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_ROBOTS": json.dumps(robots),
-                     "ROBOBUS_SENSORS_HZ": str(a.sensors_hz), "ROBOBUS_IMAGE_FPS": str(a.image_fps),
+                env={**env, "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots),
+                     "ROBOBUS_EPUCK_SENSORS_HZ": str(a.sensors_hz), "ROBOBUS_EPUCK_IMAGE_FPS": str(a.image_fps),
                      "ROBOBUS_LOG_LEVEL": "WARNING"},
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(warmup)
@@ -169,6 +172,7 @@ def main() -> None:
         "robots": a.robots,
         "sensors_hz": a.sensors_hz,
         "image_fps": a.image_fps,
+        "line_rate": a.line_rate,
         "measured_s": round(t1 - t0, 1),
         "gateway_cpu_pct_of_one_core": round(cpu_pct, 1),
         "sensor_latency_ms": {"p50": round(p50, 2), "p99": round(p99, 2), "max": round(max(lat, default=0.0), 2)},

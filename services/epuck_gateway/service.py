@@ -72,9 +72,10 @@ log = logging.getLogger("robobus.epuck")
 
 API = ServiceAPI("epuck-gateway", device_doc="one e-puck2 robot on WiFi (TCP port 1000, selector 15)",
                  doc="e-puck2 robots over WiFi: sensors, camera, motors, LEDs, sound")
-SENSORS = API.state("sensors", EpuckSensors, doc="Decoded sensors packet; rate cap ROBOBUS_SENSORS_HZ (default 50)")
-IMAGE = API.binary("image", "image/jpeg", doc="Camera, 160x120 JPEG; fps cap ROBOBUS_IMAGE_FPS (default 10), "
-                                              "quality ROBOBUS_JPEG_QUALITY")
+SENSORS = API.state("sensors", EpuckSensors,
+                    doc="Decoded sensors packet; rate cap ROBOBUS_EPUCK_SENSORS_HZ (default 50)")
+IMAGE = API.binary("image", "image/jpeg", doc="Camera, 160x120 JPEG; fps cap ROBOBUS_EPUCK_IMAGE_FPS (default 10), "
+                                              "quality ROBOBUS_EPUCK_JPEG_QUALITY")
 IMAGE_INFO = API.state("image_info", EpuckImageInfo, doc="Sequence, time and size of the latest image")
 LINK = API.state("link", EpuckLinkStats, doc="TCP link statistics, once a second and on change")
 FAULT = API.event("fault", EpuckFault)
@@ -102,20 +103,20 @@ class EpuckRobotConfig(BaseModel):
 
 
 class EpuckSettings(KitSettings):
-    """ROBOBUS_ROBOTS='[{"id":"epuck1","host":"192.168.1.20"}]' and the knobs below (ROBOBUS_<NAME>)."""
+    """ROBOBUS_EPUCK_ROBOTS='[{"id":"epuck1","host":"192.168.1.20"}]' and the knobs below (ROBOBUS_<FIELD>)."""
 
-    robots: list[EpuckRobotConfig] = Field(min_length=1, description="The robots: id, host, port (1000)")
-    sensors_hz: float = Field(50.0, ge=0, le=1000, description="Sensors rate cap per robot; 0 = every packet")
-    image_fps: float = Field(10.0, ge=0, le=100, description="JPEG rate cap per robot; 0 = every frame")
-    jpeg_quality: int = Field(80, ge=1, le=95)
-    stream_image: bool = Field(True, description="Image stream on at start")
-    stream_sensors: bool = Field(True, description="Sensors stream on at start")
-    motion_timeout_ms: int = Field(1000, ge=50, le=60000, description="Stop a robot without a fresh set_speed")
-    connect_timeout_s: float = Field(3.0, gt=0, le=60)
-    reconnect_min_s: float = Field(0.2, gt=0, le=60)
-    reconnect_max_s: float = Field(2.0, gt=0, le=600)
-    stale_timeout_s: float = Field(0.8, gt=0, le=60, description="Silence that counts as a lost robot")
-    encode_workers: int = Field(2, ge=1, le=32, description="Threads encoding JPEG/PNG")
+    epuck_robots: list[EpuckRobotConfig] = Field(min_length=1, description="The robots: id, host, port (default 1000)")
+    epuck_sensors_hz: float = Field(50.0, ge=0, le=1000, description="Sensors rate cap per robot; 0 = every packet")
+    epuck_image_fps: float = Field(10.0, ge=0, le=100, description="JPEG rate cap per robot; 0 = every frame")
+    epuck_jpeg_quality: int = Field(80, ge=1, le=95)
+    epuck_stream_image: bool = Field(True, description="Image stream on at start")
+    epuck_stream_sensors: bool = Field(True, description="Sensors stream on at start")
+    epuck_motion_timeout_ms: int = Field(1000, ge=50, le=60000, description="Stop a robot without a fresh set_speed")
+    epuck_connect_timeout_s: float = Field(3.0, gt=0, le=60)
+    epuck_reconnect_min_s: float = Field(0.2, gt=0, le=60)
+    epuck_reconnect_max_s: float = Field(2.0, gt=0, le=600)
+    epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60, description="Silence that counts as a lost robot")
+    epuck_encode_workers: int = Field(2, ge=1, le=32, description="Threads encoding JPEG/PNG")
 
 
 class EpuckRobot:
@@ -128,17 +129,17 @@ class EpuckRobot:
         self.node = node
         self.pool = pool
         self.controller = EpuckController()
-        self.want_image = settings.stream_image
-        self.want_sensors = settings.stream_sensors
+        self.want_image = settings.epuck_stream_image
+        self.want_sensors = settings.epuck_stream_sensors
         self._snapshot_holds = 0
         self._apply_stream()
         self.link = EpuckLink(cfg.id, EpuckLinkConfig(
-            host=cfg.host, port=cfg.port, connect_timeout_s=settings.connect_timeout_s,
-            reconnect_min_s=settings.reconnect_min_s, reconnect_max_s=settings.reconnect_max_s,
-            stale_timeout_s=settings.stale_timeout_s), self.controller, self._on_packets, self._on_link_state,
+            host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
+            reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
+            stale_timeout_s=settings.epuck_stale_timeout_s), self.controller, self._on_packets, self._on_link_state,
             self._on_framing_error)
-        self.sensors_gate = RateGate(settings.sensors_hz)
-        self.image_gate = RateGate(settings.image_fps)
+        self.sensors_gate = RateGate(settings.epuck_sensors_hz)
+        self.image_gate = RateGate(settings.epuck_image_fps)
         self.unwrap_l, self.unwrap_r = StepUnwrapper(), StepUnwrapper()
         self.sensors_seq = 0
         self.sensors_published = 0
@@ -278,7 +279,7 @@ class EpuckRobot:
             return
         frame, self._frame = self._frame, None
         self._encoding = True
-        fut = loop.run_in_executor(self.pool, to_jpeg, frame[0], self.settings.jpeg_quality)
+        fut = loop.run_in_executor(self.pool, to_jpeg, frame[0], self.settings.epuck_jpeg_quality)
         fut.add_done_callback(lambda f: self._encoded(f, frame[1], frame[2]))
 
     def _image_due(self) -> None:
@@ -294,7 +295,7 @@ class EpuckRobot:
         else:
             self.dev.publish(IMAGE, jpeg)
             self.dev.publish(IMAGE_INFO, EpuckImageInfo(seq=seq, ts=ts, width=IMAGE_WIDTH, height=IMAGE_HEIGHT,
-                                                        bytes=len(jpeg), quality=self.settings.jpeg_quality))
+                                                        bytes=len(jpeg), quality=self.settings.epuck_jpeg_quality))
             self.images_published += 1
         self._pump_images()
 
@@ -359,7 +360,7 @@ class EpuckRobot:
         self._cancel_motion_timer()
         if req.left or req.right:
             loop = asyncio.get_running_loop()
-            timeout = self.settings.motion_timeout_ms / 1000.0
+            timeout = self.settings.epuck_motion_timeout_ms / 1000.0
             self._motion_deadline = loop.time() + timeout
             self._motion_timer = loop.call_later(timeout, self._motion_expired)
         return self._send()
@@ -377,7 +378,7 @@ class EpuckRobot:
         if self.controller.left or self.controller.right:
             self.controller.set_speed(0, 0)
             self.link.send_state()
-            msg = f"no set_speed for {self.settings.motion_timeout_ms} ms: robot stopped"
+            msg = f"no set_speed for {self.settings.epuck_motion_timeout_ms} ms: robot stopped"
             log.warning(msg, extra={"robot": self.cfg.id})
             self.dev.emit(FAULT, EpuckFault(kind="motion_timeout", message=msg, ts=time.time()))
 
@@ -477,8 +478,8 @@ def sensors_model(s: EpuckRawSensors, ts: float, seq: int, unwrap_l: StepUnwrapp
 
 async def serve(node: Node, settings: EpuckSettings) -> None:
     """Run every robot until cancelled; then stop each robot (stop command, drain to 0x03), close."""
-    pool = ThreadPoolExecutor(max_workers=settings.encode_workers, thread_name_prefix="epuck-encode")
-    robots = [EpuckRobot(node, cfg, settings, pool) for cfg in settings.robots]
+    pool = ThreadPoolExecutor(max_workers=settings.epuck_encode_workers, thread_name_prefix="epuck-encode")
+    robots = [EpuckRobot(node, cfg, settings, pool) for cfg in settings.epuck_robots]
     stats_tasks = []
     for r in robots:
         r.start()

@@ -139,7 +139,7 @@ class EpuckSimRobot:
             if self.config.nodelay:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.stats.connections += 1
-            log.info("client connected", extra={"robot": self.name, "peer": str(peer)})
+            log.info("%s: client connected from %s", self.name, peer)
             try:
                 await self._session(conn)
             except (ConnectionError, OSError, asyncio.IncompleteReadError):
@@ -148,7 +148,7 @@ class EpuckSimRobot:
                 self.connected = False
                 self._client = None
                 conn.close()
-            log.info("client left", extra={"robot": self.name})
+            log.info("%s: client left", self.name)
 
     async def _session(self, conn: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=conn)

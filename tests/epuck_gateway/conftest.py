@@ -90,8 +90,8 @@ class Gateway:
 def start_gateway(broker: Broker, sim: EpuckSimThread, extra_robots: list[dict[str, Any]] | None = None,
                   **env: str) -> tuple[NodeProcess, list[dict[str, Any]]]:
     robots = [{"id": r.name, "host": "127.0.0.1", "port": r.port} for r in sim.robots] + (extra_robots or [])
-    full_env = {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_ROBOTS": json.dumps(robots),
-                "ROBOBUS_HEALTH_INTERVAL_S": "1", "ROBOBUS_RECONNECT_MAX_S": "0.5", **env}
+    full_env = {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots),
+                "ROBOBUS_HEALTH_INTERVAL_S": "1", "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.5", **env}
     return NodeProcess(["-m", "services.epuck_gateway"], full_env), robots
 
 
@@ -104,7 +104,7 @@ def gateway(broker_session: Broker) -> Iterator[Gateway]:
     bus = BusRecorder()
     client.subscribe_before(f"robobus/{NODE}/#", bus.on)
     ghost = {"id": "ghost", "host": "127.0.0.1", "port": free_port()}
-    proc, robots = start_gateway(broker_session, sim, [ghost], ROBOBUS_MOTION_TIMEOUT_MS="400")
+    proc, robots = start_gateway(broker_session, sim, [ghost], ROBOBUS_EPUCK_MOTION_TIMEOUT_MS="400")
     gw = Gateway(proc, sim, bus, client, robots)
     ok = wait_until(lambda: all(
         (bus.latest_json(f"/{r.name}/health") or {}).get("connection") for r in sim.robots), 20)

@@ -271,8 +271,8 @@ def test_gateway_retries_until_the_simulator_is_up(broker_session: Broker) -> No
     robots = [{"id": "late", "host": "127.0.0.1", "port": port}]
     from shared.testing import NodeProcess
     proc = NodeProcess(["-m", "services.epuck_gateway"], {
-        "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_ROBOTS": json.dumps(robots),
-        "ROBOBUS_RECONNECT_MAX_S": "0.3", **{k: v for k, v in os.environ.items() if k == "PATH"}})
+        "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots),
+        "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.3", **{k: v for k, v in os.environ.items() if k == "PATH"}})
     try:
         time.sleep(1.0)
         assert proc.alive()
@@ -286,7 +286,7 @@ def test_gateway_retries_until_the_simulator_is_up(broker_session: Broker) -> No
 def test_bad_configuration_exits_with_a_clear_message(broker_session: Broker) -> None:
     from shared.testing import NodeProcess
     proc = NodeProcess(["-m", "services.epuck_gateway"], {"ROBOBUS_MQTT_URL": broker_session.url,
-                                                           "ROBOBUS_ROBOTS": '[{"id": "a/b", "host": "x"}]'})
+                                                           "ROBOBUS_EPUCK_ROBOTS": '[{"id": "a/b", "host": "x"}]'})
     assert proc.proc.wait(20) == 2
     proc.stop()
     assert "robots" in proc.text()
