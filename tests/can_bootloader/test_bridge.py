@@ -4,6 +4,10 @@ palm model (1 kHz cycle, CAN direct mode) -> the PIC18F bootloader model."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -113,3 +117,18 @@ def test_full_path_flash(broker_session: Broker, palm: Palm, client: RpcClient) 
             validator.validate(t, pl)
     finally:
         node.stop()
+
+
+def test_can_send_cli(broker_session: Broker, palm: Palm) -> None:
+    """`robobus can send SID LEN HEXDATA` through ethercat-loop's send_can (the seed's SendCanMessage)."""
+    env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "COLUMNS": "200"}
+    args = [sys.executable, "-m", "shared.cli", "can", "send", "0x664", "0", "--bus", "2", "--node", palm.name,
+            "--device", palm.device]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0x674 [4] 40 41 42 43" in r.stdout
+    r = subprocess.run([*args[:5], "0x70A", "8", "55AA55AA55AA55AA", "--bus", "1", "--node", palm.name,
+                        "--device", palm.device, "--json"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    reply = json.loads(r.stdout)
+    assert {"bus": 1, "sid": 0x71A, "data": "55aa55aa55aa55aa"}.items() <= reply["frames"][0].items()

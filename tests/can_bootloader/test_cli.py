@@ -1,0 +1,81 @@
+"""`robobus flash` and `robobus can ...` in a subprocess against a can-bootloader node on a real broker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+
+from services.can_bootloader.cli import parse_boards
+from services.can_bootloader.image import load_intel_hex
+from services.can_bootloader.sim import make_intel_hex
+from shared.testing import Broker
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL_HEX = make_intel_hex(0x1000, 0x13FF)
+
+
+def robobus(broker: Broker, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROBOBUS_MQTT_URL": broker.url, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=90)
+
+
+def test_parse_boards() -> None:
+    assert parse_boards("0-19") == list(range(20))
+    assert parse_boards("0-2, 12,15-16,1") == [0, 1, 2, 12, 15, 16]
+    for bad in ("", "5-3", "20", "x", "0-20"):
+        with pytest.raises(typer.BadParameter):
+            parse_boards(bad)
+
+
+def test_flash_cli(broker_session: Broker, boot_node: Any, tmp_path: Path) -> None:
+    bn = boot_node(boards=(3, 8, 13))
+    fw = tmp_path / "fw.hex"
+    fw.write_text(SMALL_HEX)
+    common = ("--node", bn.name)
+    r = robobus(broker_session, "flash", str(fw), "--board", "8", *common)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok" in r.stdout and "yes" in r.stdout
+    img = load_intel_hex(SMALL_HEX)
+    assert bn.board(8).app_image(img.base, img.end) == img.data
+    r = robobus(broker_session, "flash", str(fw), "--boards", "3,13", *common)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(" ok ") >= 2 or r.stdout.count("ok") >= 2
+    bad = tmp_path / "bad.hex"
+    bad.write_text(make_intel_hex(0x0000, 0x0600))
+    r = robobus(broker_session, "flash", str(bad), "--board", "8", *common)
+    assert r.returncode == 1 and "refused" in r.stderr and "bootloader" in r.stderr
+    r = robobus(broker_session, "flash", str(fw), "--board", "5", *common)  # no such board: magic fails
+    assert r.returncode == 1 and "None of the magic packets were ACKed" in r.stderr
+    r = robobus(broker_session, "flash", str(fw), *common)
+    assert r.returncode == 2
+    r = robobus(broker_session, "flash", "fw.hex", "--remote-path", "--board", "3", *common)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_flash_cli_not_aware(broker_session: Broker, boot_node: Any, tmp_path: Path) -> None:
+    bn = boot_node(boards=(8,), app_aware=False)
+    fw = tmp_path / "fw.hex"
+    fw.write_text(SMALL_HEX)
+    r = robobus(broker_session, "flash", str(fw), "--board", "8", "--node", bn.name)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "NOT bootloader-aware" in r.stderr
+
+
+def test_can_commands(broker_session: Broker, boot_node: Any) -> None:
+    bn = boot_node(boards=(3, 13))
+    r = robobus(broker_session, "can", "version", "13", "--node", bn.name)
+    assert r.returncode == 0 and "40414243" in r.stdout, r.stderr
+    r = robobus(broker_session, "can", "read", "3", "0x0", "16", "--node", bn.name)
+    assert r.returncode == 0, r.stderr
+    assert bytes(bn.board(3).flash[0:16]).hex(" ").upper() in r.stdout
+    r = robobus(broker_session, "can", "version", "4", "--node", bn.name)
+    assert r.returncode == 1 and "timeout" in r.stderr
+    r = robobus(broker_session, "can", "send", "0x900", "0")
+    assert r.returncode == 2
