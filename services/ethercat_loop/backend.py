@@ -33,7 +33,7 @@ from services.ethercat_loop.driver import (
     SetPolling,
     check_message,
 )
-from services.ethercat_loop.sim import PalmModel
+from services.ethercat_loop.sim import CanNode, PalmModel
 from shared.settings import KitSettings
 
 log = logging.getLogger("robobus.ethercat")
@@ -294,6 +294,9 @@ class EthercatSettings(KitSettings):
                                 "for the model backend, whose thread shares the GIL with MQTT and is no realtime path)")
     ethercat_silent_motor_ms: int = Field(500, ge=10, description="A motor unseen this long is reported")
     ethercat_serial: int = Field(1234, description="Serial the palm model reports")
+    ethercat_can_nodes: list[str] = Field(
+        default_factory=list, description="Model backend: CAN peers to plug into the palm model's buses, as "
+        "'module:factory'; factory(model) returns a CanNode or a list of them (e.g. PIC18F bootloader boards)")
 
     @field_validator("ethercat_polling")
     @classmethod
@@ -322,10 +325,28 @@ class BackendUnavailable(RuntimeError):
     pass
 
 
+def load_can_nodes(spec: str, model: PalmModel) -> list[CanNode]:
+    """'module:factory' -> the CAN peers factory(model) makes (one, or a list)."""
+    mod_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+        made = factory(model)
+    except Exception as exc:
+        raise BackendUnavailable(f"CAN node factory {spec!r} failed: {type(exc).__name__}: {exc}") from exc
+    nodes = list(made) if isinstance(made, list | tuple) else [made]
+    for n in nodes:
+        if not callable(getattr(n, "on_can_frame", None)):
+            raise BackendUnavailable(f"{spec!r} made {n!r}, which has no on_can_frame(bus, sid, data)")
+    return nodes
+
+
 def make_backend(settings: EthercatSettings) -> HandBackend:
     if settings.backend == "model":
         driver = build_driver(settings)
         model = PalmModel(settings.ethercat_protocol, calibration=driver.cal)
+        for spec in settings.ethercat_can_nodes:
+            for node in load_can_nodes(spec, model):
+                model.add_can_node(node)
         return InProcessBackend(driver, model, settings.ethercat_period_us * 1000, settings.ethercat_serial)
     # imported late: it needs pysoem and the realtime machinery the model backend does not
     try:

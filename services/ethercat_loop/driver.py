@@ -313,6 +313,9 @@ class PalmSnapshot:
     tactile_type: int
     tactile_valid: int
     tactile: tuple[tuple[int, ...], ...]
+    tactile_mid_prox: tuple[tuple[int, ...], ...]  # 0230 only
+    aux_spi_type: int  # 0230 only
+    aux_spi: tuple[int, ...]  # 0230 only
     imu: tuple[int, ...]  # ACCX..GYRZ as int16s
     analog: tuple[int, ...]  # AN0..AN3
     idle_time_us: int
@@ -676,5 +679,6 @@ class PalmDriver:
             edc_echo=st.edc_command, status_count=self.c["statuses"], can_direct=self.can_direct,
             halted=self.halted, nullified=self.nullified, joints=joints, sensors_raw=sensors, motors=motors,
             tactile_type=st.tactile_data_type, tactile_valid=st.tactile_data_valid, tactile=st.tactile,
+            tactile_mid_prox=st.tactile_mid_prox, aux_spi_type=st.aux_spi_data_type, aux_spi=st.aux_spi_sensor,
             imu=tuple(s16(v) for v in sensors[26:32]), analog=tuple(sensors[32:36]), idle_time_us=st.idle_time_us,
             counters={**self.c, "can_tx_pending": len(self._can_tx)})

@@ -109,7 +109,10 @@ class PalmTactile(BaseModel):
     ts: float
     type: int
     valid: int = Field(description="bit0 FF .. bit4 TH")
-    sensors: list[list[int]]
+    sensors: list[list[int]] = Field(description="5 x 8 words (0220) or 5 x 16 words (0230)")
+    mid_prox: list[list[int]] = Field(default_factory=list, description="0230: 5 x (4 middle + 4 proximal)")
+    aux_spi_type: int = 0
+    aux_spi: list[int] = Field(default_factory=list, description="0230: auxiliary SPI sensor words")
 
 
 class PalmExtras(BaseModel):
@@ -530,7 +533,9 @@ class PalmService:
                 terms=m.terms) for m in s.motors]))
         if "tactile" in names:
             self.dev.publish(TACTILE, PalmTactile(ts=ts, type=s.tactile_type, valid=s.tactile_valid,
-                                                  sensors=[list(t) for t in s.tactile]))
+                                                  sensors=[list(t) for t in s.tactile],
+                                                  mid_prox=[list(t) for t in s.tactile_mid_prox],
+                                                  aux_spi_type=s.aux_spi_type, aux_spi=list(s.aux_spi)))
         if "palm_extras" in names:
             self.dev.publish(EXTRAS, PalmExtras(ts=ts, accel=list(s.imu[:3]), gyro=list(s.imu[3:]),
                                                 analog=list(s.analog), idle_time_us=s.idle_time_us))

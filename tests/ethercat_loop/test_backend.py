@@ -83,3 +83,23 @@ def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("ROBOBUS_ETHERCAT_POLLING", '{"bogus": 1}')
     with pytest.raises(ValueError, match="bogus"):
         EthercatSettings()
+
+
+class Peer:
+    def __init__(self, model):
+        self.model = model
+
+    def on_can_frame(self, bus, sid, data):
+        return [(bus, 0x7FF, b"pong")] if data == b"ping" else []
+
+
+def make_peers(model):
+    return [Peer(model)]
+
+
+def test_can_peers_plug_into_the_model_from_settings():
+    b = make_backend(EthercatSettings(ethercat_can_nodes=["tests.ethercat_loop.test_backend:make_peers"]))
+    assert isinstance(b, InProcessBackend)
+    assert isinstance(b.model.can_nodes[0], Peer) and b.model.can_nodes[0].model is b.model
+    with pytest.raises(BackendUnavailable, match="nope"):
+        make_backend(EthercatSettings(ethercat_can_nodes=["tests.ethercat_loop.test_backend:nope"]))

@@ -68,6 +68,12 @@ def test_parity_alternates_and_data_types_go_in_pairs(rig):
     st = rig.statuses[-1]
     assert st.edc_command == p.EdcCommand.SENSOR_DATA
     assert st.which_motor_data_arrived == (0xAAAAA if st.which_motors else 0x55555)
+    snap = rig.snap()
+    assert len(snap.tactile) == 5 and snap.tactile_valid == 0x1F
+    if rig.driver.protocol == "0230":
+        assert len(snap.tactile[0]) == 16 and len(snap.tactile_mid_prox) == 5 and len(snap.aux_spi) == 16
+    else:
+        assert len(snap.tactile[0]) == 8 and snap.tactile_mid_prox == ()
 
 
 def test_initialisation_polls_init_types_then_operation(rig):

@@ -239,9 +239,12 @@ def test_everything_published_follows_the_contract(hand):
 
 
 def test_sigterm_zeroes_demands_before_leaving(broker_session, spawn, client):
-    node = "hand-b"
-    proc = spawn(["-m", "services.ethercat_loop"], node_env(broker_session, node))
+    node = "hand-b"  # an SR08 palm (protocol 0230) this time
+    env = {**node_env(broker_session, node), "ROBOBUS_ETHERCAT_PROTOCOL": "0230"}
+    proc = spawn(["-m", "services.ethercat_loop"], env)
     wait_running(client, node)
+    tact = client.collect(f"robobus/{node}/{DEV}/state/tactile", 1.0)
+    assert tact and len(json.loads(tact[-1][1])["sensors"][0]) == 16
     assert call(client, "set_control_mode", {"mode": "torque"}, node=node).ok
     stopped: list[dict] = []
     client.subscribe_before(f"robobus/{node}/{DEV}/event/stopped", lambda m: stopped.append(json.loads(m.payload)))
