@@ -251,8 +251,9 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         if cycle % cfg.snapshot_every == 0:
             shm.write_slot("snapshot", dumps(driver.snapshot(), 5))
             cnt[C["snapshots"]] += 1
-        if halt_sent_at is not None and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:
-            st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
+        # the command just built is not on the wire yet: count only the zero commands already exchanged
+        if halt_sent_at is not None and driver.c["halt_zero_cycles"] - 1 >= cfg.zero_cycles:
+            st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"] - 1,
                               "demands_sent_last": [m.demand_sent for m in driver.motors],
                               "reason": stopping[0]}
             shm.write_slot("snapshot", dumps(driver.snapshot(), 5))
@@ -335,6 +336,16 @@ class ProcessBackend(HandBackend):
     def start(self) -> None:
         if self._proc is not None:
             return
+        try:
+            self._start()
+        except BaseException:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait(5)
+            self._teardown()
+            raise
+
+    def _start(self) -> None:
         s = self.settings
         period_ms = self.period_ns / 1e6
         cfg = CycleConfig(
@@ -367,13 +378,11 @@ class ProcessBackend(HandBackend):
             if self._state.state == "op":
                 break
             if self._state.fatal or self._proc.poll() is not None:
-                err = self._state.fatal or f"cycle process exited ({self._proc.returncode}) before OP"
-                self._teardown()
-                raise BackendUnavailable(err)
+                if self._proc.poll() is None:
+                    self._proc.wait(5)
+                raise BackendUnavailable(self._state.fatal
+                                         or f"cycle process exited ({self._proc.returncode}) before OP")
             if time.monotonic() > deadline:
-                self._proc.kill()
-                self._proc.wait(5)
-                self._teardown()
                 raise BackendUnavailable(f"cycle process did not reach OP within {self.start_timeout_s}s")
             time.sleep(0.02)
         self._running = True

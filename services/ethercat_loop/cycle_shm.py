@@ -120,6 +120,7 @@ class SharedBlock:
 
 def percentiles(hist: npt.NDArray[np.int64], qs: tuple[float, ...] = (0.5, 0.99, 0.999)) -> dict[str, float | None]:
     """Percentiles (µs) of a 1 µs-bin histogram; the last bin stands for 'HIST_US or more'."""
+    hist = hist.copy()  # the cycle process keeps counting while we read
     total = int(hist.sum())
     out: dict[str, float | None] = {}
     if total == 0:

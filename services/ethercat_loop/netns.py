@@ -129,9 +129,13 @@ class VethNetns:
                 p.wait(5)
         self.hand_proc = None
 
-    def down(self) -> None:
+    def down(self, keep_log: bool = False) -> None:
         self.stop_hand()
         _ip("netns", "del", self.name, check=False)  # deleting the namespace deletes both veth ends
+        for path in (self.control_path, "" if keep_log or self.hand_log is None else str(self.hand_log)):
+            if path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.killpg(int(pid.read_text()), signal.SIGTERM)
             pid.unlink()
-        ns.down()
+        ns.control_path = str(RUN_DIR / f"{a.name}.sock")
+        ns.down(keep_log=True)
         print(f"netns {a.name}: removed")
         return 0
     try:
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.start_hand(a.protocol, a.hand_args)
     except NetnsError as exc:
         print(f"netns {a.name}: {exc}", file=sys.stderr)
-        ns.down()
+        ns.down(keep_log=True)
         return 1
     assert ns.hand_proc is not None
     _pidfile(a.name).write_text(str(ns.hand_proc.pid))

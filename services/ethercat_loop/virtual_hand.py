@@ -141,7 +141,8 @@ class PalmFirmware:
         self.status_at = info.sync_managers[2][0]
         self.last_command = bytes(info.command_size)
         self.zero_run = 0  # consecutive commands with every motor demand at zero
-        self.changes: deque[tuple[int, str]] = deque(maxlen=50_000)  # (CLOCK_MONOTONIC ns, command hex)
+        # (CLOCK_MONOTONIC ns, process-data frame number, command hex) of every command that differed
+        self.changes: deque[tuple[int, int, str]] = deque(maxlen=50_000)
 
     def after_frame(self, now_ns: int) -> None:
         events = self.esc.take_sm_events()
@@ -149,7 +150,7 @@ class PalmFirmware:
             return  # the command mailbox (SM0 + SM1) is full only once SM1's last byte has arrived
         cmd = self.esc.pdi_read(self.cmd_at, self.info.command_size)
         if cmd != self.last_command:
-            self.changes.append((now_ns, cmd.hex()))
+            self.changes.append((now_ns, self.stats.pd_frames, cmd.hex()))
         self.last_command = cmd
         decoded = unpack_command(cmd, self.info.name)
         zero = isinstance(decoded, PalmCommand) and not any(decoded.motor_data)
@@ -229,7 +230,7 @@ class VirtualHand:
         elif op == "leave_op":
             self.leave_op()
         elif op == "changes":
-            out: list[tuple[int, str]] = []
+            out: list[tuple[int, int, str]] = []
             while self.firmware.changes and len(out) < int(msg.get("max", 400)):
                 out.append(self.firmware.changes.popleft())
             return {"ok": True, "changes": out}

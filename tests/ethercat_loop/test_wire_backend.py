@@ -1,0 +1,139 @@
+"""ProcessBackend: the realtime cycle process (pysoem master + PalmDriver) against the virtual hand
+running the shared palm model. Demands reach the wire within 3 cycles, statuses reach the
+snapshot, faults are counted and recovered from, stop and SIGTERM zero the demands before the palm
+leaves OP, mismatched sizes are refused. Root only."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable
+from services.ethercat_loop.cycle import ProcessBackend, WireSettings
+from services.ethercat_loop.cycle_rt import RtSettings, apply_realtime
+from services.ethercat_loop.driver import SetDemands
+from services.ethercat_loop.netns import VethNetns
+from services.ethercat_loop.protocol import PalmCommand, unpack_command
+from services.ethercat_loop.virtual_hand import HandControl
+from tests.ethercat_loop.wire_fixtures import hand, wait_for
+
+pytestmark = pytest.mark.root
+
+
+def settings(ns: VethNetns, **kw: Any) -> WireSettings:
+    return WireSettings(backend="virtual", ethercat_ifname=ns.master_if, ethercat_netns=ns.name,
+                        ethercat_push_config_on_start=False, **kw)
+
+
+@contextmanager
+def backend(protocol: str = "0220", extra: list[str] | None = None,
+            **kw: Any) -> Iterator[tuple[ProcessBackend, HandControl]]:
+    with hand(protocol, extra) as (ns, ctl):
+        b = ProcessBackend(settings(ns, **kw))
+        b.start()
+        try:
+            yield b, ctl
+        finally:
+            b.stop()
+
+
+def demand0(hexcmd: str, protocol: str = "0220") -> int | None:
+    cmd = unpack_command(bytes.fromhex(hexcmd), protocol)
+    return cmd.motor_data[0] if isinstance(cmd, PalmCommand) else None
+
+
+def test_identity_status_and_demand_within_three_cycles() -> None:
+    with backend("0220", ["--serial", "555"]) as (b, ctl):
+        info = b.info()
+        assert (info["product"], info["serial"], info["protocol"], info["connected"]) == (6, 555, "0220", True)
+        assert info["mapping"] == "sii" and info["state"] == "op"
+        snap = wait_for(lambda: (s := b.snapshot()) is not None and s.status_count > 50 and s, what="statuses")
+        assert snap.edc_echo == 1 and snap.joints  # the palm model's status reached the driver
+        ctl.call("changes", max=100_000)  # forget the start-up commands
+        before = ctl.call("stats")["pd_frames"]
+        b.submit(SetDemands({0: 321}))
+        change = wait_for(lambda: next((c for c in ctl.call("changes")["changes"] if demand0(c[2]) == 321), None),
+                          what="the demand on the wire")
+        assert change[1] - before <= 3, f"demand reached the wire {change[1] - before} frames after submit"
+        wait_for(lambda: b.stats().get("cycles"), what="a stats window")
+        s = b.stats()
+        for key in ("jitter_p50_us", "jitter_p99_us", "overruns", "frames_lost", "total_cycles"):
+            assert key in s
+        t = s["totals"]
+        assert t["commands_applied"] >= 1 and t["wake_us"]["count"] > 0 and t["cpu_us"]["p50"] is not None
+
+
+def test_loss_sets_health_error_and_recovers() -> None:
+    with backend("0220", ethercat_error_after_lost=10, ethercat_recv_timeout_us=600) as (b, ctl):
+        wait_for(lambda: b.snapshot() is not None, what="first snapshot")
+        ctl.call("drop", n=40)
+        wait_for(lambda: b.info()["error"], what="health error after repeated loss")
+        wait_for(lambda: not b.info()["error"] and ctl.call("stats")["dropped"] >= 40, what="recovery")
+        t = b.stats()["totals"]
+        assert t["lost"] >= 40 and t["max_consecutive_no_status"] >= 40
+        ctl.call("delay", n=3, us=450)
+        wait_for(lambda: b.stats()["totals"]["late"] >= 3, what="late frames counted")
+        ctl.call("corrupt_wkc", n=2)
+        wait_for(lambda: b.stats()["totals"]["wkc_errors"] >= 2, what="WKC errors counted")
+
+
+def test_palm_leaving_op_is_brought_back() -> None:
+    with backend("0230") as (b, ctl):
+        wait_for(lambda: b.snapshot() is not None, what="first snapshot")
+        ctl.call("leave_op")
+        wait_for(lambda: b.stats()["totals"]["left_op"] >= 1, what="left OP noticed")
+        wait_for(lambda: ctl.call("stats")["palm_state"] == 8 and b.info()["connected"], what="palm back in OP")
+        cycles = ctl.call("stats")["palm_cycles"]
+        wait_for(lambda: ctl.call("stats")["palm_cycles"] > cycles + 10, what="cycling again")
+        assert b.stats()["totals"]["recoveries"] >= 1
+
+
+def _demand_on_wire(b: ProcessBackend, ctl: HandControl, value: int) -> None:
+    b.submit(SetDemands({0: value}))
+    wait_for(lambda: demand0(ctl.call("stats")["last_command"]) == value, what="demand on the wire")
+
+
+def test_stop_zeroes_demands_before_leaving_op() -> None:
+    with hand("0220") as (ns, ctl):
+        b = ProcessBackend(settings(ns))
+        b.start()
+        try:
+            _demand_on_wire(b, ctl, 200)
+        finally:
+            b.stop()
+        st = ctl.call("stats")
+    assert b.stop_report()["zero_demand_cycles"] >= STOP_ZERO_CYCLES
+    assert st["zero_demand_frames_before_leaving_op"] >= STOP_ZERO_CYCLES
+    assert st["palm_state"] == 1 and st["left_op"] == 1  # down to INIT, once
+
+
+def test_sigterm_to_cycle_process_zeroes_demands_first() -> None:
+    with hand("0220") as (ns, ctl):
+        b = ProcessBackend(settings(ns))
+        b.start()
+        try:
+            _demand_on_wire(b, ctl, -150)
+            assert b._proc is not None
+            os.kill(b._proc.pid, signal.SIGTERM)
+            b._proc.wait(10)
+            st = ctl.call("stats")
+        finally:
+            b.stop()
+    assert st["zero_demand_frames_before_leaving_op"] >= STOP_ZERO_CYCLES and st["palm_state"] == 1
+
+
+def test_mismatched_sizes_are_refused() -> None:
+    with hand("0220", ["--status-size-delta", "-2"]) as (ns, _ctl):
+        b = ProcessBackend(settings(ns))
+        with pytest.raises(BackendUnavailable, match=r"230 B of status.*refusing to run"):
+            b.start()
+
+
+def test_missing_privileges_are_warnings_not_failures() -> None:
+    warnings = apply_realtime(RtSettings(priority=150, lock_memory=False))  # beyond SCHED_FIFO's range
+    assert len(warnings) == 1 and "SCHED_FIFO priority 150 refused" in warnings[0]
