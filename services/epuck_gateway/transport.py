@@ -129,14 +129,17 @@ class EpuckLink:
         cfg = self.config
         loop = asyncio.get_running_loop()
         delay = cfg.reconnect_min_s
+        down_reported = False  # while retrying, keep the "disconnected" health and its reason
         while not self._closing:
-            self._on_state(False, "connecting", "")
+            if not down_reported:
+                self._on_state(False, "connecting", "")
             try:
                 transport, _ = await asyncio.wait_for(
                     loop.create_connection(lambda: _Wire(self), cfg.host, cfg.port), cfg.connect_timeout_s)
             except (OSError, TimeoutError) as exc:
                 msg = f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}"
                 self._on_state(False, "disconnected", msg)
+                down_reported = True
                 await self._pause(delay)
                 delay = min(delay * 2, cfg.reconnect_max_s)
                 continue
@@ -150,9 +153,10 @@ class EpuckLink:
             self.stats.connects += 1
             packets_before = self.stats.packets
             reason = await self._session(transport)
-            self._on_state(False, "disconnected", reason)
             if self._closing:
-                break
+                break  # close() reports the end itself
+            self._on_state(False, "disconnected", reason)
+            down_reported = True
             # A link that carried data was healthy: retry fast. One that never did (a robot busy with
             # another client keeps us in its backlog) backs off like a refused connect.
             delay = cfg.reconnect_min_s if self.stats.packets > packets_before else min(delay * 2,
@@ -171,12 +175,19 @@ class EpuckLink:
         self._write(self.controller.on_link_up().encode())
         self.controller.sent(self.parser.packets, False)
         log.info("robot connected", extra={"robot": self.name, "host": self.config.host, "port": self.config.port})
+        probed_at = 0.0
         try:
             while True:
                 try:
                     return await asyncio.wait_for(asyncio.shield(self._lost), 0.1)
                 except TimeoutError:
                     silent = time.monotonic() - self.last_rx
+                    if silent > self.config.stale_timeout_s / 2 and probed_at != self.last_rx and not self._closing:
+                        # The firmware keeps sending 0x03 with nothing requested; should a robot only
+                        # acknowledge commands instead, repeating the current command (idempotent: the
+                        # robot repeats it anyway) draws an 0x03 and tells a quiet link from a dead one.
+                        probed_at = self.last_rx
+                        self.send_state()
                     if silent > self.config.stale_timeout_s and not self._closing:
                         self._reset_link()
                         return f"no data from the robot for {silent:.1f} s"
