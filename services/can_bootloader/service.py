@@ -177,20 +177,23 @@ def _default_bus(n: int) -> CanBusConfig:
 
 
 class CanBootSettings(KitSettings):
-    """can-bootloader configuration (env ROBOBUS_<FIELD>, nested as JSON; or a ROBOBUS_CONFIG file)."""
+    """can-bootloader configuration: ROBOBUS_CAN_* in the environment (nested values as JSON), or keys of a
+    ROBOBUS_CONFIG file. Example: ROBOBUS_CAN_BUS1='{"interface": "socketcan", "channel": "can0"}'."""
 
-    device: str = Field("motors", description="Device name on MQTT")
-    bus1: CanBusConfig | None = Field(default_factory=lambda: _default_bus(1), description="Palm CAN bus 1 (0–9)")
-    bus2: CanBusConfig | None = Field(default_factory=lambda: _default_bus(2), description="Palm CAN bus 2 (10–19)")
-    firmware_dir: Path | None = Field(None, description="The only folder `path` requests may read from")
-    window: int | None = Field(None, ge=1, le=64, description="Frames in flight; default 8 through the palm "
-                                                              "bridge (it paces 1 frame/ms), 2 on a direct bus "
-                                                              "(the PIC's two receive buffers)")
-    flash: FlashTuning = Field(default_factory=FlashTuning)
-    sim: bool = Field(False, description="Run simulated boards on in-process virtual buses (make run, demos)")
-    sim_boards: list[int] = Field(default_factory=lambda: list(range(20)))
-    sim_erase_s: float = Field(0.968, ge=0, description="Simulated erase time (484 rows x 2 ms)")
-    sim_row_write_s: float = Field(0.002, ge=0)
+    can_device: str = Field("motors", description="Device name on MQTT")
+    can_bus1: CanBusConfig | None = Field(default_factory=lambda: _default_bus(1),
+                                          description="Palm CAN bus 1 (boards 0–9); null: not served")
+    can_bus2: CanBusConfig | None = Field(default_factory=lambda: _default_bus(2),
+                                          description="Palm CAN bus 2 (boards 10–19); null: not served")
+    can_firmware_dir: Path | None = Field(None, description="The only folder `path` requests may read from")
+    can_window: int | None = Field(None, ge=1, le=64, description="Frames in flight; default 8 through the palm "
+                                                                  "bridge (it paces 1 frame/ms), 2 on a direct bus "
+                                                                  "(the PIC's two receive buffers)")
+    can_flash: FlashTuning = Field(default_factory=FlashTuning)
+    can_sim: bool = Field(False, description="Run simulated boards on in-process virtual buses (make run, demos)")
+    can_sim_boards: list[int] = Field(default_factory=lambda: list(range(20)))
+    can_sim_erase_s: float = Field(0.968, ge=0, description="Simulated erase time (484 rows x 2 ms)")
+    can_sim_row_write_s: float = Field(0.002, ge=0)
 
 
 def default_window(bus: CanBusConfig) -> int:
@@ -211,7 +214,7 @@ class CanBootService:
         self.settings = settings
         if ports is None:
             ports = {}
-            for n, cfg in ((1, settings.bus1), (2, settings.bus2)):
+            for n, cfg in ((1, settings.can_bus1), (2, settings.can_bus2)):
                 if cfg is not None:
                     if cfg.interface == BRIDGE_INTERFACE:
                         # the bridge talks to ethercat-loop on this node's broker unless told otherwise
@@ -228,7 +231,7 @@ class CanBootService:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def attach(self, node: Node) -> None:
-        dev = node.device(self.settings.device)
+        dev = node.device(self.settings.can_device)
         self.dev = dev
         dev.bind_job(FLASH, self._flash, self._admit_flash)
         dev.bind_job(FLASH_MANY, self._flash_many, self._admit_flash_many)
@@ -249,6 +252,7 @@ class CanBootService:
     def close(self) -> None:
         for sim in self.sims:
             sim.stop()
+            sim.bus.shutdown()
         for port in self.ports.values():
             port.close()
 
@@ -259,10 +263,10 @@ class CanBootService:
         from services.can_bootloader.sim import BootBusSim, make_boards
 
         for n, port in self.ports.items():
-            ids = [b for b in self.settings.sim_boards if p.board_address(b).bus == n]
+            ids = [b for b in self.settings.can_sim_boards if p.board_address(b).bus == n]
             bus = can.Bus(interface=port.cfg.interface, channel=port.cfg.channel)
-            sim = BootBusSim(bus, make_boards(ids), row_write_s=self.settings.sim_row_write_s,
-                             erase_s=self.settings.sim_erase_s,
+            sim = BootBusSim(bus, make_boards(ids), row_write_s=self.settings.can_sim_row_write_s,
+                             erase_s=self.settings.can_sim_erase_s,
                              ignore_sent=port.cfg.interface == "udp_multicast").start()
             self.sims.append(sim)
 
@@ -321,7 +325,7 @@ class CanBootService:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
 
     def _read_firmware_file(self, rel: str) -> str:
-        root = self.settings.firmware_dir
+        root = self.settings.can_firmware_dir
         if root is None:
             raise CommandError(ErrorCode.FORBIDDEN, "firmware paths are disabled: no firmware_dir is configured "
                                                     "(send the Intel HEX text in `hex`)")
@@ -334,9 +338,9 @@ class CanBootService:
         return target.read_text(encoding="ascii", errors="replace")
 
     def _config(self, req: _Firmware, port: CanPort) -> FlashConfig:
-        window = req.window or self.settings.window or default_window(port.cfg)
+        window = req.window or self.settings.can_window or default_window(port.cfg)
         return FlashConfig(window=window, check_bootloader_aware=req.check_bootloader_aware,
-                           **self.settings.flash.model_dump())
+                           **self.settings.can_flash.model_dump())
 
     def _exchange(self, board: int, ex: Exchange, what: str) -> Exchange:
         port = self._port(board)
@@ -356,7 +360,7 @@ class CanBootService:
     # -- commands ----------------------------------------------------------------------------------------------
     def _read_version(self, req: BootBoardRequest) -> BootVersionReply:
         a = p.board_address(req.board)
-        ex = self._exchange(req.board, version_exchange(a.local_id, self.settings.flash.frame_timeout_s),
+        ex = self._exchange(req.board, version_exchange(a.local_id, self.settings.can_flash.frame_timeout_s),
                             "read_version")
         reply = ex.pipe.replies[0]
         return BootVersionReply(board=req.board, bus=a.bus, version=reply.data.hex() if reply else "")
@@ -365,8 +369,9 @@ class CanBootService:
         a = p.board_address(req.board)
         port = self._port(req.board)
         ex = read_exchange(a.local_id, req.address, req.length,
-                           window=self.settings.window or default_window(port.cfg),
-                           timeout_s=self.settings.flash.frame_timeout_s, tries=self.settings.flash.read_retries)
+                           window=self.settings.can_window or default_window(port.cfg),
+                           timeout_s=self.settings.can_flash.frame_timeout_s,
+                           tries=self.settings.can_flash.read_retries)
         self._exchange(req.board, ex, "read_flash")
         blob = b"".join(r.data for r in ex.pipe.replies if r is not None)
         skip = req.address % 8
@@ -374,8 +379,8 @@ class CanBootService:
 
     def _reset(self, req: BootBoardRequest) -> BootResetReply:
         a = p.board_address(req.board)
-        self._exchange(req.board, reset_exchange(a.local_id, self.settings.flash.reset_timeout_s,
-                                                 self.settings.flash.reset_tries), "reset")
+        self._exchange(req.board, reset_exchange(a.local_id, self.settings.can_flash.reset_timeout_s,
+                                                 self.settings.can_flash.reset_tries), "reset")
         return BootResetReply(board=req.board, bus=a.bus)
 
     # -- flashing ----------------------------------------------------------------------------------------------
@@ -533,7 +538,7 @@ class CanBootService:
 def build(node: Node, settings: CanBootSettings) -> CanBootService:
     svc = CanBootService(settings)
     svc.attach(node)
-    if settings.sim:
+    if settings.can_sim:
         svc.start_sim()
     svc.open()
     node.on_shutdown(svc.close)

@@ -47,9 +47,9 @@ def boot_node(broker_session: Broker, tmp_path: Any) -> Iterator[Callable[..., B
         name = f"canboot{n}"
         settings = CanBootSettings(
             mqtt_url=broker_session.url, node=name, health_interval_s=0.5,
-            bus1=CanBusConfig(interface="virtual", channel=f"{name}-1"),
-            bus2=CanBusConfig(interface="virtual", channel=f"{name}-2"),
-            firmware_dir=tmp_path, **kw)
+            can_bus1=CanBusConfig(interface="virtual", channel=f"{name}-1"),
+            can_bus2=CanBusConfig(interface="virtual", channel=f"{name}-2"),
+            can_firmware_dir=tmp_path, **kw)
         sims = []
         for bus_no in (1, 2):
             ids = [b for b in boards if (b >= 10) == (bus_no == 2)]

@@ -67,8 +67,8 @@ def palm(broker_session: Broker) -> Iterator[Palm]:
 def boot_service(broker: Broker, palm: Palm) -> tuple[Node, CanBootService]:
     opts = {"node": palm.name, "device": palm.device}
     settings = CanBootSettings(mqtt_url=broker.url, node=f"boot-{palm.name}", health_interval_s=1.0,
-                               bus1=CanBusConfig(interface="robobus_bridge", channel="1", options=opts),
-                               bus2=CanBusConfig(interface="robobus_bridge", channel="2", options=opts))
+                               can_bus1=CanBusConfig(interface="robobus_bridge", channel="1", options=opts),
+                               can_bus2=CanBusConfig(interface="robobus_bridge", channel="2", options=opts))
     node = Node(API, settings)
     svc = build(node, settings)
     node.start()
