@@ -1,0 +1,106 @@
+"""End to end over the wire: a client on a real broker -> the ethercat-loop node (MQTT process) ->
+its realtime cycle process (pysoem) -> veth -> the virtual hand running the palm model, and back.
+Root only."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from services.ethercat_loop.backend import STOP_ZERO_CYCLES
+from services.ethercat_loop.protocol import PalmCommand, unpack_command
+from services.ethercat_loop.virtual_hand import HandControl
+from shared.asyncapi import ContractValidator, build_document
+from shared.rpc import RpcClient
+from shared.testing import Broker, NodeProcess
+from tests.ethercat_loop.wire_fixtures import hand, skip_without_netns, wait_for
+
+pytestmark = pytest.mark.root
+DEV = "rh"
+
+
+class Seen:
+    def __init__(self, client: RpcClient, topic_filter: str) -> None:
+        self.msgs: list[tuple[str, bytes]] = []
+        self.lock = threading.Lock()
+        client.subscribe_before(topic_filter, self._on)
+
+    def _on(self, msg: Any) -> None:
+        with self.lock:
+            self.msgs.append((msg.topic, bytes(msg.payload)))
+
+    def latest(self, suffix: str) -> dict[str, Any] | None:
+        with self.lock:
+            for topic, payload in reversed(self.msgs):
+                if topic.endswith(f"/{DEV}/{suffix}"):
+                    return dict(json.loads(payload))
+        return None
+
+
+def motor_demand(ctl: HandControl, motor: int) -> int | None:
+    cmd = unpack_command(bytes.fromhex(ctl.call("stats")["last_command"]), "0220")
+    return cmd.motor_data[motor] if isinstance(cmd, PalmCommand) else None
+
+
+@pytest.fixture
+def wire_node(broker_session: Broker, spawn: Any) -> Iterator[tuple[str, NodeProcess, RpcClient, HandControl, Seen]]:
+    skip_without_netns()
+    node = f"wire{os.getpid()}"
+    with hand("0220", ["--serial", "4242"]) as (ns, ctl):
+        env = {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node, "ROBOBUS_ETHERCAT_BACKEND": "virtual",
+               "ROBOBUS_ETHERCAT_IFNAME": ns.master_if, "ROBOBUS_ETHERCAT_NETNS": ns.name,
+               "ROBOBUS_HEALTH_INTERVAL_S": "1"}
+        client = RpcClient(broker_session.settings(), name=f"wire-test-{os.getpid()}")
+        client.connect()
+        seen = Seen(client, f"robobus/{node}/#")
+        proc = spawn(["-m", "services.ethercat_loop"], env)
+        try:
+            wait_for(lambda: (h := seen.latest("health")) and h.get("state") == "running", 30,
+                     f"{node} running (log: {proc.text()[-1500:]})")
+            yield node, proc, client, ctl, seen
+        finally:
+            proc.stop()
+            client.close()
+
+
+def test_demand_and_status_over_mqtt_and_the_wire(wire_node: Any) -> None:
+    node, _proc, client, ctl, seen = wire_node
+    health = seen.latest("health")
+    assert health is not None and health["connection"] is True
+    assert health["details"]["serial"] == 4242 and health["details"]["product"] == 6
+    assert health["details"]["backend"] == "virtual"
+    rep = client.call(node, DEV, "set_demands", {"motors": {"3": 111}})
+    assert rep.ok, rep.error
+    wait_for(lambda: motor_demand(ctl, 3) == 111, 5, "the MQTT demand in the palm's command on the wire")
+    joints = wait_for(lambda: seen.latest("state/joints"), 5, "joints state")
+    assert joints["joints"] and any(j.get("position") is not None for j in joints["joints"])
+    stats = wait_for(lambda: (s := seen.latest("state/loop_stats")) and s.get("cycles") and s, 5, "loop stats")
+    assert stats["totals"]["cycles"] > 0 and "wake_us" in stats["totals"]
+    validator = ContractValidator(build_document())
+    with seen.lock:
+        msgs = list(seen.msgs)
+    channels = {validator.validate(t, p) for t, p in msgs}  # raises on anything off-contract
+    assert {"ethercat-loop_state_joints", "ethercat-loop_state_loop_stats", "health"} <= channels
+
+
+def test_health_reports_loss_and_recovers(wire_node: Any) -> None:
+    _node, _proc, _client, ctl, seen = wire_node
+    ctl.call("drop", n=100)
+    wait_for(lambda: (h := seen.latest("health")) and h["error"], 10, "health error on repeated loss")
+    assert "lost" in (seen.latest("health") or {}).get("error_message", "")
+    wait_for(lambda: (h := seen.latest("health")) and not h["error"] and h["connection"], 15, "health recovered")
+
+
+def test_sigterm_zeroes_demands_before_leaving_op(wire_node: Any) -> None:
+    node, proc, client, ctl, _seen = wire_node
+    assert client.call(node, DEV, "set_demands", {"motors": {"0": 90}}).ok
+    wait_for(lambda: motor_demand(ctl, 0) == 90, 5, "demand on the wire")
+    proc.stop()  # SIGTERM
+    st = ctl.call("stats")
+    assert st["left_op"] >= 1 and st["palm_state"] != 8
+    assert st["zero_demand_frames_before_leaving_op"] >= STOP_ZERO_CYCLES
