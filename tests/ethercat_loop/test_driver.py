@@ -1,6 +1,10 @@
 """PalmDriver against PalmModel, cycle by cycle on a simulated clock (no threads, no timing)."""
 
+import pickle
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.ethercat_loop import protocol as p
 from services.ethercat_loop.calibration import HandCalibration, PiecewiseLinear
@@ -354,3 +358,26 @@ def test_model_rejects_garbage_commands():
     assert m.command_errors == 1
     with pytest.raises(ValueError):
         PalmModel("0999")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["0220", "0230"]), st.data())
+def test_any_status_bytes_never_break_the_cycle(proto, data):
+    d = PalmDriver(proto)
+    size = p.PROTOCOLS[proto].status_size
+    for _ in range(3):
+        buf = data.draw(st.one_of(st.binary(min_size=size, max_size=size), st.binary(max_size=600)))
+        cmd = d.cycle(buf, 1_000_000)
+        assert len(cmd) == p.PROTOCOLS[proto].command_size
+    d.snapshot()
+
+
+def test_messages_and_snapshots_pickle():
+    msgs = [SetControlMode("torque"), SetDemands({1: 2}), NullifyDemands(), Halt(),
+            SetMotorConfig((1,), MotorConfig(f=1)), SystemControls((1,), 0x40), ResetMotors((3,)),
+            SetTestMode(2), SetCanDirect(True), CanTx((CanFrame(1, 2, b"\x01"),)), SetPolling({"flags": 0.5})]
+    for m in msgs:
+        assert pickle.loads(pickle.dumps(m)) == m
+    r = Rig().run(30)
+    snap = r.snap()
+    assert pickle.loads(pickle.dumps(snap)) == snap
