@@ -28,6 +28,7 @@ IMAGE_SIZE = IMAGE_WIDTH * IMAGE_HEIGHT * 2  # 38400: RGB565, 2 bytes per pixel
 SENSORS_SIZE = 104
 COMMAND_SIZE = 21  # id included
 PAYLOAD_SIZES = {IMAGE_ID: IMAGE_SIZE, SENSORS_ID: SENSORS_SIZE, EMPTY_ID: 0}
+# 0x00 is "reserved" (seed 003) with no known size, so the parser treats it like any unknown id.
 
 # The ESP32 sends an image as the id byte, then 9 x 4092 bytes and 1 x 1572 bytes (its SPI blocks).
 IMAGE_SEGMENTS = (4092,) * 9 + (1572,)
@@ -37,9 +38,10 @@ REQ_IMAGE = 0x01
 REQ_SENSORS = 0x02
 
 SET_CALIBRATE_IR = 0x01  # one-shot: the firmware re-applies it every cycle until cleared
-SET_OBSTACLE_AVOIDANCE = 0x02  # level: on while set
+SET_OBSTACLE_AVOIDANCE = 0x02  # level. The seed says "not implemented yet"; F407 master has it since 2020-05
 SET_STEPS = 0x04  # one-shot: left/right are step-counter values, not speeds
 
+# One bit per LED (reference section 3): the seed's "2=toggle" cannot be encoded in a bitfield.
 LED1, LED3, LED5, LED7, LED_BODY, LED_FRONT = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
 LED_BITS = {"led1": LED1, "led3": LED3, "led5": LED5, "led7": LED7, "body": LED_BODY, "front": LED_FRONT}
 RGB_LEDS = ("led2", "led4", "led6", "led8")
@@ -60,7 +62,7 @@ SPEED_LIMIT = 1000  # nominal; the F407 itself clamps at MOTOR_SPEED_LIMIT 1100
 ACC_COUNTS_PER_G = 768.0  # (raw16 >> 4) - (raw16 >> 6) with 16384 raw per g at +-2 g
 GYRO_DPS_PER_COUNT = 250.0 / 32768.0  # +-250 dps full scale
 BATTERY_COUNTS_PER_VOLT = 819.2  # 4096 * (330 / 550) / 3.0 V
-MIC_NAMES = ("right", "left", "back", "front")  # microphone.h index order, not the wiki's
+MIC_NAMES = ("right", "left", "back", "front")  # microphone.h index order (the seed gives none)
 
 
 class ProtocolError(ValueError):
@@ -133,10 +135,11 @@ class EpuckRawSensors:
     acc: tuple[int, int, int] = (0, 0, 0)  # offset 0, int16 x3, ~768 counts per g
     acceleration: float = 0.0  # 6, float32 magnitude in acc counts
     orientation: float = 0.0  # 10, float32 degrees
-    inclination: float = 0.0  # 14, float32 degrees
+    inclination: float = 0.0  # 14, float32 degrees; reaches 180 upside down (the seed says 0..90)
     gyro: tuple[int, int, int] = (0, 0, 0)  # 18, int16 x3
+    # The seed calls these "raw axes values"; the firmware sends float32 uT (reference section 2).
     mag: tuple[float, float, float] = (0.0, 0.0, 0.0)  # 24, float32 x3, uT
-    temperature: int = 0  # 36, int8 degC
+    temperature: int = 0  # 36, int8 degC (signed, as getTemperature() returns it)
     proximity: tuple[int, ...] = (0,) * 8  # 37, uint16 x8
     ambient: tuple[int, ...] = (0,) * 8  # 53, uint16 x8
     tof: int = 0  # 69, uint16 mm
