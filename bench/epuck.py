@@ -45,6 +45,14 @@ def cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def host_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole host, every core: tells a quiet machine from a shared one."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(v) - idle) / tick, sum(v) / tick
+
+
 def percentile(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
@@ -139,9 +147,13 @@ def main() -> None:
             time.sleep(warmup)
             with rec.lock:
                 rec.recording = True
-            cpu0, t0 = cpu_seconds(gw.pid), time.monotonic()
+            mine = [gw.pid, sim.pid, os.getpid()] + ([broker.proc.pid] if broker.proc else [])
+            cpu0, t0, host0 = cpu_seconds(gw.pid), time.monotonic(), host_busy()
+            ours0 = sum(cpu_seconds(p) for p in mine)
             time.sleep(duration)
-            cpu1, t1 = cpu_seconds(gw.pid), time.monotonic()
+            cpu1, t1, host1 = cpu_seconds(gw.pid), time.monotonic(), host_busy()
+            ours1 = sum(cpu_seconds(p) for p in mine)
+            load = os.getloadavg()[0]
             with rec.lock:
                 rec.recording = False
             gw.send_signal(signal.SIGTERM)
@@ -182,6 +194,11 @@ def main() -> None:
         "frames_received": frames_received,
         "frames_dropped": max(0, frames_sent - frames_received),
         "lag_growth_ms": round(growth, 2),
+        # Other work on the host during the run (cores' worth): figures taken on a busy shared machine
+        # measure the contention as much as the gateway.
+        "host_cores": os.cpu_count(),
+        "host_other_cpu_cores": round(max(0.0, (host1[0] - host0[0]) - (ours1 - ours0)) / (t1 - t0), 2),
+        "host_loadavg_1m": round(load, 2),
         "lag_growing": bool(growth > LAG_GROWTH_LIMIT_MS),
         "targets": {"cpu_pct_le_60": cpu_pct <= TARGET_CPU_PCT, "p99_le_20ms": p99 <= TARGET_P99_MS,
                     "no_growing_lag": not growth > LAG_GROWTH_LIMIT_MS},
