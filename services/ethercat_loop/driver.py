@@ -457,6 +457,8 @@ class PalmDriver:
         elif isinstance(msg, SetTestMode):
             self.edc_mode = msg.edc_command
         elif isinstance(msg, SetCanDirect):
+            if self.can_direct and not msg.enable:
+                self._reset_init()  # like reinitialize_boards() after a flash: firmware data may have changed
             self.can_direct = msg.enable
             if msg.flush:
                 self._can_tx.clear()

@@ -348,6 +348,7 @@ def test_can_direct_mode_bridges_one_frame_each_way_one_cycle_later():
     assert all(m.flags & p.MotorFlag.NO_DEMAND_SEEN for m in r.model.motors)
     r.driver.apply(SetCanDirect(False))
     r.run(2)
+    assert r.snap().phase == "init"  # slow data (firmware revision...) is read again after direct mode
     assert r.commands[-1].edc_command == p.EdcCommand.SENSOR_DATA
     assert not any(m.flags & p.MotorFlag.NO_DEMAND_SEEN for m in r.model.motors)
 

@@ -116,7 +116,7 @@ def test_test_adc_channels(hand):
 
 def test_send_can_returns_the_model_answers(hand):
     client, _, _ = hand
-    rep = call(client, "send_can", {"bus": 1, "sid": 0x007, "length": 0, "data": "", "window_ms": 60})
+    rep = call(client, "send_can", {"bus": 1, "sid": 0x007, "length": 0, "data": "", "window_ms": 200})
     assert rep.ok, rep.error
     frames = rep.result["frames"]
     assert [f["sid"] for f in frames] == [0x400 | (i << 5) | 0x7 for i in range(10)]
