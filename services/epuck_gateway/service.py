@@ -189,6 +189,10 @@ class EpuckRobot:
                                 error_message="", details=self._details())
         else:
             self._cancel_motion_timer()
+            self._pending_sensors = None  # data from a dead link must not be published later
+            if self._frame is not None:
+                self._frame = None
+                self.frames_dropped += 1
             for fut in self._snapshot_waiters:
                 if not fut.done():
                     fut.set_exception(CommandError(ErrorCode.UNAVAILABLE, f"robot link lost: {message}"))
