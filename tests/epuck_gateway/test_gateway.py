@@ -110,10 +110,11 @@ def test_set_speed_moves_the_robot_and_motion_expires(gateway: Gateway) -> None:
 
 def test_renewed_set_speed_keeps_moving(gateway: Gateway) -> None:
     robot = gateway.sim.robots[1]
-    for _ in range(6):  # 6 x 150 ms > the 400 ms timeout, but each demand renews it
-        assert gateway.call("epuck2", "set_speed", {"left": -100, "right": 100}).ok
-        time.sleep(0.15)
-        assert robot.world.speed_left == -100
+    for _ in range(4):  # each demand pushes the 400 ms deadline out again
+        rep = gateway.call("epuck2", "set_speed", {"left": -100, "right": 100})
+        assert rep.ok and rep.result["motion_expires_in_ms"] > 300
+        assert wait_until(lambda: robot.world.speed_left == -100, 5)
+        time.sleep(0.1)
     assert gateway.call("epuck2", "set_speed", {"left": 0, "right": 0}).result["motion_expires_in_ms"] is None
 
 
