@@ -23,7 +23,11 @@ Differences from the original, each deliberate:
   `drain_s` and ignores everything, so stale ACKs of the abandoned window cannot be taken for new ones;
 - a read-back mismatch is retried (up to `read_retries` per chunk, the original's max_retry = 20),
   re-reading the last `window` chunks (READ answers carry no address, only their order ties them to a
-  request); if the flash really holds other bytes, the whole flash restarts from ERASE (`restarts` times).
+  request); if the flash really holds other bytes, the whole flash restarts from ERASE (`restarts` times),
+  then one frame at a time;
+- every loss halves the window (it grows back by one every 32 ACKs): a lost frame, unlike a lost ACK, can
+  mean the PIC's two receive buffers overflowed while it was writing flash, and a data frame that arrives
+  without its WRITE_FLASH_ADDRESS programs a shifted block that only an erase can undo (verify catches it).
 """
 
 from __future__ import annotations
@@ -150,7 +154,10 @@ class Pipeline:
                  rewind_to: Callable[[int], int] | None = None, keep_replies: bool = False,
                  not_before: float = 0.0) -> None:
         self.ops = ops
-        self.window = window
+        self.window = window  # current window: halved on every loss, grown back by one per `grow_after` ACKs
+        self.max_window = window
+        self.grow_after = 32
+        self._streak = 0
         self.timeout_s = timeout_s
         self.tries = tries
         self.drain_s = drain_s
@@ -210,6 +217,10 @@ class Pipeline:
             if self.keep_replies:
                 self.replies[self.acked] = frame
             self.acked += 1
+            self._streak += 1
+            if self._streak >= self.grow_after and self.window < self.max_window:
+                self.window += 1
+                self._streak = 0
             return True
         if op.expect is not None and p.is_ack(op.frame, frame):
             self._lost(self.acked, now, f"read-back mismatch: expected {op.expect.hex(' ')}, "
@@ -248,6 +259,10 @@ class Pipeline:
             return
         self.retries += 1
         self.rewinds.append((i, reason))
+        # A loss may be a frame the bootloader never got (its two receive buffers overflow when frames come
+        # faster than it writes flash): back off like TCP, halve the window, grow it back slowly.
+        self.window = max(1, self.window // 2)
+        self._streak = 0
         several = self.next - self.acked > 1
         self.acked = self.next = min(target, self.acked)
         if several:
@@ -391,7 +406,10 @@ class Flasher:
         elif phase is Phase.ERASE:
             self.pipe = single(p.erase_flash(lid), cfg.erase_timeout_s, cfg.erase_tries)
         elif phase is Phase.WRITE:
-            self.pipe = Pipeline(self._write_ops, window=cfg.window, timeout_s=cfg.frame_timeout_s,
+            # after a restart, stop-and-wait: a block written without its WRITE_FLASH_ADDRESS (lost in an
+            # overflowing receive buffer) lands shifted and only an erase undoes it
+            self.pipe = Pipeline(self._write_ops, window=1 if self._counters.restarts else cfg.window,
+                                 timeout_s=cfg.frame_timeout_s,
                                  tries=cfg.block_retries + 1, drain_s=cfg.drain_s,
                                  not_before=now + cfg.post_erase_delay_s)
         elif phase is Phase.VERIFY:
@@ -456,7 +474,7 @@ class Flasher:
                 and self._counters.restarts < self.cfg.restarts:
             self._counters.restarts += 1
             self._events.append(FlashWarning(f"verify failed at 0x{failure.address or 0:06X} ({failure.reason}); "
-                                             "erasing and writing again"))
+                                             "erasing and writing again, one frame at a time"))
             self._enter(Phase.ERASE, now)
         elif ph in (Phase.RESET, Phase.CHECK_RESET) and self._reset_attempts < self.cfg.reset_tries:
             self._reset_attempts += 1

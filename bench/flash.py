@@ -1,0 +1,176 @@
+"""can-bootloader benchmark: flash and verify the ~30 KB SimpleMotor-sized image (0x04C0–0x7D4B)
+
+1. on a python-can virtual bus (CanPort + Flasher against the PIC18F2580 model with its erase and row-write
+   stalls, the direct-bus window of 2), and
+2. through the full bridge path at 1 kHz: MQTT request -> can-bootloader -> robobus_bridge -> ethercat-loop's
+   leased CAN bridge (palm model, 1 ms cycle, one frame to the wire per cycle) -> the bootloader model.
+
+The bridge's cycle-bound limit is frames x 1 ms (one frame per cycle); target: bridge time <= 1.3 x that
+limit (the original SimpleMotorFlasher spent two or more cycles plus 1 ms polling per frame: 20–40 s).
+Note the palm-path model answers ERASE at once (the palm model has no clock for its CAN peers); the virtual
+bus run includes the ~1 s erase.
+
+    python bench/flash.py [--quick] [--windows 1,4,8]
+
+Last line: one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import can  # noqa: E402
+
+from services.can_bootloader.flasher import FlashConfig, Flasher  # noqa: E402
+from services.can_bootloader.image import load_intel_hex  # noqa: E402
+from services.can_bootloader.service import API, CanBootSettings, build  # noqa: E402
+from services.can_bootloader.sim import BootBoardSet, BootBusSim, make_boards, make_intel_hex  # noqa: E402
+from services.can_bootloader.transport import CanBusConfig, CanPort  # noqa: E402
+from shared import Node  # noqa: E402
+from shared.rpc import RpcClient  # noqa: E402
+from shared.testing import Broker, free_port  # noqa: E402
+
+HEX = make_intel_hex()
+IMAGE = load_intel_hex(HEX)
+CYCLE_S = 0.001
+
+
+def bench_virtual(window: int) -> dict[str, Any]:
+    sim_bus = can.Bus(interface="virtual", channel="bench-flash")
+    sim = BootBusSim(sim_bus, make_boards([8]), row_write_s=0.002, erase_s=0.968).start()
+    port = CanPort(1, CanBusConfig(interface="virtual", channel="bench-flash"))
+    try:
+        f = Flasher(8, IMAGE, FlashConfig(window=window))
+        t0 = time.monotonic()
+        f.start(t0)
+        port.drive(f)
+        dt = time.monotonic() - t0
+        assert f.result is not None and f.result.ok, f.result
+        ok = sim.board(8).app_image(IMAGE.base, IMAGE.end) == IMAGE.data
+        return {"seconds": round(dt, 3), "frames": port.frames_sent, "window": window, "memory_ok": ok,
+                "retries": f.snapshot().retries, "overflows": sim.overflows}
+    finally:
+        port.close()
+        sim.stop()
+        sim_bus.shutdown()
+
+
+def _start_palm(broker: Broker, name: str) -> tuple[Any, Any, BootBoardSet, threading.Thread]:
+    from services.ethercat_loop.backend import EthercatSettings, make_backend
+    from services.ethercat_loop.service import API as PALM_API
+    from services.ethercat_loop.service import PalmService
+
+    settings = EthercatSettings(mqtt_url=broker.url, node=name, backend="model", health_interval_s=1.0)
+    backend = make_backend(settings)
+    boards = BootBoardSet(make_boards([8]))
+    backend.model.add_can_node(boards)  # type: ignore[attr-defined]  # the model backend (InProcessBackend)
+    node = Node(PALM_API, settings)
+    svc = PalmService(node, backend, settings)
+    node.start()
+    assert node.session.wait_ready(10)
+    svc.start()
+    t = threading.Thread(target=svc.run, daemon=True)
+    t.start()
+    return node, svc, boards, t
+
+
+def bench_bridge(broker: Broker, windows: list[int]) -> list[dict[str, Any]]:
+    palm_name = "bench-palm"
+    pnode, psvc, boards, _t = _start_palm(broker, palm_name)
+    device = psvc.settings.ethercat_device
+    opts = {"node": palm_name, "device": device}
+    settings = CanBootSettings(mqtt_url=broker.url, node="bench-boot", health_interval_s=1.0,
+                               can_bus1=CanBusConfig(interface="robobus_bridge", channel="1", options=opts),
+                               can_bus2=None)
+    node = Node(API, settings)
+    build(node, settings)
+    node.start()
+    assert node.session.wait_ready(10)
+    out = []
+    try:
+        with RpcClient(broker.settings(), name="bench-flash") as c:
+            for w in windows:
+                board = boards.board(8)
+                board.flash[IMAGE.base:IMAGE.end] = b"\x00" * len(IMAGE.data)  # make sure it is rewritten
+                t0 = time.monotonic()
+                rep, result = c.call_job("bench-boot", "motors", "flash", {"board": 8, "hex": HEX, "window": w},
+                                         lambda e: None, timeout=300)
+                dt = time.monotonic() - t0
+                if result is None or not result.get("ok"):
+                    raise RuntimeError(f"bridge flash failed (window {w}): {rep.error or result}")
+                res = result["result"]
+                limit = res["frames_sent"] * CYCLE_S
+                out.append({"window": w, "seconds": round(dt, 3), "job_seconds": res["duration_s"],
+                            "frames": res["frames_sent"], "cycle_bound_s": round(limit, 3),
+                            "ratio": round(dt / limit, 3), "cycles_per_frame": round(dt / limit, 2),
+                            "retries": res["retries"],
+                            "memory_ok": board.app_image(IMAGE.base, IMAGE.end) == IMAGE.data})
+                print(f"bridge  window {w:2d}: {dt:6.2f} s for {res['frames_sent']} frames "
+                      f"(cycle-bound {limit:.2f} s, ratio {dt / limit:.3f}), retries {res['retries']}", flush=True)
+    finally:
+        node.stop()
+        psvc.shutdown()
+        pnode.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one run of each path (under 30 s)")
+    ap.add_argument("--windows", default="", help="bridge windows to compare, e.g. 1,4,8 (default 8; 2,8 full)")
+    args = ap.parse_args()
+    windows = [int(w) for w in args.windows.split(",") if w] or ([8] if args.quick else [2, 8])
+    print(f"image 0x{IMAGE.first:04X}–0x{IMAGE.last:04X}: {IMAGE.size} bytes, "
+          f"{len(IMAGE.write_blocks())} blocks written of {len(list(IMAGE.blocks()))}, "
+          f"{len(IMAGE.chunks())} chunks verified", flush=True)
+    t_all = time.monotonic()
+    virt = bench_virtual(2)
+    print(f"virtual window 2: {virt['seconds']:.2f} s for {virt['frames']} frames "
+          f"(PIC model: 0.968 s erase, 2 ms row writes)", flush=True)
+    virt_fast = None
+    if not args.quick:
+        virt_fast = bench_virtual(8)
+        print(f"virtual window 8: {virt_fast['seconds']:.2f} s, receive-buffer overflows {virt_fast['overflows']}, "
+              f"retries {virt_fast['retries']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="robobus-bench-") as d:
+        broker = Broker(free_port(), Path(d))
+        broker.start()
+        try:
+            bridge = bench_bridge(broker, windows)
+        finally:
+            broker.kill()
+    best = min(bridge, key=lambda r: r["ratio"])
+    summary = {
+        "bench": "flash",
+        "image_bytes": IMAGE.size,
+        "virtual_s": virt["seconds"],
+        "virtual_frames": virt["frames"],
+        "virtual_window8_s": virt_fast["seconds"] if virt_fast else None,
+        "virtual_window8_overflows": virt_fast["overflows"] if virt_fast else None,
+        "bridge_s": best["seconds"],
+        "bridge_frames": best["frames"],
+        "bridge_window": best["window"],
+        "bridge_cycle_bound_s": best["cycle_bound_s"],
+        "bridge_ratio": best["ratio"],
+        "bridge_runs": bridge,
+        "target_ratio": 1.3,
+        "target_met": best["ratio"] <= 1.3 and all(r["memory_ok"] for r in bridge) and virt["memory_ok"],
+        "original_estimate_s": [20, 40],
+        "quick": args.quick,
+        "total_s": round(time.monotonic() - t_all, 1),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
