@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.ethercat_loop.backend import EthercatSettings, HandBackend, overrun_threshold
+from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.driver import (
     CanFrame,
     CanRxFrame,
@@ -448,6 +449,8 @@ class PalmService:
         self.settings = settings
         self.dev: Device = node.device(settings.ethercat_device)
         self.lease = BridgeLease()
+        # the same file the driver calibrates with (wherever the cycle runs): joint names -> motor ids
+        self.joint_to_motor = dict(HandCalibration.load(settings.ethercat_calibration).motor_of_joint)
         self._lease_active: _Lease | None = None  # what the driver was last told
         self._lease_lock = threading.Lock()
         self._collect: list[CanRxFrame] | None = None
@@ -617,10 +620,7 @@ class PalmService:
         return tuple(dict.fromkeys(out))
 
     def _joint_map(self) -> dict[str, int]:
-        s = self.backend.snapshot()
-        if s is not None:
-            return {m.joint: m.id for m in s.motors if m.joint}
-        return {}
+        return self.joint_to_motor
 
     # -- commands -------------------------------------------------------------------------------------
     def set_control_mode(self, req: PalmControlModeRequest) -> PalmAck:
