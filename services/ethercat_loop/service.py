@@ -339,11 +339,14 @@ class PalmCanRx(BaseModel):
 # ------------------------------------------------------------------------------------------- the contract
 API = ServiceAPI("ethercat-loop", device_doc="one Shadow Dexterous Hand palm (EtherCAT, protocol 0220/0230)",
                  doc="Drives a Shadow hand palm at 1 kHz over EtherCAT; leases its CAN bridge to can-bootloader.")
-JOINTS = API.state("joints", PalmJoints, rate_hz=100)
-MOTORS = API.state("motors", PalmMotors, rate_hz=10)
-TACTILE = API.state("tactile", PalmTactile, rate_hz=25)
-EXTRAS = API.state("palm_extras", PalmExtras, rate_hz=10)
-LOOP = API.state("loop_stats", EthercatLoopStats, rate_hz=1)
+JOINTS = API.state("joints", PalmJoints, rate_hz=100,
+                   doc="Calibrated joint positions (rad) and the raw sensor words")
+MOTORS = API.state("motors", PalmMotors, rate_hz=10,
+                   doc="The 20 motors: torque, demands, flags, temperature, current, voltage, slow data")
+TACTILE = API.state("tactile", PalmTactile, rate_hz=25, doc="Fingertip tactile sensors")
+EXTRAS = API.state("palm_extras", PalmExtras, rate_hz=10, doc="IMU, auxiliary analog inputs, palm idle time")
+LOOP = API.state("loop_stats", EthercatLoopStats, rate_hz=1,
+                 doc="Cycle period, jitter p50/p99/max, overruns, drops and lost frames per 1 s window")
 MOTOR_FAULT = API.event("motor_fault", PalmMotorFault)
 STOPPED = API.event("stopped", PalmStopped)
 SET_MODE = API.command("set_control_mode", PalmControlModeRequest, PalmAck,
