@@ -4,7 +4,9 @@ Each simulated robot streams sensors at 50 Hz and images at 10 fps (the firmware
 reference section 5) on 127.0.0.1. The simulator stamps its send time into magnetometer X
 (`--stamp`), so a subscriber can measure sensor latency from the robot's send() to the MQTT message
 arriving. Reported: gateway CPU (% of one core, from /proc), latency p50/p99, frames dropped
-end to end, and whether latency grows over the run. Last line: one JSON object.
+end to end, whether latency grows over the run, and how fast every robot's health says
+disconnected once the simulator is frozen (SIGSTOP: no FIN, like robots leaving WiFi range).
+Last line: one JSON object.
 
     python bench/epuck.py            # 60 s measured
     python bench/epuck.py --quick    # ~25 s in all
@@ -70,6 +72,8 @@ class Recorder:
         self.images: dict[str, int] = {}
         self.sensors = 0
         self.recording = False
+        self.lost_since: float | None = None  # when the simulator was frozen
+        self.lost: dict[str, float] = {}  # robot -> seconds until its health said disconnected
 
     def on_sensors(self, msg: mqtt.MQTTMessage) -> None:
         now = time.time()
@@ -82,6 +86,12 @@ class Recorder:
             self.sensors += 1
             if self.recording:
                 self.samples.append((time.monotonic(), lat * 1000.0))
+
+    def on_health(self, msg: mqtt.MQTTMessage) -> None:
+        data = json.loads(msg.payload)
+        with self.lock:
+            if self.lost_since is not None and not data["connection"]:
+                self.lost.setdefault(data["device"], time.monotonic() - self.lost_since)
 
     def on_image(self, msg: mqtt.MQTTMessage) -> None:
         robot = msg.topic.split("/")[2]
@@ -134,6 +144,7 @@ def main() -> None:
             robots = [{"id": name, "host": "127.0.0.1", "port": port} for name, port in ready["robots"].items()]
             sub.subscribe("robobus/epuck-gateway/+/state/sensors", rec.on_sensors, qos=0)
             sub.subscribe("robobus/epuck-gateway/+/state/image", rec.on_image, qos=0)
+            sub.subscribe("robobus/epuck-gateway/+/health", rec.on_health, qos=1)
             sub.start()
             if not sub.wait_connected(10):
                 raise RuntimeError("subscriber could not connect to the broker")
@@ -154,6 +165,15 @@ def main() -> None:
             cpu1, t1, host1 = cpu_seconds(gw.pid), time.monotonic(), host_busy()
             ours1 = sum(cpu_seconds(p) for p in mine)
             load = os.getloadavg()[0]
+            # Lost robots: freeze the simulator (SIGSTOP: sockets stay open, nothing arrives, no FIN,
+            # as when robots drop off WiFi) and time each robot's health going to disconnected.
+            with rec.lock:
+                rec.lost_since = time.monotonic()
+            sim.send_signal(signal.SIGSTOP)
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and len(rec.lost) < a.robots:
+                time.sleep(0.02)
+            sim.send_signal(signal.SIGCONT)
             with rec.lock:
                 rec.recording = False
             gw.send_signal(signal.SIGTERM)
@@ -200,12 +220,17 @@ def main() -> None:
         "host_other_cpu_cores": round(max(0.0, (host1[0] - host0[0]) - (ours1 - ours0)) / (t1 - t0), 2),
         "host_loadavg_1m": round(load, 2),
         "lag_growing": bool(growth > LAG_GROWTH_LIMIT_MS),
+        "lost_robot_detect_ms": {"robots_detected": len(rec.lost),
+                                 "max": round(1000 * max(rec.lost.values(), default=float("nan")), 1)},
         "targets": {"cpu_pct_le_60": cpu_pct <= TARGET_CPU_PCT, "p99_le_20ms": p99 <= TARGET_P99_MS,
                     "no_growing_lag": not growth > LAG_GROWTH_LIMIT_MS},
     }
+    result["targets"]["lost_robot_within_1s"] = (  # type: ignore[index]
+        len(rec.lost) == a.robots and max(rec.lost.values()) <= 1.0)
     result["pass"] = all(result["targets"].values())  # type: ignore[attr-defined]
     print(f"gateway CPU {cpu_pct:.1f} % of one core; sensor latency p50 {p50:.2f} ms, p99 {p99:.2f} ms; "
-          f"frames {frames_received}/{frames_sent}; lag growth {growth:+.2f} ms")
+          f"frames {frames_received}/{frames_sent}; lag growth {growth:+.2f} ms; "
+          f"lost robots seen within {1000 * max(rec.lost.values(), default=float('nan')):.0f} ms")
     print(json.dumps(result))
 
 

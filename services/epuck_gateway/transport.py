@@ -94,6 +94,8 @@ class EpuckLink:
         self._stop_mark: int | None = None  # packet count when the stop command left
         self._stopped = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._probed_at = -1.0
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> asyncio.Task[None]:
@@ -175,26 +177,39 @@ class EpuckLink:
         self._write(self.controller.on_link_up().encode())
         self.controller.sent(self.parser.packets, False)
         log.info("robot connected", extra={"robot": self.name, "host": self.config.host, "port": self.config.port})
-        probed_at = 0.0
+        self._probed_at = -1.0
+        self._arm_watchdog(self.config.stale_timeout_s / 2)
         try:
-            while True:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(self._lost), 0.1)
-                except TimeoutError:
-                    silent = time.monotonic() - self.last_rx
-                    if silent > self.config.stale_timeout_s / 2 and probed_at != self.last_rx and not self._closing:
-                        # The firmware keeps sending 0x03 with nothing requested; should a robot only
-                        # acknowledge commands instead, repeating the current command (idempotent: the
-                        # robot repeats it anyway) draws an 0x03 and tells a quiet link from a dead one.
-                        probed_at = self.last_rx
-                        self.send_state()
-                    if silent > self.config.stale_timeout_s and not self._closing:
-                        self._reset_link()
-                        return f"no data from the robot for {silent:.1f} s"
+            return await self._lost
         finally:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
             self.connected = False
             if not self._closing:
                 self._drop_transport()
+
+    # -- silence watchdog: one timer per link, re-armed from the last byte's time ------------------
+    def _arm_watchdog(self, delay: float) -> None:
+        self._watchdog = asyncio.get_running_loop().call_later(delay, self._watchdog_fired)
+
+    def _watchdog_fired(self) -> None:
+        self._watchdog = None
+        if not self.connected or self._closing:
+            return
+        stale = self.config.stale_timeout_s
+        silent = time.monotonic() - self.last_rx
+        if silent >= stale:
+            self._on_lost(f"no data from the robot for {silent:.1f} s")
+            self._reset_link()
+            return
+        if silent >= stale / 2 and self._probed_at != self.last_rx:
+            # The firmware keeps sending 0x03 with nothing requested; should a robot only acknowledge
+            # commands instead, repeating the current command (idempotent: the robot repeats it
+            # anyway) draws an 0x03 and tells a quiet link from a dead one.
+            self._probed_at = self.last_rx
+            self.send_state()
+        self._arm_watchdog(max((stale / 2 if silent < stale / 2 else stale) - silent, 0.005))
 
     def _reset_link(self) -> None:
         """Leave a link we no longer trust: tell the robot to stop first (best effort), then close."""
