@@ -95,6 +95,8 @@ class EpuckLink:
         self._stopped = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._accepted = False  # the robot answered this connection's first command
+        self._deferred = False
         self._probed_at = -1.0
 
     # -- public ---------------------------------------------------------------------------------
@@ -106,6 +108,11 @@ class EpuckLink:
         """Send the controller's next command (level state plus pending one-shots)."""
         if not self.connected:
             return False
+        if not self._accepted:
+            # The firmware takes the first command of a connection only as exactly 21 bytes: nothing
+            # may share its TCP segment. Later commands wait for the robot's first packet.
+            self._deferred = True
+            return True
         self._write(self.controller.build().encode())
         self.controller.sent(self.parser.packets, self.parser.in_packet)
         return True
@@ -172,6 +179,7 @@ class EpuckLink:
         self.parser.reset()
         self.last_rx = time.monotonic()
         self.connected = True
+        self._accepted = self._deferred = False
         self._on_state(True, "streaming", "")
         # The robot sends nothing until its first command: send it at once.
         self._write(self.controller.on_link_up().encode())
@@ -263,9 +271,11 @@ class EpuckLink:
                     self._stopped.set()
         self.stats.packets += len(packets)
         if packets and not self._closing:
+            self._accepted = True
             self._on_packets(packets, now)
-            if self.controller.clear_due(self.parser.packets):
-                self.send_state()  # clears the one-shot flags the robot has now applied
+            if self._deferred or self.controller.clear_due(self.parser.packets):
+                self._deferred = False
+                self.send_state()  # a deferred command, or the clear of one-shots the robot has applied
         if error is not None:
             self.stats.framing_errors += 1
             log.warning("framing error, resetting the link",
