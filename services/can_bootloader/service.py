@@ -225,6 +225,7 @@ class CanBootService:
         self._mutex = threading.Lock()
         self._reserved: dict[int, _Reservation] = {}
         self._images: dict[int, FlashImage] = {}
+        self._jobs: set[JobContext] = set()
         self.last_error = ""
         self.dev: Any = None
         self.sims: list[Any] = []
@@ -250,6 +251,18 @@ class CanBootService:
         self.update_health()
 
     def close(self) -> None:
+        """Shutdown hook: cancel flashes (before RESET the board stays in its bootloader, ready to be flashed
+        again), let them stop, then close the buses (the bridge lease is released)."""
+        with self._mutex:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            with self._mutex:
+                if not self._reserved:
+                    break
+            time.sleep(0.02)
         for sim in self.sims:
             sim.stop()
             sim.bus.shutdown()
@@ -394,16 +407,25 @@ class CanBootService:
         self._reserve(req.boards, "flash_many")
         self._images[id(req)] = image
 
+    def _track(self, job: JobContext, on: bool) -> None:
+        with self._mutex:
+            if on:
+                self._jobs.add(job)
+            else:
+                self._jobs.discard(job)
+
     def _flash(self, req: FlashRequest, job: JobContext) -> FlashBoardResult:
         image = self._images.pop(id(req))
         port = self._port(req.board)
         lock = threading.Lock()
+        self._track(job, True)
         try:
             res = self.flash_board(req.board, image, self._config(req, port), job, lock,
                                    lambda snap: job.progress(snap["phase"], snap["done"], snap["total"],
                                                              **{k: v for k, v in snap.items()
                                                                 if k not in ("phase", "done", "total")}))
         finally:
+            self._track(job, False)
             self._release([port.number])
         if res.cancelled:
             job.cancel()
@@ -444,12 +466,14 @@ class CanBootService:
 
         threads = [threading.Thread(target=bus_worker, args=(boards,), name=f"flash-bus{n}", daemon=True)
                    for n, boards in by_bus.items()]
+        self._track(job, True)
         try:
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
         finally:
+            self._track(job, False)
             self._release(list(by_bus))
         ordered = [results[b] for b in req.boards if b in results]
         if job.cancelled:

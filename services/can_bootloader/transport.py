@@ -133,15 +133,19 @@ class CanPort:
                 self.frames_sent += 1
             dl = machine.deadline()
             wait = max_wait_s if dl is None else min(max(dl - clock(), 0.0), max_wait_s)
-            msg = bus.recv(wait)
-            while msg is not None:
-                frame = to_frame(msg)
-                if frame is None:
-                    self.garbage += 1
-                else:
-                    self.frames_received += 1
-                    machine.receive(frame, clock())
-                msg = bus.recv(0)
+            try:
+                msg = bus.recv(wait)
+                while msg is not None:
+                    frame = to_frame(msg)
+                    if frame is None:
+                        self.garbage += 1
+                    else:
+                        self.frames_received += 1
+                        machine.receive(frame, clock())
+                    msg = bus.recv(0)
+            except can.CanError as exc:
+                self.last_error = f"CAN bus {self.number} receive failed: {exc}"
+                raise TransportError(self.last_error) from exc
             now = clock()
             machine.tick(now)
             if every is not None and now >= next_report:

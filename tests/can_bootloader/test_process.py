@@ -1,0 +1,42 @@
+"""`python -m services.can_bootloader` as its own process (the make-run configuration: simulated boards on
+in-process virtual buses): it flashes, and SIGTERM mid-flash cancels the job before the node goes offline."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from services.can_bootloader.sim import make_intel_hex
+from shared.rpc import RpcClient, wait_for
+from shared.testing import Broker
+
+SMALL_HEX = make_intel_hex(0x1000, 0x13FF)
+
+
+def test_process_flash_and_sigterm(broker_session: Broker, client: RpcClient, spawn: Any) -> None:
+    name = f"canboot-proc-{time.monotonic_ns() % 1_000_000}"
+    env = {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": name, "ROBOBUS_CAN_SIM": "true",
+           "ROBOBUS_CAN_SIM_ERASE_S": "0.05", "ROBOBUS_CAN_SIM_BOARDS": "[4, 14]"}
+    proc = spawn(["-m", "services.can_bootloader"], env)
+    assert wait_for(lambda: any(json.loads(p).get("online") for _, p, _ in
+                                client.collect(f"robobus/{name}/status", 0.3)), 15), proc.text()
+    _rep, result = client.call_job(name, "motors", "flash", {"board": 14, "hex": SMALL_HEX}, lambda e: None,
+                                   timeout=60)
+    assert result is not None and result["ok"], result
+    # a slow flash, then SIGTERM while it runs
+    events: list[dict[str, Any]] = []
+    client.subscribe_before(f"robobus/{name}/motors/event/#", lambda m: events.append(json.loads(m.payload)))
+    started = threading.Event()
+    client.subscribe_before(f"robobus/{name}/motors/event/job_progress",
+                            lambda m: started.set() if json.loads(m.payload)["phase"] == "write" else None)
+    rep = client.call(name, "motors", "flash", {"board": 4, "hex": make_intel_hex(), "window": 1})
+    assert rep.ok
+    assert started.wait(20), proc.text()
+    t0 = time.monotonic()
+    assert proc.stop(timeout=15) == 0, proc.text()
+    assert time.monotonic() - t0 < 10
+    assert wait_for(lambda: any(e.get("cancelled") for e in events if "cancelled" in e), 3), events[-3:]
+    offline = [json.loads(p) for _, p, _ in client.collect(f"robobus/{name}/status", 0.5)]
+    assert offline and offline[-1]["online"] is False
