@@ -171,7 +171,9 @@ def format_validation_error(exc: ValidationError, prefix: str = "ROBOBUS_") -> s
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "settings"
-        env = prefix + str(err["loc"][0]).upper() if err["loc"] else ""
+        first = str(err["loc"][0]).upper() if err["loc"] else ""
+        # fields with an alias already carry the full variable name
+        env = first if first.startswith(prefix) else prefix + first
         got = err.get("input")
         shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
         lines.append(f"invalid setting {field} [{env}]: {err['msg']}{shown}")

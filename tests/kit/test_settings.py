@@ -63,3 +63,33 @@ def test_invalid_setting_stops_with_one_clear_line(env: dict[str, str], field: s
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stderr
     assert field in lines[0] and "Traceback" not in r.stderr
+
+
+def test_aliased_field_is_named_once() -> None:
+    from pydantic import Field
+
+    class Aliased(KitSettings):
+        backend: str = Field("model", alias="ROBOBUS_THING_BACKEND", pattern="^(model|nic)$")
+
+    import os
+
+    os.environ["ROBOBUS_THING_BACKEND"] = "bogus"
+    try:
+        with pytest.raises(SystemExit):
+            load_settings(Aliased)
+    finally:
+        del os.environ["ROBOBUS_THING_BACKEND"]
+
+
+def test_formatter_names_alias_once() -> None:
+    from pydantic import BaseModel, Field, ValidationError
+
+    from shared.settings import format_validation_error
+
+    class M(BaseModel):
+        x: int = Field(alias="ROBOBUS_THING_X")
+
+    with pytest.raises(ValidationError) as e:
+        M.model_validate({"ROBOBUS_THING_X": "nope"})
+    msg = format_validation_error(e.value)
+    assert "[ROBOBUS_THING_X]" in msg and "ROBOBUS_ROBOBUS" not in msg
