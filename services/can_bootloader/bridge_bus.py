@@ -13,8 +13,9 @@ the lease) and `stream/can_rx` {lease_id, frames: [{bus, sid, data, cycle}]}.
 
 The palm has one bridge (one lease) for both of its CAN buses, so every BridgeBus of one process that names
 the same palm shares one link: one MQTT client, one lease, one can_rx subscription, frames sorted by bus.
-The lease is taken on the first frame sent and held while frames flow; after `idle_release_s` without a
-frame it is released, so the hand goes back to normal operation (CAN direct mode stops every motor).
+The lease is taken on the first frame sent and renewed every ttl/3 while the bus is in use; after
+`idle_release_s` (10 s) without a frame it is released, so the hand goes back to normal operation (CAN
+direct mode stops every motor).
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class _BridgeLink:
             log.info("palm CAN bridge released", extra={"lease_id": lease_id})
 
     def _keep(self) -> None:
-        """Renew while frames flow (a frame costs a cycle: long waits, e.g. the erase, send none); release
-        after `idle_release_s` of silence."""
+        """Renew every ttl/3 while the bus is in use: quiet spells (the erase) send no can_tx, and a lease the
+        palm lost (restart, expiry) is replaced within one period. Release after `idle_release_s` of silence."""
         period = max(self.ttl_ms / 3000.0, 0.05)
         while not self._stop.wait(period):
             if self.lease_id is None:
@@ -109,8 +110,6 @@ class _BridgeLink:
             if idle >= self.idle_release_s:
                 self.release()
                 continue
-            if idle < period:
-                continue  # the can_tx frames themselves renewed it
             try:
                 lease_id = self._lease()
             except (can.CanOperationError, TimeoutError) as exc:
@@ -163,7 +162,7 @@ class BridgeBus(can.BusABC):  # type: ignore[misc]
 
     def __init__(self, channel: Any = 1, *, mqtt_url: str | None = None, topic_root: str | None = None,
                  node: str = DEFAULT_NODE, device: str = DEFAULT_DEVICE, ttl_ms: int = 2000,
-                 idle_release_s: float = 3.0, can_filters: Any = None, **kwargs: Any) -> None:
+                 idle_release_s: float = 10.0, can_filters: Any = None, **kwargs: Any) -> None:
         try:
             self.bus_no = int(str(channel).removeprefix("bus"))
         except ValueError:

@@ -132,3 +132,47 @@ def test_can_send_cli(broker_session: Broker, palm: Palm) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     reply = json.loads(r.stdout)
     assert {"bus": 1, "sid": 0x71A, "data": "55aa55aa55aa55aa"}.items() <= reply["frames"][0].items()
+
+
+def test_lease_busy_idle_release_and_shutdown(broker_session: Broker, palm: Palm, client: RpcClient) -> None:
+    other = client.call(palm.name, palm.device, "bridge_lease", {"holder": "someone-else", "ttl_ms": 5000})
+    assert other.ok
+    bus = can.Bus(interface="robobus_bridge", channel="1", mqtt_url=broker_session.url, node=palm.name,
+                  device=palm.device, idle_release_s=0.5)
+    try:
+        with pytest.raises(can.CanOperationError, match="busy"):
+            bus.send(can.Message(arbitration_id=0x664, data=b"", is_extended_id=False))
+        assert client.call(palm.name, palm.device, "bridge_release", {"lease_id": other.result["lease_id"]}).ok
+        bus.send(can.Message(arbitration_id=0x664, data=b"", is_extended_id=False))
+        msg = bus.recv(2.0)
+        assert msg is not None and msg.arbitration_id == 0x674
+        # held while in use: someone else is refused
+        rep = client.call(palm.name, palm.device, "bridge_lease", {"holder": "someone-else"})
+        assert not rep.ok and rep.error["code"] == "busy"
+        # released after idle_release_s without a frame: the hand goes back to normal operation
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            rep = client.call(palm.name, palm.device, "bridge_lease", {"holder": "someone-else", "ttl_ms": 200})
+            if rep.ok:
+                break
+            time.sleep(0.2)
+        assert rep.ok, rep.error
+    finally:
+        bus.shutdown()
+    with pytest.raises(can.CanOperationError):
+        bus.send(can.Message(arbitration_id=0x664, data=b"", is_extended_id=False))
+
+
+def test_flash_fails_clearly_when_the_bridge_is_taken(broker_session: Broker, palm: Palm,
+                                                      client: RpcClient) -> None:
+    assert client.call(palm.name, palm.device, "bridge_lease", {"holder": "someone-else", "ttl_ms": 10000}).ok
+    node, _svc = boot_service(broker_session, palm)
+    try:
+        _rep, result = client.call_job(node.name, "motors", "flash", {"board": 8, "hex": SMALL_HEX},
+                                       lambda e: None, timeout=30)
+        assert result is not None and not result["ok"]
+        msg = result["error"]["message"]
+        assert "refused the lease" in msg and "busy" in msg
+        assert palm.boards.board(8).frames_in == 0
+    finally:
+        node.stop()
