@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from services.epuck_gateway.image import to_jpeg, to_png
 from services.epuck_gateway.models import (
@@ -67,6 +67,7 @@ from services.epuck_gateway.protocol import (
 from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig
 from shared import CommandError, ErrorCode, KitSettings, Node, ServiceAPI
 from shared.contract import NAME_RE
+from shared.node import NODE_DEVICE
 
 log = logging.getLogger("robobus.epuck")
 
@@ -117,6 +118,19 @@ class EpuckSettings(KitSettings):
     epuck_reconnect_max_s: float = Field(2.0, gt=0, le=600)
     epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60, description="Silence that counts as a lost robot")
     epuck_encode_workers: int = Field(2, ge=1, le=32, description="Threads encoding JPEG/PNG")
+
+    @field_validator("epuck_robots")
+    @classmethod
+    def _unique(cls, v: list[EpuckRobotConfig]) -> list[EpuckRobotConfig]:
+        ids = [r.id for r in v]
+        if NODE_DEVICE in ids:
+            raise ValueError(f"{NODE_DEVICE!r} is reserved for the node's own state")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"robot ids must be unique, got {ids}")
+        addrs = [f"{r.host}:{r.port}" for r in v]
+        if len(set(addrs)) != len(addrs):  # a robot serves one client: two links would fight over it
+            raise ValueError(f"each robot address may appear once, got {addrs}")
+        return v
 
 
 class EpuckRobot:
