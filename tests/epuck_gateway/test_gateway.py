@@ -284,10 +284,17 @@ def test_gateway_retries_until_the_simulator_is_up(broker_session: Broker) -> No
         sim.close()
 
 
-def test_bad_configuration_exits_with_a_clear_message(broker_session: Broker) -> None:
+@pytest.mark.parametrize("robots", [
+    '[{"id": "a/b", "host": "x"}]',
+    '[{"id": "a", "host": "x"}, {"id": "a", "host": "y"}]',
+    '[{"id": "a", "host": "x"}, {"id": "b", "host": "x"}]',
+    '[]',
+    'not json',
+])
+def test_bad_configuration_exits_with_a_clear_message(broker_session: Broker, robots: str) -> None:
     from shared.testing import NodeProcess
     proc = NodeProcess(["-m", "services.epuck_gateway"], {"ROBOBUS_MQTT_URL": broker_session.url,
-                                                           "ROBOBUS_EPUCK_ROBOTS": '[{"id": "a/b", "host": "x"}]'})
-    assert proc.proc.wait(20) == 2
+                                                           "ROBOBUS_EPUCK_ROBOTS": robots})
+    code = proc.proc.wait(20)
     proc.stop()
-    assert "robots" in proc.text()
+    assert code == 2 and "epuck_robots" in proc.text() and "Traceback" not in proc.text(), proc.text()
