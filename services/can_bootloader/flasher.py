@@ -71,7 +71,7 @@ class FlashConfig:
     check_bootloader_aware: bool = True
     check_delay_s: float = 0.05  # let the new application start before the magic packet
     check_timeout_s: float = 0.5
-    check_tries: int = 1
+    check_tries: int = 2  # a lost ACK must not brand an aware firmware as unaware; a second magic is harmless
     drain_s: float = 0.05  # quiet time after a rewind with several frames in flight
     restarts: int = 1  # full re-erase + rewrite after a read-back that re-reading cannot fix
 

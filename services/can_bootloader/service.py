@@ -168,6 +168,7 @@ class FlashTuning(BaseModel):
     reset_tries: int = Field(3, ge=1)
     check_delay_s: float = Field(0.05, ge=0)
     check_timeout_s: float = Field(0.5, gt=0)
+    check_tries: int = Field(2, ge=1)
     drain_s: float = Field(0.05, ge=0)
     restarts: int = Field(1, ge=0)
 

@@ -27,6 +27,8 @@ class Wire:
     clock: Clock = field(default_factory=Clock)
     sent: list[p.BootFrame] = field(default_factory=list)
     extra: list[p.BootFrame] = field(default_factory=list)  # garbage injected before each reply
+    drop_replies: set[int] = field(default_factory=set)  # indices (in reply order) of answers lost on the wire
+    replies_seen: int = 0
 
     def __post_init__(self) -> None:
         for b in self.boards:
@@ -53,6 +55,9 @@ class Wire:
                             heapq.heappush(heap, (self.clock.t + self.latency + r.delay_s, next(seq), "up",
                                                   p.BootFrame(r.sid, r.data)))
                 else:
+                    self.replies_seen += 1
+                    if self.replies_seen - 1 in self.drop_replies:
+                        continue
                     for g in self.extra:
                         machine.receive(g, self.clock.t)
                     machine.receive(fr, self.clock.t)
