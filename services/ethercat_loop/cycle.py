@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import logging
 import os
@@ -43,16 +44,29 @@ from services.ethercat_loop.backend import (
     HandBackend,
     build_driver,
 )
+from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.cycle_rt import AbsoluteSleeper, RtSettings, apply_realtime, current_policy, next_deadline
-from services.ethercat_loop.cycle_shm import HIST_US, C, SharedBlock, percentiles
-from services.ethercat_loop.driver import CanRxFrame, CanTx, ControlMessage, Halt, PalmDriver, PalmSnapshot
+from services.ethercat_loop.cycle_shm import HIST_US, RAW_HEAD, C, SharedBlock, percentiles
+from services.ethercat_loop.driver import (
+    CanRxFrame,
+    CanTx,
+    ControlMessage,
+    Halt,
+    PalmDriver,
+    PalmJointSnapshot,
+    PalmSnapshot,
+)
 from services.ethercat_loop.master import EthercatMaster, MasterConfig, MasterError
+from services.ethercat_loop.protocol import DecodeError, EdcCommand, s16, unpack_status
 
 log = logging.getLogger("robobus.ethercat.cycle")
 PR_SET_PDEATHSIG = 1
 MAX_MSGS_PER_CYCLE = 64
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
 PIPE_ATOMIC = 4096
+SWITCH_INTERVAL_S = 0.0005
+SLACK_SNAPSHOT_NS = 700_000  # a full driver snapshot + pickle costs 250-700 µs here: skip it when less is left
+SLACK_STATE_CHECK_NS = 300_000  # an AL state read is one or two round trips
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -65,15 +79,17 @@ class WireSettings(EthercatSettings):
                                       "(0: normal scheduling)")
     ethercat_cpus: list[int] = Field(default_factory=list, description="CPU affinity of the cycle process")
     ethercat_lock_memory: bool = Field(True, description="mlockall in the cycle process")
-    ethercat_recv_timeout_us: int = Field(700, ge=50, le=100_000, description="Receive timeout per frame, "
+    ethercat_recv_timeout_us: int = Field(500, ge=50, le=100_000, description="Receive timeout per frame, "
                                           "well under the period")
-    ethercat_late_us: int = Field(350, ge=10, description="A reply later than this counts as a late frame")
+    ethercat_late_us: int = Field(300, ge=10, description="A reply later than this counts as a late frame")
     ethercat_program_sms: Literal["auto", "always", "never"] = Field(
         "auto", description="Program the 4 mailbox SMs + 2 FMMUs when the palm's SII lacks them")
     ethercat_error_after_lost: int = Field(20, ge=1, description="Consecutive cycles without a valid status "
                                            "after which health reports an error (the motors cut out at 20 ms)")
-    ethercat_snapshot_hz: float = Field(100.0, gt=0, le=1000, description="Driver snapshots per second")
-    ethercat_state_check_ms: int = Field(100, ge=1, description="Period of the AL state check")
+    ethercat_snapshot_hz: float = Field(10.0, gt=0, le=1000, description="Full driver snapshots per second "
+                                        "(motors, counters); joints and sensors come from every status")
+    ethercat_state_check_ms: int = Field(250, ge=1, description="Period of the AL state check (a backstop: a "
+                                         "palm leaving OP already shows as a working-counter drop)")
     ethercat_virtual_args: list[str] = Field(default_factory=list, description="Extra virtual_hand options "
                                              "when the virtual backend starts its own hand")
 
@@ -166,9 +182,12 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     sleeper = AbsoluteSleeper()
     mono, cpu_clock, loads, dumps = time.monotonic_ns, time.thread_time_ns, pickle.loads, pickle.dumps
     cnt[C["period_ns"]] = period
-    command = driver.cycle(None, mono())
-    halt_sent_at: int | None = None
+    slack_snapshot, slack_check = min(SLACK_SNAPSHOT_NS, period // 2), min(SLACK_STATE_CHECK_NS, period // 3)
+    status: bytes | None = None
+    statuses_seen = -1
+    halting = False
     check_due = cfg.state_check_every
+    snapshot_due = cfg.snapshot_every
     # Everything allocated so far lives for the whole run: freeze it and keep the collector out of the cycle.
     gc.collect()
     gc.freeze()
@@ -184,17 +203,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         h_wake[min(lat // 1000, HIST_US)] += 1
         if lat > cnt[C["wake_ns_max"]]:
             cnt[C["wake_ns_max"]] = lat
-        # ---- the wire ----
-        ex = master.exchange(command)
-        h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
-        cycle += 1
-        cnt[C["cycles"]] = cycle
-        cnt[C["frames"]] = wc.frames
-        cnt[C["lost"]] = wc.lost
-        cnt[C["late"]] = wc.late
-        cnt[C["wkc_errors"]] = wc.wkc_errors
-        cnt[C["rtt_ns_max"]] = wc.rtt_max_ns
-        # ---- control messages ----
+        # ---- control messages, then the command: a demand that arrived before the tick goes out now ----
         n = 0
         while n < MAX_MSGS_PER_CYCLE and ctl.poll(0):
             n += 1
@@ -209,14 +218,26 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
                 cnt[C["commands_applied"]] += 1
             else:
                 cnt[C["commands_rejected"]] += 1
-        if stopping and halt_sent_at is None:
+        if stopping and not halting:
             driver.apply(Halt(True))
-            halt_sent_at = cycle
+            halting = True
             st.state = "stopping"
             publish()
-        # ---- the driver ----
-        command = driver.cycle(ex.status, wake)
-        if ex.status is None:
+        # the status of the last exchange answers the command before it (the palm loads it after the
+        # command arrived), so building the command here loses nothing and saves a period of latency
+        command = driver.cycle(status, wake)
+        # ---- the wire ----
+        ex = master.exchange(command)
+        status = ex.status
+        h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
+        cycle += 1
+        cnt[C["cycles"]] = cycle
+        cnt[C["frames"]] = wc.frames
+        cnt[C["lost"]] = wc.lost
+        cnt[C["late"]] = wc.late
+        cnt[C["wkc_errors"]] = wc.wkc_errors
+        cnt[C["rtt_ns_max"]] = wc.rtt_max_ns
+        if status is None:
             cnt[C["no_status"]] += 1
             run = cnt[C["consecutive_no_status"]] + 1
             cnt[C["consecutive_no_status"]] = run
@@ -232,13 +253,29 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
                 cnt[C["health_error"]] = 0
                 st.error = ""
                 publish()
+        if status is not None and driver.c["statuses"] != statuses_seen:
+            # every valid status goes to the MQTT side raw (a few µs); it decodes joints there, so the
+            # costly full driver snapshot can run at a fraction of the rate
+            statuses_seen = driver.c["statuses"]
+            shm.write_slot("raw", RAW_HEAD.pack(driver.cycle_no, wake, statuses_seen) + status)
+        if halting and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:  # that many zero commands exchanged
+            st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
+                              "demands_sent_last": [m.demand_sent for m in driver.motors],
+                              "reason": stopping[0]}
+            shm.write_slot("snapshot", dumps(driver.snapshot(), 5))
+            publish()
+            return
         rx = driver.take_can_rx()
         if rx:
             _send_events(events, rx, cnt)
-        # ---- slack work: state check, snapshot ----
+        # ---- slack work, only with enough of the period left: it may wait a cycle, the next tick may not ----
+        slack_work = False
         check_due -= 1
-        if check_due <= 0 or (ex.status is None and cycle % 10 == 0) or (st.state_issue and cycle % 10 == 0):
+        snapshot_due -= 1
+        recheck = (status is None or st.state_issue) and cycle % 10 == 0
+        if (check_due <= 0 or recheck) and deadline + period - mono() > slack_check:
             check_due = cfg.state_check_every
+            slack_work = True
             cnt[C["state_checks"]] += 1
             issue = master.check_states()
             cnt[C["recoveries"]] = wc.recoveries
@@ -246,19 +283,13 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             cnt[C["in_op"]] = 0 if issue else 1
             if issue != st.state_issue:
                 st.state_issue = issue
-                st.state = "recovering" if issue else ("stopping" if halt_sent_at else "op")
+                st.state = "recovering" if issue else ("stopping" if halting else "op")
                 publish()
-        if cycle % cfg.snapshot_every == 0:
+        if snapshot_due <= 0 and deadline + period - mono() > slack_snapshot:
+            snapshot_due = cfg.snapshot_every
+            slack_work = True
             shm.write_slot("snapshot", dumps(driver.snapshot(), 5))
             cnt[C["snapshots"]] += 1
-        # the command just built is not on the wire yet: count only the zero commands already exchanged
-        if halt_sent_at is not None and driver.c["halt_zero_cycles"] - 1 >= cfg.zero_cycles:
-            st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"] - 1,
-                              "demands_sent_last": [m.demand_sent for m in driver.motors],
-                              "reason": stopping[0]}
-            shm.write_slot("snapshot", dumps(driver.snapshot(), 5))
-            publish()
-            return
         cpu = cpu_clock() - cpu0
         h_cpu[min(cpu // 1000, HIST_US)] += 1
         cnt[C["cpu_ns_sum"]] += cpu
@@ -270,6 +301,14 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         if skipped:
             cnt[C["overruns"]] += 1
             cnt[C["skipped_cycles"]] += skipped
+            if lat > period // 2:
+                cnt[C["overrun_late_wake"]] += 1
+            if ex.lost:
+                cnt[C["overrun_lost_frame"]] += 1
+            elif ex.rtt_ns > period // 2:
+                cnt[C["overrun_slow_exchange"]] += 1
+            if slack_work:
+                cnt[C["overrun_slack_work"]] += 1
         elif cycle % 1000 == 0 and deadline - mono() > period // 2:
             gc.collect(0)  # young objects only, and only with half a period of slack left
 
@@ -297,9 +336,13 @@ class ProcessBackend(HandBackend):
         self._ctl_w: Connection | None = None
         self._events_r: Connection | None = None
         self._lock = threading.Lock()
+        self._snap_lock = threading.Lock()
         self._state = _CycleState()
         self._snap: PalmSnapshot | None = None
         self._snap_seq = 0
+        self._merged: PalmSnapshot | None = None
+        self._raw_seq: tuple[int, int] = (0, 0)
+        self._cal = HandCalibration.load(self.settings.ethercat_calibration)
         self._rx_handler: CanRxHandler | None = None
         self._threads: list[threading.Thread] = []
         self._running = False
@@ -346,6 +389,9 @@ class ProcessBackend(HandBackend):
             raise
 
     def _start(self) -> None:
+        # In this (MQTT) process a demand hops paho's thread -> a handler -> submit(); each hop waits for
+        # the GIL, up to the switch interval (5 ms by default) while the state publisher decodes joints.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         s = self.settings
         period_ms = self.period_ns / 1e6
         cfg = CycleConfig(
@@ -418,8 +464,9 @@ class ProcessBackend(HandBackend):
                 conn.close()
         self._ctl_w = self._events_r = None
         if self._shm is not None:
-            self._read_snapshot()
-            self._shm.close()
+            with self._snap_lock:
+                self._read_snapshot()
+                self._shm.close()
             self._shm = None
         if self._netns is not None:
             self._netns.down()
@@ -475,15 +522,40 @@ class ProcessBackend(HandBackend):
 
     def _read_snapshot(self) -> PalmSnapshot | None:
         shm = self._shm
-        if shm is not None:
-            got = shm.read_slot("snapshot")
-            if got is not None and got[0] != self._snap_seq:
-                self._snap_seq = got[0]
-                self._snap = pickle.loads(got[1])
-        return self._snap
+        if shm is None:
+            return self._merged or self._snap
+        got = shm.read_slot("snapshot")
+        if got is not None and got[0] != self._snap_seq:
+            self._snap_seq = got[0]
+            self._snap = pickle.loads(got[1])
+            self._merged = None
+        raw = shm.read_slot("raw")
+        if self._snap is not None and raw is not None and (raw[0], self._snap_seq) != self._raw_seq:
+            self._raw_seq = (raw[0], self._snap_seq)
+            self._merged = self._merge(self._snap, raw[1])
+        return self._merged or self._snap
+
+    def _merge(self, base: PalmSnapshot, raw: bytes) -> PalmSnapshot | None:
+        """The last full snapshot refreshed with the newest status: what driver.snapshot() would say about
+        sensors, joints, tactiles, IMU and analog inputs (decoded here, off the realtime process)."""
+        cycle, now_ns, statuses = RAW_HEAD.unpack_from(raw)
+        if cycle < base.cycle:
+            return None
+        st = unpack_status(raw[RAW_HEAD.size :], base.protocol)
+        if isinstance(st, DecodeError) or st.dropped:
+            return None
+        joints = base.joints
+        if st.edc_command == EdcCommand.SENSOR_DATA:
+            joints = tuple(PalmJointSnapshot(j.name, j.position, j.raw) for j in self._cal.joints(st.sensors))
+        sensors = st.sensors
+        return dataclasses.replace(
+            base, cycle=cycle, now_ns=now_ns, edc_echo=st.edc_command, status_count=statuses, joints=joints,
+            sensors_raw=sensors, tactile_type=st.tactile_data_type, tactile_valid=st.tactile_data_valid,
+            tactile=st.tactile, imu=tuple(s16(v) for v in sensors[26:32]), analog=tuple(sensors[32:36]),
+            idle_time_us=st.idle_time_us)
 
     def snapshot(self) -> PalmSnapshot | None:
-        with self._lock:
+        with self._snap_lock:  # not the submit lock: decoding must never delay a demand
             return self._read_snapshot()
 
     def _monitor(self) -> None:
@@ -532,7 +604,9 @@ class ProcessBackend(HandBackend):
         out["totals"] = {
             **{k: c[k] for k in ("cycles", "overruns", "skipped_cycles", "frames", "lost", "late", "wkc_errors",
                                  "no_status", "recoveries", "left_op", "max_consecutive_no_status",
-                                 "commands_applied", "commands_rejected", "state_checks", "events_dropped")},
+                                 "commands_applied", "commands_rejected", "state_checks", "events_dropped",
+                                 "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
+                                 "overrun_slack_work")},
             "wake_us": percentiles(shm.hist["wake"]), "cpu_us": percentiles(shm.hist["cpu"]),
             "rtt_us": percentiles(shm.hist["rtt"]), "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
             "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,

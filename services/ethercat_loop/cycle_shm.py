@@ -23,12 +23,15 @@ COUNTERS = (
     "left_op", "consecutive_no_status", "max_consecutive_no_status", "cpu_ns_sum", "cpu_ns_max", "wake_ns_max",
     "rtt_ns_max", "commands_applied", "commands_rejected", "snapshots", "state_checks", "period_ns",
     "started_ns", "heartbeat_ns", "in_op", "health_error", "events_dropped",
+    # what the overrunning cycles had in common (a cycle can count in several)
+    "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame", "overrun_slack_work",
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64
 HIST_US = 20_000  # 1 µs bins up to 20 ms; the last bin holds everything later
 HISTOGRAMS = ("wake", "cpu", "rtt")
-SLOTS = {"snapshot": 1 << 20, "status": 1 << 16, "info": 1 << 16}
+SLOTS = {"snapshot": 1 << 20, "status": 1 << 16, "info": 1 << 16, "raw": 1 << 12}
+RAW_HEAD = struct.Struct("<QQQ")  # driver cycle, CLOCK_MONOTONIC ns, statuses accepted; then the status bytes
 _SEQ = struct.Struct("<QI")  # sequence, payload length
 
 

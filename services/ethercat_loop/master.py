@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import struct
 import time
@@ -55,8 +56,8 @@ class MasterConfig:
     iface: str
     netns: str | None = None  # enter this network namespace before opening the NIC (virtual hand)
     protocol: str | None = None  # expected protocol; None = take it from the palm's product code
-    recv_timeout_us: int = 700  # well under the 1 ms period (the original's 20 ms outlasted the motors' cut-out)
-    late_us: int = 350  # a reply later than this (but in time) counts as a late frame
+    recv_timeout_us: int = 500  # well under the 1 ms period (the original's 20 ms outlasted the motors' cut-out)
+    late_us: int = 300  # a reply later than this (but in time) counts as a late frame
     program_sms: str = "auto"  # auto: program SMs/FMMUs when the SII lacks them; always; never
     state_timeout_us: int = 3_000_000
 
@@ -137,7 +138,7 @@ class EthercatMaster:
         self._bus: _Bus | None = None
         self._output = b""
         self._recover_step = 0
-        self.nonblocking = 0
+        self.socket_fds: list[int] = []  # SOEM's raw socket(s), made non-blocking and waited on with select
 
     @property
     def identity(self) -> HandIdentity:
@@ -156,9 +157,9 @@ class EthercatMaster:
             m.open(cfg.iface)
         except Exception as exc:
             raise MasterError(f"cannot open EtherCAT NIC {cfg.iface!r}: {exc}") from exc
-        self.nonblocking = _make_packet_sockets_nonblocking({fd for fd, target in _open_fds().items()
-                                                             if target.startswith("socket:")
-                                                             and target not in before.values()})
+        self.socket_fds = _make_packet_sockets_nonblocking({fd for fd, target in _open_fds().items()
+                                                            if target.startswith("socket:")
+                                                            and target not in before.values()})
         try:
             bus = self._configure(m)
         except BaseException:
@@ -281,7 +282,7 @@ class EthercatMaster:
         if bus.ident.mapping == "sii":
             bus.palm.output = command
             bus.master.send_processdata()
-            wkc = int(bus.master.receive_processdata(self.cfg.recv_timeout_us))
+            wkc = int(bus.master.receive_processdata(self._wait_frame(t0)))
             status = bus.palm.input if wkc == bus.ident.expected_wkc else None
         else:
             wkc, status = self._exchange_physical(bus, command)
@@ -299,6 +300,18 @@ class EthercatMaster:
             c.late += 1
             ex.late = True
         return ex
+
+    def _wait_frame(self, t0: int) -> int:
+        """Sleep (not spin) until the reply is readable or the timeout passes; return the receive timeout
+        left for SOEM: the rest of it if something arrived, 1 µs if nothing did (SOEM then counts the
+        frame as lost and frees its slot)."""
+        timeout_ns = self.cfg.recv_timeout_us * 1000
+        if not self.socket_fds:
+            return self.cfg.recv_timeout_us
+        ready, _, _ = select.select(self.socket_fds, [], [], timeout_ns / 1e9)
+        if not ready:
+            return 1
+        return max(1, (timeout_ns - (time.monotonic_ns() - t0)) // 1000)
 
     def _exchange_physical(self, bus: _Bus, command: bytes) -> tuple[int, bytes | None]:
         """Programmed mapping: FPWR the command area, FPRD the status area (pysoem has no raw LRW)."""
@@ -357,24 +370,24 @@ def _open_fds() -> dict[int, str]:
     return out
 
 
-def _make_packet_sockets_nonblocking(fds: set[int]) -> int:
+def _make_packet_sockets_nonblocking(fds: set[int]) -> list[int]:
     """SOEM waits for a frame with recv() on a socket whose SO_RCVTIMEO is 1 µs, which the kernel rounds
     up to one jiffy (4 ms at HZ=250): a lost frame then stalls the cycle for 4-8 ms whatever timeout was
-    asked for. On a non-blocking socket recv() returns at once and SOEM's own loop keeps polling until
-    the receive timeout, which is then honoured to the microsecond (at the cost of polling)."""
-    n = 0
+    asked for. On a non-blocking socket recv() returns at once, so the timeout is honoured to the
+    microsecond; `exchange` sleeps in select() until the frame is back instead of letting SOEM spin."""
+    out: list[int] = []
     for fd in fds:
         try:
             with socket.socket(fileno=fd) as sk:
                 try:
                     if sk.family == socket.AF_PACKET:
                         os.set_blocking(fd, False)
-                        n += 1
+                        out.append(fd)
                 finally:
                     sk.detach()  # the descriptor stays SOEM's
         except OSError:
             continue
-    return n
+    return out
 
 
 def _is_palm(product: int) -> bool:

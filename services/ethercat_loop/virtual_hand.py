@@ -65,6 +65,7 @@ class HandOptions:
     drop_every: int = 0
     delay_every: int = 0
     delay_us: int = 3000
+    watch: tuple[int, int] | None = None  # (offset, length) of the command bytes whose changes are logged
 
 
 def palm_product(opts: HandOptions) -> int:
@@ -135,8 +136,10 @@ class HandStats:
 class PalmFirmware:
     """The PIC32 side of the palm ESC: once per written command, run the model and load the status."""
 
-    def __init__(self, esc: Esc, info: ProtocolInfo, model: PalmLike, stats: HandStats) -> None:
+    def __init__(self, esc: Esc, info: ProtocolInfo, model: PalmLike, stats: HandStats,
+                 watch: tuple[int, int] | None = None) -> None:
         self.esc, self.info, self.model, self.stats = esc, info, model, stats
+        self.watch = slice(watch[0], watch[0] + watch[1]) if watch else slice(0, info.command_size)
         self.cmd_at = info.sync_managers[0][0]
         self.status_at = info.sync_managers[2][0]
         self.last_command = bytes(info.command_size)
@@ -149,7 +152,7 @@ class PalmFirmware:
         if 1 not in events or self.esc.al_state != OP:
             return  # the command mailbox (SM0 + SM1) is full only once SM1's last byte has arrived
         cmd = self.esc.pdi_read(self.cmd_at, self.info.command_size)
-        if cmd != self.last_command:
+        if cmd[self.watch] != self.last_command[self.watch]:
             self.changes.append((now_ns, self.stats.pd_frames, cmd.hex()))
         self.last_command = cmd
         decoded = unpack_command(cmd, self.info.name)
@@ -169,7 +172,7 @@ class VirtualHand:
         self.chain, self.bridge, self.palm = build_chain(opts)
         self.stats = HandStats()
         self.faults = Faults(delay_us=opts.delay_us, drop_every=opts.drop_every, delay_every=opts.delay_every)
-        self.firmware = PalmFirmware(self.palm, self.info, model, self.stats)
+        self.firmware = PalmFirmware(self.palm, self.info, model, self.stats, opts.watch)
         self._palm_state = self.palm.al_state
 
     def handle(self, payload: bytes, now_ns: int) -> tuple[bytes | None, int]:
@@ -365,9 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-every", type=int, default=0, help="delay every Nth process-data frame")
     p.add_argument("--delay-us", type=int, default=3000)
     p.add_argument("--rt-priority", type=int, default=0, help="SCHED_FIFO priority for the hand (0: normal)")
+    p.add_argument("--watch", help="OFFSET:LENGTH of the command bytes whose changes are logged (default: all)")
     a = p.parse_args(argv)
+    watch: tuple[int, int] | None = None
+    if a.watch:
+        off, _, length = a.watch.partition(":")
+        watch = (int(off, 0), int(length, 0))
     opts = HandOptions(a.protocol, a.serial, a.vendor, a.revision, a.left, not a.no_sii_pd, a.status_size_delta,
-                       a.drop_every, a.delay_every, a.delay_us)
+                       a.drop_every, a.delay_every, a.delay_us, watch)
     hand = VirtualHand(opts, load_model(a.model, a.protocol))
     warning = set_realtime(a.rt_priority)
     if warning:
