@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         ns.up()
+    except NetnsError as exc:  # e.g. it exists already: leave whatever is there alone
+        print(f"netns {a.name}: {exc}", file=sys.stderr)
+        return 1
+    try:
         ns.start_hand(a.protocol, a.hand_args)
     except NetnsError as exc:
         print(f"netns {a.name}: {exc}", file=sys.stderr)
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     _pidfile(a.name).write_text(str(ns.hand_proc.pid))
     print(f"netns {a.name}: virtual {a.protocol} hand on {ns.hand_if}; master NIC {ns.master_if}\n"
           f"  control socket {ns.control_path}, log {ns.hand_log}\n"
-          f"  run the service with ROBOBUS_ETHERCAT_BACKEND=wire ROBOBUS_ETHERCAT_IFACE={ns.master_if} "
+          f"  run the service with ROBOBUS_ETHERCAT_BACKEND=virtual ROBOBUS_ETHERCAT_IFNAME={ns.master_if} "
           f"ROBOBUS_ETHERCAT_NETNS={a.name}\n"
           f"  tear down: python -m services.ethercat_loop.netns down --name {a.name}")
     return 0
