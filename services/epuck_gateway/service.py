@@ -163,14 +163,12 @@ class EpuckRobot:
         self.images_published = 0
         self.frames_dropped = 0
         self._frame: tuple[bytes, float, int] | None = None  # newest frame not yet encoded
-        self._last_frame: tuple[bytes, float, int] | None = None
         self._encoding = False
         self._image_timer: asyncio.TimerHandle | None = None
         self._snapshot_waiters: list[asyncio.Future[tuple[bytes, float, int]]] = []
         self._motion_timer: asyncio.TimerHandle | None = None
         self._motion_deadline: float | None = None
         self._was_connected = False
-        self._health_state = ""
         self._stats_prev: tuple[float, int, int, int, int, int] | None = None
         self._bind()
 
@@ -185,9 +183,11 @@ class EpuckRobot:
         for t in (self._sensors_timer, self._image_timer):
             if t is not None:
                 t.cancel()
+        was_connected = self.link.connected
         await self.link.close()
         self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
-                            error_message="gateway stopped; the robot was sent a stop command")
+                            error_message="gateway stopped" + ("; the robot was sent a stop command"
+                                                               if was_connected else ""))
 
     async def stats_loop(self) -> None:
         while True:
@@ -275,10 +275,9 @@ class EpuckRobot:
 
     # -- images ------------------------------------------------------------------------------------
     def _offer_image(self, data: bytes, ts: float, seq: int) -> None:
-        self._last_frame = (data, ts, seq)
         for fut in self._snapshot_waiters:
             if not fut.done():
-                fut.set_result(self._last_frame)
+                fut.set_result((data, ts, seq))
         self._snapshot_waiters.clear()
         if not self.want_image:
             return  # a frame fetched for a snapshot only
