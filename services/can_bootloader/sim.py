@@ -453,3 +453,56 @@ def make_intel_hex(first: int = SIMPLEMOTOR_FIRST, last: int = SIMPLEMOTOR_LAST,
     if not text.startswith(":02000004"):
         text = ":020000040000FA\n" + text
     return text
+
+
+# -- a standalone simulator process -----------------------------------------------------------------------------
+def serve(interface: str, channel: str, boards: list[int], stop: threading.Event, *, erase_s: float = 0.968,
+          row_write_s: float = ROW_WRITE_S, app_aware: bool | None = None, **bus_kwargs: Any) -> BootBusSim:
+    """Run simulated boards on a python-can bus until `stop` is set (for vcan, udp_multicast, a real bus)."""
+    import can
+
+    made = make_boards(boards, app_aware=app_aware)
+    if len({b.local_id for b in made}) != len(made):
+        raise ValueError(f"boards {boards} share local ids: one bus carries boards 0–9 or 10–19, not both")
+    bus = can.Bus(interface=interface, channel=channel, **bus_kwargs)
+    own = interface == "udp_multicast" or bool(bus_kwargs.get("receive_own_messages"))
+    sim = BootBusSim(bus, made, erase_s=erase_s, row_write_s=row_write_s, ignore_sent=own).start()
+    try:
+        stop.wait()
+    finally:
+        sim.stop()
+        bus.shutdown()
+    return sim
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m services.can_bootloader.sim --interface socketcan --channel vcan0 --boards 0-9"""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description="Simulated PIC18F2580 motor boards (CAN bootloader) on a CAN bus")
+    ap.add_argument("--interface", default="socketcan", help="python-can interface (socketcan, udp_multicast, ...)")
+    ap.add_argument("--channel", default="vcan0")
+    ap.add_argument("--bus", type=int, choices=(1, 2), default=1, help="palm bus these boards are on")
+    ap.add_argument("--boards", default="", help="board ids, e.g. 0-9 (default: every board of --bus)")
+    ap.add_argument("--erase-s", type=float, default=0.968)
+    ap.add_argument("--row-write-s", type=float, default=ROW_WRITE_S)
+    ap.add_argument("--not-aware", action="store_true", help="model firmware that is not bootloader-aware")
+    args = ap.parse_args(argv)
+    ids: list[int] = []
+    for part in args.boards.split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            ids.extend(range(int(lo), int(hi or lo) + 1))
+    ids = ids or [b for b in range(20) if p.board_address(b).bus == args.bus]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    logging.basicConfig(level=logging.INFO)
+    log.info("simulated boards %s on %s:%s", ids, args.interface, args.channel)
+    serve(args.interface, args.channel, ids, stop, erase_s=args.erase_s, row_write_s=args.row_write_s,
+          app_aware=False if args.not_aware else None)
+
+
+if __name__ == "__main__":
+    main()

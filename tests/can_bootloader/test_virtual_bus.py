@@ -121,3 +121,31 @@ def test_garbage_on_the_bus(bus_pair: Any) -> None:
         assert sim.board(2).app_image(img.base, img.end) == img.data
     finally:
         noise.shutdown()
+
+
+def test_standalone_simulator_and_own_echo() -> None:
+    """sim.serve() (what `python -m services.can_bootloader.sim` runs) on a bus that loops our own frames back
+    (receive_own_messages, like udp_multicast): both sides ignore their own frames."""
+    import threading
+
+    from services.can_bootloader.sim import serve
+
+    stop = threading.Event()
+    ch = f"vbus-{next(_ch)}"
+    sims: list[BootBusSim] = []
+    t = threading.Thread(target=lambda: sims.append(serve("virtual", ch, [1, 2], stop, erase_s=0.0,
+                                                          row_write_s=0.0, receive_own_messages=True)))
+    t.start()
+    port = CanPort(1, CanBusConfig(interface="virtual", channel=ch, options={"receive_own_messages": True}))
+    try:
+        time.sleep(0.1)
+        img = small(0x1000, 0x10FF)
+        f = run(port, 1, img)
+        assert f.result is not None and f.result.ok, f.result
+    finally:
+        port.close()
+        stop.set()
+        t.join(5)
+    assert sims and sims[0].board(1).app_image(img.base, img.end) == img.data
+    with pytest.raises(ValueError, match="share local ids"):
+        serve("virtual", ch, [1, 11], stop)
