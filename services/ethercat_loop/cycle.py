@@ -17,7 +17,6 @@ slack -> next deadline, skipping to the next period boundary on an overrun (coun
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import logging
@@ -60,7 +59,6 @@ from services.ethercat_loop.master import EthercatMaster, MasterConfig, MasterEr
 from services.ethercat_loop.protocol import DecodeError, EdcCommand, s16, unpack_status
 
 log = logging.getLogger("robobus.ethercat.cycle")
-PR_SET_PDEATHSIG = 1
 MAX_MSGS_PER_CYCLE = 64
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
 PIPE_ATOMIC = 4096
@@ -134,8 +132,8 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us cleanly
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda _s, _f: stopping.append("SIGTERM"))
-    with contextlib.suppress(OSError, AttributeError):  # the parent's death stops us the same way
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    # The parent's death closes the control pipe: the cycle reads EOF and stops the same way (zero
+    # demands, leave OP). No PR_SET_PDEATHSIG: it fires when the *thread* that started us exits.
     os.set_blocking(events.fileno(), False)
     shm = SharedBlock(shm_path)
     st = _CycleState()
@@ -172,6 +170,9 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
         st.state = "stopped"
         publish()
         shm.close()
+        if "parent gone" in stopping:  # nobody is left to remove the shared block
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shm_path)
 
 
 def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,

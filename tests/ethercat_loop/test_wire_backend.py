@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 
 from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable
-from services.ethercat_loop.cycle import ProcessBackend, WireSettings
+from services.ethercat_loop.cycle import REPO, ProcessBackend, WireSettings
 from services.ethercat_loop.cycle_rt import RtSettings, apply_realtime
 from services.ethercat_loop.driver import SetDemands
 from services.ethercat_loop.netns import VethNetns
@@ -145,3 +147,45 @@ def test_mismatched_sizes_are_refused() -> None:
 def test_missing_privileges_are_warnings_not_failures() -> None:
     warnings = apply_realtime(RtSettings(priority=150, lock_memory=False))  # beyond SCHED_FIFO's range
     assert len(warnings) == 1 and "SCHED_FIFO priority 150 refused" in warnings[0]
+
+
+PARENT = """
+import sys, time
+from services.ethercat_loop.cycle import REPO, ProcessBackend, WireSettings
+from services.ethercat_loop.driver import SetDemands
+b = ProcessBackend(WireSettings(backend="virtual", ethercat_ifname=sys.argv[1], ethercat_netns=sys.argv[2]))
+b.start()
+b.submit(SetDemands({0: 77}))
+print("cycle", b._proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_parent_killed_cycle_zeroes_demands_and_leaves_op() -> None:
+    with hand("0220") as (ns, ctl):
+        parent = subprocess.Popen([sys.executable, "-c", PARENT, ns.master_if, ns.name], stdout=subprocess.PIPE,
+                                  text=True, cwd=REPO)
+        try:
+            assert parent.stdout is not None
+            line = parent.stdout.readline()
+            assert line.startswith("cycle "), line
+            child = int(line.split()[1])
+            wait_for(lambda: demand0(ctl.call("stats")["last_command"]) == 77, what="demand on the wire")
+            parent.kill()  # no stop(), no SIGTERM: the MQTT process is simply gone
+            parent.wait(5)
+            wait_for(lambda: ctl.call("stats")["palm_state"] != 8, what="the palm leaving OP")
+            wait_for(lambda: not os.path.exists(f"/proc/{child}") or _zombie(child), what="the cycle process exit")
+            st = ctl.call("stats")
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait(5)
+    assert st["zero_demand_frames_before_leaving_op"] >= STOP_ZERO_CYCLES
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
