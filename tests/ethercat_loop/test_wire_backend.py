@@ -5,7 +5,9 @@ leaves OP, mismatched sizes are refused. Root only."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,3 +191,30 @@ def _zombie(pid: int) -> bool:
             return f.read().split(") ", 1)[1].startswith("Z")
     except OSError:
         return True
+
+
+UNPRIVILEGED = """
+import json, sys
+from services.ethercat_loop.cycle import ProcessBackend, WireSettings
+b = ProcessBackend(WireSettings(backend="virtual", ethercat_ifname=sys.argv[1], ethercat_netns=sys.argv[2]))
+b.start()
+print(json.dumps({"info": b.info(), "realtime": b.stats().get("realtime")}), flush=True)
+b.stop()
+"""
+
+
+def test_runs_without_realtime_privileges_with_warnings() -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to drop CAP_SYS_NICE and CAP_IPC_LOCK")
+    with hand("0220") as (ns, _ctl):
+        drop = "-sys_nice,-ipc_lock"
+        r = subprocess.run(["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}", sys.executable, "-c",
+                            UNPRIVILEGED, ns.master_if, ns.name], capture_output=True, text=True, cwd=REPO,
+                           timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["info"]["state"] == "op" and out["info"]["connected"]
+    warnings = " ".join(out["info"]["warnings"])
+    assert "SCHED_FIFO priority 80 refused" in warnings and "mlockall refused" in warnings
+    assert out["realtime"]["policy"] == "SCHED_OTHER/0"
+    assert "SCHED_FIFO priority 80 refused" in r.stderr  # and in the logs
