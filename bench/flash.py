@@ -10,7 +10,7 @@ limit (the original SimpleMotorFlasher spent two or more cycles plus 1 ms pollin
 Note the palm-path model answers ERASE at once (the palm model has no clock for its CAN peers); the virtual
 bus run includes the ~1 s erase.
 
-    python bench/flash.py [--quick] [--windows 1,4,8]
+    python bench/flash.py [--quick] [--windows 1,4,8]     (--quick: ~15 s; full: ~2 min)
 
 Last line: one JSON object with the figures.
 """
@@ -130,9 +130,10 @@ def bench_bridge(broker: Broker, windows: list[int]) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one run of each path (under 30 s)")
-    ap.add_argument("--windows", default="", help="bridge windows to compare, e.g. 1,4,8 (default 8; 2,8 full)")
+    ap.add_argument("--windows", default="", help="bridge windows to run, e.g. 1,4,8 (default: 8 with --quick, "
+                                                  "else 1,4,8,8,8,16)")
     args = ap.parse_args()
-    windows = [int(w) for w in args.windows.split(",") if w] or ([8] if args.quick else [2, 8])
+    windows = [int(w) for w in args.windows.split(",") if w] or ([8] if args.quick else [1, 4, 8, 8, 8, 16])
     print(f"image 0x{IMAGE.first:04X}–0x{IMAGE.last:04X}: {IMAGE.size} bytes, "
           f"{len(IMAGE.write_blocks())} blocks written of {len(list(IMAGE.blocks()))}, "
           f"{len(IMAGE.chunks())} chunks verified", flush=True)
@@ -153,7 +154,9 @@ def main() -> None:
             bridge = bench_bridge(broker, windows)
         finally:
             broker.kill()
-    best = min(bridge, key=lambda r: r["ratio"])
+    # the figure reported: the median run at the default bridge window (8), not the best of the sweep
+    default = sorted((r for r in bridge if r["window"] == 8), key=lambda r: r["ratio"]) or bridge
+    best = default[len(default) // 2]
     summary = {
         "bench": "flash",
         "image_bytes": IMAGE.size,
