@@ -16,6 +16,9 @@ What is modelled (ET1200-like, enough for SOEM and the Shadow EML driver):
 * Mailbox-mode SMs latch "buffer full" when their last byte is written (`take_sm_events`), which
   is what wakes the palm firmware once per cycle. Reading an input mailbox the firmware has not
   filled returns the RAM as is (zeros at first): Shadow's ET1200 reads empty mailboxes as zero.
+* Buffered (3-buffer) SMs need no buffer juggling here: the emulated PDI writes a whole status
+  between two frames, so the master always reads a consistent buffer, which is what the three
+  buffers guarantee on silicon.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from services.ethercat_loop.driver import SetDemands
 from services.ethercat_loop.netns import VethNetns
 from services.ethercat_loop.protocol import PalmCommand, unpack_command
 from services.ethercat_loop.virtual_hand import HandControl
-from tests.ethercat_loop.wire_fixtures import hand, wait_for
+from tests.ethercat_loop.wire_fixtures import hand, skip_without_netns, wait_for
 
 pytestmark = pytest.mark.root
 
@@ -218,3 +218,18 @@ def test_runs_without_realtime_privileges_with_warnings() -> None:
     assert "SCHED_FIFO priority 80 refused" in warnings and "mlockall refused" in warnings
     assert out["realtime"]["policy"] == "SCHED_OTHER/0"
     assert "SCHED_FIFO priority 80 refused" in r.stderr  # and in the logs
+
+
+def test_virtual_backend_brings_its_own_hand() -> None:
+    skip_without_netns()
+    b = ProcessBackend(WireSettings(backend="virtual", ethercat_serial=2468, ethercat_protocol="0230"))
+    b.start()
+    try:
+        ns = b._netns
+        assert ns is not None and ns.name in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                            text=True).stdout
+        info = b.info()
+        assert (info["serial"], info["protocol"], info["product"], info["state"]) == (2468, "0230", 0x01000000, "op")
+    finally:
+        b.stop()
+    assert ns.name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
