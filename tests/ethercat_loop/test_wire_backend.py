@@ -81,7 +81,7 @@ def test_identity_status_and_demand_within_three_cycles() -> None:
 
 
 def test_loss_sets_health_error_and_recovers() -> None:
-    with backend("0220", ethercat_error_after_lost=10, ethercat_recv_timeout_us=600) as (b, ctl):
+    with backend("0220", ethercat_error_after_lost=10, ethercat_recv_timeout_us=900) as (b, ctl):
         wait_for(lambda: b.snapshot() is not None, what="first snapshot")
         ctl.call("drop", n=40)
         wait_for(lambda: b.info()["error"], what="health error after repeated loss")
