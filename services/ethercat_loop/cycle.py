@@ -150,6 +150,10 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
     try:
         ident = master.open()
         driver = build_driver(cfg.settings, ident.protocol)
+        # Everything allocated so far lives for the whole run: collect and freeze it now, while no
+        # frame is due (a full collection can take tens of ms), then keep the collector out of the cycle.
+        gc.collect()
+        gc.freeze()
         master.to_op()
     except (MasterError, OSError, ValueError) as exc:
         st.state, st.fatal, st.error = "error", str(exc), str(exc)
@@ -190,9 +194,6 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     halting = False
     check_due = cfg.state_check_every
     snapshot_due = cfg.snapshot_every
-    # Everything allocated so far lives for the whole run: freeze it and keep the collector out of the cycle.
-    gc.collect()
-    gc.freeze()
     gc.disable()
     deadline = mono() + period
     cnt[C["started_ns"]] = deadline
