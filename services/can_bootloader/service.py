@@ -187,7 +187,7 @@ class CanBootSettings(KitSettings):
     can_bus2: CanBusConfig | None = Field(default_factory=lambda: _default_bus(2),
                                           description="Palm CAN bus 2 (boards 10–19); null: not served")
     can_firmware_dir: Path | None = Field(None, description="The only folder `path` requests may read from")
-    can_window: int | None = Field(None, ge=1, le=64, description="Frames in flight; default 8 through the palm "
+    can_window: int | None = Field(None, ge=1, le=64, description="Frames in flight; default 12 through the palm "
                                                                   "bridge (it paces 1 frame/ms), 2 on a direct bus "
                                                                   "(the PIC's two receive buffers)")
     can_flash: FlashTuning = Field(default_factory=FlashTuning)
@@ -197,8 +197,12 @@ class CanBootSettings(KitSettings):
     can_sim_row_write_s: float = Field(0.002, ge=0)
 
 
+BRIDGE_WINDOW = 12  # the bridge round trip is ~4 palm cycles on a quiet host, more on a loaded one
+DIRECT_WINDOW = 2  # the PIC's two receive buffers
+
+
 def default_window(bus: CanBusConfig) -> int:
-    return 8 if bus.interface == BRIDGE_INTERFACE else 2
+    return BRIDGE_WINDOW if bus.interface == BRIDGE_INTERFACE else DIRECT_WINDOW
 
 
 # -- the service -------------------------------------------------------------------------------------------
