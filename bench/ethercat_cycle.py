@@ -68,7 +68,8 @@ def parse_cyclictest(text: str, period_us: int) -> dict[str, Any]:
         return float(np.searchsorted(cum, p * total))
 
     return {"p50_us": q(0.5), "p99_us": q(0.99), "p99.9_us": q(0.999), "max_us": float(np.nonzero(arr)[0][-1]),
-            "samples": int(total), "over_period": int(arr[period_us:].sum())}
+            "samples": int(total), "over_period": int(arr[period_us:].sum()),
+            "over_half_period": int(arr[period_us // 2 :].sum())}
 
 
 class DemandSender(threading.Thread):
@@ -209,6 +210,7 @@ def main() -> None:
             result["cycle"] = {
                 "wake_p50_us": end["wake_us"]["p50"], "wake_p99_us": end["wake_us"]["p99"],
                 "wake_p99.9_us": end["wake_us"]["p99.9"], "wake_max_us": end["wake_us"]["max"],
+                "wake_over_period": end.get("wake_over_period", 0) - start_stats.get("wake_over_period", 0),
                 "overruns": overruns, "skipped_cycles": end.get("skipped_cycles", 0)
                 - start_stats.get("skipped_cycles", 0),
                 "lost_frames": end.get("lost", 0) - start_stats.get("lost", 0),

@@ -628,6 +628,7 @@ class ProcessBackend(HandBackend):
                                  "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
                                  "overrun_slack_work")},
             "wake_us": percentiles(shm.hist["wake"]), "cpu_us": percentiles(shm.hist["cpu"]),
+            "wake_over_period": int(shm.hist["wake"][self.period_ns // 1000 :].sum()),
             "rtt_us": percentiles(shm.hist["rtt"]), "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
             "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,
             "dropped_submits": self.dropped_submits,
