@@ -239,6 +239,8 @@ class CanBootService:
     def attach(self, node: Node) -> None:
         dev = node.device(self.settings.can_device)
         self.dev = dev
+        for port in self.ports.values():
+            port.on_garbage = node.count_decode_error
         dev.bind_job(FLASH, self._flash, self._admit_flash)
         dev.bind_job(FLASH_MANY, self._flash_many, self._admit_flash_many)
         dev.bind(READ_VERSION, self._read_version)

@@ -81,6 +81,7 @@ class CanPort:
         self.last_error = ""
         self.frames_sent = 0
         self.frames_received = 0
+        self.on_garbage: Callable[[str], None] | None = None  # e.g. Node.count_decode_error
 
     @property
     def connected(self) -> bool:
@@ -139,6 +140,10 @@ class CanPort:
                     frame = to_frame(msg)
                     if frame is None:
                         self.garbage += 1
+                        if self.on_garbage is not None:
+                            self.on_garbage(f"CAN bus {self.number}: not a classic 11-bit data frame "
+                                            f"(id 0x{int(msg.arbitration_id):X}, error={msg.is_error_frame}, "
+                                            f"remote={msg.is_remote_frame}, extended={msg.is_extended_id})")
                     else:
                         self.frames_received += 1
                         machine.receive(frame, clock())

@@ -79,6 +79,9 @@ def test_refused_images_send_no_frame(boot_node: Any, client: RpcClient, tmp_pat
     assert not rep.ok and rep.error["code"] == "invalid_request"
     rep = client.call(bn.name, DEV, "flash", {"board": 8, "path": "../../etc/passwd"})
     assert not rep.ok and rep.error["code"] == "forbidden", rep.error
+    (tmp_path / "escape.hex").symlink_to("/etc/hostname")
+    rep = client.call(bn.name, DEV, "flash", {"board": 8, "path": "escape.hex"})
+    assert not rep.ok and rep.error["code"] == "forbidden", rep.error
     rep = client.call(bn.name, DEV, "flash", {"board": 8, "path": "missing.hex"})
     assert not rep.ok and rep.error["code"] == "not_found"
     rep = client.call(bn.name, DEV, "flash", {"board": 20, "hex": HEX})
