@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import can
 import pytest
@@ -58,6 +59,11 @@ class Palm:
 
 
 @pytest.fixture
+
+def err(rep: Any) -> dict[str, Any]:
+    assert rep.error is not None, rep
+    return dict(rep.error)
+
 def palm(broker_session: Broker) -> Iterator[Palm]:
     pm = Palm(broker_session)
     yield pm
@@ -148,7 +154,7 @@ def test_lease_busy_idle_release_and_shutdown(broker_session: Broker, palm: Palm
         assert msg is not None and msg.arbitration_id == 0x674
         # held while in use: someone else is refused
         rep = client.call(palm.name, palm.device, "bridge_lease", {"holder": "someone-else"})
-        assert not rep.ok and rep.error["code"] == "busy"
+        assert not rep.ok and err(rep)["code"] == "busy"
         # released after idle_release_s without a frame: the hand goes back to normal operation
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:

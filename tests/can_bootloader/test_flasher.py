@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,7 +21,15 @@ from services.can_bootloader.flasher import (
     version_exchange,
 )
 from services.can_bootloader.image import FlashImage, from_bytes, load_intel_hex
-from services.can_bootloader.sim import FLAG_RUN_APP, FLAG_STAY, BootBoard, make_firmware, make_intel_hex
+from services.can_bootloader.sim import (
+    FLAG_RUN_APP,
+    FLAG_STAY,
+    BootBoard,
+    BootBoardSet,
+    make_boards,
+    make_firmware,
+    make_intel_hex,
+)
 
 from .harness import Wire
 
@@ -271,3 +281,19 @@ def test_any_few_lost_answers_are_recovered(drops: set[int], window: int, latenc
     assert f.result.bootloader_aware is True
     assert board.app_image(img.base, img.end) == img.data
     assert board.eeprom[0xFF] == FLAG_RUN_APP
+
+
+def test_board_set_for_the_palm_model() -> None:
+    """BootBoardSet.on_can_frame (ethercat-loop's CanNode): per-bus routing, delayed answers held until the
+    palm's next frame once due."""
+    boards = BootBoardSet(make_boards([2, 12]))
+    assert boards.on_can_frame(1, 0x644, b"") == [(1, 0x654, p.VERSION_DATA)]
+    assert boards.on_can_frame(2, 0x644, b"") == [(2, 0x654, p.VERSION_DATA)]
+    assert boards.on_can_frame(1, 0x664, b"") == []  # no board 3
+    b = boards.board(12)
+    b.faults.delay_acks, b.faults.delay_s = 1, 0.05
+    assert boards.on_can_frame(2, 0x644, b"") == []
+    time.sleep(0.06)
+    assert boards.on_can_frame(2, 0x7FF, b"") == [(2, 0x654, p.VERSION_DATA)]
+    with pytest.raises(KeyError):
+        boards.board(5)

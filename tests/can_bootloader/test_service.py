@@ -22,6 +22,11 @@ SMALL = load_intel_hex(SMALL_HEX)
 DEV = "motors"
 
 
+
+def err(rep: Any) -> dict[str, Any]:
+    assert rep.error is not None, rep
+    return dict(rep.error)
+
 def memory_equals(board: Any, image: Any) -> bool:
     return bool(board.app_image(image.base, image.end) == image.data)
 
@@ -47,7 +52,7 @@ def test_flash_read_back_and_contract(boot_node: Any, client: RpcClient) -> None
     assert memory_equals(board, IMAGE) and board.eeprom[0xFF] == FLAG_RUN_APP
     # the board runs its application now: READ_VERSION gets no answer
     rep = client.call(bn.name, DEV, "read_version", {"board": 8})
-    assert not rep.ok and rep.error["code"] == "timeout"
+    assert not rep.ok and err(rep)["code"] == "timeout"
     # bootloader commands on a board in its bootloader
     rep = client.call(bn.name, DEV, "read_version", {"board": 13})
     assert rep.ok and rep.result == {"board": 13, "bus": 2, "version": "40414243"}
@@ -74,18 +79,18 @@ def test_refused_images_send_no_frame(boot_node: Any, client: RpcClient, tmp_pat
     }
     for text, why in cases.items():
         rep = client.call(bn.name, DEV, "flash", {"board": 8, "hex": text})
-        assert not rep.ok and rep.error["code"] == "invalid_request" and why in rep.error["message"], rep.error
+        assert not rep.ok and err(rep)["code"] == "invalid_request" and why in err(rep)["message"], rep.error
     rep = client.call(bn.name, DEV, "flash", {"board": 8, "hex": HEX, "path": "x.hex"})
-    assert not rep.ok and rep.error["code"] == "invalid_request"
+    assert not rep.ok and err(rep)["code"] == "invalid_request"
     rep = client.call(bn.name, DEV, "flash", {"board": 8, "path": "../../etc/passwd"})
-    assert not rep.ok and rep.error["code"] == "forbidden", rep.error
+    assert not rep.ok and err(rep)["code"] == "forbidden", rep.error
     (tmp_path / "escape.hex").symlink_to("/etc/hostname")
     rep = client.call(bn.name, DEV, "flash", {"board": 8, "path": "escape.hex"})
-    assert not rep.ok and rep.error["code"] == "forbidden", rep.error
+    assert not rep.ok and err(rep)["code"] == "forbidden", rep.error
     rep = client.call(bn.name, DEV, "flash", {"board": 8, "path": "missing.hex"})
-    assert not rep.ok and rep.error["code"] == "not_found"
+    assert not rep.ok and err(rep)["code"] == "not_found"
     rep = client.call(bn.name, DEV, "flash", {"board": 20, "hex": HEX})
-    assert not rep.ok and rep.error["code"] == "invalid_request"
+    assert not rep.ok and err(rep)["code"] == "invalid_request"
     assert bn.frames_sent() == 0
     # a file in the firmware folder is fine
     (tmp_path / "fw.hex").write_text(SMALL_HEX)
@@ -109,11 +114,11 @@ def test_busy_bus_and_cancel(boot_node: Any, client: RpcClient, broker_session: 
     t.start()
     assert first_progress.wait(10)
     rep = client.call(bn.name, DEV, "flash", {"board": 3, "hex": SMALL_HEX})
-    assert not rep.ok and rep.error["code"] == "busy" and "bus 1" in rep.error["message"]
+    assert not rep.ok and err(rep)["code"] == "busy" and "bus 1" in err(rep)["message"]
     rep = client.call(bn.name, DEV, "read_version", {"board": 3})
-    assert not rep.ok and rep.error["code"] == "busy"
+    assert not rep.ok and err(rep)["code"] == "busy"
     rep = client.call(bn.name, DEV, "flash_many", {"boards": [13, 3], "hex": SMALL_HEX})
-    assert not rep.ok and rep.error["code"] == "busy"
+    assert not rep.ok and err(rep)["code"] == "busy"
     # bus 2 is free
     _rep2, res2 = client.call_job(bn.name, DEV, "flash", {"board": 13, "hex": SMALL_HEX}, lambda e: None, timeout=30)
     assert res2 is not None and res2["ok"], res2
@@ -132,17 +137,22 @@ def test_busy_bus_and_cancel(boot_node: Any, client: RpcClient, broker_session: 
 
 
 def test_flash_many_in_parallel(boot_node: Any, client: RpcClient) -> None:
-    bn = boot_node(boards=(0, 1, 10, 11))
-    _rep, result = client.call_job(bn.name, DEV, "flash_many", {"boards": [0, 1, 10, 11], "hex": SMALL_HEX},
-                                  lambda e: None, timeout=60)
+    boards = list(range(20))
+    bn = boot_node(boards=tuple(boards))
+    progress: list[dict[str, Any]] = []
+    _rep, result = client.call_job(bn.name, DEV, "flash_many", {"boards": boards, "hex": SMALL_HEX},
+                                   progress.append, timeout=120)
     assert result is not None and result["ok"], result
     rs = result["result"]["results"]
-    assert [r["board"] for r in rs] == [0, 1, 10, 11] and all(r["ok"] for r in rs)
-    for b in (0, 1, 10, 11):
+    assert [r["board"] for r in rs] == boards and all(r["ok"] and r["bootloader_aware"] for r in rs)
+    assert {r["bus"] for r in rs} == {1, 2}
+    for b in boards:
         assert memory_equals(bn.board(b), SMALL)
+    assert progress and progress[-1]["total"] == 2000
     # a missing board fails the job with its reason, the others are flashed
+    bn = boot_node(boards=(0,))
     _rep, result = client.call_job(bn.name, DEV, "flash_many", {"boards": [0, 5], "hex": SMALL_HEX},
-                                  lambda e: None, timeout=60)
+                                   lambda e: None, timeout=60)
     assert result is not None and not result["ok"]
     assert "board 5" in result["error"]["message"] and "magic" in result["error"]["message"]
 
