@@ -58,12 +58,12 @@ class Palm:
         self.node.stop()
 
 
-@pytest.fixture
-
 def err(rep: Any) -> dict[str, Any]:
     assert rep.error is not None, rep
     return dict(rep.error)
 
+
+@pytest.fixture
 def palm(broker_session: Broker) -> Iterator[Palm]:
     pm = Palm(broker_session)
     yield pm
@@ -180,5 +180,21 @@ def test_flash_fails_clearly_when_the_bridge_is_taken(broker_session: Broker, pa
         msg = result["error"]["message"]
         assert "refused the lease" in msg and "busy" in msg
         assert palm.boards.board(8).frames_in == 0
+    finally:
+        node.stop()
+
+
+def test_lost_and_corrupt_answers_through_the_bridge(broker_session: Broker, palm: Palm, client: RpcClient) -> None:
+    node, _svc = boot_service(broker_session, palm)
+    b = palm.boards.board(3)
+    b.faults.drop_acks, b.faults.drop_command, b.faults.drop_after = 3, 0, 20
+    b.faults.corrupt_reads, b.faults.corrupt_after = 2, 50
+    try:
+        _rep, result = client.call_job(node.name, "motors", "flash", {"board": 3, "hex": SMALL_HEX},
+                                       lambda e: None, timeout=60)
+        assert result is not None and result["ok"], result
+        assert result["result"]["retries"] >= 1  # several losses in one window cost one rewind
+        assert b.faults.dropped == 3 and b.faults.corrupted == 2
+        assert b.app_image(SMALL.base, SMALL.end) == SMALL.data
     finally:
         node.stop()

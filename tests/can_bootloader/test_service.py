@@ -22,10 +22,10 @@ SMALL = load_intel_hex(SMALL_HEX)
 DEV = "motors"
 
 
-
 def err(rep: Any) -> dict[str, Any]:
     assert rep.error is not None, rep
     return dict(rep.error)
+
 
 def memory_equals(board: Any, image: Any) -> bool:
     return bool(board.app_image(image.base, image.end) == image.data)
