@@ -34,6 +34,7 @@ SII_CAT_RXPDO = 51
 REG_FMMU0 = 0x0600
 REG_SM0 = 0x0800
 REG_ALCTL = 0x0120
+MIN_WAIT_NS = 20_000  # even a late cycle waits this long for its frame
 LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (reference §2.2)
 STATE_NAMES = {0: "NONE", 1: "INIT", 2: "PRE-OP", 3: "BOOT", 4: "SAFE-OP", 8: "OP"}
 
@@ -269,8 +270,9 @@ class EthercatMaster:
         return self._bus
 
     # ---- per cycle ------------------------------------------------------------------------
-    def exchange(self, command: bytes) -> Exchange:
-        """Send this cycle's command, wait at most recv_timeout_us for the frame, check the WKC."""
+    def exchange(self, command: bytes, give_up_ns: int | None = None) -> Exchange:
+        """Send this cycle's command, wait at most recv_timeout_us for the frame (and never past the
+        CLOCK_MONOTONIC time `give_up_ns`), check the WKC."""
         bus = self._bus
         assert bus is not None, "exchange() before open()"
         c = self.counters
@@ -282,10 +284,10 @@ class EthercatMaster:
         if bus.ident.mapping == "sii":
             bus.palm.output = command
             bus.master.send_processdata()
-            wkc = int(bus.master.receive_processdata(self._wait_frame(t0)))
+            wkc = int(bus.master.receive_processdata(self._wait_frame(t0, give_up_ns)))
             status = bus.palm.input if wkc == bus.ident.expected_wkc else None
         else:
-            wkc, status = self._exchange_physical(bus, command)
+            wkc, status = self._exchange_physical(bus, command, give_up_ns)
         rtt = time.monotonic_ns() - t0
         c.last_wkc = wkc
         c.rtt_max_ns = max(c.rtt_max_ns, rtt)
@@ -301,11 +303,13 @@ class EthercatMaster:
             ex.late = True
         return ex
 
-    def _wait_frame(self, t0: int) -> int:
+    def _wait_frame(self, t0: int, give_up_ns: int | None) -> int:
         """Sleep (not spin) until the reply is readable or the timeout passes; return the receive timeout
         left for SOEM: the rest of it if something arrived, 1 µs if nothing did (SOEM then counts the
         frame as lost and frees its slot)."""
         timeout_ns = self.cfg.recv_timeout_us * 1000
+        if give_up_ns is not None:
+            timeout_ns = max(MIN_WAIT_NS, min(timeout_ns, give_up_ns - t0))
         if not self.socket_fds:
             return self.cfg.recv_timeout_us
         ready, _, _ = select.select(self.socket_fds, [], [], timeout_ns / 1e9)
@@ -313,11 +317,15 @@ class EthercatMaster:
             return 1
         return max(1, (timeout_ns - (time.monotonic_ns() - t0)) // 1000)
 
-    def _exchange_physical(self, bus: _Bus, command: bytes) -> tuple[int, bytes | None]:
-        """Programmed mapping: FPWR the command area, FPRD the status area (pysoem has no raw LRW)."""
-        timeout = self.cfg.recv_timeout_us
+    def _exchange_physical(self, bus: _Bus, command: bytes, give_up_ns: int | None) -> tuple[int, bytes | None]:
+        """Programmed mapping: FPWR the command area, FPRD the status area (pysoem has no raw LRW), each
+        with half of the time left (pysoem waits on these blocking, so the socket is not select()ed)."""
         wkc = 0
         t0 = time.monotonic_ns()
+        timeout = self.cfg.recv_timeout_us
+        if give_up_ns is not None:
+            timeout = max(MIN_WAIT_NS, min(timeout * 1000, give_up_ns - t0)) // 1000
+        timeout = max(MIN_WAIT_NS // 1000, timeout // 2)
         try:
             bus.palm._fpwr(bus.info.sync_managers[0][0], command, timeout)
             wkc += 1
