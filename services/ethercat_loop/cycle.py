@@ -359,6 +359,7 @@ class ProcessBackend(HandBackend):
         self._events_r: Connection | None = None
         self._lock = threading.Lock()
         self._snap_lock = threading.Lock()
+        self._state_lock = threading.Lock()
         self._state = _CycleState()
         self._snap: PalmSnapshot | None = None
         self._snap_seq = 0
@@ -528,6 +529,10 @@ class ProcessBackend(HandBackend):
 
     # ---- views ----------------------------------------------------------------------------
     def _poll_state(self) -> None:
+        with self._state_lock:  # the monitor thread and info() callers: log each change once
+            self._poll_state_locked()
+
+    def _poll_state_locked(self) -> None:
         shm = self._shm
         got = shm.read_slot("status") if shm is not None else None
         if got is not None:

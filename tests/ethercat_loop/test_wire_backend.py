@@ -21,9 +21,16 @@ import pytest
 from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable
 from services.ethercat_loop.cycle import REPO, ProcessBackend, WireSettings
 from services.ethercat_loop.cycle_rt import RtSettings, apply_realtime
-from services.ethercat_loop.driver import SetDemands
+from services.ethercat_loop.driver import CanFrame, CanRxFrame, CanTx, SetCanDirect, SetDemands
 from services.ethercat_loop.netns import VethNetns
-from services.ethercat_loop.protocol import PalmCommand, unpack_command
+from services.ethercat_loop.protocol import (
+    CanDirection,
+    FromMotorDataType,
+    PalmCommand,
+    make_sid,
+    split_sid,
+    unpack_command,
+)
 from services.ethercat_loop.virtual_hand import HandControl
 from tests.ethercat_loop.wire_fixtures import hand, skip_without_netns, wait_for
 
@@ -154,7 +161,7 @@ def test_missing_privileges_are_warnings_not_failures() -> None:
 PARENT = """
 import sys, time
 from services.ethercat_loop.cycle import REPO, ProcessBackend, WireSettings
-from services.ethercat_loop.driver import SetDemands
+from services.ethercat_loop.driver import CanFrame, CanRxFrame, CanTx, SetCanDirect, SetDemands
 b = ProcessBackend(WireSettings(backend="virtual", ethercat_ifname=sys.argv[1], ethercat_netns=sys.argv[2]))
 b.start()
 b.submit(SetDemands({0: 77}))
@@ -233,3 +240,17 @@ def test_virtual_backend_brings_its_own_hand() -> None:
     finally:
         b.stop()
     assert ns.name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_can_bridge_frames_cross_the_wire() -> None:
+    """CAN direct mode through the real path: CanTx -> command CAN struct -> palm model's buses -> the
+    motor boards' replies in the status CAN struct -> driver -> event pipe -> on_can_rx."""
+    got: list[CanRxFrame] = []
+    with backend("0220") as (b, _ctl):
+        b.on_can_rx(got.extend)
+        b.submit(SetCanDirect(True))
+        request = make_sid(CanDirection.DATA_REQUEST, 0, FromMotorDataType.FLAGS)
+        b.submit(CanTx((CanFrame(1, request, b""),)))
+        wait_for(lambda: len(got) >= 10, what="the ten motor boards of bus 1 answering")
+    assert {f.bus for f in got} == {1}
+    assert {split_sid(f.sid)[0] for f in got} == {CanDirection.FROM_MOTOR}
