@@ -74,8 +74,10 @@ def test_identity_status_and_demand_within_three_cycles() -> None:
             ctl.call("changes", max=100_000)
             t0 = time.monotonic_ns()
             b.submit(SetDemands({0: 300 + k}))
-            change = wait_for(lambda k=k: next((c for c in ctl.call("changes")["changes"]  # type: ignore[misc]
-                                                if demand0(c[2]) == 300 + k), None), what="the demand on the wire")
+            def on_wire(want: int = 300 + k) -> Any:
+                return next((c for c in ctl.call("changes")["changes"] if demand0(c[2]) == want), None)
+
+            change = wait_for(on_wire, what="the demand on the wire")
             lags.append((change[0] - t0) / b.period_ns)
             time.sleep(0.02)
         assert sorted(lags)[len(lags) // 2] <= 3, f"demand reached the wire after {sorted(lags)} periods"
