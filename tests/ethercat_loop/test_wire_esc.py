@@ -256,3 +256,17 @@ def test_shared_block_slots_and_histograms() -> None:
         other.close()
         blk.close()
     assert percentiles(np.zeros(5, np.int64))["p50"] is None
+
+
+@given(st.lists(st.tuples(st.integers(0, 15), st.integers(0, 0xFFFF), st.integers(0, 0xFFFF),
+                          st.binary(max_size=64)), min_size=1, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_esc_chain_survives_any_datagrams(items: list[tuple[int, int, int, bytes]]) -> None:
+    """Whatever a master sends (any command, address, register, length), the line of ESCs answers
+    without raising, keeps each datagram's length and only ever adds to its working counter."""
+    chain, _bridge, _palm = _chain()
+    dgs = [Datagram(cmd, 0, adp, ado, bytearray(data)) for cmd, adp, ado, data in items]
+    before = [(len(d.data), d.wkc) for d in dgs]
+    chain.process(dgs)
+    for (n, wkc), d in zip(before, dgs, strict=True):
+        assert len(d.data) == n and d.wkc >= wkc
