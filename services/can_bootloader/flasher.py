@@ -365,7 +365,7 @@ class Flasher:
             return False
         if self.phase in (Phase.RESET, Phase.CHECK, Phase.CHECK_RESET, Phase.REENTER):
             return False
-        addr = self._current_address()
+        addr = self.current_address()
         self._finish(False, "cancelled by request; the board stays in its bootloader, ready to be flashed again",
                      address=addr, cancelled=True)
         return True
@@ -385,7 +385,8 @@ class Flasher:
             return len(self.image.data)
         return 0
 
-    def _current_address(self) -> int | None:
+    def current_address(self) -> int | None:
+        """The program memory address being worked on (write and verify phases), else None."""
         if self.pipe is None or not self.pipe.ops:
             return None
         i = min(self.pipe.acked, len(self.pipe.ops) - 1)

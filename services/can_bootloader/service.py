@@ -530,7 +530,9 @@ class CanBootService:
                        on_cancel=flasher.cancel, every=every)
             result = flasher.result
         except TransportError as exc:
-            result = Finished(False, str(exc), flasher.phase, None, None)
+            where = flasher.current_address()
+            at = f" at 0x{where:06X}" if where is not None else ""
+            result = Finished(False, f"{flasher.phase.value} failed{at}: {exc}", flasher.phase, where, None)
         assert result is not None
         for ev in flasher.events():
             if isinstance(ev, FlashWarning):

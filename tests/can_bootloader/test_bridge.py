@@ -198,3 +198,24 @@ def test_lost_and_corrupt_answers_through_the_bridge(broker_session: Broker, pal
         assert b.app_image(SMALL.base, SMALL.end) == SMALL.data
     finally:
         node.stop()
+
+
+def test_no_palm_fails_clearly(broker_session: Broker, client: RpcClient) -> None:
+    opts = {"node": "no-such-palm", "device": "rh"}
+    settings = CanBootSettings(mqtt_url=broker_session.url, node="boot-nopalm", health_interval_s=1.0,
+                               can_bus1=CanBusConfig(interface="robobus_bridge", channel="1", options=opts),
+                               can_bus2=None)
+    node = Node(API, settings)
+    build(node, settings)
+    node.start()
+    assert node.session.wait_ready(10)
+    try:
+        _rep, result = client.call_job("boot-nopalm", "motors", "flash", {"board": 3, "hex": SMALL_HEX},
+                                       lambda e: None, timeout=30)
+        assert result is not None and not result["ok"]
+        msg = result["error"]["message"]
+        assert msg.startswith("board 3: magic failed: ") and "no-such-palm/rh" in msg and "bridge_lease" in msg
+        rep = client.call("boot-nopalm", "motors", "flash", {"board": 13, "hex": SMALL_HEX})
+        assert not rep.ok and err(rep)["code"] == "unavailable"  # bus 2 is not served
+    finally:
+        node.stop()
