@@ -360,6 +360,7 @@ class ProcessBackend(HandBackend):
         self._lock = threading.Lock()
         self._snap_lock = threading.Lock()
         self._state_lock = threading.Lock()
+        self._state_seq = 0
         self._state = _CycleState()
         self._snap: PalmSnapshot | None = None
         self._snap_seq = 0
@@ -535,7 +536,8 @@ class ProcessBackend(HandBackend):
     def _poll_state_locked(self) -> None:
         shm = self._shm
         got = shm.read_slot("status") if shm is not None else None
-        if got is not None:
+        if got is not None and got[0] != self._state_seq:
+            self._state_seq = got[0]
             new: _CycleState = pickle.loads(got[1])
             old = self._state
             if new.state_issue != old.state_issue:
