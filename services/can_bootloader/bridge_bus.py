@@ -65,7 +65,9 @@ class _BridgeLink:
         root = settings.topic_root
         self.tx_topic = f"{root}/{node}/{device}/stream/can_tx"
         self.rx_topic = f"{root}/{node}/{device}/stream/can_rx"
+        self.remote_online: bool | None = None  # ethercat-loop's retained status: None until seen
         self.client.subscribe_before(self.rx_topic, self._on_rx)
+        self.client.session.subscribe(f"{root}/{node}/status", self._on_status, qos=1)
         self._keeper = threading.Thread(target=self._keep, name=f"bridge-lease-{node}", daemon=True)
         self._keeper.start()
 
@@ -118,6 +120,15 @@ class _BridgeLink:
             with self._lock:
                 if self.lease_id is not None:
                     self.lease_id = lease_id
+
+    def _on_status(self, m: Any) -> None:
+        try:
+            self.remote_online = bool(json.loads(m.payload).get("online"))
+        except (ValueError, AttributeError):
+            self.remote_online = None
+        if not self.remote_online:
+            with self._lock:
+                self.lease_id = None  # a restarted palm has forgotten it
 
     # -- frames ----------------------------------------------------------------------------------------------
     def send(self, bus: int, msg: can.Message) -> None:
@@ -191,6 +202,11 @@ class BridgeBus(can.BusABC):  # type: ignore[misc]
         self._closed = False
         self.channel_info = f"palm CAN bus {self.bus_no} via {settings.topic_root}/{node}/{device} (robobus_bridge)"
         super().__init__(channel=channel, can_filters=can_filters, **kwargs)
+
+    @property
+    def remote_online(self) -> bool | None:
+        """ethercat-loop's node status (retained `{root}/{node}/status`): False when it is offline."""
+        return self._link.remote_online
 
     def send(self, msg: can.Message, timeout: float | None = None) -> None:
         if self._closed:

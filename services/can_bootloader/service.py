@@ -231,6 +231,7 @@ class CanBootService:
         self._reserved: dict[int, _Reservation] = {}
         self._images: dict[int, FlashImage] = {}
         self._jobs: set[JobContext] = set()
+        self._closing = threading.Event()
         self.last_error = ""
         self.dev: Any = None
         self.sims: list[Any] = []
@@ -256,10 +257,23 @@ class CanBootService:
                 self.last_error = str(exc)
                 log.error("%s", exc)
         self.update_health()
+        threading.Thread(target=self._watch, name="can-health", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Health follows the buses: reopen a bus that failed to open, notice a palm bridge going offline."""
+        while not self._closing.wait(1.0):
+            for port in self.ports.values():
+                if not port.connected and port.number not in self._reserved:
+                    try:
+                        port.open()
+                    except TransportError:
+                        pass
+            self.update_health()
 
     def close(self) -> None:
         """Shutdown hook: cancel flashes (before RESET the board stays in its bootloader, ready to be flashed
         again), let them stop, then close the buses (the bridge lease is released)."""
+        self._closing.set()
         with self._mutex:
             jobs = list(self._jobs)
         for job in jobs:

@@ -85,7 +85,8 @@ class CanPort:
 
     @property
     def connected(self) -> bool:
-        return self._bus is not None
+        """The bus is open (and, for the palm bridge, ethercat-loop is not known to be offline)."""
+        return self._bus is not None and getattr(self._bus, "remote_online", True) is not False
 
     def open(self) -> Any:
         if self._bus is None:

@@ -22,7 +22,7 @@ from services.can_bootloader.sim import FLAG_RUN_APP, BootBoardSet, make_boards,
 from services.can_bootloader.transport import CanBusConfig
 from shared import Node
 from shared.asyncapi import ContractValidator, build_document
-from shared.rpc import RpcClient
+from shared.rpc import RpcClient, wait_for
 from shared.testing import Broker
 
 palm_loop = pytest.importorskip("services.ethercat_loop.service")
@@ -217,5 +217,18 @@ def test_no_palm_fails_clearly(broker_session: Broker, client: RpcClient) -> Non
         assert msg.startswith("board 3: magic failed: ") and "no-such-palm/rh" in msg and "bridge_lease" in msg
         rep = client.call("boot-nopalm", "motors", "flash", {"board": 13, "hex": SMALL_HEX})
         assert not rep.ok and err(rep)["code"] == "unavailable"  # bus 2 is not served
+    finally:
+        node.stop()
+
+
+def test_health_follows_the_palm(broker_session: Broker, palm: Palm, client: RpcClient) -> None:
+    node, _svc = boot_service(broker_session, palm)
+    health: list[dict[str, Any]] = []
+    client.subscribe_before(f"robobus/{node.name}/motors/health", lambda m: health.append(json.loads(m.payload)))
+    try:
+        assert wait_for(lambda: bool(health) and health[-1]["connection"], 5), health[-1:]
+        palm.stop()  # ethercat-loop goes offline (its status says so)
+        assert wait_for(lambda: not health[-1]["connection"] and health[-1]["state"] == "disconnected", 5), \
+            health[-1:]
     finally:
         node.stop()
