@@ -81,7 +81,12 @@ class DemandSender(threading.Thread):
         self.sent: list[tuple[int, int]] = []  # (monotonic ns just before publish, value)
         self.rtt_ms: list[float] = []  # request -> reply, for comparison
         self.errors = 0
+        self.error_samples: list[str] = []
         self.stop = threading.Event()
+
+    def _note(self, what: str) -> None:
+        if len(self.error_samples) < 5:
+            self.error_samples.append(what)
 
     def run(self) -> None:
         nxt = time.monotonic()
@@ -96,8 +101,10 @@ class DemandSender(threading.Thread):
                     self.rtt_ms.append((time.monotonic_ns() - t) / 1e6)
                 else:
                     self.errors += 1
+                    self._note(str(rep.error))
             except TimeoutError:
                 self.errors += 1
+                self._note("no reply within 2 s")
             nxt += self.period
             time.sleep(max(0.0, nxt - time.monotonic()))
 
@@ -227,6 +234,7 @@ def main() -> None:
             result["cyclictest"] = ctr
             result["demand_to_wire_ms"] = {"p50": pct(lat, 50), "p99": pct(lat, 99), "max": max(lat) if lat else None,
                                            "matched": len(lat), "sent": len(sender.sent), "errors": sender.errors,
+                                           "error_samples": sender.error_samples,
                                            "reply_p50": pct(sender.rtt_ms, 50), "reply_p99": pct(sender.rtt_ms, 99)}
             result["rates_hz"] = {"joints_state": round((len(joints) - j0) / elapsed, 1),
                                   "demands": round(len(sender.sent) / elapsed, 1)}

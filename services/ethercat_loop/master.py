@@ -139,6 +139,7 @@ class EthercatMaster:
         self._bus: _Bus | None = None
         self._output = b""
         self._recover_step = 0
+        self._sightings: dict[int, int] = {}  # slave index -> consecutive checks found out of OP
         self.socket_fds: list[int] = []  # SOEM's raw socket(s), made non-blocking and waited on with select
 
     @property
@@ -337,36 +338,45 @@ class EthercatMaster:
         return wkc, status
 
     def check_states(self) -> str:
-        """Read every slave's AL state; one recovery step for the first slave out of OP.
-        Returns "" when all are in OP, else what was found (for health)."""
+        """Read every slave's AL state; one recovery step for the first slave confirmed out of OP.
+        Returns "" when all are in OP, else what was found (for health). A slave must be seen out of OP
+        twice in a row (three times when it did not answer at all) before anything is done: one lost
+        state-read frame must not trigger a recovery of a healthy slave. No logging here (this runs in
+        the realtime process); the MQTT side logs the returned text when it changes."""
         bus = self._need()
-        m = bus.master
-        m.read_state()
+        bus.master.read_state()
+        confirmed: tuple[int, Any, int] | None = None
         for i, s in enumerate(bus.slaves):
             st = int(s.state)
             if st == pysoem.OP_STATE:
+                self._sightings.pop(i, None)
                 continue
-            issue = f"slave {i + 1} {s.name} in {state_name(st)} (AL code {s.al_status:#06x})"
-            if self.counters.state_issue != issue:
-                self.counters.left_op += 1
-                log.warning("%s: bringing it back to OP", issue)
-            self.counters.state_issue = issue
-            self.counters.recoveries += 1
-            if st & pysoem.STATE_ERROR:
-                s.state = (st & 0x0F) | pysoem.STATE_ACK
-                s.write_state()
-            elif st == pysoem.SAFEOP_STATE:
-                s.state = pysoem.OP_STATE
-                s.write_state()
-            elif st == pysoem.NONE_STATE:
-                s.recover()
-            else:
-                s.reconfig()
-                if bus.ident.mapping == "programmed" and s is bus.palm:
-                    self._program_sms(bus.palm, bus.info)
-            return issue
-        self.counters.state_issue = ""
-        return ""
+            n = self._sightings[i] = self._sightings.get(i, 0) + 1
+            if confirmed is None and n >= (3 if st == pysoem.NONE_STATE else 2):
+                confirmed = (i, s, st)
+        if confirmed is None:
+            if not self._sightings:
+                self.counters.state_issue = ""
+            return self.counters.state_issue
+        i, s, st = confirmed
+        issue = f"slave {i + 1} {s.name} in {state_name(st)} (AL code {s.al_status:#06x})"
+        if self.counters.state_issue != issue:
+            self.counters.left_op += 1
+        self.counters.state_issue = issue
+        self.counters.recoveries += 1
+        if st & pysoem.STATE_ERROR:
+            s.state = (st & 0x0F) | pysoem.STATE_ACK
+            s.write_state()
+        elif st == pysoem.SAFEOP_STATE:
+            s.state = pysoem.OP_STATE
+            s.write_state()
+        elif st == pysoem.NONE_STATE:
+            s.recover()
+        else:
+            s.reconfig()
+            if bus.ident.mapping == "programmed" and s is bus.palm:
+                self._program_sms(bus.palm, bus.info)
+        return issue
 
 
 def _open_fds() -> dict[int, str]:
