@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from services.can_bootloader.image import load_intel_hex
-from services.can_bootloader.service import API
+from services.can_bootloader.service import API, FlashTuning
 from services.can_bootloader.sim import FLAG_RUN_APP, FLAG_STAY, make_intel_hex
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient, wait_for
@@ -100,7 +100,7 @@ def test_refused_images_send_no_frame(boot_node: Any, client: RpcClient, tmp_pat
 
 
 def test_busy_bus_and_cancel(boot_node: Any, client: RpcClient, broker_session: Broker) -> None:
-    bn = boot_node(erase_s=1.5)  # a slow erase keeps bus 1 busy
+    bn = boot_node(erase_s=2.5, can_flash=FlashTuning(erase_timeout_s=8.0))  # a slow erase keeps bus 1 busy
     results: dict[str, Any] = {}
     first_progress = threading.Event()
     other = RpcClient(broker_session.settings(), name="test-other")  # call_job unsubscribes when it ends
