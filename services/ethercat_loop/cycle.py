@@ -1,17 +1,18 @@
 """The realtime wire backend: the 1 kHz cycle in its OWN PROCESS (pysoem master + PalmDriver),
-joined to the MQTT process by shared memory and two pipes, so MQTT, JSON and logging never hold
-the GIL the cycle needs.
+joined to the MQTT process by shared memory and pipes, so MQTT, JSON and logging never hold the
+GIL the cycle needs (`python -m services.ethercat_loop.cycle`, started by ProcessBackend).
 
     MQTT process (ProcessBackend)                 cycle process (cycle_main), single-threaded
-    submit(msg) --pickle--> control pipe ------>  drained once per cycle, driver.apply()
-    snapshot() <-- seqlock slot in /dev/shm <---  driver.snapshot(), snapshot_hz times a second
+    submit(msg) --pickle--> control pipe ------>  drained at every tick, driver.apply()
+    snapshot() <-- seqlock slots in /dev/shm <--  every valid status raw; a lean driver snapshot 10 Hz
     stats()    <-- counters + histograms <------  incremented in place every cycle
     on_can_rx  <-- event pipe (non-blocking) <--  driver.take_can_rx()
 
 One cycle: sleep until the absolute deadline (CLOCK_MONOTONIC) -> record the wake-up latency ->
-exchange the command prepared last cycle (so the frame leaves right at the deadline) -> apply
-control messages -> driver.cycle(status) builds the next command -> state check / snapshot in the
-slack -> next deadline, skipping to the next period boundary on an overrun (counted).
+apply control messages -> driver.cycle(last status) builds the command -> exchange it (sleeping in
+select() for the reply, never past the next tick) -> WKC / loss bookkeeping -> AL state check and
+snapshot only in the slack the period leaves -> next deadline, skipping to the next period boundary
+on an overrun (counted, never a burst).
 """
 
 from __future__ import annotations

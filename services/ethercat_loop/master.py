@@ -131,14 +131,14 @@ class _Bus:
 
 
 class EthercatMaster:
-    """Open with `open()`, then `to_op()`, `exchange()` every cycle, `shutdown()` at the end."""
+    """`open()`, `to_op()`, then `exchange()` every cycle and `check_states()` now and then;
+    `leave_op()` and `close()` at the end."""
 
     def __init__(self, cfg: MasterConfig) -> None:
         self.cfg = cfg
         self.counters = WireCounters()
         self._bus: _Bus | None = None
         self._output = b""
-        self._recover_step = 0
         self._sightings: dict[int, int] = {}  # slave index -> consecutive checks found out of OP
         self.socket_fds: list[int] = []  # SOEM's raw socket(s), made non-blocking and waited on with select
 
