@@ -9,13 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from services.ethercat_loop.backend import EthercatSettings, HandBackend, overrun_threshold
+from services.ethercat_loop.bridge import BridgeLease, Lease, frame_in, frame_out
 from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.driver import (
     CanFrame,
@@ -34,6 +31,39 @@ from services.ethercat_loop.driver import (
     SystemControls,
     check_message,
 )
+from services.ethercat_loop.messages import (
+    EthercatLoopStats,
+    MotorRef,
+    PalmAck,
+    PalmAdcChannel,
+    PalmAdcTestReply,
+    PalmAdcTestRequest,
+    PalmBridgeLease,
+    PalmBridgeLeaseRequest,
+    PalmBridgeReleaseRequest,
+    PalmCanFrameIn,
+    PalmCanRx,
+    PalmCanTx,
+    PalmControlModeRequest,
+    PalmDemandsReply,
+    PalmDemandsRequest,
+    PalmEmpty,
+    PalmExtras,
+    PalmJoint,
+    PalmJoints,
+    PalmMotor,
+    PalmMotorConfigReply,
+    PalmMotorConfigRequest,
+    PalmMotorFault,
+    PalmMotors,
+    PalmNullifyRequest,
+    PalmSendCanReply,
+    PalmSendCanRequest,
+    PalmStopped,
+    PalmSystemControlsReply,
+    PalmSystemControlsRequest,
+    PalmTactile,
+)
 from services.ethercat_loop.protocol import (
     ACTUATED_JOINTS,
     EXPECTED_CHANNELS,
@@ -49,291 +79,9 @@ from services.ethercat_loop.protocol import (
 from shared import CommandError, Device, ErrorCode, Node, ServiceAPI
 
 log = logging.getLogger("robobus.ethercat")
-HEX8 = r"^([0-9a-fA-F]{2}){0,8}$"
 SEND_CAN_HOLDER = "_send_can"
 TEST_HOLDER = "_test_adc_channels"
 
-
-# ------------------------------------------------------------------------------------------- state models
-class PalmJoint(BaseModel):
-    name: str
-    position: float | None = Field(description="rad (None before the first sensor data)")
-    raw: list[int] = Field(description="the raw sensor words it was computed from")
-
-
-class PalmJoints(BaseModel):
-    """Calibrated joint positions (J0 = J1 + J2; THJ5 and WRJ1 from their A/B sensors), plus raw sensors."""
-
-    ts: float
-    cycle: int
-    joints: list[PalmJoint]
-    sensors_raw: dict[str, int] = Field(description="all 37 sensor words by name")
-
-
-class PalmMotor(BaseModel):
-    id: int
-    joint: str | None
-    torque: int | None = Field(description="strain-gauge units (raw int16)")
-    demand: int = Field(description="latest demand asked for (before the deadman)")
-    demand_sent: int = Field(description="what the last demand cycle sent")
-    flags: int | None
-    flag_names: list[str]
-    serious: bool = Field(description="a flag that switches the motor off is set")
-    temperature: float | None = Field(description="°C")
-    current: float | None = Field(description="A")
-    voltage: float | None = Field(description="V")
-    pwm: int | None
-    sgl: int | None
-    sgr: int | None
-    last_seen_s: float | None = Field(description="seconds since the motor last answered")
-    missed: int
-    data_errors: int
-    slow: dict[str, int] = Field(description="slow data: firmware revision, serial, gear ratio, controller terms")
-    can_received: int | None
-    can_transmitted: int | None
-    can_errors: list[int] | None = Field(description="[tx, rx] CAN error counters")
-    terms: dict[str, int]
-
-
-class PalmMotors(BaseModel):
-    """The 20 motors."""
-
-    ts: float
-    mode: Literal["torque", "pwm"]
-    phase: str = Field(description="init (polling init-only data) or operation")
-    motors: list[PalmMotor]
-
-
-class PalmTactile(BaseModel):
-    """Tactile sensors (fingertips FF, MF, RF, LF, TH)."""
-
-    ts: float
-    type: int
-    valid: int = Field(description="bit0 FF .. bit4 TH")
-    sensors: list[list[int]] = Field(description="5 x 8 words (0220) or 5 x 16 words (0230)")
-    mid_prox: list[list[int]] = Field(default_factory=list, description="0230: 5 x (4 middle + 4 proximal)")
-    aux_spi_type: int = 0
-    aux_spi: list[int] = Field(default_factory=list, description="0230: auxiliary SPI sensor words")
-
-
-class PalmExtras(BaseModel):
-    """IMU and auxiliary analog inputs from the sensor array, and the palm's idle time."""
-
-    ts: float
-    accel: list[int]
-    gyro: list[int]
-    analog: list[int]
-    idle_time_us: int
-
-
-class EthercatLoopStats(BaseModel):
-    """Loop statistics over the last 1 s window."""
-
-    model_config = ConfigDict(extra="allow")
-    ts: float
-    period_us: float = 0.0
-    target_period_us: float = 0.0
-    jitter_p50_us: float = 0.0
-    jitter_p99_us: float = 0.0
-    jitter_max_us: float = 0.0
-    overruns: int = 0
-    drops: int = 0
-    frames_lost: int = 0
-    decode_errors: int = 0
-    cycles: int = 0
-    window_s: float = 0.0
-    counters: dict[str, int] = Field(default_factory=dict, description="driver counters since start")
-
-
-class PalmMotorFault(BaseModel):
-    """A motor raised a serious flag (it switched itself off)."""
-
-    ts: float
-    motor: int
-    joint: str | None
-    flags: int
-    serious: list[str]
-
-
-class PalmStopped(BaseModel):
-    """Sent once at shutdown, after the zero demands and before the node goes offline."""
-
-    ts: float
-    zero_demand_cycles: int
-    demands_sent_last: list[int] = Field(default_factory=list)
-    model_demands: list[int] = Field(default_factory=list)
-
-
-# ------------------------------------------------------------------------------------------- command models
-class PalmAck(BaseModel):
-    message: str = ""
-
-
-class PalmControlModeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    mode: Literal["torque", "pwm"]
-
-
-MotorRef = int | str
-
-
-class PalmDemandsRequest(BaseModel):
-    """Demands by joint name and/or motor id; each stays valid for demand_timeout_ms (deadman)."""
-
-    model_config = ConfigDict(extra="forbid")
-    joints: dict[str, int] = Field(default_factory=dict, description="actuated joint (e.g. FFJ0) -> demand")
-    motors: dict[int, int] = Field(default_factory=dict, description="motor id 0..19 -> demand")
-
-    @model_validator(mode="after")
-    def _some(self) -> PalmDemandsRequest:
-        if not self.joints and not self.motors:
-            raise ValueError("give joints or motors")
-        return self
-
-
-class PalmDemandsReply(BaseModel):
-    motors: dict[int, int] = Field(description="motor id -> demand accepted")
-    mode: Literal["torque", "pwm"]
-    timeout_ms: float
-
-
-class PalmNullifyRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    enable: bool = Field(True, description="true: every demand is zero until called with false")
-
-
-class PalmMotorConfigRequest(BaseModel):
-    """One FPID configuration, pushed to the given motors (ids or joint names; empty = all)."""
-
-    model_config = ConfigDict(extra="forbid")
-    motors: list[MotorRef] = Field(default_factory=list)
-    torque_limit: int = Field(0, ge=0, le=0x7FFF)
-    torque_limiter_gain: int = Field(0, ge=-0x200, le=0x200)
-    max_pwm: int = Field(0, ge=0, le=0x3FF)
-    sgl_ref: int = Field(0, ge=0, le=255)
-    sgr_ref: int = Field(0, ge=0, le=255)
-    f: int = Field(0, ge=0, le=0x7FFF)
-    p: int = Field(0, ge=0, le=0x7FFF)
-    i: int = Field(0, ge=0, le=0x7FFF)
-    d: int = Field(0, ge=0, le=0x7FFF)
-    imax: int = Field(0, ge=0, le=0x3FFF)
-    deadband: int = Field(0, ge=0, le=255)
-    sign: int = Field(0, ge=0, le=1)
-
-
-class PalmMotorConfigReply(BaseModel):
-    motors: list[int]
-    crc: int
-
-
-class PalmSystemControlsRequest(BaseModel):
-    """MOTOR_SYSTEM_CONTROLS (and reset) for the given motors (ids or joint names; empty = all)."""
-
-    model_config = ConfigDict(extra="forbid")
-    motors: list[MotorRef] = Field(default_factory=list)
-    reset: bool = False
-    backlash: bool | None = Field(None, description="backlash compensation on/off")
-    sgl_tracking: Literal[-1, 0, 1] = 0
-    sgr_tracking: Literal[-1, 0, 1] = 0
-    jiggle: bool = Field(False, description="start jiggling (re-zero the strain gauges)")
-    write_eeprom: bool = Field(False, description="write the config to EEPROM")
-
-
-class PalmSystemControlsReply(BaseModel):
-    motors: list[int]
-    controls: int
-    reset: bool
-
-
-class PalmAdcTestRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    timeout_ms: int = Field(1000, ge=20, le=10_000)
-
-
-class PalmAdcChannel(BaseModel):
-    name: str
-    raw: int
-    adc: int
-    channel: int
-    expected_adc: int
-    expected_channel: int
-    ok: bool
-
-
-class PalmAdcTestReply(BaseModel):
-    matches: bool
-    mismatched: list[str]
-    sensors: list[PalmAdcChannel]
-
-
-class PalmCanFrameIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    bus: Literal[1, 2] = 1
-    sid: int = Field(ge=0, le=0x7FF)
-    data: str = Field("", pattern=HEX8, description="up to 8 bytes as hex")
-
-
-class PalmCanFrameOut(BaseModel):
-    bus: int
-    sid: int
-    data: str
-    cycle: int
-
-
-class PalmSendCanRequest(BaseModel):
-    """The seed's SendCanMessage: SID, length, data (hex)."""
-
-    model_config = ConfigDict(extra="forbid")
-    bus: Literal[1, 2] = 1
-    sid: int = Field(ge=0, le=0x7FF)
-    length: int | None = Field(None, ge=0, le=8, description="defaults to the data length")
-    data: str = Field("", pattern=HEX8)
-    window_ms: int = Field(50, ge=2, le=5000, description="how long to collect received frames")
-
-    @model_validator(mode="after")
-    def _length(self) -> PalmSendCanRequest:
-        if self.length is not None and self.length > len(self.data) // 2:
-            raise ValueError(f"length {self.length} but only {len(self.data) // 2} data bytes")
-        return self
-
-
-class PalmSendCanReply(BaseModel):
-    sent: PalmCanFrameIn
-    frames: list[PalmCanFrameOut]
-
-
-class PalmBridgeLeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    holder: str = Field(min_length=1, max_length=100)
-    ttl_ms: int = Field(2000, ge=100, le=60_000)
-
-
-class PalmBridgeLease(BaseModel):
-    lease_id: str
-    expires_in_ms: int
-
-
-class PalmBridgeReleaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    lease_id: str
-
-
-class PalmEmpty(BaseModel):
-    pass
-
-
-class PalmCanTx(BaseModel):
-    """Frames for the leased bridge; queued, one to the wire per cycle; renews the lease."""
-
-    lease_id: str
-    frames: list[PalmCanFrameIn] = Field(max_length=4096)
-
-
-class PalmCanRx(BaseModel):
-    """Frames the bridge received since the last message (at most one message per cycle)."""
-
-    lease_id: str
-    frames: list[PalmCanFrameOut]
 
 
 # ------------------------------------------------------------------------------------------- the contract
@@ -376,72 +124,6 @@ CAN_TX = API.stream("can_tx", PalmCanTx, "in",
 CAN_RX = API.stream("can_rx", PalmCanRx, "out", doc="Frames received through the leased CAN bridge")
 
 
-# ------------------------------------------------------------------------------------------- the lease
-@dataclass
-class _Lease:
-    holder: str
-    lease_id: str
-    ttl_s: float
-    expires: float
-
-
-class BridgeLease:
-    """The one exclusive owner of CAN direct mode (a remote holder, send_can or the ADC test)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.current: _Lease | None = None
-
-    def acquire(self, holder: str, ttl_ms: int, now: float) -> _Lease:
-        with self._lock:
-            cur = self.current
-            if cur is not None and cur.expires > now and cur.holder != holder:
-                raise CommandError(ErrorCode.BUSY, f"the CAN bridge is leased by {cur.holder!r} for another "
-                                                   f"{(cur.expires - now) * 1000:.0f} ms")
-            if cur is not None and cur.holder == holder and cur.expires > now:
-                cur.ttl_s, cur.expires = ttl_ms / 1000, now + ttl_ms / 1000
-                return cur
-            self.current = _Lease(holder, uuid.uuid4().hex[:16], ttl_ms / 1000, now + ttl_ms / 1000)
-            return self.current
-
-    def touch(self, lease_id: str, now: float) -> bool:
-        with self._lock:
-            cur = self.current
-            if cur is None or cur.lease_id != lease_id or cur.expires <= now:
-                return False
-            cur.expires = now + cur.ttl_s
-            return True
-
-    def release(self, lease_id: str) -> bool:
-        with self._lock:
-            if self.current is None or self.current.lease_id != lease_id:
-                return False
-            self.current = None
-            return True
-
-    def expire(self, now: float) -> _Lease | None:
-        """Drop the lease if its holder went quiet; returns the expired lease."""
-        with self._lock:
-            cur = self.current
-            if cur is not None and cur.expires <= now:
-                self.current = None
-                return cur
-            return None
-
-    def holder(self, now: float) -> _Lease | None:
-        with self._lock:
-            cur = self.current
-            return cur if cur is not None and cur.expires > now else None
-
-
-def _frame_out(f: CanRxFrame) -> PalmCanFrameOut:
-    return PalmCanFrameOut(bus=f.bus, sid=f.sid, data=f.data.hex(), cycle=f.cycle)
-
-
-def _frame_in(f: PalmCanFrameIn) -> CanFrame:
-    return CanFrame(f.bus, f.sid, bytes.fromhex(f.data))
-
-
 # ------------------------------------------------------------------------------------------- the service
 class PalmService:
     """Binds the commands, publishes state and health, owns the CAN bridge lease."""
@@ -454,7 +136,7 @@ class PalmService:
         self.lease = BridgeLease()
         # the same file the driver calibrates with (wherever the cycle runs): joint names -> motor ids
         self.joint_to_motor = dict(HandCalibration.load(settings.ethercat_calibration).motor_of_joint)
-        self._lease_active: _Lease | None = None  # what the driver was last told
+        self._lease_active: Lease | None = None  # what the driver was last told
         self._lease_lock = threading.Lock()
         self._collect: list[CanRxFrame] | None = None
         self._stop = threading.Event()
@@ -731,7 +413,7 @@ class PalmService:
         finally:
             self.lease.release(lease.lease_id)
         sent = PalmCanFrameIn(bus=req.bus, sid=req.sid, data=data.hex())
-        return PalmSendCanReply(sent=sent, frames=[_frame_out(f) for f in got])
+        return PalmSendCanReply(sent=sent, frames=[frame_out(f) for f in got])
 
     def bridge_lease(self, req: PalmBridgeLeaseRequest) -> PalmBridgeLease:
         if req.holder.startswith("_"):
@@ -775,7 +457,7 @@ class PalmService:
             self.node.count_decode_error(f"can_tx for lease {msg.lease_id!r}, which is not held")
             return
         if msg.frames:
-            self.backend.submit(CanTx(tuple(_frame_in(f) for f in msg.frames)))
+            self.backend.submit(CanTx(tuple(frame_in(f) for f in msg.frames)))
 
     def _on_can_rx(self, frames: list[CanRxFrame]) -> None:
         with self._lease_lock:
@@ -784,4 +466,4 @@ class PalmService:
                 self._collect.extend(frames)
                 return
         if lease is not None:
-            self.dev.stream_publish(CAN_RX, PalmCanRx(lease_id=lease.lease_id, frames=[_frame_out(f) for f in frames]))
+            self.dev.stream_publish(CAN_RX, PalmCanRx(lease_id=lease.lease_id, frames=[frame_out(f) for f in frames]))
