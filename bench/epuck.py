@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from shared.mqtt import MqttSession, unique_client_id  # noqa: E402
+from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
 from shared.testing import Broker, free_port  # noqa: E402
 
@@ -164,7 +165,18 @@ def main() -> None:
             time.sleep(duration)
             cpu1, t1, host1 = cpu_seconds(gw.pid), time.monotonic(), host_busy()
             ours1 = sum(cpu_seconds(p) for p in mine)
+            with rec.lock:
+                rec.recording = False
             load = os.getloadavg()[0]
+            # Frames: stop every stream, let the last frames land, then compare sent and received.
+            with RpcClient(KitSettings(mqtt_url=broker.url), name="bench-epuck") as rpc:
+                for r in robots:
+                    rpc.call("epuck-gateway", str(r["id"]), "stream", {"image": False, "sensors": False})
+            time.sleep(0.5)
+            with rec.lock:
+                frames_received = sum(rec.images.values())
+            sim.send_signal(signal.SIGUSR1)
+            stats = read_json_line(sim, "stats", 15)["stats"]
             # Lost robots: freeze the simulator (SIGSTOP: sockets stay open, nothing arrives, no FIN,
             # as when robots drop off WiFi) and time each robot's health going to disconnected.
             with rec.lock:
@@ -174,13 +186,9 @@ def main() -> None:
             while time.monotonic() < end and len(rec.lost) < a.robots:
                 time.sleep(0.02)
             sim.send_signal(signal.SIGCONT)
-            with rec.lock:
-                rec.recording = False
             gw.send_signal(signal.SIGTERM)
             gw.wait(15)
-            time.sleep(0.3)
             sim.send_signal(signal.SIGTERM)
-            stats = read_json_line(sim, "stats", 15)["stats"]
             sim.wait(10)
         finally:
             for p in (gw, sim):
@@ -196,7 +204,6 @@ def main() -> None:
     last = [s[1] for s in rec.samples[-third:]]
     growth = (statistics.median(last) - statistics.median(first)) if first and last else float("nan")
     frames_sent = sum(r["images_sent"] for r in stats.values())
-    frames_received = sum(rec.images.values())
     cpu_pct = 100.0 * (cpu1 - cpu0) / (t1 - t0)
     p50, p99 = percentile(lat, 50), percentile(lat, 99)
     result = {

@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # SIGUSR1: print the counters and keep running (benchmarks read them mid-run)
+        loop.add_signal_handler(signal.SIGUSR1, lambda: print(json.dumps({"stats": sim.summary()}), flush=True))
         await stop.wait()
         await sim.stop()
         print(json.dumps({"stats": sim.summary()}), flush=True)
