@@ -17,6 +17,7 @@ from shared.rpc import RpcClient
 from shared.testing import Broker, NodeProcess, free_port
 
 NODE = "epuck-gateway"
+GATEWAY = ["-m", "services.epuck_gateway"]
 
 
 def wait_until(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
@@ -87,12 +88,12 @@ class Gateway:
         return f"robobus/{NODE}/{device}/{kind}/{name}"
 
 
-def start_gateway(broker: Broker, sim: EpuckSimThread, extra_robots: list[dict[str, Any]] | None = None,
-                  **env: str) -> tuple[NodeProcess, list[dict[str, Any]]]:
+def gateway_env(broker: Broker, sim: EpuckSimThread, extra_robots: list[dict[str, Any]] | None = None,
+                **env: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
     robots = [{"id": r.name, "host": "127.0.0.1", "port": r.port} for r in sim.robots] + (extra_robots or [])
     full_env = {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots),
                 "ROBOBUS_HEALTH_INTERVAL_S": "1", "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.5", **env}
-    return NodeProcess(["-m", "services.epuck_gateway"], full_env), robots
+    return full_env, robots
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,8 @@ def gateway(broker_session: Broker) -> Iterator[Gateway]:
     bus = BusRecorder()
     client.subscribe_before(f"robobus/{NODE}/#", bus.on)
     ghost = {"id": "ghost", "host": "127.0.0.1", "port": free_port()}
-    proc, robots = start_gateway(broker_session, sim, [ghost], ROBOBUS_EPUCK_MOTION_TIMEOUT_MS="400")
+    env, robots = gateway_env(broker_session, sim, [ghost], ROBOBUS_EPUCK_MOTION_TIMEOUT_MS="400")
+    proc = NodeProcess(GATEWAY, env)  # module-wide: the function-scoped `spawn` cannot hold it
     gw = Gateway(proc, sim, bus, client, robots)
     ok = wait_until(lambda: all(
         (bus.latest_json(f"/{r.name}/health") or {}).get("connection") for r in sim.robots), 20)

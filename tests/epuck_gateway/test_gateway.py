@@ -5,8 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import time
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -15,8 +15,9 @@ from services.epuck_gateway.image import rgb565_image
 from services.epuck_gateway.protocol import SET_CALIBRATE_IR, SOUND_MARIO, SOUND_STOP, EpuckCommand
 from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
 from shared.asyncapi import ContractValidator, build_document
-from shared.testing import Broker
-from tests.epuck_gateway.conftest import NODE, Gateway, start_gateway, wait_until
+from shared.rpc import RpcClient
+from shared.testing import Broker, free_port
+from tests.epuck_gateway.conftest import GATEWAY, NODE, Gateway, gateway_env, wait_until
 
 
 def mean_abs_diff(a: Image.Image, b: Image.Image) -> float:
@@ -250,13 +251,17 @@ def test_framing_error_is_counted_reported_and_the_link_reset(gateway: Gateway) 
     assert any(c.sound == SOUND_STOP and c.request == 0 for c in robot.stats.received)
 
 
-def test_gateway_stop_sends_stop_command(broker_session: Broker) -> None:
+def test_gateway_stop_sends_stop_command(broker_session: Broker, spawn: Any, client: RpcClient) -> None:
     sim = EpuckSimThread(2, EpuckSimConfig()).start()
     try:
-        proc, _ = start_gateway(broker_session, sim)
+        proc = spawn(GATEWAY, gateway_env(broker_session, sim, ROBOBUS_NODE="epuck-stop")[0])
         assert wait_until(lambda: all(r.connected and r.command is not None for r in sim.robots), 15), proc.text()
-        sim.robots[0].world.speed_left = 300  # as if a set_speed were in force
-        assert proc.stop() == 0
+        # the node is on the bus once its retained health says the robot is connected
+        assert client.collect("robobus/epuck-stop/epuck1/health", 10,
+                              until=lambda t, p: json.loads(p)["connection"])
+        assert client.call("epuck-stop", "epuck1", "set_speed", {"left": 300, "right": 300}).ok
+        assert wait_until(lambda: sim.robots[0].world.speed_left == 300, 5)
+        assert proc.stop() == 0  # well inside the 1 s motion timeout: the stop comes from the shutdown
         for r in sim.robots:
             last = r.stats.received[-1]
             assert last == EpuckCommand(request=0, settings=0, left=0, right=0, leds=0, sound=SOUND_STOP)
@@ -266,14 +271,12 @@ def test_gateway_stop_sends_stop_command(broker_session: Broker) -> None:
         sim.close()
 
 
-def test_gateway_retries_until_the_simulator_is_up(broker_session: Broker) -> None:
+def test_gateway_retries_until_the_simulator_is_up(broker_session: Broker, spawn: Any) -> None:
     sim = EpuckSimThread(1, EpuckSimConfig())
-    port = sim.robots[0].port = __import__("shared.testing", fromlist=["free_port"]).free_port()
+    port = sim.robots[0].port = free_port()
     robots = [{"id": "late", "host": "127.0.0.1", "port": port}]
-    from shared.testing import NodeProcess
-    proc = NodeProcess(["-m", "services.epuck_gateway"], {
-        "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots),
-        "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.3", **{k: v for k, v in os.environ.items() if k == "PATH"}})
+    proc = spawn(GATEWAY, {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots),
+                           "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.3"})
     try:
         time.sleep(1.0)
         assert proc.alive()
@@ -291,10 +294,8 @@ def test_gateway_retries_until_the_simulator_is_up(broker_session: Broker) -> No
     '[]',
     'not json',
 ])
-def test_bad_configuration_exits_with_a_clear_message(broker_session: Broker, robots: str) -> None:
-    from shared.testing import NodeProcess
-    proc = NodeProcess(["-m", "services.epuck_gateway"], {"ROBOBUS_MQTT_URL": broker_session.url,
-                                                           "ROBOBUS_EPUCK_ROBOTS": robots})
+def test_bad_configuration_exits_with_a_clear_message(broker_session: Broker, spawn: Any, robots: str) -> None:
+    proc = spawn(GATEWAY, {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_EPUCK_ROBOTS": robots})
     code = proc.proc.wait(20)
     proc.stop()
     assert code == 2 and "epuck_robots" in proc.text() and "Traceback" not in proc.text(), proc.text()
