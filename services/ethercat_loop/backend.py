@@ -143,8 +143,10 @@ class InProcessBackend(HandBackend):
     but with an integer period)."""
 
     def __init__(self, driver: PalmDriver, model: PalmModel, period_ns: int = 1_000_000,
-                 serial: int = 1234) -> None:
+                 serial: int = 1234, error_after_lost: int = 20) -> None:
         self.driver = driver
+        self.error_after_lost = error_after_lost
+        self._no_status_run = 0  # consecutive cycles without a status
         self.model = model
         self.period_ns = period_ns
         self.serial = serial
@@ -204,7 +206,8 @@ class InProcessBackend(HandBackend):
             return self.driver.snapshot()
 
     def stats(self) -> dict[str, Any]:
-        return self._loop.result()
+        """The last 1 s window, plus `health_error`: error_after_lost cycles in a row without a status."""
+        return {**self._loop.result(), "health_error": self._no_status_run >= self.error_after_lost}
 
     def info(self) -> dict[str, Any]:
         return {"vendor": None, "product": self.driver.info.product_codes[0], "revision": 0, "serial": self.serial,
@@ -232,6 +235,7 @@ class InProcessBackend(HandBackend):
                     if self.lose_next > 0:
                         self.lose_next -= 1
                         status = None
+                    self._no_status_run = self._no_status_run + 1 if status is None else 0
                     rx = self.driver.take_can_rx()
                     counters = self.driver.c
                 deadline += self.period_ns
@@ -287,8 +291,13 @@ class EthercatSettings(KitSettings):
                                                             "(PWM, like sr_edc.launch)")
     ethercat_tactile_data_type: int = Field(0, ge=0, le=0xFFFFFFFF, description="tactile_data_type requested")
     ethercat_push_config_on_start: bool = Field(True, description="Send the default motor config at start")
-    ethercat_drop_threshold: int = Field(10, ge=0, description="Dropped statuses per 1 s window above which "
-                                         "health reports an error")
+    ethercat_drop_threshold: int = Field(10, ge=0, description="Dropped statuses (empty palm mailbox) per 1 s "
+                                         "window above which health reports an error")
+    ethercat_lost_threshold: int = Field(10, ge=0, description="Lost frames (no reply, or a wrong working "
+                                         "counter) per 1 s window above which health reports an error; a "
+                                         "single lost frame never does")
+    ethercat_error_after_lost: int = Field(20, ge=1, description="Consecutive cycles without a valid status "
+                                           "after which health reports an error (the motors cut out at 20 ms)")
     ethercat_overrun_threshold: int | None = Field(
         None, ge=0, description="Overruns per 1 s window above which health reports an error (default 10; 250 "
                                 "for the model backend, whose thread shares the GIL with MQTT and is no realtime path)")
@@ -347,7 +356,8 @@ def make_backend(settings: EthercatSettings) -> HandBackend:
         for spec in settings.ethercat_can_nodes:
             for node in load_can_nodes(spec, model):
                 model.add_can_node(node)
-        return InProcessBackend(driver, model, settings.ethercat_period_us * 1000, settings.ethercat_serial)
+        return InProcessBackend(driver, model, settings.ethercat_period_us * 1000, settings.ethercat_serial,
+                                settings.ethercat_error_after_lost)
     # imported late: it needs pysoem and the realtime machinery the model backend does not
     try:
         cls = getattr(importlib.import_module("services.ethercat_loop.cycle"), "ProcessBackend")  # noqa: B009

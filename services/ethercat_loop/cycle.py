@@ -84,8 +84,6 @@ class WireSettings(EthercatSettings):
     ethercat_late_us: int = Field(300, ge=10, description="A reply later than this counts as a late frame")
     ethercat_program_sms: Literal["auto", "always", "never"] = Field(
         "auto", description="Program the 4 mailbox SMs + 2 FMMUs when the palm's SII lacks them")
-    ethercat_error_after_lost: int = Field(20, ge=1, description="Consecutive cycles without a valid status "
-                                           "after which health reports an error (the motors cut out at 20 ms)")
     ethercat_snapshot_hz: float = Field(10.0, gt=0, le=1000, description="Full driver snapshots per second "
                                         "(motors, counters); joints and sensors come from every status")
     ethercat_state_check_ms: int = Field(250, ge=1, description="Period of the AL state check (a backstop: a "
@@ -242,6 +240,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         cnt[C["frames"]] = wc.frames
         cnt[C["lost"]] = wc.lost
         cnt[C["late"]] = wc.late
+        cnt[C["dropped"]] = driver.c["dropped"]
         cnt[C["wkc_errors"]] = wc.wkc_errors
         cnt[C["rtt_ns_max"]] = wc.rtt_max_ns
         if status is None:
@@ -610,17 +609,18 @@ class ProcessBackend(HandBackend):
         counters, wake = shm.counters_dict(), shm.hist["wake"].copy()
         if self._win_prev is not None:
             t0, c0, w0 = self._win_prev
-            dc = {k: counters[k] - c0[k] for k in ("cycles", "overruns", "lost", "no_status", "wkc_errors", "late")}
+            dc = {k: counters[k] - c0[k] for k in ("cycles", "overruns", "lost", "no_status", "wkc_errors", "late",
+                                                   "dropped")}
             p = percentiles(wake - w0)
             secs = (now - t0) / 1e9
             self._window = {
                 "period_us": round(secs * 1e6 / dc["cycles"], 3) if dc["cycles"] else 0.0,
                 "target_period_us": self.period_ns / 1000.0, "cycles": dc["cycles"],
                 "jitter_p50_us": p["p50"] or 0.0, "jitter_p99_us": p["p99"] or 0.0,
-                "jitter_max_us": p["max"] or 0.0, "overruns": dc["overruns"], "drops": dc["no_status"],
+                "jitter_max_us": p["max"] or 0.0, "overruns": dc["overruns"], "drops": dc["dropped"],
                 "frames_lost": dc["lost"], "decode_errors": 0, "window_s": round(secs, 3),
                 "total_cycles": counters["cycles"], "total_overruns": counters["overruns"],
-                "late_frames": dc["late"], "wkc_errors": dc["wkc_errors"],
+                "late_frames": dc["late"], "wkc_errors": dc["wkc_errors"], "no_status": dc["no_status"],
             }
         self._win_prev = (now, counters, wake)
 
@@ -634,7 +634,7 @@ class ProcessBackend(HandBackend):
         cycles = max(1, c["cycles"])
         out["totals"] = {
             **{k: c[k] for k in ("cycles", "overruns", "skipped_cycles", "frames", "lost", "late", "wkc_errors",
-                                 "no_status", "recoveries", "left_op", "max_consecutive_no_status",
+                                 "no_status", "dropped", "recoveries", "left_op", "max_consecutive_no_status",
                                  "commands_applied", "commands_rejected", "state_checks", "events_dropped",
                                  "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
                                  "overrun_slack_work")},

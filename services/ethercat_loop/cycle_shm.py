@@ -23,6 +23,7 @@ COUNTERS = (
     "left_op", "consecutive_no_status", "max_consecutive_no_status", "cpu_ns_sum", "cpu_ns_max", "wake_ns_max",
     "rtt_ns_max", "commands_applied", "commands_rejected", "snapshots", "state_checks", "period_ns",
     "started_ns", "heartbeat_ns", "in_op", "health_error", "events_dropped",
+    "dropped",  # the driver's dropped statuses (an empty palm mailbox: a valid frame, no data)
     # what the overrunning cycles had in common (a cycle can count in several)
     "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame", "overrun_slack_work",
 )

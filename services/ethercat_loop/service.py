@@ -230,18 +230,48 @@ class PalmService:
         if "loop_stats" in names:
             self.dev.publish(LOOP, EthercatLoopStats(ts=ts, counters=dict(s.counters), **self.backend.stats()))
 
-    def _health(self, s: PalmSnapshot | None) -> None:
-        info = self.backend.info()
-        stats = self.backend.stats()
+    def _loss_problems(self, info: dict[str, Any], stats: dict[str, Any]) -> list[str]:
+        """Errors from the link, never from a single lost frame: a run of `ethercat_error_after_lost`
+        cycles without a valid status (the backend's `health_error`), or more lost frames, overruns or
+        dropped statuses in the last 1 s window than their thresholds."""
+        s = self.settings
         problems: list[str] = []
         if info.get("error"):
             problems.append(str(info["error"]))
-        if stats.get("frames_lost", 0):
-            problems.append(f"{stats['frames_lost']} frames lost in the last second")
-        if stats.get("overruns", 0) > overrun_threshold(self.settings):
-            problems.append(f"{stats['overruns']} overruns in the last second")
-        if stats.get("drops", 0) > self.settings.ethercat_drop_threshold:
-            problems.append(f"{stats['drops']} dropped statuses in the last second")
+        elif stats.get("health_error"):
+            problems.append(f"no valid status for {s.ethercat_error_after_lost} cycles or more")
+        lost = int(stats.get("frames_lost", 0))
+        if lost > s.ethercat_lost_threshold:
+            problems.append(f"{lost} frames lost in the last second (threshold {s.ethercat_lost_threshold})")
+        wkc = int(stats.get("wkc_errors", 0))
+        if wkc > s.ethercat_lost_threshold:
+            problems.append(f"{wkc} frames with a wrong working counter in the last second "
+                            f"(threshold {s.ethercat_lost_threshold})")
+        overruns, limit = int(stats.get("overruns", 0)), overrun_threshold(s)
+        if overruns > limit:
+            problems.append(f"{overruns} overruns in the last second (threshold {limit})")
+        drops = int(stats.get("drops", 0))
+        if drops > s.ethercat_drop_threshold:
+            problems.append(f"{drops} dropped statuses in the last second (threshold {s.ethercat_drop_threshold})")
+        return problems
+
+    @staticmethod
+    def _realtime(info: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any] | None:
+        """The cycle's scheduling and the realtime settings it was refused (None: the backend has no
+        realtime cycle to report on, e.g. the in-process model)."""
+        rt = stats.get("realtime")
+        if not isinstance(rt, dict) and "warnings" not in info:
+            return None
+        rt = rt if isinstance(rt, dict) else {}
+        warnings = [str(w) for w in rt.get("warnings") or []]
+        warnings += [str(w) for w in info.get("warnings") or [] if str(w) not in warnings]
+        return {"policy": rt.get("policy") or info.get("realtime_policy") or "", "warnings": warnings}
+
+    def _health(self, s: PalmSnapshot | None) -> None:
+        info = self.backend.info()
+        stats = self.backend.stats()
+        problems = self._loss_problems(info, stats)
+        realtime = self._realtime(info, stats)
         state = str(info.get("state", "unknown"))
         direct = False
         if s is not None:
@@ -266,11 +296,14 @@ class PalmService:
                 state = "can_direct" if direct else ("test_mode" if s.edc_command != EdcCommand.SENSOR_DATA
                                                      else ("initializing" if s.phase == "init" else "running"))
         connected = bool(info.get("connected"))
+        details = {k: info.get(k) for k in ("vendor", "product", "revision", "serial", "protocol", "backend")}
+        # refused realtime settings are warnings: in details and the message, never an error by themselves
+        warnings = [f"warning: {w}" for w in realtime["warnings"]] if realtime else []
+        if realtime is not None:
+            details["realtime"] = realtime
         self.dev.set_health(connection=connected, operational=connected and not direct and not problems
                             and (s is not None and s.phase == "operation"), state=state, error=bool(problems),
-                            error_message="; ".join(problems[:6]),
-                            details={k: info.get(k) for k in ("vendor", "product", "revision", "serial", "protocol",
-                                                              "backend")})
+                            error_message="; ".join(problems[:6] + warnings), details=details)
 
     # -- helpers --------------------------------------------------------------------------------------
     def _submit(self, msg: ControlMessage) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -11,14 +12,29 @@ from shared import Node
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import wait_for
 
+REFUSED = ("SCHED_FIFO priority 80 refused ([Errno 1] Operation not permitted): the cycle runs at normal "
+           "priority, expect jitter (needs CAP_SYS_NICE or an rtprio ulimit)")
+
+
+class UnprivilegedBackend(InProcessBackend):
+    """The model backend reporting what ProcessBackend reports when realtime settings were refused."""
+
+    def info(self):
+        return {**super().info(), "warnings": [REFUSED], "realtime_policy": "SCHED_OTHER/0"}
+
+    def stats(self):
+        return {**super().stats(), "realtime": {"policy": "SCHED_OTHER/0", "warnings": [REFUSED]}}
+
 
 @pytest.fixture
-def service(broker_session, client):
+def service(broker_session, client, request):
     settings = EthercatSettings(mqtt_url=broker_session.url, node="hand-h", health_interval_s=1.0,
                                 ethercat_silent_motor_ms=100,
                                 ethercat_overrun_threshold=1_000_000)  # a busy test machine is not under test
     backend = make_backend(settings)
     assert isinstance(backend, InProcessBackend)
+    if getattr(request, "param", "") == "unprivileged":
+        backend.__class__ = UnprivilegedBackend
     node = Node(API, settings)
     svc = PalmService(node, backend, settings)
     health: list[dict] = []
@@ -63,12 +79,43 @@ def test_health_reports_faults_and_recovers(service):
     backend.model.silence_motor(11, silent=False)
     assert wait_for(lambda: not latest(health).get("error"), 5)
 
-    backend.lose_next = 5
+    backend.lose_next = 50  # above the threshold (10 per second) and 20 in a row: an error
     assert wait_for(lambda: "frames lost" in latest(health).get("error_message", ""), 5)
+    assert "50 frames lost in the last second (threshold 10)" in latest(health)["error_message"]
+    assert wait_for(lambda: not latest(health).get("error"), 5)
     backend.model.drop_status(50)
     assert wait_for(lambda: "dropped statuses" in latest(health).get("error_message", ""), 5)
     assert wait_for(lambda: not latest(health).get("error"), 5)
 
+    validator = ContractValidator(build_document())
+    for topic, payload in list(seen):
+        validator.validate(topic, payload)
+
+
+def test_a_few_lost_frames_do_not_flicker_health(service):
+    backend, health, _seen = service
+    assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["operational"], 10)
+    n = len(health)
+    for _ in range(3):  # 1, then 5 lost frames: below the threshold (10 per second) and 20 in a row
+        backend.lose_next = 1
+        time.sleep(0.4)
+        backend.lose_next = 5
+        time.sleep(0.4)
+    assert wait_for(lambda: backend.stats().get("frames_lost", 0) > 0, 3)
+    time.sleep(1.5)  # two health evaluations per window, and the window the losses fell in
+    assert backend.driver.c["lost"] >= 18
+    after = health[n:]
+    assert not [h for h in after if h["error"] or not h["operational"]], after
+
+
+@pytest.mark.parametrize("service", ["unprivileged"], indirect=True)
+def test_refused_realtime_settings_are_a_warning_in_health(service):
+    _backend, health, seen = service
+    assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["operational"], 10)
+    h = latest(health)
+    assert h["operational"] and not h["error"] and h["connection"]
+    assert h["error_message"] == f"warning: {REFUSED}"
+    assert h["details"]["realtime"] == {"policy": "SCHED_OTHER/0", "warnings": [REFUSED]}
     validator = ContractValidator(build_document())
     for topic, payload in list(seen):
         validator.validate(topic, payload)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -52,9 +53,20 @@ def motor_demand(ctl: HandControl, motor: int) -> int | None:
     return demand_of(ctl.call("stats")["last_command"], motor)
 
 
+# the node without CAP_SYS_NICE and CAP_IPC_LOCK (what a container without them gets): setpriv execs the
+# same interpreter in the same process, so NodeProcess's SIGTERM still reaches the node
+DROP = "-sys_nice,-ipc_lock"
+UNPRIVILEGED = ["-c", "import os, sys; os.execvp('setpriv', ['setpriv', '--inh-caps=" + DROP + "', "
+                "'--bounding-set=" + DROP + "', sys.executable, '-m', 'services.ethercat_loop'])"]
+
+
 @pytest.fixture
-def wire_node(broker_session: Broker, spawn: Any) -> Iterator[tuple[str, NodeProcess, RpcClient, HandControl, Seen]]:
+def wire_node(broker_session: Broker, spawn: Any,
+              request: pytest.FixtureRequest) -> Iterator[tuple[str, NodeProcess, RpcClient, HandControl, Seen]]:
     skip_without_netns()
+    unprivileged = getattr(request, "param", "") == "unprivileged"
+    if unprivileged and shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to drop CAP_SYS_NICE and CAP_IPC_LOCK")
     node = f"wire{os.getpid()}"
     with hand("0220", ["--serial", "4242"]) as (ns, ctl):
         env = {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node, "ROBOBUS_ETHERCAT_BACKEND": "virtual",
@@ -63,7 +75,7 @@ def wire_node(broker_session: Broker, spawn: Any) -> Iterator[tuple[str, NodePro
         client = RpcClient(broker_session.settings(), name=f"wire-test-{os.getpid()}")
         client.connect()
         seen = Seen(client, f"robobus/{node}/#")
-        proc = spawn(["-m", "services.ethercat_loop"], env)
+        proc = spawn(UNPRIVILEGED if unprivileged else ["-m", "services.ethercat_loop"], env)
         try:
             wait_for(lambda: (h := seen.latest("health")) and h.get("state") == "running", 30,
                      f"{node} running (log: {proc.text()[-1500:]})")
@@ -110,6 +122,37 @@ def test_health_reports_loss_and_recovers(wire_node: Any) -> None:
     wait_for(lambda: (h := seen.latest("health")) and h["error"], 10, "health error on repeated loss")
     assert "lost" in (seen.latest("health") or {}).get("error_message", "")
     wait_for(lambda: (h := seen.latest("health")) and not h["error"] and h["connection"], 15, "health recovered")
+
+
+def test_a_lost_frame_does_not_flicker_health(wire_node: Any) -> None:
+    _node, _proc, _client, ctl, seen = wire_node
+    with seen.lock:
+        n = len(seen.msgs)
+    for _ in range(3):
+        ctl.call("drop", n=1)
+        time.sleep(0.3)
+    ctl.call("drop", n=5)  # below the threshold (10 per second) and short of 20 in a row
+    wait_for(lambda: ctl.call("stats")["dropped"] >= 8, 5, "the frames dropped")
+    time.sleep(2.0)  # the 1 s window they fell in, and the health checks after it
+    with seen.lock:
+        health = [json.loads(p) for t, p in seen.msgs[n:] if t.endswith(f"/{DEV}/health")]
+    assert not [h for h in health if h["error"] or not h["operational"]], health
+    h = seen.latest("health")
+    assert h is not None and h["operational"] and not h["error"]
+
+
+@pytest.mark.parametrize("wire_node", ["unprivileged"], indirect=True)
+def test_refused_realtime_is_a_warning_in_health(wire_node: Any) -> None:
+    node, proc, client, ctl, seen = wire_node
+    h = wait_for(lambda: (h := seen.latest("health")) and h["operational"] and h, 10, "operational")
+    assert h["connection"] and not h["error"] and h["state"] == "running"
+    assert h["error_message"].startswith("warning: ") and "SCHED_FIFO priority 80 refused" in h["error_message"]
+    assert "mlockall refused" in h["error_message"]
+    rt = h["details"]["realtime"]
+    assert rt["policy"] == "SCHED_OTHER/0" and any("SCHED_FIFO" in w for w in rt["warnings"])
+    assert "SCHED_FIFO priority 80 refused" in proc.text()  # and in the logs
+    assert client.call(node, DEV, "set_demands", {"motors": {"2": 77}}).ok  # it runs anyway
+    wait_for(lambda: motor_demand(ctl, 2) == 77, 5, "demand on the wire")
 
 
 def test_sigterm_zeroes_demands_before_leaving_op(wire_node: Any) -> None:
