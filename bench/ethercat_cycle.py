@@ -4,6 +4,12 @@ published at 100 Hz and a client sending demand commands at 200 Hz; `cyclictest`
 in the same window at the same priority and period as the anchor for what this machine allows.
 
     python bench/ethercat_cycle.py [--seconds 60] [--quick] [--priority 80] [--period-us 1000]
+                                   [--cpus LAST] [--hand-cpus THE_OTHERS]
+
+Placement: the cycle process on the last CPU, the virtual hand on the others (`--cpus ''` and
+`--hand-cpus ''` leave both to the scheduler); cyclictest, the broker, the node's MQTT process and
+the clients are not pinned. The demand client runs in its own process, so the bench's own
+subscribers and collectors do not share its GIL.
 
 Figures: cycle wake-up latency p50/p99/p99.9/max, overruns, lost/late frames, cycle CPU time,
 exchange round trip, demand-to-wire latency (client publish -> the command frame carrying that
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -24,6 +31,8 @@ import sys
 import tempfile
 import threading
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +44,7 @@ import numpy as np  # noqa: E402
 from services.ethercat_loop.netns import VethNetns  # noqa: E402
 from services.ethercat_loop.protocol import PROTOCOLS, PalmCommand, unpack_command  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
+from shared.settings import KitSettings  # noqa: E402
 from shared.testing import Broker, NodeProcess, can_netns, free_port, mosquitto_bin  # noqa: E402
 
 NODE = "bench-ecat"
@@ -72,41 +82,65 @@ def parse_cyclictest(text: str, period_us: int) -> dict[str, Any]:
             "over_half_period": int(arr[period_us // 2 :].sum())}
 
 
-class DemandSender(threading.Thread):
-    """set_demands at `rate_hz`, motor 0 cycling through 1..1000 so each value is unique for 5 s."""
+def send_demands(url: str, rate_hz: float, ready: Connection, go: Event, stop: Event, out: Connection) -> None:
+    """The client under test, in its own process (the bench's subscribers and collectors must not share
+    its GIL): set_demands at `rate_hz`, motor 0 cycling through 1..1000 so each value is unique for
+    5 s. Sends back [(CLOCK_MONOTONIC ns just before the publish, value)], the request -> reply times
+    (ms), the error count and a few error texts."""
+    client = RpcClient(KitSettings(mqtt_url=url), name=f"bench-ecat-demands-{os.getpid()}")
+    client.connect()
+    ready.send(True)
+    go.wait()
+    period = 1.0 / rate_hz
+    sent: list[tuple[int, int]] = []
+    rtt_ms: list[float] = []
+    errors: list[str] = []
+    nxt = time.monotonic()
+    v = 0
+    while not stop.is_set():
+        v = v % 1000 + 1
+        t = time.monotonic_ns()
+        try:
+            rep = client.call(NODE, DEV, "set_demands", {"motors": {"0": v}}, timeout=2.0)
+            if rep.ok:
+                sent.append((t, v))
+                rtt_ms.append((time.monotonic_ns() - t) / 1e6)
+            else:
+                errors.append(str(rep.error))
+        except TimeoutError:
+            errors.append("no reply within 2 s")
+        nxt += period
+        time.sleep(max(0.0, nxt - time.monotonic()))
+    client.close()
+    out.send({"sent": sent, "rtt_ms": rtt_ms, "errors": len(errors), "error_samples": errors[:5]})
 
-    def __init__(self, client: RpcClient, rate_hz: float) -> None:
-        super().__init__(daemon=True)
-        self.client, self.period = client, 1.0 / rate_hz
-        self.sent: list[tuple[int, int]] = []  # (monotonic ns just before publish, value)
-        self.rtt_ms: list[float] = []  # request -> reply, for comparison
-        self.errors = 0
-        self.error_samples: list[str] = []
-        self.stop = threading.Event()
 
-    def _note(self, what: str) -> None:
-        if len(self.error_samples) < 5:
-            self.error_samples.append(what)
+class DemandSender:
+    """`send_demands` in a spawned process; `result()` after `stop()`."""
 
-    def run(self) -> None:
-        nxt = time.monotonic()
-        v = 0
-        while not self.stop.is_set():
-            v = v % 1000 + 1
-            t = time.monotonic_ns()
-            try:
-                rep = self.client.call(NODE, DEV, "set_demands", {"motors": {"0": v}}, timeout=2.0)
-                if rep.ok:
-                    self.sent.append((t, v))
-                    self.rtt_ms.append((time.monotonic_ns() - t) / 1e6)
-                else:
-                    self.errors += 1
-                    self._note(str(rep.error))
-            except TimeoutError:
-                self.errors += 1
-                self._note("no reply within 2 s")
-            nxt += self.period
-            time.sleep(max(0.0, nxt - time.monotonic()))
+    def __init__(self, url: str, rate_hz: float) -> None:
+        ctx = mp.get_context("spawn")
+        ready_r, ready_w = ctx.Pipe(duplex=False)
+        self._out_r, out_w = ctx.Pipe(duplex=False)
+        self._go, self._stop = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=send_demands, args=(url, rate_hz, ready_w, self._go, self._stop, out_w),
+                                daemon=True)
+        self.proc.start()
+        if not ready_r.poll(30):
+            raise RuntimeError("the demand client did not connect within 30 s")
+        ready_r.recv()
+
+    def start(self) -> None:
+        self._go.set()
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if not self._out_r.poll(30):
+            self.proc.kill()
+            raise RuntimeError("the demand client did not report")
+        res: dict[str, Any] = self._out_r.recv()
+        self.proc.join(5)
+        return res
 
 
 def collect_changes(ctl: Any, sink: list[tuple[int, int, str]], stop: threading.Event) -> None:
@@ -144,8 +178,19 @@ def main() -> None:
     ap.add_argument("--priority", type=int, default=80)
     ap.add_argument("--period-us", type=int, default=1000)
     ap.add_argument("--protocol", default="0220", choices=sorted(PROTOCOLS))
-    ap.add_argument("--cpus", default="", help="CPU affinity of the cycle process, e.g. 1")
+    last = str((os.cpu_count() or 1) - 1)
+    ap.add_argument("--cpus", default=last if last != "0" else "",
+                    help=f"CPU affinity of the cycle process, e.g. 1 or 0,1; '' = any (default: the last CPU, {last})")
+    ap.add_argument("--hand-cpus", default=None,
+                    help="CPU affinity of the virtual hand (default: the CPUs the cycle does not have); '' = any. "
+                         "Not the cycle's CPU: SOEM polls its socket while configuring and checking states, at a "
+                         "higher priority than the hand, which then never gets the CPU to answer")
     a = ap.parse_args()
+    hand_cpus = a.hand_cpus
+    if hand_cpus is None:
+        cycle_cpus = {int(c) for c in a.cpus.split(",")} if a.cpus else set()
+        rest = sorted(set(range(os.cpu_count() or 1)) - cycle_cpus) if cycle_cpus else []
+        hand_cpus = ",".join(map(str, rest))
     seconds = min(a.seconds, 20.0) if a.quick else a.seconds
     reason = can_netns() or (None if mosquitto_bin() else "mosquitto is not installed")
     if reason is None and shutil.which("cyclictest") is None:
@@ -155,17 +200,21 @@ def main() -> None:
         print(json.dumps({"bench": "ethercat_cycle", "skipped": reason}))
         return
     result: dict[str, Any] = {"bench": "ethercat_cycle", "seconds": seconds, "period_us": a.period_us,
-                              "priority": a.priority, "protocol": a.protocol}
+                              "priority": a.priority, "protocol": a.protocol,
+                              "cpus": {"cycle": a.cpus or "any", "virtual_hand": hand_cpus or "any",
+                                       "cyclictest": "any", "of": os.cpu_count()}}
     with tempfile.TemporaryDirectory(prefix="robobus-bench-") as d:
         broker = Broker(free_port(), Path(d))
         broker.start()
         ns = VethNetns(f"rbbench{os.getpid()}")
         node: NodeProcess | None = None
+        sender: DemandSender | None = None
         ct: subprocess.Popen[str] | None = None
         try:
             ns.up()
             at = MOTOR_DATA_AT[a.protocol]
-            ctl = ns.start_hand(a.protocol, ["--rt-priority", str(max(1, a.priority - 10)), "--watch", f"{at}:40"])
+            ctl = ns.start_hand(a.protocol, ["--rt-priority", str(max(1, a.priority - 10)), "--watch", f"{at}:40",
+                                             *(["--cpus", hand_cpus] if hand_cpus else [])])
             env = {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_NODE": NODE, "ROBOBUS_ETHERCAT_BACKEND": "virtual",
                    "ROBOBUS_ETHERCAT_IFNAME": ns.master_if, "ROBOBUS_ETHERCAT_NETNS": ns.name,
                    "ROBOBUS_ETHERCAT_PROTOCOL": a.protocol, "ROBOBUS_ETHERCAT_RT_PRIORITY": str(a.priority),
@@ -186,6 +235,7 @@ def main() -> None:
                           for _, p, _ in client.collect(f"robobus/{NODE}/{DEV}/health", 0.3)):
                 if time.monotonic() > deadline or not node.alive():
                     raise RuntimeError(f"node never ran: {node.text()[-2000:]}")
+            sender = DemandSender(broker.url, 200.0)
             time.sleep(1.0)  # let the start-up config burst pass
             ctl.call("changes", max=100_000)
             changes: list[tuple[int, int, str]] = []
@@ -197,13 +247,11 @@ def main() -> None:
                                    "-h", "20000", "-D", f"{int(seconds)}s"], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
             j0 = len(joints)
-            sender = DemandSender(client, 200.0)
             t0 = time.monotonic()
             sender.start()
             out, _ = ct.communicate(timeout=seconds + 30)
             elapsed = time.monotonic() - t0
-            sender.stop.set()
-            sender.join(5)
+            sent = sender.stop()
             time.sleep(0.5)
             stop.set()
             collector.join(5)
@@ -211,7 +259,7 @@ def main() -> None:
             hand_stats = ctl.call("stats")
             time.sleep(1.2)  # one more loop_stats message with the final totals
             end = stats_msgs[-1]["totals"] if stats_msgs else {}
-            lat = demand_to_wire(sender.sent, changes, a.protocol)
+            lat = demand_to_wire(sent["sent"], changes, a.protocol)
             ctr = parse_cyclictest(out, a.period_us)
             overruns = end.get("overruns", 0) - start_stats.get("overruns", 0)
             result["cycle"] = {
@@ -233,11 +281,11 @@ def main() -> None:
             }
             result["cyclictest"] = ctr
             result["demand_to_wire_ms"] = {"p50": pct(lat, 50), "p99": pct(lat, 99), "max": max(lat) if lat else None,
-                                           "matched": len(lat), "sent": len(sender.sent), "errors": sender.errors,
-                                           "error_samples": sender.error_samples,
-                                           "reply_p50": pct(sender.rtt_ms, 50), "reply_p99": pct(sender.rtt_ms, 99)}
+                                           "matched": len(lat), "sent": len(sent["sent"]), "errors": sent["errors"],
+                                           "error_samples": sent["error_samples"],
+                                           "reply_p50": pct(sent["rtt_ms"], 50), "reply_p99": pct(sent["rtt_ms"], 99)}
             result["rates_hz"] = {"joints_state": round((len(joints) - j0) / elapsed, 1),
-                                  "demands": round(len(sender.sent) / elapsed, 1)}
+                                  "demands": round(len(sent["sent"]) / elapsed, 1)}
             result["virtual_hand"] = {k: hand_stats[k] for k in ("pd_frames", "palm_cycles", "dropped", "delayed")}
             ct_p99, ct_late = ctr.get("p99_us"), ctr.get("over_period")
             p99 = result["cycle"]["wake_p99_us"]
@@ -257,6 +305,8 @@ def main() -> None:
         finally:
             if ct is not None and ct.poll() is None:
                 ct.kill()
+            if sender is not None and sender.proc.is_alive():
+                sender.proc.kill()
             if node is not None:
                 node.stop()
             ns.down()

@@ -78,6 +78,11 @@ class HandBackend(ABC):
         """After stop(): what was sent before leaving OP (e.g. {"zero_demand_cycles": 20})."""
         return {}
 
+    def connected(self) -> bool:
+        """info()["connected"], cheap enough to ask on every command (backends may answer from state
+        their own threads keep current)."""
+        return bool(self.info().get("connected"))
+
 
 class LoopStatsWindow:
     """Per-cycle timing folded into 1 s windows: period, wake-up jitter p50/p99/max, overruns, drops, lost."""
@@ -216,6 +221,9 @@ class InProcessBackend(HandBackend):
 
     def on_can_rx(self, handler: CanRxHandler) -> None:
         self._rx_handler = handler
+
+    def connected(self) -> bool:
+        return self._running
 
     # -- the cycle thread -----------------------------------------------------------------------------
     def _run(self) -> None:

@@ -535,7 +535,7 @@ class ProcessBackend(HandBackend):
 
     def _poll_state_locked(self) -> None:
         shm = self._shm
-        got = shm.read_slot("status") if shm is not None else None
+        got = shm.read_slot("status") if shm is not None and shm.seq("status") != self._state_seq else None
         if got is not None and got[0] != self._state_seq:
             self._state_seq = got[0]
             new: _CycleState = pickle.loads(got[1])
@@ -553,12 +553,13 @@ class ProcessBackend(HandBackend):
         shm = self._shm
         if shm is None:
             return self._merged or self._snap
-        got = shm.read_slot("snapshot")
+        # peek at the sequences first: most calls find nothing new and copy nothing
+        got = shm.read_slot("snapshot") if shm.seq("snapshot") != self._snap_seq else None
         if got is not None and got[0] != self._snap_seq:
             self._snap_seq = got[0]
             self._snap = pickle.loads(got[1])
             self._merged = None
-        raw = shm.read_slot("raw")
+        raw = shm.read_slot("raw") if (shm.seq("raw"), self._snap_seq) != self._raw_seq else None
         if self._snap is not None and raw is not None and (raw[0], self._snap_seq) != self._raw_seq:
             self._raw_seq = (raw[0], self._snap_seq)
             self._merged = self._merge(self._snap, raw[1])
@@ -667,6 +668,12 @@ class ProcessBackend(HandBackend):
 
     def on_can_rx(self, handler: CanRxHandler) -> None:
         self._rx_handler = handler
+
+    def connected(self) -> bool:
+        """info()["connected"] from the state the monitor thread reads every 50 ms: no shared-memory read
+        or unpickling on a command's path."""
+        st = self._state
+        return self._running and st.state in ("op", "stopping") and not st.state_issue
 
     def _pump_events(self) -> None:
         conn = self._events_r

@@ -98,6 +98,11 @@ class SharedBlock:
         _SEQ.pack_into(self.mm, off, seq + 2, len(payload))
         return True
 
+    def seq(self, name: str) -> int:
+        """The slot's sequence as it stands (no copy): a reader compares it with the sequence of its last
+        read to skip reading a slot that has not changed."""
+        return int(_SEQ.unpack_from(self.mm, REGIONS[name][0])[0])
+
     def read_slot(self, name: str, retries: int = 50) -> tuple[int, bytes] | None:
         """(sequence, payload) of a consistent read, or None if nothing was ever written."""
         off, _size = REGIONS[name]

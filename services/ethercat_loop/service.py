@@ -317,7 +317,7 @@ class PalmService:
         if cur is not None:
             raise CommandError(ErrorCode.BUSY, f"the CAN bridge is leased by {cur.holder!r}: the hand is in CAN "
                                                "direct mode and its demands are zero")
-        if not self.backend.info().get("connected"):
+        if not self.backend.connected():
             raise CommandError(ErrorCode.UNAVAILABLE, "the palm is not in OP")
 
     def _motor_ids(self, refs: list[MotorRef]) -> tuple[int, ...]:
@@ -426,7 +426,7 @@ class PalmService:
         return PalmAdcTestReply(matches=not bad, mismatched=bad, sensors=rows)
 
     def send_can(self, req: PalmSendCanRequest) -> PalmSendCanReply:
-        if not self.backend.info().get("connected"):
+        if not self.backend.connected():
             raise CommandError(ErrorCode.UNAVAILABLE, "the palm is not in OP")
         data = bytes.fromhex(req.data)
         if req.length is not None:
@@ -451,7 +451,7 @@ class PalmService:
     def bridge_lease(self, req: PalmBridgeLeaseRequest) -> PalmBridgeLease:
         if req.holder.startswith("_"):
             raise CommandError(ErrorCode.INVALID_REQUEST, "holder names starting with '_' are reserved")
-        if not self.backend.info().get("connected"):
+        if not self.backend.connected():
             raise CommandError(ErrorCode.UNAVAILABLE, "the palm is not in OP")
         now = time.monotonic()
         lease = self.lease.acquire(req.holder, req.ttl_ms, now)

@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-every", type=int, default=0, help="delay every Nth process-data frame")
     p.add_argument("--delay-us", type=int, default=3000)
     p.add_argument("--rt-priority", type=int, default=0, help="SCHED_FIFO priority for the hand (0: normal)")
+    p.add_argument("--cpus", default="", help="CPU affinity of the hand, e.g. 1 or 0,1 (default: any)")
     p.add_argument("--watch", help="OFFSET:LENGTH of the command bytes whose changes are logged (default: all)")
     a = p.parse_args(argv)
     watch: tuple[int, int] | None = None
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = HandOptions(a.protocol, a.serial, a.vendor, a.revision, a.left, not a.no_sii_pd, a.status_size_delta,
                        a.drop_every, a.delay_every, a.delay_us, watch)
     hand = VirtualHand(opts, load_model(a.model, a.protocol))
+    if a.cpus:
+        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
     warning = set_realtime(a.rt_priority)
     if warning:
         print(f"virtual_hand: warning: {warning}", file=sys.stderr, flush=True)
