@@ -242,6 +242,10 @@ def main() -> None:
             stop = threading.Event()
             collector = threading.Thread(target=collect_changes, args=(ctl, changes, stop), daemon=True)
             collector.start()
+            n_stats = len(stats_msgs)  # the totals at the start: a loop_stats sent after that pull
+            wait_until = time.monotonic() + 3.0
+            while len(stats_msgs) <= n_stats and time.monotonic() < wait_until:
+                time.sleep(0.02)
             start_stats = stats_msgs[-1]["totals"] if stats_msgs and "totals" in stats_msgs[-1] else {}
             ct = subprocess.Popen(["cyclictest", "-m", "-q", "-t1", f"-p{a.priority}", f"-i{a.period_us}",
                                    "-h", "20000", "-D", f"{int(seconds)}s"], stdout=subprocess.PIPE,
@@ -252,13 +256,18 @@ def main() -> None:
             out, _ = ct.communicate(timeout=seconds + 30)
             elapsed = time.monotonic() - t0
             sent = sender.stop()
-            time.sleep(0.5)
+            # the totals at the end of the window: the first loop_stats (1 Hz) after cyclictest ended,
+            # taken before the final pull of the hand's change log (a large reply from the single-threaded
+            # hand, which delays its frames: not part of the run)
+            n_stats = len(stats_msgs)
+            wait_until = time.monotonic() + 3.0
+            while len(stats_msgs) <= n_stats and time.monotonic() < wait_until:
+                time.sleep(0.02)
+            end = stats_msgs[-1]["totals"] if stats_msgs else {}
             stop.set()
             collector.join(5)
             changes.extend(ctl.call("changes", max=100_000)["changes"])
             hand_stats = ctl.call("stats")
-            time.sleep(1.2)  # one more loop_stats message with the final totals
-            end = stats_msgs[-1]["totals"] if stats_msgs else {}
             lat = demand_to_wire(sent["sent"], changes, a.protocol)
             ctr = parse_cyclictest(out, a.period_us)
             overruns = end.get("overruns", 0) - start_stats.get("overruns", 0)

@@ -34,6 +34,7 @@ SII_CAT_RXPDO = 51
 REG_FMMU0 = 0x0600
 REG_SM0 = 0x0800
 REG_ALCTL = 0x0120
+REG_ALSTAT = 0x0130  # AL status (state | 0x10 error), then 0x0134 AL status code
 MIN_WAIT_NS = 20_000  # even a late cycle waits this long for its frame
 LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (reference §2.2)
 STATE_NAMES = {0: "NONE", 1: "INIT", 2: "PRE-OP", 3: "BOOT", 4: "SAFE-OP", 8: "OP"}
@@ -337,29 +338,60 @@ class EthercatMaster:
             return (-1 if time.monotonic_ns() - t0 >= timeout * 1000 else wkc), None
         return wkc, status
 
-    def check_states(self) -> str:
-        """Read every slave's AL state; one recovery step for the first slave confirmed out of OP.
+    def _read_states(self, bus: _Bus, give_up_ns: int | None) -> list[tuple[int, int] | None]:
+        """(AL state, AL status code) of every slave; None for a slave whose read was cut short.
+
+        Without a time limit, SOEM's read_state (a broadcast, then one read per slave when they differ).
+        With one, an FPRD of AL status + code per slave, each waiting at most until `give_up_ns`: SOEM
+        polls the (non-blocking) socket for its own 2 ms per datagram, which a cycle cannot afford when
+        a slave has stopped answering. A read cut short by the limit before `late_us` says nothing about
+        the slave; one that waited longer and got no answer is a slave not answering (NONE)."""
+        if give_up_ns is None:
+            bus.master.read_state()
+            return [(int(s.state), int(s.al_status)) for s in bus.slaves]
+        out: list[tuple[int, int] | None] = []
+        full_us = self.cfg.recv_timeout_us
+        for s in bus.slaves:
+            left_us = (give_up_ns - time.monotonic_ns()) // 1000
+            if left_us < MIN_WAIT_NS // 1000:
+                out.append(None)
+                continue
+            wait_us = min(full_us, left_us)
+            try:
+                raw = s._fprd(REG_ALSTAT, 6, wait_us)
+            except pysoem.WkcError:
+                out.append((pysoem.NONE_STATE, 0) if wait_us >= min(full_us, self.cfg.late_us) else None)
+                continue
+            out.append((raw[0] & 0x1F, int(struct.unpack_from("<H", raw, 4)[0])))
+        return out
+
+    def check_states(self, give_up_ns: int | None = None) -> str:
+        """Read every slave's AL state (waiting at most until the CLOCK_MONOTONIC time `give_up_ns`,
+        when given); one recovery step for the first slave confirmed out of OP.
         Returns "" when all are in OP, else what was found (for health). A slave must be seen out of OP
         twice in a row (three times when it did not answer at all) before anything is done: one lost
         state-read frame must not trigger a recovery of a healthy slave. No logging here (this runs in
         the realtime process); the MQTT side logs the returned text when it changes."""
         bus = self._need()
-        bus.master.read_state()
-        confirmed: tuple[int, Any, int] | None = None
+        states = self._read_states(bus, give_up_ns)
+        confirmed: tuple[int, Any, int, int] | None = None
         for i, s in enumerate(bus.slaves):
-            st = int(s.state)
+            got = states[i]
+            if got is None:  # not read this time: no evidence either way
+                continue
+            st, code = got
             if st == pysoem.OP_STATE:
                 self._sightings.pop(i, None)
                 continue
             n = self._sightings[i] = self._sightings.get(i, 0) + 1
             if confirmed is None and n >= (3 if st == pysoem.NONE_STATE else 2):
-                confirmed = (i, s, st)
+                confirmed = (i, s, st, code)
         if confirmed is None:
             if not self._sightings:
                 self.counters.state_issue = ""
             return self.counters.state_issue
-        i, s, st = confirmed
-        issue = f"slave {i + 1} {s.name} in {state_name(st)} (AL code {s.al_status:#06x})"
+        i, s, st, code = confirmed
+        issue = f"slave {i + 1} {s.name} in {state_name(st)} (AL code {code:#06x})"
         if self.counters.state_issue != issue:
             self.counters.left_op += 1
         self.counters.state_issue = issue

@@ -4,6 +4,10 @@ Root only; skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pysoem
 import pytest
 
@@ -147,3 +151,32 @@ def test_master_refuses_a_protocol_other_than_configured() -> None:
     pattern = "speaks protocol 0220, but protocol 0230 is configured"
     with hand("0220", ECHO) as (ns, _ctl), pytest.raises(MasterError, match=pattern):
         _run_master(ns, MasterConfig(ns.master_if, netns=ns.name, protocol="0230"), lambda m: None)
+
+
+def test_state_check_never_outlasts_its_limit() -> None:
+    """A slave that stops answering (the hand process stopped) costs a bounded state check no more than
+    its limit, where SOEM's own read waits 2 ms per datagram; the unanswered read is one sighting, not
+    a recovery."""
+    with hand("0220", ECHO) as (ns, _ctl):
+        assert ns.hand_proc is not None
+
+        def body(m: EthercatMaster) -> dict[str, object]:
+            assert m.check_states(time.monotonic_ns() + 400_000) == ""  # answered: all in OP
+            os.kill(ns.hand_proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            try:
+                t0 = time.monotonic_ns()
+                bounded = m.check_states(t0 + 400_000)
+                took_bounded = time.monotonic_ns() - t0
+                t0 = time.monotonic_ns()
+                m.check_states()
+                took_soem = time.monotonic_ns() - t0
+            finally:
+                os.kill(ns.hand_proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+            return {"bounded": bounded, "took_bounded": took_bounded, "took_soem": took_soem,
+                    "recoveries": m.counters.recoveries}
+
+        out = _run_master(ns, MasterConfig(ns.master_if, netns=ns.name, recv_timeout_us=500, late_us=300), body)
+    assert isinstance(out, dict)
+    assert out["bounded"] == "" and out["recoveries"] == 0
+    assert int(out["took_bounded"]) < 1_000_000, out  # 400 µs asked, scheduling margin on a shared machine
+    assert int(out["took_soem"]) >= 2_000_000, out  # what the cycle no longer pays
