@@ -255,6 +255,7 @@ def main() -> None:
             sender.start()
             out, _ = ct.communicate(timeout=seconds + 30)
             elapsed = time.monotonic() - t0
+            j1 = len(joints)
             sent = sender.stop()
             # the totals at the end of the window: the first loop_stats (1 Hz) after cyclictest ended,
             # taken before the final pull of the hand's change log (a large reply from the single-threaded
@@ -293,7 +294,7 @@ def main() -> None:
                                            "matched": len(lat), "sent": len(sent["sent"]), "errors": sent["errors"],
                                            "error_samples": sent["error_samples"],
                                            "reply_p50": pct(sent["rtt_ms"], 50), "reply_p99": pct(sent["rtt_ms"], 99)}
-            result["rates_hz"] = {"joints_state": round((len(joints) - j0) / elapsed, 1),
+            result["rates_hz"] = {"joints_state": round((j1 - j0) / elapsed, 1),
                                   "demands": round(len(sent["sent"]) / elapsed, 1)}
             result["virtual_hand"] = {k: hand_stats[k] for k in ("pd_frames", "palm_cycles", "dropped", "delayed")}
             ct_p99, ct_late = ctr.get("p99_us"), ctr.get("over_period")

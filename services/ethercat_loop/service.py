@@ -171,22 +171,26 @@ class PalmService:
         rates = {spec.name: self.settings.state_rates.get(spec.name, spec.rate_hz or 1.0)
                  for spec in (JOINTS, MOTORS, TACTILE, EXTRAS, LOOP)}
         cycle_hz = 1e6 / self.settings.ethercat_period_us
-        tick = 1.0 / min(max(rates.values()), cycle_hz)
-        due = dict.fromkeys(rates, 0.0)
-        next_health = 0.0
+        interval = {n: 1.0 / min(r, cycle_hz) for n, r in rates.items()}
+        start = time.monotonic()
+        due = dict.fromkeys(rates, start)
+        next_health = start
         while not self._stop.is_set():
             now = time.monotonic()
             self._check_lease(now)
             names = [n for n, t in due.items() if now >= t]
             for n in names:
-                due[n] = now + 1.0 / rates[n]
+                # a fixed schedule, so the rate is the configured one (the kit's rate cap holds back what
+                # comes early); after a stall, on from now rather than a burst to catch up
+                nxt = due[n] + interval[n]
+                due[n] = nxt if nxt > now else now + interval[n]
             snap = self.backend.snapshot() if names or now >= next_health else None
             if snap is not None:
                 self._publish(names, snap)
             if now >= next_health:
                 next_health = now + 0.25
                 self._health(snap)
-            self._stop.wait(max(0.0005, tick - (time.monotonic() - now)))
+            self._stop.wait(max(0.0005, min(*due.values(), next_health) - time.monotonic()))
 
     def shutdown(self) -> None:
         """Node shutdown hook: zero demands, leave OP, say so, before the node goes offline."""
