@@ -258,6 +258,18 @@ def test_shared_block_slots_and_histograms() -> None:
     assert percentiles(np.zeros(5, np.int64))["p50"] is None
 
 
+@given(st.dictionaries(st.integers(0, 300), st.integers(1, 50), min_size=1, max_size=40))
+def test_percentiles_match_the_samples(bins: dict[int, int]) -> None:
+    hist = np.zeros(301, np.int64)
+    for us, n in bins.items():
+        hist[us] = n
+    samples = np.sort(np.repeat(np.arange(301), hist))
+    p = percentiles(hist)
+    for q in (0.5, 0.99, 0.999):  # the smallest bin holding at least q of the samples
+        assert p[f"p{q * 100:g}"] == samples[max(0, int(np.ceil(q * len(samples))) - 1)]
+    assert p["max"] == max(bins) and p["count"] == sum(bins.values())
+
+
 @given(st.lists(st.tuples(st.integers(0, 15), st.integers(0, 0xFFFF), st.integers(0, 0xFFFF),
                           st.binary(max_size=64)), min_size=1, max_size=6))
 @settings(max_examples=200, deadline=None)
