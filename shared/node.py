@@ -166,6 +166,7 @@ class Device:
         }
         self._health_lock = threading.Lock()
         self._commands: dict[str, tuple[CommandSpec, Handler]] = {}
+        self._inline: set[str] = set()
         self._jobs: dict[str, tuple[JobSpec, Handler, Handler | None]] = {}
         self._running: dict[str, JobContext] = {}
         self._slots: dict[str, _Slot] = {}
@@ -262,11 +263,22 @@ class Device:
         self.node.session.subscribe(f"{self.base}/stream/{spec.name}", _recv, qos=spec.qos)
 
     # -- commands and jobs -----------------------------------------------------------------------
-    def bind(self, spec: CommandSpec, handler: Handler) -> None:
-        """handler(request_model) -> reply model or dict; may be `async def` (runs on node.loop)."""
+    def bind(self, spec: CommandSpec, handler: Handler, *, inline: bool = False) -> None:
+        """handler(request_model) -> reply model or dict; may be `async def` (runs on node.loop).
+
+        `inline=True` runs a synchronous handler on the MQTT network thread, skipping the hand-over to
+        the command pool: for handlers that only validate and enqueue (a demand for a realtime cycle),
+        where the hop's latency matters. Such a handler must never block or do slow work: while it runs,
+        no message is received. Validation and the reply are the same either way."""
         if self.node.api.commands.get(spec.name) is not spec:
             raise KeyError(f"command {spec.name!r} is not declared on {self.node.api.service}'s API")
+        if inline and inspect.iscoroutinefunction(handler):
+            raise ValueError(f"command {spec.name!r}: an inline handler must be synchronous")
         self._commands[spec.name] = (spec, handler)
+        if inline:
+            self._inline.add(spec.name)
+        else:
+            self._inline.discard(spec.name)
 
     def bind_job(self, spec: JobSpec, run: Handler, admit: Handler | None = None) -> None:
         """run(request, job: JobContext) -> result, on its own thread. `admit(request)` runs first,
@@ -577,11 +589,19 @@ class Node:
         correlation = getattr(props, "CorrelationData", None) if props else None
         if msg.retain:
             return  # a retained request is stale by definition; never act on it
+        if self._is_inline(msg.topic):
+            self._handle_command(msg.topic, bytes(msg.payload), response_topic, correlation)
+            return
         try:
             self._pool.submit(self._handle_command, msg.topic, bytes(msg.payload), response_topic,
                               correlation)
         except RuntimeError:  # pool shut down: we are stopping
             pass
+
+    def _is_inline(self, topic: str) -> bool:
+        device_name, _, command = topic[len(self.base) + 1:].partition("/cmd/")
+        dev = self.devices.get(device_name)
+        return dev is not None and command in dev._inline
 
     def _handle_command(self, topic: str, payload: bytes, response_topic: str | None,
                         correlation: bytes | None) -> None:

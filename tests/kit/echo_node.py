@@ -51,6 +51,11 @@ ECHO = API.command("echo", EchoRequest, EchoReply, doc="Echo the text back")
 SLOW = API.command("slow", SlowRequest, Nothing, doc="Sleep, to prove slow handlers block nothing")
 BOOM = API.command("boom", Nothing, Nothing, doc="Raise an unexpected exception")
 FAIL = API.command("fail", Nothing, Nothing, doc="Fail with device_error")
+class WhereReply(BaseModel):
+    thread: str
+
+
+WHERE = API.command("where", Nothing, WhereReply, doc="Which thread ran the handler (inline dispatch test)")
 COUNT = API.job("count", CountRequest, CountResult, doc="Count to n, slowly")
 COUNTER = API.state("counter", Counter, rate_hz=20)
 TICK = API.event("tick", Counter, doc="Every 100th count")
@@ -85,6 +90,7 @@ def build(node: Node, device: str = "dev1") -> threading.Event:
                     job.wait(r.delay_s)
             return CountResult(counted=r.n)
 
+    dev.bind(WHERE, lambda r: WhereReply(thread=threading.current_thread().name), inline=True)
     dev.bind(SLOW, slow)
     dev.bind(BOOM, boom)
     dev.bind(FAIL, fail)

@@ -6,6 +6,7 @@ import json
 import threading
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +26,23 @@ def _err(client: RpcClient, node: Node, payload: bytes | str | dict | None, comm
     assert not rep.ok, rep
     assert rep.error is not None
     return rep.error
+
+
+def test_inline_handler_runs_on_the_network_thread(echo_node: Node, client: RpcClient) -> None:
+    rep = client.call(echo_node.name, "dev1", "where", {})
+    assert rep.ok and not rep.result["thread"].startswith("cmd"), rep.result  # not a pool thread
+    bad = client.call(echo_node.name, "dev1", "where", b"[]")
+    assert not bad.ok and bad.error and bad.error["code"] == "invalid_request"  # validated the same way
+
+
+def test_inline_handler_must_be_synchronous(echo_node: Node) -> None:
+    from tests.kit.echo_node import WHERE
+
+    async def coro(r: object) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="synchronous"):
+        echo_node.devices["dev1"].bind(WHERE, coro, inline=True)
 
 
 def test_undecodable_bytes(echo_node: Node, client: RpcClient) -> None:
