@@ -53,6 +53,7 @@ class EchoReq(BaseModel):
 
 
 ECHO = API.command("echo", EchoReq, EchoReq)
+ECHO_INLINE = API.command("echo_inline", EchoReq, EchoReq)
 
 
 def sample_dict(i: int) -> dict[str, object]:
@@ -68,6 +69,7 @@ def serve_kit(url: str) -> None:
 
     node = Node(API, KitSettings(mqtt_url=url, node="bench"))
     node.device("d").bind(ECHO, lambda r: r)
+    node.device("d").bind(ECHO_INLINE, lambda r: r, inline=True)
     node.run()
 
 
@@ -97,11 +99,11 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
-def kit_round_trips(c: RpcClient, n: int) -> list[float]:
+def kit_round_trips(c: RpcClient, n: int, command: str = "echo") -> list[float]:
     out = []
     for i in range(n):
         t0 = time.perf_counter()
-        rep = c.call("bench", "d", "echo", {"seq": i, "text": "x"}, timeout=5)
+        rep = c.call("bench", "d", command, {"seq": i, "text": "x"}, timeout=5)
         out.append((time.perf_counter() - t0) * 1000)
         assert rep.ok and rep.result["seq"] == i
     return out
@@ -200,9 +202,11 @@ def main() -> None:
             bare_round_trips(broker.url, bare_topic, 200)
             # interleave halves so that machine noise hits both sides alike
             kit: list[float] = []
+            inline: list[float] = []
             bare: list[float] = []
             for _ in range(2):
                 kit += kit_round_trips(c, calls // 2)
+                inline += kit_round_trips(c, calls // 2, "echo_inline")
                 bare += bare_round_trips(broker.url, bare_topic, calls // 2)
             c.close()
             thr = publish_throughput(broker.url, messages)
@@ -217,6 +221,7 @@ def main() -> None:
         "calls": len(kit),
         "kit_p50_ms": round(pct(kit, 50), 3), "kit_p99_ms": round(pct(kit, 99), 3),
         "kit_max_ms": round(max(kit), 3),
+        "kit_inline_p50_ms": round(pct(inline, 50), 3), "kit_inline_p99_ms": round(pct(inline, 99), 3),
         "bare_p50_ms": round(pct(bare, 50), 3), "bare_p99_ms": round(pct(bare, 99), 3),
         "kit_bare_p50_ratio": round(pct(kit, 50) / pct(bare, 50), 3),
         "kit_bare_p99_ratio": round(pct(kit, 99) / pct(bare, 99), 3),
@@ -232,6 +237,7 @@ def main() -> None:
     res["meets_targets"] = bool(res["kit_p50_ms"] <= 1 and res["kit_p99_ms"] <= 5
                                 and res["kit_bare_p50_ratio"] <= 1.5 and res["validated_delivered_per_s"] >= 10000)
     print(f"kit  round trip: p50 {res['kit_p50_ms']} ms  p99 {res['kit_p99_ms']} ms  (n={len(kit)})")
+    print(f"kit  inline:     p50 {res['kit_inline_p50_ms']} ms  p99 {res['kit_inline_p99_ms']} ms")
     print(f"bare round trip: p50 {res['bare_p50_ms']} ms  p99 {res['bare_p99_ms']} ms")
     print(f"validated 40-field publishes: {res['validated_delivered_per_s']}/s delivered "
           f"({res['validated_publish_per_s']}/s handed to paho)")
