@@ -130,8 +130,9 @@ class SharedBlock:
 def percentiles(hist: npt.NDArray[np.int64], qs: tuple[float, ...] = (0.5, 0.99, 0.999)) -> dict[str, float | None]:
     """Percentiles (µs) of a 1 µs-bin histogram; the last bin stands for 'HIST_US or more'."""
     # only the occupied bins (a few hundred of 20 001): the MQTT process calls this several times a second
-    # and holds the GIL while it runs. The cycle process keeps counting while we read: `counts` is a copy
-    # taken after `bins`, and a count never goes down, so every bin in it is still occupied.
+    # and holds the GIL while it runs. Copied first: the cycle process keeps counting while we read (numpy's
+    # nonzero refuses an array whose count of non-zero elements changes under it).
+    hist = hist.copy()
     bins = np.flatnonzero(hist)
     counts = hist[bins]
     out: dict[str, float | None] = {}
