@@ -147,8 +147,10 @@ class PalmService:
         backend.on_can_rx(self._on_can_rx)
         d = self.dev
         d.bind(SET_MODE, self.set_control_mode)
-        d.bind(SET_DEMANDS, self.set_demands)
-        d.bind(NULLIFY, self.nullify)
+        # these two only validate and enqueue (a non-blocking pipe write, or a queue): on the MQTT network
+        # thread, without the hand-over to the command pool (one GIL hand-off less on a demand's way)
+        d.bind(SET_DEMANDS, self.set_demands, inline=True)
+        d.bind(NULLIFY, self.nullify, inline=True)
         d.bind(SET_CONFIG, self.set_motor_config)
         d.bind(SYSTEM, self.system_controls)
         d.bind(TEST_ADC, self.test_adc_channels)

@@ -97,7 +97,8 @@ def test_demand_and_status_over_mqtt_and_the_wire(wire_node: Any) -> None:
     time.sleep(1.0)
     lags = []
     for k in range(7):
-        ctl.call("changes", max=100_000)
+        while len(ctl.call("changes", max=500)["changes"]) == 500:  # drain in datagrams that fit (208 KB)
+            pass
         t0 = time.monotonic_ns()
         rep = client.call(node, DEV, "set_demands", {"motors": {"3": 111 + k}})
         assert rep.ok, rep.error
