@@ -562,7 +562,11 @@ class Node:
                 if not slot.has_pending:
                     continue
                 value, slot.pending, slot.has_pending = slot.pending, None, False
-                slot.last_sent = time.monotonic()
+                # keep the cadence: the slot's time is when it was due, not when the flusher got to it
+                # (else every held-back value stretches the period and 100 Hz becomes ~97 Hz); never
+                # further back than one interval, so a late flusher cannot cause a burst
+                now_t = time.monotonic()
+                slot.last_sent = max(slot.last_sent + slot.interval, now_t - slot.interval)
             self._send_slot(slot, value)
         return max(nxt, 0.0005)
 

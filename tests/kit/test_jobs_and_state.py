@@ -87,3 +87,27 @@ def test_health_heartbeat_and_change(echo_node: Node, client: RpcClient) -> None
     assert {"connection", "operational", "state", "error", "error_message", "service", "node", "device",
             "version", "ts"} <= set(h)
     assert time.time() - h["ts"] < 5
+
+
+def test_rate_cap_keeps_its_cadence(broker_session: Broker, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A held-back value sent late must not stretch the period (100 Hz would become ~97 Hz):
+    the slot's clock advances by whole intervals. A fake clock makes this exact."""
+    import shared.node as node_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(node_mod.time, "monotonic", lambda: clock[0])
+    node = Node(RATE_API, broker_session.settings(node="rate3"))  # not started: publishes are just counted
+    dev = node.device("d")
+    slot = dev._slot(READING)  # 10 Hz cap
+    dev.publish(READING, Reading(value=1))
+    assert slot.last_sent == 1000.0
+    clock[0] = 1000.05
+    dev.publish(READING, Reading(value=2))  # too soon: held back, due at 1000.1
+    assert slot.has_pending
+    clock[0] = 1000.1012  # the flusher gets there 1.2 ms late
+    node._flush_due()
+    assert not slot.has_pending and abs(slot.last_sent - 1000.1) < 1e-9  # due time, not flush time
+    clock[0] = 1000.5  # a long pause: never more than one interval of catch-up, so no burst
+    dev.publish(READING, Reading(value=3))
+    assert slot.last_sent == 1000.5
+    node.stop()
