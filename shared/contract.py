@@ -19,7 +19,6 @@ from pydantic import BaseModel
 from shared.messages import (
     CancelReply,
     CancelRequest,
-    JobAccepted,
     JobProgress,
     JobResult,
 )
@@ -192,6 +191,3 @@ class ServiceAPI:
         spec = StreamSpec(name, model, direction, qos, doc or (model.__doc__ or "").strip())
         self.streams[name] = spec
         return spec
-
-    def job_accepted_model(self) -> type[BaseModel]:
-        return JobAccepted

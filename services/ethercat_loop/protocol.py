@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import TypeVar
 
+from services.can_bootloader.protocol import BootCommand
+
 T = TypeVar("T")
 
 NUM_MOTORS = 20
@@ -239,14 +241,9 @@ class CanDirection(IntEnum):
     BOOTLOADER = 3
 
 
-class BootloaderCommand(IntEnum):
-    WRITE_FLASH_DATA = 0x0
-    READ_FLASH = 0x1
-    ERASE_FLASH = 0x2
-    RESET = 0x3
-    READ_VERSION = 0x4
-    WRITE_FLASH_ADDRESS = 0x5
-    MAGIC_PACKET = 0xA
+# The bootloader's commands (SID bits [3:0] when the direction is BOOTLOADER) have one definition,
+# in can-bootloader's pure protocol module, which owns the bootloader.
+BootloaderCommand = BootCommand
 
 
 SID_ACK = 0x10
