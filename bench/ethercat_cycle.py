@@ -26,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,9 +41,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+import paho.mqtt.client as mqtt  # noqa: E402
+from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
 from services.ethercat_loop.netns import VethNetns  # noqa: E402
 from services.ethercat_loop.protocol import PROTOCOLS, PalmCommand, unpack_command  # noqa: E402
+from shared.mqtt import reply_properties  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
 from shared.testing import Broker, NodeProcess, can_netns, free_port, mosquitto_bin  # noqa: E402
@@ -85,33 +89,66 @@ def parse_cyclictest(text: str, period_us: int) -> dict[str, Any]:
 def send_demands(url: str, rate_hz: float, ready: Connection, go: Event, stop: Event, out: Connection) -> None:
     """The client under test, in its own process (the bench's subscribers and collectors must not share
     its GIL): set_demands at `rate_hz`, motor 0 cycling through 1..1000 so each value is unique for
-    5 s. Sends back [(CLOCK_MONOTONIC ns just before the publish, value)], the request -> reply times
-    (ms), the error count and a few error texts."""
-    client = RpcClient(KitSettings(mqtt_url=url), name=f"bench-ecat-demands-{os.getpid()}")
-    client.connect()
-    ready.send(True)
-    go.wait()
-    period = 1.0 / rate_hz
-    sent: list[tuple[int, int]] = []
+    5 s. A bare paho MQTT 5 client, as another language's client would be: the request is written to
+    the socket in this thread (paho writes at once when no network thread runs), so the time taken
+    just before publish() is the publish, not a hop to a network thread; replies are read between
+    requests and matched by correlation data. Sends back [(CLOCK_MONOTONIC ns just before the publish,
+    value)], the request -> reply times (ms), the error count and a few error texts."""
+    broker = KitSettings(mqtt_url=url).broker()
+    cid = f"bench-ecat-demands-{os.getpid()}"
+    reply_topic = f"robobus/_client/{cid}/reply"
+    topic = f"robobus/{NODE}/{DEV}/cmd/set_demands"
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv5)
+    pending: dict[bytes, int] = {}
     rtt_ms: list[float] = []
     errors: list[str] = []
-    nxt = time.monotonic()
-    v = 0
+    subscribed = threading.Event()
+
+    def on_message(_c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        t_sent = pending.pop(bytes(getattr(msg.properties, "CorrelationData", b"") or b""), None)
+        if t_sent is None:
+            return
+        rep = json.loads(msg.payload)
+        if rep.get("ok"):
+            rtt_ms.append((time.monotonic_ns() - t_sent) / 1e6)
+        else:
+            errors.append(str(rep.get("error")))
+
+    client.on_message = on_message
+    client.on_subscribe = lambda *_a: subscribed.set()
+    client.connect(broker.host, broker.port)
+    sock = client.socket()
+    if isinstance(sock, socket.socket):  # as any latency-minded client does (the kit's session does the same)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    client.subscribe(reply_topic, qos=1)
+    while not subscribed.is_set():
+        client.loop(0.1)
+    ready.send(True)
+    while not go.is_set():
+        client.loop(0.05)
+    period_ns = int(1e9 / rate_hz)
+    sent: list[tuple[int, int]] = []
+    nxt = time.monotonic_ns()
+    v = n = 0
     while not stop.is_set():
         v = v % 1000 + 1
+        n += 1
+        corr = n.to_bytes(8, "big")
+        props = reply_properties(reply_topic, corr, "application/json")
+        body = json.dumps({"motors": {"0": v}})
         t = time.monotonic_ns()
-        try:
-            rep = client.call(NODE, DEV, "set_demands", {"motors": {"0": v}}, timeout=2.0)
-            if rep.ok:
-                sent.append((t, v))
-                rtt_ms.append((time.monotonic_ns() - t) / 1e6)
-            else:
-                errors.append(str(rep.error))
-        except TimeoutError:
-            errors.append("no reply within 2 s")
-        nxt += period
-        time.sleep(max(0.0, nxt - time.monotonic()))
-    client.close()
+        pending[corr] = t
+        client.publish(topic, body, qos=1, properties=props)
+        sent.append((t, v))
+        nxt += period_ns
+        while (left := nxt - time.monotonic_ns()) > 0:
+            client.loop(left / 1e9)
+    t_end = time.monotonic() + 2.0
+    while pending and time.monotonic() < t_end:
+        client.loop(0.05)
+    if pending:
+        errors.append(f"{len(pending)} requests without a reply within 2 s")
+    client.disconnect()
     out.send({"sent": sent, "rtt_ms": rtt_ms, "errors": len(errors), "error_samples": errors[:5]})
 
 
@@ -185,7 +222,15 @@ def main() -> None:
                     help="CPU affinity of the virtual hand (default: the CPUs the cycle does not have); '' = any. "
                          "Not the cycle's CPU: SOEM polls its socket while configuring and checking states, at a "
                          "higher priority than the hand, which then never gets the CPU to answer")
+    ap.add_argument("--cyclictest-cpus", default=None,
+                    help="CPU affinity of cyclictest (default: the cycle's CPUs: this VM stalls its vCPUs one at a "
+                         "time, so only a cyclictest on the cycle's vCPU sees the stalls the cycle sees); '' = any")
+    ap.add_argument("--cyclictest-priority", type=int, default=None,
+                    help="cyclictest's SCHED_FIFO priority (default: the cycle's + 1, so that on the shared CPU it "
+                         "never waits for the cycle, which FIFO at the same priority would make it do)")
     a = ap.parse_args()
+    ct_cpus = a.cpus if a.cyclictest_cpus is None else a.cyclictest_cpus
+    ct_prio = min(99, a.priority + 1) if a.cyclictest_priority is None else a.cyclictest_priority
     hand_cpus = a.hand_cpus
     if hand_cpus is None:
         cycle_cpus = {int(c) for c in a.cpus.split(",")} if a.cpus else set()
@@ -202,7 +247,8 @@ def main() -> None:
     result: dict[str, Any] = {"bench": "ethercat_cycle", "seconds": seconds, "period_us": a.period_us,
                               "priority": a.priority, "protocol": a.protocol,
                               "cpus": {"cycle": a.cpus or "any", "virtual_hand": hand_cpus or "any",
-                                       "cyclictest": "any", "of": os.cpu_count()}}
+                                       "cyclictest": ct_cpus or "any", "of": os.cpu_count()},
+                              "cyclictest_priority": ct_prio}
     with tempfile.TemporaryDirectory(prefix="robobus-bench-") as d:
         broker = Broker(free_port(), Path(d))
         broker.start()
@@ -247,7 +293,8 @@ def main() -> None:
             while len(stats_msgs) <= n_stats and time.monotonic() < wait_until:
                 time.sleep(0.02)
             start_stats = stats_msgs[-1]["totals"] if stats_msgs and "totals" in stats_msgs[-1] else {}
-            ct = subprocess.Popen(["cyclictest", "-m", "-q", "-t1", f"-p{a.priority}", f"-i{a.period_us}",
+            ct = subprocess.Popen(["cyclictest", "-m", "-q", "-t1", f"-p{ct_prio}", f"-i{a.period_us}",
+                                   *([f"-a{ct_cpus}"] if ct_cpus else []),
                                    "-h", "20000", "-D", f"{int(seconds)}s"], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
             j0 = len(joints)
@@ -284,8 +331,9 @@ def main() -> None:
                 "cpu_p50_us": end["cpu_us"]["p50"], "cpu_p99_us": end["cpu_us"]["p99"],
                 "cpu_mean_us": end["cpu_mean_us"], "cpu_max_us": end["cpu_max_us"],
                 "rtt_p50_us": end["rtt_us"]["p50"], "rtt_p99_us": end["rtt_us"]["p99"],
-                "overrun_causes": {k: end.get(f"overrun_{k}", 0) for k in ("late_wake", "slow_exchange", "lost_frame",
-                                                                             "slack_work")},
+                "overrun_causes": {k: end.get(f"overrun_{k}", 0) - start_stats.get(f"overrun_{k}", 0)
+                                   for k in ("late_wake", "slow_exchange", "lost_frame", "slack_work")},
+                "late_starts": end.get("late_starts", 0) - start_stats.get("late_starts", 0),
                 "cycles": end.get("cycles", 0), "note": "wake/cpu/rtt percentiles cover the whole node run",
                 "realtime": (stats_msgs[-1].get("realtime") if stats_msgs else None),
             }
@@ -296,7 +344,8 @@ def main() -> None:
                                            "reply_p50": pct(sent["rtt_ms"], 50), "reply_p99": pct(sent["rtt_ms"], 99)}
             result["rates_hz"] = {"joints_state": round((j1 - j0) / elapsed, 1),
                                   "demands": round(len(sent["sent"]) / elapsed, 1)}
-            result["virtual_hand"] = {k: hand_stats[k] for k in ("pd_frames", "palm_cycles", "dropped", "delayed")}
+            result["virtual_hand"] = {k: hand_stats[k]
+                                      for k in ("pd_frames", "palm_cycles", "dropped", "delayed", "answer")}
             ct_p99, ct_late = ctr.get("p99_us"), ctr.get("over_period")
             p99 = result["cycle"]["wake_p99_us"]
             target_p99 = 2 * ct_p99 + 50 if ct_p99 is not None else None

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator
 
 from services.ethercat_loop.calibration import HandCalibration
+from services.ethercat_loop.cycle_rt import next_deadline
 from services.ethercat_loop.driver import (
     DEFAULT_POLLING,
     CanRxFrame,
@@ -143,9 +144,9 @@ class LoopStatsWindow:
 
 
 class InProcessBackend(HandBackend):
-    """Driver + palm model in one dedicated thread, `period_ns` apart on absolute deadlines. An overrun
-    snaps to the next period boundary (missed cycles are skipped, not caught up, as ros_ethercat does,
-    but with an integer period)."""
+    """Driver + palm model in one dedicated thread, `period_ns` apart on absolute deadlines, with the
+    wire backend's release rule (`cycle_rt.next_deadline`): an overrun snaps to the next period
+    boundary (missed cycles are skipped, not caught up, as ros_ethercat does, but with an integer period)."""
 
     def __init__(self, driver: PalmDriver, model: PalmModel, period_ns: int = 1_000_000,
                  serial: int = 1234, error_after_lost: int = 20) -> None:
@@ -246,12 +247,10 @@ class InProcessBackend(HandBackend):
                     self._no_status_run = self._no_status_run + 1 if status is None else 0
                     rx = self.driver.take_can_rx()
                     counters = self.driver.c
-                deadline += self.period_ns
                 now = time.monotonic_ns()
-                overrun = now > deadline
-                if overrun:  # skip the missed ticks: snap to the next boundary after now
-                    deadline += ((now - deadline) // self.period_ns + 1) * self.period_ns
-                self._loop.record(wake, deadline - self.period_ns, overrun, counters)
+                release = deadline
+                deadline, skipped = next_deadline(release, wake, now, self.period_ns)
+                self._loop.record(wake, release, skipped > 0, counters)
                 if rx:
                     self._rx.extend(rx)
                     self._rx_event.set()

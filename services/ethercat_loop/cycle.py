@@ -11,8 +11,9 @@ GIL the cycle needs (`python -m services.ethercat_loop.cycle`, started by Proces
 One cycle: sleep until the absolute deadline (CLOCK_MONOTONIC) -> record the wake-up latency ->
 apply control messages -> driver.cycle(last status) builds the command -> exchange it (sleeping in
 select() for the reply, never past the next tick) -> WKC / loss bookkeeping -> AL state check and
-snapshot only in the slack the period leaves -> next deadline, skipping to the next period boundary
-on an overrun (counted, never a burst).
+snapshot only in the slack the period leaves -> next release (`cycle_rt.next_deadline`): a cycle
+that ran past the next release starts that one late; an overrun (a release that could not start
+within its period) skips to the next period boundary (counted, never a burst).
 """
 
 from __future__ import annotations
@@ -312,11 +313,11 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             cnt[C["cpu_ns_max"]] = cpu
         now = mono()
         cnt[C["heartbeat_ns"]] = now
-        deadline, skipped = next_deadline(deadline, now, period)
+        deadline, skipped = next_deadline(deadline, wake, now, period)
         if skipped:
             cnt[C["overruns"]] += 1
             cnt[C["skipped_cycles"]] += skipped
-            if lat > period // 2:
+            if lat >= period:
                 cnt[C["overrun_late_wake"]] += 1
             if ex.lost:
                 cnt[C["overrun_lost_frame"]] += 1
@@ -324,6 +325,8 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
                 cnt[C["overrun_slow_exchange"]] += 1
             if slack_work:
                 cnt[C["overrun_slack_work"]] += 1
+        elif now > deadline:
+            cnt[C["late_starts"]] += 1  # ran past the next release: it starts now, late (its latency is in "wake")
         elif cycle % 1000 == 0 and deadline - mono() > period // 2:
             gc.collect(0)  # young objects only, and only with half a period of slack left
 
@@ -642,7 +645,7 @@ class ProcessBackend(HandBackend):
                                  "no_status", "dropped", "recoveries", "left_op", "max_consecutive_no_status",
                                  "commands_applied", "commands_rejected", "state_checks", "events_dropped",
                                  "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
-                                 "overrun_slack_work")},
+                                 "overrun_slack_work", "late_starts")},
             "wake_us": percentiles(shm.hist["wake"]), "cpu_us": percentiles(shm.hist["cpu"]),
             "wake_over_period": int(shm.hist["wake"][self.period_ns // 1000 :].sum()),
             "rtt_us": percentiles(shm.hist["rtt"]), "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),

@@ -1,6 +1,6 @@
 """Realtime plumbing for the cycle process: SCHED_FIFO, mlockall, CPU affinity, absolute sleeps on
 CLOCK_MONOTONIC, and the deadline arithmetic (pure) that skips to the next period boundary on an
-overrun instead of bursting to catch up.
+overrun instead of bursting to catch up (`next_deadline`).
 
 Every privileged step degrades to a warning: the loop still runs, and the warnings reach logs and
 health so nobody mistakes an unprivileged run for a realtime one.
@@ -45,18 +45,24 @@ class AbsoluteSleeper:
             pass
 
 
-def next_deadline(deadline_ns: int, now_ns: int, period_ns: int) -> tuple[int, int]:
-    """The deadline after `deadline_ns`, and how many periods were skipped to get there.
+def next_deadline(release_ns: int, start_ns: int, now_ns: int, period_ns: int) -> tuple[int, int]:
+    """The release after `release_ns` to run next, and how many releases are skipped (an overrun).
 
-    If `now_ns` has already passed `deadline_ns + period_ns` (an overrun), the next deadline is the
-    first period boundary (deadline + k*period, integer arithmetic) after `now_ns`: missed cycles are
-    skipped, never run back to back to catch up.
+    A cycle released at `release_ns` started at `start_ns` and has just finished at `now_ns`. The
+    cycle is counted the way cyclictest counts its wake-ups (and Xenomai its periodic overruns): a
+    release is missed when its cycle could not start within its own period.
+    * Normally the next release is `release + period`; if the work ran past it (by less than a
+      period), that release starts at once, late, and its latency shows in the wake-up histogram.
+    * An overrun: this cycle started a period or more after its release, or the next one could not
+      start within its period. Every release already due is skipped and the next one is the first
+      period boundary after `now_ns` (integer arithmetic on the `release_ns` grid): never a burst of
+      cycles run back to back to catch up.
     """
-    nxt = deadline_ns + period_ns
-    if now_ns < nxt:
+    nxt = release_ns + period_ns
+    if start_ns < nxt and now_ns < nxt + period_ns:
         return nxt, 0
-    skipped = (now_ns - deadline_ns) // period_ns
-    return deadline_ns + (skipped + 1) * period_ns, skipped
+    k = (now_ns - release_ns) // period_ns + 1
+    return release_ns + k * period_ns, k - 1
 
 
 @dataclass

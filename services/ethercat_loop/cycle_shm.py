@@ -26,6 +26,7 @@ COUNTERS = (
     "dropped",  # the driver's dropped statuses (an empty palm mailbox: a valid frame, no data)
     # what the overrunning cycles had in common (a cycle can count in several)
     "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame", "overrun_slack_work",
+    "late_starts",  # cycles started late (by less than a period) because the one before ran past their release
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64

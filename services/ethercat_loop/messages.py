@@ -93,7 +93,9 @@ class EthercatLoopStats(BaseModel):
     jitter_p50_us: float = 0.0
     jitter_p99_us: float = 0.0
     jitter_max_us: float = 0.0
-    overruns: int = 0
+    overruns: int = Field(0, description="releases missed: cycles that could not start within their own period "
+                                         "(skipped, never run back to back); a cycle that merely ran past the "
+                                         "next release starts that one late instead")
     drops: int = 0
     frames_lost: int = 0
     decode_errors: int = 0

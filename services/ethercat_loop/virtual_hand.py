@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import os
 import select
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from services.ethercat_loop.cycle_rt import RtSettings, apply_realtime
 from services.ethercat_loop.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc, EscChain, ExpectedSm
 from services.ethercat_loop.esc_frames import (
     ETH_HEADER_LEN,
@@ -42,6 +45,9 @@ from services.ethercat_loop.esc_sii import SM_TYPE_INPUTS, SM_TYPE_OUTPUTS, PdoS
 from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, PalmCommand, ProtocolInfo, unpack_command
 
 PACKET_OUTGOING = 4
+SO_TIMESTAMPNS = 35  # <asm-generic/socket.h>; Python's socket module does not export it
+ANSWER_HIST_US = 5000
+GC_EVERY_FRAMES = 1000  # a young-generation collection, right after a frame was answered
 DEFAULT_VENDOR = 0x00000530  # no public source gives Shadow's vendor id (reference §2.1); a placeholder
 DEFAULT_SERIAL = 1234
 DEFAULT_REVISION = 0x00000001
@@ -131,6 +137,27 @@ class HandStats:
     left_op: int = 0
     zero_demand_frames_before_leaving_op: int = -1  # -1: the palm has not left OP yet
     transitions: list[str] = field(default_factory=list)
+    # how long a frame waited in the hand: kernel receive timestamp -> reply handed to the kernel (µs
+    # histogram, last bin = that or more); the hand stands in for an ESC that answers in hardware, so
+    # this shows whether the master's lost or late frames are the hand's doing
+    answer_hist: list[int] = field(default_factory=lambda: [0] * (ANSWER_HIST_US + 1))
+    answer_max_us: int = 0
+
+    def answer_summary(self) -> dict[str, Any]:
+        h, total = self.answer_hist, sum(self.answer_hist)
+
+        def q(p: float) -> int | None:
+            if not total:
+                return None
+            acc = 0
+            for us, n in enumerate(h):
+                acc += n
+                if acc >= p * total:
+                    return us
+            return len(h) - 1
+
+        return {"n": total, "p50_us": q(0.5), "p99_us": q(0.99), "p99.9_us": q(0.999), "max_us": self.answer_max_us,
+                "over_500us": sum(h[500:])}
 
 
 class PalmFirmware:
@@ -250,6 +277,7 @@ class VirtualHand:
             "transitions": s.transitions[-20:], "palm_state": self.palm.al_state, "palm_error": self.palm.al_error,
             "bridge_state": self.bridge.al_state, "last_command": self.firmware.last_command.hex(),
             "protocol": self.info.name, "product": palm_product(self.opts), "serial": self.opts.serial,
+            "answer": s.answer_summary(),
         }
 
 
@@ -257,6 +285,9 @@ def open_raw(iface: str) -> socket.socket:
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETHERTYPE_ECAT))
     s.bind((iface, ETHERTYPE_ECAT))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    # the kernel's receive time of each frame: when it reached the hand's port, however late the
+    # (Python) hand gets to it
+    s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     return s
 
 
@@ -267,8 +298,36 @@ def reply_frame(raw: bytes, payload: bytes) -> bytes:
     return out + bytes(60 - len(out)) if len(out) < 60 else out
 
 
+_TS_CMSG_SPACE = socket.CMSG_SPACE(16)
+
+
+class _MonoFromRealtime:
+    """SO_TIMESTAMPNS stamps CLOCK_REALTIME; the rest of the system (master, bench) uses CLOCK_MONOTONIC.
+    The offset between them is re-read once a second (a clock step moves it; NTP slewing barely does)."""
+
+    def __init__(self) -> None:
+        self._due = 0
+        self._offset = 0
+
+    def __call__(self, realtime_ns: int, mono_now: int) -> int:
+        if mono_now >= self._due:
+            self._offset = time.clock_gettime_ns(time.CLOCK_REALTIME) - time.monotonic_ns()
+            self._due = mono_now + 1_000_000_000
+        return min(realtime_ns - self._offset, mono_now)
+
+
+def _rx_time(ancdata: list[tuple[int, int, bytes]], mono_now: int, to_mono: _MonoFromRealtime) -> int:
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack_from("qq", data)
+            return to_mono(sec * 1_000_000_000 + nsec, mono_now)
+    return mono_now
+
+
 def serve(hand: VirtualHand, iface: str, control_path: str | None, stop: Callable[[], bool]) -> None:
-    """The hand's loop: answer frames until `stop()`; control datagrams are served in between."""
+    """The hand's loop: answer frames until `stop()`. Frames come first: control datagrams (fault
+    injection, stats, the change log) are served only when no frame is waiting, so a large reply costs
+    the master nothing it can see."""
     raw = open_raw(iface)
     ctl: socket.socket | None = None
     if control_path:
@@ -276,41 +335,64 @@ def serve(hand: VirtualHand, iface: str, control_path: str | None, stop: Callabl
             os.unlink(control_path)
         ctl = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         ctl.bind(control_path)
+        ctl.setblocking(False)
     watch = [raw] + ([ctl] if ctl else [])
+    stats, hist, last_bin = hand.stats, hand.stats.answer_hist, ANSWER_HIST_US
+    to_mono = _MonoFromRealtime()
+    mono = time.monotonic_ns
+    since_gc = 0
     try:
         while not stop():
             ready, _, _ = select.select(watch, [], [], 0.2)
-            if ctl is not None and ctl in ready:
-                data, addr = ctl.recvfrom(65536)
+            answered = False
+            while True:  # drain every frame queued before anything else
                 try:
-                    reply = hand.control(json.loads(data))
-                except (ValueError, TypeError) as exc:
-                    reply = {"ok": False, "error": str(exc)}
-                if addr:
-                    with contextlib.suppress(OSError):
-                        ctl.sendto(json.dumps(reply).encode(), addr)
-            if raw not in ready:
-                continue
-            while True:  # drain everything queued before going back to select
-                try:
-                    frame, meta = raw.recvfrom(2048, socket.MSG_DONTWAIT)
+                    frame, anc, _flags, meta = raw.recvmsg(2048, _TS_CMSG_SPACE, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 if meta[2] == PACKET_OUTGOING or len(frame) < ETH_HEADER_LEN + 2:
                     continue
-                now = time.monotonic_ns()
-                payload, delay_us = hand.handle(frame[ETH_HEADER_LEN:], now)
+                now = mono()
+                rx = _rx_time(anc, now, to_mono)
+                payload, delay_us = hand.handle(frame[ETH_HEADER_LEN:], rx)
                 if payload is not None:
                     if delay_us:
                         time.sleep(delay_us / 1e6)
                     raw.send(reply_frame(frame, payload))
-                hand.firmware.after_frame(now)
+                    waited = (mono() - rx) // 1000
+                    hist[min(waited, last_bin)] += 1
+                    if waited > stats.answer_max_us:
+                        stats.answer_max_us = waited
+                hand.firmware.after_frame(rx)
+                answered = True
+            if answered:
+                since_gc += 1
+                if since_gc >= GC_EVERY_FRAMES:
+                    since_gc = 0
+                    gc.collect(0)
+                continue  # look for frames again before serving control
+            if ctl is not None and ctl in ready:
+                _serve_control(hand, ctl)
     finally:
         raw.close()
         if ctl is not None:
             ctl.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(control_path or "")
+
+
+def _serve_control(hand: VirtualHand, ctl: socket.socket) -> None:
+    try:
+        data, addr = ctl.recvfrom(65536)
+    except BlockingIOError:
+        return
+    try:
+        reply = hand.control(json.loads(data))
+    except (ValueError, TypeError) as exc:
+        reply = {"ok": False, "error": str(exc)}
+    if addr:
+        with contextlib.suppress(OSError):
+            ctl.sendto(json.dumps(reply).encode(), addr)
 
 
 class HandControl:
@@ -344,11 +426,8 @@ def set_realtime(priority: int) -> str | None:
     """SCHED_FIFO + mlockall for the hand process; returns a warning instead of failing."""
     if priority <= 0:
         return None
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
-    except OSError as exc:
-        return f"SCHED_FIFO {priority} refused ({exc}); the virtual hand runs at normal priority"
-    return None
+    warnings = apply_realtime(RtSettings(priority=priority))
+    return "; ".join(warnings) + " (the virtual hand)" if warnings else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_term)
     print(f"virtual_hand: {opts.protocol} palm (product {palm_product(opts):#x}, serial {opts.serial}) "
           f"behind the bridge on {a.iface}", flush=True)
+    # what exists now lives for the whole run: out of the collector's sight; young collections only,
+    # between frames (an untimed full collection could hold a frame for milliseconds)
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     serve(hand, a.iface, a.control, lambda: stopping)
     print(f"virtual_hand: stopped: {json.dumps(hand.snapshot())}", flush=True)
     return 0

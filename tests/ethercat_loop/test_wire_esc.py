@@ -225,17 +225,25 @@ def test_virtual_hand_runs_the_firmware_once_per_command() -> None:
 
 # ---------------------------------------------------------------------------------------------- cycle maths
 def test_next_deadline_skips_to_boundary() -> None:
-    assert next_deadline(1000, 1500, 1000) == (2000, 0)
-    assert next_deadline(1000, 2000, 1000) == (3000, 1)  # the tick at 2000 is already gone
-    assert next_deadline(1000, 4700, 1000) == (5000, 3)  # boundaries stay on the 1000 grid
+    # (release, start, end, period)
+    assert next_deadline(1000, 1010, 1500, 1000) == (2000, 0)
+    assert next_deadline(1000, 1010, 2300, 1000) == (2000, 0)  # ran past 2000: that release starts late
+    assert next_deadline(1000, 1010, 3000, 1000) == (4000, 2)  # 2000 could not start in its period
+    assert next_deadline(1000, 2100, 2300, 1000) == (3000, 1)  # woke a period late: an overrun, like cyclictest
+    assert next_deadline(1000, 1010, 4700, 1000) == (5000, 3)  # boundaries stay on the 1000 grid
 
 
-@given(st.integers(0, 10**12), st.integers(0, 10**7), st.integers(1, 10**7))
-def test_next_deadline_properties(deadline: int, late: int, period: int) -> None:
-    now = deadline + late
-    nxt, skipped = next_deadline(deadline, now, period)
-    assert nxt > now and (nxt - deadline) % period == 0 and nxt - now <= period
-    assert skipped == (nxt - deadline) // period - 1
+@given(st.integers(0, 10**12), st.integers(0, 10**7), st.integers(0, 10**7), st.integers(1, 10**7))
+def test_next_deadline_properties(release: int, late: int, work: int, period: int) -> None:
+    start = release + late
+    now = start + work
+    nxt, skipped = next_deadline(release, start, now, period)
+    assert (nxt - release) % period == 0 and nxt > release
+    if skipped == 0:  # no release lost: the next one, started at most a period late, and never early
+        assert nxt == release + period and late < period and now - nxt < period
+    else:  # every release up to now skipped, the next one is the first boundary in the future
+        assert nxt > now and nxt - now <= period and skipped == (nxt - release) // period - 1
+        assert late >= period or now >= release + 2 * period
 
 
 def test_shared_block_slots_and_histograms() -> None:
