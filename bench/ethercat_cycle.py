@@ -86,13 +86,16 @@ def parse_cyclictest(text: str, period_us: int) -> dict[str, Any]:
             "over_half_period": int(arr[period_us // 2 :].sum())}
 
 
-def send_demands(url: str, rate_hz: float, ready: Connection, go: Event, stop: Event, out: Connection) -> None:
+def send_demands(url: str, rate_hz: float, qos: int, ready: Connection, go: Event, stop: Event,
+                 out: Connection) -> None:
     """The client under test, in its own process (the bench's subscribers and collectors must not share
     its GIL): set_demands at `rate_hz`, motor 0 cycling through 1..1000 so each value is unique for
-    5 s. A bare paho MQTT 5 client, as another language's client would be: the request is written to
-    the socket in this thread (paho writes at once when no network thread runs), so the time taken
-    just before publish() is the publish, not a hop to a network thread; replies are read between
-    requests and matched by correlation data. Sends back [(CLOCK_MONOTONIC ns just before the publish,
+    5 s, at MQTT QoS `qos` (1 by default; a setpoint stream may choose 0, the node answers at the
+    request's QoS). A bare paho MQTT 5
+    client, as another language's client would be: the request is written to the socket in this
+    thread (paho writes at once when no network thread runs), so the time taken just before
+    publish() is the publish, not a hop to a network thread; replies are read between requests and
+    matched by correlation data. Sends back [(CLOCK_MONOTONIC ns just before the publish,
     value)], the request -> reply times (ms), the error count and a few error texts."""
     broker = KitSettings(mqtt_url=url).broker()
     cid = f"bench-ecat-demands-{os.getpid()}"
@@ -138,7 +141,7 @@ def send_demands(url: str, rate_hz: float, ready: Connection, go: Event, stop: E
         body = json.dumps({"motors": {"0": v}})
         t = time.monotonic_ns()
         pending[corr] = t
-        client.publish(topic, body, qos=1, properties=props)
+        client.publish(topic, body, qos=qos, properties=props)
         sent.append((t, v))
         nxt += period_ns
         while (left := nxt - time.monotonic_ns()) > 0:
@@ -155,12 +158,12 @@ def send_demands(url: str, rate_hz: float, ready: Connection, go: Event, stop: E
 class DemandSender:
     """`send_demands` in a spawned process; `result()` after `stop()`."""
 
-    def __init__(self, url: str, rate_hz: float) -> None:
+    def __init__(self, url: str, rate_hz: float, qos: int) -> None:
         ctx = mp.get_context("spawn")
         ready_r, ready_w = ctx.Pipe(duplex=False)
         self._out_r, out_w = ctx.Pipe(duplex=False)
         self._go, self._stop = ctx.Event(), ctx.Event()
-        self.proc = ctx.Process(target=send_demands, args=(url, rate_hz, ready_w, self._go, self._stop, out_w),
+        self.proc = ctx.Process(target=send_demands, args=(url, rate_hz, qos, ready_w, self._go, self._stop, out_w),
                                 daemon=True)
         self.proc.start()
         if not ready_r.poll(30):
@@ -228,9 +231,18 @@ def main() -> None:
     ap.add_argument("--cyclictest-priority", type=int, default=None,
                     help="cyclictest's SCHED_FIFO priority (default: the cycle's + 1, so that on the shared CPU it "
                          "never waits for the cycle, which FIFO at the same priority would make it do)")
+    ap.add_argument("--demand-qos", type=int, choices=(0, 1), default=1,
+                    help="MQTT QoS of the 200 Hz set_demands requests (and so of their replies); default 1")
+    ap.add_argument("--cyclictest-lead-us", type=int, default=100,
+                    help="wake cyclictest this many µs before each of the cycle's releases (the cycle's releases "
+                         "are on the CLOCK_MONOTONIC period grid; cyclictest --secaligned puts its wake-ups on it "
+                         "too), so both sample the vCPU at nearly the same instants; -1: not aligned")
     a = ap.parse_args()
     ct_cpus = a.cpus if a.cyclictest_cpus is None else a.cyclictest_cpus
     ct_prio = min(99, a.priority + 1) if a.cyclictest_priority is None else a.cyclictest_priority
+    # cyclictest --secaligned=OFFSET wakes at (a full second + OFFSET + k x interval)
+    aligned = a.cyclictest_lead_us >= 0 and 1_000_000 % a.period_us == 0 and a.cyclictest_lead_us < a.period_us
+    ct_align = [f"--secaligned={a.period_us - a.cyclictest_lead_us}"] if aligned else []
     hand_cpus = a.hand_cpus
     if hand_cpus is None:
         cycle_cpus = {int(c) for c in a.cpus.split(",")} if a.cpus else set()
@@ -248,7 +260,9 @@ def main() -> None:
                               "priority": a.priority, "protocol": a.protocol,
                               "cpus": {"cycle": a.cpus or "any", "virtual_hand": hand_cpus or "any",
                                        "cyclictest": ct_cpus or "any", "of": os.cpu_count()},
-                              "cyclictest_priority": ct_prio}
+                              "cyclictest_priority": ct_prio,
+                              "cyclictest_lead_us": a.cyclictest_lead_us if aligned else None,
+                              "demand_qos": a.demand_qos}
     with tempfile.TemporaryDirectory(prefix="robobus-bench-") as d:
         broker = Broker(free_port(), Path(d))
         broker.start()
@@ -281,7 +295,7 @@ def main() -> None:
                           for _, p, _ in client.collect(f"robobus/{NODE}/{DEV}/health", 0.3)):
                 if time.monotonic() > deadline or not node.alive():
                     raise RuntimeError(f"node never ran: {node.text()[-2000:]}")
-            sender = DemandSender(broker.url, 200.0)
+            sender = DemandSender(broker.url, 200.0, a.demand_qos)
             time.sleep(1.0)  # let the start-up config burst pass
             ctl.call("changes", max=100_000)
             changes: list[tuple[int, int, str]] = []
@@ -294,7 +308,7 @@ def main() -> None:
                 time.sleep(0.02)
             start_stats = stats_msgs[-1]["totals"] if stats_msgs and "totals" in stats_msgs[-1] else {}
             ct = subprocess.Popen(["cyclictest", "-m", "-q", "-t1", f"-p{ct_prio}", f"-i{a.period_us}",
-                                   *([f"-a{ct_cpus}"] if ct_cpus else []),
+                                   *([f"-a{ct_cpus}"] if ct_cpus else []), *ct_align,
                                    "-h", "20000", "-D", f"{int(seconds)}s"], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
             j0 = len(joints)
@@ -331,6 +345,9 @@ def main() -> None:
                 "cpu_p50_us": end["cpu_us"]["p50"], "cpu_p99_us": end["cpu_us"]["p99"],
                 "cpu_mean_us": end["cpu_mean_us"], "cpu_max_us": end["cpu_max_us"],
                 "rtt_p50_us": end["rtt_us"]["p50"], "rtt_p99_us": end["rtt_us"]["p99"],
+                # the node's own share of demand-to-wire: the handler's submit -> the frame that carried it
+                "submit_to_frame_p50_us": end.get("command_us", {}).get("p50"),
+                "submit_to_frame_p99_us": end.get("command_us", {}).get("p99"),
                 "overrun_causes": {k: end.get(f"overrun_{k}", 0) - start_stats.get(f"overrun_{k}", 0)
                                    for k in ("late_wake", "slow_exchange", "lost_frame", "slack_work")},
                 "late_starts": end.get("late_starts", 0) - start_stats.get("late_starts", 0),

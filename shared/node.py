@@ -593,12 +593,15 @@ class Node:
         correlation = getattr(props, "CorrelationData", None) if props else None
         if msg.retain:
             return  # a retained request is stale by definition; never act on it
+        # the reply goes at the request's QoS: a caller streaming at QoS 0 (setpoints superseded a few ms
+        # later) chose no acknowledgements, a QoS 1 caller gets its reply at least once (QoS 2 -> 1)
+        qos = min(int(msg.qos), 1)
         if self._is_inline(msg.topic):
-            self._handle_command(msg.topic, bytes(msg.payload), response_topic, correlation)
+            self._handle_command(msg.topic, bytes(msg.payload), response_topic, correlation, qos)
             return
         try:
             self._pool.submit(self._handle_command, msg.topic, bytes(msg.payload), response_topic,
-                              correlation)
+                              correlation, qos)
         except RuntimeError:  # pool shut down: we are stopping
             pass
 
@@ -608,7 +611,7 @@ class Node:
         return dev is not None and command in dev._inline
 
     def _handle_command(self, topic: str, payload: bytes, response_topic: str | None,
-                        correlation: bytes | None) -> None:
+                        correlation: bytes | None, qos: int = 1) -> None:
         device_name, command = topic[len(self.base) + 1:].split("/cmd/", 1)
         try:
             result = self._dispatch(device_name, command, payload)
@@ -620,7 +623,7 @@ class Node:
             self.stats_failed(err.code.value)
             body = json.dumps({"ok": False, "error": err.model_dump(mode="json")}).encode()
         reply_to = response_topic or f"{topic}/reply"
-        self.session.publish(reply_to, body, qos=1,
+        self.session.publish(reply_to, body, qos=qos,
                              properties=reply_properties(None, correlation, "application/json"))
 
     def _dispatch(self, device_name: str, command: str, payload: bytes) -> bytes:

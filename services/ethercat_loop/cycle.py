@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -64,6 +65,7 @@ log = logging.getLogger("robobus.ethercat.cycle")
 MAX_MSGS_PER_CYCLE = 64
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
 PIPE_ATOMIC = 4096
+SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submit time (CLOCK_MONOTONIC ns)
 SWITCH_INTERVAL_S = 0.0005
 POST_EXCHANGE_NS = 250_000  # bookkeeping after the exchange, with margin
 SLACK_SNAPSHOT_NS = 300_000  # the least slack a snapshot may start in; more if recent ones took longer
@@ -184,6 +186,8 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
 def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,
          events: Connection, st: _CycleState, publish: Callable[[], None], stopping: list[str]) -> None:
     cnt, h_wake, h_cpu, h_rtt = shm.counters, shm.hist["wake"], shm.hist["cpu"], shm.hist["rtt"]
+    h_cmd = shm.hist["command"]
+    submitted: list[int] = []  # submit times of the commands applied this cycle
     wc = master.counters
     period = cfg.period_ns
     sleeper = AbsoluteSleeper()
@@ -197,7 +201,9 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     check_due = cfg.state_check_every
     snapshot_due = cfg.snapshot_every
     gc.disable()
-    deadline = mono() + period
+    # releases on the CLOCK_MONOTONIC grid of the period (multiples of it; for a period dividing 1 s, on
+    # the full second): a phase other processes can know, e.g. a latency probe woken just before it
+    deadline = (mono() // period + 2) * period
     cnt[C["started_ns"]] = deadline
     cycle = 0
     while True:
@@ -213,7 +219,8 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         while n < MAX_MSGS_PER_CYCLE and ctl.poll(0):
             n += 1
             try:
-                msg = loads(ctl.recv_bytes())
+                data = ctl.recv_bytes()
+                msg = loads(memoryview(data)[SUBMIT_STAMP.size :])
             except (EOFError, OSError):
                 stopping.append("parent gone")
                 break
@@ -221,6 +228,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
                 stopping.append(msg.reason)
             elif driver.apply(msg) is None:
                 cnt[C["commands_applied"]] += 1
+                submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
             else:
                 cnt[C["commands_rejected"]] += 1
         if stopping and not halting:
@@ -236,6 +244,10 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         # frame on time is what the palm needs (the late one is counted as lost, not as an overrun)
         ex = master.exchange(command, deadline + period - POST_EXCHANGE_NS)
         status = ex.status
+        if submitted:  # how long the applied commands waited for their frame (the cycle's share of the latency)
+            for t_sub in submitted:
+                h_cmd[min((ex.sent_ns - t_sub) // 1000, HIST_US)] += 1
+            submitted.clear()
         h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
         cycle += 1
         cnt[C["cycles"]] = cycle
@@ -515,7 +527,7 @@ class ProcessBackend(HandBackend):
         self._send(msg)
 
     def _send(self, msg: object, force: bool = False) -> None:
-        data = pickle.dumps(msg, 5)
+        data = SUBMIT_STAMP.pack(time.monotonic_ns()) + pickle.dumps(msg, 5)
         with self._lock:
             conn = self._ctl_w
             if conn is None:
@@ -648,7 +660,8 @@ class ProcessBackend(HandBackend):
                                  "overrun_slack_work", "late_starts")},
             "wake_us": percentiles(shm.hist["wake"]), "cpu_us": percentiles(shm.hist["cpu"]),
             "wake_over_period": int(shm.hist["wake"][self.period_ns // 1000 :].sum()),
-            "rtt_us": percentiles(shm.hist["rtt"]), "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
+            "rtt_us": percentiles(shm.hist["rtt"]), "command_us": percentiles(shm.hist["command"]),
+            "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
             "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,
             "dropped_submits": self.dropped_submits,
         }

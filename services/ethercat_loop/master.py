@@ -110,6 +110,7 @@ class Exchange:
     lost: bool = False
     late: bool = False
     wkc_error: bool = False
+    sent_ns: int = 0  # CLOCK_MONOTONIC just before the frame was handed to SOEM
 
 
 def sm_register_block(start: int, length: int, control: int) -> bytes:
@@ -293,7 +294,7 @@ class EthercatMaster:
         rtt = time.monotonic_ns() - t0
         c.last_wkc = wkc
         c.rtt_max_ns = max(c.rtt_max_ns, rtt)
-        ex = Exchange(status, wkc, rtt)
+        ex = Exchange(status, wkc, rtt, sent_ns=t0)
         if wkc < 0:
             c.lost += 1
             ex.lost = True

@@ -190,6 +190,10 @@ class PalmModel:
         self.edc_command = 0
         # joint angles (rad) of every calibrated joint; J0 is J1 + J2
         self.angles = {n: self._rest(n) for n in self.cal.tables}
+        # joint -> (angle, raw ADC): the inverse calibration runs only for joints that moved (most of them
+        # rest most of the time; the virtual hand runs this model in every 1 ms frame)
+        self._raw_cache: dict[str, tuple[float, int]] = {}
+        self._tactile_cache: tuple[int, tuple[tuple[int, ...], ...]] | None = None
 
     # -- wiring and faults ----------------------------------------------------------------------------
     def add_can_node(self, node: CanNode) -> None:
@@ -371,7 +375,13 @@ class PalmModel:
             return tuple(channel_word(*self.channel_overrides.get(n, EXPECTED_CHANNELS[n])) for n in SENSOR_NAMES)
         if edc == EdcCommand.SENSOR_ADC_CHANNEL_CS:
             return tuple(self.channel_overrides.get(n, EXPECTED_CHANNELS[n])[0] for n in SENSOR_NAMES)
-        raw = {n: self.joint_raw(n) for n in self.angles}
+        cache = self._raw_cache
+        raw: dict[str, int] = {}
+        for n, angle in self.angles.items():
+            hit = cache.get(n)
+            if hit is None or hit[0] != angle:
+                hit = cache[n] = (angle, self.joint_raw(n))
+            raw[n] = hit[1]
         wobble = round(20 * math.sin(self.cycle / 500))
         extra = {"THJ5A": raw["THJ5"], "THJ5B": raw["THJ5"], "WRJ1A": raw["WRJ1"], "WRJ1B": raw["WRJ1"],
                  "ACCX": wobble & 0xFFFF, "ACCY": 0, "ACCZ": 16384, "GYRX": (-wobble) & 0xFFFF, "GYRY": 3,
@@ -379,9 +389,12 @@ class PalmModel:
         return tuple(raw[n] if n in raw else extra[n] for n in SENSOR_NAMES)
 
     def _tactile(self) -> tuple[tuple[int, ...], ...]:
-        words = 16 if self.protocol == "0230" else 8
-        return tuple(tuple((100 * (t + 1) + k + (self.cycle // 100) % 10) & 0xFFFF for k in range(words))
-                     for t in range(5))
+        step = (self.cycle // 100) % 10  # the pattern moves every 100 cycles
+        if self._tactile_cache is None or self._tactile_cache[0] != step:
+            words = 16 if self.protocol == "0230" else 8
+            self._tactile_cache = (step, tuple(tuple((100 * (t + 1) + k + step) & 0xFFFF for k in range(words))
+                                               for t in range(5)))
+        return self._tactile_cache[1]
 
     # -- CAN direct mode ------------------------------------------------------------------------------
     def _bus_send(self, bus: int, sid: int, data: bytes) -> None:

@@ -131,6 +131,24 @@ def test_reply_without_response_topic_goes_to_reply_topic(echo_node: Node, clien
     assert json.loads(got[0]) == {"ok": True, "result": {"text": "plain", "count": 1}}
 
 
+@pytest.mark.parametrize("qos", [0, 1])
+def test_reply_goes_at_the_request_qos(echo_node: Node, client: RpcClient, qos: int) -> None:
+    """A caller streaming setpoints at QoS 0 asked for no acknowledgements: its replies come at QoS 0;
+    a QoS 1 caller gets QoS 1 replies."""
+    topic = f"robobus/{echo_node.name}/dev1/cmd/echo"
+    got: list[int] = []
+    ev = threading.Event()
+
+    def on(msg) -> None:  # type: ignore[no-untyped-def]
+        got.append(msg.qos)
+        ev.set()
+
+    client.subscribe_before(f"{topic}/reply", on)  # subscribed at QoS 1: the delivered QoS is the reply's
+    client.session.publish(topic, json.dumps({"text": "q"}), qos=qos)
+    assert ev.wait(5)
+    assert got == [qos]
+
+
 def _answers(c: RpcClient, node: str) -> bool:
     try:
         return c.call(node, "dev1", "echo", {"text": "up"}, timeout=0.5).ok
