@@ -25,6 +25,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -52,6 +53,7 @@ from shared.settings import KitSettings  # noqa: E402
 from shared.testing import Broker, NodeProcess, can_netns, free_port, mosquitto_bin  # noqa: E402
 
 NODE = "bench-ecat"
+CYCLE_PHASE_NS = 1_000_000  # spread of the demand client's send times (the cycle period)
 DEV = "rh"
 MOTOR_DATA_AT = {"0220": 14, "0230": 22}
 
@@ -143,8 +145,12 @@ def send_demands(url: str, rate_hz: float, qos: int, ready: Connection, go: Even
         pending[corr] = t
         client.publish(topic, body, qos=qos, properties=props)
         sent.append((t, v))
+        # a random phase against the 1 ms cycle for each request: both clocks are CLOCK_MONOTONIC, and a
+        # client on an exact 5 ms grid would meet the cycle at the same point of its period all run long
+        # (the wait for the next tick, 0-1 ms, would be one fixed value instead of its real spread)
         nxt += period_ns
-        while (left := nxt - time.monotonic_ns()) > 0:
+        at = nxt + random.randrange(CYCLE_PHASE_NS)
+        while (left := at - time.monotonic_ns()) > 0:
             client.loop(left / 1e9)
     t_end = time.monotonic() + 2.0
     while pending and time.monotonic() < t_end:
