@@ -1,21 +1,28 @@
 """EtherCAT cycle benchmark: the ethercat-loop node (MQTT process + realtime cycle process, pysoem)
 at 1 kHz against the virtual hand on a veth pair in a private namespace, with joints state
 published at 100 Hz and a client sending demand commands at 200 Hz; `cyclictest` (rt-tests) runs
-in the same window at the same priority and period as the anchor for what this machine allows.
+in the same window at the same period as the anchor for what this machine allows.
 
     python bench/ethercat_cycle.py [--seconds 60] [--quick] [--priority 80] [--period-us 1000]
-                                   [--cpus LAST] [--hand-cpus THE_OTHERS]
+                                   [--cpus LAST] [--hand-cpus THE_OTHERS] [--demand-qos 1]
+                                   [--cyclictest-cpus CYCLE'S] [--cyclictest-priority PRIORITY+1]
+                                   [--cyclictest-lead-us 100]
 
 Placement: the cycle process on the last CPU, the virtual hand on the others (`--cpus ''` and
-`--hand-cpus ''` leave both to the scheduler); cyclictest, the broker, the node's MQTT process and
-the clients are not pinned. The demand client runs in its own process, so the bench's own
-subscribers and collectors do not share its GIL.
+`--hand-cpus ''` leave both to the scheduler); the broker, the node's MQTT process and the clients
+are not pinned. cyclictest runs on the cycle's CPU, woken 100 µs before each of the cycle's releases
+(`--secaligned`; the cycle's releases are on the period grid), one priority above the cycle so that
+it never waits behind it: this VM stalls its vCPUs one at a time, and only a probe on the same vCPU
+at the same instants sees the stalls the cycle sees. The demand client is a bare paho client in its
+own process, sending each request at a random phase against the cycle.
 
-Figures: cycle wake-up latency p50/p99/p99.9/max, overruns, lost/late frames, cycle CPU time,
-exchange round trip, demand-to-wire latency (client publish -> the command frame carrying that
-demand reaching the hand), and cyclictest p50/p99/p99.9/max plus its count of wake-ups later than
-one period. Targets (issue 4): overruns <= cyclictest's late wake-ups; p99 <= 2 x cyclictest p99
-+ 50 us; demand-to-wire p99 <= 3 ms. Needs root (namespaces, raw sockets, SCHED_FIFO).
+Figures: cycle wake-up latency p50/p99/p99.9/max, overruns (releases that could not start within
+their period, as cyclictest counts late wake-ups) and late starts, lost/late frames, cycle CPU time,
+exchange round trip, submit -> frame inside the node, demand-to-wire latency (client publish -> the
+kernel's receive time of the command frame carrying that demand at the hand's port), the hand's
+answer times, and cyclictest p50/p99/p99.9/max plus its count of wake-ups later than one period.
+Targets (issue 4): overruns <= cyclictest's late wake-ups; p99 <= 2 x cyclictest p99 + 50 us;
+demand-to-wire p99 <= 3 ms. Needs root (namespaces, raw sockets, SCHED_FIFO).
 Last line: one JSON object with the figures and the ratios.
 """
 
