@@ -87,6 +87,14 @@ def test_identity_status_and_demand_within_three_cycles() -> None:
             assert key in s
         t = s["totals"]
         assert t["commands_applied"] >= 1 and t["wake_us"]["count"] > 0 and t["cpu_us"]["p50"] is not None
+        # the cycle's own view of the same latency: submit -> the frame that carried it
+        assert t["command_us"]["count"] >= 7 and t["command_us"]["p50"] <= 3 * b.period_ns / 1000
+        assert min(lags) > 0  # the hand stamps frames with the kernel's receive time: never before the submit
+        assert t["overruns"] >= 0 and t["late_starts"] >= 0
+        # releases sit on the CLOCK_MONOTONIC grid of the period (a latency probe can be phased to them)
+        assert b._shm is not None and b._shm.counters_dict()["started_ns"] % b.period_ns == 0
+        answer = ctl.call("stats")["answer"]
+        assert answer["n"] > 100 and answer["p50_us"] is not None and answer["p50_us"] <= answer["max_us"]
 
 
 def test_loss_sets_health_error_and_recovers() -> None:
