@@ -107,8 +107,13 @@ def test_loss_sets_health_error_and_recovers() -> None:
         assert t["lost"] >= 40 and t["max_consecutive_no_status"] >= 40
         ctl.call("delay", n=3, us=450)
         wait_for(lambda: b.stats()["totals"]["late"] >= 3, what="late frames counted")
-        ctl.call("corrupt_wkc", n=2)
-        wait_for(lambda: b.stats()["totals"]["wkc_errors"] >= 2, what="WKC errors counted")
+        # six corrupted replies, at least two counted as WKC errors: on this shared machine the (unpinned,
+        # normal-priority) hand sometimes answers after the cycle gave up, and that reply counts as lost
+        base = b.stats()["totals"]["wkc_errors"]
+        ctl.call("corrupt_wkc", n=6)
+        wait_for(lambda: ctl.call("stats")["corrupted"] >= 6, what="six replies corrupted")
+        wait_for(lambda: b.stats()["totals"]["wkc_errors"] >= base + 2,
+                 what=f"WKC errors counted (cycle totals {b.stats()['totals']})")
 
 
 def test_palm_leaving_op_is_brought_back() -> None:
