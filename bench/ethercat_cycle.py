@@ -18,8 +18,9 @@ own process, sending each request at a random phase against the cycle.
 
 Figures: cycle wake-up latency p50/p99/p99.9/max, overruns (releases that could not start within
 their period, as cyclictest counts late wake-ups) and late starts, lost/late frames, cycle CPU time,
-exchange round trip, submit -> frame inside the node, demand-to-wire latency (client publish -> the
-kernel's receive time of the command frame carrying that demand at the hand's port), the hand's
+exchange round trip, submit -> frame inside the node, demand-to-wire latency (the PUBLISH written to
+the client's socket -> the kernel's receive time of the command frame carrying that demand at the
+hand's port; also from the client's publish() call, which adds paho's packet building), the hand's
 answer times, and cyclictest p50/p99/p99.9/max plus its count of wake-ups later than one period.
 Targets (issue 4): overruns <= cyclictest's late wake-ups; p99 <= 2 x cyclictest p99 + 50 us;
 demand-to-wire p99 <= 3 ms. Needs root (namespaces, raw sockets, SCHED_FIFO).
@@ -139,7 +140,7 @@ def send_demands(url: str, rate_hz: float, qos: int, ready: Connection, go: Even
     while not go.is_set():
         client.loop(0.05)
     period_ns = int(1e9 / rate_hz)
-    sent: list[tuple[int, int]] = []
+    sent: list[tuple[int, int, int]] = []
     nxt = time.monotonic_ns()
     v = n = 0
     while not stop.is_set():
@@ -148,10 +149,11 @@ def send_demands(url: str, rate_hz: float, qos: int, ready: Connection, go: Even
         corr = n.to_bytes(8, "big")
         props = reply_properties(reply_topic, corr, "application/json")
         body = json.dumps({"motors": {"0": v}})
-        t = time.monotonic_ns()
-        pending[corr] = t
+        t_call = time.monotonic_ns()
+        pending[corr] = t_call
         client.publish(topic, body, qos=qos, properties=props)
-        sent.append((t, v))
+        # paho has written the PUBLISH to the socket when publish() returns (no network thread here)
+        sent.append((time.monotonic_ns(), v, t_call))
         # a random phase against the 1 ms cycle for each request: both clocks are CLOCK_MONOTONIC, and a
         # client on an exact 5 ms grid would meet the cycle at the same point of its period all run long
         # (the wait for the next tick, 0-1 ms, would be one fixed value instead of its real spread)
@@ -205,8 +207,10 @@ def collect_changes(ctl: Any, sink: list[tuple[int, int, str]], stop: threading.
         stop.wait(0.1)
 
 
-def demand_to_wire(sent: list[tuple[int, int]], changes: list[tuple[int, int, str]], proto: str) -> list[float]:
-    """For each sent demand, the first frame after the publish whose motor 0 demand carries it (ms)."""
+def demand_to_wire(sent: list[tuple[int, int, int]], changes: list[tuple[int, int, str]], proto: str
+                   ) -> tuple[list[float], list[float]]:
+    """For each sent demand, the first command frame after the publish whose motor 0 demand carries it:
+    (ms from the PUBLISH written to the client's socket, ms from the client's publish() call)."""
     seen: list[tuple[int, int]] = []
     for t, _frame, hexcmd in changes:
         cmd = unpack_command(bytes.fromhex(hexcmd), proto)
@@ -214,14 +218,16 @@ def demand_to_wire(sent: list[tuple[int, int]], changes: list[tuple[int, int, st
             seen.append((t, cmd.motor_data[0]))
     seen.sort()
     times = np.array([t for t, _ in seen], np.int64)
-    out: list[float] = []
-    for t_pub, v in sent:
-        i = int(np.searchsorted(times, t_pub))
+    wire: list[float] = []
+    call: list[float] = []
+    for t_pub, v, t_call in sent:
+        i = int(np.searchsorted(times, t_call))
         for j in range(i, min(i + 400, len(seen))):
             if seen[j][1] == v:
-                out.append((seen[j][0] - t_pub) / 1e6)
+                wire.append((seen[j][0] - t_pub) / 1e6)
+                call.append((seen[j][0] - t_call) / 1e6)
                 break
-    return out
+    return wire, call
 
 
 def main() -> None:
@@ -343,7 +349,7 @@ def main() -> None:
             collector.join(5)
             changes.extend(ctl.call("changes", max=100_000)["changes"])
             hand_stats = ctl.call("stats")
-            lat = demand_to_wire(sent["sent"], changes, a.protocol)
+            lat, lat_call = demand_to_wire(sent["sent"], changes, a.protocol)
             ctr = parse_cyclictest(out, a.period_us)
             overruns = end.get("overruns", 0) - start_stats.get("overruns", 0)
             result["cycle"] = {
@@ -369,6 +375,8 @@ def main() -> None:
             }
             result["cyclictest"] = ctr
             result["demand_to_wire_ms"] = {"p50": pct(lat, 50), "p99": pct(lat, 99), "max": max(lat) if lat else None,
+                                           "from_publish_call_p50": pct(lat_call, 50),
+                                           "from_publish_call_p99": pct(lat_call, 99),
                                            "matched": len(lat), "sent": len(sent["sent"]), "errors": sent["errors"],
                                            "error_samples": sent["error_samples"],
                                            "reply_p50": pct(sent["rtt_ms"], 50), "reply_p99": pct(sent["rtt_ms"], 99)}
