@@ -252,7 +252,7 @@ def main() -> None:
                          "never waits for the cycle, which FIFO at the same priority would make it do)")
     ap.add_argument("--demand-qos", type=int, choices=(0, 1), default=1,
                     help="MQTT QoS of the 200 Hz set_demands requests (and so of their replies); default 1")
-    ap.add_argument("--cyclictest-lead-us", type=int, default=100,
+    ap.add_argument("--cyclictest-lead-us", type=int, default=0,
                     help="wake cyclictest this many µs before each of the cycle's releases (the cycle's releases "
                          "are on the CLOCK_MONOTONIC period grid; cyclictest --secaligned puts its wake-ups on it "
                          "too), so both sample the vCPU at nearly the same instants; -1: not aligned")
@@ -261,7 +261,8 @@ def main() -> None:
     ct_prio = min(99, a.priority + 1) if a.cyclictest_priority is None else a.cyclictest_priority
     # cyclictest --secaligned=OFFSET wakes at (a full second + OFFSET + k x interval)
     aligned = a.cyclictest_lead_us >= 0 and 1_000_000 % a.period_us == 0 and a.cyclictest_lead_us < a.period_us
-    ct_align = [f"--secaligned={a.period_us - a.cyclictest_lead_us}"] if aligned else []
+    ct_offset_us = a.period_us - a.cyclictest_lead_us
+    ct_align = [f"--secaligned={ct_offset_us}"] if aligned else []
     hand_cpus = a.hand_cpus
     if hand_cpus is None:
         cycle_cpus = {int(c) for c in a.cpus.split(",")} if a.cpus else set()
@@ -326,6 +327,11 @@ def main() -> None:
             while len(stats_msgs) <= n_stats and time.monotonic() < wait_until:
                 time.sleep(0.02)
             start_stats = stats_msgs[-1]["totals"] if stats_msgs and "totals" in stats_msgs[-1] else {}
+            if aligned:
+                # --secaligned starts at the first full second after cyclictest's thread starts (the second
+                # after that past .9 s): launched .2 s past a second, its first wake-up is known exactly
+                time.sleep(((200_000_000 - time.monotonic_ns()) % 1_000_000_000) / 1e9)
+            t_launch = time.monotonic_ns()
             ct = subprocess.Popen(["cyclictest", "-m", "-q", "-t1", f"-p{ct_prio}", f"-i{a.period_us}",
                                    *([f"-a{ct_cpus}"] if ct_cpus else []), *ct_align,
                                    "-h", "20000", "-D", f"{int(seconds)}s"], stdout=subprocess.PIPE,
@@ -334,6 +340,7 @@ def main() -> None:
             t0 = time.monotonic()
             sender.start()
             out, _ = ct.communicate(timeout=seconds + 30)
+            t_exit = time.monotonic_ns()
             elapsed = time.monotonic() - t0
             j1 = len(joints)
             sent = sender.stop()
@@ -352,11 +359,21 @@ def main() -> None:
             lat, lat_call = demand_to_wire(sent["sent"], changes, a.protocol)
             ctr = parse_cyclictest(out, a.period_us)
             overruns = end.get("overruns", 0) - start_stats.get("overruns", 0)
+            window = "node loop_stats around the cyclictest run"
+            releases = end.get("overrun_releases_ns", [])
+            # the cycle's overruns whose release lies in cyclictest's own sampling window: from its first
+            # wake-up to its exit (less two periods), so both count over the same stretch of time
+            w0 = (t_launch // 1_000_000_000 + 1) * 1_000_000_000 + (ct_offset_us + a.period_us) * 1000
+            w1 = t_exit - 2 * a.period_us * 1000
+            ring_complete = len(releases) == end.get("overruns", 0) or (releases and min(releases) < w0)
+            if aligned and ring_complete and t_launch % 1_000_000_000 < 800_000_000:
+                overruns = sum(1 for r in releases if w0 <= r <= w1)
+                window = f"cyclictest's sampling window ({(w1 - w0) / 1e9:.3f} s)"
             result["cycle"] = {
                 "wake_p50_us": end["wake_us"]["p50"], "wake_p99_us": end["wake_us"]["p99"],
                 "wake_p99.9_us": end["wake_us"]["p99.9"], "wake_max_us": end["wake_us"]["max"],
                 "wake_over_period": end.get("wake_over_period", 0) - start_stats.get("wake_over_period", 0),
-                "overruns": overruns, "skipped_cycles": end.get("skipped_cycles", 0)
+                "overruns": overruns, "overruns_counted_over": window, "skipped_cycles": end.get("skipped_cycles", 0)
                 - start_stats.get("skipped_cycles", 0),
                 "lost_frames": end.get("lost", 0) - start_stats.get("lost", 0),
                 "late_frames": end.get("late", 0) - start_stats.get("late", 0),
@@ -370,6 +387,7 @@ def main() -> None:
                 "overrun_causes": {k: end.get(f"overrun_{k}", 0) - start_stats.get(f"overrun_{k}", 0)
                                    for k in ("late_wake", "slow_exchange", "lost_frame", "slack_work")},
                 "late_starts": end.get("late_starts", 0) - start_stats.get("late_starts", 0),
+                "recent_overruns": end.get("recent_overruns", []),
                 "cycles": end.get("cycles", 0), "note": "wake/cpu/rtt percentiles cover the whole node run",
                 "realtime": (stats_msgs[-1].get("realtime") if stats_msgs else None),
             }

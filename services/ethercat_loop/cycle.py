@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -65,6 +66,9 @@ log = logging.getLogger("robobus.ethercat.cycle")
 MAX_MSGS_PER_CYCLE = 64
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
 PIPE_ATOMIC = 4096
+RECENT_OVERRUNS = 256  # overrun records kept (what each was doing; loop_stats shows the last few)
+OVERRUNS_SHOWN = 8
+OVERRUN_FIELDS = ("release_ns", "wake_us", "sent_us", "exchanged_us", "end_us", "skipped", "lost", "slack_work")
 SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submit time (CLOCK_MONOTONIC ns)
 SWITCH_INTERVAL_S = 0.0005
 POST_EXCHANGE_NS = 250_000  # bookkeeping after the exchange, with margin
@@ -188,6 +192,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     cnt, h_wake, h_cpu, h_rtt = shm.counters, shm.hist["wake"], shm.hist["cpu"], shm.hist["rtt"]
     h_cmd = shm.hist["command"]
     submitted: list[int] = []  # submit times of the commands applied this cycle
+    recent_overruns: deque[tuple[int, int, int, int, int, int, bool, bool]] = deque(maxlen=RECENT_OVERRUNS)
     wc = master.counters
     period = cfg.period_ns
     sleeper = AbsoluteSleeper()
@@ -243,6 +248,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         # a reply that would end this cycle after the next tick is not worth waiting for: the next
         # frame on time is what the palm needs (the late one is counted as lost, not as an overrun)
         ex = master.exchange(command, deadline + period - POST_EXCHANGE_NS)
+        t_ex = mono()
         status = ex.status
         if submitted:  # how long the applied commands waited for their frame (the cycle's share of the latency)
             for t_sub in submitted:
@@ -325,8 +331,13 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             cnt[C["cpu_ns_max"]] = cpu
         now = mono()
         cnt[C["heartbeat_ns"]] = now
+        release = deadline
         deadline, skipped = next_deadline(deadline, wake, now, period)
         if skipped:
+            # what the cycle was doing, µs after its release: the last few, for loop_stats
+            recent_overruns.append((release, lat // 1000, (ex.sent_ns - release) // 1000, (t_ex - release) // 1000,
+                                    (now - release) // 1000, skipped, ex.lost, slack_work))
+            shm.write_slot("overruns", dumps(list(recent_overruns), 5))
             cnt[C["overruns"]] += 1
             cnt[C["skipped_cycles"]] += skipped
             if lat >= period:
@@ -661,6 +672,7 @@ class ProcessBackend(HandBackend):
             "wake_us": percentiles(shm.hist["wake"]), "cpu_us": percentiles(shm.hist["cpu"]),
             "wake_over_period": int(shm.hist["wake"][self.period_ns // 1000 :].sum()),
             "rtt_us": percentiles(shm.hist["rtt"]), "command_us": percentiles(shm.hist["command"]),
+            **self._overrun_view(),
             "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
             "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,
             "dropped_submits": self.dropped_submits,
@@ -669,6 +681,17 @@ class ProcessBackend(HandBackend):
         out["health_error"] = bool(c["health_error"])
         out["state_issue"] = self._state.state_issue
         return out
+
+    def recent_overruns(self) -> list[dict[str, Any]]:
+        """The last RECENT_OVERRUNS overruns: release (CLOCK_MONOTONIC ns), and µs after it the wake-up,
+        the frame sent, the exchange done and the cycle's end; periods skipped; lost frame; slack work."""
+        shm = self._shm
+        got = shm.read_slot("overruns") if shm is not None and shm.seq("overruns") else None
+        return [dict(zip(OVERRUN_FIELDS, rec, strict=True)) for rec in pickle.loads(got[1])] if got else []
+
+    def _overrun_view(self) -> dict[str, Any]:
+        recent = self.recent_overruns()
+        return {"recent_overruns": recent[-OVERRUNS_SHOWN:], "overrun_releases_ns": [o["release_ns"] for o in recent]}
 
     def histograms(self) -> dict[str, Any]:
         """Raw 1 µs histograms (wake, cpu, rtt) for the benchmark."""

@@ -32,7 +32,7 @@ C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64
 HIST_US = 20_000  # 1 µs bins up to 20 ms; the last bin holds everything later
 HISTOGRAMS = ("wake", "cpu", "rtt", "command")  # command: submit() on the MQTT side -> its frame sent
-SLOTS = {"snapshot": 1 << 20, "status": 1 << 16, "info": 1 << 16, "raw": 1 << 12}
+SLOTS = {"snapshot": 1 << 20, "status": 1 << 16, "info": 1 << 16, "raw": 1 << 12, "overruns": 1 << 16}
 RAW_HEAD = struct.Struct("<QQQ")  # driver cycle, CLOCK_MONOTONIC ns, statuses accepted; then the status bytes
 _SEQ = struct.Struct("<QI")  # sequence, payload length
 
