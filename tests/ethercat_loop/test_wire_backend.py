@@ -146,6 +146,34 @@ def test_stop_zeroes_demands_before_leaving_op() -> None:
     assert st["palm_state"] == 1 and st["left_op"] == 1  # down to INIT, once
 
 
+def test_a_stalled_cycle_skips_to_the_next_boundary_and_says_what_happened() -> None:
+    """SIGSTOP the cycle process for 30 ms, as a stalled CPU would: one overrun, the releases in between
+    skipped (never run back to back), the record says the cycle ended ~30 ms after its release (asleep,
+    exchanging or working: wherever the stop hit it), and the cycle goes on."""
+    with backend("0220") as (b, ctl):
+        assert b._proc is not None
+        wait_for(lambda: b.stats().get("totals", {}).get("cycles", 0) > 100, what="cycling")
+        before = b.stats()["totals"]
+        t0, frames0 = time.monotonic_ns(), ctl.call("stats")["pd_frames"]
+        os.kill(b._proc.pid, signal.SIGSTOP)
+        time.sleep(0.03)
+        os.kill(b._proc.pid, signal.SIGCONT)
+        wait_for(lambda: b.stats()["totals"]["overruns"] > before["overruns"], what="the overrun counted")
+        t = b.stats()["totals"]
+        rec = next((r for r in reversed(t["recent_overruns"]) if r["end_us"] >= 25_000), None)
+        assert rec is not None, t["recent_overruns"]
+        assert rec["release_ns"] % b.period_ns == 0 and rec["skipped"] >= 25
+        assert rec["wake_us"] <= rec["sent_us"] <= rec["exchanged_us"] <= rec["end_us"]
+        assert t["skipped_cycles"] - before["skipped_cycles"] >= 25
+        assert rec["release_ns"] in t["overrun_releases_ns"]
+        # no burst to catch up: the ~30 frames of the stall are never sent, so over the whole stretch the
+        # hand saw about 30 frames fewer than periods passed (a catch-up would make up the difference)
+        time.sleep(0.2)
+        frames = ctl.call("stats")["pd_frames"] - frames0
+        periods = (time.monotonic_ns() - t0) // b.period_ns
+        assert frames <= periods - 20, f"{frames} frames in {periods} periods"
+
+
 def test_sigterm_to_cycle_process_zeroes_demands_first() -> None:
     with hand("0220") as (ns, ctl):
         b = ProcessBackend(settings(ns))
