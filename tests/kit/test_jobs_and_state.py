@@ -110,4 +110,17 @@ def test_rate_cap_keeps_its_cadence(broker_session: Broker, monkeypatch) -> None
     clock[0] = 1000.5  # a long pause: never more than one interval of catch-up, so no burst
     dev.publish(READING, Reading(value=3))
     assert slot.last_sent == 1000.5
+    # a publisher on a fixed 10 Hz schedule, its wake-ups 3 ms either side of it: each value goes
+    # at once (no hand-over to the flusher), and early ones count at their due time, so 100 values never
+    # take less than 99 intervals (the cap holds over the long run)
+    sent_at = []
+    for k in range(1, 101):
+        clock[0] = 1000.5 + 0.1 * k + (0.003 if k % 2 else -0.003)
+        dev.publish(READING, Reading(value=k))
+        assert not slot.has_pending, f"value {k} held back"
+        sent_at.append(slot.last_sent)
+    assert sent_at[-1] - sent_at[0] >= 99 * 0.1 - 1e-9
+    clock[0] += 0.08  # 20 % of the interval early: held back as before
+    dev.publish(READING, Reading(value=0))
+    assert slot.has_pending
     node.stop()
