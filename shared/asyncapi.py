@@ -196,7 +196,7 @@ class DocBuilder:
             self.channel(rid, None,
                          {rid: self.message(rid, _reply_schema(reply_model), summary=f"reply to {name}",
                                             correlated=True)},
-                         f"Reply to {svc} {name}", qos=1)
+                         f"Reply to {svc} {name}, at the request's QoS (0 for a QoS 0 request, else 1)", qos=1)
             self.operation(_cid(svc, "cmd", name), "receive", cid, doc or name, reply_cid=rid, qos=1)
         for name, sp in sorted(api.streams.items()):
             cid = _cid(svc, "stream", name)
