@@ -32,7 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from services.ethercat_loop.cycle_rt import RtSettings, apply_realtime
+from services.ethercat_loop.cycle_shm import percentiles
 from services.ethercat_loop.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc, EscChain, ExpectedSm
 from services.ethercat_loop.esc_frames import (
     ETH_HEADER_LEN,
@@ -140,24 +144,13 @@ class HandStats:
     # how long a frame waited in the hand: kernel receive timestamp -> reply handed to the kernel (µs
     # histogram, last bin = that or more); the hand stands in for an ESC that answers in hardware, so
     # this shows whether the master's lost or late frames are the hand's doing
-    answer_hist: list[int] = field(default_factory=lambda: [0] * (ANSWER_HIST_US + 1))
+    answer_hist: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(ANSWER_HIST_US + 1, np.int64))
     answer_max_us: int = 0
 
     def answer_summary(self) -> dict[str, Any]:
-        h, total = self.answer_hist, sum(self.answer_hist)
-
-        def q(p: float) -> int | None:
-            if not total:
-                return None
-            acc = 0
-            for us, n in enumerate(h):
-                acc += n
-                if acc >= p * total:
-                    return us
-            return len(h) - 1
-
-        return {"n": total, "p50_us": q(0.5), "p99_us": q(0.99), "p99.9_us": q(0.999), "max_us": self.answer_max_us,
-                "over_500us": sum(h[500:])}
+        p = percentiles(self.answer_hist)
+        return {"n": int(p["count"] or 0), "p50_us": p["p50"], "p99_us": p["p99"], "p99.9_us": p["p99.9"],
+                "max_us": self.answer_max_us, "over_500us": int(self.answer_hist[500:].sum())}
 
 
 class PalmFirmware:
