@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -66,9 +65,7 @@ log = logging.getLogger("robobus.ethercat.cycle")
 MAX_MSGS_PER_CYCLE = 64
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
 PIPE_ATOMIC = 4096
-RECENT_OVERRUNS = 256  # overrun records kept (what each was doing; loop_stats shows the last few)
-OVERRUNS_SHOWN = 8
-OVERRUN_FIELDS = ("release_ns", "wake_us", "sent_us", "exchanged_us", "end_us", "skipped", "lost", "slack_work")
+OVERRUNS_SHOWN = 8  # overrun records in loop_stats (all kept ones: their release times)
 SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submit time (CLOCK_MONOTONIC ns)
 SWITCH_INTERVAL_S = 0.0005
 POST_EXCHANGE_NS = 250_000  # bookkeeping after the exchange, with margin
@@ -192,7 +189,6 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     cnt, h_wake, h_cpu, h_rtt = shm.counters, shm.hist["wake"], shm.hist["cpu"], shm.hist["rtt"]
     h_cmd = shm.hist["command"]
     submitted: list[int] = []  # submit times of the commands applied this cycle
-    recent_overruns: deque[tuple[int, int, int, int, int, int, bool, bool]] = deque(maxlen=RECENT_OVERRUNS)
     wc = master.counters
     period = cfg.period_ns
     sleeper = AbsoluteSleeper()
@@ -334,10 +330,9 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         release = deadline
         deadline, skipped = next_deadline(deadline, wake, now, period)
         if skipped:
-            # what the cycle was doing, µs after its release: the last few, for loop_stats
-            recent_overruns.append((release, lat // 1000, (ex.sent_ns - release) // 1000, (t_ex - release) // 1000,
-                                    (now - release) // 1000, skipped, ex.lost, slack_work))
-            shm.write_slot("overruns", dumps(list(recent_overruns), 5))
+            # what the cycle was doing, µs after its release (a fixed-size record written in place)
+            shm.put_overrun(int(cnt[C["overruns"]]), release, lat // 1000, (ex.sent_ns - release) // 1000,
+                            (t_ex - release) // 1000, (now - release) // 1000, skipped, ex.lost, slack_work)
             cnt[C["overruns"]] += 1
             cnt[C["skipped_cycles"]] += skipped
             if lat >= period:
@@ -682,15 +677,10 @@ class ProcessBackend(HandBackend):
         out["state_issue"] = self._state.state_issue
         return out
 
-    def recent_overruns(self) -> list[dict[str, Any]]:
-        """The last RECENT_OVERRUNS overruns: release (CLOCK_MONOTONIC ns), and µs after it the wake-up,
-        the frame sent, the exchange done and the cycle's end; periods skipped; lost frame; slack work."""
-        shm = self._shm
-        got = shm.read_slot("overruns") if shm is not None and shm.seq("overruns") else None
-        return [dict(zip(OVERRUN_FIELDS, rec, strict=True)) for rec in pickle.loads(got[1])] if got else []
-
     def _overrun_view(self) -> dict[str, Any]:
-        recent = self.recent_overruns()
+        """The kept overrun records (cycle_shm.OVERRUN_FIELDS: release in CLOCK_MONOTONIC ns, then µs after
+        it the wake-up, frame sent, exchange done and end; periods skipped; lost frame; slack work)."""
+        recent = self._shm.overruns() if self._shm is not None else []
         return {"recent_overruns": recent[-OVERRUNS_SHOWN:], "overrun_releases_ns": [o["release_ns"] for o in recent]}
 
     def histograms(self) -> dict[str, Any]:

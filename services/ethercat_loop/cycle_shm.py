@@ -32,9 +32,14 @@ C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64
 HIST_US = 20_000  # 1 µs bins up to 20 ms; the last bin holds everything later
 HISTOGRAMS = ("wake", "cpu", "rtt", "command")  # command: submit() on the MQTT side -> its frame sent
-SLOTS = {"snapshot": 1 << 20, "status": 1 << 16, "info": 1 << 16, "raw": 1 << 12, "overruns": 1 << 16}
+SLOTS = {"snapshot": 1 << 20, "status": 1 << 16, "info": 1 << 16, "raw": 1 << 12}
 RAW_HEAD = struct.Struct("<QQQ")  # driver cycle, CLOCK_MONOTONIC ns, statuses accepted; then the status bytes
 _SEQ = struct.Struct("<QI")  # sequence, payload length
+# a ring of fixed-size overrun records, written in place by the cycle (no serialising on its path): the
+# record of overrun n (0-based) is at n % OVERRUN_RING; the "overruns" counter says how many there were
+OVERRUN_RING = 256
+OVERRUN_FIELDS = ("release_ns", "wake_us", "sent_us", "exchanged_us", "end_us", "skipped", "lost", "slack_work")
+OVERRUN_REC = struct.Struct("<qqqqqq??")
 
 
 def _layout() -> tuple[dict[str, tuple[int, int]], int]:
@@ -46,6 +51,8 @@ def _layout() -> tuple[dict[str, tuple[int, int]], int]:
     for name, size in SLOTS.items():
         regions[name] = (off, _SEQ.size + size)
         off += _SEQ.size + size
+    regions["overrun_ring"] = (off, OVERRUN_REC.size * OVERRUN_RING)
+    off += OVERRUN_REC.size * OVERRUN_RING
     return regions, off
 
 
@@ -118,6 +125,20 @@ class SharedBlock:
             if seq2 == seq:
                 return seq, data
         return None
+
+    # ---- overrun records --------------------------------------------------------------------
+    def put_overrun(self, n: int, *record: int | bool) -> None:
+        """Record overrun number `n` (before the "overruns" counter moves past it)."""
+        OVERRUN_REC.pack_into(self.mm, REGIONS["overrun_ring"][0] + (n % OVERRUN_RING) * OVERRUN_REC.size, *record)
+
+    def overruns(self) -> list[dict[str, int | bool]]:
+        """The last OVERRUN_RING overrun records, oldest first (a record being rewritten as we read may
+        come out torn: a diagnostic, not a contract)."""
+        count = self.get("overruns")
+        base = REGIONS["overrun_ring"][0]
+        return [dict(zip(OVERRUN_FIELDS, OVERRUN_REC.unpack_from(self.mm, base + (n % OVERRUN_RING) * OVERRUN_REC.size),
+                         strict=True))
+                for n in range(max(0, count - OVERRUN_RING), count)]
 
     # ---- counters -------------------------------------------------------------------------
     def get(self, name: str) -> int:

@@ -266,6 +266,26 @@ def test_shared_block_slots_and_histograms() -> None:
     assert percentiles(np.zeros(5, np.int64))["p50"] is None
 
 
+def test_overrun_ring_keeps_the_last_records_in_order() -> None:
+    from services.ethercat_loop.cycle_shm import OVERRUN_RING, C
+
+    blk = SharedBlock.create()
+    other = SharedBlock(blk.path)
+    try:
+        assert other.overruns() == []
+        for n in range(OVERRUN_RING + 44):  # the cycle: record n, then count it
+            blk.put_overrun(n, 1_000_000 * n, n, n + 1, n + 2, n + 3, 1, n % 2 == 0, False)
+            blk.counters[C["overruns"]] = n + 1
+        recs = other.overruns()
+        assert len(recs) == OVERRUN_RING and recs[0]["release_ns"] == 44_000_000
+        assert recs[-1] == {"release_ns": (OVERRUN_RING + 43) * 1_000_000, "wake_us": OVERRUN_RING + 43,
+                            "sent_us": OVERRUN_RING + 44, "exchanged_us": OVERRUN_RING + 45,
+                            "end_us": OVERRUN_RING + 46, "skipped": 1, "lost": False, "slack_work": False}
+    finally:
+        other.close()
+        blk.close()
+
+
 @given(st.dictionaries(st.integers(0, 300), st.integers(1, 50), min_size=1, max_size=40))
 def test_percentiles_match_the_samples(bins: dict[int, int]) -> None:
     hist = np.zeros(301, np.int64)
