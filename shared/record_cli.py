@@ -202,7 +202,7 @@ def replay(
 ) -> None:
     """Republish a recording with its original timing (or scaled), optionally under another root."""
     from shared.recorder import RecorderSettings
-    from shared.replay import RecordingError, Replayer, ReplayOptions, drain, mqtt_publisher
+    from shared.replay import RecordingError, Replayer, ReplayOptions, connect_publisher
 
     if rate < 0:
         raise typer.BadParameter("--rate must be >= 0")
@@ -213,30 +213,37 @@ def replay(
     opts = ReplayOptions(rate=rate, topics=tuple(topics or ()), loop=loop, root=root, from_root=from_root,
                          include_commands=include_commands, retain=not no_retain)
     try:
-        session, publish = mqtt_publisher(settings)
+        pub = connect_publisher(settings)
     except ConnectionError as exc:
         err.print(f"[red]robobus replay: {exc}[/red]")
         raise typer.Exit(3) from None
     stop = _stop_on_signals()
-    rp = Replayer(file, opts, publish)
+    rp = Replayer(file, opts, pub.publish)
     try:
         stats = rp.run(stop)
-        drain(session)
+        pub.drain()
     except RecordingError as exc:
         err.print(f"[red]robobus replay: {file}: {exc}[/red]")
         raise typer.Exit(1) from None
+    except ConnectionError as exc:
+        err.print(f"[red]robobus replay: {exc}[/red]")
+        raise typer.Exit(3) from None
     finally:
-        session.stop()
+        pub.close()
     late = sorted(stats.late_ns)
     timing = ""
     if late:
         timing = (f"; publish lateness p50 {late[len(late) // 2] / 1e6:.2f} ms, "
                   f"p99 {late[min(len(late) - 1, int(len(late) * 0.99))] / 1e6:.2f} ms")
-    err.print(f"robobus replay: {stats.published} messages published ({stats.loops} pass(es)); "
-              f"{stats.skipped_commands} command messages not replayed"
-              f"{'' if include_commands else ' (--include-commands)'}"
-              f"{f'; {stats.skipped_outside_root} outside the recorded root skipped' if stats.skipped_outside_root else ''}"
-              f"{timing}", highlight=False)
+    skipped = ""
+    if stats.skipped_commands:
+        skipped = f"; {stats.skipped_commands} command messages not replayed"
+        if not include_commands:
+            skipped += " (--include-commands replays them)"
+    if stats.skipped_outside_root:
+        skipped += f"; {stats.skipped_outside_root} outside the recorded root skipped"
+    err.print(f"robobus replay: {stats.published} messages published ({stats.loops} pass(es)){skipped}{timing}",
+              highlight=False)
 
 
 def inspect_cmd(

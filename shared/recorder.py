@@ -59,15 +59,14 @@ from shared.bus_catalog import (
     TopicCatalog,
 )
 from shared.mqtt import unique_client_id
+from shared.mqtt_lean import handshake, open_socket
 from shared.mqtt_wire import (
     PINGREQ_PACKET,
-    ConnAck,
     Disconnect,
     MqttProtocolError,
     PacketReader,
     Publish,
     SubAck,
-    encode_connect,
     encode_disconnect,
     encode_puback,
     encode_subscribe,
@@ -180,13 +179,13 @@ class McapFile:
 
     def flush(self) -> None:
         """Close the chunk in progress and hand the bytes to the OS (what survives a SIGKILL)."""
-        self.writer.flush()
+        self.writer.flush()  # type: ignore[no-untyped-call]
 
     def size(self) -> int:
         return self.stream.tell()
 
     def finish(self) -> int:
-        self.writer.finish()
+        self.writer.finish()  # type: ignore[no-untyped-call]
         size = self.stream.tell()
         self.stream.flush()
         os.fsync(self.stream.fileno())
@@ -383,48 +382,6 @@ class LeanSubscriber:
         self._ever = False
         self._early: list[Any] = []  # packets that came in the same read as the CONNACK
 
-    # -- connection -------------------------------------------------------------------------------
-    def _open_socket(self) -> socket.socket:
-        s = self.settings
-        b = s.broker()
-        sock = socket.create_connection((b.host, b.port), timeout=5.0)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        if b.tls:
-            ctx = ssl.create_default_context(cafile=str(s.mqtt_tls_ca) if s.mqtt_tls_ca else None)
-            if s.mqtt_tls_cert:
-                ctx.load_cert_chain(str(s.mqtt_tls_cert), str(s.mqtt_tls_key) if s.mqtt_tls_key else None)
-            if s.mqtt_tls_insecure:
-                ctx.check_hostname = False
-            sock = ctx.wrap_socket(sock, server_hostname=b.host)
-        return sock
-
-    def _handshake(self, sock: socket.socket, reader: PacketReader, clean: bool) -> None:
-        b = self.settings.broker()
-        sock.sendall(encode_connect(
-            self.client_id, keepalive=self.settings.mqtt_keepalive_s, clean_start=clean,
-            username=b.username, password=b.password,
-            props={"session_expiry": self.session_expiry_s, "receive_maximum": 65535}))
-        deadline = time.monotonic() + 10.0
-        while True:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError("the broker closed the connection during CONNECT")
-            packets = reader.feed(data)
-            if packets:
-                ack = packets[0]
-                if not isinstance(ack, ConnAck):
-                    raise MqttProtocolError(f"expected CONNACK, got {type(ack).__name__}")
-                if ack.reason != 0:
-                    why = ack.props.get("reason_string", "")
-                    raise ConnectionRefusedError(f"broker refused the connection: reason 0x{ack.reason:02x} {why}")
-                # anything after the CONNACK in this read (queued session messages) is handled by _serve
-                self._early = packets[1:]
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError("no CONNACK from the broker")
-
     def run(self, stop: threading.Event, tick: Callable[[], None] = lambda: None) -> None:
         """Connect, subscribe, record until `stop` is set; reconnect with backoff on any failure."""
         backoff = self.settings.mqtt_reconnect_min_s
@@ -432,8 +389,10 @@ class LeanSubscriber:
             reader = PacketReader()
             sock: socket.socket | None = None
             try:
-                sock = self._open_socket()
-                self._handshake(sock, reader, clean=not self._ever)
+                sock = open_socket(self.settings)
+                _ack, self._early = handshake(
+                    sock, reader, self.settings, self.client_id, clean=not self._ever,
+                    props={"session_expiry": self.session_expiry_s, "receive_maximum": 65535})
                 if self._ever:
                     self.reconnects += 1
                 self._ever = True

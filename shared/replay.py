@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import paho.mqtt.client as mqtt
 from mcap.exceptions import McapError
@@ -32,12 +34,15 @@ from mcap.writer import CompressionType, IndexType, Writer
 
 from shared.bus_catalog import META_CONTENT_TYPE, META_KIND, META_QOS, META_RECEIVES, META_RETAIN
 from shared.mqtt import MqttSession, reply_properties, unique_client_id
+from shared.mqtt_lean import LeanPublisher
+from shared.mqtt_wire import MqttProtocolError
 from shared.recorder import PROPS_TOPIC, RECORDING_META
 from shared.settings import KitSettings
 
 log = logging.getLogger("robobus.replay")
 
-SPIN_S = 0.001  # the last stretch before a due time is spent yielding instead of sleeping
+SPIN_S = 0.0005  # the last stretch before a due time is spun (holding the GIL) instead of slept
+READ_AHEAD = 50_000  # messages decoded ahead of the publishing thread (and before the clock starts)
 
 
 class RecordingError(Exception):
@@ -89,6 +94,7 @@ class _Plan:
     topic: str
     qos: int
     retain: bool
+    content_type: str | None = None  # a binary channel's MQTT Content Type, sent with each message
 
 
 class Replayer:
@@ -96,7 +102,7 @@ class Replayer:
     (an MQTT session by default; tests and the benchmark pass their own)."""
 
     def __init__(self, path: Path, opts: ReplayOptions,
-                 publish: Callable[[str, bytes, int, bool, Any], None]) -> None:
+                 publish: Callable[[str, bytes, int, bool, dict[str, Any] | None], None]) -> None:
         if opts.rate < 0:
             raise ValueError("rate must be >= 0")
         self.path = path
@@ -136,22 +142,22 @@ class Replayer:
             return new + topic[len(old_root):]
         return None  # outside the recorded root: publishing it unchanged could reach live devices
 
-    def _properties(self, reader: Any, old_root: str) -> dict[tuple[int, int], Any]:
-        out: dict[tuple[int, int], Any] = {}
+    def _properties(self, reader: Any, old_root: str) -> dict[tuple[int, int], dict[str, Any]]:
+        out: dict[tuple[int, int], dict[str, Any]] = {}
         for _schema, _ch, msg in reader.iter_messages(topics=[PROPS_TOPIC], log_time_order=False):
             try:
                 rec = json.loads(msg.data)
-                rt = rec.get("response_topic")
-                if rt:
-                    rt = self._move(rt, old_root) or rt
-                corr = bytes.fromhex(rec["correlation_data"]) if "correlation_data" in rec else None
-                props = reply_properties(rt, corr)
-                for k, v in rec.get("user_properties", []):
-                    props.UserProperty = (k, v)
+                props: dict[str, Any] = {}
+                if rec.get("response_topic"):
+                    props["response_topic"] = self._move(rec["response_topic"], old_root) or rec["response_topic"]
+                if "correlation_data" in rec:
+                    props["correlation_data"] = bytes.fromhex(rec["correlation_data"])
+                if rec.get("user_properties"):
+                    props["user_property"] = [(str(k), str(v)) for k, v in rec["user_properties"]]
                 if "message_expiry" in rec:
-                    props.MessageExpiryInterval = int(rec["message_expiry"])
+                    props["message_expiry"] = int(rec["message_expiry"])
                 if "payload_format" in rec:
-                    props.PayloadFormatIndicator = int(rec["payload_format"])
+                    props["payload_format"] = int(rec["payload_format"])
                 out[(int(rec["channel"]), int(rec["sequence"]))] = props
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("unreadable MQTT properties record skipped: %s", exc)
@@ -165,44 +171,84 @@ class Replayer:
             if not plans:
                 return self.stats
             summary = reader.get_summary()
-            ctypes = {cid: summary.channels[cid].metadata.get(META_CONTENT_TYPE) for cid in plans}
             props = self._properties(reader, old_root)
+            for cid in plans:
+                ctype = summary.channels[cid].metadata.get(META_CONTENT_TYPE)
+                if ctype and not ctype.startswith("application/json"):
+                    plans[cid].content_type = ctype
             topics = sorted({summary.channels[cid].topic for cid in plans})
-            while not stop.is_set():
-                self._once(reader, plans, topics, props, ctypes, stop)
-                self.stats.loops += 1
-                if not self.opts.loop:
-                    break
+            # the GIL is handed over every 5 ms by default: the read-ahead thread decoding a chunk would
+            # hold the publishing thread back that long; 0.2 ms keeps a due message on time
+            previous = sys.getswitchinterval()
+            sys.setswitchinterval(0.0002)
+            try:
+                while not stop.is_set():
+                    self._once(f, plans, topics, props, stop)
+                    self.stats.loops += 1
+                    if not self.opts.loop:
+                        break
+            finally:
+                sys.setswitchinterval(previous)
         return self.stats
 
-    def _once(self, reader: Any, plans: dict[int, _Plan], topics: list[str], props: dict[tuple[int, int], Any],
-              ctypes: dict[int, str | None], stop: threading.Event) -> None:
+    def _once(self, f: IO[bytes], plans: dict[int, _Plan], topics: list[str],
+              props: dict[tuple[int, int], dict[str, Any]], stop: threading.Event) -> None:
+        """One pass. A read-ahead thread decodes chunks into a bounded queue, so that decompressing
+        and parsing the next chunk never happens between two due messages on the publishing thread."""
+        items: queue.Queue[tuple[int, _Plan, bytes, dict[str, Any] | None] | None] = queue.Queue(maxsize=READ_AHEAD)
+        done = threading.Event()
+        f.seek(0)
+        reader = make_reader(f)
+
+        def read_ahead() -> None:
+            try:
+                for _schema, ch, msg in reader.iter_messages(topics=topics, log_time_order=True):
+                    plan = plans.get(ch.id)
+                    if plan is None:
+                        continue
+                    p = props.get((ch.id, msg.sequence))
+                    if plan.content_type:
+                        p = {**(p or {}), "content_type": plan.content_type}
+                    while not stop.is_set():
+                        try:
+                            items.put((msg.log_time, plan, msg.data, p), timeout=0.2)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            finally:
+                done.set()
+                items.put(None)
+
+        th = threading.Thread(target=read_ahead, name="replay-read", daemon=True)
+        th.start()
+        # fill the read-ahead before the clock starts: the first chunks decode while nothing is due
+        while not (done.is_set() or items.full() or stop.is_set()):
+            time.sleep(0.005)
         rate = self.opts.rate
         first: int | None = None
         t0 = 0
         late = self.stats.late_ns
-        for _schema, ch, msg in reader.iter_messages(topics=topics, log_time_order=True):
-            plan = plans.get(ch.id)
-            if plan is None:
-                continue
+        publish = self.publish
+        while True:
+            item = items.get()
+            if item is None:
+                break
+            log_time, plan, data, p = item
             if first is None:
-                first = msg.log_time
+                first = log_time
                 t0 = time.monotonic_ns()
             if rate:
-                due = t0 + int((msg.log_time - first) / rate)
+                due = t0 + int((log_time - first) / rate)
                 _wait_until(due, stop)
                 if stop.is_set():
-                    return
-            p = props.get((ch.id, msg.sequence))
-            ctype = ctypes.get(ch.id)
-            if ctype and ctype != "application/json":
-                if p is None:
-                    p = reply_properties()
-                p.ContentType = ctype
-            self.publish(plan.topic, msg.data, plan.qos, plan.retain, p)
+                    break
+            publish(plan.topic, data, plan.qos, plan.retain, p)
             if rate:
                 late.append(time.monotonic_ns() - due)
             self.stats.published += 1
+        th.join(5)
 
 
 def _wait_until(due_ns: int, stop: threading.Event) -> None:
@@ -215,32 +261,68 @@ def _wait_until(due_ns: int, stop: threading.Event) -> None:
             if stop.wait(min(left - SPIN_S, 0.2)):
                 return
         else:
-            time.sleep(0)
+            # spin without releasing the GIL: a release costs a switch interval to get it back
+            while time.monotonic_ns() < due_ns:
+                pass
+            return
 
 
-def mqtt_publisher(settings: KitSettings) -> tuple[MqttSession, Callable[[str, bytes, int, bool, Any], None]]:
-    session = MqttSession(settings, unique_client_id("robobus-replay"))
-    session.start()
-    if not session.wait_connected(10):
-        session.stop()
-        b = session.broker
-        raise ConnectionError(f"cannot use the MQTT broker at {b.host}:{b.port} "
-                              f"({session.last_error or 'no answer'})")
+class Publisher(Protocol):
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool, props: dict[str, Any] | None) -> None: ...
 
-    def publish(topic: str, payload: bytes, qos: int, retain: bool, props: Any) -> None:
-        session.publish(topic, payload, qos=qos, retain=retain, properties=props)
+    def drain(self, timeout: float = 10.0) -> bool: ...
 
-    return session, publish
+    def close(self) -> None: ...
 
 
-def drain(session: MqttSession, timeout: float = 10.0) -> bool:
-    """Wait until the broker has acknowledged every QoS 1 publish (paho's outgoing queue is empty)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not session.client._out_messages:  # noqa: SLF001 - paho has no public "all sent" query
-            return True
-        time.sleep(0.01)
-    return False
+class PahoPublisher:
+    """For TLS brokers: an SSL socket must not be written and read from two threads at once, so the
+    replay publishes through the kit's paho session there (a hand-off to paho's network thread)."""
+
+    def __init__(self, settings: KitSettings, client_id: str) -> None:
+        self.session = MqttSession(settings, client_id)
+        self.session.start()
+        if not self.session.wait_connected(10):
+            self.session.stop()
+            b = self.session.broker
+            raise ConnectionError(f"cannot use the MQTT broker at {b.host}:{b.port} "
+                                  f"({self.session.last_error or 'no answer'})")
+
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool, props: dict[str, Any] | None) -> None:
+        pp = None
+        if props:
+            pp = reply_properties(props.get("response_topic"), props.get("correlation_data"),
+                                  props.get("content_type"))
+            for kv in props.get("user_property", []):
+                pp.UserProperty = tuple(kv)
+            if "message_expiry" in props:
+                pp.MessageExpiryInterval = props["message_expiry"]
+            if "payload_format" in props:
+                pp.PayloadFormatIndicator = props["payload_format"]
+        self.session.publish(topic, payload, qos=qos, retain=retain, properties=pp)
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.session.client._out_messages:  # paho has no public "all acknowledged" query
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        self.session.stop()
+
+
+def connect_publisher(settings: KitSettings) -> Publisher:
+    """The lean publisher on plain TCP (publishes leave on the replay thread: exact timing); paho on TLS."""
+    client_id = unique_client_id("robobus-replay")
+    if settings.broker().tls:
+        return PahoPublisher(settings, client_id)
+    try:
+        return LeanPublisher(settings, client_id)
+    except (OSError, MqttProtocolError) as exc:
+        b = settings.broker()
+        raise ConnectionError(f"cannot use the MQTT broker at {b.host}:{b.port} ({exc})") from None
 
 
 # -- inspect --------------------------------------------------------------------------------------
@@ -344,6 +426,6 @@ def recover(src: Path, dst: Path, compression: str = "zstd") -> RecoverResult:
                     w.add_attachment(rec.create_time, rec.log_time, rec.name, rec.media_type, rec.data)
         except Exception as exc:  # the damage: a torn record, a bad CRC, the end of a truncated file
             error = f"{type(exc).__name__}: {exc}".rstrip(": ") or type(exc).__name__
-        w.finish()
+        w.finish()  # type: ignore[no-untyped-call]
     shutil.move(tmp, dst)
     return RecoverResult(messages=messages, channels=len(channel_ids), error=error)
