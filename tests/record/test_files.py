@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from shared.bus_catalog import TopicCatalog
 from shared.record_cli import app
 from shared.recorder import PROPS_TOPIC, RECORDING_META, Recorder, RecordOptions
-from shared.replay import Replayer, ReplayOptions, RecordingError, inspect, recover
+from shared.replay import RecordingError, Replayer, ReplayOptions, inspect, recover
 from tests.record.helpers import document, make_recording, pub
 
 HEALTH = json.dumps({"connection": True, "operational": True, "state": "running", "error": False,
@@ -105,7 +105,7 @@ def test_replay_under_another_root_skips_commands_and_keeps_properties(tmp_path:
     sink = Sink()
     stats = Replayer(path, ReplayOptions(rate=0, root="replay/x"), sink).run()
     assert all(t.startswith("replay/x/") for t in sink.topics())
-    assert not any("/cmd/set_speed" == t[-14:] for t in sink.topics())
+    assert not any(t[-14:] == "/cmd/set_speed" for t in sink.topics())
     assert stats.skipped_commands == 1 and stats.published == len(sink.got) == 9
     status = next(g for g in sink.got if g[0] == "replay/x/epuck-gateway/status")
     assert status[3] is True and status[1] == STATUS.encode()  # retained as published

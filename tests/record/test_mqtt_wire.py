@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -44,7 +46,7 @@ def test_variable_byte_integer_out_of_range() -> None:
 
 
 def test_fixed_control_packets() -> None:
-    assert PINGREQ_PACKET == bytes.fromhex("c000")  # 3.12: type 12, remaining length 0
+    assert bytes.fromhex("c000") == PINGREQ_PACKET  # 3.12: type 12, remaining length 0
     assert encode_puback(0x1234) == bytes.fromhex("40021234")  # 3.4.2.1: reason 0 may be left out
     assert encode_disconnect() == bytes.fromhex("e000")  # 3.14.2.1: normal disconnection, short form
 
@@ -115,7 +117,7 @@ def test_publish_round_trip_split_anywhere(topic: str, payload: bytes, qos: int,
     reader = PacketReader()
     out = []
     edges = sorted({min(c, len(pkt)) for c in cuts} | {0, len(pkt)})
-    for a, b in zip(edges, edges[1:], strict=False):
+    for a, b in itertools.pairwise(edges):
         out += reader.feed(pkt[a:b])
     assert out == [Publish(topic, payload, qos, retain, False, pid if qos else 0, props or None)]
     assert reader.buffered == 0
