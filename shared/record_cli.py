@@ -29,7 +29,7 @@ from rich.table import Table
 from shared.settings import load_settings
 
 console = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 240)
 
 Broker = Annotated[str | None, typer.Option("--broker", "-b", help="Broker URL (default ROBOBUS_MQTT_URL)")]
 
