@@ -105,7 +105,7 @@ def record(
     settings = load_settings(RecorderSettings, **overrides)
     setup_logging("WARNING" if settings.log_level == "INFO" else settings.log_level, settings.log_json)
     subs = settings.record_filters or [f"{settings.topic_root}/#"]
-    doc = load_document()
+    doc = load_document(settings.record_asyncapi)
     opts = RecordOptions.from_settings(settings, subs, doc, output)
     stop = _stop_on_signals()
     recorder = Recorder(opts, TopicCatalog.from_document(doc, settings.topic_root))

@@ -109,6 +109,8 @@ class RecorderSettings(KitSettings):
                                   description="Close a chunk at least this often (what a SIGKILL can lose)")
     record_session_expiry_s: int = Field(300, ge=0, description="The broker keeps our subscription and queues "
                                          "QoS 1 messages this long while we reconnect")
+    record_asyncapi: Path | None = Field(None, description="AsyncAPI document for the schemas (default: built "
+                                         "from the installed services, else docs/asyncapi.yaml)")
 
     @field_validator("record_filters")
     @classmethod
