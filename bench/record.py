@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -72,8 +73,15 @@ def publisher(port: int, rate: int, seconds: float, root: str) -> None:
             acked[0] += sum(1 for p in r.feed(data) if isinstance(p, PubAck))
 
     threading.Thread(target=read_acks, daemon=True).start()
-    pad = "x" * PAYLOAD
-    topics = [f"{root}/bench/load/state/t{i:02d}" for i in range(TOPICS)]
+    # one packet template per topic; each message patches its packet id and a fixed-width sequence
+    # number in place, so the paced loop costs ~1 us a message and the offered rate is what we ask for
+    templates = []
+    for i in range(TOPICS):
+        head = '{"seq":         0,"topic":%2d,"pad":"' % i
+        body = (head + "x" * (PAYLOAD - len(head) - 2) + '"}').encode()
+        pkt = encode_publish(f"{root}/bench/load/state/t{i:02d}", body, qos=1, packet_id=1)
+        start = len(pkt) - len(body)  # the payload; before it the packet id (2) and property length (1)
+        templates.append((pkt, start - 3, start + len('{"seq":')))
     total = int(rate * seconds)
     t0 = time.monotonic()
     sent = 0
@@ -83,13 +91,15 @@ def publisher(port: int, rate: int, seconds: float, root: str) -> None:
         batch = []
         while sent < min(due, total):
             pid = pid % 65535 + 1
-            head = f'{{"seq":{sent},"topic":{sent % TOPICS},"pad":"'
-            body = (head + pad[: PAYLOAD - len(head) - 2] + '"}').encode()
-            batch.append(encode_publish(topics[sent % TOPICS], body, qos=1, packet_id=pid))
+            tpl, pid_at, seq_at = templates[sent % TOPICS]
+            pkt = bytearray(tpl)
+            struct.pack_into("!H", pkt, pid_at, pid)
+            pkt[seq_at:seq_at + 10] = b"%10d" % sent  # space-padded: valid JSON
+            batch.append(pkt)
             sent += 1
         if batch:
             sock.sendall(b"".join(batch))
-        time.sleep(0.005)
+        time.sleep(0.002)
     elapsed = time.monotonic() - t0
     deadline = time.monotonic() + 30
     while acked[0] < total and time.monotonic() < deadline:
@@ -154,7 +164,9 @@ def throughput_step(broker: Broker, work: Path, rate: int, seconds: float) -> di
     unique = len({s for v in seqs.values() for s in v})
     lag_s = max(0.0, (last_log - sent["end_ns"]) / 1e9)
     ok = unique == sent["sent"] and in_order
-    return {"rate": rate, "sent": sent["sent"], "publish_s": round(sent["elapsed"], 2), "recorded": got,
+    return {"rate": rate, "sent": sent["sent"], "publish_s": round(sent["elapsed"], 2),
+            "offered_per_s": round(sent["sent"] / sent["elapsed"]), "recorded": got,
+            "recorder_cpu_us_per_msg": round(1e6 * cpu / max(unique, 1), 1),
             "unique": unique, "lost": sent["sent"] - unique, "in_order": in_order, "lag_s": round(lag_s, 3),
             "recorder_cpu_pct": round(100 * cpu / (sent["elapsed"] + 2.0), 1),
             "file_mb": round(out.stat().st_size / 1e6, 2), "ok": ok}
@@ -260,23 +272,30 @@ def main() -> None:
             for rate in rates:
                 step = throughput_step(broker, work, rate, seconds)
                 steps.append(step)
-                print(f"{rate:>6}/s for {seconds:g} s: sent {step['sent']}, recorded {step['unique']} "
+                print(f"{rate:>6}/s asked, {step['offered_per_s']}/s offered ({step['sent']} in "
+                      f"{step['publish_s']} s): recorded {step['unique']} "
                       f"(lost {step['lost']}), in order per topic: {step['in_order']}, lag {step['lag_s']} s, "
-                      f"recorder CPU {step['recorder_cpu_pct']} %, file {step['file_mb']} MB -> "
+                      f"recorder CPU {step['recorder_cpu_pct']} % ({step['recorder_cpu_us_per_msg']} us/msg), "
+                      f"file {step['file_mb']} MB -> "
                       f"{'ok' if step['ok'] else 'FAILED'}", flush=True)
                 if not step["ok"]:
                     break
             timing = replay_timing(broker, work, seconds)
         finally:
             broker.kill()
-    best = max((s["rate"] for s in steps if s["ok"]), default=0)
-    print(f"sustained without loss: {best} msg/s of 1 KB JSON (target {TARGET_RATE}, ratio {best / TARGET_RATE:.2f})")
+    # the figure is the rate actually offered (a loaded machine may not let the publisher reach the ask)
+    best = max((s["offered_per_s"] for s in steps if s["ok"]), default=0)
+    cpu_us = min((s["recorder_cpu_us_per_msg"] for s in steps if s["ok"]), default=0.0)
+    print(f"sustained without loss: {best} msg/s of 1 KB JSON offered and recorded (target {TARGET_RATE}, "
+          f"ratio {best / TARGET_RATE:.2f}); recorder CPU {cpu_us} us/msg, i.e. one core would record "
+          f"{1e6 / cpu_us if cpu_us else 0:.0f} msg/s")
     print(f"replay at rate 1: {timing['arrived']}/{timing['recorded']} arrived, payloads identical and in order: "
           f"{timing['payloads_identical_in_order']}; timing error p50 {timing['err_p50_ms']} ms, "
           f"p99 {timing['err_p99_ms']} ms, max {timing['err_max_ms']} ms (target p99 <= {TARGET_P99_MS} ms)")
     print(f"  ({timing['replay_cli']})")
     result = {
         "bench": "record", "quick": args.quick, "steps": steps, "sustained_msgs_per_s": best,
+        "recorder_cpu_us_per_msg": cpu_us,
         "sustained_ratio_to_target": round(best / TARGET_RATE, 2), "replay": timing,
         "replay_p99_ratio_to_target": round(timing["err_p99_ms"] / TARGET_P99_MS, 2),
         "loadavg_1m_before": round(load0, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),

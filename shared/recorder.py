@@ -163,9 +163,12 @@ class McapFile:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.stream: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed in finish()
+        # no attachment index group when there is no attachment: the writer would point a summary offset
+        # at an empty group, which a strict reader (pymcap-cli doctor) reports as an error
+        indexes = IndexType.ALL if opts.document is not None else \
+            IndexType.CHUNK | IndexType.MESSAGE | IndexType.METADATA
         self.writer = Writer(self.stream, chunk_size=opts.chunk_bytes, compression=_COMPRESSION[opts.compression],
-                             index_types=IndexType.ALL, use_chunking=True, use_statistics=True,
-                             use_summary_offsets=True)
+                             index_types=indexes, use_chunking=True, use_statistics=True, use_summary_offsets=True)
         self.writer.start(profile="", library="robobus-record")
         self.writer.add_metadata(RECORDING_META, metadata)
         if opts.document is not None:
@@ -176,6 +179,10 @@ class McapFile:
         self.sequence: dict[int, int] = {}
         self.schemas: dict[str, int] = {}
         self.props_channel = 0
+        # registered up front: the mcap writer lists a Schema group in its summary offsets even when it
+        # is empty, which a strict reader (pymcap-cli doctor) calls an offset to a missing group
+        self.props_schema = self.writer.register_schema("MqttProperties", "jsonschema",
+                                                        json.dumps(PROPS_SCHEMA).encode())
         self.started = time.monotonic()
         self.flush()
 
@@ -305,8 +312,8 @@ class Recorder:
     def _write_props(self, f: McapFile, cid: int, seq: int, topic: str, props: dict[str, Any],
                      log_time: int) -> None:
         if not f.props_channel:
-            sid = f.writer.register_schema("MqttProperties", "jsonschema", json.dumps(PROPS_SCHEMA).encode())
-            f.props_channel = f.writer.register_channel(PROPS_TOPIC, "json", sid, {META_KIND: "mqtt_properties"})
+            f.props_channel = f.writer.register_channel(PROPS_TOPIC, "json", f.props_schema,
+                                                        {META_KIND: "mqtt_properties"})
             f.sequence[f.props_channel] = 0
         rec: dict[str, Any] = {"channel": cid, "sequence": seq, "topic": topic}
         if "response_topic" in props:
