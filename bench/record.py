@@ -77,7 +77,7 @@ def publisher(port: int, rate: int, seconds: float, root: str) -> None:
     # number in place, so the paced loop costs ~1 us a message and the offered rate is what we ask for
     templates = []
     for i in range(TOPICS):
-        head = '{"seq":         0,"topic":%2d,"pad":"' % i
+        head = '{"seq":         0,"topic":' + f"{i:2d}" + ',"pad":"'
         body = (head + "x" * (PAYLOAD - len(head) - 2) + '"}').encode()
         pkt = encode_publish(f"{root}/bench/load/state/t{i:02d}", body, qos=1, packet_id=1)
         start = len(pkt) - len(body)  # the payload; before it the packet id (2) and property length (1)
