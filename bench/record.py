@@ -45,7 +45,7 @@ from shared.mqtt_wire import (  # noqa: E402
     encode_publish,
     encode_subscribe,
 )
-from shared.testing import Broker, free_port  # noqa: E402
+from shared.localbroker import Broker, free_port  # noqa: E402
 
 TOPICS = 20
 PAYLOAD = 1000

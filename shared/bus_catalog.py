@@ -208,22 +208,29 @@ def standalone_schema(payload: dict[str, Any], schemas: dict[str, Any], title: s
 
 
 def load_document(path: Path | None = None) -> dict[str, Any]:
-    """The AsyncAPI document whose schemas the recording carries: the file at `path` if given (a
-    recorder image need not install every service's extra), else the one built from the services
-    installed here; when one of them cannot be imported, the repository's generated docs/asyncapi.yaml;
-    failing that, the kit's own channels."""
+    """The AsyncAPI document whose schemas the recording carries: the file at `path` if given; else the
+    one built from every registered service; when some service cannot be imported here (its extra is
+    not installed: a recorder image needs none), the repository's generated docs/asyncapi.yaml if there
+    is one, else the document of the services that did import."""
     from shared.asyncapi import build_document
+    from shared.registry import service_plugins
 
     if path is not None:
         doc: dict[str, Any] = yaml.safe_load(path.read_text())
         return doc
-    try:
-        return build_document()
-    except Exception as exc:  # an ImportError of a service extra, most often
-        shipped = Path(__file__).resolve().parent.parent / "docs" / "asyncapi.yaml"
-        if shipped.is_file():
-            log.warning("services not importable here (%s); schemas from %s", exc, shipped)
-            loaded: dict[str, Any] = yaml.safe_load(shipped.read_text())
-            return loaded
-        log.warning("recording with the kit's channels only: %s", exc)
-        return build_document([])
+    apis = []
+    missing = []
+    for plugin in service_plugins():
+        try:
+            apis.append(plugin.load())
+        except Exception as exc:  # an ImportError of a service extra, most often
+            missing.append(f"{plugin.name} ({exc})")
+    if not missing:
+        return build_document(apis)
+    shipped = Path(__file__).resolve().parent.parent / "docs" / "asyncapi.yaml"
+    if shipped.is_file():
+        log.warning("not importable here: %s; schemas from %s", ", ".join(missing), shipped)
+        loaded: dict[str, Any] = yaml.safe_load(shipped.read_text())
+        return loaded
+    log.warning("recording without the schemas of %s", ", ".join(missing))
+    return build_document(apis)

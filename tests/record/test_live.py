@@ -15,7 +15,7 @@ from mcap.reader import make_reader
 from shared.mqtt import reply_properties
 from shared.replay import RecordingError, inspect, recover
 from shared.rpc import RpcClient, wait_for
-from shared.testing import Broker, NodeProcess
+from shared.localbroker import Broker, NodeProcess
 
 RECORD = ["-m", "shared.record_cli", "record"]
 
@@ -130,7 +130,7 @@ def test_recording_resumes_after_the_broker_restarts(broker: Broker, spawn: Any,
 
 
 def test_no_broker_exits_3_with_one_clear_line(spawn: Any, tmp_path: Path) -> None:
-    from shared.testing import free_port
+    from shared.localbroker import free_port
 
     proc = spawn([*RECORD, "-o", str(tmp_path / "x.mcap"), "--wait-broker", "1"],
                  {"ROBOBUS_MQTT_URL": f"mqtt://127.0.0.1:{free_port()}"})
