@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from mcap.reader import make_reader  # noqa: E402
 
+from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.mqtt_wire import (  # noqa: E402
     ConnAck,
     PacketReader,
@@ -45,7 +46,6 @@ from shared.mqtt_wire import (  # noqa: E402
     encode_publish,
     encode_subscribe,
 )
-from shared.localbroker import Broker, free_port  # noqa: E402
 
 TOPICS = 20
 PAYLOAD = 1000
@@ -79,9 +79,9 @@ def publisher(port: int, rate: int, seconds: float, root: str) -> None:
     for i in range(TOPICS):
         head = '{"seq":         0,"topic":' + f"{i:2d}" + ',"pad":"'
         body = (head + "x" * (PAYLOAD - len(head) - 2) + '"}').encode()
-        pkt = encode_publish(f"{root}/bench/load/state/t{i:02d}", body, qos=1, packet_id=1)
-        start = len(pkt) - len(body)  # the payload; before it the packet id (2) and property length (1)
-        templates.append((pkt, start - 3, start + len('{"seq":')))
+        tpl = encode_publish(f"{root}/bench/load/state/t{i:02d}", body, qos=1, packet_id=1)
+        start = len(tpl) - len(body)  # the payload; before it the packet id (2) and property length (1)
+        templates.append((tpl, start - 3, start + len('{"seq":')))
     total = int(rate * seconds)
     t0 = time.monotonic()
     sent = 0

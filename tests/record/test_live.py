@@ -12,10 +12,10 @@ from typing import Any
 
 from mcap.reader import make_reader
 
+from shared.localbroker import Broker, NodeProcess
 from shared.mqtt import reply_properties
 from shared.replay import RecordingError, inspect, recover
 from shared.rpc import RpcClient, wait_for
-from shared.localbroker import Broker, NodeProcess
 
 RECORD = ["-m", "shared.record_cli", "record"]
 

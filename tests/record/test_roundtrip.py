@@ -22,8 +22,8 @@ import paho.mqtt.client as mqtt
 from mcap.reader import make_reader
 
 from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
-from shared.rpc import RpcClient, wait_for
 from shared.localbroker import Broker
+from shared.rpc import RpcClient, wait_for
 
 TIMING_TOLERANCE_MS = 5.0  # issue 17: inter-message timing within 5 ms of the original at rate 1
 # Asserted for 90 % of the intervals: on this shared 2-core machine (load average 10-20 while other
