@@ -13,6 +13,7 @@ commands without the rest of the CLI (the `recorder` process of `make run` and c
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -80,10 +81,18 @@ def record(
                                                "seconds (0 = keep trying, for unattended runs)")] = 10.0,
     seconds: Annotated[float, typer.Option(help="Stop after this many seconds (0 = until Ctrl-C)")] = 0.0,
     info: Annotated[Path | None, typer.Option("--info", help="Describe a recording instead (= inspect)")] = None,
+    if_enabled: Annotated[bool, typer.Option("--if-enabled", help="Record only when ROBOBUS_RECORD=1, else "
+                                             "idle until stopped (make run's Procfile)")] = False,
 ) -> None:
     """Record the bus into MCAP (chunked, compressed, indexed); Ctrl-C closes the file cleanly."""
     if info is not None:
         inspect_cmd(info)
+        return
+    if if_enabled and os.environ.get("ROBOBUS_RECORD", "0").strip().lower() not in ("1", "true", "yes", "on"):
+        # a supervisor (honcho) stops everything when one process exits: stay, quietly, until stopped
+        err.print("robobus record: bus recording off (ROBOBUS_RECORD=1 records the bus into "
+                  f"{os.environ.get('ROBOBUS_RECORD_PATH', 'recordings/')})", highlight=False)
+        _stop_on_signals().wait()
         return
     from shared.bus_catalog import TopicCatalog, load_document
     from shared.logs import setup_logging

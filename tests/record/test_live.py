@@ -137,3 +137,24 @@ def test_no_broker_exits_3_with_one_clear_line(spawn: Any, tmp_path: Path) -> No
     proc.proc.wait(60)
     assert proc.proc.returncode == 3, proc.text()
     assert wait_for(lambda: any("no broker at" in line for line in proc.output), 5), proc.text()
+
+
+def test_if_enabled_idles_until_stopped_when_recording_is_off(spawn: Any, tmp_path: Path) -> None:
+    """make run's `recorder` process: off unless ROBOBUS_RECORD=1, and then it must stay up (honcho stops
+    every process when one exits) and stop cleanly."""
+    proc = spawn([*RECORD, "--if-enabled", "-o", str(tmp_path / "x.mcap")], {"ROBOBUS_RECORD": "0"})
+    assert wait_for(lambda: any("recording off" in line for line in proc.output), 60), proc.text()
+    time.sleep(0.5)
+    assert proc.alive()
+    assert proc.stop(20) == 0, proc.text()
+    assert not (tmp_path / "x.mcap").exists()
+
+
+def test_if_enabled_records_when_on(broker_session: Broker, client: RpcClient, spawn: Any, tmp_path: Path) -> None:
+    root = f"on{time.monotonic_ns() % 10**9}"
+    out = tmp_path / "on.mcap"
+    proc = start_recorder(spawn, broker_session, out, "--if-enabled", "--root", root, ROBOBUS_RECORD="1")
+    client.session.publish_wait(f"{root}/n/d/state/x", b'{"i": 0}')
+    assert wait_for(lambda: len(_try(tmp_path, out)) >= 1, 20)
+    assert proc.stop(30) == 0, proc.text()
+    assert [t for t, _, _ in messages(out)] == [f"{root}/n/d/state/x"]
