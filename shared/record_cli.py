@@ -117,7 +117,11 @@ def record(
     doc = load_document(settings.record_asyncapi)
     opts = RecordOptions.from_settings(settings, subs, doc, output)
     stop = _stop_on_signals()
-    recorder = Recorder(opts, TopicCatalog.from_document(doc, settings.topic_root))
+    try:
+        recorder = Recorder(opts, TopicCatalog.from_document(doc, settings.topic_root))
+    except OSError as exc:
+        err.print(f"[red]robobus record: cannot write {opts.path}: {exc}[/red]")
+        raise typer.Exit(1) from None
     sub = LeanSubscriber(settings, subs, recorder.write, session_expiry_s=settings.record_session_expiry_s)
     status = StatusLine(recorder, sub, tty=sys.stderr.isatty())
     err.print(f"robobus record: {' '.join(subs)} from {opts.broker} -> {opts.path}"
@@ -135,12 +139,27 @@ def record(
             status.gave_up = True
             stop.set()
 
-    worker = threading.Thread(target=sub.run, args=(stop, tick), name="record", daemon=True)
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            sub.run(stop, tick)
+        except BaseException as exc:  # RecordingFailed (disk full...), or a bug: stop and say so
+            failure.append(exc)
+            stop.set()
+
+    worker = threading.Thread(target=work, name="record", daemon=True)
     worker.start()
     while worker.is_alive():
         worker.join(0.2)  # the main thread stays free for signals
-    recorder.close()
+    try:
+        recorder.close()
+    except OSError as exc:
+        failure.append(exc)
     status.finish()
+    if failure:
+        err.print(f"[red]robobus record: {failure[0]}[/red]")
+        raise typer.Exit(1)
     if status.gave_up:
         err.print(f"[red]robobus record: no broker at {opts.broker} after {wait_broker:g} s "
                   f"({sub.last_error or 'no answer'})[/red]")

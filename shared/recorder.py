@@ -94,6 +94,10 @@ RECORDING_META = "robobus.recording"
 _SIDE_PROPS = ("response_topic", "correlation_data", "user_property", "message_expiry", "payload_format")
 
 
+class RecordingFailed(Exception):
+    """The recording cannot go on (the file cannot be written); the recorder stops with this message."""
+
+
 class RecorderSettings(KitSettings):
     """`robobus record` / the `recorder` process: ROBOBUS_RECORD_* on top of the kit's settings."""
 
@@ -259,13 +263,19 @@ class Recorder:
             return
         now = time.monotonic()
         if now - self._last_flush >= self.opts.flush_s:
-            with self._lock:
-                if self.file is not None:
-                    self.file.flush()
+            try:
+                with self._lock:
+                    if self.file is not None:
+                        self.file.flush()
+            except OSError as exc:
+                raise RecordingFailed(f"cannot write {f.path}: {exc}") from exc
             self._last_flush = now
         if (self.opts.max_duration_s and now - f.started >= self.opts.max_duration_s) or \
                 (self.opts.max_bytes and f.size() >= self.opts.max_bytes):
-            self.rotate()
+            try:
+                self.rotate()
+            except OSError as exc:
+                raise RecordingFailed(f"cannot start the next part after {f.path}: {exc}") from exc
 
     def close(self) -> None:
         with self._lock:
@@ -286,12 +296,18 @@ class Recorder:
         props = p.props
         ctype = props.get("content_type") if props else None
         key = (p.topic, p.retain, p.qos, ctype)
-        with self._lock:
-            self._write(key, p.payload, props, log_time)
+        try:
+            with self._lock:
+                self._write(key, p.payload, props, log_time)
+        except OSError as exc:  # disk full, file system gone: not a broker problem, so no reconnect loop
+            raise RecordingFailed(f"cannot write {self.file.path if self.file else self.opts.path}: {exc}") from exc
         if p.retain:
-            self._retained[key] = (p.payload, props)
-            if len(p.payload) < 4096:
-                self.catalog.learn(p.topic, p.payload)
+            if p.payload:
+                self._retained[key] = (p.payload, props)
+                if len(p.payload) < 4096:
+                    self.catalog.learn(p.topic, p.payload)
+            else:  # an empty retained message clears the topic's retained value
+                self._retained.pop(key, None)
 
     def _write(self, key: tuple[str, bool, int, str | None], payload: bytes, props: dict[str, Any] | None,
                log_time: int, carried: bool = False) -> None:

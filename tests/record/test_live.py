@@ -158,3 +158,45 @@ def test_if_enabled_records_when_on(broker_session: Broker, client: RpcClient, s
     assert wait_for(lambda: len(_try(tmp_path, out)) >= 1, 20)
     assert proc.stop(30) == 0, proc.text()
     assert [t for t, _, _ in messages(out)] == [f"{root}/n/d/state/x"]
+
+
+def test_a_full_disk_stops_the_recorder_with_a_clear_error(broker_session: Broker, client: RpcClient,
+                                                           tmp_path: Path) -> None:
+    """Writes failing (here: RLIMIT_FSIZE, EFBIG; Python ignores SIGXFSZ) end the recording with one
+    line and exit 1, instead of a reconnect loop that would look like a broker problem."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from shared.localbroker import REPO
+
+    root = f"full{time.monotonic_ns() % 10**9}"
+    out = tmp_path / "full.mcap"
+    env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_RECORD_FLUSH_S": "0.1",
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.record_cli", "record", "-o", str(out), "--root", root], cwd=REPO,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000)))
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "subscribed" in line:
+                break
+        deadline = time.monotonic() + 60
+        i = 0
+        while proc.poll() is None and time.monotonic() < deadline:
+            client.session.publish(f"{root}/n/d/state/x", json.dumps({"i": i, "r": os.urandom(400).hex()}))
+            i += 1
+            if i % 50 == 0:
+                time.sleep(0.05)
+        rest = proc.communicate(timeout=30)[0]
+        text = "".join(lines) + rest
+        assert proc.returncode == 1, text
+        assert "cannot write" in text and "File too large" in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
