@@ -110,7 +110,8 @@ def publisher(port: int, rate: int, seconds: float, root: str) -> None:
 # -- helpers ------------------------------------------------------------------------------------
 class RecorderProc:
     def __init__(self, url: str, out: Path, filters: list[str]) -> None:
-        env = {**os.environ, "ROBOBUS_MQTT_URL": url, "PYTHONUNBUFFERED": "1"}
+        # keepalive 300 s: the backlog step stops the recorder (SIGSTOP) longer than the default 15 s x 1.5
+        env = {**os.environ, "ROBOBUS_MQTT_URL": url, "PYTHONUNBUFFERED": "1", "ROBOBUS_MQTT_KEEPALIVE_S": "300"}
         self.proc = subprocess.Popen([sys.executable, "-m", "shared.record_cli", "record", "-o", str(out),
                                       *filters], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
@@ -170,6 +171,46 @@ def throughput_step(broker: Broker, work: Path, rate: int, seconds: float) -> di
             "unique": unique, "lost": sent["sent"] - unique, "in_order": in_order, "lag_s": round(lag_s, 3),
             "recorder_cpu_pct": round(100 * cpu / (sent["elapsed"] + 2.0), 1),
             "file_mb": round(out.stat().st_size / 1e6, 2), "ok": ok}
+
+
+def drain_step(broker: Broker, work: Path, n: int) -> dict[str, Any]:
+    """The recorder's own rate, whatever the publisher manages: the recorder is stopped (SIGSTOP) while
+    n messages are published and acknowledged by the broker (queued for the recorder's session), then
+    resumed; its receive times (the log times) say how fast it took the backlog in. Every sequence number
+    must be in the file, in order per topic."""
+    out = work / "drain.mcap"
+    rec = RecorderProc(broker.url, out, ["robobus/bench/#"])
+    rec.proc.send_signal(signal.SIGSTOP)
+    try:
+        pub = subprocess.run([sys.executable, __file__, "--publisher", str(broker.port), str(n), "1"],
+                             capture_output=True, text=True, timeout=600)
+        if pub.returncode != 0:
+            raise RuntimeError(pub.stderr)
+        sent = json.loads(pub.stdout.strip().splitlines()[-1])
+        cpu0 = cpu_seconds(rec.proc.pid)
+    finally:
+        rec.proc.send_signal(signal.SIGCONT)
+    seqs: dict[str, list[int]] = {}
+    times: list[int] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait until the file stops growing
+        size = out.stat().st_size
+        time.sleep(2.0)
+        if out.stat().st_size == size:
+            break
+    cpu = cpu_seconds(rec.proc.pid) - cpu0
+    rec.stop()
+    with open(out, "rb") as f:
+        for _s, ch, msg in make_reader(f).iter_messages(log_time_order=False):
+            if ch.topic.startswith("robobus/bench/"):
+                seqs.setdefault(ch.topic, []).append(json.loads(msg.data)["seq"])
+                times.append(msg.log_time)
+    unique = len({s for v in seqs.values() for s in v})
+    span = (max(times) - min(times)) / 1e9 if len(times) > 1 else 0.0
+    return {"queued": sent["sent"], "acked_by_broker": sent["acked"], "recorded": unique,
+            "lost": sent["sent"] - unique, "in_order": all(v == sorted(v) for v in seqs.values()),
+            "drain_s": round(span, 3), "drain_msgs_per_s": round(unique / span) if span else 0,
+            "recorder_cpu_us_per_msg": round(1e6 * cpu / max(unique, 1), 1)}
 
 
 def mixed_stream(port: int, seconds: float) -> None:
@@ -280,6 +321,10 @@ def main() -> None:
                       f"{'ok' if step['ok'] else 'FAILED'}", flush=True)
                 if not step["ok"]:
                     break
+            drain = drain_step(broker, work, 50_000 if args.quick else 90_000)
+            print(f"backlog: {drain['queued']} queued at the broker while the recorder was stopped, recorded "
+                  f"{drain['recorded']} (lost {drain['lost']}, in order: {drain['in_order']}) in {drain['drain_s']} s "
+                  f"= {drain['drain_msgs_per_s']} msg/s ({drain['recorder_cpu_us_per_msg']} us CPU/msg)", flush=True)
             timing = replay_timing(broker, work, seconds)
         finally:
             broker.kill()
@@ -289,13 +334,17 @@ def main() -> None:
     print(f"sustained without loss: {best} msg/s of 1 KB JSON offered and recorded (target {TARGET_RATE}, "
           f"ratio {best / TARGET_RATE:.2f}); recorder CPU {cpu_us} us/msg, i.e. one core would record "
           f"{1e6 / cpu_us if cpu_us else 0:.0f} msg/s")
+    print(f"recorder rate on a broker backlog (publisher-independent): {drain['drain_msgs_per_s']} msg/s without "
+          f"loss: {drain['lost'] == 0 and drain['in_order']} (target {TARGET_RATE}, "
+          f"ratio {drain['drain_msgs_per_s'] / TARGET_RATE:.2f})")
     print(f"replay at rate 1: {timing['arrived']}/{timing['recorded']} arrived, payloads identical and in order: "
           f"{timing['payloads_identical_in_order']}; timing error p50 {timing['err_p50_ms']} ms, "
           f"p99 {timing['err_p99_ms']} ms, max {timing['err_max_ms']} ms (target p99 <= {TARGET_P99_MS} ms)")
     print(f"  ({timing['replay_cli']})")
     result = {
         "bench": "record", "quick": args.quick, "steps": steps, "sustained_msgs_per_s": best,
-        "recorder_cpu_us_per_msg": cpu_us,
+        "recorder_cpu_us_per_msg": cpu_us, "drain": drain,
+        "drain_ratio_to_target": round(drain["drain_msgs_per_s"] / TARGET_RATE, 2),
         "sustained_ratio_to_target": round(best / TARGET_RATE, 2), "replay": timing,
         "replay_p99_ratio_to_target": round(timing["err_p99_ms"] / TARGET_P99_MS, 2),
         "loadavg_1m_before": round(load0, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
