@@ -8,6 +8,7 @@ SERVICE_APIS: dict[str, str] = {}
 SERVICE_APIS["epuck-gateway"] = "services.epuck_gateway.service:API"
 SERVICE_APIS["can-bootloader"] = "services.can_bootloader.service:API"
 SERVICE_APIS["ethercat-loop"] = "services.ethercat_loop.service:API"
+SERVICE_APIS["roi-modules"] = "services.roi_modules.service:API"
 
 SERVICE_CLIS: dict[str, str] = {}
 SERVICE_CLIS["flash"] = "services.can_bootloader.cli:flash"

@@ -166,6 +166,11 @@ class RoiTransport:
         reply: p.GeneralPacket = await self._request(key, pkt.encode(), retries, True)
         return reply
 
+    async def general_once(self, octet: int, pkt: p.GeneralPacket) -> p.GeneralPacket | None:
+        """Sent once; a reply taken if one comes within the timeout; silence is not counted as a loss."""
+        key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
+        return await self._request(key, pkt.encode(), 0, False)  # type: ignore[no-any-return]
+
     async def sysadmin(self, octet: int, pkt: p.SysAdminPacket, *, retries: int | None = None,
                        expect_reply: bool = True) -> p.SysAdminPacket | None:
         """Send a SysAdmin request. `expect_reply=False` (BLACK_LIST, whose reply the firmware never sends,
