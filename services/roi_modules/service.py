@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from typing import Any
 
@@ -852,6 +853,9 @@ class RoiService:
 
 
 def build(node: Node, settings: RoiSettings) -> RoiService:
+    # A command hops paho's thread -> the command pool -> this loop and back; each hop waits for the GIL,
+    # which a busy thread keeps up to the switch interval (5 ms by default): 1 ms keeps the round trip short.
+    sys.setswitchinterval(0.001)
     svc = RoiService(node, settings)
     svc.build_modules()
     return svc

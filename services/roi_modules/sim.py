@@ -616,6 +616,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modules", default="gpio:10,odrive:20,actuator:30",
                     help="comma-separated <gpio|odrive|actuator>:<octet>")
     ap.add_argument("--loss", type=float, default=0.0, help="probability that a request is lost")
+    ap.add_argument("--signal-loss", type=float, default=0.05,
+                    help="loss set by SIGUSR1 (SIGUSR2 sets 0): benchmarks switch loss on and off")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--getter-bug", action="store_true", help="ODrive getters answer the control mode (firmware)")
     ap.add_argument("--head-firmware", action="store_true", help="answer FIRMWARE_REPORT (HEAD firmware)")
@@ -625,6 +627,8 @@ def main(argv: list[str] | None = None) -> None:
     sim = RoiSim(args.prefix, specs, seed=args.seed, getter_bug=args.getter_bug, head_firmware=args.head_firmware)
     sim.set_loss(args.loss)
     signal.signal(signal.SIGTERM, lambda *_: sim._stop.set())
+    signal.signal(signal.SIGUSR1, lambda *_: sim.set_loss(args.signal_loss))
+    signal.signal(signal.SIGUSR2, lambda *_: sim.set_loss(0.0))
     log.info("serving %d modules on %s.x: %s", len(specs), args.prefix,
              ", ".join(f"{s.kind}@{s.octet}" for s in specs))
     try:
