@@ -188,7 +188,8 @@ def main() -> None:
             cpu = 100 * (c1 - c0) / (t1 - t0)
             host_other = 100 * ((h1[0] - h0[0]) - (c1 - c0)) / (t1 - t0)
             result.update(cpu_pct=round(cpu, 1), cpu_target_pct=TARGET_CPU_PCT,
-                          cpu_ratio=round(cpu / TARGET_CPU_PCT, 3), host_other_busy_pct_of_one_core=round(host_other, 1))
+                          cpu_ratio=round(cpu / TARGET_CPU_PCT, 3),
+                          host_other_busy_pct_of_one_core=round(host_other, 1))
             print(f"service CPU, 50 modules at 100 ms: {cpu:.1f} % of one core (target <= {TARGET_CPU_PCT} %, "
                   f"ratio {cpu / TARGET_CPU_PCT:.2f}); the rest of the host used {host_other:.0f} % of a core")
 
