@@ -658,6 +658,10 @@ class OdriveModule(MotionModule):
 
     async def cmd_clear_errors(self, req: RoiEmpty) -> RoiAck:
         await self.set_ok(p.odrive_request(p.OdriveAction.CLEAR_ERRORS), "CLEAR_ERRORS")
+        # the module state (2/4) would otherwise stay in health until the next STATUS_REPORT (up to 12.8 s)
+        with contextlib.suppress(RequestLost):
+            await self.poll()
+            await self.fetch_status()
         return RoiAck(accepted=True, detail="errors cleared")
 
     async def stop(self) -> None:
