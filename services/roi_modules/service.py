@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 import time
 from typing import Any
@@ -48,7 +49,7 @@ from services.roi_modules.models import (
     RoiStatusReport,
 )
 from services.roi_modules.transport import LinkStats, RequestLost, RoiTransport, TransportConfig, check_prefix
-from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI
+from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 from shared.node import NODE_DEVICE
 
 log = logging.getLogger("robobus.roi")
@@ -856,10 +857,24 @@ class RoiService:
                              error_message="service stopped; motors were sent a stop")
 
 
+def check_bindable(host: str) -> None:
+    """Both ROI ports on this host's address, or one clear line: the address is not ours, or the ports are
+    taken (only one process can own the ROI network, §1)."""
+    for port in (p.GENERAL_PORT, p.SYSADMIN_PORT):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise ServiceUnavailable(f"cannot bind {host}:{port} ({exc.strerror}): roi_network and "
+                                         "roi_host_octet must name an address of this host, and no other "
+                                         "process may own the ROI ports there") from None
+
+
 def build(node: Node, settings: RoiSettings) -> RoiService:
     # A command hops paho's thread -> the command pool -> this loop and back; each hop waits for the GIL,
     # which a busy thread keeps up to the switch interval (5 ms by default): 1 ms keeps the round trip short.
     sys.setswitchinterval(0.001)
+    check_bindable(f"{settings.roi_network}.{settings.roi_host_octet}")
     svc = RoiService(node, settings)
     svc.build_modules()
     return svc

@@ -16,7 +16,7 @@ from services.roi_modules.service import API, RoiService, RoiSettings, build
 from services.roi_modules.sim import RoiSim, SimModuleSpec
 from shared import Node
 from shared.rpc import RpcClient
-from shared.testing import Broker
+from tests.fixtures import Broker
 from tests.roi_modules.conftest import fresh_prefix, wait_until
 
 NODE = "roi-modules"
