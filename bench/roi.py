@@ -182,9 +182,18 @@ def main() -> None:
             time.sleep(2.0)  # first STATUS_REPORTs, pulls and pushes are done
 
             # 1. CPU over a steady window (nothing else asked of the service)
+            base0 = watch.totals()
             c0, h0, t0 = cpu_seconds(svc.pid), host_busy(), time.monotonic()
             time.sleep(window)
             c1, h1, t1 = cpu_seconds(svc.pid), host_busy(), time.monotonic()
+            time.sleep(1.2)  # the window's last link counters (1 Hz)
+            base1 = watch.totals()
+            # without injected loss, resends and abandoned requests can only come from the host (a process not
+            # scheduled within the 50 ms resend time): the reference for the loss phase below
+            result.update(noloss_sent=base1["sent"] - base0["sent"], noloss_resent=base1["resent"] - base0["resent"],
+                          noloss_abandoned=base1["lost_packets_accumulated"] - base0["lost_packets_accumulated"])
+            print(f"no loss, {window:.0f} s: {result['noloss_sent']} requests, {result['noloss_resent']} resent, "
+                  f"{result['noloss_abandoned']} abandoned")
             cpu = 100 * (c1 - c0) / (t1 - t0)
             host_other = 100 * ((h1[0] - h0[0]) - (c1 - c0)) / (t1 - t0)
             result.update(cpu_pct=round(cpu, 1), cpu_target_pct=TARGET_CPU_PCT,
