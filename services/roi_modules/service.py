@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import sys
 import time
@@ -87,6 +88,7 @@ GO_TO_POSITION = API.job("go_to_position", RoiMoveRequest, RoiMoveResult,
 GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResult,
                          doc="As go_to_position, relative to the position at the start")
 
+ENV_PREFIX = "ROBOBUS_ROI_"
 KIND_TYPES = {"gpio": p.ModuleType.GENERAL_GPIO, "odrive": p.ModuleType.O_DRIVE, "actuator": p.ModuleType.ACTUATOR}
 
 
@@ -114,6 +116,9 @@ class RoiSettings(KitSettings):
             known = set(cls.model_fields)
             bad = [k for k in data if isinstance(k, str) and k.lower().replace("-", "_").startswith("roi")
                    and k.lower() not in known]
+            # the environment source drops unknown variables before validation: look at them here
+            bad += [k for k in os.environ if k.upper().startswith(ENV_PREFIX)
+                    and k[len("ROBOBUS_"):].lower() not in known]
             if bad:
                 ours = sorted(f for f in known if f.startswith("roi"))
                 raise ValueError(f"unknown roi setting(s) {sorted(bad)}; known: {ours}")

@@ -442,8 +442,9 @@ class RoiSim:
                 self.modules[o].chain_ok = True
         for octet in self.modules:
             for port in (p.GENERAL_PORT, p.SYSADMIN_PORT):
+                # no SO_REUSEADDR: with it Linux lets a second UDP socket bind the same address and
+                # silently takes the datagrams; a second simulator on these addresses must fail instead
                 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((self.address(octet), port))
                 except OSError:

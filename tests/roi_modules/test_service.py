@@ -315,10 +315,14 @@ def test_module_type_mismatch_is_a_health_error(broker_session: Broker) -> None:
         r.close()
 
 
-def test_launch_parameter_names_that_do_not_exist_are_refused() -> None:
+def test_launch_parameter_names_that_do_not_exist_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """§5.5: the launch file set network-address/octet, the code read network_address/module_octet."""
     base: dict[str, Any] = {"roi_modules": [{"name": "a", "octet": 5, "type": "gpio"}]}
     RoiSettings(**base)
+    monkeypatch.setenv("ROBOBUS_ROI_NETWORK_ADDRESS", "192.168.2.100")
+    with pytest.raises(ValidationError, match="ROBOBUS_ROI_NETWORK_ADDRESS"):
+        RoiSettings(**base)
+    monkeypatch.delenv("ROBOBUS_ROI_NETWORK_ADDRESS")
     with pytest.raises(ValidationError, match="roi_network_address"):
         RoiSettings(**base, roi_network_address="192.168.2.100")
     with pytest.raises(ValidationError, match="module_octet"):
