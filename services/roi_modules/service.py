@@ -265,7 +265,13 @@ class RoiModule:
             try:
                 if self.status_due or self.tick_no % self.svc.settings.roi_status_every == 0:
                     self.status_due = False
-                    await self.fetch_status()
+                    try:
+                        await self.fetch_status()
+                    except RequestLost:
+                        # still connected (lost_to_disconnect > 1): ask again next tick; disconnected: the
+                        # reconnection asks (one probe per tick is enough)
+                        self.status_due = self.link.connected
+                        raise
                 await self.poll()
             except (RequestLost, CommandError) as exc:
                 log.debug("maintain tick failed", extra={"module": self.cfg.name, "error": str(exc)})
