@@ -195,3 +195,19 @@ def test_odrive_error_sets_module_state(net: tuple[RoiSim, Client]) -> None:
     c.general(20, p.odrive_request(p.OdriveAction.CLEAR_ERRORS))
     assert status(c, 20).state == p.ModuleState.OPERATING
     assert isinstance(sim.module(20), OdriveFirmware)
+
+
+def test_firmware_report_only_from_head_firmware() -> None:
+    prefix = fresh_prefix()
+    sim = RoiSim(prefix, [SimModuleSpec(10, "gpio"), SimModuleSpec(11, "gpio")], head_firmware=True).start()
+    c = Client(prefix)
+    try:
+        rep = c.sysadmin(10, p.SysAdminPacket(p.SysAdminAction.FIRMWARE_REPORT, origin=HOST))
+        assert rep is not None and rep.action == p.SysAdminAction.FIRMWARE_REPORT
+        t, d = p.decode_firmware_report(rep.payload)
+        assert t.count(":") == 2 and d.endswith("2025")
+        sim.call(11, lambda fw: setattr(fw, "head_firmware", False))  # a1c7216: unknown action, BLANK reply
+        assert c.sysadmin(11, p.SysAdminPacket(p.SysAdminAction.FIRMWARE_REPORT, origin=HOST), timeout=0.3) is None
+    finally:
+        c.close()
+        sim.close()
