@@ -366,3 +366,28 @@ def test_garbage_and_foreign_datagrams_are_counted_not_fatal(rig: Rig) -> None:
     stats = rig.bus.wait("/_node/state/stats", lambda d: d["decode_errors"] >= 2, 0)
     assert stats is not None
     assert rig.call("wheel", "ping").ok  # still serving
+
+
+def test_job_aborts_on_disconnection_and_actuator_cancel_holds(rig: Rig) -> None:
+    mark = rig.bus.mark()
+    job = rig.call("wheel", "go_to_relative_position", {"position": 300.0, "velocity_feedforward": 1.0}).unwrap()
+    rig.bus.wait("/wheel/event/job_progress", lambda d: d["job_id"] == job["job_id"], mark)
+    rig.sim.set_faults(20, offline=True)
+    try:
+        res = rig.bus.wait("/wheel/event/job_result", lambda d: d["job_id"] == job["job_id"], mark)
+        assert res is not None and not res["ok"] and res["error"]["code"] == "unavailable", res
+    finally:
+        rig.sim.set_faults(20, offline=False)
+    assert rig.bus.wait("/wheel/health", lambda d: d["connection"], mark) is not None
+    assert rig.call("wheel", "set_velocity", {"velocity": 0.0}).ok
+    # actuator: the firmware has no stop; cancel holds it where the estimate says it is
+    assert rig.call("arm", "goto_position", {"position": 10.0}).ok
+    job = rig.call("arm", "go_to_position", {"position": 90.0, "velocity_feedforward": 5.0}).unwrap()
+    prog = rig.bus.wait("/arm/event/job_progress",
+                        lambda d: d["job_id"] == job["job_id"] and d["info"]["position"] > 11.0, mark)
+    assert prog is not None and prog["info"]["estimated"]
+    assert rig.call("arm", "cancel", {"job_id": job["job_id"]}).ok
+    res = rig.bus.wait("/arm/event/job_result", lambda d: d["job_id"] == job["job_id"], mark)
+    assert res is not None and res["cancelled"]
+    target = rig.sim.call(30, lambda f: f.target[0])
+    assert 150 * 0.10 < target < 150 * 0.90  # held short of the 90 % goal
