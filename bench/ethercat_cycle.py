@@ -53,8 +53,8 @@ import numpy as np  # noqa: E402
 import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
-from services.ethercat_loop.netns import VethNetns  # noqa: E402
 from services.ethercat_loop.protocol import PROTOCOLS, PalmCommand, unpack_command  # noqa: E402
+from services.ethercat_loop.sim.netns import VethNetns  # noqa: E402
 from shared.mqtt import reply_properties  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402

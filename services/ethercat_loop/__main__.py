@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from services.ethercat_loop.backend import BackendUnavailable, EthercatSettings, make_backend
-from services.ethercat_loop.service import API, PalmService
+from services.ethercat_loop.backend import BackendUnavailable
+from services.ethercat_loop.service import API, build
+from services.ethercat_loop.settings import EthercatSettings
 from shared import Node, load_settings
 from shared.logs import setup_logging
 
@@ -14,13 +15,12 @@ from shared.logs import setup_logging
 def main() -> None:
     settings = load_settings(EthercatSettings)
     setup_logging(settings.log_level, settings.log_json)
+    node = Node(API, settings)
     try:
-        backend = make_backend(settings)
+        svc = build(node, settings)
     except BackendUnavailable as exc:
         print(f"robobus: ethercat-loop: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    node = Node(API, settings)
-    svc = PalmService(node, backend, settings)
     node.on_shutdown(svc.shutdown)  # before the offline status: zero demands, leave OP
     try:
         svc.start()

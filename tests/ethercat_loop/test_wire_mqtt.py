@@ -16,7 +16,7 @@ import pytest
 
 from services.ethercat_loop.backend import STOP_ZERO_CYCLES
 from services.ethercat_loop.protocol import PalmCommand, unpack_command
-from services.ethercat_loop.virtual_hand import HandControl
+from services.ethercat_loop.sim.virtual_hand import HandControl
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient
 from shared.testing import Broker, NodeProcess

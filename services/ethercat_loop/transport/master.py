@@ -3,7 +3,7 @@ process data (from the SII, or by programming the four mailbox SyncManagers and 
 the original EML driver did, reference §2.2), bring the bus to OP and back, and exchange one frame
 per cycle with a working-counter check and a receive timeout well under the period.
 
-Blocking calls only; the realtime cycle (cycle.py) owns the timing and calls `exchange` once per
+Blocking calls only; the realtime cycle (transport/cycle.py) owns the timing and calls `exchange` once per
 period from its own process.
 """
 
@@ -21,10 +21,10 @@ from typing import Any
 
 import pysoem
 
-from services.ethercat_loop.netns import enter_netns
 from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, ProtocolInfo, protocol_for_product
+from services.ethercat_loop.transport.netns import enter_netns
 
-log = logging.getLogger("ethercat_loop.master")
+log = logging.getLogger("robobus.ethercat.master")
 
 SII_SERIAL_WORD = 0x0E
 SII_CAT_START = 0x40

@@ -26,7 +26,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from services.ethercat_loop.esc_frames import Cmd, Datagram
+from services.ethercat_loop.sim.esc_frames import Cmd, Datagram
 
 # AL states (ETG.1000.6)
 INIT = 0x01

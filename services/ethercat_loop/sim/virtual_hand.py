@@ -1,9 +1,9 @@
 """The virtual Shadow hand on the wire: two software ESCs (the bridge, product 0, then the palm,
 0220 or 0230) answering real EtherCAT frames on a raw socket, with the palm's process data driven
-once per cycle by the shared palm model (`sim.PalmModel`).
+once per cycle by the shared palm model (`palm_model.PalmModel`).
 
 Run it on one end of a veth pair (netns.py does the plumbing):
-    python -m services.ethercat_loop.virtual_hand --iface ech0 --protocol 0220 --control /run/x.sock
+    python -m services.ethercat_loop.sim.virtual_hand --iface ech0 --protocol 0220 --control /run/x.sock
 Faults are injected at run time through the control socket (`HandControl`), or from the start
 with --drop-every / --delay-every.
 
@@ -35,18 +35,18 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from services.ethercat_loop.cycle_rt import RtSettings, apply_realtime
-from services.ethercat_loop.cycle_shm import percentiles
-from services.ethercat_loop.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc, EscChain, ExpectedSm
-from services.ethercat_loop.esc_frames import (
+from services.ethercat_loop.loop_stats import percentiles
+from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, PalmCommand, ProtocolInfo, unpack_command
+from services.ethercat_loop.sim.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc, EscChain, ExpectedSm
+from services.ethercat_loop.sim.esc_frames import (
     ETH_HEADER_LEN,
     ETHERTYPE_ECAT,
     FrameError,
     build_datagrams,
     parse_datagrams,
 )
-from services.ethercat_loop.esc_sii import SM_TYPE_INPUTS, SM_TYPE_OUTPUTS, PdoSpec, SiiConfig, SmSpec, build_sii
-from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, PalmCommand, ProtocolInfo, unpack_command
+from services.ethercat_loop.sim.esc_sii import SM_TYPE_INPUTS, SM_TYPE_OUTPUTS, PdoSpec, SiiConfig, SmSpec, build_sii
+from services.ethercat_loop.transport.realtime import RtSettings, apply_realtime
 
 PACKET_OUTGOING = 4
 SO_TIMESTAMPNS = 35  # <asm-generic/socket.h>; Python's socket module does not export it
@@ -111,7 +111,7 @@ def build_chain(opts: HandOptions) -> tuple[EscChain, Esc, Esc]:
 
 
 def load_model(spec: str, protocol: str) -> PalmLike:
-    """`module:factory` called with protocol=..., default the shared palm model in sim.py."""
+    """`module:factory` called with protocol=..., default the shared palm model (palm_model.py)."""
     mod_name, _, attr = spec.partition(":")
     factory: Callable[..., PalmLike] = getattr(importlib.import_module(mod_name), attr or "PalmModel")
     return factory(protocol=protocol)
@@ -438,7 +438,7 @@ def set_realtime(priority: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.ethercat_loop.virtual_hand",
+    p = argparse.ArgumentParser(prog="python -m services.ethercat_loop.sim.virtual_hand",
                                 description=(__doc__ or "").split("\n")[0])
     p.add_argument("--iface", required=True, help="interface to answer on (one end of a veth pair)")
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="0220")
@@ -448,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--left", action="store_true", help="0230: the left hand's product code")
     p.add_argument("--no-sii-pd", action="store_true", help="palm SII without SyncManager/PDO categories")
     p.add_argument("--status-size-delta", type=int, default=0, help="declare a wrong status size in the SII")
-    p.add_argument("--model", default="services.ethercat_loop.sim:PalmModel", help="palm model factory module:name")
+    p.add_argument("--model", default="services.ethercat_loop.palm_model:PalmModel",
+                   help="palm model factory module:name")
     p.add_argument("--control", help="UNIX datagram socket for fault injection and stats")
     p.add_argument("--drop-every", type=int, default=0, help="drop every Nth process-data frame")
     p.add_argument("--delay-every", type=int, default=0, help="delay every Nth process-data frame")
