@@ -166,6 +166,8 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     halting = False
     check_due = cfg.state_check_every
     snapshot_due = cfg.snapshot_every
+    recovery_seen = master.recovery_seq
+    rescan_after, rescan_backoff = 0, 0
     gc.disable()
     # releases on the CLOCK_MONOTONIC grid of the period (multiples of it; for a period dividing 1 s, on
     # the full second): a phase other processes can know, e.g. a latency probe woken just before it
@@ -260,7 +262,16 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         check_due -= 1
         snapshot_due -= 1
         recheck = (status is None or st.state_issue) and cycle % 10 == 0
-        if (check_due <= 0 or recheck) and deadline + period - mono() > slack_check:
+        if master.rescan_needed and not halting and mono() >= rescan_after:
+            # a full re-scan stops the cycle for as long as it takes: only ever while no valid data flow
+            slack_work = True
+            rescan_after = _rescan(master, st, publish, cnt, rescan_backoff)
+            rescan_backoff = 0 if not master.rescan_needed else min(5_000_000_000, max(rescan_backoff * 2,
+                                                                                       100_000_000))
+            deadline = mono() // period * period  # back on the grid: the stop is a re-scan, not an overrun
+            wake = deadline
+            cnt[C["rescans"]] = wc.rescans
+        elif (check_due <= 0 or recheck) and master.is_open and deadline + period - mono() > slack_check:
             check_due = cfg.state_check_every
             slack_work = True
             cnt[C["state_checks"]] += 1
@@ -269,10 +280,14 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             issue = master.check_states(deadline + period - CHECK_RESERVE_NS)
             cnt[C["recoveries"]] = wc.recoveries
             cnt[C["left_op"]] = wc.left_op
+            cnt[C["escalations"]] = wc.escalations
             cnt[C["in_op"]] = 0 if issue else 1
-            if issue != st.state_issue:
+            changed = issue != st.state_issue or master.recovery_seq != recovery_seen
+            if changed:
+                recovery_seen = master.recovery_seq
                 st.state_issue = issue
                 st.state = "recovering" if issue else ("stopping" if halting else "op")
+                st.recovery = _recovery_view(master)
                 publish()
         left = deadline + period - mono()
         # start a snapshot only in 2x what recent ones took (a slowly decaying maximum: one took 2x its
@@ -312,6 +327,35 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             cnt[C["late_starts"]] += 1  # ran past the next release: it starts now, late (its latency is in "wake")
         elif cycle % 1000 == 0 and deadline - mono() > period // 2:
             gc.collect(0)  # young objects only, and only with half a period of slack left
+
+
+def _recovery_view(master: EthercatMaster) -> dict[str, Any]:
+    """What recovery did (for health details and the MQTT side's log): the last steps with their
+    CLOCK_MONOTONIC time, and the counters."""
+    wc = master.counters
+    return {"steps": [[t, text] for t, text in master.recovery_log], "seq": master.recovery_seq,
+            "escalations": wc.escalations, "escalation_failures": wc.escalation_failures, "rescans": wc.rescans,
+            "recoveries": wc.recoveries}
+
+
+def _rescan(master: EthercatMaster, st: _CycleState, publish: Callable[[], None], cnt: Any, backoff_ns: int) -> int:
+    """Run the re-scan the master asked for; returns the CLOCK_MONOTONIC time before which not to retry."""
+    st.state, st.state_issue = "rescanning", f"re-scanning the bus: {master.rescan_needed}"
+    st.recovery = _recovery_view(master)
+    publish()
+    try:
+        ident = master.rescan()
+    except (MasterError, OSError, ValueError) as exc:
+        master.rescan_needed = f"re-scan failed: {exc}"
+        st.state, st.state_issue = "recovering", master.rescan_needed
+        st.recovery = _recovery_view(master)
+        publish()
+        return time.monotonic_ns() + max(backoff_ns, 100_000_000)
+    st.identity = ident.as_dict()
+    st.state, st.state_issue = "op", ""
+    st.recovery = _recovery_view(master)
+    publish()
+    return 0
 
 
 def _send_events(events: Connection, rx: list[CanRxFrame], cnt: Any) -> None:

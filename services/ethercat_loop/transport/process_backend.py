@@ -224,9 +224,14 @@ class ProcessBackend(HandBackend):
             old = self._state
             if new.state_issue != old.state_issue:
                 if new.state_issue:
-                    log.warning("EtherCAT: %s; recovering", new.state_issue)
+                    log.warning("EtherCAT: %s", new.state_issue)
                 else:
-                    log.info("EtherCAT: all slaves back in OP")
+                    log.info("EtherCAT: every slave in OP, process data valid")
+            seen = int(old.recovery.get("seq", 0)) if old.recovery else 0
+            steps = new.recovery.get("steps", []) if new.recovery else []
+            fresh = int(new.recovery.get("seq", 0)) - seen if new.recovery else 0
+            for _t, text in steps[-fresh:] if fresh > 0 else []:  # every recovery step, once
+                log.warning("EtherCAT recovery: %s", text)
             if new.error != old.error and new.error:
                 log.error("EtherCAT: %s", new.error)
             self._state = new
@@ -284,7 +289,8 @@ class ProcessBackend(HandBackend):
         cycles = max(1, c["cycles"])
         totals = {
             **{k: c[k] for k in ("cycles", "overruns", "skipped_cycles", "frames", "lost", "late", "wkc_errors",
-                                 "no_status", "dropped", "recoveries", "left_op", "max_consecutive_no_status",
+                                 "no_status", "dropped", "recoveries", "left_op", "escalations", "rescans",
+                                 "max_consecutive_no_status",
                                  "commands_applied", "state_checks", "events_dropped",
                                  "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
                                  "overrun_slack_work", "late_starts")},
@@ -316,10 +322,18 @@ class ProcessBackend(HandBackend):
         ident = st.identity
         return {"vendor": ident.get("vendor"), "product": ident.get("product"), "revision": ident.get("revision"),
                 "serial": ident.get("serial"), "protocol": ident.get("protocol", self.settings.ethercat_protocol),
-                "backend": self.settings.backend, "connected": self.connected(), "state": st.state,
+                "backend": self.settings.backend, "connected": self.connected(), "state": self._link_state(),
                 "error": st.error or st.fatal, "no_data": self._no_data(), "issue": st.state_issue,
                 "recovery": dict(st.recovery) if st.recovery else None, "warnings": list(st.warnings),
                 "mapping": ident.get("mapping"), "slaves": ident.get("slaves"), "realtime_policy": st.policy}
+
+    def _link_state(self) -> str:
+        """The cycle's state, with `no_data` for a cycle in OP that exchanges no valid process data (before
+        the recovery has named an issue)."""
+        st = self._state.state
+        if not self._running and st in ("op", "recovering", "rescanning"):
+            return "error"  # the cycle process is gone
+        return "no_data" if st == "op" and self._no_data() else st
 
     def _no_data(self) -> bool:
         """No valid status for `error_after_lost` cycles in a row (the cycle sets the flag in place)."""

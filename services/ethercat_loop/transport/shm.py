@@ -28,6 +28,7 @@ COUNTERS = (
     "dropped", "decode_errors",  # the driver's dropped statuses (an empty palm mailbox: a valid frame, no data)
     # what the overrunning cycles had in common (a cycle can count in several)
     "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame", "overrun_slack_work",
+    "escalations", "rescans",  # recovery: INIT -> OP ladders started, full re-scans
     "late_starts",  # cycles started late (by less than a period) because the one before ran past their release
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
