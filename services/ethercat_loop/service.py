@@ -84,6 +84,7 @@ from shared import CommandError, Device, ErrorCode, Node, ServiceAPI
 
 log = logging.getLogger("robobus.ethercat")
 SEND_CAN_HOLDER = "_send_can"
+RECOVERY_STEPS_SHOWN = 12
 TEST_HOLDER = "_test_adc_channels"
 
 
@@ -308,6 +309,19 @@ class PalmService:
                                                      else ("initializing" if s.phase == "init" else "running"))
         connected = bool(info.get("connected"))
         details = {k: info.get(k) for k in ("vendor", "product", "revision", "serial", "protocol", "backend")}
+        # the link as the cycle sees it: valid process data or not, what recovery works on, its last steps
+        details["link"] = {"valid_data": not info.get("no_data"), "issue": info.get("issue") or ""}
+        recovery = info.get("recovery")
+        if recovery:
+            now = time.monotonic_ns()
+            details["recovery"] = {
+                **{k: recovery.get(k, 0) for k in ("escalations", "escalation_failures", "rescans", "recoveries")},
+                "steps": [{"ago_s": round((now - int(t)) / 1e9, 3), "step": str(text)}
+                          for t, text in recovery.get("steps", [])[-RECOVERY_STEPS_SHOWN:]]}
+        if info.get("issue") and connected:
+            state = "recovering"  # data flow, but a slave is being brought back
+        elif state == "op":
+            state = "starting"  # in OP, no snapshot yet
         # refused realtime settings are warnings: in details and the message, never an error by themselves
         warnings = [f"warning: {w}" for w in realtime["warnings"]] if realtime else []
         if realtime is not None:

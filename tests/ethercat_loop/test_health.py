@@ -93,6 +93,21 @@ def test_health_reports_faults_and_recovers(service):
         validator.validate(topic, payload)
 
 
+def test_no_valid_process_data_is_not_connected(service):
+    """Issue 19: while no valid process data flow, health says so (connection and operational false, state
+    no_data, an error naming it), whatever the slaves' AL state; it clears when data flow again."""
+    backend, health, _seen = service
+    assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["connection"], 10)
+    backend.lose_next = 1500  # 1.5 s without a status
+    assert wait_for(lambda: not latest(health).get("connection"), 5)
+    h = latest(health)
+    assert not h["operational"] and h["error"] and h["state"] == "no_data", h
+    assert "no valid process data for 20 cycles" in h["error_message"]
+    assert h["details"]["link"] == {"valid_data": False, "issue": ""}
+    assert wait_for(lambda: latest(health).get("connection") and latest(health).get("state") == "running", 10)
+    assert latest(health)["details"]["link"]["valid_data"]
+
+
 def test_a_few_lost_frames_do_not_flicker_health(service):
     backend, health, _seen = service
     assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["operational"], 10)
