@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="robobus-ec")
     p.add_argument("--protocol", default="0220")
     p.add_argument("hand_args", nargs="*", help="extra virtual_hand options, after --")
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)  # options after `--` are the hand's
+    a.hand_args = [*a.hand_args, *(x for x in rest if x != "--")]
     ns = VethNetns(a.name)
     if a.action == "down":
         pid = _pidfile(a.name)
