@@ -80,8 +80,9 @@ from services.ethercat_loop.protocol import (
 )
 from services.ethercat_loop.settings import EthercatSettings, overrun_threshold
 from services.ethercat_loop.snapshot import PalmSnapshot
-from shared import CommandError, Device, ErrorCode, Node, ServiceAPI
+from shared import CommandError, Device, ErrorCode, Node, ServiceAPI, ServiceUnavailable
 
+__all__ = ["API", "EthercatSettings", "PalmService", "build", "make_backend"]
 log = logging.getLogger("robobus.ethercat")
 SEND_CAN_HOLDER = "_send_can"
 RECOVERY_STEPS_SHOWN = 12
@@ -575,6 +576,9 @@ def build(node: Node, settings: EthercatSettings) -> PalmService:
     has start() (bring the palm to OP), run() (the state publisher) and shutdown() (zero demands, leave OP)."""
     try:
         cal = HandCalibration.load(settings.ethercat_calibration)
-    except (OSError, ValueError) as exc:
-        raise BackendUnavailable(f"calibration {settings.ethercat_calibration}: {exc}") from exc
-    return PalmService(node, make_backend(settings, cal), settings, cal)
+        backend = make_backend(settings, cal)
+    except (OSError, ValueError) as exc:  # a calibration file that cannot be read or is not valid
+        raise ServiceUnavailable(f"calibration {settings.ethercat_calibration}: {exc}") from None
+    except BackendUnavailable as exc:
+        raise ServiceUnavailable(str(exc)) from None
+    return PalmService(node, backend, settings, cal)
