@@ -47,14 +47,14 @@ def _palm_command(data: bytes) -> object:
 
 
 def _ethercat_frame(data: bytes) -> object:
-    from services.ethercat_loop import esc_frames as f
+    from services.ethercat_loop.sim import esc_frames as f
 
     frame = f.parse_frame(data)
     return f.parse_datagrams(frame.payload) if hasattr(frame, "payload") else frame
 
 
 def _ethercat_frame_allowed() -> tuple[type[BaseException], ...]:
-    from services.ethercat_loop.esc_frames import FrameError
+    from services.ethercat_loop.sim.esc_frames import FrameError
 
     return (FrameError,)
 
@@ -100,7 +100,7 @@ def targets() -> dict[str, Target]:
     out = [
         Target("palm_status", _palm_status, tuple, ("services.ethercat_loop.protocol",), _palm_seeds),
         Target("palm_command", _palm_command, tuple, ("services.ethercat_loop.protocol",), _palm_command_seeds),
-        Target("ethercat_frame", _ethercat_frame, _ethercat_frame_allowed, ("services.ethercat_loop.esc_frames",)),
+        Target("ethercat_frame", _ethercat_frame, _ethercat_frame_allowed, ("services.ethercat_loop.sim.esc_frames",)),
         Target("bootloader_reply", _boot_reply, tuple, ("services.can_bootloader.protocol",)),
         Target("epuck_stream", _epuck_stream, tuple, ("services.epuck_gateway.protocol",)),
         Target("epuck_command", _epuck_command, _epuck_allowed, ("services.epuck_gateway.protocol",),
