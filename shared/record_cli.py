@@ -226,6 +226,8 @@ def replay(
     include_commands: Annotated[bool, typer.Option("--include-commands", help="Also replay commands and "
                                                    "inbound streams (they move hardware!)")] = False,
     no_retain: Annotated[bool, typer.Option("--no-retain", help="Publish nothing retained")] = False,
+    realtime: Annotated[bool, typer.Option("--realtime", help="SCHED_FIFO for the publishing thread (root or "
+                                           "CAP_SYS_NICE): tighter timing on a busy host")] = False,
     broker: Broker = None,
 ) -> None:
     """Republish a recording with its original timing (or scaled), optionally under another root."""
@@ -239,7 +241,7 @@ def replay(
         overrides["topic_root"] = root  # validated like any topic root
     settings = load_settings(RecorderSettings, **overrides)
     opts = ReplayOptions(rate=rate, topics=tuple(topics or ()), loop=loop, root=root, from_root=from_root,
-                         include_commands=include_commands, retain=not no_retain)
+                         include_commands=include_commands, retain=not no_retain, realtime=realtime)
     try:
         pub = connect_publisher(settings)
     except ConnectionError as exc:
@@ -270,7 +272,8 @@ def replay(
             skipped += " (--include-commands replays them)"
     if stats.skipped_outside_root:
         skipped += f"; {stats.skipped_outside_root} outside the recorded root skipped"
-    err.print(f"robobus replay: {stats.published} messages published ({stats.loops} pass(es)){skipped}{timing}",
+    rt = f"; {rp.realtime_note}" if rp.realtime_note else ""
+    err.print(f"robobus replay: {stats.published} messages published ({stats.loops} pass(es)){skipped}{timing}{rt}",
               highlight=False)
 
 

@@ -14,8 +14,10 @@ read-ahead thread that filled its queue before the clock started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import queue
 import shutil
 import sys
@@ -78,6 +80,7 @@ class ReplayOptions:
     from_root: str | None = None  # the recorded root (default: the file's metadata)
     include_commands: bool = False
     retain: bool = True  # republish retained what was published retained
+    realtime: bool = False  # SCHED_FIFO for the publishing thread, where the host allows it
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Replayer:
                  publish: Callable[[str, bytes, int, bool, dict[str, Any] | None], None]) -> None:
         if opts.rate < 0:
             raise ValueError("rate must be >= 0")
+        self.realtime_note = ""
         self.path = path
         self.opts = opts
         self.publish = publish
@@ -226,6 +230,19 @@ class Replayer:
         # fill the read-ahead before the clock starts: the first chunks decode while nothing is due
         while not (done.is_set() or items.full() or stop.is_set()):
             time.sleep(0.005)
+        policy = os.sched_getscheduler(0), os.sched_getparam(0)
+        if self.opts.realtime:
+            self.realtime_note = _realtime_thread()  # this thread only: the read-ahead stays SCHED_OTHER
+        try:
+            self._publish_loop(items, stop)
+        finally:
+            if self.opts.realtime:
+                with contextlib.suppress(OSError):
+                    os.sched_setscheduler(0, *policy)
+            th.join(5)
+
+    def _publish_loop(self, items: queue.Queue[tuple[int, _Plan, bytes, dict[str, Any] | None] | None],
+                      stop: threading.Event) -> None:
         rate = self.opts.rate
         first: int | None = None
         t0 = 0
@@ -248,7 +265,18 @@ class Replayer:
             if rate:
                 late.append(time.monotonic_ns() - due)
             self.stats.published += 1
-        th.join(5)
+
+
+def _realtime_thread(priority: int = 10) -> str:
+    """SCHED_FIFO for the calling thread (Linux applies pid 0 to the calling thread): a due message then
+    preempts ordinary work instead of waiting its turn. Needs root or CAP_SYS_NICE; a refusal is only
+    reported, the replay goes on at normal priority."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+        return f"SCHED_FIFO {priority}"
+    except (OSError, AttributeError) as exc:
+        log.warning("realtime scheduling refused, replaying at normal priority: %s", exc)
+        return f"normal priority (SCHED_FIFO refused: {exc})"
 
 
 def _wait_until(due_ns: int, stop: threading.Event) -> None:

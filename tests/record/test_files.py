@@ -204,3 +204,27 @@ def test_replay_refuses_an_unfinished_file_with_advice(tmp_path: Path) -> None:
         Replayer(bad, ReplayOptions(), Sink()).run()
     out = CliRunner().invoke(app, ["inspect", str(bad)])
     assert out.exit_code == 1 and "recover" in out.output
+
+
+def test_replay_realtime_is_for_the_pass_only(tmp_path: Path) -> None:
+    """--realtime: SCHED_FIFO for the publishing thread where allowed (else said, and normal priority),
+    and the thread's policy is given back after the pass."""
+    import os
+
+    path = tmp_path / "a.mcap"
+    make_recording(path, [(i * 0.002, pub("robobus/n/d/state/x", str(i))) for i in range(20)])
+    before = os.sched_getscheduler(0)
+    policies: list[int] = []
+    sink = Sink()
+
+    def publish(*a: Any) -> None:
+        policies.append(os.sched_getscheduler(0))
+        sink(*a)
+
+    rp = Replayer(path, ReplayOptions(realtime=True), publish)
+    rp.run()
+    assert len(sink.got) == 20 and os.sched_getscheduler(0) == before
+    if rp.realtime_note.startswith("SCHED_FIFO"):
+        assert set(policies) == {os.SCHED_FIFO}
+    else:
+        assert "refused" in rp.realtime_note and set(policies) == {before}
