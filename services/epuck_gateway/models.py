@@ -106,7 +106,9 @@ class EpuckLinkStats(BaseModel):
     frames_dropped: int = Field(description="Images replaced by a newer one before they could be encoded")
     sensors_received: int
     sensors_published: int
-    commands_sent: int
+    commands_sent: int = Field(description="Commands written to the robot (at most one per robot cycle)")
+    commands_requested: int = Field(description="State changes asked for by commands; several coalesce into one write")
+    silences: int = Field(description="Times the robot sent nothing for longer than its requested streams allow")
     image_stream: bool
     sensors_stream: bool
     ts: float

@@ -116,7 +116,15 @@ class EpuckSettings(KitSettings):
     epuck_connect_timeout_s: float = Field(3.0, gt=0, le=60)
     epuck_reconnect_min_s: float = Field(0.2, gt=0, le=60)
     epuck_reconnect_max_s: float = Field(2.0, gt=0, le=600)
-    epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60, description="Silence that counts as a lost robot")
+    epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60,
+                                         description="Silence beyond the expected gap between packets (the image "
+                                                     "interval while images are requested) that makes a robot silent")
+    epuck_image_gap_max_s: float = Field(6.0, gt=0, le=120,
+                                         description="Longest image interval a healthy WiFi link may show (measured "
+                                                     "max 5.9 s)")
+    epuck_tcp_user_timeout_s: float = Field(10.0, gt=0, le=600,
+                                            description="Drop a connection whose robot stopped acknowledging for this "
+                                                        "long (TCP_USER_TIMEOUT), then reconnect")
     epuck_encode_workers: int = Field(2, ge=1, le=32, description="Threads encoding JPEG/PNG")
 
     @field_validator("epuck_robots")
@@ -150,8 +158,9 @@ class EpuckRobot:
         self.link = EpuckLink(cfg.id, EpuckLinkConfig(
             host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
             reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
-            stale_timeout_s=settings.epuck_stale_timeout_s), self.controller, self._on_packets, self._on_link_state,
-            self._on_framing_error)
+            stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
+            tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), self.controller, self._on_packets,
+            self._on_link_state, self._on_framing_error)
         self.sensors_gate = RateGate(settings.epuck_sensors_hz)
         self.image_gate = RateGate(settings.epuck_image_fps)
         self.unwrap_l, self.unwrap_r = StepUnwrapper(), StepUnwrapper()
@@ -169,6 +178,7 @@ class EpuckRobot:
         self._motion_timer: asyncio.TimerHandle | None = None
         self._motion_deadline: float | None = None
         self._was_connected = False
+        self._was_streaming = False
         self._stats_prev: tuple[float, int, int, int, int, int] | None = None
         self._bind()
 
@@ -196,28 +206,44 @@ class EpuckRobot:
 
     # -- link callbacks (on the loop) --------------------------------------------------------------
     def _on_link_state(self, connected: bool, state: str, message: str) -> None:
-        if connected:
-            self.unwrap_l.reset()
-            self.unwrap_r.reset()
+        """connecting -> connected (TCP up, silent) -> streaming <-> silent; disconnected when TCP goes."""
+        if state == "streaming":
+            self._was_streaming = True
             self.dev.set_health(connection=True, operational=True, state="streaming", error=False,
                                 error_message="", details=self._details())
+        elif state in ("connected", "silent"):
+            if state == "silent":
+                self._lost_robot(message)
+            self.dev.set_health(connection=True, operational=False, state=state, error=state == "silent",
+                                error_message=message, details=self._details())
         else:
-            self._cancel_motion_timer()
-            self._pending_sensors = None  # data from a dead link must not be published later
-            if self._frame is not None:
-                self._frame = None
-                self.frames_dropped += 1
-            for fut in self._snapshot_waiters:
-                if not fut.done():
-                    fut.set_exception(CommandError(ErrorCode.UNAVAILABLE, f"robot link lost: {message}"))
-            self._snapshot_waiters.clear()
-            if self._was_connected and state == "disconnected":
-                self.dev.emit(FAULT, EpuckFault(kind="link_lost", message=message, ts=time.time()))
+            if state == "disconnected":
+                self._lost_robot(message)
             self.dev.set_health(connection=False, operational=False, state=state,
                                 error=state == "disconnected", error_message=message, details=self._details())
         if connected != self._was_connected:
             self._was_connected = connected
+            self.unwrap_l.reset()  # a new link: the robot may have restarted its counters
+            self.unwrap_r.reset()
             self.publish_link_stats()
+
+    def _lost_robot(self, message: str) -> None:
+        """The robot stopped talking or the link went: fail safe, drop stale data, tell the operator once."""
+        self._cancel_motion_timer()
+        if self.controller.left or self.controller.right:
+            self.controller.set_speed(0, 0)  # never resume motion by itself when the robot talks again
+            self.link.request_write()
+        self._pending_sensors = None  # data from a dead link must not be published later
+        if self._frame is not None:
+            self._frame = None
+            self.frames_dropped += 1
+        for fut in self._snapshot_waiters:
+            if not fut.done():
+                fut.set_exception(CommandError(ErrorCode.UNAVAILABLE, f"robot link lost: {message}"))
+        self._snapshot_waiters.clear()
+        if self._was_streaming:
+            self.dev.emit(FAULT, EpuckFault(kind="link_lost", message=message, ts=time.time()))
+        self._was_streaming = False
 
     def _details(self) -> dict[str, Any]:
         s = self.link.stats
@@ -334,7 +360,8 @@ class EpuckRobot:
             framing_errors=s.framing_errors, reconnects=s.reconnects, images_received=self.image_seq,
             images_published=self.images_published, frames_dropped=self.frames_dropped,
             sensors_received=self.sensors_seq, sensors_published=self.sensors_published,
-            commands_sent=s.commands_sent, image_stream=self.want_image, sensors_stream=self.want_sensors,
+            commands_sent=s.commands_sent, commands_requested=s.commands_requested, silences=s.silences,
+            image_stream=self.want_image, sensors_stream=self.want_sensors,
             ts=time.time()))
 
     # -- commands (coroutines: they run on the loop, next to the link) ------------------------------
@@ -358,7 +385,7 @@ class EpuckRobot:
                                + (f": {h['error_message']}" if h.get("error_message") else ""))
 
     def _send(self) -> EpuckActuators:
-        self.link.send_state()
+        self.link.request_write()
         return self.actuators()
 
     def actuators(self) -> EpuckActuators:
@@ -394,7 +421,7 @@ class EpuckRobot:
         self._motion_deadline = None
         if self.controller.left or self.controller.right:
             self.controller.set_speed(0, 0)
-            self.link.send_state()
+            self.link.request_write()
             msg = f"no set_speed for {self.settings.epuck_motion_timeout_ms} ms: robot stopped"
             log.warning(msg, extra={"robot": self.cfg.id})
             self.dev.emit(FAULT, EpuckFault(kind="motion_timeout", message=msg, ts=time.time()))
@@ -453,7 +480,7 @@ class EpuckRobot:
         if hold:  # image stream off: turn it on for one frame
             self._snapshot_holds += 1
             self._apply_stream()
-            self.link.send_state()
+            self.link.request_write()
         try:
             data, ts, seq = await asyncio.wait_for(fut, req.timeout_s)
         except TimeoutError:
@@ -465,7 +492,7 @@ class EpuckRobot:
                 self._snapshot_holds -= 1
                 self._apply_stream()
                 if self.link.connected:
-                    self.link.send_state()
+                    self.link.request_write()
         png = await loop.run_in_executor(self.pool, to_png, data)
         return EpuckSnapshot(png_base64=base64.b64encode(png).decode(), width=IMAGE_WIDTH, height=IMAGE_HEIGHT,
                              seq=seq, ts=ts)
