@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import time
 from typing import Any
@@ -256,7 +257,7 @@ def test_health_says_connected_until_data_and_a_hung_robot_does_not_toggle(gatew
         states = [json.loads(m.payload)["state"] for m in gateway.bus.since(mark, "/epuck4/health")]
         after = states[states.index("connected"):]
         assert set(after) <= {"connected", "silent"}, states
-        assert sum(1 for a, b in zip(after, after[1:], strict=False) if a != b) <= 1, states
+        assert sum(1 for a, b in itertools.pairwise(after) if a != b) <= 1, states
     finally:
         robot.hung = False
     assert gateway.bus.wait_json("/epuck4/health", lambda d: d["state"] == "streaming", mark)
