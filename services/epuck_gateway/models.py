@@ -89,11 +89,11 @@ class EpuckImageInfo(BaseModel):
 
 
 class EpuckLinkStats(BaseModel):
-    """The TCP link to one robot, once a second."""
+    """The link to one robot (WiFi TCP or asercom serial), once a second."""
 
     connected: bool
-    host: str
-    port: int
+    transport: Literal["wifi", "serial"]
+    address: str = Field(description="host:port on WiFi, device@baud on serial")
     packets_per_s: float
     images_per_s: float
     sensors_per_s: float
@@ -108,6 +108,8 @@ class EpuckLinkStats(BaseModel):
     sensors_published: int
     commands_sent: int = Field(description="Commands written to the robot (at most one per robot cycle)")
     commands_requested: int = Field(description="State changes asked for by commands; several coalesce into one write")
+    reply_timeouts: int = Field(0, description="Serial: polls the robot did not answer in time")
+    garbage_bytes: int = Field(0, description="Serial: bytes that were no reply to a poll (banner, late replies)")
     silences: int = Field(description="Times the robot sent nothing for longer than its requested streams allow")
     image_stream: bool
     sensors_stream: bool

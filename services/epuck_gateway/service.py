@@ -13,9 +13,9 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
 from services.epuck_gateway.image import to_jpeg, to_png
 from services.epuck_gateway.models import (
@@ -64,6 +64,7 @@ from services.epuck_gateway.protocol import (
     finite,
     gyro_to_dps,
 )
+from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
 from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig
 from shared import CommandError, ErrorCode, KitSettings, Node, ServiceAPI
 from shared.contract import NAME_RE
@@ -97,16 +98,48 @@ SNAPSHOT = API.command("snapshot", EpuckSnapshotRequest, EpuckSnapshot,
                        doc="One fresh camera frame as PNG, base64 in the reply (png_base64)")
 
 
-class EpuckRobotConfig(BaseModel):
+class EpuckWifiRobot(BaseModel):
+    """A robot on WiFi (selector 15): the radio module's TCP server."""
+
     id: str = Field(pattern=NAME_RE.pattern, description="Device name on the bus")
+    transport: Literal["wifi"] = "wifi"
     host: str
     port: int = Field(1000, ge=1, le=65535)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class EpuckSerialRobot(BaseModel):
+    """A robot on Bluetooth SPP (/dev/rfcommN, selector 3) or USB (/dev/ttyACMn, selector 8): asercom v2."""
+
+    id: str = Field(pattern=NAME_RE.pattern, description="Device name on the bus")
+    transport: Literal["serial"]
+    port: str = Field(min_length=1, description="Serial device, e.g. /dev/ttyACM0 or /dev/serial/by-id/...")
+    baud: int = Field(115200, ge=1200, le=4_000_000)
+    poll_hz: float = Field(50.0, gt=0, le=1000, description="asercom is request/response: sensor polls per second")
+    image_fps: float = Field(2.0, ge=0, le=30, description="Camera polls per second while the image stream is on")
+
+    @property
+    def address(self) -> str:
+        return f"{self.port}@{self.baud}"
+
+
+def _transport_of(v: Any) -> str:
+    return str(v.get("transport", "wifi") if isinstance(v, dict) else getattr(v, "transport", "wifi"))
+
+
+EpuckRobotConfig = Annotated[Annotated[EpuckWifiRobot, Tag("wifi")] | Annotated[EpuckSerialRobot, Tag("serial")],
+                             Discriminator(_transport_of)]
 
 
 class EpuckSettings(KitSettings):
     """ROBOBUS_EPUCK_ROBOTS='[{"id":"epuck1","host":"192.168.1.20"}]' and the knobs below (ROBOBUS_<FIELD>)."""
 
-    epuck_robots: list[EpuckRobotConfig] = Field(min_length=1, description="The robots: id, host, port (default 1000)")
+    epuck_robots: list[EpuckRobotConfig] = Field(
+        min_length=1, description='The robots: {"id", "host", "port": 1000} on WiFi, or {"id", "transport": '
+                                  '"serial", "port": "/dev/ttyACM0", "baud": 115200} on Bluetooth/USB')
     epuck_sensors_hz: float = Field(50.0, ge=0, le=1000, description="Sensors rate cap per robot; 0 = every packet")
     epuck_image_fps: float = Field(10.0, ge=0, le=100, description="JPEG rate cap per robot; 0 = every frame")
     epuck_jpeg_quality: int = Field(80, ge=1, le=95)
@@ -135,7 +168,7 @@ class EpuckSettings(KitSettings):
             raise ValueError(f"{NODE_DEVICE!r} is reserved for the node's own state")
         if len(set(ids)) != len(ids):
             raise ValueError(f"robot ids must be unique, got {ids}")
-        addrs = [f"{r.host}:{r.port}" for r in v]
+        addrs = [r.address.split("@")[0] for r in v]
         if len(set(addrs)) != len(addrs):  # a robot serves one client: two links would fight over it
             raise ValueError(f"each robot address may appear once, got {addrs}")
         return v
@@ -144,7 +177,8 @@ class EpuckSettings(KitSettings):
 class EpuckRobot:
     """One robot's device on the bus, wired to its link."""
 
-    def __init__(self, node: Node, cfg: EpuckRobotConfig, settings: EpuckSettings, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, node: Node, cfg: EpuckWifiRobot | EpuckSerialRobot, settings: EpuckSettings,
+                 pool: ThreadPoolExecutor) -> None:
         self.cfg = cfg
         self.settings = settings
         self.dev = node.device(cfg.id)
@@ -155,12 +189,20 @@ class EpuckRobot:
         self.want_sensors = settings.epuck_stream_sensors
         self._snapshot_holds = 0
         self._apply_stream()
-        self.link = EpuckLink(cfg.id, EpuckLinkConfig(
-            host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
-            reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
-            stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
-            tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), self.controller, self._on_packets,
-            self._on_link_state, self._on_framing_error)
+        self.link: EpuckLink | EpuckSerialLink
+        if isinstance(cfg, EpuckSerialRobot):
+            self.link = EpuckSerialLink(cfg.id, EpuckSerialConfig(
+                port=cfg.port, baud=cfg.baud, poll_hz=cfg.poll_hz, image_fps=cfg.image_fps,
+                stale_timeout_s=settings.epuck_stale_timeout_s, reopen_min_s=settings.epuck_reconnect_min_s,
+                reopen_max_s=settings.epuck_reconnect_max_s), self.controller, self._on_packets,
+                self._on_link_state, self._on_framing_error)
+        else:
+            self.link = EpuckLink(cfg.id, EpuckLinkConfig(
+                host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
+                reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
+                stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
+                tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), self.controller, self._on_packets,
+                self._on_link_state, self._on_framing_error)
         self.sensors_gate = RateGate(settings.epuck_sensors_hz)
         self.image_gate = RateGate(settings.epuck_image_fps)
         self.unwrap_l, self.unwrap_r = StepUnwrapper(), StepUnwrapper()
@@ -186,7 +228,7 @@ class EpuckRobot:
     def start(self) -> None:
         self.link.start()
         self.dev.set_health(connection=False, operational=False, state="connecting", error=False,
-                            error_message="", details={"host": self.cfg.host, "port": self.cfg.port})
+                            error_message="", details=self._details())
 
     async def close(self) -> None:
         self._cancel_motion_timer()
@@ -247,7 +289,7 @@ class EpuckRobot:
 
     def _details(self) -> dict[str, Any]:
         s = self.link.stats
-        return {"host": self.cfg.host, "port": self.cfg.port, "reconnects": s.reconnects,
+        return {"transport": self.cfg.transport, "address": self.cfg.address, "reconnects": s.reconnects,
                 "framing_errors": s.framing_errors}
 
     def _on_framing_error(self, err: FramingError) -> None:
@@ -355,9 +397,11 @@ class EpuckRobot:
             return round((cur[i] - prev[i]) / dt, 2)
 
         self.dev.publish(LINK, EpuckLinkStats(
-            connected=self.link.connected, host=self.cfg.host, port=self.cfg.port, packets_per_s=rate(1),
+            connected=self.link.connected, transport=self.cfg.transport, address=self.cfg.address,
+            packets_per_s=rate(1),
             images_per_s=rate(2), sensors_per_s=rate(3), empty_per_s=rate(4), bytes_per_s=rate(5),
             framing_errors=s.framing_errors, reconnects=s.reconnects, images_received=self.image_seq,
+            reply_timeouts=s.reply_timeouts, garbage_bytes=s.garbage_bytes,
             images_published=self.images_published, frames_dropped=self.frames_dropped,
             sensors_received=self.sensors_seq, sensors_published=self.sensors_published,
             commands_sent=s.commands_sent, commands_requested=s.commands_requested, silences=s.silences,
@@ -381,7 +425,7 @@ class EpuckRobot:
         if not self.link.connected:
             h = self.dev.health
             raise CommandError(ErrorCode.UNAVAILABLE,
-                               f"robot {self.cfg.id} ({self.cfg.host}:{self.cfg.port}) is not connected"
+                               f"robot {self.cfg.id} ({self.cfg.address}) is not connected"
                                + (f": {h['error_message']}" if h.get("error_message") else ""))
 
     def _send(self) -> EpuckActuators:
@@ -528,7 +572,7 @@ async def serve(node: Node, settings: EpuckSettings) -> None:
     for r in robots:
         r.start()
         stats_tasks.append(asyncio.ensure_future(r.stats_loop()))
-    log.info("serving robots", extra={"robots": [f"{r.cfg.id}@{r.cfg.host}:{r.cfg.port}" for r in robots]})
+    log.info("serving robots", extra={"robots": [f"{r.cfg.id}@{r.cfg.address}" for r in robots]})
     try:
         await asyncio.Event().wait()
     finally:

@@ -75,6 +75,8 @@ class EpuckLinkStats:
     commands_sent: int = 0
     commands_requested: int = 0  # state changes asked for; several coalesce into one write
     silences: int = 0
+    reply_timeouts: int = 0  # serial: polls not answered in time
+    garbage_bytes: int = 0  # serial: bytes that answered nothing we asked
 
 
 PacketsHandler = Callable[[list[Packet], float], None]
