@@ -12,3 +12,4 @@ SERVICE_APIS["ethercat-loop"] = "services.ethercat_loop.service:API"
 SERVICE_CLIS: dict[str, str] = {}
 SERVICE_CLIS["flash"] = "services.can_bootloader.cli:flash"
 SERVICE_CLIS["can"] = "services.can_bootloader.cli:can_app"
+SERVICE_CLIS["epuck"] = "services.epuck_gateway.cli:epuck_app"

@@ -38,6 +38,14 @@ class FirmwareError(Exception):
     """A firmware update that cannot go on; the message says why, in the user's terms."""
 
 
+class BadFirmware(FirmwareError):
+    """The ELF is not a firmware for the e-puck2's STM32F407 (nothing was sent to the robot)."""
+
+
+class ProgrammerNotFound(FirmwareError):
+    """No GDB server at the programmer's port (robot unplugged or off, wrong port)."""
+
+
 @dataclass(frozen=True)
 class LoadSegment:
     address: int  # load (physical) address
@@ -62,40 +70,40 @@ def check_elf(path: Path | str) -> FirmwareImage:
     try:
         data = p.read_bytes()
     except OSError as exc:
-        raise FirmwareError(f"cannot read {p}: {exc.strerror or exc}") from None
+        raise BadFirmware(f"cannot read {p}: {exc.strerror or exc}") from None
     return parse_elf(data, p)
 
 
 def parse_elf(data: bytes, path: Path = Path("<memory>")) -> FirmwareImage:
     if len(data) < 52 or data[:4] != b"\x7fELF":
-        raise FirmwareError(f"{path} is not an ELF file")
+        raise BadFirmware(f"{path} is not an ELF file")
     if data[4] != 1:
-        raise FirmwareError(f"{path} is a 64-bit ELF; the e-puck2's STM32F407 (Cortex-M4) needs a 32-bit ARM ELF")
+        raise BadFirmware(f"{path} is a 64-bit ELF; the e-puck2's STM32F407 (Cortex-M4) needs a 32-bit ARM ELF")
     if data[5] != 1:
-        raise FirmwareError(f"{path} is big-endian; the STM32F407 is little-endian")
+        raise BadFirmware(f"{path} is big-endian; the STM32F407 is little-endian")
     e_type, e_machine, _ver, e_entry, e_phoff, _shoff, _flags, _ehsize, e_phentsize, e_phnum = struct.unpack_from(
         "<HHIIIIIHHH", data, 16)
     if e_machine != EM_ARM:
-        raise FirmwareError(f"{path} is for machine {e_machine} ({_MACHINES.get(e_machine, 'unknown')}), not ARM: "
+        raise BadFirmware(f"{path} is for machine {e_machine} ({_MACHINES.get(e_machine, 'unknown')}), not ARM: "
                             "not a firmware for the e-puck2's STM32F407 (Cortex-M4)")
     if e_type != 2:
-        raise FirmwareError(f"{path} is not an executable (ELF type {e_type}): link it first")
+        raise BadFirmware(f"{path} is not an executable (ELF type {e_type}): link it first")
     segments: list[LoadSegment] = []
     for i in range(e_phnum):
         off = e_phoff + i * e_phentsize
         if off + 32 > len(data):
-            raise FirmwareError(f"{path} is truncated (program header {i})")
+            raise BadFirmware(f"{path} is truncated (program header {i})")
         p_type, p_offset, _vaddr, p_paddr, p_filesz, _memsz, _pflags, _align = struct.unpack_from("<8I", data, off)
         if p_type != PT_LOAD or p_filesz == 0:
             continue
         if p_offset + p_filesz > len(data):
-            raise FirmwareError(f"{path} is truncated (segment at 0x{p_paddr:08x})")
+            raise BadFirmware(f"{path} is truncated (segment at 0x{p_paddr:08x})")
         if not (p_paddr >= FLASH_BASE and p_paddr + p_filesz <= FLASH_BASE + FLASH_SIZE):
-            raise FirmwareError(f"{path} loads {p_filesz} bytes at 0x{p_paddr:08x}, outside the STM32F407's flash "
+            raise BadFirmware(f"{path} loads {p_filesz} bytes at 0x{p_paddr:08x}, outside the STM32F407's flash "
                                 f"(0x{FLASH_BASE:08x}-0x{FLASH_BASE + FLASH_SIZE - 1:08x}): not an e-puck2 firmware")
         segments.append(LoadSegment(p_paddr, p_filesz, data[p_offset:p_offset + p_filesz]))
     if not segments:
-        raise FirmwareError(f"{path} has nothing to load")
+        raise BadFirmware(f"{path} has nothing to load")
     return FirmwareImage(path, e_entry, tuple(sorted(segments, key=lambda s: s.address)))
 
 
@@ -227,7 +235,7 @@ def flash_firmware(programmer: str, elf: Path | str, progress: Progress | None =
     host:port for a GDB server on TCP. Blocking: run it on a thread."""
     image = check_elf(elf)
     if not re.match(r"^[\w.-]+:\d+$", programmer) and not os.path.exists(programmer):
-        raise FirmwareError(f"programmer not found: {programmer} does not exist (is the robot plugged in and on? "
+        raise ProgrammerNotFound(f"programmer not found: {programmer} does not exist (is the robot plugged in and on? "
                             "the GDB server is the first of the robot's two USB serial ports)")
     report = progress or (lambda phase, done, total: None)
     t0 = time.monotonic()
@@ -262,10 +270,11 @@ def flash_firmware(programmer: str, elf: Path | str, progress: Progress | None =
             step("connect", f"-target-select extended-remote {programmer}", f"programmer not found at {programmer}",
                  30.0)
         except FirmwareError as exc:
-            raise FirmwareError(f"{exc} (is the robot plugged in and on?)") from None
+            raise ProgrammerNotFound(f"{exc} (is the robot plugged in and on?)") from None
         _, scan = step("scan", '-interpreter-exec console "monitor swdp_scan"', "no target found by the programmer")
         if "No targets" in scan or "STM32F4" not in scan:
-            raise FirmwareError(f"the programmer found no STM32F4 (the e-puck2's MCU): {scan.strip()!r}")
+            raise ProgrammerNotFound(f"the programmer found no STM32F4 (the e-puck2's MCU; is the robot on?): "
+                                     f"{scan.strip()!r}")
         step("attach", "-target-attach 1", "cannot attach to the robot's MCU")
         fields, _ = step("load", "-target-download", "loading the firmware failed", timeout_s)
         report("load", total, total)

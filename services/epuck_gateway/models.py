@@ -219,3 +219,22 @@ class EpuckSnapshot(BaseModel):
     height: int
     seq: int
     ts: float
+
+
+# -- firmware update ----------------------------------------------------------------------------------
+class EpuckFlashRequest(BaseModel):
+    """Load a firmware into the robot's STM32F407 through its onboard programmer's GDB server."""
+
+    model_config = ConfigDict(extra="forbid")
+    elf_base64: str = Field(min_length=4, description="The firmware ELF file, base64 (robobus epuck flash sends it)")
+    programmer: str | None = Field(None, description="The GDB server's serial port (or host:port); default: the "
+                                                     "robot's configured `programmer`")
+    verify: bool = Field(True, description="compare-sections after the load")
+
+
+class EpuckFlashResult(BaseModel):
+    programmer: str
+    bytes_loaded: int
+    sections: list[str]
+    verified: bool
+    duration_s: float

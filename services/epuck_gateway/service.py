@@ -11,18 +11,23 @@ import asyncio
 import base64
 import contextlib
 import logging
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
+from services.epuck_gateway.firmware import BadFirmware, FirmwareError, ProgrammerNotFound, flash_firmware, parse_elf
 from services.epuck_gateway.image import to_jpeg, to_png
 from services.epuck_gateway.models import (
     EpuckActuators,
     EpuckColor,
     EpuckEmpty,
     EpuckFault,
+    EpuckFlashRequest,
+    EpuckFlashResult,
     EpuckImageInfo,
     EpuckLeds,
     EpuckLinkStats,
@@ -66,7 +71,7 @@ from services.epuck_gateway.protocol import (
 )
 from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
 from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig
-from shared import CommandError, ErrorCode, KitSettings, Node, ServiceAPI
+from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI
 from shared.contract import NAME_RE
 from shared.node import NODE_DEVICE
 
@@ -94,6 +99,9 @@ CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators,
 OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators,
                        doc="Enable or disable the on-board obstacle avoidance")
 STREAM = API.command("stream", EpuckStream, EpuckActuators, doc="Image and sensors streams on/off")
+FLASH = API.job("flash", EpuckFlashRequest, EpuckFlashResult,
+                doc="Firmware update of the robot's main MCU through its onboard programmer (gdb-multiarch on the "
+                    "gateway's host); the robot's link is paused and restored around it")
 SNAPSHOT = API.command("snapshot", EpuckSnapshotRequest, EpuckSnapshot,
                        doc="One fresh camera frame as PNG, base64 in the reply (png_base64)")
 
@@ -105,6 +113,7 @@ class EpuckWifiRobot(BaseModel):
     transport: Literal["wifi"] = "wifi"
     host: str
     port: int = Field(1000, ge=1, le=65535)
+    programmer: str | None = Field(None, description="Its programmer's GDB server port on this host, for `flash`")
 
     @property
     def address(self) -> str:
@@ -120,6 +129,7 @@ class EpuckSerialRobot(BaseModel):
     baud: int = Field(115200, ge=1200, le=4_000_000)
     poll_hz: float = Field(50.0, gt=0, le=1000, description="asercom is request/response: sensor polls per second")
     image_fps: float = Field(2.0, ge=0, le=30, description="Camera polls per second while the image stream is on")
+    programmer: str | None = Field(None, description="Its programmer's GDB server port on this host, for `flash`")
 
     @property
     def address(self) -> str:
@@ -189,20 +199,8 @@ class EpuckRobot:
         self.want_sensors = settings.epuck_stream_sensors
         self._snapshot_holds = 0
         self._apply_stream()
-        self.link: EpuckLink | EpuckSerialLink
-        if isinstance(cfg, EpuckSerialRobot):
-            self.link = EpuckSerialLink(cfg.id, EpuckSerialConfig(
-                port=cfg.port, baud=cfg.baud, poll_hz=cfg.poll_hz, image_fps=cfg.image_fps,
-                stale_timeout_s=settings.epuck_stale_timeout_s, reopen_min_s=settings.epuck_reconnect_min_s,
-                reopen_max_s=settings.epuck_reconnect_max_s), self.controller, self._on_packets,
-                self._on_link_state, self._on_framing_error)
-        else:
-            self.link = EpuckLink(cfg.id, EpuckLinkConfig(
-                host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
-                reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
-                stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
-                tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), self.controller, self._on_packets,
-                self._on_link_state, self._on_framing_error)
+        self.link: EpuckLink | EpuckSerialLink = self._make_link()
+        self._flashing = False
         self.sensors_gate = RateGate(settings.epuck_sensors_hz)
         self.image_gate = RateGate(settings.epuck_image_fps)
         self.unwrap_l, self.unwrap_r = StepUnwrapper(), StepUnwrapper()
@@ -224,6 +222,21 @@ class EpuckRobot:
         self._stats_prev: tuple[float, int, int, int, int, int] | None = None
         self._bind()
 
+    def _make_link(self) -> EpuckLink | EpuckSerialLink:
+        cfg, settings = self.cfg, self.settings
+        if isinstance(cfg, EpuckSerialRobot):
+            return EpuckSerialLink(cfg.id, EpuckSerialConfig(
+                port=cfg.port, baud=cfg.baud, poll_hz=cfg.poll_hz, image_fps=cfg.image_fps,
+                stale_timeout_s=settings.epuck_stale_timeout_s, reopen_min_s=settings.epuck_reconnect_min_s,
+                reopen_max_s=settings.epuck_reconnect_max_s), self.controller, self._on_packets,
+                self._on_link_state, self._on_framing_error)
+        return EpuckLink(cfg.id, EpuckLinkConfig(
+            host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
+            reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
+            stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
+            tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), self.controller, self._on_packets,
+            self._on_link_state, self._on_framing_error)
+
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         self.link.start()
@@ -240,6 +253,21 @@ class EpuckRobot:
         self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
                             error_message="gateway stopped" + ("; the robot was sent a stop command"
                                                                if was_connected else ""))
+
+    async def pause_link(self, why: str) -> None:
+        """Firmware update: stop the robot and leave its link, so nothing polls or judges a halted MCU."""
+        self._cancel_motion_timer()
+        await self.link.close()
+        self._was_connected = self._was_streaming = False
+        self.dev.set_health(connection=False, operational=False, state="updating", error=False,
+                            error_message=why, details=self._details())
+        self.publish_link_stats()
+
+    async def resume_link(self) -> None:
+        old = self.link
+        self.link = self._make_link()
+        self.link.stats = old.stats  # counters run on across the update
+        self.link.start()
 
     async def stats_loop(self) -> None:
         while True:
@@ -420,6 +448,49 @@ class EpuckRobot:
         d.bind(OBSTACLE, self.cmd_obstacle)
         d.bind(STREAM, self.cmd_stream)
         d.bind(SNAPSHOT, self.cmd_snapshot)
+        d.bind_job(FLASH, self._flash_job, self._admit_flash)
+
+    # -- firmware update (a job: its own thread) ----------------------------------------------------
+    def _admit_flash(self, req: EpuckFlashRequest) -> None:
+        if self._flashing:
+            raise CommandError(ErrorCode.BUSY, f"a firmware update of {self.cfg.id} is already running")
+        if not (req.programmer or self.cfg.programmer):
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"robot {self.cfg.id} has no programmer port configured "
+                                                          "(its `programmer` setting) and the request names none")
+        try:
+            parse_elf(base64.b64decode(req.elf_base64, validate=True), Path("the ELF"))
+        except (ValueError, BadFirmware) as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    def _flash_job(self, req: EpuckFlashRequest, job: JobContext) -> EpuckFlashResult:
+        programmer = req.programmer or self.cfg.programmer
+        assert programmer is not None and self.node.loop is not None
+        loop = self.node.loop
+        self._flashing = True
+        try:
+            with tempfile.TemporaryDirectory(prefix="epuck-flash-") as tmp:
+                elf = Path(tmp) / "firmware.elf"
+                elf.write_bytes(base64.b64decode(req.elf_base64))
+                job.progress("pause", force=True)
+                asyncio.run_coroutine_threadsafe(
+                    self.pause_link(f"firmware update through {programmer}"), loop).result(15)
+                try:
+                    res = flash_firmware(programmer, elf, lambda phase, done, total: job.progress(phase, done, total),
+                                         verify=req.verify, cancelled=lambda: job.cancelled)
+                except ProgrammerNotFound as exc:
+                    raise CommandError(ErrorCode.UNAVAILABLE, str(exc)) from None
+                except BadFirmware as exc:
+                    raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+                except FirmwareError as exc:
+                    raise CommandError(ErrorCode.DEVICE_ERROR, str(exc)) from None
+                finally:
+                    job.progress("resume", force=True)
+                    asyncio.run_coroutine_threadsafe(self.resume_link(), loop).result(15)
+        finally:
+            self._flashing = False
+        log.info("firmware updated", extra={"robot": self.cfg.id, "bytes": res.bytes_loaded, "s": res.duration_s})
+        return EpuckFlashResult(programmer=programmer, bytes_loaded=res.bytes_loaded, sections=res.sections,
+                                verified=res.verified, duration_s=res.duration_s)
 
     def _require_link(self) -> None:
         if not self.link.connected:

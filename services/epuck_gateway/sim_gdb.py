@@ -137,6 +137,8 @@ class RspSession:
             payload = bytes(self._buf[1:end])
             cs = bytes(self._buf[end + 1:end + 3])
             del self._buf[:end + 3]
+            if payload.startswith(b"qSupported"):
+                self.no_ack = False  # a new GDB session starts in ack mode on the same line
             if cs.lower() != checksum(payload):
                 self.stats.bad_checksums += 1
                 if not self.no_ack:
