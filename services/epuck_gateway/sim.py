@@ -321,9 +321,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sensors-hz", type=float, default=50.0, help="cycle rate; 0 = line rate")
     p.add_argument("--image-fps", type=float, default=10.0, help="image rate cap; 0 = every cycle")
     p.add_argument("--stamp", action="store_true", help="benchmarks: send time in magnetometer X")
+    p.add_argument("--free-sensors", action="store_true",
+                   help="benchmarks: sensors every cycle and images when due, instead of the firmware's cycle that "
+                        "waits for each image (a heavier load profile)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s epuck-sim %(message)s")
-    cfg = EpuckSimConfig(sensors_hz=a.sensors_hz, image_fps=a.image_fps, stamp=a.stamp)
+    cfg = EpuckSimConfig(sensors_hz=a.sensors_hz, image_fps=a.image_fps, stamp=a.stamp,
+                         image_holds_cycle=not a.free_sensors)
     sim = EpuckSimulator(a.count, a.host, a.base_port, cfg)
 
     async def run() -> None:
