@@ -27,8 +27,8 @@ from services.epuck_gateway.firmware import (
 from services.epuck_gateway.sim_gdb import ProgrammerSim, RspSession, frame, gdb_crc32
 from services.epuck_gateway.sim_serial import EpuckSerialSimThread
 from shared.rpc import RpcClient
-from shared.testing import Broker
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until
+from tests.fixtures import Broker
 
 HERE = Path(__file__).parent / "firmware"
 needs_gdb = pytest.mark.skipif(shutil.which("gdb-multiarch") is None,

@@ -12,8 +12,8 @@ from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
 from services.epuck_gateway.sim_serial import EpuckSerialSimThread
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient
-from shared.testing import Broker
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until
+from tests.fixtures import Broker
 
 NODE = "epuck-serial-gw"
 
