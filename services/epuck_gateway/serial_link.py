@@ -32,6 +32,7 @@ from typing import Any
 import serial
 
 from services.epuck_gateway.asercom import (
+    CAM_RGB565,
     DEFAULT_IMAGE,
     AsercomCommand,
     AsercomImage,
@@ -48,6 +49,7 @@ from services.epuck_gateway.protocol import (
     REQ_IMAGE,
     REQ_SENSORS,
     EpuckController,
+    ImagePacket,
     Packet,
     ProtocolError,
     SensorsPacket,
@@ -301,8 +303,13 @@ class EpuckSerialLink:
         elif "button" in values:
             self.stats.empty += 1
         if "image" in values:
-            self.last_image = values["image"]
-            self.stats.images += 1
+            img: AsercomImage = values["image"]
+            self.last_image = img
+            if img.mode == CAM_RGB565 and img.width and img.height:
+                packets.append(ImagePacket(img.pixels, img.width, img.height))
+                self.stats.images += 1
+            else:  # grey or YUV: asercom's camera was reconfigured by someone else; not a 565 picture
+                self.stats.framing_errors += 1
         self.stats.packets += 1
         if packets:
             self._on_packets(packets, ts)

@@ -49,8 +49,6 @@ from services.epuck_gateway.models import (
 )
 from services.epuck_gateway.pacing import RateGate
 from services.epuck_gateway.protocol import (
-    IMAGE_HEIGHT,
-    IMAGE_WIDTH,
     LED_BITS,
     MIC_NAMES,
     REQ_IMAGE,
@@ -212,10 +210,10 @@ class EpuckRobot:
         self.image_seq = 0
         self.images_published = 0
         self.frames_dropped = 0
-        self._frame: tuple[bytes, float, int] | None = None  # newest frame not yet encoded
+        self._frame: tuple[ImagePacket, float, int] | None = None  # newest frame not yet encoded
         self._encoding = False
         self._image_timer: asyncio.TimerHandle | None = None
-        self._snapshot_waiters: list[asyncio.Future[tuple[bytes, float, int]]] = []
+        self._snapshot_waiters: list[asyncio.Future[tuple[ImagePacket, float, int]]] = []
         self._motion_timer: asyncio.TimerHandle | None = None
         self._motion_deadline: float | None = None
         self._was_connected = False
@@ -343,7 +341,7 @@ class EpuckRobot:
         if sensors is not None:
             self._offer_sensors(sensors.data, ts, self.sensors_seq)
         if image is not None:
-            self._offer_image(image.data, ts, self.image_seq)
+            self._offer_image(image, ts, self.image_seq)
 
     # -- sensors -----------------------------------------------------------------------------------
     def _offer_sensors(self, data: bytes, ts: float, seq: int) -> None:
@@ -371,7 +369,7 @@ class EpuckRobot:
             self.node.count_decode_error(f"{self.cfg.id}: {exc}")
 
     # -- images ------------------------------------------------------------------------------------
-    def _offer_image(self, data: bytes, ts: float, seq: int) -> None:
+    def _offer_image(self, data: ImagePacket, ts: float, seq: int) -> None:
         for fut in self._snapshot_waiters:
             if not fut.done():
                 fut.set_result((data, ts, seq))
@@ -393,14 +391,16 @@ class EpuckRobot:
             return
         frame, self._frame = self._frame, None
         self._encoding = True
-        fut = loop.run_in_executor(self.pool, to_jpeg, frame[0], self.settings.epuck_jpeg_quality)
-        fut.add_done_callback(lambda f: self._encoded(f, frame[1], frame[2]))
+        img = frame[0]
+        fut = loop.run_in_executor(self.pool, to_jpeg, img.data, self.settings.epuck_jpeg_quality, img.width,
+                                   img.height)
+        fut.add_done_callback(lambda f: self._encoded(f, frame[1], frame[2], img.width, img.height))
 
     def _image_due(self) -> None:
         self._image_timer = None
         self._pump_images()
 
-    def _encoded(self, fut: asyncio.Future[bytes], ts: float, seq: int) -> None:
+    def _encoded(self, fut: asyncio.Future[bytes], ts: float, seq: int, width: int, height: int) -> None:
         self._encoding = False
         try:
             jpeg = fut.result()
@@ -408,7 +408,7 @@ class EpuckRobot:
             log.exception("JPEG encoding failed", extra={"robot": self.cfg.id})
         else:
             self.dev.publish(IMAGE, jpeg)
-            self.dev.publish(IMAGE_INFO, EpuckImageInfo(seq=seq, ts=ts, width=IMAGE_WIDTH, height=IMAGE_HEIGHT,
+            self.dev.publish(IMAGE_INFO, EpuckImageInfo(seq=seq, ts=ts, width=width, height=height,
                                                         bytes=len(jpeg), quality=self.settings.epuck_jpeg_quality))
             self.images_published += 1
         self._pump_images()
@@ -590,7 +590,7 @@ class EpuckRobot:
     async def cmd_snapshot(self, req: EpuckSnapshotRequest) -> EpuckSnapshot:
         self._require_link()
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[tuple[bytes, float, int]] = loop.create_future()
+        fut: asyncio.Future[tuple[ImagePacket, float, int]] = loop.create_future()
         self._snapshot_waiters.append(fut)
         hold = not (self.controller.request & REQ_IMAGE)
         if hold:  # image stream off: turn it on for one frame
@@ -598,7 +598,7 @@ class EpuckRobot:
             self._apply_stream()
             self.link.request_write()
         try:
-            data, ts, seq = await asyncio.wait_for(fut, req.timeout_s)
+            img, ts, seq = await asyncio.wait_for(fut, req.timeout_s)
         except TimeoutError:
             raise CommandError(ErrorCode.TIMEOUT, f"no image from {self.cfg.id} within {req.timeout_s} s") from None
         finally:
@@ -609,8 +609,8 @@ class EpuckRobot:
                 self._apply_stream()
                 if self.link.connected:
                     self.link.request_write()
-        png = await loop.run_in_executor(self.pool, to_png, data)
-        return EpuckSnapshot(png_base64=base64.b64encode(png).decode(), width=IMAGE_WIDTH, height=IMAGE_HEIGHT,
+        png = await loop.run_in_executor(self.pool, to_png, img.data, img.width, img.height)
+        return EpuckSnapshot(png_base64=base64.b64encode(png).decode(), width=img.width, height=img.height,
                              seq=seq, ts=ts)
 
 

@@ -3,10 +3,15 @@ MQTT surface for both, and a USB unplug / replug seen through health."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
+from services.epuck_gateway.image import rgb565_image
 from services.epuck_gateway.protocol import SOUND_MARIO
 from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
 from services.epuck_gateway.sim_serial import EpuckSerialSimThread
@@ -47,6 +52,14 @@ def test_serial_robot_on_the_bus_like_a_wifi_one(broker_session: Broker, spawn: 
         # the motion deadman works over serial too
         assert wait_until(lambda: robot.world.speed_left == 0, 5)
         assert bus.wait_json("/usb1/event/fault", lambda d: d["kind"] == "motion_timeout")
+        # the camera: asercom's 40x40 RGB565 (-'I'), as JPEG on state/image and PNG in a snapshot
+        info = bus.wait_json("/usb1/state/image_info", lambda d: True)
+        assert info is not None and (info["width"], info["height"]) == (40, 40)
+        snap = client.call(NODE, "usb1", "snapshot", {}, timeout=10)
+        assert snap.ok and (snap.result["width"], snap.result["height"]) == (40, 40)
+        png = Image.open(io.BytesIO(base64.b64decode(snap.result["png_base64"])))
+        truth = serial.call(robot._image)  # header + pixels, what the robot answers to -'I'
+        assert png.size == (40, 40) and png.tobytes() == rgb565_image(truth[3:], 40, 40).tobytes()
         link = bus.wait_json("/usb1/state/link", lambda d: d["sensors_per_s"] > 0 and d["transport"] == "serial")
         assert link is not None and link["address"].startswith(robot.link)
         # USB unplugged: disconnected with the reason, then back
