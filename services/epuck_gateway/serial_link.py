@@ -251,7 +251,7 @@ class EpuckSerialLink:
             try:
                 await asyncio.wait_for(asyncio.shield(self._reply), self._reply_timeout(chain))
             except TimeoutError:
-                self._timed_out()
+                await self._timed_out()
             else:
                 self._delivered(self._reader, time.time())
             self._reader = None
@@ -267,16 +267,23 @@ class EpuckSerialLink:
                     # A command wakes the poller early: it goes in the next chain at once.
                     await asyncio.wait_for(self._poke.wait(), delay)
 
-    def _timed_out(self) -> None:
+    async def _timed_out(self) -> None:
+        """asercom replies carry no sequence number: a late reply to this chain would be taken for the
+        reply to the next one (stale data, or a misparse). So no new chain goes out until this one's
+        reply has come in full (discarded as late) or the line has stayed quiet for the stale timeout
+        (then the robot dropped the chain; whatever came is flushed)."""
         self.stats.reply_timeouts += 1
-        r = self._reader
-        got = r.pending if r is not None else 0
-        log.debug("reply timeout", extra={"robot": self.name, "partial_bytes": got})
-        self.stats.garbage_bytes += got
         self.stats.framing_errors += 1
+        log.debug("reply timeout", extra={"robot": self.name})
+        if self._reply is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reply), self.config.stale_timeout_s)
+        r = self._reader
+        if r is not None:
+            self.stats.garbage_bytes += r.pending + (expected_size(r.commands) if r.done else 0)
         with contextlib.suppress(serial.SerialException, OSError, AttributeError):
             assert self._serial is not None
-            self._serial.reset_input_buffer()  # a late reply must not be read as the next one
+            self._serial.reset_input_buffer()
 
     def _check_silence(self) -> None:
         silent_for = time.monotonic() - self.last_reply

@@ -85,6 +85,8 @@ class EpuckSerialSimRobot:
         self.stats = EpuckSerialSimStats()
         self.received: list[EpuckCommand] = []  # every -0x09 as a WiFi-style command (request 0)
         self.hung = False  # tests: reads, never answers
+        self.late_replies = 0  # tests: answer this many chains late (after `late_s`), as a stalled robot would
+        self.late_s = 0.6
         self.plugged = False
         self._master = -1
         self._slave = -1
@@ -151,7 +153,10 @@ class EpuckSerialSimRobot:
             else:
                 self.stats.chains += 1
                 reply = self._chain(item)
-                if reply:
+                if reply and self.late_replies > 0:
+                    self.late_replies -= 1
+                    asyncio.get_running_loop().call_later(self.late_s, self._send, reply)
+                elif reply:
                     self._send(reply)
 
     def _send(self, data: bytes) -> None:

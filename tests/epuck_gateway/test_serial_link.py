@@ -104,6 +104,34 @@ def test_garbage_on_the_line_is_counted_and_the_link_recovers(serial_sim: EpuckS
     asyncio.run(main())
 
 
+def test_a_late_reply_is_never_taken_for_the_next_one(serial_sim: EpuckSerialSimThread) -> None:
+    """asercom has no sequence numbers: after a timeout the link waits the late reply out."""
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        stamps: list[tuple[float, float]] = []
+        ctl = EpuckController()
+        ctl.set_stream(image=False, sensors=True)
+        link = make_link(robot.link, ctl, states, packets)
+        link._on_packets = lambda p, t: stamps.extend((time.time() % 1000.0, EpuckRawSensors.decode(x.data).mag[0])
+                                                      for x in p if isinstance(x, SensorsPacket))
+        robot.config.stamp = True
+        link.start()
+        assert await wait_for(lambda: len(stamps) >= 3)
+        robot.late_replies = 3  # three replies come 0.6 s late (the reply timeout is ~0.25 s)
+        assert await wait_for(lambda: link.stats.reply_timeouts >= 3 and robot.late_replies == 0)
+        n = len(stamps)
+        assert await wait_for(lambda: len(stamps) >= n + 20)
+        ages = [(now - sent) % 1000.0 for now, sent in stamps[n:]]
+        assert max(ages) < 0.3, ages  # every reply taken after the stall is fresh, none a late one
+        assert link.stats.garbage_bytes >= 3 * 104
+        await link.close()
+
+    asyncio.run(main())
+
+
 def test_device_unplugged_and_plugged_back(serial_sim: EpuckSerialSimThread) -> None:
     robot = serial_sim.robots[0]
 
