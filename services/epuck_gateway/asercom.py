@@ -346,10 +346,11 @@ _NAMES: dict[int, str] = {t().code: t().name for t in _TEMPLATES} | {
 
 # -- ASCII mode ------------------------------------------------------------------------------------------
 def ascii_command(letter: str, *args: int) -> bytes:
-    """`ascii_command("D", 200, 200)` -> b"D,200,200\\r"."""
-    if len(letter) != 1 or not letter.isalpha():
+    """`ascii_command("D", 200, 200)` -> b"D,200,200\\r". The case is kept: the firmware upper-cases every
+    letter but `b` (battery) and `g` (gyro), which differ from `B` (body LED) and `G` (IR receiver)."""
+    if len(letter) != 1 or not letter.isascii() or not letter.isalpha():
         raise ProtocolError("an ASCII command is one letter")
-    return ",".join([letter.upper(), *(str(int(a)) for a in args)]).encode("ascii") + b"\r"
+    return ",".join([letter, *(str(int(a)) for a in args)]).encode("ascii") + b"\r"
 
 
 def parse_ascii_reply(line: bytes | str) -> tuple[str, list[int]]:

@@ -238,3 +238,17 @@ class EpuckFlashResult(BaseModel):
     sections: list[str]
     verified: bool
     duration_s: float
+
+
+# -- asercom ASCII mode (serial robots) ---------------------------------------------------------------
+class EpuckAsciiRequest(BaseModel):
+    """One line of asercom's ASCII mode, as a person types it (`D,200,200`, `N`, `H`); serial robots only."""
+
+    model_config = _REQ
+    line: str = Field(pattern=r"^[A-Za-z](,-?[0-9]{1,6})*$", max_length=64,
+                      description="A letter and comma-separated integers, without the CR")
+    timeout_s: float = Field(1.0, gt=0, le=10)
+
+
+class EpuckAsciiReply(BaseModel):
+    reply: str = Field(description="The robot's answer, lines joined by LF (e.g. `n,12,0,3,...`)")

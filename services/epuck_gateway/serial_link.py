@@ -101,6 +101,9 @@ class EpuckSerialLink:
         self._silent = False
         self._next_image = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._ascii: list[tuple[bytes, asyncio.Future[str]]] = []  # typed lines waiting for a slot between polls
+        self._line: bytearray | None = None  # the ASCII reply being read
+        self._line_event = asyncio.Event()
 
     # -- public ---------------------------------------------------------------------------------------
     def start(self) -> asyncio.Task[None]:
@@ -114,6 +117,44 @@ class EpuckSerialLink:
         self._dirty = True
         self._poke.set()  # do not wait for the next poll slot
         return True
+
+    async def ascii(self, line: bytes, timeout_s: float = 1.0) -> str:
+        """One ASCII-mode command (`D,200,200\r`) between two polls; the robot's reply lines, CR/LF stripped."""
+        if not self.connected:
+            raise ConnectionError(f"{self.config.port} is not open")
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._ascii.append((line, fut))
+        self._poke.set()
+        return await asyncio.wait_for(fut, timeout_s + 2 * self._reply_timeout([]))
+
+    async def _exchange_ascii(self, line: bytes, fut: asyncio.Future[str]) -> None:
+        """Write the line, read until its reply ends (CR LF, then a quiet moment: `H` answers many lines)."""
+        self._line = bytearray()
+        self._line_event.clear()
+        try:
+            assert self._serial is not None
+            self._serial.write(line)
+            deadline = time.monotonic() + self._reply_timeout([]) + 0.5
+            quiet = 0.05
+            while time.monotonic() < deadline:
+                self._line_event.clear()
+                ended = self._line.endswith(b"\n")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._line_event.wait(), quiet if ended else deadline - time.monotonic())
+                    continue
+                if ended:
+                    break
+            text = self._line.decode("ascii", "replace").replace("\r", "").strip("\n")
+            if not fut.done():
+                if text:
+                    fut.set_result(text)
+                else:
+                    fut.set_exception(TimeoutError(f"no ASCII reply from the robot on {self.config.port}"))
+        except (serial.SerialException, OSError) as exc:
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"write to {self.config.port} failed: {exc}"))
+        finally:
+            self._line = None
 
     async def close(self) -> None:
         """Stop the robot (speeds 0, LEDs off, stop sound) and close the port."""
@@ -191,6 +232,10 @@ class EpuckSerialLink:
                 await poller
             self.connected = False
             self.receiving = False
+            for _line, fut in self._ascii:
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"{self.config.port} closed"))
+            self._ascii.clear()
 
     def _close_port(self) -> None:
         if self._fd >= 0:
@@ -236,6 +281,10 @@ class EpuckSerialLink:
         period = 1.0 / self.config.poll_hz if self.config.poll_hz > 0 else 0.0
         next_poll = time.monotonic()
         while not self._closing:
+            while self._ascii:
+                line, fut = self._ascii.pop(0)
+                if not fut.done():
+                    await self._exchange_ascii(line, fut)
             now = time.monotonic()
             chain = self._chain(now)
             self._reader = AsercomReplyReader(chain)
@@ -333,6 +382,10 @@ class EpuckSerialLink:
             self._lose(f"{self.config.port} hung up")
             return
         self.stats.bytes += len(data)
+        if self._line is not None:
+            self._line += data
+            self._line_event.set()
+            return
         r = self._reader
         if r is None or r.done:
             self.stats.garbage_bytes += len(data)  # nothing was asked: not a reply

@@ -20,10 +20,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
+from services.epuck_gateway.asercom import ascii_command
 from services.epuck_gateway.firmware import BadFirmware, FirmwareError, ProgrammerNotFound, flash_firmware, parse_elf
 from services.epuck_gateway.image import to_jpeg, to_png
 from services.epuck_gateway.models import (
     EpuckActuators,
+    EpuckAsciiReply,
+    EpuckAsciiRequest,
     EpuckColor,
     EpuckEmpty,
     EpuckFault,
@@ -98,6 +101,8 @@ CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators,
 OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators,
                        doc="Enable or disable the on-board obstacle avoidance")
 STREAM = API.command("stream", EpuckStream, EpuckActuators, doc="Image and sensors streams on/off")
+ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply,
+                    doc="asercom ASCII mode, one typed line (`D,200,200`, `N`); robots on a serial port only")
 FLASH = API.job("flash", EpuckFlashRequest, EpuckFlashResult,
                 doc="Firmware update of the robot's main MCU through its onboard programmer (gdb-multiarch on the "
                     "gateway's host); the robot's link is paused and restored around it")
@@ -450,6 +455,21 @@ class EpuckRobot:
         d.bind(STREAM, self.cmd_stream)
         d.bind(SNAPSHOT, self.cmd_snapshot)
         d.bind_job(FLASH, self._flash_job, self._admit_flash)
+        d.bind(ASCII, self.cmd_ascii)
+
+    async def cmd_ascii(self, req: EpuckAsciiRequest) -> EpuckAsciiReply:
+        link = self.link
+        if not isinstance(link, EpuckSerialLink):
+            raise CommandError(ErrorCode.INVALID_REQUEST,
+                               f"robot {self.cfg.id} is on WiFi: the ASCII mode is asercom's, over a serial port")
+        self._require_link()
+        letter, *args = req.line.split(",")
+        try:
+            reply = await link.ascii(ascii_command(letter, *(int(a) for a in args)), req.timeout_s)
+        except (TimeoutError, ConnectionError) as exc:
+            raise CommandError(ErrorCode.TIMEOUT if isinstance(exc, TimeoutError) else ErrorCode.UNAVAILABLE,
+                               str(exc) or f"no ASCII reply from {self.cfg.id}") from None
+        return EpuckAsciiReply(reply=reply)
 
     # -- firmware update (a job: its own thread) ----------------------------------------------------
     def _admit_flash(self, req: EpuckFlashRequest) -> None:

@@ -161,7 +161,7 @@ def test_robot_side_parser_never_crashes_on_garbage(data: bytes) -> None:
 
 def test_ascii_mode() -> None:
     assert ascii_command("D", 200, 200) == b"D,200,200\r"
-    assert ascii_command("n") == b"N\r"
+    assert ascii_command("N") == b"N\r" and ascii_command("b") == b"b\r"  # b (battery) is not B (body LED)
     assert parse_ascii_reply(b"n,1,2,3,4,5,6,7,8\r\n") == ("n", [1, 2, 3, 4, 5, 6, 7, 8])
     assert parse_ascii_reply("d\r\n") == ("d", [])
     p = AsercomChainParser()

@@ -52,6 +52,15 @@ def test_serial_robot_on_the_bus_like_a_wifi_one(broker_session: Broker, spawn: 
         # the motion deadman works over serial too
         assert wait_until(lambda: robot.world.speed_left == 0, 5)
         assert bus.wait_json("/usb1/event/fault", lambda d: d["kind"] == "motion_timeout")
+        # the ASCII mode, as a person types it
+        rep = client.call(NODE, "usb1", "ascii", {"line": "D,120,-120"}, timeout=10)
+        assert rep.ok and rep.result["reply"] == "d", rep.raw
+        assert wait_until(lambda: (robot.world.speed_left, robot.world.speed_right) == (120, -120), 5)
+        assert client.call(NODE, "usb1", "ascii", {"line": "D,0,0"}, timeout=10).ok
+        rep = client.call(NODE, "usb1", "ascii", {"line": "N"}, timeout=10)
+        assert rep.ok and rep.result["reply"].startswith("n,") and len(rep.result["reply"].split(",")) == 9
+        assert client.call(NODE, "usb1", "ascii", {"line": "D,1;rm"}, timeout=10).error["code"] == "invalid_request"
+        assert client.call(NODE, "wifi1", "ascii", {"line": "N"}, timeout=10).error["code"] == "invalid_request"
         # the camera: asercom's 40x40 RGB565 (-'I'), as JPEG on state/image and PNG in a snapshot
         info = bus.wait_json("/usb1/state/image_info", lambda d: True)
         assert info is not None and (info["width"], info["height"]) == (40, 40)
