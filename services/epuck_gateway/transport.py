@@ -45,6 +45,7 @@ from services.epuck_gateway.protocol import (
 )
 
 log = logging.getLogger("robobus.epuck.link")
+STOP_LINGER_S = 0.2
 
 
 @dataclass
@@ -87,14 +88,26 @@ ErrorHandler = Callable[[FramingError], None]
 
 
 class _Wire(asyncio.Protocol):
+    """Feeds the link while its connection is the link's current one (a connection being left after a
+    framing error lingers a moment, and its bytes must not reach the next connection's parser)."""
+
     def __init__(self, link: EpuckLink) -> None:
         self.link = link
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def _current(self) -> bool:
+        return self.transport is not None and self.link._transport is self.transport
 
     def data_received(self, data: bytes) -> None:
-        self.link._on_data(data)
+        if self._current():
+            self.link._on_data(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.link._on_lost(f"connection lost: {exc}" if exc else "connection closed by the robot")
+        if self._current():
+            self.link._on_lost(f"connection lost: {exc}" if exc else "connection closed by the robot")
 
 
 class EpuckLink:
@@ -205,6 +218,9 @@ class EpuckLink:
         loop = asyncio.get_running_loop()
         self._transport = transport
         self._lost = loop.create_future()
+        if transport.is_closing():  # closed by the robot before the link took it over
+            self._transport = None
+            return "connection closed by the robot"
         self.parser.reset()
         self.last_rx = time.monotonic()
         self.connected = True
@@ -281,9 +297,16 @@ class EpuckLink:
         self._arm_watchdog(nxt - silent if silent < nxt else allowed)
 
     def _reset_link(self) -> None:
-        """Leave a link we no longer trust: tell the robot to stop first (best effort), then close."""
+        """Leave a link we no longer trust: tell the robot to stop first, then close a moment later.
+
+        Closing at once with the robot's stream unread in our receive buffer makes the kernel send an
+        RST, which can discard the stop command before the robot has read it. The left connection keeps
+        draining (its bytes go nowhere) for `STOP_LINGER_S`, so it ends with a FIN after the stop."""
         self._write(stop_command().encode())
-        self._drop_transport()
+        t, self._transport = self._transport, None
+        self.connected = False
+        if t is not None:
+            asyncio.get_running_loop().call_later(STOP_LINGER_S, t.close)
 
     def _drop_transport(self) -> None:
         t, self._transport = self._transport, None
