@@ -160,6 +160,8 @@ def test_gateway_flash_job_pauses_and_restores_the_robots_link(
         proc = spawn(GATEWAY, {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node,
                                "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots), "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.3"})
         assert bus.wait_json("/usb1/health", lambda d: d["state"] == "streaming", timeout=20), proc.text()
+        # commands only once the node's birth is out: it follows the SUBACK of its command subscription
+        assert bus.wait_json(f"{node}/status", lambda d: d["online"], timeout=20), proc.text()
         assert client.call(node, "usb1", "set_speed", {"left": 200, "right": 200}, timeout=10).ok
         assert wait_until(lambda: robot.world.speed_left == 200, 5)
         mark = bus.mark()

@@ -38,6 +38,8 @@ def test_serial_robot_on_the_bus_like_a_wifi_one(broker_session: Broker, spawn: 
                                "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.3", "ROBOBUS_EPUCK_MOTION_TIMEOUT_MS": "500"})
         up = bus.wait_json("/usb1/health", lambda d: d["state"] == "streaming", timeout=20)
         assert up is not None, proc.text()
+        # commands only once the node's birth is out: it follows the SUBACK of its command subscription
+        assert bus.wait_json(f"{NODE}/status", lambda d: d["online"], timeout=20), proc.text()
         assert up["details"]["transport"] == "serial" and up["details"]["address"] == f"{robot.link}@115200"
         s = bus.wait_json("/usb1/state/sensors", lambda d: d["selector"] == 8)
         assert s is not None and len(s["proximity"]) == 8
