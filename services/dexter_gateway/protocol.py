@@ -116,9 +116,9 @@ class ParamUnit(StrEnum):
 
 def param_unit(name: str) -> ParamUnit:
     """DDE's `instruction_array_degrees_to_arcseconds_maybe` conversions (§4.1)."""
-    if name in ("MaxSpeed", "StartSpeed", "Acceleration") or name.startswith(("Angular", "CartesianPivot")):
-        if not name.endswith("StepSize"):
-            return ParamUnit.NBITS
+    speed = name in ("MaxSpeed", "StartSpeed", "Acceleration") or name.startswith(("Angular", "CartesianPivot"))
+    if speed and not name.endswith("StepSize"):
+        return ParamUnit.NBITS
     if "Boundry" in name or name in ("CommandedAngles", "RawEncoderErrorLimits", "RawVelocityLimits"):
         return ParamUnit.ARCSEC
     if name == "LinkLengths" or name.startswith("Cartesian"):
@@ -533,10 +533,7 @@ def decode_error(value: int, *, errno_reply: bool = False) -> DecodedError:
         code = rest
     else:
         code = value & 0xFF
-    if errno_reply:
-        text = ERRNO_TEXT.get(code, f"errno {code}")
-    else:
-        text = BASIC_TEXT.get(code, f"error {code}")
+    text = ERRNO_TEXT.get(code, f"errno {code}") if errno_reply else BASIC_TEXT.get(code, f"error {code}")
     parts = [] if code == 0 and flags else [text]
     parts += [FLAG_TEXT[f] for f in flags]
     return DecodedError(value, code, tuple(flags), "; ".join(parts))
