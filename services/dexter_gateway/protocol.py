@@ -210,6 +210,8 @@ def check_oplet(oplet: str, args: Sequence[str], firmware: Firmware = Firmware.N
     elif oplet == "r":
         if not args[0].isdigit():
             raise ProtocolError(f"r: block number must be a non-negative integer, got {args[0]!r}")
+        if target_kind(args[1]) == "file":
+            check_path(args[1])  # only the first word reaches fopen, on every branch
     elif oplet == "z":
         if not args[0].isdigit():
             raise ProtocolError(f"z: microseconds must be a non-negative integer, got {args[0]!r}")
@@ -294,7 +296,8 @@ def build_request(oplet: str, args: Sequence[Any] = (), *, job_id: int = 1, inst
                   firmware: Firmware = Firmware.NEWEST, start_ms: int = 1) -> Request:
     """Validate and build. Numbers are formatted the way DexRun's atoi/atof read them."""
     tokens = tuple(a if isinstance(a, str) else fmt_number(a) for a in args)
-    for t in tokens[:2] if oplet in "Wr" else tokens:
+    checked = tokens[:2] if oplet == "W" else tokens[:1] if oplet == "r" else tokens  # W data, r targets: below
+    for t in checked:
         if not t or _TOKEN_BAD.search(t):
             raise ProtocolError(f"argument {t!r} is empty or contains a space, comma, ';' or NUL")
     for t in tokens:
