@@ -486,7 +486,8 @@ class DexterArm:
         finally:
             self._file_job = None
 
-    def _read_file(self, req: DexterReadFile, job: JobContext) -> DexterFileContent:
+    def _read_file(self, req: DexterReadFile, job: JobContext, phase: str = "reading",
+                   total: int = 0) -> DexterFileContent:
         kind = p.target_kind(req.path)
         data = bytearray()
         blocks = 0
@@ -521,7 +522,7 @@ class DexterArm:
                 blocks += 1
                 data += blk.payload
                 prev = blk.payload
-                job.progress("reading", len(data), 0, blocks=blocks)
+                job.progress(phase, len(data), total, blocks=blocks)
                 if len(data) > req.max_bytes:
                     raise CommandError(ErrorCode.INVALID_REQUEST, f"{req.path!r} exceeds max_bytes={req.max_bytes}")
                 if blk.length < p.MAX_CONTENT_CHARS:
@@ -574,11 +575,11 @@ class DexterArm:
             self.call(self.send(oplet, args, errno_reply=True), job)
             if i > 0:
                 done += len(p.unescape(args[2].encode("latin-1"))) if len(args) > 2 else 0
-            job.progress("writing", done, len(data), blocks=i)
+            job.progress("writing", done, len(data), force=i == len(seq) - 1, blocks=i)
         verified = None
         if req.verify:
             back = self._read_file(DexterReadFile(path=req.path, encoding="base64", max_bytes=max(len(data) + 62, 62)),
-                                   job)
+                                   job, "verifying", len(data))
             verified = base64.b64decode(back.base64 or "") == data if back.base64 is not None else \
                 (back.text or "").encode() == data
             if not verified:
