@@ -1,17 +1,15 @@
 """dexter-gateway's MQTT surface: per arm health, decoded status, every DexRun command, and file jobs.
 
-One process, one asyncio loop, one `DexterArm` (device) per configured arm, each with its own
-`DexterLink` (transport.py). Command handlers are coroutines on the loop; jobs run on their own
-threads and hand each DexRun command to the loop, so everything that touches an arm goes through
-its link's one queue (strict stop-and-wait).
+One process, one `DexterArm` (device) per configured arm, each with its own `DexterLink` (transport.py).
+Command handlers run on the kit's command pool, jobs on their own threads, the status poller on one
+thread per arm; each does its own exchange with the robot when its turn in the arm's FIFO comes (strict
+stop-and-wait), with no hand-off to another thread on the way.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
-import concurrent.futures
 import contextlib
 import json
 import logging
@@ -19,8 +17,8 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from pydantic import Field
 
@@ -59,7 +57,6 @@ from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, Dext
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 
 log = logging.getLogger("robobus.dexter")
-T = TypeVar("T")
 
 API = ServiceAPI("dexter-gateway", device_doc="one Haddington Dynamics Dexter arm (DexRun, TCP port 50000)",
                  doc="Dexter arms over the DexRun socket protocol: status, moves, parameters, robot files")
@@ -173,27 +170,30 @@ class DexterArm:
             reconnect_max_s=cfg.reconnect_max_s, queue_limit=cfg.queue_limit),
             on_state=self._on_link_state, on_reply=self._on_reply, on_decode_error=self._on_decode_error,
             keepalive_args=self._g_args)
-        self.loop: asyncio.AbstractEventLoop | None = None
         self._latest: tuple[p.Reply, str, float] | None = None  # newest standard-status reply, its mode, time
         self._published_instr = -1
         self._flags: tuple[str, ...] = ()
         self._file_job: str | None = None  # r/W keep state on the robot: one file job at a time
         self._file_lock = threading.Lock()
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
         self.dev.set_health(connection=False, operational=False, state="starting", error=False, error_message="",
                             details=self._details())
         self._bind()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._tasks = [self.link.start(), asyncio.ensure_future(self._status_loop()),
-                       asyncio.ensure_future(self._health_loop())]
+        self.link.start()
+        self._threads = [threading.Thread(target=self._status_loop, name=f"dexter-status-{self.cfg.id}", daemon=True),
+                         threading.Thread(target=self._health_loop, name=f"dexter-health-{self.cfg.id}", daemon=True)]
+        for t in self._threads:
+            t.start()
 
-    async def close(self) -> None:
-        for t in self._tasks[1:]:
-            t.cancel()
-        await self.link.close()
+    def close(self) -> None:
+        self._stop.set()
+        self.link.close()
+        for t in self._threads:
+            t.join(2)
         self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
                             error_message="gateway stopped", details=self._details())
 
@@ -243,25 +243,23 @@ class DexterArm:
                  keepalives=s.keepalives, busy_refusals=s.busy, queued=self.link.queued)
         return d
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.settings.health_interval_s):
             self._publish_health()
 
-    async def _status_loop(self) -> None:
+    def _status_loop(self) -> None:
         """Publish the newest status at the configured rate; poll `g` only when nothing else brought one."""
         hz = self.settings.dexter_status_hz
         if hz <= 0:
             return
         period = 1.0 / hz
-        while True:
-            await asyncio.sleep(period)
+        while not self._stop.wait(period):
             latest = self._latest
             fresh = latest is not None and time.time() - latest[2] < period and \
                 latest[0].instruction_id != self._published_instr
             if not fresh and self.link.serving and not self.link.busy:
                 with contextlib.suppress(DexterLinkError, ProtocolError):
-                    await self.link.request("g", self._g_args())
+                    self.link.request("g", self._g_args())
                 latest = self._latest
             if latest is not None and latest[0].instruction_id != self._published_instr:
                 self._published_instr = latest[0].instruction_id
@@ -272,14 +270,17 @@ class DexterArm:
         return status_model(rep, mode, self.settings.dexter_servo_deg_per_unit, self.settings.dexter_j6_zero_units, ts)
 
     # -- sending ------------------------------------------------------------------------------------------
-    async def send(self, oplet: str, args: Sequence[Any] = (), *, timeout_s: float | None = None,
-                   errno_reply: bool = False, fail_on_error: bool = True) -> DexterCommandReply:
+    def send(self, oplet: str, args: Sequence[Any] = (), *, timeout_s: float | None = None,
+             errno_reply: bool = False, fail_on_error: bool = True, job: JobContext | None = None
+             ) -> DexterCommandReply:
+        """One command, on the caller's thread; a job's cancel stops it waiting for its turn (a command
+        already sent completes on the robot)."""
         try:
             req = self.link.prepare(oplet, args)
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         try:
-            lr = await self.link.submit(req, timeout_s=timeout_s)
+            lr = self.link.submit(req, timeout_s=timeout_s, cancelled=None if job is None else lambda: job.cancelled)
         except DexterLinkError as exc:
             raise link_error(exc) from None
         return self._reply_model(lr, errno_reply=errno_reply, fail_on_error=fail_on_error)
@@ -305,20 +306,6 @@ class DexterArm:
             self._on_decode_error(str(exc))
             raise CommandError(ErrorCode.DEVICE_ERROR, f"arm {self.cfg.id}: undecodable reply: {exc}") from None
         return out
-
-    def call(self, coro: Coroutine[Any, Any, T], job: JobContext | None = None) -> T:
-        """From a job thread: run one coroutine on the loop; a cancel stops waiting (the command, once sent,
-        still completes on the robot and its reply is consumed by the link)."""
-        if self.loop is None or not self.loop.is_running():
-            coro.close()
-            raise CommandError(ErrorCode.UNAVAILABLE, "the gateway's event loop is not running")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        while True:
-            try:
-                return fut.result(0.1 if job is not None else None)
-            except concurrent.futures.TimeoutError:
-                if job is not None and job.cancelled:
-                    job.check_cancelled()
 
     def _servo_units(self, j6_deg: float | None, j7_deg: float | None) -> list[Any]:
         """J6/J7 degrees -> Dynamixel units; NaN skips J6 when only J7 is given (§2)."""
@@ -348,16 +335,16 @@ class DexterArm:
         d.bind_job(WRITE_FILE, self.job_write_file, self.admit_file)
         d.bind_job(RUN_FILE, self.job_run_file)
 
-    async def cmd_move_all(self, req: DexterMoveAllJoints) -> DexterCommandReply:
+    def cmd_move_all(self, req: DexterMoveAllJoints) -> DexterCommandReply:
         args = [p.arcsec(a) for a in req.joints_deg] + self._servo_units(req.j6_deg, req.j7_deg)
-        return await self.send("a", args)
+        return self.send("a", args)
 
-    async def cmd_move_relative(self, req: DexterMoveRelative) -> DexterCommandReply:
-        return await self.send("R", [p.arcsec(a) for a in req.joints_deg])
+    def cmd_move_relative(self, req: DexterMoveRelative) -> DexterCommandReply:
+        return self.send("R", [p.arcsec(a) for a in req.joints_deg])
 
-    async def cmd_pid_move(self, req: DexterPidMove) -> DexterCommandReply:
+    def cmd_pid_move(self, req: DexterPidMove) -> DexterCommandReply:
         args = [p.arcsec(a) for a in req.offsets_deg] + self._servo_units(req.j6_deg, req.j7_deg)
-        return await self.send("P", args)
+        return self.send("P", args)
 
     def _cartesian(self, req: DexterMoveTo) -> list[Any]:
         scale = p.UM_PER_M if req.units == "m" else 1.0
@@ -365,17 +352,17 @@ class DexterArm:
         c = req.config
         return [*xyz, *req.direction, int(c.right_arm), int(c.elbow_up), int(c.wrist_out)]
 
-    async def cmd_move_to(self, req: DexterMoveTo) -> DexterCommandReply:
-        return await self.send("M", self._cartesian(req))
+    def cmd_move_to(self, req: DexterMoveTo) -> DexterCommandReply:
+        return self.send("M", self._cartesian(req))
 
-    async def cmd_move_to_straight(self, req: DexterMoveToStraight) -> DexterCommandReply:
+    def cmd_move_to_straight(self, req: DexterMoveToStraight) -> DexterCommandReply:
         args = self._cartesian(req)
         extras: list[Any] = [x for x in (req.tool_speed_um_s, req.resolution_um) if x is not None]
         if req.j6_deg is not None:
             extras += self._servo_units(req.j6_deg, req.j7_deg)
-        return await self.send("T", args + extras)
+        return self.send("T", args + extras)
 
-    async def cmd_set_parameter(self, req: DexterSetParameter) -> DexterCommandReply:
+    def cmd_set_parameter(self, req: DexterSetParameter) -> DexterCommandReply:
         try:
             name = p.resolve_param(req.name)
         except ProtocolError as exc:
@@ -389,30 +376,30 @@ class DexterArm:
         # DexRun reads the first value with atof and the rest with atoi
         wire: list[Any] = [round(v) if unit in (p.ParamUnit.ARCSEC, p.ParamUnit.MICRONS) else v for v in vals[:1]]
         wire += [round(v) for v in vals[1:]]
-        return await self.send("S", [req.name if req.name.isdigit() else name, *wire])
+        return self.send("S", [req.name if req.name.isdigit() else name, *wire])
 
-    async def cmd_set_boundaries(self, req: DexterSetBoundaries) -> DexterCommandReply:
+    def cmd_set_boundaries(self, req: DexterSetBoundaries) -> DexterCommandReply:
         args: list[int] = []
         for hi, lo in zip(req.high_deg, req.low_deg, strict=True):
             args += [p.arcsec(hi), p.arcsec(lo)]
-        return await self.send("B", args)
+        return self.send("B", args)
 
-    async def cmd_sleep(self, req: DexterSleep) -> DexterCommandReply:
-        return await self.send("z", [round(req.seconds * 1e6)])
+    def cmd_sleep(self, req: DexterSleep) -> DexterCommandReply:
+        return self.send("z", [round(req.seconds * 1e6)])
 
-    async def cmd_heartbeat(self, req: DexterEmpty) -> DexterCommandReply:
-        return await self.send("h")
+    def cmd_heartbeat(self, req: DexterEmpty) -> DexterCommandReply:
+        return self.send("h")
 
-    async def cmd_write_fpga(self, req: DexterWriteFpga) -> DexterCommandReply:
-        return await self.send("w", [req.address, req.value])
+    def cmd_write_fpga(self, req: DexterWriteFpga) -> DexterCommandReply:
+        return self.send("w", [req.address, req.value])
 
-    async def cmd_status_mode(self, req: DexterStatusModeRequest) -> DexterCommandReply:
+    def cmd_status_mode(self, req: DexterStatusModeRequest) -> DexterCommandReply:
         if self.firmware is Firmware.STABLE:
             raise CommandError(ErrorCode.INVALID_REQUEST,
                                "the stable DexRun has no status modes (`g` ignores its argument)")
         if req.mode in " ,;\x00":
             raise CommandError(ErrorCode.INVALID_REQUEST, f"status mode {req.mode!r} cannot be sent")
-        reply = await self.send("g", [req.mode] if req.mode != "0" else [])
+        reply = self.send("g", [req.mode] if req.mode != "0" else [])
         self.status_mode = req.mode
         self._publish_health()
         return reply
@@ -431,7 +418,7 @@ class DexterArm:
             raise CommandError(ErrorCode.INVALID_REQUEST, "the stable DexRun hands only the first word of a shell "
                                "command to the shell")
 
-    async def cmd_raw(self, req: DexterRawCommand) -> DexterCommandReply:
+    def cmd_raw(self, req: DexterRawCommand) -> DexterCommandReply:
         try:
             oplet, args = p.parse_command_line(req.command)
         except ProtocolError as exc:
@@ -442,7 +429,7 @@ class DexterArm:
             raise CommandError(ErrorCode.BUSY, f"a {self._file_job} job holds the arm's file channel")
         if oplet == "g" and self.firmware is Firmware.NEWEST:
             self.status_mode = args[0][0] if args else "0"
-        return await self.send(oplet, args, fail_on_error=False)
+        return self.send(oplet, args, fail_on_error=False)
 
     # -- jobs ----------------------------------------------------------------------------------------
     def admit_file(self, req: Any) -> None:
@@ -468,11 +455,11 @@ class DexterArm:
     def job_wait_motion(self, req: DexterWaitMotionDone, job: JobContext) -> DexterMotionDone:
         t0 = time.monotonic()
         job.progress("waiting", force=True, info="F: until the motion FIFO drains")
-        rep = self.call(self.send("F", timeout_s=req.timeout_s or self.cfg.motion_timeout_s), job)
+        rep = self.send("F", timeout_s=req.timeout_s or self.cfg.motion_timeout_s, job=job)
         return DexterMotionDone(waited_s=round(time.monotonic() - t0, 3), status=rep.status)
 
     def _read_block(self, block: int, target: str, job: JobContext) -> p.ReadBlock:
-        rep = self.call(self.send("r", [str(block), target], fail_on_error=False), job)
+        rep = self.send("r", [str(block), target], fail_on_error=False, job=job)
         assert rep.read is not None
         raw = rep.read.text.encode() if rep.read.text is not None else base64.b64decode(rep.read.base64 or "")
         return p.ReadBlock(rep.error.value, raw)
@@ -571,9 +558,9 @@ class DexterArm:
             if job.cancelled and i > 0:
                 # close DexRun's write handle (the file keeps what was written), then report the cancel
                 with contextlib.suppress(CommandError):
-                    self.call(self.send("W", ["e", "0"], errno_reply=True))
+                    self.send("W", ["e", "0"], errno_reply=True)
                 job.check_cancelled()
-            self.call(self.send(oplet, args, errno_reply=True), job)
+            self.send(oplet, args, errno_reply=True, job=job)
             if i > 0:
                 done += len(p.unescape(args[2].encode("latin-1"))) if len(args) > 2 else 0
             job.progress("writing", done, len(data), force=i == len(seq) - 1, blocks=i)
@@ -594,7 +581,7 @@ class DexterArm:
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         job.progress("running", force=True)
-        rep = self.call(self.send("S", ["RunFile", req.path], errno_reply=True, fail_on_error=False), job)
+        rep = self.send("S", ["RunFile", req.path], errno_reply=True, fail_on_error=False, job=job)
         if rep.error.code:
             raise self._fail_errno(f"RunFile {req.path!r}", rep.error.code)
         return DexterRunFileResult(path=req.path, error=rep.error, status=rep.status)
@@ -609,23 +596,23 @@ def _complete_json(data: bytearray) -> bool:
 
 
 class DexterGateway:
-    """The hooks `run_service` drives: serve every arm until cancelled; on shutdown close the links."""
+    """The hooks `run_service` drives: start every arm's link and pollers; on shutdown close the links."""
 
     def __init__(self, node: Node, settings: DexterSettings) -> None:
         self.node = node
         self.settings = settings
         self.arms = [DexterArm(node, cfg, settings) for cfg in settings.dexter_arms]
 
-    async def serve(self) -> None:
+    def start(self) -> None:
         for arm in self.arms:
             arm.start()
         log.info("serving arms", extra={"arms": [f"{a.cfg.id}@{a.cfg.host}:{a.cfg.port}" for a in self.arms]})
-        await asyncio.Event().wait()
 
-    async def shutdown(self) -> None:
+    def shutdown(self) -> None:
         """Fail safe: refuse new commands and drop the queued ones (nothing more reaches the arm); the one in
         flight completes. DexRun has no stop oplet: moves already in its FIFO run to their end."""
-        await asyncio.gather(*(a.close() for a in self.arms), return_exceptions=True)
+        for arm in self.arms:
+            arm.close()
 
 
 def build(node: Node, settings: DexterSettings) -> DexterGateway:
