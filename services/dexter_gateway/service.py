@@ -458,11 +458,22 @@ class DexterArm:
         rep = self.send("F", timeout_s=req.timeout_s or self.cfg.motion_timeout_s, job=job)
         return DexterMotionDone(waited_s=round(time.monotonic() - t0, 3), status=rep.status)
 
+    def _exchange(self, oplet: str, args: Sequence[Any], job: JobContext) -> p.Reply:
+        """A job's block: straight to the link (no reply model per block; the job reports the whole)."""
+        try:
+            return self.link.request(oplet, args, cancelled=lambda: job.cancelled).reply
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        except DexterLinkError as exc:
+            raise link_error(exc) from None
+
     def _read_block(self, block: int, target: str, job: JobContext) -> p.ReadBlock:
-        rep = self.send("r", [str(block), target], fail_on_error=False, job=job)
-        assert rep.read is not None
-        raw = rep.read.text.encode() if rep.read.text is not None else base64.b64decode(rep.read.base64 or "")
-        return p.ReadBlock(rep.error.value, raw)
+        rep = self._exchange("r", (str(block), target), job)
+        try:
+            return p.decode_read(rep)
+        except ProtocolError as exc:
+            self._on_decode_error(str(exc))
+            raise CommandError(ErrorCode.DEVICE_ERROR, f"arm {self.cfg.id}: undecodable r reply: {exc}") from None
 
     def _fail_errno(self, what: str, errno: int) -> CommandError:
         e = p.decode_error(errno, errno_reply=True)
@@ -560,7 +571,9 @@ class DexterArm:
                 with contextlib.suppress(CommandError):
                     self.send("W", ["e", "0"], errno_reply=True)
                 job.check_cancelled()
-            self.send(oplet, args, errno_reply=True, job=job)
+            rep = self._exchange(oplet, args, job)
+            if rep.error:  # DexRun reports no fopen/fwrite errors (§4.2); anything here is worth stopping for
+                raise self._fail_errno(f"write {req.path!r}", rep.error)
             if i > 0:
                 done += len(p.unescape(args[2].encode("latin-1"))) if len(args) > 2 else 0
             job.progress("writing", done, len(data), force=i == len(seq) - 1, blocks=i)
