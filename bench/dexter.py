@@ -1,12 +1,13 @@
 """Benchmark: dexter-gateway against the simulated DexRun, side by side with a raw socket client.
 
 One simulated arm (its own process), a private mosquitto, then:
-1. a raw TCP client on the simulator (no gateway): `h` round trips (p50/p99), and a file written with
-   `W` and read back with `r`, 62 bytes a block (blocks per second);
+1. a raw TCP client on its own simulator: `h` round trips (p50/p99), and a file written with `W` and read
+   back with `r`, 62 bytes a block (blocks per second); the gateway's `DexterLink` alone on a third one;
 2. one broker hop: a bare paho request/reply echo (bench/rpc.py's) through the same broker;
-3. the gateway process on the same simulator: `heartbeat` through MQTT (p50/p99) and the same file through
-   the `write_file` / `read_file` jobs (blocks per second, from the request to the job's result event).
-The simulator serves one client at a time, as DexRun does, so the raw client runs before the gateway.
+3. the gateway process on another simulator: `heartbeat` through MQTT (p50/p99) and the same file through
+   the `write_file` / `read_file` jobs (blocks per second over the job's own duration).
+A simulator serves one client at a time, as DexRun does, hence one each. The machine is shared: the sides are
+measured in interleaved rounds, so that they see the same load.
 
 Targets (issue 12): MQTT round trip p99 <= 3 ms, and p50 <= 1.5 x raw p50 + one broker hop (the bare echo's
 p50); file transfer >= 0.8 x the raw client's blocks per second. Last line: one JSON object.
@@ -37,6 +38,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from rpc import bare_round_trips  # noqa: E402  (bench/rpc.py: the kit's own bare paho echo)
 
 from services.dexter_gateway import protocol as p  # noqa: E402
+from services.dexter_gateway.transport import DexterLink, DexterLinkConfig  # noqa: E402
 from shared.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 from shared.rpc import RpcClient, wait_for  # noqa: E402
 
@@ -111,6 +113,24 @@ class RawSide:
         return rate
 
 
+class LinkSide:
+    """The gateway's transport alone (`DexterLink`, no MQTT) on a third simulator: what the link itself costs."""
+
+    def __init__(self, port: int) -> None:
+        self.link = DexterLink("bench", DexterLinkConfig(host="127.0.0.1", port=port)).start()
+        assert wait_for(lambda: self.link.serving, 20), self.link.message
+        for _ in range(100):
+            self.link.request("h")
+
+    def round_trips(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.link.request("h")
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+
 class GatewaySide:
     def __init__(self, client: RpcClient) -> None:
         self.client = client
@@ -166,6 +186,7 @@ def main() -> None:
     data = bytes((i * 7 + i // 251) & 0xFF for i in range(size))  # every byte value, escapes included
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     raw_rt: list[float] = []
+    link_rt: list[float] = []
     hop: list[float] = []
     mqtt_rt: list[float] = []
     ratios: dict[str, list[float]] = {"raw_write": [], "gw_write": [], "raw_read": [], "gw_read": [],
@@ -173,13 +194,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dexter-bench-") as d:
         broker = Broker(free_port(), Path(d))
         broker.start()
-        raw_port, gw_port = free_port(), free_port()
-        sims = [start_sim(raw_port, Path(d) / "raw", env), start_sim(gw_port, Path(d) / "gw", env)]
+        raw_port, gw_port, link_port = free_port(), free_port(), free_port()
+        sims = [start_sim(raw_port, Path(d) / "raw", env), start_sim(gw_port, Path(d) / "gw", env),
+                start_sim(link_port, Path(d) / "link", env)]
         bare = subprocess.Popen([sys.executable, str(REPO / "bench/rpc.py"), "--serve-bare", broker.url,
                                  "bench/bare/echo"], env=env, cwd=REPO)
         gw: NodeProcess | None = None
         try:
-            assert wait_for(lambda: listening(raw_port) and listening(gw_port), 30), "simulators did not listen"
+            assert wait_for(lambda: all(listening(x) for x in (raw_port, gw_port, link_port)), 30), \
+                "simulators did not listen"
             time.sleep(0.3)  # the probe connections must have left the simulators' accept loops
             arms = [{"id": "arm1", "host": "127.0.0.1", "port": gw_port}]
             gw = NodeProcess(["-m", "services.dexter_gateway"],
@@ -201,12 +224,14 @@ def main() -> None:
             assert wait_for(up, 60), "gateway did not come up:\n" + gw.text()
             assert wait_for(bare_up, 60), "bare echo did not come up"
             raw = RawSide(raw_port)
+            links = LinkSide(link_port)
             gws = GatewaySide(client)
             # Interleaved rounds: this machine is shared, and its load moves within seconds; raw, broker hop
             # and gateway are measured side by side in every round, so they see the same load.
             per = max(calls // rounds, 1)
             for r in range(rounds):
                 raw_rt += raw.round_trips(per)
+                link_rt += links.round_trips(per)
                 hop += bare_round_trips(broker.url, "bench/bare/echo", per)
                 mqtt_rt += gws.round_trips(per)
                 rw = raw.write(f"/srv/samba/share/r{r}.bin", data)
@@ -217,6 +242,7 @@ def main() -> None:
                              ("write", gw_w / rw), ("read", gw_r / rr)):
                     ratios[k].append(v)
             raw.c.close()
+            links.link.close()
             client.close()
         finally:
             if gw is not None:
@@ -232,6 +258,7 @@ def main() -> None:
     res: dict[str, Any] = {
         "calls": calls, "file_bytes": size, "file_blocks": -(-size // 62),
         "rounds": rounds, "raw_p50_ms": round(raw_p["p50"], 3), "raw_p99_ms": round(raw_p["p99"], 3),
+        "link_p50_ms": round(pct(link_rt, 50), 3), "link_p99_ms": round(pct(link_rt, 99), 3),
         "broker_hop_p50_ms": round(hop_p50, 3), "broker_hop_p99_ms": round(pct(hop, 99), 3),
         "mqtt_p50_ms": round(g["p50"], 3), "mqtt_p99_ms": round(g["p99"], 3),
         "mqtt_p50_bound_ms": round(bound, 3), "mqtt_p50_over_bound": round(g["p50"] / bound, 3),
@@ -247,6 +274,8 @@ def main() -> None:
     res["pass"] = (res["mqtt_p99_ms"] <= TARGET_P99_MS and g["p50"] <= bound
                    and res["write_ratio"] >= TARGET_FILE_RATIO and res["read_ratio"] >= TARGET_FILE_RATIO)
     print(f"raw socket   h round trip  p50 {res['raw_p50_ms']:.3f} ms  p99 {res['raw_p99_ms']:.3f} ms")
+    print(f"DexterLink   h round trip  p50 {res['link_p50_ms']:.3f} ms  p99 {res['link_p99_ms']:.3f} ms "
+          "(the gateway's transport alone)")
     print(f"broker hop   bare echo     p50 {res['broker_hop_p50_ms']:.3f} ms  p99 {res['broker_hop_p99_ms']:.3f} ms")
     print(f"MQTT         heartbeat     p50 {res['mqtt_p50_ms']:.3f} ms  p99 {res['mqtt_p99_ms']:.3f} ms "
           f"(p99 target {TARGET_P99_MS} ms: {res['mqtt_p99_ms'] / TARGET_P99_MS:.2f} x; p50 bound "

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -629,9 +628,6 @@ class DexterGateway:
 
 
 def build(node: Node, settings: DexterSettings) -> DexterGateway:
-    # Every command crosses threads (paho -> command pool -> the links' loop -> back); a thread woken for a
-    # reply waits for the GIL up to the switch interval (5 ms by default) while another holds it.
-    sys.setswitchinterval(0.0005)
     ids = [a.id for a in settings.dexter_arms]
     if not ids:
         raise ServiceUnavailable("no arms configured (ROBOBUS_DEXTER_ARMS)")
