@@ -464,6 +464,8 @@ class DexterArm:
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         except DexterLinkError as exc:
+            if job.cancelled and exc.code == "unavailable":
+                job.check_cancelled()  # gave up its turn because of the cancel: a cancelled result, not an error
             raise link_error(exc) from None
 
     def _read_block(self, block: int, target: str, job: JobContext) -> p.ReadBlock:
@@ -564,13 +566,20 @@ class DexterArm:
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         done = 0
-        for i, (oplet, args) in enumerate(seq):
-            if job.cancelled and i > 0:
-                # close DexRun's write handle (the file keeps what was written), then report the cancel
-                with contextlib.suppress(CommandError):
-                    self.send("W", ["e", "0"], errno_reply=True)
+        def stop_if_cancelled(opened: bool) -> None:
+            if job.cancelled:
+                if opened:  # close DexRun's write handle (the file keeps what was written), then report the cancel
+                    with contextlib.suppress(CommandError):
+                        self.send("W", ["e", "0"], errno_reply=True)
                 job.check_cancelled()
-            rep = self._exchange(oplet, args, job)
+
+        for i, (oplet, args) in enumerate(seq):
+            stop_if_cancelled(i > 0)
+            try:
+                rep = self._exchange(oplet, args, job)
+            except CommandError:
+                stop_if_cancelled(i > 0)  # a cancel while waiting for the link's turn
+                raise
             if rep.error:  # DexRun reports no fopen/fwrite errors (§4.2); anything here is worth stopping for
                 raise self._fail_errno(f"write {req.path!r}", rep.error)
             if i > 0:
