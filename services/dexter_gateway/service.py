@@ -452,9 +452,26 @@ class DexterArm:
         self.admit_file(req)
 
     def job_wait_motion(self, req: DexterWaitMotionDone, job: JobContext) -> DexterMotionDone:
+        """`F` blocks the link until the FIFO drains: it runs on a helper thread so that a cancel ends the
+        job at once (the `F` itself completes on the robot; its reply is read and dropped)."""
         t0 = time.monotonic()
-        job.progress("waiting", force=True, info="F: until the motion FIFO drains")
-        rep = self.send("F", timeout_s=req.timeout_s or self.cfg.motion_timeout_s, job=job)
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["reply"] = self.send("F", timeout_s=req.timeout_s or self.cfg.motion_timeout_s)
+            except Exception as exc:
+                out["error"] = exc
+
+        waiter = threading.Thread(target=run, name=f"dexter-F-{self.cfg.id}", daemon=True)
+        waiter.start()
+        while waiter.is_alive():
+            job.progress("waiting", round(time.monotonic() - t0, 1), 0, info="F: until the motion FIFO drains")
+            if job.wait(0.1):
+                job.check_cancelled()
+        if "error" in out:
+            raise out["error"]
+        rep: DexterCommandReply = out["reply"]
         return DexterMotionDone(waited_s=round(time.monotonic() - t0, 3), status=rep.status)
 
     def _exchange(self, oplet: str, args: Sequence[Any], job: JobContext) -> p.Reply:

@@ -91,6 +91,13 @@ def start_gateway(broker: Broker, sim: DexterSim, arm: dict[str, Any] | None = N
     gw = Gateway(NodeProcess(GATEWAY, full_env), sim, bus, client, node=node)
     ok = bus.wait_json("/arm1/health", lambda h: bool(h["connection"]), timeout=20)
     assert ok, "gateway did not connect to the simulated arm:\n" + gw.proc.text()
+
+    def answers() -> bool:  # health can go out before the node's command subscription is confirmed
+        try:
+            return client.call(node, "arm1", "heartbeat", {}, timeout=2).ok
+        except TimeoutError:
+            return False
+    assert wait_until(answers, 30), "gateway does not answer commands:\n" + gw.proc.text()
     return gw
 
 

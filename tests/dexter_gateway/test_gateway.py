@@ -259,6 +259,33 @@ def test_file_jobs_cancel_between_blocks(gateway: Gateway) -> None:
     canceller.close()
 
 
+def test_wait_motion_done_cancels_at_once(gateway: Gateway) -> None:
+    assert gateway.call("move_all_joints", {"joints_deg": [170, 0, 0, 0, 0]}).ok
+    assert gateway.call("move_all_joints", {"joints_deg": [-170, 0, 0, 0, 0]}).ok  # ~2 s of motion queued
+    started = threading.Event()
+    ids: list[str] = []
+
+    def on_progress(ev: dict[str, Any]) -> None:
+        ids.append(ev["job_id"])
+        started.set()
+
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(res=gateway.job("wait_motion_done", {}, on_progress)[1]))
+    t.start()
+    assert started.wait(10)
+    other = RpcClient(gateway.client.settings, name="dexter-cancel-f")
+    other.connect()
+    t0 = time.monotonic()
+    assert other.call(NODE, "arm1", "cancel", {"job_id": ids[0]}).ok
+    t.join(30)
+    other.close()
+    assert out["res"] is not None and out["res"]["cancelled"] and time.monotonic() - t0 < 1.5
+    res = gateway.job("wait_motion_done", {})[1]  # the F still in flight completes; the next one waits for the rest
+    assert res is not None and res["ok"] and gateway.sim.fifo_len() == 0
+    assert gateway.call("move_all_joints", {"joints_deg": [0] * 5}).ok
+    assert gateway.job("wait_motion_done", {})[1]["ok"]  # type: ignore[index]
+
+
 def test_second_file_job_is_busy(gateway: Gateway) -> None:
     gateway.sim.delay_replies(0.5, 2)
     results: list[Any] = []
