@@ -474,10 +474,13 @@ class DexterArm:
         rep: DexterCommandReply = out["reply"]
         return DexterMotionDone(waited_s=round(time.monotonic() - t0, 3), status=rep.status)
 
-    def _exchange(self, oplet: str, args: Sequence[Any], job: JobContext) -> p.Reply:
-        """A job's block: straight to the link (no reply model per block; the job reports the whole)."""
+    def _exchange(self, req: p.Request | tuple[str, Sequence[Any]], job: JobContext) -> p.Reply:
+        """A job's block: straight to the link (no reply model per block; the job reports the whole).
+        A `Request` was validated by the caller (a block of a transfer whose first request was checked)."""
         try:
-            return self.link.request(oplet, args, cancelled=lambda: job.cancelled).reply
+            if isinstance(req, p.Request):
+                return self.link.submit(req, cancelled=lambda: job.cancelled).reply
+            return self.link.request(req[0], req[1], cancelled=lambda: job.cancelled).reply
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         except DexterLinkError as exc:
@@ -486,7 +489,8 @@ class DexterArm:
             raise link_error(exc) from None
 
     def _read_block(self, block: int, target: str, job: JobContext) -> p.ReadBlock:
-        rep = self._exchange("r", (str(block), target), job)
+        # block 0 is validated in full; later blocks differ only in the block number
+        rep = self._exchange(("r", (str(block), target)) if block == 0 else p.Request("r", (str(block), target)), job)
         try:
             return p.decode_read(rep)
         except ProtocolError as exc:
@@ -580,6 +584,7 @@ class DexterArm:
                 raise CommandError(ErrorCode.INVALID_REQUEST, "base64 is not valid base64") from None
         try:
             seq = p.write_requests(req.path, data)
+            built = [self.link.prepare(oplet, args) for oplet, args in seq]  # every block checked before the first
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         done = 0
@@ -590,10 +595,10 @@ class DexterArm:
                         self.send("W", ["e", "0"], errno_reply=True)
                 job.check_cancelled()
 
-        for i, (oplet, args) in enumerate(seq):
+        for i, (_oplet, args) in enumerate(seq):
             stop_if_cancelled(i > 0)
             try:
-                rep = self._exchange(oplet, args, job)
+                rep = self._exchange(built[i], job)
             except CommandError:
                 stop_if_cancelled(i > 0)  # a cancel while waiting for the link's turn
                 raise

@@ -228,6 +228,7 @@ def test_file_jobs_cancel_between_blocks(gateway: Gateway) -> None:
     def run() -> None:
         out["acc"], out["res"] = gateway.job("write_file", {"path": "big.bin", "text": data.decode()}, on_progress)
 
+    gateway.sim.delay_replies(0.02, 300)  # ~6 s of blocks: the cancel lands mid-transfer
     t = threading.Thread(target=run)
     t.start()
     assert started.wait(20)
@@ -236,6 +237,7 @@ def test_file_jobs_cancel_between_blocks(gateway: Gateway) -> None:
     rep = canceller.call(NODE, "arm1", "cancel", {"job_id": job_id[0]})
     assert rep.ok, rep.error
     t.join(30)
+    gateway.sim.delay_replies(0, 0)
     res = out["res"]
     assert res is not None and not res["ok"] and res["cancelled"]
     written = (gateway.sim.cwd / "big.bin").read_bytes()
@@ -250,11 +252,13 @@ def test_file_jobs_cancel_between_blocks(gateway: Gateway) -> None:
     def run_read() -> None:
         out["acc"], out["res"] = gateway.job("read_file", {"path": "big.bin"}, on_progress)
 
+    gateway.sim.delay_replies(0.02, 300)
     t = threading.Thread(target=run_read)
     t.start()
     assert started.wait(20)
     assert canceller.call(NODE, "arm1", "cancel", {"job_id": job_id[0]}).ok
     t.join(30)
+    gateway.sim.delay_replies(0, 0)
     assert out["res"] is not None and out["res"]["cancelled"]
     canceller.close()
 
