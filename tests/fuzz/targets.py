@@ -122,6 +122,33 @@ def _roi_allowed() -> tuple[type[BaseException], ...]:
 
     return (DecodeError,)
 
+def _dexter_replies(data: bytes) -> object:
+    from services.dexter_gateway import protocol as p
+
+    asm = p.ReplyAssembler()
+    out = []
+    step = (data[0] if data else 1) or 1  # the first byte chooses the segmentation, as for the e-puck stream
+    for i in range(1, len(data), step):
+        for raw in asm.feed(data[i:i + step]):
+            rep = p.decode_reply(raw)
+            out += [p.decode_status(rep), p.decode_error(rep.error), p.decode_error(rep.error, errno_reply=True)]
+            out.append(p.decode_read(rep))
+    return out
+
+
+def _dexter_allowed() -> tuple[type[BaseException], ...]:
+    from services.dexter_gateway.protocol import ProtocolError
+
+    return (ProtocolError,)
+
+
+def _dexter_seeds() -> list[bytes]:
+    from services.dexter_gateway import protocol as p
+
+    status = p.encode_reply([1, 2, 1700000000, 5, ord("g"), 0] + [0] * 54)
+    read = p.read_reply_ints([1, 3, 1700000000, 5, ord("r"), 0] + [0] * 54, b"[0, 0, 0, 0, 0]", 0)
+    return [b"\x07" + status + read, b"\xf0" + read]
+
 
 def targets() -> dict[str, Target]:
     out = [
@@ -134,5 +161,7 @@ def targets() -> dict[str, Target]:
                lambda: [b"\x80" + bytes(20)]),
         Target("roi_datagram", _roi_datagram, _roi_allowed, ("services.roi_modules.protocol",),
                lambda: [b"\x01" + bytes(64), b"\x00" + bytes(64)]),
+        Target("dexter_replies", _dexter_replies, _dexter_allowed, ("services.dexter_gateway.protocol",),
+               _dexter_seeds),
     ]
     return {t.name: t for t in out}
