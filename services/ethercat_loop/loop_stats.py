@@ -18,7 +18,8 @@ from services.ethercat_loop.models import EthercatLoopStats
 HIST_US = 20_000  # 1 µs bins up to 20 ms; the last bin holds everything later
 WINDOW_NS = 1_000_000_000
 # the counters a window differences (every backend keeps them; a model without frames leaves some at 0)
-WINDOW_COUNTERS = ("cycles", "overruns", "lost", "no_status", "wkc_errors", "late", "dropped", "decode_errors")
+WINDOW_COUNTERS = ("cycles", "overruns", "lost", "no_status", "wkc_errors", "late", "dropped", "decode_errors",
+                   "outages")
 
 
 def new_histogram() -> npt.NDArray[np.int64]:
@@ -70,7 +71,8 @@ class LoopWindow:
                 target_period_us=self.period_ns / 1000.0, cycles=d["cycles"],
                 jitter_p50_us=p["p50"] or 0.0, jitter_p99_us=p["p99"] or 0.0, jitter_max_us=p["max"] or 0.0,
                 overruns=d["overruns"], drops=d["dropped"], frames_lost=d["lost"], decode_errors=d["decode_errors"],
-                late_frames=d["late"], wkc_errors=d["wkc_errors"], no_status=d["no_status"], window_s=round(secs, 3),
+                late_frames=d["late"], wkc_errors=d["wkc_errors"], no_status=d["no_status"], outages=d["outages"],
+                window_s=round(secs, 3),
                 total_cycles=counters.get("cycles", 0), total_overruns=counters.get("overruns", 0))
         self._prev = (now_ns, dict(counters), wake)
         return self.last

@@ -137,6 +137,8 @@ class ModelBackend(HandBackend):
                         self.lose_next -= 1
                         status = None
                     self._no_status_run = self._no_status_run + 1 if status is None else 0
+                    if self._no_status_run == self.error_after_lost:
+                        self._counts["outages"] += 1
                     rx = self.driver.take_can_rx()
                     now = time.monotonic_ns()
                     release = deadline

@@ -104,6 +104,8 @@ class EthercatLoopStats(BaseModel):
     late_frames: int = Field(0, description="replies later than ETHERCAT_LATE_US in the window (wire backends)")
     wkc_errors: int = Field(0, description="replies with a wrong working counter in the window (wire backends)")
     no_status: int = Field(0, description="cycles without a valid status in the window")
+    outages: int = Field(0, description="runs of ETHERCAT_ERROR_AFTER_LOST cycles without a valid status (the "
+                                        "motors cut out after 20 ms) that began in the window")
     total_cycles: int = 0
     total_overruns: int = 0
     counters: dict[str, int] = Field(default_factory=dict, description="driver counters since start")

@@ -257,6 +257,9 @@ class PalmService:
             errors.append(str(info["error"]))
         elif info.get("no_data"):
             errors.append(f"no valid process data for {s.ethercat_error_after_lost} cycles or more")
+        elif stats.outages:  # an outage shorter than health's own period still shows, for its 1 s window
+            errors.append(f"{stats.outages} outage(s) of {s.ethercat_error_after_lost} cycles or more without valid "
+                          "process data in the last second")
         rates: list[str] = []
         lost = stats.frames_lost
         if lost > s.ethercat_lost_threshold:

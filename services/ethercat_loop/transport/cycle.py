@@ -234,6 +234,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
                 cnt[C["max_consecutive_no_status"]] = run
             if run == cfg.error_after:
                 cnt[C["health_error"]] = 1
+                cnt[C["outages"]] += 1
                 st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
                 publish()
         elif cnt[C["consecutive_no_status"]]:
