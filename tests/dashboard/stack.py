@@ -1,0 +1,252 @@
+"""`make run`'s stack on free ports, for the dashboard's browser tests and its benchmark.
+
+A mosquitto with an MQTT and a websockets listener (optionally with a password file), the services on
+their simulators exactly as deploy/Procfile.sim starts them (ethercat-loop on the model backend,
+can-bootloader with ROBOBUS_CAN_SIM=true, two simulated e-puck2 robots and epuck-gateway), and
+`robobus dashboard` serving the page. Headless Debian chromium, driven by Python playwright."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.rpc import RpcClient, wait_for
+from shared.settings import KitSettings
+from shared.testing import REPO, mosquitto_bin
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+
+
+def free_ports(n: int, consecutive: bool = False) -> list[int]:
+    """n free loopback ports (consecutive ones for the e-puck simulator's --base-port)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        ports = [base + i for i in range(n)] if consecutive else [base]
+        if not consecutive:
+            socks = []
+            try:
+                for _ in range(n - 1):
+                    t = socket.socket()
+                    t.bind(("127.0.0.1", 0))
+                    socks.append(t)
+                ports += [int(t.getsockname()[1]) for t in socks]
+            finally:
+                for t in socks:
+                    t.close()
+            return ports
+        if all(_port_free(p) for p in ports):
+            return ports
+    raise RuntimeError("no free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def browser_missing() -> str | None:
+    """None when the browser tests can run, else why not (the tests skip with it)."""
+    if mosquitto_bin() is None:
+        return "mosquitto is not installed (make setup installs it)"
+    if not os.path.exists(CHROMIUM):
+        return "Debian's chromium is not installed (make setup installs it)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Python playwright is not installed (pip install -e '.[dashboard]')"
+    from shared.dashboard.server import MissingAssets, vendor_files
+
+    try:
+        vendor_files()
+    except MissingAssets as exc:
+        return str(exc)
+    return None
+
+
+@dataclass
+class WsBroker:
+    """mosquitto on free loopback ports: MQTT for the services, websockets for the page."""
+
+    workdir: Path
+    users: dict[str, str] | None = None
+    port: int = 0
+    ws_port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.port, self.ws_port = free_ports(2)
+        auth = "allow_anonymous true\n"
+        if self.users:
+            pwfile = self.workdir / "passwd"
+            pwfile.write_text("")
+            for user, password in self.users.items():
+                subprocess.run(["mosquitto_passwd", "-b", str(pwfile), user, password], check=True,
+                               capture_output=True)
+            auth = f"allow_anonymous false\npassword_file {pwfile}\n"
+        conf = self.workdir / "mosquitto.conf"
+        conf.write_text("per_listener_settings false\npersistence false\nset_tcp_nodelay true\n"
+                        f"max_queued_messages 100000\n{auth}"
+                        f"listener {self.port} 127.0.0.1\nprotocol mqtt\n"
+                        f"listener {self.ws_port} 127.0.0.1\nprotocol websockets\n")
+        exe = mosquitto_bin()
+        assert exe
+        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for p in (self.port, self.ws_port):
+            assert wait_for(lambda p=p: _listening(p), 10), f"mosquitto did not listen on {p}"
+
+    def url(self, user: str | None = None) -> str:
+        if user and self.users:
+            return f"mqtt://{user}:{self.users[user]}@127.0.0.1:{self.port}"
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.ws_port}"
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+@dataclass
+class SimStack:
+    """The services on simulators against one WsBroker, plus `robobus dashboard`."""
+
+    broker: WsBroker
+    workdir: Path
+    mqtt_url: str
+    procs: dict[str, Proc] = field(default_factory=dict)
+    dashboard_url: str = ""
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.workdir / f"{name}.log"
+        full = {**os.environ, "PYTHONUNBUFFERED": "1", "ROBOBUS_MQTT_URL": self.mqtt_url, **(env or {})}
+        with log.open("wb") as out:
+            p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=full, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        self.procs[name] = Proc(name, p, log)
+        return self.procs[name]
+
+    def start_services(self) -> None:
+        base = free_ports(2, consecutive=True)[0]
+        robots = [{"id": f"epuck{i + 1}", "host": "127.0.0.1", "port": base + i} for i in range(2)]
+        # The same commands and settings as deploy/Procfile.sim.
+        self.spawn("ethercat-loop", ["-m", "services.ethercat_loop"], {"ROBOBUS_ETHERCAT_BACKEND": "model"})
+        self.spawn("epuck-sim", ["-m", "services.epuck_gateway.sim", "--count", "2", "--base-port", str(base)])
+        self.spawn("epuck-gateway", ["-m", "services.epuck_gateway"], {"ROBOBUS_EPUCK_ROBOTS": json.dumps(robots)})
+        self.spawn("can-bootloader", ["-m", "services.can_bootloader"],
+                   {"ROBOBUS_CAN_SIM": "true", "ROBOBUS_CAN_SIM_ERASE_S": "0.05"})
+
+    def start_dashboard(self) -> None:
+        port = free_ports(1)[0]
+        self.spawn("dashboard", ["-m", "shared.cli", "dashboard", "--port", str(port), "--ws-url",
+                                 self.broker.ws_url])
+        self.dashboard_url = f"http://127.0.0.1:{port}/"
+        assert wait_for(lambda: _listening(port), 20), self.procs["dashboard"].text()
+
+    def wait_online(self, client: RpcClient, nodes: list[str], timeout: float = 60) -> None:
+        def online() -> bool:
+            seen = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect("robobus/+/status", 0.3)}
+            return all(seen.get(n, {}).get("online") for n in nodes)
+
+        assert wait_for(online, timeout, 0.5), {n: p.text() for n, p in self.procs.items() if not p.alive()}
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name].popen
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+        p.wait(10)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait(5)
+
+
+NODES = ["can-bootloader", "epuck-gateway", "ethercat-loop"]
+DEVICES = {"can-bootloader": ["motors"], "epuck-gateway": ["epuck1", "epuck2"], "ethercat-loop": ["rh"]}
+
+
+@contextlib.contextmanager
+def sim_stack(users: dict[str, str] | None = None) -> Iterator[tuple[SimStack, RpcClient]]:
+    """Broker + every service on its simulator + the dashboard; yields the stack and a connected client."""
+    with tempfile.TemporaryDirectory(prefix="robobus-dash-") as d:
+        broker = WsBroker(Path(d), users)
+        broker.start()
+        user = next(iter(users)) if users else None
+        stack = SimStack(broker, Path(d), broker.url(user))
+        client = RpcClient(KitSettings(mqtt_url=broker.url(user)), name="dash-test")
+        try:
+            client.connect()
+            stack.start_services()
+            stack.start_dashboard()
+            stack.wait_online(client, NODES)
+            yield stack, client
+        finally:
+            client.close()
+            stack.stop()
+            broker.stop()
+
+
+@contextlib.contextmanager
+def browser() -> Iterator[Any]:
+    """Debian's chromium, headless, with a fresh profile; yields a playwright Browser."""
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory(prefix="robobus-chromium-") as profile, sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True,
+            viewport={"width": 1600, "height": 1000})
+        try:
+            yield ctx
+        finally:
+            ctx.close()
