@@ -5,6 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NODEV  := tests/contract/asyncapi-validate
+DASH   := shared/dashboard
 PYTEST_ARGS ?=
 
 .PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check clean help
@@ -16,7 +17,7 @@ help:
 	@echo "make bench   benchmarks (bench/*.py); BENCH_ARGS=--quick for a short run"
 	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json"
 
-setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed
+setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(DASH)/node_modules/.installed
 
 # Debian packages: mosquitto (broker), its clients, iproute2 (netns/veth for the EtherCAT tests),
 # rt-tests (cyclictest, the realtime anchor of bench/ethercat_cycle.py), nodejs/npm (AsyncAPI parser).
@@ -31,6 +32,11 @@ $(STAMP): pyproject.toml
 
 $(NODEV)/node_modules/.installed: $(NODEV)/package.json $(NODEV)/package-lock.json
 	cd $(NODEV) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# The dashboard's browser libraries (mqtt.js, Ajv), served as shipped by `robobus dashboard`.
+$(DASH)/node_modules/.installed: $(DASH)/package.json $(DASH)/package-lock.json
+	cd $(DASH) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 run: setup
@@ -64,4 +70,4 @@ bench-quick:
 	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick
 
 clean:
-	rm -rf $(VENV) $(NODEV)/node_modules .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(NODEV)/node_modules $(DASH)/node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -8,6 +8,7 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v cyclictest >/dev/null 2>&1 || need+=(rt-tests)
 command -v node >/dev/null 2>&1 || need+=(nodejs)
 command -v npm >/dev/null 2>&1 || need+=(npm)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)   # the dashboard's browser tests (headless)
 [ ${#need[@]} -eq 0 ] && exit 0
 echo "robobus: installing Debian packages: ${need[*]}"
 SUDO=""

@@ -250,3 +250,66 @@ def browser() -> Iterator[Any]:
             yield ctx
         finally:
             ctx.close()
+
+
+# -- browser-side figures ---------------------------------------------------------------------------------
+def _ppid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def browser_cpu_seconds(ancestor: int | None = None) -> float:
+    """CPU time (user + system) of every chromium process descended from this process."""
+    ancestor = ancestor or os.getpid()
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if "chromium" not in os.readlink(d / "exe"):
+                continue
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        p, hops = int(d.name), 0
+        while p > 1 and p != ancestor and hops < 32:
+            p, hops = _ppid(p), hops + 1
+        if p == ancestor:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+PERF_JS = "() => ({...window.__robobusPerf, now: performance.now()})"
+
+
+def measure_page(page: Any, seconds: float) -> dict[str, float]:
+    """Frames per second of the page, the main thread's time on MQTT messages and on drawing (the page's
+    own counters), the renderer main thread's busy time (Chrome's Performance.getMetrics TaskDuration), and
+    the CPU of every chromium process, over `seconds` of the live stack."""
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Performance.enable")
+
+    def task_s() -> float:
+        metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+        return float(metrics.get("TaskDuration", 0.0))
+
+    a, ta, ca, wa = page.evaluate(PERF_JS), task_s(), browser_cpu_seconds(), time.monotonic()
+    time.sleep(seconds)
+    b, tb, cb, wb = page.evaluate(PERF_JS), task_s(), browser_cpu_seconds(), time.monotonic()
+    dt = (b["now"] - a["now"]) / 1000
+    wall = wb - wa
+    cdp.detach()
+    return {
+        "seconds": round(dt, 2),
+        "fps": round((b["frames"] - a["frames"]) / dt, 1),
+        "msgs_per_s": round((b["msgs"] - a["msgs"]) / dt, 1),
+        "handling_pct_of_core": round((b["msgMs"] - a["msgMs"]) / dt / 10, 2),
+        "drawing_pct_of_core": round((b["renderMs"] - a["renderMs"]) / dt / 10, 2),
+        "renderer_main_thread_pct": round((tb - ta) / wall * 100, 1),
+        "browser_cpu_pct_all_processes": round((cb - ca) / wall * 100, 1),
+        "bad_messages": b["bad"],
+    }
