@@ -61,8 +61,14 @@ def open_command(page: Any, node: str, device: str, command: str) -> Any:
 
 
 def shoot(page: Any, name: str, target: Any | None = None) -> None:
+    """The window as a person sees it, with `target` scrolled to the top."""
     SHOTS.mkdir(parents=True, exist_ok=True)
-    (target or page).screenshot(path=str(SHOTS / f"{name}.png"))
+    if target is not None:
+        target.evaluate("e => e.scrollIntoView({block: 'start'})")
+    else:
+        page.evaluate("() => document.querySelector('main').scrollTo(0, 0)")
+    page.wait_for_timeout(300)  # two animation frames of drawing after the scroll
+    page.screenshot(path=str(SHOTS / f"{name}.png"))
 
 
 def test_lists_every_online_node_and_device(page: Any) -> None:
@@ -84,12 +90,15 @@ def _samples(page: Any, selector: str) -> int:
     return int(loc.get_attribute("data-samples") or 0)
 
 
-def test_charts_receive_values(page: Any) -> None:
-    hand = "article.device[data-device='rh'] section.state[data-state='joints'] figure.spark[data-path='joints.FFJ3.position']"
-    prox = "article.device[data-device='epuck1'] section.state[data-state='sensors'] figure.spark[data-path^='proximity.']"
+def test_charts_receive_values(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    _, client = stack
+    hand = "article.device[data-device='rh'] details.state[data-state='joints'] figure.spark[data-path='joints.FFJ3.position']"
+    steps = "article.device[data-device='epuck1'] details.state[data-state='sensors'] figure.spark[data-path^='steps']"
     page.wait_for_selector(hand, state="attached", timeout=T)
-    page.wait_for_selector(prox, state="attached", timeout=T)
-    for sel in (hand, prox):
+    # integer fields chart once they change: drive the robot so its step counters move
+    assert client.call("epuck-gateway", "epuck1", "set_speed", {"left": 400, "right": 300}).ok
+    page.wait_for_selector(steps, state="attached", timeout=T)
+    for sel in (hand, steps):
         first = _samples(page, sel)
         page.wait_for_function(
             "([sel, n]) => +document.querySelector(sel).dataset.samples > n + 10", arg=[sel, first], timeout=T)
@@ -100,15 +109,15 @@ def test_charts_receive_values(page: Any) -> None:
 
 
 def test_camera_image_updates(page: Any) -> None:
-    img = card(page, "epuck-gateway", "epuck2").locator("section.state[data-state='image'] img")
+    img = card(page, "epuck-gateway", "epuck2").locator("details.state[data-state='image'] img")
     img.wait_for(timeout=T)
     img.scroll_into_view_if_needed()
     first = int(img.get_attribute("data-frames") or 0)
     page.wait_for_function(
-        "n => +document.querySelector(\"article[data-device='epuck2'] section[data-state='image'] img\").dataset.frames"
+        "n => +document.querySelector(\"article[data-device='epuck2'] details[data-state='image'] img\").dataset.frames"
         " >= n + 5", arg=first, timeout=T)
     assert page.evaluate(
-        "() => document.querySelector(\"article[data-device='epuck2'] section[data-state='image'] img\").naturalWidth"
+        "() => document.querySelector(\"article[data-device='epuck2'] details[data-state='image'] img\").naturalWidth"
     ) == 160
     shoot(page, "epuck", card(page, "epuck-gateway", "epuck2"))
 
@@ -165,7 +174,7 @@ def test_service_side_validation_error_is_shown(page: Any) -> None:
 def test_flash_job_shows_progress_and_completes(page: Any) -> None:
     cmd = open_command(page, "can-bootloader", "motors", "flash")
     cmd.locator("input[name=board]").fill("8")
-    cmd.locator("textarea[name=hex]").fill(SMALL_HEX)
+    cmd.locator("textarea[name=hex]").evaluate("(e, v) => { e.value = v; }", SMALL_HEX)
     cmd.locator("button[type=submit]").click()
     cmd.locator("pre.reply[data-ok=true]").wait_for(timeout=T)
     job_id = json.loads(cmd.locator("pre.reply").inner_text())["result"]["job_id"]
@@ -182,7 +191,8 @@ def test_flash_job_shows_progress_and_completes(page: Any) -> None:
 def test_cancel_button_cancels_a_running_job(page: Any) -> None:
     cmd = open_command(page, "can-bootloader", "motors", "flash")
     cmd.locator("input[name=board]").fill("9")
-    cmd.locator("textarea[name=hex]").fill(make_intel_hex())  # the full image, one frame in flight: slow
+    # the full image, one frame in flight: slow enough to cancel (set as a paste would, not typed)
+    cmd.locator("textarea[name=hex]").evaluate("(e, v) => { e.value = v; }", make_intel_hex())
     cmd.locator("input[name=window]").fill("1")
     cmd.locator("button[type=submit]").click()
     cmd.locator("pre.reply[data-ok=true]").wait_for(timeout=T)

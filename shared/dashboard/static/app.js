@@ -13,6 +13,7 @@ const CHARTS_PER_STATE = 32;
 const VALUES_PER_STATE = 40;
 const LOG_LINES = 300;
 const NOT_CHARTED = /(^|\.)(ts|seq|session|cycle)$|raw/i;
+const TIME_FIELD = /(^|\.|_)ts$/;
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
@@ -257,12 +258,14 @@ class StateView {
     this.series = new Map();
     this.charts = new Map();
     this.values = new Map();
+    this.firstSeen = new Map();
     this.hiddenValues = 0;
     this.latest = null;
     this.textDirty = false;
     this.count = 0;
-    const title = el("h4", { text: name }, entry ? el("small", { text: ` ${entry.doc}` }) : null);
-    this.section = el("section", { class: "state", "data-state": name }, title);
+    const title = el("summary", {}, el("h4", { text: name }, entry ? el("small", { text: ` ${entry.doc}` }) : null));
+    // <details>: a person folds what they do not watch, and folded states are not drawn
+    this.section = el("details", { class: "state", "data-state": name, open: "" }, title);
     if (this.binary) {
       this.img = el("img", { alt: `${dev.name} ${name}`, "data-frames": "0" });
       this.section.append(el("div", { class: "camera" }, this.img));
@@ -271,10 +274,13 @@ class StateView {
     } else {
       this.chartsBox = el("div", { class: "charts" });
       this.valuesBox = el("dl", { class: "values" });
+      this.valuesTitle = el("summary", { text: "values" });
+      // open while the state has no charts; beside charts, the other fields fold away
+      this.valuesFold = el("details", { class: "values", open: "" }, this.valuesTitle, this.valuesBox);
       this.more = el("div", { class: "more" });
       this.raw = el("pre", { class: "json" });
       this.rawBox = el("details", { class: "raw" }, el("summary", { text: "message" }), this.raw);
-      this.section.append(this.chartsBox, this.valuesBox, this.more, this.rawBox);
+      this.section.append(this.chartsBox, this.valuesFold, this.more, this.rawBox);
     }
     // binary (camera) first, then states by name
     const after = [...dev.statesBox.children].find((c) => !c.querySelector("img") && (this.binary || c.dataset.state > name));
@@ -290,9 +296,15 @@ class StateView {
       const numeric = typeof v === "number" && Number.isFinite(v);
       let s = this.series.get(path);
       if (!s && numeric && !NOT_CHARTED.test(path) && this.charts.size < CHARTS_PER_STATE) {
-        s = new Series();
-        this.series.set(path, s);
-        this.addChart(path);
+        // Measurements (floats) chart at once; an integer charts once it has changed, so ids, ports and
+        // sizes stay plain values and counters and steps get their charts.
+        const first = this.firstSeen.get(path);
+        if (!Number.isInteger(v) || (first !== undefined && first !== v)) {
+          s = new Series();
+          this.series.set(path, s);
+          this.addChart(path);
+          this.firstSeen.delete(path);
+        } else if (first === undefined) this.firstSeen.set(path, v);
       }
       if (s) { if (numeric) s.push(nowMs, v); continue; }
       if (!this.values.has(path)) this.addValue(path);
@@ -305,8 +317,10 @@ class StateView {
   addChart(path) {
     const canvas = el("canvas", { width: "130", height: "30" });
     const value = el("b");
+    const label = path.startsWith(`${this.name}.`) ? path.slice(this.name.length + 1) : path;
     const fig = el("figure", { class: "spark", "data-path": path, "data-samples": "0" },
-      el("figcaption", {}, el("span", { text: path, title: path }), value), canvas);
+      el("figcaption", {}, el("span", { text: label, title: path }), value), canvas);
+    if (this.charts.size === 0) this.valuesFold.open = false;
     this.chartsBox.append(fig);
     const dd = this.values.get(path);
     if (dd) { dd.previousElementSibling.remove(); dd.remove(); this.values.delete(path); }
@@ -329,9 +343,14 @@ class StateView {
     if (!this.textDirty) return;
     for (const [path, c] of this.charts) c.value.textContent = formatValue(this.series.get(path).last);
     for (const dd of this.values.values()) {
-      if (dd && dd.pending !== undefined) { dd.textContent = formatValue(dd.pending); dd.pending = undefined; }
+      if (dd && dd.pending !== undefined) {
+        const v = dd.pending;
+        dd.textContent = TIME_FIELD.test(dd.dataset.path) && typeof v === "number" && v > 1e9 ? clock(v * 1000) : formatValue(v);
+        dd.pending = undefined;
+      }
     }
     this.more.textContent = this.hiddenValues ? `+${this.hiddenValues} more fields (see message)` : "";
+    this.valuesTitle.textContent = this.charts.size ? `other fields (${this.values.size})` : "values";
     if (this.rawBox.open) this.raw.textContent = JSON.stringify(this.latest, null, 1);
     this.textDirty = false;
   }
@@ -480,9 +499,10 @@ function frame(now) {
     for (const d of n.devices.values()) {
       if (d.dirty) d.render();
       for (const s of d.states.values()) {
-        if (s.binary) { if (d.visible) s.renderImage(); continue; }
-        if (text && d.visible) s.renderText();
-        if (charts && d.visible) s.renderCharts(wallNow);
+        if (!d.visible || !s.section.open) continue;
+        if (s.binary) { s.renderImage(); continue; }
+        if (text) s.renderText();
+        if (charts) s.renderCharts(wallNow);
       }
     }
   }

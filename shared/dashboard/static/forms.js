@@ -75,7 +75,7 @@ function field(contract, name, rawSchema, required, path) {
     });
   }
   if (s.type === "string") {
-    const big = (s.maxLength ?? 0) > 256;
+    const big = (s.maxLength ?? 0) > 4096; // firmware images, not file names
     const inp = big ? el("textarea", { id, name, rows: "3" }) : el("input", { id, name, type: "text" });
     if (typeof s.default === "string") inp.value = s.default;
     let node = inp;
