@@ -92,7 +92,8 @@ def _samples(page: Any, selector: str) -> int:
 
 def test_charts_receive_values(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
     _, client = stack
-    hand = "article.device[data-device='rh'] details.state[data-state='joints'] figure.spark[data-path='joints.FFJ3.position']"
+    hand = ("article.device[data-device='rh'] details.state[data-state='joints'] "
+            "figure.spark[data-path='joints.FFJ3.position']")
     steps = "article.device[data-device='epuck1'] details.state[data-state='sensors'] figure.spark[data-path^='steps']"
     page.wait_for_selector(hand, state="attached", timeout=T)
     # integer fields chart once they change: drive the robot so its step counters move
