@@ -102,6 +102,9 @@ class WsBroker:
             for user, password in self.users.items():
                 subprocess.run(["mosquitto_passwd", "-b", str(pwfile), user, password], check=True,
                                capture_output=True)
+            # mosquitto started as root reads the file as its own `mosquitto` user
+            self.workdir.chmod(0o755)
+            pwfile.chmod(0o644)
             auth = f"allow_anonymous false\npassword_file {pwfile}\n"
         conf = self.workdir / "mosquitto.conf"
         conf.write_text("per_listener_settings false\npersistence false\nset_tcp_nodelay true\n"
