@@ -241,14 +241,14 @@ def sim_stack(users: dict[str, str] | None = None) -> Iterator[tuple[SimStack, R
 
 
 @contextlib.contextmanager
-def browser() -> Iterator[Any]:
-    """Debian's chromium, headless, with a fresh profile; yields a playwright Browser."""
+def browser(viewport: dict[str, int] | None = None) -> Iterator[Any]:
+    """Debian's chromium, headless, with a fresh profile; yields a playwright BrowserContext."""
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory(prefix="robobus-chromium-") as profile, sync_playwright() as pw:
         ctx = pw.chromium.launch_persistent_context(
             profile, executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True,
-            viewport={"width": 1600, "height": 1000})
+            viewport=viewport or {"width": 1600, "height": 1000})
         try:
             yield ctx
         finally:
@@ -266,9 +266,15 @@ def _ppid(pid: int) -> int:
 
 def browser_cpu_seconds(ancestor: int | None = None) -> float:
     """CPU time (user + system) of every chromium process descended from this process."""
+    return sum(browser_cpu_by_kind(ancestor).values())
+
+
+def browser_cpu_by_kind(ancestor: int | None = None) -> dict[str, float]:
+    """CPU seconds of the chromium processes descended from this process, by kind (--type=renderer,
+    gpu-process, utility (the network service), browser)."""
     ancestor = ancestor or os.getpid()
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    kinds: dict[str, float] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -282,37 +288,52 @@ def browser_cpu_seconds(ancestor: int | None = None) -> float:
         while p > 1 and p != ancestor and hops < 32:
             p, hops = _ppid(p), hops + 1
         if p == ancestor:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            args = (d / "cmdline").read_bytes().replace(b"\0", b" ").split()  # chromium rewrites its title
+            kind = next((a.split(b"=", 1)[1].decode() for a in args if a.startswith(b"--type=")), "browser")
+            if kind == "utility":
+                sub = next((a.split(b"=", 1)[1].decode() for a in args if a.startswith(b"--utility-sub-type=")), "")
+                kind = f"utility {sub.rsplit('.', 1)[-1]}" if sub else kind
+            kinds[kind] = kinds.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return kinds
 
 
 PERF_JS = "() => ({...window.__robobusPerf, now: performance.now()})"
 
 
-def measure_page(page: Any, seconds: float) -> dict[str, float]:
-    """Frames per second of the page, the main thread's time on MQTT messages and on drawing (the page's
-    own counters), the renderer main thread's busy time (Chrome's Performance.getMetrics TaskDuration), and
-    the CPU of every chromium process, over `seconds` of the live stack."""
+def measure_page(page: Any, seconds: float, fps_probe: bool = True) -> dict[str, Any]:
+    """Over `seconds` of the live stack: frames per second the page gets (a requestAnimationFrame probe,
+    when `fps_probe`), the main thread's time on MQTT messages and on drawing (the page's own counters), the
+    renderer main thread's busy time (Chrome's Performance.getMetrics), and the CPU of every chromium
+    process. The probe keeps the display ticking at its full rate, which costs CPU of its own: the
+    benchmark measures with and without it."""
+    page.evaluate("on => window.__robobusProbe(on)", fps_probe)
+    time.sleep(0.5)
     cdp = page.context.new_cdp_session(page)
     cdp.send("Performance.enable")
 
-    def task_s() -> float:
-        metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
-        return float(metrics.get("TaskDuration", 0.0))
+    def metrics() -> dict[str, float]:
+        return {m["name"]: float(m["value"]) for m in cdp.send("Performance.getMetrics")["metrics"]}
 
-    a, ta, ca, wa = page.evaluate(PERF_JS), task_s(), browser_cpu_seconds(), time.monotonic()
+    a, ma, ka, wa = page.evaluate(PERF_JS), metrics(), browser_cpu_by_kind(), time.monotonic()
     time.sleep(seconds)
-    b, tb, cb, wb = page.evaluate(PERF_JS), task_s(), browser_cpu_seconds(), time.monotonic()
+    b, mb, kb, wb = page.evaluate(PERF_JS), metrics(), browser_cpu_by_kind(), time.monotonic()
+    ca, cb = sum(ka.values()), sum(kb.values())
     dt = (b["now"] - a["now"]) / 1000
     wall = wb - wa
     cdp.detach()
+    ta, tb = ma.get("TaskDuration", 0.0), mb.get("TaskDuration", 0.0)
+    split = {k: round((mb.get(k, 0.0) - ma.get(k, 0.0)) / wall * 100, 1)
+             for k in ("ScriptDuration", "RecalcStyleDuration", "LayoutDuration")}
     return {
         "seconds": round(dt, 2),
-        "fps": round((b["frames"] - a["frames"]) / dt, 1),
+        "fps": round((b["frames"] - a["frames"]) / dt, 1) if fps_probe else None,
+        "draws_per_s": round((b["draws"] - a["draws"]) / dt, 1),
         "msgs_per_s": round((b["msgs"] - a["msgs"]) / dt, 1),
         "handling_pct_of_core": round((b["msgMs"] - a["msgMs"]) / dt / 10, 2),
         "drawing_pct_of_core": round((b["renderMs"] - a["renderMs"]) / dt / 10, 2),
         "renderer_main_thread_pct": round((tb - ta) / wall * 100, 1),
+        "renderer_main_thread_split_pct": split,
         "browser_cpu_pct_all_processes": round((cb - ca) / wall * 100, 1),
+        "browser_cpu_pct_by_process": {k: round((kb[k] - ka.get(k, 0.0)) / wall * 100, 1) for k in sorted(kb)},
         "bad_messages": b["bad"],
     }
