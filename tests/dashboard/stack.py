@@ -24,7 +24,7 @@ from typing import Any
 
 from shared.rpc import RpcClient, wait_for
 from shared.settings import KitSettings
-from shared.testing import REPO, mosquitto_bin
+from shared.localbroker import REPO, mosquitto_bin
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",

@@ -15,7 +15,7 @@ import pytest
 
 from services.can_bootloader.sim import make_intel_hex
 from shared.rpc import RpcClient
-from shared.testing import REPO
+from shared.localbroker import REPO
 from tests.dashboard.stack import DEVICES, NODES, SimStack, browser, browser_missing, sim_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
