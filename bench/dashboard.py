@@ -56,13 +56,14 @@ def main() -> None:
         print(json.dumps({"skipped": why}))
         return
     views: dict[str, dict[str, Any]] = {}
-    with sim_stack() as (stack, _client), browser(viewport={"width": 1920, "height": 1080}) as ctx:
+    with sim_stack() as (stack, _client), browser(1920, 1080) as ctx:
         page = ctx.new_page()
         page.goto(f"{stack.dashboard_url}?broker={stack.broker.ws_url}")
         page.wait_for_selector("#conn[data-state=connected]", timeout=30_000)
         for node in ("can-bootloader", "epuck-gateway", "ethercat-loop"):
             page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=60_000)
-        page.wait_for_selector("article[data-device='epuck2'] canvas.image[data-width]", state="attached", timeout=60_000)
+        page.wait_for_selector("article[data-device='epuck2'] canvas.image[data-width]", state="attached",
+                               timeout=60_000)
         time.sleep(a.warmup)
         for view, target in VIEWS:
             if target:
@@ -88,8 +89,9 @@ def main() -> None:
         fps = f"{v['fps']:.1f} fps" if v["fps"] is not None else f"{v['draws_per_s']:.1f} draws/s"
         print(f"{name}: {fps}, {v['msgs_per_s']:.0f} msg/s, handling {v['handling_pct_of_core']:.1f} % "
               f"+ drawing {v['drawing_pct_of_core']:.1f} % of a core (page counters), renderer main thread "
-              f"{v['renderer_main_thread_pct']:.1f} %, all chromium processes {v['browser_cpu_pct_all_processes']:.1f} %"
-              f" of one core; host busy {v['host_busy_cores_incl_browser']:.2f} cores")
+              f"{v['renderer_main_thread_pct']:.1f} %, all chromium processes "
+              f"{v['browser_cpu_pct_all_processes']:.1f} % of one core; host busy "
+              f"{v['host_busy_cores_incl_browser']:.2f} cores")
     print(f"worst fps {worst_fps:.1f} (target >= {TARGET_FPS:.0f}: ratio {worst_fps / TARGET_FPS:.2f}); "
           f"worst browser CPU {worst_cpu:.1f} % (target <= {TARGET_BROWSER_CPU_PCT:.0f} %: ratio "
           f"{worst_cpu / TARGET_BROWSER_CPU_PCT:.2f})")

@@ -19,12 +19,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from shared.localbroker import REPO, mosquitto_bin
 from shared.rpc import RpcClient, wait_for
 from shared.settings import KitSettings
-from shared.localbroker import REPO, mosquitto_bin
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -114,8 +115,8 @@ class WsBroker:
         exe = mosquitto_bin()
         assert exe
         self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for p in (self.port, self.ws_port):
-            assert wait_for(lambda p=p: _listening(p), 10), f"mosquitto did not listen on {p}"
+        for port in (self.port, self.ws_port):
+            assert wait_for(partial(_listening, port), 10), f"mosquitto did not listen on {port}"
 
     def url(self, user: str | None = None) -> str:
         if user and self.users:
@@ -241,14 +242,15 @@ def sim_stack(users: dict[str, str] | None = None) -> Iterator[tuple[SimStack, R
 
 
 @contextlib.contextmanager
-def browser(viewport: dict[str, int] | None = None) -> Iterator[Any]:
+def browser(width: int = 1600, height: int = 1000) -> Iterator[Any]:
     """Debian's chromium, headless, with a fresh profile; yields a playwright BrowserContext."""
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import ViewportSize, sync_playwright
 
+    viewport: ViewportSize = {"width": width, "height": height}
     with tempfile.TemporaryDirectory(prefix="robobus-chromium-") as profile, sync_playwright() as pw:
         ctx = pw.chromium.launch_persistent_context(
             profile, executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True,
-            viewport=viewport or {"width": 1600, "height": 1000})
+            viewport=viewport)
         try:
             yield ctx
         finally:

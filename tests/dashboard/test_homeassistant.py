@@ -20,8 +20,8 @@ import pytest
 from shared import __version__
 from shared.asyncapi import build_document
 from shared.dashboard.homeassistant import FieldCatalog, device_entities
-from shared.rpc import RpcClient, wait_for
 from shared.localbroker import REPO, Broker
+from shared.rpc import RpcClient, wait_for
 
 # What Home Assistant's MQTT discovery needs of every entity we publish (binary_sensor and sensor platforms).
 AVAILABILITY = {"type": "array", "minItems": 1, "items": {
