@@ -84,6 +84,7 @@ class NodeView {
     this.statusAt = retained && st.ts ? st.ts * 1000 : Date.now();
     if (st.service) this.setService(st.service);
     for (const d of st.devices || []) if (d !== "_node") this.device(d);
+    if (was !== st.online) this.row.dataset.changedAt = String(Date.now()); // when the page learned it
     if (was !== null && was !== st.online) {
       logLine(this.name, "", st.online ? "online" : "offline", st.online ? "" : st.reason || "", !st.online);
     }
@@ -470,6 +471,7 @@ function json(payload) { return JSON.parse(decodeText(payload)); }
 function route(topic, payload, ctype, retained, nowMs) {
   if (!topic.startsWith(`${root}/`)) return;
   const parts = topic.slice(root.length + 1).split("/");
+  if (parts[2] !== "state") dirtyNodes = true; // status, health, events: draw on the next tick
   if (parts.length === 2 && parts[1] === "status") { node(parts[0]).setStatus(json(payload), retained); return; }
   if (parts.length === 3 && parts[2] === "health") {
     if (payload.length === 0) return; // a cleared retained message
@@ -483,7 +485,7 @@ function route(topic, payload, ctype, retained, nowMs) {
   if (kind === "state") {
     if (payload.length === 0) return;
     const sv = dev.state(name);
-    if (sv.binary) sv.onImage(payload, ctype);
+    if (sv.binary) { sv.onImage(payload, ctype); imagesPending = true; }
     else { sv.pending = payload; pendingStates.add(sv); } // parsed on the next tick: the newest wins
   } else if (kind === "event") {
     const ev = json(payload);
@@ -509,6 +511,7 @@ const observer = new IntersectionObserver((entries) => {
 // JSON states are parsed at most once per tick (10 Hz), the newest message of each: a chart keeps one
 // sample per 100 ms anyway, so the joints' 100 Hz cost one parse in ten.
 const pendingStates = new Set();
+let imagesPending = false, dirtyNodes = true;
 function parsePending() {
   const t0 = performance.now();
   for (const sv of pendingStates) {
@@ -528,13 +531,19 @@ function parsePending() {
 }
 
 let lastText = 0, lastChart = 0, lastSecond = 0, frameRequested = false;
+let drawNeeded = true; // set by anything that changes what is on screen
 setInterval(() => {
-  parsePending();
-  if (!frameRequested) { frameRequested = true; requestAnimationFrame(frame); }
+  if (pendingStates.size) { parsePending(); drawNeeded = true; }
+  const now = performance.now();
+  const due = now - lastSecond >= 1000 || (drawNeeded && (now - lastText >= TEXT_EVERY_MS || now - lastChart >= CHART_EVERY_MS));
+  // no frame asked for when nothing changed: an idle page costs the compositor nothing
+  if (!frameRequested && (due || imagesPending || dirtyNodes)) { frameRequested = true; requestAnimationFrame(frame); }
 }, TICK_MS);
 
 function frame(now) {
   frameRequested = false;
+  imagesPending = false;
+  dirtyNodes = false;
   perf.draws++;
   const t0 = performance.now();
   const wallNow = t0;
@@ -542,7 +551,7 @@ function frame(now) {
   const charts = !text && now - lastChart >= CHART_EVERY_MS;
   const second = now - lastSecond >= 1000;
   if (text) lastText = now;
-  if (charts) lastChart = now;
+  if (charts) { lastChart = now; drawNeeded = false; }
   if (second) lastSecond = now;
   for (const n of nodes.values()) {
     if (n.dirty || second) n.render();
