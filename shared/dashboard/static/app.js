@@ -279,7 +279,7 @@ class StateView {
       // a canvas fed by createImageBitmap: the JPEG decodes off the main thread, and no blob: URL goes
       // through the page's resource loader ten times a second per robot
       this.img = el("canvas", { class: "image", role: "img", "aria-label": `${dev.name} ${name}`, "data-frames": "0",
-                                width: "320", height: "240" });
+                                width: "160", height: "120" }); // drawn 1:1, scaled by the compositor
       this.section.append(el("div", { class: "camera" }, this.img));
       this.pendingImage = null;
       this.decoding = false;
@@ -382,9 +382,11 @@ class StateView {
     this.pendingImage = null;
     this.decoding = true;
     createImageBitmap(blob).then((bmp) => {
-      const ctx = this.img.getContext("2d");
-      ctx.imageSmoothingEnabled = false;
-      ctx.drawImage(bmp, 0, 0, this.img.width, this.img.height);
+      if (this.img.width !== bmp.width || this.img.height !== bmp.height) {
+        this.img.width = bmp.width;
+        this.img.height = bmp.height;
+      }
+      this.img.getContext("2d").drawImage(bmp, 0, 0);
       this.img.dataset.width = String(bmp.width);
       this.img.dataset.height = String(bmp.height);
       bmp.close();

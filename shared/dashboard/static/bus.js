@@ -40,9 +40,12 @@ export class Bus {
     this.client = client;
     client.on("connect", () => {
       if (client !== this.client) return;
-      const subs = [`${root}/+/status`, `${root}/+/+/health`, `${root}/+/+/state/#`, `${root}/+/+/event/#`,
-                    this.replyTopic];
-      client.subscribe(subs, { qos: 1 }, (err) => {
+      // State at QoS 0: the newest value wins anyway, and a 100 Hz state at QoS 1 would cost a PUBACK per
+      // message from the browser. Liveness, health, events and replies at QoS 1.
+      const subs = { [`${root}/+/status`]: { qos: 1 }, [`${root}/+/+/health`]: { qos: 1 },
+                     [`${root}/+/+/state/#`]: { qos: 0 }, [`${root}/+/+/event/#`]: { qos: 1 },
+                     [this.replyTopic]: { qos: 1 } };
+      client.subscribe(subs, (err) => {
         if (err) this.onState("error", `subscribe failed: ${err.message}`);
         else this.onState("connected", url);
       });
