@@ -485,9 +485,12 @@ class Flasher:
                                                  "the bootloader, then RESET again"))
             self._enter(Phase.REENTER, now)
         elif ph is Phase.REENTER:
-            self._finish(False, f"{self._resume.value} failed: RESET was not acknowledged and the board does not "
-                                f"answer the magic packet ({failure.reason}). The image was written and verified; "
-                                "the board is either running it (and it is not bootloader-aware) or not powered",
+            # say what was observed, no guess: a board still in its bootloader whose every answer is lost
+            # looks exactly like one running a firmware that ignores the bootloader, or an unpowered one
+            self._finish(False, f"{self._resume.value} failed: no answer from board {self.local_id} since the image "
+                                f"was written and verified: RESET and the magic packets sent after it were not "
+                                f"acknowledged ({failure.reason}). Check the "
+                                "board's power and bus; reflash to be sure the new image runs",
                          address=None)
         elif ph is Phase.CHECK:
             msg = ("the new firmware did not answer the magic packet after the reset: it is NOT bootloader-aware, "
