@@ -93,21 +93,25 @@ def _handler(app: DashboardApp) -> type[BaseHTTPRequestHandler]:
         server_version = "robobus-dashboard"
 
         def do_GET(self) -> None:
+            self._answer(body=True)
+
+        def do_HEAD(self) -> None:
+            self._answer(body=False)
+
+        def _answer(self, body: bool) -> None:
             hit = app.get(self.path)
             if hit is None:
                 self.send_error(HTTPStatus.NOT_FOUND, "not part of the dashboard")
                 return
-            ctype, body = hit
+            ctype, data = hit
             self.send_response(HTTPStatus.OK)
             self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(data)))
             self.send_header("Cache-Control", "no-cache")
             self.send_header("X-Content-Type-Options", "nosniff")
             self.end_headers()
-            self.wfile.write(body)
-
-        def do_HEAD(self) -> None:
-            self.do_GET()
+            if body:
+                self.wfile.write(data)
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)

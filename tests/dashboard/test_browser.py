@@ -237,6 +237,20 @@ def test_cancel_button_cancels_a_running_job(page: Any) -> None:
         raise AssertionError(f"{job.get_attribute('data-state')}: {job.inner_text()}") from exc
 
 
+def test_garbage_on_the_bus_is_counted_not_fatal(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    _, client = stack
+    before = int(page.evaluate("() => window.__robobusPerf.bad"))
+    client.session.publish("robobus/epuck-gateway/epuck1/state/link", b"\xff{not json", qos=1)
+    client.session.publish("robobus/epuck-gateway/epuck1/event/fault", b"[1, 2", qos=1)
+    page.wait_for_function("n => window.__robobusPerf.bad >= n + 2", arg=before, timeout=T)
+    page.wait_for_selector("#event-log li.fault:has-text('bad message')", state="attached", timeout=T)
+    assert "bad messages" in page.inner_text("#perf") or page.evaluate("() => window.__robobusPerf.bad") >= 2
+    # the page goes on: the device's next real link stats still arrive
+    key = ["epuck-gateway", "epuck1", "link", "packets_per_s"]
+    n = _samples(page, key)
+    page.wait_for_function(f"n => ({SAMPLES_JS})({json.dumps(key)}) > n", arg=n, timeout=T)
+
+
 def test_browser_side_load_figures(page: Any) -> None:
     """The page's own counters under the full simulated stack (the benchmark, bench/dashboard.py, runs
     longer and compares with the targets); here: the figures exist and the page keeps drawing."""
