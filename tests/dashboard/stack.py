@@ -337,5 +337,5 @@ def measure_page(page: Any, seconds: float, fps_probe: bool = True) -> dict[str,
         "renderer_main_thread_split_pct": split,
         "browser_cpu_pct_all_processes": round((cb - ca) / wall * 100, 1),
         "browser_cpu_pct_by_process": {k: round((kb[k] - ka.get(k, 0.0)) / wall * 100, 1) for k in sorted(kb)},
-        "bad_messages": b["bad"],
+        "bad_messages": b["bad"] - a["bad"],
     }
