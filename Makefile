@@ -5,6 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NODEV  := tests/contract/asyncapi-validate
+DASH   := shared/dashboard
 PYTEST_ARGS ?=
 
 .PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak clean help
@@ -18,7 +19,7 @@ help:
 	@echo "make chaos   faults against the whole simulated system + a 3-minute soak (table of invariants)"
 	@echo "make soak    the 30-minute soak of the whole simulated system (RSS, CPU, threads per process)"
 
-setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed
+setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(DASH)/node_modules/.installed
 
 # Debian packages: mosquitto (broker), its clients, iproute2 (netns/veth for the EtherCAT tests),
 # rt-tests (cyclictest, the realtime anchor of bench/ethercat_cycle.py), nodejs/npm (AsyncAPI parser).
@@ -33,6 +34,11 @@ $(STAMP): pyproject.toml
 
 $(NODEV)/node_modules/.installed: $(NODEV)/package.json $(NODEV)/package-lock.json
 	cd $(NODEV) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# The dashboard's browser libraries (mqtt.js, Ajv), served as shipped by `robobus dashboard`.
+$(DASH)/node_modules/.installed: $(DASH)/package.json $(DASH)/package-lock.json
+	cd $(DASH) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 run: setup
@@ -73,4 +79,4 @@ bench-quick:
 	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick
 
 clean:
-	rm -rf $(VENV) $(NODEV)/node_modules .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(NODEV)/node_modules $(DASH)/node_modules .pytest_cache .mypy_cache .ruff_cache

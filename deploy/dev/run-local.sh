@@ -16,4 +16,6 @@ else
     exit 1
   fi
 fi
+# Home Assistant discovery only on request: it publishes retained configs other tools would see.
+[ "${ROBOBUS_HOMEASSISTANT:-false}" = true ] || procs=$(echo "$procs" | grep -vx homeassistant)
 exec honcho -f "$procfile" -d . start $(echo $procs)

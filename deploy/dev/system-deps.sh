@@ -11,6 +11,7 @@ command -v npm >/dev/null 2>&1 || need+=(npm)
 # epuck-gateway's firmware update drives gdb-multiarch; its tests build a Cortex-M4 ELF with binutils.
 command -v gdb-multiarch >/dev/null 2>&1 || need+=(gdb-multiarch)
 command -v arm-none-eabi-as >/dev/null 2>&1 || need+=(binutils-arm-none-eabi)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)   # the dashboard's browser tests (headless)
 [ ${#need[@]} -eq 0 ] && exit 0
 echo "robobus: installing Debian packages: ${need[*]}"
 SUDO=""

@@ -28,7 +28,9 @@ from shared.rpc import RpcClient
 from shared.settings import KitSettings
 
 PROCFILE = REPO / "deploy" / "Procfile.sim"
-NOT_PROCESSES = {"broker", "banner"}  # the harness runs its own broker; the banner only prints
+# the harness runs its own broker; the banner only prints; the dashboard is an HTTP server on a fixed port
+# for browsers (tests/dashboard has its own stack); Home Assistant discovery runs only on request
+NOT_PROCESSES = {"broker", "banner", "dashboard", "homeassistant"}
 _LINE = re.compile(r"^([A-Za-z0-9_-]+):\s*(.+)$")
 
 

@@ -1,0 +1,63 @@
+"""`robobus dashboard`: serve the browser dashboard (registered under the `robobus.cli` entry point).
+
+    robobus dashboard                                   http://127.0.0.1:8080/, broker ws://<page host>:9001
+    robobus dashboard --port 8090 --ws-url ws://broker.lab:9001 --root site1/robobus
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Annotated, Any
+
+import typer
+from pydantic import Field
+
+from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig
+from shared.settings import KitSettings, load_settings
+
+
+class DashboardSettings(KitSettings):
+    """ROBOBUS_DASHBOARD_* (the kit's topic_root is the page's default root)."""
+
+    dashboard_host: str = Field("127.0.0.1", description="Address the HTTP server binds")
+    dashboard_port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = any free port)")
+    dashboard_ws_url: str = Field("", description="Broker websockets URL the page starts with; "
+                                                  "empty = ws://<the page's host>:9001")
+    dashboard_username: str = Field("", description="User name the connect form starts with (never a password)")
+
+
+def dashboard(
+    host: Annotated[str | None, typer.Option(help="Bind address (ROBOBUS_DASHBOARD_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port (ROBOBUS_DASHBOARD_PORT, default 8080)")] = None,
+    ws_url: Annotated[str | None, typer.Option("--ws-url", help="Broker websockets URL for the page "
+                                                                 "(ROBOBUS_DASHBOARD_WS_URL)")] = None,
+    root: Annotated[str | None, typer.Option(help="Topic root (ROBOBUS_TOPIC_ROOT)")] = None,
+) -> None:
+    """Serve the browser dashboard: every node and device, live state, commands, jobs, events."""
+    from shared.asyncapi import build_document
+
+    overrides: dict[str, Any] = {k: v for k, v in (("dashboard_host", host), ("dashboard_port", port),
+                                                   ("dashboard_ws_url", ws_url), ("topic_root", root))
+                                 if v is not None}
+    s = load_settings(DashboardSettings, **overrides)
+    try:
+        server = DashboardServer(build_document(),
+                                 PageConfig(ws_url=s.dashboard_ws_url, topic_root=s.topic_root,
+                                            username=s.dashboard_username),
+                                 s.dashboard_host, s.dashboard_port)
+    except MissingAssets as exc:
+        print(f"robobus: {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    except OSError as exc:
+        print(f"robobus: cannot serve on {s.dashboard_host}:{s.dashboard_port}: {exc.strerror}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    print(f"robobus dashboard: {server.url} (broker {s.dashboard_ws_url or 'ws://<this host>:9001'}, "
+          f"root {s.topic_root})", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    stop.wait()
+    server.stop()

@@ -1,0 +1,628 @@
+// robobus dashboard: every node and device on the bus, from the retained status and health topics, live
+// state as charts and values, camera images, a form for every command, jobs and an event log.
+// Messages only update the model; the DOM is drawn on animation frames at a few Hz per kind of content,
+// so a 100 Hz state costs a JSON.parse and a few array writes, not a layout.
+import { Bus, decodeText } from "./bus.js";
+import { Contract } from "./contract.js";
+import { buildCommandForm } from "./forms.js";
+import { Series, drawSparkline, formatValue } from "./charts.js";
+
+// The page draws on a timer, not on every display frame: nothing on it needs more than the camera's 10 fps,
+// and a chart moves one pixel per 0.46 s (60 s over 130 px). Values and charts alternate between frames.
+const TICK_MS = 100;         // camera frames, health and status changes
+const TEXT_EVERY_MS = 500;   // values, captions
+const CHART_EVERY_MS = 500;  // sparklines
+const CHARTS_PER_STATE = 32;
+const VALUES_PER_STATE = 40;
+const LOG_LINES = 300;
+const NOT_CHARTED = /(^|\.)(ts|seq|session|cycle)$|raw/i;
+const TIME_FIELD = /(^|\.|_)ts$/;
+
+const $ = (sel, root = document) => root.querySelector(sel);
+
+function el(tag, attrs = {}, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === "text") e.textContent = v; else e.setAttribute(k, v);
+  }
+  for (const c of children) if (c !== null && c !== undefined) e.append(c);
+  return e;
+}
+
+// -- page-side counters (the benchmark reads window.__robobusPerf) ------------------------------------------
+// frames: display frames counted by the fps probe (off unless asked: ?fps=1 or __robobusProbe(true));
+// draws: the page's own drawing passes
+const perf = { frames: 0, draws: 0, msgs: 0, msgMs: 0, renderMs: 0, bad: 0, since: performance.now() };
+window.__robobusPerf = perf;
+const shown = { frames: 0, msgs: 0, msgMs: 0, renderMs: 0, at: performance.now() };
+let probing = false;
+function probe() { perf.frames++; if (probing) requestAnimationFrame(probe); }
+window.__robobusProbe = (on) => { const was = probing; probing = on; if (on && !was) requestAnimationFrame(probe); };
+
+// -- the model ----------------------------------------------------------------------------------------------
+let contract = null;
+let bus = null;
+let root = "robobus";
+const nodes = new Map();
+window.__robobus = { nodes };
+
+function since(ms) {
+  const s = Math.max(0, (Date.now() - ms) / 1000);
+  if (s < 90) return `${s.toFixed(0)} s`;
+  if (s < 5400) return `${(s / 60).toFixed(0)} min`;
+  return `${(s / 3600).toFixed(1)} h`;
+}
+
+function clock(ms) {
+  const d = new Date(ms);
+  return `${d.toLocaleTimeString([], { hour12: false })}.${String(d.getMilliseconds()).padStart(3, "0")}`;
+}
+
+class NodeView {
+  constructor(name) {
+    this.name = name;
+    this.status = null;
+    this.statusAt = 0;
+    this.service = "";
+    this.stats = null;
+    this.devices = new Map();
+    this.row = el("tr", { class: "node", "data-node": name, "data-status": "unknown" });
+    this.cells = ["name", "service", "status", "devices", "counters"].map((k) => el("td", { class: k }));
+    this.cells[0].textContent = name;
+    this.row.append(...this.cells);
+    insertSorted($("#nodes tbody"), this.row, name, "node");
+    $("#no-nodes").hidden = true;
+    this.dirty = true;
+  }
+
+  get online() { return this.status ? this.status.online : null; }
+
+  setStatus(st, retained) {
+    const was = this.online;
+    this.status = st;
+    this.statusAt = retained && st.ts ? st.ts * 1000 : Date.now();
+    if (st.service) this.setService(st.service);
+    for (const d of st.devices || []) if (d !== "_node") this.device(d);
+    if (was !== st.online) this.row.dataset.changedAt = String(Date.now()); // when the page learned it
+    if (was !== null && was !== st.online) {
+      logLine(this.name, "", st.online ? "online" : "offline", st.online ? "" : st.reason || "", !st.online);
+    }
+    this.dirty = true;
+    for (const d of this.devices.values()) d.dirty = true;
+  }
+
+  setService(svc) {
+    if (this.service === svc) return;
+    this.service = svc;
+    for (const d of this.devices.values()) d.attachService(svc);
+    this.dirty = true;
+  }
+
+  device(name) {
+    let d = this.devices.get(name);
+    if (!d) {
+      d = new DeviceView(this, name);
+      this.devices.set(name, d);
+      if (this.service) d.attachService(this.service);
+      this.dirty = true;
+    }
+    return d;
+  }
+
+  render() {
+    const st = this.status;
+    const state = st ? (st.online ? "online" : "offline") : "unknown";
+    this.row.dataset.status = state;
+    this.cells[1].textContent = this.service;
+    const badge = el("span", { class: `badge ${state === "online" ? "ok" : state === "offline" ? "bad" : "off"}`,
+                               text: state === "online" ? "online" : state === "offline" ? "OFFLINE" : "?" });
+    const sinceText = st ? (st.online ? `for ${since(this.statusAt)}` : `for ${since(this.statusAt)}${st.reason ? ` — ${st.reason}` : ""}`) : "";
+    this.cells[2].replaceChildren(badge, el("span", { class: "since", text: sinceText }));
+    this.cells[3].replaceChildren(...[...this.devices.values()].map((d) => {
+      const [cls, text, color] = d.healthClass();
+      return el("span", { class: "chip", "data-device": d.name, "data-health": cls },
+                el("span", { class: `badge ${color}`, text }), ` ${d.name}`);
+    }));
+    const s = this.stats;
+    if (s) {
+      const failed = Object.values(s.commands_failed || {}).reduce((a, b) => a + b, 0);
+      this.cells[4].textContent = `commands ok ${s.commands_ok}, failed ${failed} · decode errors ${s.decode_errors}` +
+        ` · jobs ${s.jobs_running} · reconnects ${s.reconnects}`;
+    }
+    this.dirty = false;
+  }
+}
+
+function insertSorted(parent, node, key, attr) {
+  for (const c of parent.children) {
+    if (c.dataset[attr] > key) { parent.insertBefore(node, c); return; }
+  }
+  parent.append(node);
+}
+
+class DeviceView {
+  constructor(nodeView, name) {
+    this.nodeView = nodeView;
+    this.name = name;
+    this.health = null;
+    this.states = new Map();
+    this.jobs = new Map();
+    this.service = "";
+    this.dirty = true;
+    const key = `${nodeView.name}/${name}`;
+    this.badge = el("span", { class: "badge off", text: "?" });
+    this.healthLine = el("p", { class: "health-line" });
+    this.errorLine = el("p", { class: "error-message", role: "alert" });
+    this.detailsPre = el("pre", { class: "json" });
+    this.statesBox = el("div", { class: "states" });
+    this.jobsBox = el("div", { class: "jobs" });
+    this.commandsBox = el("details", { class: "commands" }, el("summary", { text: "commands" }));
+    this.card = el("article", { class: "device", "data-node": nodeView.name, "data-device": name, "data-key": key,
+                                "data-health": "unknown" },
+      el("header", {}, el("h3", { text: name }), el("span", { class: "where", text: nodeView.name }), this.badge),
+      this.healthLine, this.errorLine,
+      el("details", { class: "health-details" }, el("summary", { text: "health details" }), this.detailsPre),
+      this.statesBox, this.jobsBox, this.commandsBox);
+    insertSorted($("#devices"), this.card, key, "key");
+    observer.observe(this.card);
+    this.visible = true;
+  }
+
+  healthClass() {
+    if (this.nodeView.online === false) return ["offline", "OFFLINE", "off"];
+    const h = this.health;
+    if (!h) return ["unknown", "NO HEALTH", "off"];
+    if (h.error) return ["error", "ERROR", "bad"];
+    if (!h.connection) return ["error", "NOT CONNECTED", "bad"];
+    if (!h.operational) return ["warn", "NOT OPERATIONAL", "warn"];
+    return ["ok", "OK", "ok"];
+  }
+
+  setHealth(h) {
+    this.health = h;
+    if (h.service) this.nodeView.setService(h.service);
+    this.dirty = true;
+    this.nodeView.dirty = true;
+  }
+
+  attachService(svc) {
+    if (this.service === svc || !contract) return;
+    this.service = svc;
+    const api = contract.services.get(svc);
+    if (!api) { this.commandsBox.append(el("p", { class: "hint", text: `service ${svc} is not in this AsyncAPI document` })); return; }
+    $("summary", this.commandsBox).textContent = `commands (${api.commands.size})`;
+    for (const [name, entry] of [...api.commands.entries()].sort()) {
+      const cmd = el("details", { class: "command", "data-command": name },
+        el("summary", {}, el("b", { text: name }), entry.doc));
+      cmd.append(buildCommandForm(contract, entry,
+        (body) => bus.call(this.nodeView.name, this.name, name, body),
+        (body, rep) => {
+          if (entry.job && rep.ok && rep.result && rep.result.job_id) this.job(rep.result.job_id, name);
+        }));
+      this.commandsBox.append(cmd);
+    }
+  }
+
+  state(name) {
+    let s = this.states.get(name);
+    if (!s) {
+      const api = contract && contract.services.get(this.service);
+      s = new StateView(this, name, api ? api.states.get(name) : null);
+      this.states.set(name, s);
+    }
+    return s;
+  }
+
+  job(id, command) {
+    let j = this.jobs.get(id);
+    if (!j) { j = new JobView(this, id, command); this.jobs.set(id, j); }
+    return j;
+  }
+
+  render() {
+    const [cls, text, color] = this.healthClass();
+    this.card.dataset.health = cls;
+    this.badge.className = `badge ${color}`;
+    this.badge.textContent = text;
+    const h = this.health;
+    if (h) {
+      const yn = (v) => (v ? "yes" : "NO");
+      this.healthLine.textContent = `connection ${yn(h.connection)} · operational ${yn(h.operational)} · state ${h.state}` +
+        ` · ${h.service} ${h.version} · ${clock(h.ts * 1000)}`;
+      this.errorLine.textContent = h.error || h.error_message ? h.error_message || "error" : "";
+      this.detailsPre.textContent = JSON.stringify(h.details || {}, null, 1);
+    }
+    if (this.nodeView.online === false) {
+      const st = this.nodeView.status;
+      this.errorLine.textContent = `node offline${st && st.reason ? `: ${st.reason}` : ""}`;
+    }
+    this.dirty = false;
+  }
+}
+
+// flatten a state message into [path, value] leaves; arrays of named objects are keyed by name
+function flatten(v, path, out) {
+  if (v === null || typeof v !== "object") { out.push([path, v]); return; }
+  if (Array.isArray(v)) {
+    if (v.length > 64) { out.push([path, `[${v.length} items]`]); return; }
+    v.forEach((x, i) => {
+      const seg = x && typeof x === "object" && typeof x.name === "string" ? x.name : String(i);
+      flatten(x, path ? `${path}.${seg}` : seg, out);
+    });
+    return;
+  }
+  for (const [k, x] of Object.entries(v)) {
+    if (k === "name" && typeof x === "string" && path) continue; // already the path segment
+    flatten(x, path ? `${path}.${k}` : k, out);
+  }
+}
+
+class StateView {
+  constructor(dev, name, entry) {
+    this.dev = dev;
+    this.name = name;
+    this.entry = entry;
+    this.binary = !!entry && !entry.contentType.startsWith("application/json");
+    this.series = new Map();
+    this.charts = new Map();
+    this.values = new Map();
+    this.firstSeen = new Map();
+    this.hiddenValues = 0;
+    this.latest = null;
+    this.textDirty = false;
+    this.count = 0;
+    const title = el("summary", {}, el("h4", { text: name }, entry ? el("small", { text: ` ${entry.doc}` }) : null));
+    // <details>: a person folds what they do not watch, and folded states are not drawn
+    this.section = el("details", { class: "state", "data-state": name, open: "" }, title);
+    if (this.binary) {
+      // a canvas fed by createImageBitmap: the JPEG decodes off the main thread, and no blob: URL goes
+      // through the page's resource loader ten times a second per robot
+      this.img = el("canvas", { class: "image", role: "img", "aria-label": `${dev.name} ${name}`, "data-frames": "0",
+                                width: "160", height: "120" }); // drawn 1:1, scaled by the compositor
+      this.section.append(el("div", { class: "camera" }, this.img));
+      this.pendingImage = null;
+      this.decoding = false;
+      this.frames = 0;
+    } else {
+      this.chartsBox = el("div", { class: "charts" });
+      this.valuesBox = el("dl", { class: "values" });
+      this.valuesTitle = el("summary", { text: "values" });
+      // open while the state has no charts; beside charts, the other fields fold away
+      this.valuesFold = el("details", { class: "values", open: "" }, this.valuesTitle, this.valuesBox);
+      this.more = el("div", { class: "more" });
+      this.raw = el("pre", { class: "json" });
+      this.rawBox = el("details", { class: "raw" }, el("summary", { text: "message" }), this.raw);
+      this.section.append(this.chartsBox, this.valuesFold, this.more, this.rawBox);
+    }
+    // binary (camera) first, then states by name
+    const after = [...dev.statesBox.children].find((c) => !c.querySelector(".image") && (this.binary || c.dataset.state > name));
+    dev.statesBox.insertBefore(this.section, after || null);
+  }
+
+  onJson(data, nowMs) {
+    this.latest = data;
+    this.count++;
+    const leaves = [];
+    flatten(data, "", leaves);
+    for (const [path, v] of leaves) {
+      const numeric = typeof v === "number" && Number.isFinite(v);
+      let s = this.series.get(path);
+      if (!s && numeric && !NOT_CHARTED.test(path) && this.charts.size < CHARTS_PER_STATE) {
+        // Measurements (floats) chart at once; an integer charts once it has changed, so ids, ports and
+        // sizes stay plain values and counters and steps get their charts.
+        const first = this.firstSeen.get(path);
+        if (!Number.isInteger(v) || (first !== undefined && first !== v)) {
+          s = new Series();
+          this.series.set(path, s);
+          this.addChart(path);
+          this.firstSeen.delete(path);
+        } else if (first === undefined) this.firstSeen.set(path, v);
+      }
+      if (s) { if (numeric) s.push(nowMs, v); continue; }
+      if (!this.values.has(path)) this.addValue(path);
+      const dd = this.values.get(path);
+      if (dd) dd.pending = v;
+    }
+    this.textDirty = true;
+  }
+
+  addChart(path) {
+    const canvas = el("canvas", { width: "130", height: "30" });
+    const value = el("b");
+    const label = path.startsWith(`${this.name}.`) ? path.slice(this.name.length + 1) : path;
+    const fig = el("figure", { class: "spark", "data-path": path, "data-samples": "0" },
+      el("figcaption", {}, el("span", { text: label, title: path }), value), canvas);
+    if (this.charts.size === 0) this.valuesFold.open = false;
+    this.chartsBox.append(fig);
+    const dd = this.values.get(path);
+    if (dd) { dd.previousElementSibling.remove(); dd.remove(); this.values.delete(path); }
+    this.charts.set(path, { fig, canvas, value });
+  }
+
+  addValue(path) {
+    if (this.values.size >= VALUES_PER_STATE) { this.values.set(path, null); this.hiddenValues++; return; }
+    const dd = el("dd", { "data-path": path });
+    this.valuesBox.append(el("dt", { text: path }), dd);
+    this.values.set(path, dd);
+  }
+
+  onImage(bytes, ctype) {
+    this.pendingImage = new Blob([bytes], { type: ctype || this.entry.contentType });
+    this.count++;
+  }
+
+  renderText() {
+    if (!this.textDirty) return;
+    for (const [path, c] of this.charts) c.value.textContent = formatValue(this.series.get(path).last);
+    for (const dd of this.values.values()) {
+      if (dd && dd.pending !== undefined) {
+        const v = dd.pending;
+        dd.textContent = TIME_FIELD.test(dd.dataset.path) && typeof v === "number" && v > 1e9 ? clock(v * 1000) : formatValue(v);
+        dd.pending = undefined;
+      }
+    }
+    this.more.textContent = this.hiddenValues ? `+${this.hiddenValues} more fields (see message)` : "";
+    this.valuesTitle.textContent = this.charts.size ? `other fields (${this.values.size})` : "values";
+    if (this.rawBox.open) this.raw.textContent = JSON.stringify(this.latest, null, 1);
+    this.textDirty = false;
+  }
+
+  renderCharts(nowMs) {
+    for (const [path, c] of this.charts) {
+      const s = this.series.get(path);
+      drawSparkline(c.canvas, s, nowMs);
+      c.fig.dataset.samples = String(s.count);
+    }
+  }
+
+  renderImage() {
+    if (!this.pendingImage || this.decoding) return;
+    const blob = this.pendingImage;
+    this.pendingImage = null;
+    this.decoding = true;
+    createImageBitmap(blob).then((bmp) => {
+      if (this.img.width !== bmp.width || this.img.height !== bmp.height) {
+        this.img.width = bmp.width;
+        this.img.height = bmp.height;
+      }
+      this.img.getContext("2d").drawImage(bmp, 0, 0);
+      this.img.dataset.width = String(bmp.width);
+      this.img.dataset.height = String(bmp.height);
+      bmp.close();
+      this.frames++;
+      this.img.dataset.frames = String(this.frames);
+    }).catch((e) => {
+      perf.bad++;
+      this.img.dataset.error = `not an image: ${e.message}`;
+    }).finally(() => { this.decoding = false; });
+  }
+}
+
+class JobView {
+  constructor(dev, id, command) {
+    this.dev = dev;
+    this.id = id;
+    this.bar = el("progress", { max: "1", value: "0" });
+    this.label = el("span", { class: "label", text: `${command} ${id}` });
+    this.result = el("div", { class: "result" });
+    this.cancel = el("button", { type: "button", text: "cancel" });
+    this.cancel.addEventListener("click", async () => {
+      this.cancel.disabled = true;
+      const rep = await bus.call(dev.nodeView.name, dev.name, "cancel", { job_id: id });
+      if (!rep.ok) { this.result.textContent = `cancel: ${rep.error.code}: ${rep.error.message}`; this.cancel.disabled = false; }
+    });
+    this.box = el("div", { class: "job", "data-job-id": id, "data-state": "running" },
+                  this.label, this.bar, this.cancel, this.result);
+    dev.jobsBox.prepend(this.box);
+    while (dev.jobsBox.children.length > 8) dev.jobsBox.lastElementChild.remove();
+  }
+
+  progress(ev) {
+    if (this.box.dataset.state !== "running") return;
+    const total = ev.total || 0;
+    if (total > 0) { this.bar.max = total; this.bar.value = Math.min(ev.done, total); }
+    else this.bar.removeAttribute("value");
+    const pct = total > 0 ? ` ${((100 * ev.done) / total).toFixed(0)} %` : "";
+    this.label.textContent = `${ev.command} · ${ev.phase}${pct}`;
+    this.box.dataset.phase = ev.phase;
+  }
+
+  finish(ev) {
+    const st = ev.cancelled ? "cancelled" : ev.ok ? "ok" : "failed";
+    this.box.dataset.state = st;
+    this.cancel.remove();
+    if (ev.ok) { this.bar.max = 1; this.bar.value = 1; }
+    const what = ev.ok ? `done in ${ev.duration_s.toFixed(1)} s` : ev.cancelled ? "cancelled"
+      : `failed: ${ev.error ? `${ev.error.code}: ${ev.error.message}` : "no reason given"}`;
+    this.label.textContent = `${ev.command} · ${st}`;
+    this.result.textContent = `${what}${ev.result ? ` — ${JSON.stringify(ev.result).slice(0, 300)}` : ""}`;
+  }
+}
+
+// -- event log ---------------------------------------------------------------------------------------------
+function logLine(node, device, name, text, alarm = false) {
+  const li = el("li", { class: alarm ? "fault" : "", "data-event": name },
+    el("time", { text: clock(Date.now()) }), el("b", { text: device ? `${node}/${device}` : node }), ` ${name} `, text);
+  const log = $("#event-log");
+  log.prepend(li);
+  while (log.children.length > LOG_LINES) log.lastElementChild.remove();
+}
+
+// -- message routing ---------------------------------------------------------------------------------------
+function node(name) {
+  let n = nodes.get(name);
+  if (!n) { n = new NodeView(name); nodes.set(name, n); }
+  return n;
+}
+
+function onMessage(topic, payload, ctype, retained) {
+  const t0 = performance.now();
+  perf.msgs++;
+  try {
+    route(topic, payload, ctype, retained, t0);
+  } catch (e) {
+    perf.bad++;
+    if (perf.bad <= 20 || perf.bad % 1000 === 0) logLine(topic, "", "bad message", `${e.message} (${perf.bad} so far)`, true);
+  }
+  perf.msgMs += performance.now() - t0;
+}
+
+function json(payload) { return JSON.parse(decodeText(payload)); }
+
+function route(topic, payload, ctype, retained, nowMs) {
+  if (!topic.startsWith(`${root}/`)) return;
+  const parts = topic.slice(root.length + 1).split("/");
+  if (parts[2] !== "state") dirtyNodes = true; // status, health, events: draw on the next tick
+  if (parts.length === 2 && parts[1] === "status") { node(parts[0]).setStatus(json(payload), retained); return; }
+  if (parts.length === 3 && parts[2] === "health") {
+    if (payload.length === 0) return; // a cleared retained message
+    node(parts[0]).device(parts[1]).setHealth(json(payload));
+    return;
+  }
+  if (parts.length !== 4) return;
+  const [n, d, kind, name] = parts;
+  if (d === "_node") { if (kind === "state" && name === "stats") { const nv = node(n); nv.stats = json(payload); nv.dirty = true; } return; }
+  const dev = node(n).device(d);
+  if (kind === "state") {
+    if (payload.length === 0) return;
+    const sv = dev.state(name);
+    if (sv.binary) { sv.onImage(payload, ctype); imagesPending = true; }
+    else { sv.pending = payload; pendingStates.add(sv); } // parsed on the next tick: the newest wins
+  } else if (kind === "event") {
+    const ev = json(payload);
+    if (name === "job_progress") { dev.job(ev.job_id, ev.command).progress(ev); return; }
+    if (name === "job_result") {
+      dev.job(ev.job_id, ev.command).finish(ev);
+      logLine(n, d, "job_result", `${ev.command} ${ev.ok ? "ok" : ev.cancelled ? "cancelled" : "failed"}` +
+        (ev.error ? `: ${ev.error.message}` : ""), !ev.ok);
+      return;
+    }
+    const alarm = /fault|stop|error/i.test(name) || ev.ok === false;
+    logLine(n, d, name, JSON.stringify(ev).slice(0, 240), alarm);
+  }
+}
+
+// -- drawing -----------------------------------------------------------------------------------------------
+const observer = new IntersectionObserver((entries) => {
+  for (const e of entries) {
+    for (const n of nodes.values()) for (const d of n.devices.values()) if (d.card === e.target) d.visible = e.isIntersecting;
+  }
+});
+
+// JSON states are parsed at most once per tick (10 Hz), the newest message of each: a chart keeps one
+// sample per 100 ms anyway, so the joints' 100 Hz cost one parse in ten.
+const pendingStates = new Set();
+let imagesPending = false, dirtyNodes = true;
+function parsePending() {
+  const t0 = performance.now();
+  for (const sv of pendingStates) {
+    const payload = sv.pending;
+    sv.pending = null;
+    try {
+      sv.onJson(json(payload), t0);
+    } catch (e) {
+      perf.bad++;
+      if (perf.bad <= 20 || perf.bad % 1000 === 0) {
+        logLine(sv.dev.nodeView.name, sv.dev.name, `state/${sv.name}`, `bad message: ${e.message} (${perf.bad} so far)`, true);
+      }
+    }
+  }
+  pendingStates.clear();
+  perf.msgMs += performance.now() - t0;
+}
+
+let lastText = 0, lastChart = 0, lastSecond = 0, frameRequested = false;
+let drawNeeded = true; // set by anything that changes what is on screen
+setInterval(() => {
+  if (pendingStates.size) { parsePending(); drawNeeded = true; }
+  const now = performance.now();
+  const due = now - lastSecond >= 1000 || (drawNeeded && (now - lastText >= TEXT_EVERY_MS || now - lastChart >= CHART_EVERY_MS));
+  // no frame asked for when nothing changed: an idle page costs the compositor nothing
+  if (!frameRequested && (due || imagesPending || dirtyNodes)) { frameRequested = true; requestAnimationFrame(frame); }
+}, TICK_MS);
+
+function frame(now) {
+  frameRequested = false;
+  imagesPending = false;
+  dirtyNodes = false;
+  perf.draws++;
+  const t0 = performance.now();
+  const wallNow = t0;
+  const text = now - lastText >= TEXT_EVERY_MS;
+  const charts = !text && now - lastChart >= CHART_EVERY_MS;
+  const second = now - lastSecond >= 1000;
+  if (text) lastText = now;
+  if (charts) { lastChart = now; drawNeeded = false; }
+  if (second) lastSecond = now;
+  for (const n of nodes.values()) {
+    if (n.dirty || second) n.render();
+    for (const d of n.devices.values()) {
+      if (d.dirty) d.render();
+      for (const s of d.states.values()) {
+        if (!d.visible || !s.section.open) continue;
+        if (s.binary) { s.renderImage(); continue; }
+        if (text) s.renderText();
+        if (charts) s.renderCharts(wallNow);
+      }
+    }
+  }
+  if (second) showPerf(now);
+  perf.renderMs += performance.now() - t0;
+}
+
+function showPerf(now) {
+  const dt = (now - shown.at) / 1000;
+  if (dt <= 0) return;
+  const fps = (perf.frames - shown.frames) / dt, mps = (perf.msgs - shown.msgs) / dt;
+  const busy = (perf.msgMs - shown.msgMs) / (dt * 10), drawing = (perf.renderMs - shown.renderMs) / (dt * 10);
+  $("#perf").textContent = `${probing ? `${fps.toFixed(0)} fps · ` : ""}${mps.toFixed(0)} msg/s · ` +
+    `messages ${busy.toFixed(1)} % · drawing ${drawing.toFixed(1)} % of a core` +
+    (perf.bad ? ` · ${perf.bad} bad messages` : "");
+  Object.assign(shown, { frames: perf.frames, msgs: perf.msgs, msgMs: perf.msgMs, renderMs: perf.renderMs, at: now });
+}
+
+// -- connecting --------------------------------------------------------------------------------------------
+function setConn(state, detail) {
+  const b = $("#conn");
+  b.dataset.state = state;
+  b.className = `badge ${state === "connected" ? "ok" : state === "error" ? "bad" : state === "connecting" ? "warn" : "off"}`;
+  b.textContent = state === "connected" ? `connected` : `${state}${detail ? `: ${detail}` : ""}`;
+  b.title = detail || "";
+  if (state === "error" || state === "disconnected") logLine("broker", "", state, detail || "", true);
+}
+
+function resetModel() {
+  for (const n of nodes.values()) { n.row.remove(); for (const d of n.devices.values()) { observer.unobserve(d.card); d.card.remove(); } }
+  nodes.clear();
+  $("#no-nodes").hidden = false;
+}
+
+function connect(form) {
+  const url = form.url.value.trim();
+  const newRoot = form.root.value.trim() || "robobus";
+  localStorage.setItem("robobus.dashboard", JSON.stringify({ url, root: newRoot, username: form.username.value }));
+  resetModel();
+  root = newRoot;
+  bus.connect({ url, root, username: form.username.value, password: form.password.value });
+}
+
+async function main() {
+  const [doc, cfg] = await Promise.all([fetch("/api/asyncapi.json").then((r) => r.json()),
+                                        fetch("/api/config.json").then((r) => r.json())]);
+  contract = new Contract(doc);
+  document.title = cfg.title || "robobus";
+  bus = new Bus({ onMessage, onState: setConn });
+  const form = $("#connect");
+  const saved = JSON.parse(localStorage.getItem("robobus.dashboard") || "{}");
+  const q = new URLSearchParams(location.search);
+  form.url.value = q.get("broker") || saved.url || cfg.ws_url || `ws://${location.hostname || "127.0.0.1"}:9001`;
+  form.root.value = q.get("root") || saved.root || cfg.topic_root || "robobus";
+  form.username.value = q.get("username") ?? saved.username ?? cfg.username ?? "";
+  form.addEventListener("submit", (ev) => { ev.preventDefault(); connect(form); });
+  if (q.get("fps") === "1") window.__robobusProbe(true);
+  // A broker that needs a password waits for the person to type it.
+  if (!form.username.value || q.get("connect") === "1") connect(form);
+}
+
+main().catch((e) => { setConn("error", `dashboard failed to start: ${e.message}`); throw e; });

@@ -1,0 +1,108 @@
+// The page's MQTT 5 session over the broker's websockets listener (mqtt.js, the npm package's browser bundle).
+// Requests carry an MQTT 5 Response Topic and Correlation Data, as the kit's RpcClient does.
+import mqttModule from "/vendor/mqtt.esm.js";
+
+const mqtt = mqttModule.connect ? mqttModule : mqttModule.default;
+const utf8 = new TextDecoder();
+const encoder = new TextEncoder();
+
+// MQTT 5 CONNACK reason codes a person can act on (the rest are shown by number).
+const REFUSED = { 128: "unspecified error", 133: "client id not valid", 134: "bad user name or password",
+                  135: "not authorized", 136: "server unavailable", 137: "server busy", 138: "banned" };
+
+function randomId(n = 8) {
+  const b = new Uint8Array(n);
+  crypto.getRandomValues(b);
+  return Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
+}
+
+export function decodeText(bytes) { return utf8.decode(bytes); }
+
+export class Bus {
+  // onMessage(topic, payloadBytes, contentType, retained); onState(state, detail)
+  constructor({ onMessage, onState }) {
+    this.onMessage = onMessage;
+    this.onState = onState;
+    this.client = null;
+    this.pending = new Map(); // correlation hex -> {resolve, timer}
+    this.clientId = `robobus-dash-${randomId(4)}`;
+  }
+
+  connect({ url, username, password, root }) {
+    this.close();
+    this.root = root;
+    this.replyTopic = `${root}/_client/${this.clientId}/reply`;
+    const opts = { protocolVersion: 5, clientId: this.clientId, clean: true, reconnectPeriod: 1000,
+                   connectTimeout: 5000, keepalive: 15, properties: { sessionExpiryInterval: 0 } };
+    if (username) { opts.username = username; opts.password = password || ""; }
+    this.onState("connecting", url);
+    const client = mqtt.connect(url, opts);
+    this.client = client;
+    client.on("connect", () => {
+      if (client !== this.client) return;
+      // State at QoS 0: the newest value wins anyway, and a 100 Hz state at QoS 1 would cost a PUBACK per
+      // message from the browser. Liveness, health, events and replies at QoS 1.
+      const subs = { [`${root}/+/status`]: { qos: 1 }, [`${root}/+/+/health`]: { qos: 1 },
+                     [`${root}/+/+/state/#`]: { qos: 0 }, [`${root}/+/+/event/#`]: { qos: 1 },
+                     [this.replyTopic]: { qos: 1 } };
+      client.subscribe(subs, (err) => {
+        if (err) this.onState("error", `subscribe failed: ${err.message}`);
+        else this.onState("connected", url);
+      });
+    });
+    client.on("message", (topic, payload, packet) => {
+      if (client !== this.client) return;
+      if (topic === this.replyTopic) { this._reply(payload, packet); return; }
+      const ctype = packet.properties && packet.properties.contentType;
+      this.onMessage(topic, payload, ctype, packet.retain);
+    });
+    client.on("error", (err) => {
+      if (client !== this.client) return;
+      const why = REFUSED[err.code] || err.message || String(err);
+      this.onState("error", why);
+      // A refused login does not get better by retrying every second: stop and let the person fix it.
+      if (err.code === 134 || err.code === 135 || err.code === 138) client.end(true);
+    });
+    client.on("offline", () => { if (client === this.client) this.onState("disconnected", "broker unreachable"); });
+    client.on("reconnect", () => { if (client === this.client) this.onState("connecting", url); });
+  }
+
+  close() {
+    if (this.client) { this.client.end(true); this.client = null; }
+    for (const [, p] of this.pending) { clearTimeout(p.timer); p.resolve({ ok: false, error: { code: "timeout", message: "disconnected" } }); }
+    this.pending.clear();
+  }
+
+  // One request with MQTT 5 Response Topic + Correlation Data; resolves with the parsed reply.
+  call(node, device, command, body, timeoutMs = 10000) {
+    const topic = `${this.root}/${node}/${device}/cmd/${command}`;
+    const corr = randomId(8);
+    return new Promise((resolve) => {
+      if (!this.client || !this.client.connected) {
+        resolve({ ok: false, error: { code: "unavailable", message: "not connected to the broker" } });
+        return;
+      }
+      const timer = setTimeout(() => {
+        this.pending.delete(corr);
+        resolve({ ok: false, error: { code: "timeout", message: `no reply within ${timeoutMs / 1000} s` } });
+      }, timeoutMs);
+      this.pending.set(corr, { resolve, timer });
+      this.client.publish(topic, JSON.stringify(body), {
+        qos: 1,
+        properties: { responseTopic: this.replyTopic, correlationData: encoder.encode(corr),
+                      contentType: "application/json" },
+      });
+    });
+  }
+
+  _reply(payload, packet) {
+    const cd = packet.properties && packet.properties.correlationData;
+    const key = cd ? utf8.decode(cd) : "";
+    const p = this.pending.get(key);
+    if (!p) return; // a late reply after its timeout
+    this.pending.delete(key);
+    clearTimeout(p.timer);
+    try { p.resolve(JSON.parse(utf8.decode(payload))); }
+    catch (e) { p.resolve({ ok: false, error: { code: "invalid_reply", message: `reply is not JSON: ${e.message}` } }); }
+  }
+}

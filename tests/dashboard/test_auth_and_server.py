@@ -1,0 +1,97 @@
+"""The dashboard's HTTP server on its own (routes, nothing outside them, a clear error without its npm
+bundles) and the page against a broker that requires a user name and password."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.asyncapi import build_document
+from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig
+from tests.dashboard.stack import WsBroker, browser, browser_missing, free_ports
+
+
+def _get(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.headers["Content-Type"], r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read()
+
+
+@pytest.fixture
+def server() -> Any:
+    try:
+        s = DashboardServer(build_document(), PageConfig(ws_url="ws://127.0.0.1:1", topic_root="site1/robobus"),
+                            port=0).start()
+    except MissingAssets as exc:
+        pytest.skip(str(exc))
+    yield s
+    s.stop()
+
+
+def test_serves_the_page_contract_config_and_bundles(server: DashboardServer) -> None:
+    status, ctype, body = _get(server.url)
+    assert status == 200 and ctype.startswith("text/html") and b"/static/app.js" in body
+    status, ctype, body = _get(server.url + "api/asyncapi.json")
+    assert status == 200 and json.loads(body) == json.loads(json.dumps(build_document()))
+    assert json.loads(_get(server.url + "api/config.json")[2]) == {
+        "ws_url": "ws://127.0.0.1:1", "topic_root": "site1/robobus", "username": "", "title": "robobus"}
+    for name in ("app.js", "bus.js", "contract.js", "forms.js", "charts.js", "style.css"):
+        status, ctype, _ = _get(server.url + f"static/{name}")
+        assert status == 200, name
+    status, ctype, body = _get(server.url + "vendor/mqtt.esm.js")
+    assert status == 200 and ctype.startswith("text/javascript") and b"export default" in body
+    assert _get(server.url + "vendor/ajv2020.min.js")[0] == 200
+
+
+@pytest.mark.parametrize("path", ["static/../server.py", "static/%2e%2e/server.py", "vendor/../package.json",
+                                  "node_modules/mqtt/package.json", "etc/passwd", "static/"])
+def test_nothing_outside_the_routes(server: DashboardServer, path: str) -> None:
+    assert _get(server.url + path)[0] == 404
+
+
+def test_missing_bundles_name_the_fix() -> None:
+    with tempfile.TemporaryDirectory() as d, pytest.raises(MissingAssets, match="make setup"):
+        DashboardServer(build_document(), PageConfig(), port=0, node_modules=Path(d))
+
+
+def test_broker_with_user_and_password(spawn: Any) -> None:
+    why = browser_missing()
+    if why:
+        pytest.skip(why)
+    with tempfile.TemporaryDirectory(prefix="robobus-auth-") as d:
+        broker = WsBroker(Path(d), users={"lab": "s3cret"})
+        broker.start()
+        server = DashboardServer(build_document(), PageConfig(ws_url=broker.ws_url), port=free_ports(1)[0]).start()
+        node = spawn(["-m", "services.can_bootloader"],
+                     {"ROBOBUS_MQTT_URL": broker.url("lab"), "ROBOBUS_CAN_SIM": "true"})
+        try:
+            with browser() as ctx:
+                page = ctx.new_page()
+                page.goto(f"{server.url}?username=lab")
+                # with a user name the page waits for the password instead of connecting anonymously
+                assert page.locator("#conn").get_attribute("data-state") == "disconnected"
+                page.fill("#connect input[name=password]", "wrong")
+                page.click("#connect button")
+                page.wait_for_selector("#conn[data-state=error]", timeout=20_000)
+                text = page.inner_text("#conn")
+                assert "user name or password" in text or "not authorized" in text, text
+                page.fill("#connect input[name=password]", "s3cret")
+                page.click("#connect button")
+                page.wait_for_selector("#conn[data-state=connected]", timeout=20_000)
+                page.wait_for_selector("tr.node[data-node='can-bootloader'][data-status=online]", timeout=30_000)
+                page.wait_for_selector("article[data-device='motors'][data-health=ok]", timeout=30_000)
+                # the password is never stored by the page
+                saved = page.evaluate("() => localStorage.getItem('robobus.dashboard')")
+                assert "s3cret" not in saved and json.loads(saved)["username"] == "lab"
+        finally:
+            node.stop()
+            server.stop()
+            broker.stop()

@@ -1,0 +1,289 @@
+"""The dashboard end to end in Debian's headless chromium, against `make run`'s stack on free ports
+(tests/dashboard/stack.py): what a person sees and does, as the issue lists it. Screenshots of the main
+views go to docs/dashboard/ for the README."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.can_bootloader.sim import make_intel_hex
+from shared.localbroker import REPO
+from shared.rpc import RpcClient
+from tests.dashboard.stack import DEVICES, NODES, SimStack, browser, browser_missing, sim_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+SHOTS = REPO / "docs" / "dashboard"
+SMALL_HEX = make_intel_hex(0x1000, 0x13FF)
+T = 45_000  # ms: generous waits for a loaded 2-core machine; the conditions, not the waits, are the test
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[SimStack, RpcClient]]:
+    why = browser_missing()
+    if why:
+        pytest.skip(why)
+    with sim_stack() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def page(stack: tuple[SimStack, RpcClient]) -> Iterator[Any]:
+    st, _ = stack
+    with browser() as ctx:
+        pg = ctx.new_page()
+        errors: list[str] = []
+        console: list[str] = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        pg.goto(f"{st.dashboard_url}?broker={st.broker.ws_url}")
+        try:
+            pg.wait_for_selector("#conn[data-state=connected]", timeout=2 * T)
+        except Exception as exc:
+            raise AssertionError(f"page not connected: {pg.inner_text('#conn')!r}; {errors}; {console[-10:]}") from exc
+        pg.errors = errors
+        yield pg
+        assert not errors, errors
+
+
+def card(page: Any, node: str, device: str) -> Any:
+    return page.locator(f"article.device[data-node='{node}'][data-device='{device}']")
+
+
+def open_command(page: Any, node: str, device: str, command: str) -> Any:
+    c = card(page, node, device)
+    c.locator("details.commands").evaluate("e => { e.open = true; }")  # a click would toggle it shut again
+    cmd = c.locator(f"details.command[data-command='{command}']")
+    cmd.evaluate("e => { e.open = true; }")
+    cmd.scroll_into_view_if_needed()
+    return cmd
+
+
+def shoot(page: Any, name: str, target: Any | None = None) -> None:
+    """The window as a person sees it, with `target` scrolled to the top."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    if target is not None:
+        target.evaluate("e => e.scrollIntoView({block: 'start'})")
+    else:
+        page.evaluate("() => document.querySelector('main').scrollTo(0, 0)")
+    page.wait_for_timeout(300)  # two animation frames of drawing after the scroll
+    page.screenshot(path=str(SHOTS / f"{name}.png"))
+
+
+def test_lists_every_online_node_and_device(page: Any) -> None:
+    for node in NODES:
+        page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
+        for dev in DEVICES[node]:
+            page.wait_for_selector(f"tr.node[data-node='{node}'] .chip[data-device='{dev}'][data-health=ok]", timeout=T)
+            page.wait_for_selector(f"article.device[data-node='{node}'][data-device='{dev}'][data-health=ok]",
+                                   timeout=T)
+    # status words, not colour alone
+    assert "online" in page.locator("tr.node[data-node='ethercat-loop'] td.status").inner_text()
+    assert "OK" in card(page, "epuck-gateway", "epuck1").locator("header .badge").inner_text()
+    shoot(page, "overview")
+
+
+def test_a_form_for_every_command_of_the_document(page: Any) -> None:
+    """The forms come from the AsyncAPI document, not from code per service: every command and job of every
+    service (with the kit's `cancel` for services that have jobs) has its form on each of its devices."""
+    from shared.registry import service_apis
+
+    apis = {a.service: a for a in service_apis()}
+    for node, devices in DEVICES.items():
+        api = apis[node]
+        expected = set(api.commands) | set(api.jobs) | ({"cancel"} if api.jobs else set())
+        for dev in devices:
+            c = card(page, node, dev)
+            c.locator("details.command").first.wait_for(state="attached", timeout=T)
+            shown = set(c.locator("details.command").evaluate_all("els => els.map(e => e.dataset.command)"))
+            assert shown == expected, (node, dev, shown ^ expected)
+            assert c.locator("form.cmd").count() == len(expected)
+
+
+SAMPLES_JS = """([node, dev, state, path]) => {
+  const s = window.__robobus.nodes.get(node)?.devices.get(dev)?.states.get(state)?.series.get(path);
+  return s ? s.count : -1;
+}"""
+
+
+def _samples(page: Any, key: list[str]) -> int:
+    return int(page.evaluate(SAMPLES_JS, key))
+
+
+def test_charts_receive_values(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    _, client = stack
+    hand = ["ethercat-loop", "rh", "joints", "joints.FFJ3.position"]
+    page.wait_for_selector("article.device[data-device='rh'] details.state[data-state='joints'] "
+                           "figure.spark[data-path='joints.FFJ3.position']", state="attached", timeout=T)
+    # integer fields chart once they change: drive the robot so its step counters move
+    assert client.call("epuck-gateway", "epuck1", "set_speed", {"left": 400, "right": 300}).ok
+    steps_fig = page.locator("article.device[data-device='epuck1'] details.state[data-state='sensors'] "
+                             "figure.spark[data-path^='steps']").first
+    steps_fig.wait_for(state="attached", timeout=T)
+    steps = ["epuck-gateway", "epuck1", "sensors", str(steps_fig.get_attribute("data-path"))]
+    for key in (hand, steps):
+        first = _samples(page, key)
+        assert first >= 0, key
+        page.wait_for_function(f"n => ({SAMPLES_JS})({json.dumps(key)}) > n + 10", arg=first, timeout=T)
+    # the value beside the chart is a number, drawn once the card is on screen
+    fig = page.locator("article.device[data-device='rh'] figure.spark[data-path='joints.FFJ3.position']")
+    fig.scroll_into_view_if_needed()
+    page.wait_for_function("e => e.textContent.trim() !== ''", arg=fig.locator("figcaption b").element_handle(),
+                           timeout=T)
+    float(fig.locator("figcaption b").inner_text())
+    shoot(page, "hand-joints", card(page, "ethercat-loop", "rh"))
+
+
+def test_camera_image_updates(page: Any) -> None:
+    img = card(page, "epuck-gateway", "epuck2").locator("details.state[data-state='image'] canvas.image")
+    img.wait_for(timeout=T)
+    img.scroll_into_view_if_needed()
+    first = int(img.get_attribute("data-frames") or 0)
+    page.wait_for_function(
+        "n => +document.querySelector(\"article[data-device='epuck2'] details[data-state='image'] canvas\")"
+        ".dataset.frames >= n + 5", arg=first, timeout=T)
+    # the gateway's 160x120 JPEG, decoded
+    assert (img.get_attribute("data-width"), img.get_attribute("data-height")) == ("160", "120")
+    shoot(page, "epuck", card(page, "epuck-gateway", "epuck2"))
+
+
+def test_set_speed_form_sends_and_shows_the_reply(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    _, client = stack
+    seen: list[Any] = []
+    client.subscribe_before("robobus/epuck-gateway/epuck1/cmd/set_speed", seen.append)
+    cmd = open_command(page, "epuck-gateway", "epuck1", "set_speed")
+    cmd.locator("input[name=left]").fill("200")
+    cmd.locator("input[name=right]").fill("-150")
+    cmd.locator("button[type=submit]").click()
+    reply = cmd.locator("pre.reply[data-ok=true]")
+    reply.wait_for(timeout=T)
+    body = json.loads(reply.inner_text())
+    assert body["ok"] is True, body
+    # MQTT 5 request/response as the contract says: a Response Topic and Correlation Data on the request
+    assert seen, "the request never reached the broker"
+    props = seen[-1].properties
+    assert props.ResponseTopic.startswith("robobus/_client/") and props.CorrelationData
+    assert json.loads(seen[-1].payload) == {"left": 200, "right": -150}
+    shoot(page, "command-form", cmd)
+
+
+def test_invalid_value_is_refused_with_the_schema_message(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    _, client = stack
+    seen: list[Any] = []
+    client.subscribe_before("robobus/epuck-gateway/epuck2/cmd/set_speed", seen.append)
+    cmd = open_command(page, "epuck-gateway", "epuck2", "set_speed")
+    cmd.locator("input[name=left]").fill("5000")
+    cmd.locator("input[name=right]").fill("")
+    cmd.locator("button[type=submit]").click()
+    page.wait_for_selector("article[data-device='epuck2'] form[data-command='set_speed'][data-result=refused]",
+                           timeout=T)
+    # Ajv's words for the schema's `maximum: 1000` and `required`, next to each field
+    assert cmd.locator(".field[data-field='left'] .err").inner_text() == "must be <= 1000"
+    assert cmd.locator(".field[data-field='right'] .err").inner_text() == "is required"
+    time.sleep(0.5)  # nothing may arrive: the page refused before sending
+    assert seen == []
+    shoot(page, "command-refused", cmd)
+
+
+def test_service_side_validation_error_is_shown(page: Any) -> None:
+    # FlashRequest needs exactly one of hex / path: a rule of the service, not of the JSON Schema
+    cmd = open_command(page, "can-bootloader", "motors", "flash")
+    cmd.locator("input[name=board]").fill("3")
+    cmd.locator("button[type=submit]").click()
+    reply = cmd.locator("pre.reply[data-ok=false]")
+    reply.wait_for(timeout=T)
+    body = json.loads(reply.inner_text())
+    assert body["error"]["code"] == "invalid_request" and "hex" in body["error"]["message"], body
+
+
+def test_flash_job_shows_progress_and_completes(page: Any) -> None:
+    cmd = open_command(page, "can-bootloader", "motors", "flash")
+    cmd.locator("input[name=board]").fill("8")
+    cmd.locator("textarea[name=hex]").evaluate("(e, v) => { e.value = v; }", SMALL_HEX)
+    cmd.locator("button[type=submit]").click()
+    cmd.locator("pre.reply[data-ok=true]").wait_for(timeout=T)
+    job_id = json.loads(cmd.locator("pre.reply").inner_text())["result"]["job_id"]
+    job = card(page, "can-bootloader", "motors").locator(f".job[data-job-id='{job_id}']")
+    # progress was drawn (a phase from event/job_progress), then the result
+    page.wait_for_selector(f".job[data-job-id='{job_id}'][data-phase]", state="attached", timeout=T)
+    page.wait_for_selector(f".job[data-job-id='{job_id}'][data-state=ok]", timeout=60_000)
+    assert job.locator("progress").get_attribute("value") == "1"
+    assert "done in" in job.locator(".result").inner_text()
+    assert page.locator("#event-log li[data-event=job_result]").count() >= 1
+    shoot(page, "job", card(page, "can-bootloader", "motors"))
+
+
+def test_cancel_button_cancels_a_running_job(page: Any) -> None:
+    cmd = open_command(page, "can-bootloader", "motors", "flash")
+    cmd.locator("input[name=board]").fill("9")
+    # the full image, one frame in flight: slow enough to cancel (set as a paste would, not typed)
+    cmd.locator("textarea[name=hex]").evaluate("(e, v) => { e.value = v; }", make_intel_hex())
+    cmd.locator("input[name=window]").fill("1")
+    cmd.locator("button[type=submit]").click()
+    cmd.locator("pre.reply[data-ok=true]").wait_for(timeout=T)
+    job_id = json.loads(cmd.locator("pre.reply").inner_text())["result"]["job_id"]
+    page.wait_for_selector(f".job[data-job-id='{job_id}'][data-phase]", state="attached", timeout=T)
+    job = page.locator(f".job[data-job-id='{job_id}']")
+    job.locator("button").dispatch_event("click")
+    try:
+        page.wait_for_selector(f".job[data-job-id='{job_id}'][data-state=cancelled]", timeout=T)
+    except Exception as exc:
+        raise AssertionError(f"{job.get_attribute('data-state')}: {job.inner_text()}") from exc
+
+
+def test_garbage_on_the_bus_is_counted_not_fatal(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    _, client = stack
+    before = int(page.evaluate("() => window.__robobusPerf.bad"))
+    # a state no one else publishes: a garbage `link` could be superseded by the next real one within the
+    # page's 100 ms parse tick (the newest wins) and never be looked at
+    client.session.publish("robobus/epuck-gateway/epuck1/state/garbage", b"\xff{not json", qos=1)
+    client.session.publish("robobus/epuck-gateway/epuck1/event/fault", b"[1, 2", qos=1)
+    page.wait_for_function("n => window.__robobusPerf.bad >= n + 2", arg=before, timeout=T)
+    page.wait_for_selector("#event-log li.fault:has-text('bad message')", state="attached", timeout=T)
+    assert "bad messages" in page.inner_text("#perf") or page.evaluate("() => window.__robobusPerf.bad") >= 2
+    # the page goes on: the device's next real link stats still arrive
+    key = ["epuck-gateway", "epuck1", "link", "packets_per_s"]
+    n = _samples(page, key)
+    page.wait_for_function(f"n => ({SAMPLES_JS})({json.dumps(key)}) > n", arg=n, timeout=T)
+
+
+def test_browser_side_load_figures(page: Any) -> None:
+    """The page's own counters under the full simulated stack (the benchmark, bench/dashboard.py, runs
+    longer and compares with the targets); here: the figures exist and the page keeps drawing."""
+    from tests.dashboard.stack import measure_page
+
+    fig = measure_page(page, 5.0)
+    assert fig["fps"] > 0 and fig["msgs_per_s"] > 0 and fig["handling_pct_of_core"] > 0, fig
+    assert fig["browser_cpu_pct_all_processes"] > 0 and fig["bad_messages"] == 0, fig
+
+
+def test_killing_a_node_turns_it_offline_within_3_s(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    st, _ = stack
+    page.wait_for_selector("tr.node[data-node='epuck-gateway'][data-status=online]", timeout=T)
+    t_kill = time.time()
+    st.kill("epuck-gateway", signal.SIGKILL)  # no clean shutdown: the broker's Last Will tells
+    # The page stamps when it learned (Date.now() on the status message); drawing follows on its next tick.
+    # Measured on the page's side so that a starved browser on a busy machine draws late, but the test still
+    # holds the page to the issue's 3 s from the kill to knowing.
+    page.wait_for_selector("tr.node[data-node='epuck-gateway'][data-status=offline]", timeout=T)
+    learned = page.locator("tr.node[data-node='epuck-gateway']").get_attribute("data-changed-at")
+    elapsed = float(learned or "inf") / 1000 - t_kill
+    assert 0 <= elapsed < 3.0, elapsed
+    page.wait_for_selector("article[data-device='epuck1'][data-health=offline]", timeout=T)
+    assert "OFFLINE" in page.locator("tr.node[data-node='epuck-gateway'] td.status").inner_text()
+    assert "connection lost" in page.locator("tr.node[data-node='epuck-gateway'] td.status").inner_text()
+    page.wait_for_selector("#event-log li[data-event=offline]", timeout=T)
+    shoot(page, "node-offline")
+
+
+def test_screenshots_are_written() -> None:
+    if browser_missing():
+        pytest.skip(browser_missing() or "")
+    names = {p.stem for p in Path(SHOTS).glob("*.png")}
+    assert {"overview", "hand-joints", "epuck", "command-form", "job", "node-offline"} <= names, names

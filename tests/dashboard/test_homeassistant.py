@@ -1,0 +1,196 @@
+"""Home Assistant discovery: configs in the shape Home Assistant expects, templates that read the real
+messages (rendered with Jinja2, Home Assistant's template engine), availability from the node's status
+topic, re-publication when Home Assistant comes online, bad input counted, bad settings refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jinja2
+import jsonschema
+import pytest
+
+from shared import __version__
+from shared.asyncapi import build_document
+from shared.dashboard.homeassistant import FieldCatalog, device_entities
+from shared.localbroker import REPO, Broker
+from shared.rpc import RpcClient, wait_for
+
+# What Home Assistant's MQTT discovery needs of every entity we publish (binary_sensor and sensor platforms).
+AVAILABILITY = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["topic", "value_template"],
+    "properties": {"topic": {"type": "string", "pattern": "^[^#+]+$"}, "value_template": {"type": "string"}}}}
+ENTITY = {
+    "type": "object",
+    "required": ["name", "unique_id", "state_topic", "availability", "device", "value_template"],
+    "properties": {
+        "unique_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]+$"},
+        "state_topic": {"type": "string", "pattern": "^[^#+]+$"},
+        "availability": AVAILABILITY,
+        "device": {"type": "object", "required": ["identifiers", "name"],
+                   "properties": {"identifiers": {"type": "array", "minItems": 1, "items": {"type": "string"}}}},
+        "device_class": {"type": "string"},
+        "state_class": {"enum": ["measurement", "total", "total_increasing"]},
+        "unit_of_measurement": {"type": "string"},
+        "entity_category": {"enum": ["config", "diagnostic"]},
+    },
+}
+BINARY_CLASSES = {"connectivity", "running", "problem"}
+CONFIG_TOPIC = re.compile(r"^(?P<prefix>[^/]+)/(?P<component>binary_sensor|sensor)/[A-Za-z0-9_-]+/"
+                          r"[A-Za-z0-9_-]+/config$")
+JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined)
+
+
+def check_entity(topic: str, cfg: dict[str, Any]) -> str:
+    m = CONFIG_TOPIC.match(topic)
+    assert m, f"{topic} is not <prefix>/<component>/<node_id>/<object_id>/config"
+    jsonschema.validate(cfg, ENTITY)
+    if m["component"] == "binary_sensor":
+        assert cfg["device_class"] in BINARY_CLASSES, cfg
+    return m["component"]
+
+
+def render(template: str, payload: bytes) -> str:
+    return JINJA.from_string(template).render(value_json=json.loads(payload)).strip()
+
+
+HEALTH = {"connection": True, "operational": True, "state": "running", "error": False, "error_message": "",
+          "service": "epuck-gateway", "node": "epuck-gateway", "device": "epuck1", "version": "0.1.0", "ts": 1.0,
+          "details": {"host": "127.0.0.1"}}
+
+
+def test_every_service_gets_well_formed_entities() -> None:
+    doc = build_document()
+    catalog = FieldCatalog(doc)
+    assert {"epuck-gateway", "ethercat-loop"} <= set(catalog.states)
+    for service in catalog.states:
+        ents, problems = device_entities("robobus", "homeassistant", service, "dev1", {**HEALTH, "service": service},
+                                         catalog, None, __version__)
+        assert problems == []
+        ids = [e.config["unique_id"] for e in ents]
+        assert len(ids) == len(set(ids)), "unique_id must be unique"
+        for e in ents:
+            assert check_entity(e.topic, e.config) == e.component
+            assert e.config["availability"][0]["topic"] == f"robobus/{service}/status"
+    # the health flags and the default numeric fields of the e-puck (units from the field names)
+    ents, _ = device_entities("robobus", "homeassistant", "epuck-gateway", "epuck1", HEALTH, catalog, None, "x")
+    names = {e.config["name"]: e.config for e in ents}
+    assert {"connection", "operational", "problem", "state", "error message"} <= set(names)
+    assert names["sensors temperature_c"]["unit_of_measurement"] == "°C"
+    assert names["sensors battery_v"]["unit_of_measurement"] == "V"
+    assert "sensors seq" not in names and "sensors ts" not in names
+
+
+def test_health_templates_read_real_health_and_status() -> None:
+    catalog = FieldCatalog(build_document())
+    ents, _ = device_entities("robobus", "homeassistant", "epuck-gateway", "epuck1", HEALTH, catalog, None, "x")
+    bad = {**HEALTH, "error": True, "connection": False, "error_message": "link lost"}
+    by = {e.config["name"]: e.config for e in ents}
+    assert render(by["problem"]["value_template"], json.dumps(HEALTH).encode()) == "OFF"
+    assert render(by["problem"]["value_template"], json.dumps(bad).encode()) == "ON"
+    assert render(by["connection"]["value_template"], json.dumps(bad).encode()) == "OFF"
+    assert render(by["error message"]["value_template"], json.dumps(bad).encode()) == "link lost"
+    assert json.loads(render(by["state"]["json_attributes_template"], json.dumps(HEALTH).encode())) == HEALTH["details"]
+    avail = by["problem"]["availability"][0]["value_template"]
+    assert render(avail, b'{"online": true}') == "online"
+    assert render(avail, b'{"online": false, "reason": "connection lost"}') == "offline"
+
+
+def test_chosen_fields_are_checked_against_the_document() -> None:
+    catalog = FieldCatalog(build_document())
+    fields = ["ethercat-loop/joints/joints.FFJ3.position", "ethercat-loop/joints/nope",
+              "ethercat-loop/joints/joints.FFJ3.name", "ethercat-loop/nothing/x", "epuck-gateway/sensors/proximity.2"]
+    ents, problems = device_entities("robobus", "homeassistant", "ethercat-loop", "rh",
+                                     {**HEALTH, "service": "ethercat-loop"}, catalog, fields, "x")
+    assert len(problems) == 3, problems
+    assert any("no field 'nope'" in p for p in problems) and any("not numeric" in p for p in problems)
+    sensors = [e for e in ents if e.config.get("state_class")]
+    assert [e.config["name"] for e in sensors] == ["joints joints.FFJ3.position"]
+    joints = {"ts": 1.0, "cycle": 3, "sensors_raw": {}, "joints": [
+        {"name": "FFJ2", "position": 0.5, "raw": [1]}, {"name": "FFJ3", "position": 0.25, "raw": [2]}]}
+    assert float(render(sensors[0].config["value_template"], json.dumps(joints).encode())) == 0.25
+    ents, _ = device_entities("robobus", "homeassistant", "epuck-gateway", "epuck1", HEALTH, catalog, fields, "x")
+    prox = [e for e in ents if e.config.get("state_class")]
+    assert render(prox[0].config["value_template"], json.dumps({"proximity": [5, 6, 7]}).encode()) == "7"
+
+
+def _ha(env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "shared.cli", "homeassistant", *args], cwd=REPO,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_bad_field_setting_stops_with_one_clear_line(broker_session: Broker) -> None:
+    p = _ha({"ROBOBUS_MQTT_URL": broker_session.url,
+             "ROBOBUS_HOMEASSISTANT_FIELDS": '["ethercat-loop/joints/joints.FFJ3.speed"]'})
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 2
+    assert "invalid setting homeassistant_fields" in out.decode() and "speed" in out.decode()
+
+
+@pytest.mark.slow
+def test_process_publishes_republishes_and_tracks_availability(broker_session: Broker, client: RpcClient,
+                                                               spawn: Any) -> None:
+    tag = f"{os.getpid()}{time.monotonic_ns() % 100000}"
+    node, prefix = f"hand-ha-{tag}", f"ha{tag}"
+    hand = spawn(["-m", "services.ethercat_loop"], {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node,
+                                                    "ROBOBUS_ETHERCAT_BACKEND": "model"})
+    env = {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_HOMEASSISTANT_PREFIX": prefix,
+           "ROBOBUS_HOMEASSISTANT_FIELDS": json.dumps(["ethercat-loop/joints/joints.FFJ3.position"])}
+    ha = _ha(env)
+    try:
+        configs: dict[str, dict[str, Any]] = {}
+        arrivals: list[str] = []
+
+        def on(msg: Any) -> None:
+            if f"robobus_robobus_{node.replace('-', '_')}" in msg.topic.replace("-", "_"):
+                configs[msg.topic] = json.loads(msg.payload)
+                arrivals.append(msg.topic)
+
+        client.subscribe_before(f"{prefix}/#", on)
+        # health flags (5) + the chosen joint
+        assert wait_for(lambda: len(configs) >= 6, 60), (configs.keys(), hand.text())
+        for topic, cfg in configs.items():
+            check_entity(topic, cfg)
+        # retained: a Home Assistant that starts later still finds them
+        # (a filter of its own: collect() unsubscribes its filter when done)
+        retained = [t for t, _p, r in client.collect(f"{prefix}/+/#", 1.0) if r and node.replace("-", "_") in
+                    t.replace("-", "_")]
+        assert len(retained) >= 6
+        # the templates read the node's real messages
+        health = client.collect(f"robobus/{node}/rh/health", 1.0)[-1][1]
+        state = next(p for _t, p, _r in client.collect(f"robobus/{node}/rh/state/joints", 2.0))
+        by = {c["name"]: c for c in configs.values()}
+        assert render(by["connection"]["value_template"], health) in ("ON", "OFF")
+        float(render(by["joints joints.FFJ3.position"]["value_template"], state))
+        avail = by["problem"]["availability"][0]
+        status = client.collect(avail["topic"], 1.0)[-1][1]
+        assert render(avail["value_template"], status) == "online"
+        # Home Assistant restarts: everything again
+        before = len(arrivals)
+        client.session.publish(f"{prefix}/status", "online", qos=1)
+        assert wait_for(lambda: len(arrivals) >= before + 6, 30), (ha.poll(), len(arrivals), before)
+        # garbage on a health topic is counted and skipped; the process stays up
+        client.session.publish(f"robobus/{node}/junk/health", b"\xff not json", qos=1)
+        time.sleep(0.5)
+        assert ha.poll() is None
+        # the node dies: its Will makes every entity unavailable
+        os.killpg(hand.proc.pid, signal.SIGKILL)
+        assert wait_for(lambda: render(avail["value_template"], client.collect(avail["topic"], 0.3)[-1][1])
+                        == "offline", 15)
+    finally:
+        ha.send_signal(signal.SIGTERM)
+        out, _ = ha.communicate(timeout=20)
+        # cleanup: clear this test's retained configs
+        for t in configs:
+            client.session.publish(t, b"", qos=1, retain=True)
+    text = out.decode()
+    assert ha.returncode == 0, text
+    assert "ignoring health" in text
