@@ -30,7 +30,7 @@ COUNTERS = (
     "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame", "overrun_slack_work",
     "escalations", "rescans",  # recovery: INIT -> OP ladders started, full re-scans
     "late_starts",  # cycles started late (by less than a period) because the one before ran past their release
-    "outages",  # runs of error_after_lost cycles without a valid status (the motors cut out): counted at the run's start
+    "outages",  # runs of error_after_lost cycles without a valid status (motors cut out), counted as they begin
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64
