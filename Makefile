@@ -65,3 +65,12 @@ bench-quick:
 
 clean:
 	rm -rf $(VENV) $(NODEV)/node_modules .pytest_cache .mypy_cache .ruff_cache
+
+# -- containers (deploy/): the whole system on this host, from nothing -------------------------------------
+# COMPOSE_PROFILES=sim (default: every service on its simulator), hand, epuck; ROBOBUS_ENV_FILE=a host's env.
+.PHONY: up down
+up:
+	@deploy/up.sh
+
+down:
+	@deploy/down.sh
