@@ -15,8 +15,9 @@ The ACL (anonymous access is off in the broker config):
   - a node that uses another's commands gets exactly those: can-bootloader may call ethercat-loop's
     bridge_lease / bridge_release, write its stream/can_tx and read its stream/can_rx (the palm CAN bridge);
   - every client reads the replies to its own requests, {root}/_client/<its client id>/reply;
-  - `operator` (CLI, dashboards that command) reads everything under the root and sends any command;
-  - `viewer` (read-only dashboards) reads everything under the root and writes nothing.
+  - `operator` (CLI, dashboards that command) reads every node's topics and sends any command;
+  - `viewer` (read-only dashboards) reads every node's topics and writes nothing;
+  neither reads other clients' replies (observer_reads).
 Stdlib only: runs on the host before anything is installed.
     python3 deploy/make_secrets.py [--dir deploy/secrets] [--root robobus] [--node NAME[=SERVICE]]...
     python3 deploy/make_secrets.py --central --site site-a=site-a/robobus --site site-b=site-b/robobus
@@ -58,6 +59,13 @@ USES: dict[str, tuple[Grant, ...]] = {
 }
 
 
+def observer_reads(root: str) -> list[str]:
+    """What operator and viewer read under a root: every node's topics, but not other clients' replies
+    ({root}/_client/<id>/reply: a reply is its requester's business), which `{root}/#` would include."""
+    return [f"topic read {root}/{t}" for t in ("+/status", "+/+/health", "+/+/state/#", "+/+/event/#",
+                                               "+/+/stream/#", "+/+/cmd/#", "_bridge/state")]
+
+
 @dataclass
 class Acl:
     root: str
@@ -74,8 +82,8 @@ class Acl:
                 out += [f"topic {acc} {r}/{g.node}/{suffix}" for acc, suffix in g.rules]
             out.append("")
         # $SYS: broker statistics for dashboards (and the broker's own healthcheck, as viewer).
-        out += ["user operator", f"topic read {r}/#", f"topic write {r}/+/+/cmd/+", "topic read $SYS/#", "",
-                "user viewer", f"topic read {r}/#", "topic read $SYS/#", ""]
+        out += ["user operator", *observer_reads(r), f"topic write {r}/+/+/cmd/+", "topic read $SYS/#", "",
+                "user viewer", *observer_reads(r), "topic read $SYS/#", ""]
         return "\n".join(out)
 
 
@@ -87,9 +95,11 @@ def central_acl(sites: dict[str, str]) -> str:
         out += [f"user bridge-{site}", f"topic readwrite {root}/#", ""]
     out += ["user operator"]
     for root in sorted(sites.values()):
-        out += [f"topic read {root}/#", f"topic write {root}/+/+/cmd/+"]
-    out += ["topic read $SYS/#", "", "user viewer", *[f"topic read {root}/#" for root in sorted(sites.values())],
-            "topic read $SYS/#", ""]
+        out += [*observer_reads(root), f"topic write {root}/+/+/cmd/+"]
+    out += ["topic read $SYS/#", "", "user viewer"]
+    for root in sorted(sites.values()):
+        out += observer_reads(root)
+    out += ["topic read $SYS/#", ""]
     return "\n".join(out)
 
 
