@@ -3,6 +3,7 @@
 #   compose.rt-group.yaml  kernel with CONFIG_RT_GROUP_SCHED=y and a dockerd started with --cpu-rt-runtime
 #   compose.rlimits.yaml   dockerd's own hard limits allow rtprio 90 and unlimited memlock
 #   compose.edge.yaml      the secrets folder has a bridge.conf (fleet edge)
+#   compose.wan.yaml       ROBOBUS_WAN_NETWORK is set (a fleet simulated on one host)
 #   compose.tls.yaml       the secrets folder has certs/server.crt
 # and the profiles: COMPOSE_PROFILES (default `sim`); `sim` brings sim-roi / sim-dexter along once
 # services/roi_modules / services/dexter_gateway exist. Uses Debian's docker client (/usr/bin/docker) with
@@ -39,6 +40,11 @@ if [ -n "$dockerd_pid" ] && [ "${ROBOBUS_RLIMITS:-auto}" != "off" ]; then
   fi
 fi
 [ -f "$secrets/bridge.conf" ] && files+=(-f "$here/compose.edge.yaml")
+if [ -n "${ROBOBUS_WAN_NETWORK:-}" ]; then
+  files+=(-f "$here/compose.wan.yaml")
+  /usr/bin/docker network inspect "$ROBOBUS_WAN_NETWORK" >/dev/null 2>&1 \
+    || /usr/bin/docker network create "$ROBOBUS_WAN_NETWORK" >/dev/null
+fi
 [ -f "$secrets/certs/server.crt" ] && files+=(-f "$here/compose.tls.yaml")
 
 profiles=${COMPOSE_PROFILES:-sim}

@@ -7,7 +7,9 @@
 #   4. broker credentials and ACL (deploy/make_secrets.py; existing passwords are kept)
 #   5. build (BuildKit, the host's CA bundle as a build secret) and `up --wait` until every container is healthy
 # Settings: COMPOSE_PROFILES (default sim), an env file via ROBOBUS_ENV_FILE (e.g. deploy/fleet/site-a-hand-host.env),
-# and every variable compose.yaml names. Root (or sudo) is needed for steps 1-2 only.
+# and every variable compose.yaml names. A fleet: the centre sets ROBOBUS_CENTRAL_SITES="site-a=site-a/robobus ..."
+# and COMPOSE_PROFILES=central (the broker alone); an edge sets ROBOBUS_SITE, ROBOBUS_CENTRAL_ADDRESS=HOST:PORT
+# and ROBOBUS_BRIDGE_CREDENTIALS (the centre's secrets/bridge-SITE.env, copied over). Root (or sudo) is needed for steps 1-2 only.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/.."
@@ -25,13 +27,17 @@ eval "$("$here/dev/ensure-docker.sh")"
 say "base image $ROBOBUS_BASE_IMAGE"
 
 # 4. secrets, the profile's settings, the fleet network
-python3 "$here/make_secrets.py" --dir "${ROBOBUS_SECRETS_DIR:-$here/secrets}" --root "${ROBOBUS_TOPIC_ROOT:-robobus}"
+secrets_args=(--dir "${ROBOBUS_SECRETS_DIR:-$here/secrets}" --root "${ROBOBUS_TOPIC_ROOT:-robobus}")
+if [ -n "${ROBOBUS_CENTRAL_SITES:-}" ]; then          # this host is a fleet's centre: "site-a=site-a/robobus ..."
+  secrets_args+=(--central)
+  for s in $ROBOBUS_CENTRAL_SITES; do secrets_args+=(--site "$s"); done
+elif [ -n "${ROBOBUS_CENTRAL_ADDRESS:-}" ]; then      # this host is a fleet edge: bridge to HOST:PORT
+  secrets_args+=(--site "${ROBOBUS_SITE:?set ROBOBUS_SITE}" --bridge-to "$ROBOBUS_CENTRAL_ADDRESS"
+                 --bridge-credentials "${ROBOBUS_BRIDGE_CREDENTIALS:?set ROBOBUS_BRIDGE_CREDENTIALS}")
+fi
+python3 "$here/make_secrets.py" "${secrets_args[@]}"
 if [[ ",$COMPOSE_PROFILES," == *,epuck,* ]] && [ -z "${ROBOBUS_EPUCK_ROBOTS:-}" ]; then
   say "profile epuck needs ROBOBUS_EPUCK_ROBOTS, e.g. '[{\"id\":\"epuck1\",\"host\":\"192.168.1.21\"}]'"; exit 2
-fi
-if [ -f "${ROBOBUS_SECRETS_DIR:-$here/secrets}/bridge.conf" ]; then
-  net=${ROBOBUS_WAN_NETWORK:-robobus-wan}
-  /usr/bin/docker network inspect "$net" >/dev/null 2>&1 || /usr/bin/docker network create "$net" >/dev/null
 fi
 
 # A broker already on the host (make run, a system mosquitto) must not be shadowed: say how to move ours.

@@ -91,8 +91,9 @@ class Stack:
 
     def settings(self, user: str = "operator", **kw: object) -> KitSettings:
         u, p = creds(self.secrets, user)
+        kw.setdefault("topic_root", self.root)
         return KitSettings(mqtt_url=f"mqtt://127.0.0.1:{self.port}", mqtt_username=u, mqtt_password=p,
-                           topic_root=self.root, **kw)  # type: ignore[arg-type]
+                           **kw)  # type: ignore[arg-type]
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "40", check=False).stdout
