@@ -3,6 +3,7 @@
 #   compose.rt-group.yaml  kernel with CONFIG_RT_GROUP_SCHED=y and a dockerd started with --cpu-rt-runtime
 #   compose.rlimits.yaml   dockerd's own hard limits allow rtprio 90 and unlimited memlock
 #   compose.edge.yaml      the secrets folder has a bridge.conf (fleet edge)
+#   compose.vhand.yaml     ROBOBUS_VHAND=1: the realtime container against a virtual hand (deploy/vhand.sh)
 #   compose.wan.yaml       ROBOBUS_WAN_NETWORK is set (a fleet simulated on one host)
 #   compose.tls.yaml       the secrets folder has certs/server.crt
 # and the profiles: COMPOSE_PROFILES (default `sim`); `sim` brings sim-roi / sim-dexter along once
@@ -28,6 +29,7 @@ if [ -n "$rt_group" ]; then
   grep -qs '"cpu-rt-runtime"' /etc/docker/daemon.json && budget=1
   if [ -n "$budget" ]; then
     files+=(-f "$here/compose.rt-group.yaml")
+    rt_budget=1
   else
     notes+=("dockerd has no --cpu-rt-runtime: ethercat-loop gets no SCHED_FIFO (its health says so)")
   fi
@@ -38,6 +40,10 @@ if [ -n "$dockerd_pid" ] && [ "${ROBOBUS_RLIMITS:-auto}" != "off" ]; then
   if [ "$rtprio" != "" ] && { [ "$rtprio" = unlimited ] || [ "$rtprio" -ge 90 ]; } && [ "$memlock" = unlimited ]; then
     files+=(-f "$here/compose.rlimits.yaml")
   fi
+fi
+if [ -n "${ROBOBUS_VHAND:-}" ]; then
+  files+=(-f "$here/compose.vhand.yaml")
+  [ -n "${rt_budget:-}" ] && files+=(-f "$here/compose.vhand.rt-group.yaml")
 fi
 [ -f "$secrets/bridge.conf" ] && files+=(-f "$here/compose.edge.yaml")
 if [ -n "${ROBOBUS_WAN_NETWORK:-}" ]; then

@@ -1,9 +1,10 @@
 """Container healthcheck: healthy when the broker holds this node's retained status with `online: true`,
 published by a process of this container (same host name, its pid alive here).
 
-Runs inside the service's container with the service's own settings (ROBOBUS_* environment: broker URL,
-credentials, topic root, node), so it proves the whole path a user depends on: the broker is up, the
-service's credentials are accepted, and the node said it is online.
+Runs inside the service's container with the service's own settings (ROBOBUS_MQTT_URL, _USERNAME,
+_PASSWORD, _TLS_CA, ROBOBUS_TOPIC_ROOT, ROBOBUS_NODE), so it proves the path a user depends on: the broker
+is up, the service's credentials are accepted, the node said it is online. paho only (no pydantic): it
+runs every few seconds, on the realtime container's own pinned CPU too, and must stay cheap.
     python3 /app/healthcheck.py NODE        # NODE: the service name unless ROBOBUS_NODE overrides it
 Exit 0 healthy, 1 not (with one line saying why)."""
 
@@ -13,11 +14,14 @@ import json
 import os
 import socket
 import sys
+import threading
+import uuid
+from urllib.parse import unquote, urlsplit
 
-from shared.rpc import RpcClient
-from shared.settings import KitSettings
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
 
-WAIT_S = float(os.environ.get("ROBOBUS_HEALTHCHECK_WAIT_S", "3"))
+WAIT_S = float(os.environ.get("ROBOBUS_HEALTHCHECK_WAIT_S", "5"))
 
 
 def verdict(payload: bytes | None, hostname: str) -> str:
@@ -38,20 +42,53 @@ def verdict(payload: bytes | None, hostname: str) -> str:
     return ""
 
 
+def fetch_status(env: dict[str, str], topic: str) -> bytes | None:
+    url = urlsplit(env.get("ROBOBUS_MQTT_URL", "mqtt://127.0.0.1:1883"))
+    tls = url.scheme in ("mqtts", "ssl")
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"healthcheck-{uuid.uuid4().hex[:10]}",
+                         protocol=mqtt.MQTTv5)
+    user = env.get("ROBOBUS_MQTT_USERNAME") or (unquote(url.username) if url.username else None)
+    password = env.get("ROBOBUS_MQTT_PASSWORD") or (unquote(url.password) if url.password else None)
+    if user is not None:
+        client.username_pw_set(user, password)
+    if tls:
+        client.tls_set(ca_certs=env.get("ROBOBUS_MQTT_TLS_CA") or None)
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def on_connect(c: mqtt.Client, userdata: object, flags: object, rc: object, props: object = None) -> None:
+        if getattr(rc, "is_failure", False):
+            done.set()
+            return
+        c.subscribe(topic, qos=1)
+
+    def on_message(c: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        got.append(bytes(msg.payload))
+        done.set()
+
+    client.on_connect = on_connect
+    client.on_message = on_message
+    client.connect(url.hostname or "127.0.0.1", url.port or (8883 if tls else 1883), keepalive=10)
+    client.loop_start()
+    done.wait(WAIT_S)
+    client.disconnect()
+    client.loop_stop()
+    return got[-1] if got else None
+
+
 def main(argv: list[str]) -> int:
-    settings = KitSettings()
-    node = settings.node or (argv[1] if len(argv) > 1 else "")
+    env = dict(os.environ)
+    node = env.get("ROBOBUS_NODE") or (argv[1] if len(argv) > 1 else "")
     if not node:
         print("healthcheck: name the node (argument or ROBOBUS_NODE)")
         return 1
-    topic = f"{settings.topic_root}/{node}/status"
+    topic = f"{env.get('ROBOBUS_TOPIC_ROOT', 'robobus')}/{node}/status"
     try:
-        with RpcClient(settings, name=f"healthcheck-{node}") as c:
-            msgs = c.collect(topic, WAIT_S, until=lambda t, p: True)
-    except (ConnectionError, OSError) as exc:
+        payload = fetch_status(env, topic)
+    except (OSError, ValueError) as exc:
         print(f"healthcheck: {exc}")
         return 1
-    why = verdict(msgs[-1][1] if msgs else None, socket.gethostname())
+    why = verdict(payload, socket.gethostname())
     print(f"healthcheck: {node} {why or 'online'}")
     return 1 if why else 0
 
