@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 NODEV  := tests/contract/asyncapi-validate
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check clean help
+.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak clean help
 
 help:
 	@echo "make run     start a local mosquitto and every service on simulators"
@@ -15,6 +15,8 @@ help:
 	@echo "make lint    ruff + mypy"
 	@echo "make bench   benchmarks (bench/*.py); BENCH_ARGS=--quick for a short run"
 	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json"
+	@echo "make chaos   faults against the whole simulated system + a 3-minute soak (table of invariants)"
+	@echo "make soak    the 30-minute soak of the whole simulated system (RSS, CPU, threads per process)"
 
 setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed
 
@@ -56,9 +58,16 @@ bench: setup
 
 # A virtual Shadow hand (bridge + 0220 palm) on a veth pair in namespace robobus-ec, for
 # ROBOBUS_ETHERCAT_BACKEND=virtual (root). VHAND_ARGS="--protocol 0230"; tear down with
-# `.venv/bin/python -m services.ethercat_loop.netns down`.
+# `.venv/bin/python -m services.ethercat_loop.sim.netns down`.
 ethercat-vhand:
-	$(BIN)/python -m services.ethercat_loop.netns up $(VHAND_ARGS)
+	$(BIN)/python -m services.ethercat_loop.sim.netns up $(VHAND_ARGS)
+
+# Chaos and soak (tests/chaos): the suite runs the CI-sized version; these run the long ones.
+chaos: setup
+	$(BIN)/python -m tests.chaos --soak-minutes 3
+
+soak: setup
+	$(BIN)/python -m tests.chaos --only-soak --soak-minutes 30
 
 bench-quick:
 	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick

@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.ethercat_loop.netns import VethNetns, enter_netns
-from services.ethercat_loop.virtual_hand import HandControl
-from shared.testing import can_netns
+from services.ethercat_loop.sim.netns import VethNetns
+from services.ethercat_loop.sim.virtual_hand import HandControl
+from services.ethercat_loop.transport.netns import enter_netns
+from tests.fixtures import can_netns
 
 T = TypeVar("T")
 ECHO = ["--model", "tests.ethercat_loop.palm_fixtures:EchoPalm"]
