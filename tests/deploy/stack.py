@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.settings import KitSettings
-from shared.testing import free_port
+from tests.fixtures import free_port
 from tests.deploy.deployfiles import DEPLOY, REPO
 from tests.deploy.mqttprobe import creds
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.testing import free_port, mosquitto_bin
+from tests.fixtures import free_port, mosquitto_bin
 from tests.deploy.deployfiles import host_broker_conf, make_secrets
 from tests.deploy.mqttprobe import Probe, creds
 
