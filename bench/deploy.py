@@ -87,9 +87,12 @@ def wait_healthy(stack: Stack, timeout: float) -> float:
 def cycle_totals(settings: KitSettings, seconds: float) -> dict[str, Any]:
     """loop_stats totals over `seconds`: the difference between the first and the last message."""
     msgs: list[dict[str, Any]] = []
+    def keep(topic: str, payload: bytes) -> bool:
+        msgs.append(json.loads(payload))
+        return False
+
     with RpcClient(settings, name="bench-deploy-cycle") as c:
-        c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds,
-                  until=lambda t, p: bool(msgs.append(json.loads(p))))
+        c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds, until=keep)
     msgs = msgs[1:]  # the first is the retained one
     if len(msgs) < 2:
         raise RuntimeError("no loop_stats from ethercat-loop")

@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -88,7 +89,8 @@ class Probe:
 
 
 def read_env(path) -> dict[str, str]:
-    pairs = (line.split("=", 1) for line in open(path).read().splitlines() if "=" in line and not line.startswith("#"))
+    text = Path(path).read_text()
+    pairs = (line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
     return {k: v for k, v in pairs}
 
 

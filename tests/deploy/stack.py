@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.settings import KitSettings
-from tests.fixtures import free_port
 from tests.deploy.deployfiles import DEPLOY, REPO
 from tests.deploy.mqttprobe import creds
+from tests.fixtures import free_port
 
 DOCKER = "/usr/bin/docker"
 
@@ -25,7 +25,8 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 600
     proc = subprocess.run(args, env={**os.environ, **(env or {})}, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
     return proc
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import free_port, mosquitto_bin
 from tests.deploy.deployfiles import host_broker_conf, make_secrets
 from tests.deploy.mqttprobe import Probe, creds
+from tests.fixtures import free_port, mosquitto_bin
 
 SETTLE_S = 10.0  # generous: the machine is shared
 

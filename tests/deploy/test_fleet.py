@@ -78,8 +78,9 @@ def test_one_subscriber_at_the_centre_sees_every_sites_status_health_and_state(f
 
 def test_a_command_at_the_centre_reaches_a_site_and_the_reply_comes_back(fleet):
     central = fleet["central"]
-    for site, node, device, cmd, payload in (("site-b", "epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}),
-                                             ("site-a", "ethercat-loop", "rh", "nullify_demands", {})):
+    calls = (("site-b", "epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}),
+             ("site-a", "ethercat-loop", "rh", "nullify_demands", {}))
+    for site, node, device, cmd, payload in calls:
         with RpcClient(central.settings("operator", topic_root=f"{site}/robobus"), name="test-fleet-op") as c:
             rep = c.call(node, device, cmd, payload, timeout=30)
         assert rep.ok, (site, rep)
@@ -121,7 +122,7 @@ def test_a_cut_link_is_seen_at_the_centre_and_nothing_sent_meanwhile_is_lost(fle
     # The node's own heartbeats from the cut-off period arrived too, and it is current again.
     health_ts = [json.loads(p)["ts"] for t, p, _ in list(watcher.received) if t == f"{root}/ethercat-loop/rh/health"]
     assert any(ts >= cut_ts for ts in health_ts), health_ts
-    assert watcher.wait_for(lambda t, p, r: t == f"{root}/ethercat-loop/rh/health" and json.loads(p)["ts"] > time.time() - 10,
-                            30)
+    fresh = f"{root}/ethercat-loop/rh/health"
+    assert watcher.wait_for(lambda t, p, r: t == fresh and json.loads(p)["ts"] > time.time() - 10, 30)
     pub.close()
     watcher.close()

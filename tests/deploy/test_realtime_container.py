@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.ethercat_loop.backend import EthercatSettings
+from services.ethercat_loop.settings import EthercatSettings
 from shared.rpc import RpcClient
-from tests.fixtures import can_netns
 from tests.deploy.conftest import TIMINGS
 from tests.deploy.deployfiles import DEPLOY
 from tests.deploy.stack import DOCKER, Stack, run
+from tests.fixtures import can_netns
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(900)]
 RT_GROUP = Path("/sys/fs/cgroup/cpu/cpu.rt_runtime_us").exists()
@@ -65,7 +65,7 @@ def loop_window(stack: Stack, n: int = WINDOW) -> tuple[list[dict], dict]:
             d = json.loads(payload)
             if topic.endswith("/health"):
                 health.update(d)
-            else:
+            elif topic.endswith("/state/loop_stats"):
                 stats.append(d)
             return len(stats) > n
         c.collect(f"{stack.root}/ethercat-loop/rh/#", n * 4 + 30, until=until)
@@ -83,13 +83,13 @@ def test_the_hand_profile_is_the_realtime_container_not_privileged(docker_ready:
     assert svc["cpuset"]
     assert svc["environment"]["ROBOBUS_ETHERCAT_IFNAME"]  # what the service reads (not _IFACE)
     assert any(o.startswith("seccomp=") for o in svc["security_opt"])
-    limits = open(f"/proc/{run(['pgrep', '-xo', 'dockerd']).stdout.strip()}/limits").read()
+    limits = Path(f"/proc/{run(['pgrep', '-xo', 'dockerd']).stdout.strip()}/limits").read_text()
     rtprio_hard = next(line.split()[4] for line in limits.splitlines() if line.startswith("Max realtime priority"))
     if rtprio_hard not in ("unlimited",) and int(rtprio_hard) < 90:  # this host: hard limits cannot be raised
         assert "ulimits" not in svc, "ulimits the daemon cannot grant keep the container from starting"
     if RT_GROUP:
         dockerd = run(["pgrep", "-xo", "dockerd"]).stdout.strip()
-        if "--cpu-rt-runtime" in open(f"/proc/{dockerd}/cmdline").read():
+        if "--cpu-rt-runtime" in Path(f"/proc/{dockerd}/cmdline").read_text():
             assert int(svc["cpu_rt_runtime"]) > 0
 
 
