@@ -40,6 +40,7 @@ DEPLOY = REPO / "deploy"
 # no higher than outside; wake-up p99 in the container within 1.5 x outside.
 RTT_RATIO_TARGET = 1.5
 WAKE_RATIO_TARGET = 1.5
+SETTLE_S = 5.0  # both sides: the window starts this long after the node is online (bring-up, first recoveries)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -163,6 +164,7 @@ def main() -> None:
     try:
         run([str(DEPLOY / "vhand.sh"), "up", "--wait-timeout", "300", "broker", "virtual-hand", "ethercat-loop"],
             hand.env, timeout=400)
+        time.sleep(SETTLE_S)
         inside = cycle_totals(hand.settings("viewer"), a.seconds)
     finally:
         hand.down()
@@ -174,6 +176,7 @@ def main() -> None:
             "ROBOBUS_ETHERCAT_NETNS": f"robobus-bd{os.getpid() % 100000}", "ROBOBUS_ETHERCAT_CPUS": "[1]"})
         try:
             wait_online(broker.settings(), ["ethercat-loop"], 120)
+            time.sleep(SETTLE_S)
             outside = cycle_totals(broker.settings(), a.seconds)
         finally:
             node.stop()
