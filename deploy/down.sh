@@ -4,5 +4,5 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 if [ -n "${ROBOBUS_ENV_FILE:-}" ]; then set -a; . "$ROBOBUS_ENV_FILE"; set +a; fi
-export COMPOSE_PROFILES=${COMPOSE_PROFILES:-sim,hand,epuck}
+export COMPOSE_PROFILES=${COMPOSE_PROFILES:-sim,hand,epuck,dexter}
 exec "$here/compose.sh" down --remove-orphans "$@"

@@ -36,6 +36,9 @@ elif [ -n "${ROBOBUS_CENTRAL_ADDRESS:-}" ]; then      # this host is a fleet edg
                  --bridge-credentials "${ROBOBUS_BRIDGE_CREDENTIALS:?set ROBOBUS_BRIDGE_CREDENTIALS}")
 fi
 python3 "$here/make_secrets.py" "${secrets_args[@]}"
+if [[ ",$COMPOSE_PROFILES," == *,dexter,* ]] && [ -z "${ROBOBUS_DEXTER_ARMS:-}" ]; then
+  say "profile dexter needs ROBOBUS_DEXTER_ARMS, e.g. '[{\"id\":\"dexter1\",\"host\":\"192.168.1.142\"}]'"; exit 2
+fi
 if [[ ",$COMPOSE_PROFILES," == *,epuck,* ]] && [ -z "${ROBOBUS_EPUCK_ROBOTS:-}" ]; then
   say "profile epuck needs ROBOBUS_EPUCK_ROBOTS, e.g. '[{\"id\":\"epuck1\",\"host\":\"192.168.1.21\"}]'"; exit 2
 fi

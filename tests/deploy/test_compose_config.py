@@ -13,16 +13,20 @@ import yaml
 from pydantic_settings import BaseSettings
 
 from services.can_bootloader.settings import CanBootSettings
+from services.dexter_gateway.service import DexterSettings
 from services.epuck_gateway.service import EpuckSettings
 from services.ethercat_loop.settings import EthercatSettings
+from services.roi_modules.service import RoiSettings
 from tests.deploy.deployfiles import DEPLOY, REPO
 from tests.deploy.stack import Stack
 
 SETTINGS: dict[str, type[BaseSettings]] = {"ethercat-loop": EthercatSettings, "can-bootloader": CanBootSettings,
-                                           "epuck-gateway": EpuckSettings}
+                                           "epuck-gateway": EpuckSettings, "roi-modules": RoiSettings,
+                                           "dexter-gateway": DexterSettings}
 NODE_OF = {"ethercat-loop": "ethercat-loop", "ethercat-loop-sim": "ethercat-loop", "can-bootloader": "can-bootloader",
            "can-bootloader-sim": "can-bootloader", "epuck-gateway": "epuck-gateway",
-           "epuck-gateway-sim": "epuck-gateway"}
+           "epuck-gateway-sim": "epuck-gateway", "roi-modules-sim": "roi-modules",
+           "dexter-gateway": "dexter-gateway", "dexter-gateway-sim": "dexter-gateway"}
 # Read by the container around the service, not by its settings: the healthcheck and logging knobs.
 NOT_SETTINGS = {"ROBOBUS_HEALTHCHECK_WAIT_S"}
 
@@ -54,7 +58,7 @@ def config(tmp_path: Path, profiles: str, **env: str) -> dict:
     return yaml.safe_load(st.compose("config").stdout)
 
 
-@pytest.mark.parametrize("profiles", ["sim", "hand", "epuck"])
+@pytest.mark.parametrize("profiles", ["sim", "hand", "epuck", "dexter"])
 def test_every_variable_a_service_is_given_is_a_setting_it_reads(compose_ok, tmp_path, profiles):
     cfg = config(tmp_path, profiles, ROBOBUS_EPUCK_ROBOTS='[{"id":"e1","host":"10.0.0.1"}]')
     checked = 0
