@@ -16,6 +16,7 @@ help:
 	@echo "make lint    ruff + mypy"
 	@echo "make bench   benchmarks (bench/*.py); BENCH_ARGS=--quick for a short run"
 	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json"
+	@echo "make up      the whole system in containers (COMPOSE_PROFILES=sim|hand|epuck); make down stops it"
 	@echo "make chaos   faults against the whole simulated system + a 3-minute soak (table of invariants)"
 	@echo "make soak    the 30-minute soak of the whole simulated system (RSS, CPU, threads per process)"
 
@@ -80,3 +81,12 @@ bench-quick:
 
 clean:
 	rm -rf $(VENV) $(NODEV)/node_modules $(DASH)/node_modules .pytest_cache .mypy_cache .ruff_cache
+
+# -- containers (deploy/): the whole system on this host, from nothing -------------------------------------
+# COMPOSE_PROFILES=sim (default: every service on its simulator), hand, epuck; ROBOBUS_ENV_FILE=a host's env.
+.PHONY: up down
+up:
+	@deploy/up.sh
+
+down:
+	@deploy/down.sh

@@ -1,0 +1,100 @@
+"""A robobus compose project for the tests: its own name, secrets, free broker ports; up, wait, down.
+
+Each project is what `make up` brings up (deploy/compose.sh with the host's overrides), isolated by
+ROBOBUS_PROJECT so several can run side by side (the fleet test runs a centre and sites)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.settings import KitSettings
+from tests.deploy.deployfiles import DEPLOY, REPO
+from tests.deploy.mqttprobe import creds
+from tests.fixtures import free_port
+
+DOCKER = "/usr/bin/docker"
+
+
+def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 600, check: bool = True
+        ) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(args, env={**os.environ, **(env or {})}, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def expected_nodes() -> list[str]:
+    """The sim profile's MQTT nodes: the services whose package exists in this checkout."""
+    nodes = ["ethercat-loop", "can-bootloader", "epuck-gateway"]
+    if (REPO / "services" / "roi_modules" / "sim.py").exists():
+        nodes.append("roi-modules")
+    if (REPO / "services" / "dexter_gateway" / "sim.py").exists():
+        nodes.append("dexter-gateway")
+    return nodes
+
+
+@dataclass
+class Stack:
+    name: str
+    secrets: Path
+    profiles: str = "sim"
+    root: str = "robobus"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    ws_port: int = field(default_factory=free_port)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"ROBOBUS_PROJECT": self.name, "ROBOBUS_SECRETS_DIR": str(self.secrets),
+                "ROBOBUS_BROKER_PORT": str(self.port), "ROBOBUS_BROKER_WS_PORT": str(self.ws_port),
+                "ROBOBUS_TOPIC_ROOT": self.root, "COMPOSE_PROFILES": self.profiles,
+                "ROBOBUS_HEALTHCHECK_INTERVAL": "2s", "ROBOBUS_COMPOSE_VERBOSE": "0", **self.extra_env}
+
+    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return run([str(DEPLOY / "compose.sh"), *args], self.env, timeout, check)
+
+    def secrets_args(self) -> list[str]:
+        return ["--dir", str(self.secrets), "--root", self.root]
+
+    def make_secrets(self, *extra: str) -> None:
+        run(["python3", str(DEPLOY / "make_secrets.py"), *self.secrets_args(), *extra])
+
+    def build(self) -> None:
+        t0 = time.monotonic()
+        self.compose("build")
+        self.timings["build_s"] = time.monotonic() - t0
+
+    def up(self, *services: str, timeout: float = 300) -> None:
+        t0 = time.monotonic()
+        self.compose("up", "-d", "--wait", "--wait-timeout", str(int(timeout)), *services, timeout=timeout + 60)
+        self.timings["up_to_healthy_s"] = time.monotonic() - t0
+
+    def down(self) -> None:
+        self.compose("down", "-v", "--remove-orphans", "-t", "10", check=False, timeout=180)
+
+    def containers(self) -> list[dict[str, object]]:
+        out = self.compose("ps", "--all", "--format", "json").stdout.strip()
+        if not out:
+            return []
+        # compose prints one JSON object per line (newer) or one array (older)
+        return json.loads(out) if out.startswith("[") else [json.loads(line) for line in out.splitlines()]
+
+    def container_id(self, service: str) -> str:
+        return self.compose("ps", "-q", service).stdout.strip()
+
+    def settings(self, user: str = "operator", **kw: object) -> KitSettings:
+        u, p = creds(self.secrets, user)
+        kw.setdefault("topic_root", self.root)
+        return KitSettings(mqtt_url=f"mqtt://127.0.0.1:{self.port}", mqtt_username=u, mqtt_password=p,
+                           **kw)  # type: ignore[arg-type]
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "40", check=False).stdout

@@ -1,0 +1,144 @@
+"""The broker's security by default, on a real mosquitto: the compose broker's own config
+(deploy/mosquitto/compose.conf) with the password and ACL files deploy/make_secrets.py generates.
+Anonymous clients are refused; a service writes only under its own node; can-bootloader gets exactly
+ethercat-loop's bridge topics; the viewer cannot command; the operator can; replies reach only their client."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.deployfiles import host_broker_conf, make_secrets
+from tests.deploy.mqttprobe import Probe, creds
+from tests.fixtures import free_port, mosquitto_bin
+
+SETTLE_S = 10.0  # generous: the machine is shared
+
+
+@pytest.fixture(scope="module")
+def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    exe = mosquitto_bin()
+    if exe is None:
+        pytest.skip("mosquitto is not installed (make test installs it)")
+    d = tmp_path_factory.mktemp("secrets")
+    assert make_secrets.main(["--dir", str(d), "--root", "robobus"]) == 0
+    port = free_port()
+    conf = d / "mosquitto.conf"
+    conf.write_text(host_broker_conf(d, port))
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            p = Probe("127.0.0.1", port, *creds(d, "viewer"))
+            if p.connect() == 0:
+                p.close()
+                break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        raise RuntimeError(f"mosquitto did not start: {proc.stdout.read() if proc.stdout else ''}")
+    yield port, d
+    proc.terminate()
+    proc.wait(5)
+
+
+def probe(port: int, d: Path, user: str | None) -> Probe:
+    p = Probe("127.0.0.1", port, *(creds(d, user) if user else (None, None)))
+    assert p.connect() == 0, f"{user} was refused"
+    return p
+
+
+def test_anonymous_and_wrong_password_are_refused(secure_broker):
+    port, d = secure_broker
+    anon = Probe("127.0.0.1", port)
+    assert anon.connect() != 0  # 135 not authorized
+    anon.close()
+    user, _ = creds(d, "ethercat-loop")
+    wrong = Probe("127.0.0.1", port, user, "not-the-password")
+    assert wrong.connect() != 0
+    wrong.close()
+
+
+def test_a_service_cannot_publish_under_another_nodes_topics(secure_broker):
+    port, d = secure_broker
+    viewer = probe(port, d, "viewer")
+    viewer.subscribe("robobus/#")
+    ec = probe(port, d, "ethercat-loop")
+    ec.publish("robobus/epuck-gateway/epuck1/state/sensors", b'{"forged": true}')
+    ec.publish("robobus/epuck-gateway/status", b'{"online": false}')
+    ec.publish("robobus/ethercat-loop/rh/state/sentinel", b"{}")  # its own: allowed, and after the others
+    assert viewer.wait_for(lambda t, p, r: t.endswith("/sentinel"), SETTLE_S)
+    assert not any(t.startswith("robobus/epuck-gateway/") for t in viewer.topics()), viewer.topics()
+    for p in (viewer, ec):
+        p.close()
+
+
+def test_only_the_operator_commands_and_the_bridge_user_gets_exactly_the_bridge(secure_broker):
+    port, d = secure_broker
+    ec = probe(port, d, "ethercat-loop")
+    ec.subscribe("robobus/ethercat-loop/+/cmd/+")  # what a node subscribes to: its own commands
+    ec.subscribe("robobus/ethercat-loop/+/stream/+")
+    viewer, boot, epuck, op = (probe(port, d, u) for u in ("viewer", "can-bootloader", "epuck-gateway", "operator"))
+    viewer.publish("robobus/ethercat-loop/rh/cmd/set_demands", b'{"from": "viewer"}')
+    epuck.publish("robobus/ethercat-loop/rh/cmd/set_demands", b'{"from": "epuck"}')
+    boot.publish("robobus/ethercat-loop/rh/cmd/set_demands", b'{"from": "bootloader"}')  # not its grant
+    boot.publish("robobus/ethercat-loop/rh/cmd/bridge_lease", b'{"from": "bootloader"}')
+    boot.publish("robobus/ethercat-loop/rh/stream/can_tx", b'{"from": "bootloader"}')
+    op.publish("robobus/ethercat-loop/rh/cmd/set_demands", b'{"from": "operator"}')
+    assert ec.wait_for(lambda t, p, r: b"operator" in p, SETTLE_S)
+    got = {(t.rsplit("/", 1)[-1], p) for t, p, _ in ec.received}
+    assert got == {("bridge_lease", b'{"from": "bootloader"}'), ("can_tx", b'{"from": "bootloader"}'),
+                   ("set_demands", b'{"from": "operator"}')}, got
+    for p in (ec, viewer, boot, epuck, op):
+        p.close()
+
+
+def test_a_reply_reaches_only_the_client_that_asked(secure_broker):
+    port, d = secure_broker
+    op = probe(port, d, "operator")
+    spy = probe(port, d, "viewer")
+    mine = f"robobus/_client/{op.client_id}/reply"
+    assert op.subscribe(mine) == [1]
+    spy.subscribe(f"robobus/_client/{op.client_id}/reply")  # another client's replies: not delivered
+    spy.subscribe("robobus/_client/#")
+    ec = probe(port, d, "ethercat-loop")
+    ec.publish(mine, b'{"ok": true}')
+    assert op.wait_for(lambda t, p, r: t == mine, SETTLE_S)
+    time.sleep(0.5)  # the spy would have had it by now: same broker, same message
+    assert spy.topics() == [], spy.topics()
+    for p in (op, spy, ec):
+        p.close()
+
+
+def test_password_file_uses_mosquittos_own_hash():
+    entry = make_secrets.hash_password("secret", bytes.fromhex("d0708c9f2ff930e776e2662e"))
+    # mosquitto_passwd -b wrote this for the same salt (0HCMny/5MOd24mYu) and password.
+    assert entry == ("$7$101$0HCMny/5MOd24mYu$53VIxrdjqBxv+PojqkNvIHjlUSVhX+HrDbE4y3om7pFKXd8jpzi4bkpGpDggJz/"
+                     "satxchuEDjXruIR+u3KTQxA==")
+
+
+def test_rerun_keeps_passwords_and_rotate_changes_them(tmp_path):
+    make_secrets.main(["--dir", str(tmp_path)])
+    first = creds(tmp_path, "operator")
+    make_secrets.main(["--dir", str(tmp_path)])
+    assert creds(tmp_path, "operator") == first
+    make_secrets.main(["--dir", str(tmp_path), "--rotate"])
+    assert creds(tmp_path, "operator") != first
+    assert (tmp_path / "operator.env").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_viewer_may_watch_the_whole_root(secure_broker):
+    """`robobus watch 'robobus/#'` as viewer: the subscription is granted and node topics arrive."""
+    port, d = secure_broker
+    viewer = probe(port, d, "viewer")
+    codes = viewer.subscribe("robobus/#")
+    ec = probe(port, d, "ethercat-loop")
+    ec.publish("robobus/ethercat-loop/rh/health", b"{}")
+    assert viewer.wait_for(lambda t, p, r: t == "robobus/ethercat-loop/rh/health", SETTLE_S), codes
+    for p in (viewer, ec):
+        p.close()

@@ -1,0 +1,97 @@
+"""compose.yaml against the code: every ROBOBUS_* variable a service container is given is a setting that
+service reads (the compose file once set ROBOBUS_ETHERCAT_IFACE; the service reads ..._IFNAME), every
+fleet env file resolves, and roi-modules / dexter-gateway join the sim profile only once their package exists.
+`docker compose config` needs the compose plugin, not a running daemon."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic_settings import BaseSettings
+
+from services.can_bootloader.settings import CanBootSettings
+from services.dexter_gateway.service import DexterSettings
+from services.epuck_gateway.service import EpuckSettings
+from services.ethercat_loop.settings import EthercatSettings
+from services.roi_modules.service import RoiSettings
+from tests.deploy.deployfiles import DEPLOY, REPO
+from tests.deploy.stack import Stack
+
+SETTINGS: dict[str, type[BaseSettings]] = {"ethercat-loop": EthercatSettings, "can-bootloader": CanBootSettings,
+                                           "epuck-gateway": EpuckSettings, "roi-modules": RoiSettings,
+                                           "dexter-gateway": DexterSettings}
+NODE_OF = {"ethercat-loop": "ethercat-loop", "ethercat-loop-sim": "ethercat-loop", "can-bootloader": "can-bootloader",
+           "can-bootloader-sim": "can-bootloader", "epuck-gateway": "epuck-gateway",
+           "epuck-gateway-sim": "epuck-gateway", "roi-modules-sim": "roi-modules",
+           "dexter-gateway": "dexter-gateway", "dexter-gateway-sim": "dexter-gateway"}
+# Read by the container around the service, not by its settings: the healthcheck and logging knobs.
+NOT_SETTINGS = {"ROBOBUS_HEALTHCHECK_WAIT_S"}
+
+
+@pytest.fixture(scope="module")
+def compose_ok() -> None:
+    if not (Path("/usr/bin/docker").exists() and (shutil.which("docker") or True)):
+        pytest.skip("no docker client: deploy/dev/ensure-docker.sh installs it")
+    if not any(Path(p, "docker-compose").exists() for p in
+               ("/usr/local/lib/docker/cli-plugins", "/usr/lib/docker/cli-plugins", "/usr/libexec/docker/cli-plugins",
+                str(Path.home() / ".docker/cli-plugins"))):
+        pytest.skip("no compose plugin: deploy/dev/install-compose.sh installs it")
+
+
+def env_names(cls: type[BaseSettings]) -> set[str]:
+    names: set[str] = set()
+    for name, f in cls.model_fields.items():
+        names.add(f"ROBOBUS_{name}".upper())
+        alias = f.validation_alias
+        for choice in getattr(alias, "choices", []) or ([alias] if isinstance(alias, str) else []):
+            if isinstance(choice, str) and choice.lower().startswith("robobus_"):
+                names.add(choice.upper())
+    return names
+
+
+def config(tmp_path: Path, profiles: str, **env: str) -> dict:
+    st = Stack("robobus-config-check", tmp_path, profiles=profiles, extra_env=env)
+    st.make_secrets()
+    return yaml.safe_load(st.compose("config").stdout)
+
+
+@pytest.mark.parametrize("profiles", ["sim", "hand", "epuck", "dexter"])
+def test_every_variable_a_service_is_given_is_a_setting_it_reads(compose_ok, tmp_path, profiles):
+    cfg = config(tmp_path, profiles, ROBOBUS_EPUCK_ROBOTS='[{"id":"e1","host":"10.0.0.1"}]')
+    checked = 0
+    for svc, spec in cfg["services"].items():
+        node = NODE_OF.get(svc)
+        if node is None:
+            continue
+        given = {k for k in (spec.get("environment") or {}) if k.startswith("ROBOBUS_")}
+        unknown = given - env_names(SETTINGS[node]) - NOT_SETTINGS
+        assert not unknown, f"{svc}: {sorted(unknown)} are not settings of {SETTINGS[node].__name__}"
+        checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize("env_file", sorted((DEPLOY / "fleet").glob("*.env")), ids=lambda p: p.name)
+def test_fleet_env_files_resolve(compose_ok, tmp_path, env_file):
+    env: dict[str, str] = {}
+    for line in env_file.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            k, v = line.split("=", 1)
+            env[k] = v.strip("'\"")
+    profiles = env.pop("COMPOSE_PROFILES")
+    for k in ("ROBOBUS_SITE", "ROBOBUS_CENTRAL_ADDRESS", "ROBOBUS_BRIDGE_CREDENTIALS", "ROBOBUS_CENTRAL_SITES"):
+        env.pop(k, None)  # up.sh's, not compose's
+    cfg = config(tmp_path, profiles, **env)
+    assert "broker" in cfg["services"]
+    if profiles == "hand":
+        given = cfg["services"]["ethercat-loop"]["environment"]
+        assert given["ROBOBUS_ETHERCAT_IFNAME"] == env["ROBOBUS_ETHERCAT_IFNAME"]
+
+
+def test_new_services_join_the_sim_profile_only_when_their_package_exists(compose_ok, tmp_path):
+    svcs = set(config(tmp_path, "sim")["services"])
+    assert ("roi-modules-sim" in svcs) == (REPO / "services/roi_modules/sim.py").exists()
+    assert ("dexter-gateway-sim" in svcs) == (REPO / "services/dexter_gateway/sim.py").exists()
+    assert {"broker", "ethercat-loop-sim", "can-bootloader-sim", "epuck-gateway-sim", "epuck-sim"} <= svcs

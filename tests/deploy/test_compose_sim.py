@@ -1,0 +1,137 @@
+"""`make up` for real: the sim profile in containers (every service on its simulator, behind the
+password-protected broker), checked over MQTT from the host, then stopped cleanly."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.rpc import RpcClient
+from tests.deploy.conftest import TIMINGS
+from tests.deploy.mqttprobe import Probe, creds
+from tests.deploy.stack import DOCKER, Stack, expected_nodes, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+ONLINE_WAIT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def sim(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = Stack(f"robobus-test-{__import__('os').getpid()}", tmp_path_factory.mktemp("sim-secrets"))
+    stack.make_secrets()
+    stack.down()
+    try:
+        stack.build()
+        stack.up()
+    except Exception:
+        print(stack.logs())
+        stack.down()
+        raise
+    TIMINGS.update({f"sim_{k}": v for k, v in stack.timings.items()})
+    yield stack
+    stack.down()
+
+
+def statuses(stack: Stack, user: str = "viewer") -> dict[str, dict[str, object]]:
+    with RpcClient(stack.settings(user), name="test-deploy") as c:
+        want = set(expected_nodes())
+        seen: dict[str, dict[str, object]] = {}
+
+        def until(topic: str, payload: bytes) -> bool:
+            seen[topic.split("/")[-2]] = json.loads(payload)
+            return want <= {n for n, s in seen.items() if s.get("online")}
+
+        c.collect(f"{stack.root}/+/status", ONLINE_WAIT_S, until=until)
+    return seen
+
+
+def test_every_node_online_and_every_container_healthy(sim: Stack):
+    seen = statuses(sim)
+    for node in expected_nodes():
+        assert seen.get(node, {}).get("online") is True, (node, seen.get(node), sim.logs())
+    states = {c["Service"]: c for c in sim.containers()}
+    for svc, c in states.items():
+        assert c["State"] == "running", (svc, c)
+        if svc not in ("epuck-sim", "roi-sim", "dexter-sim"):  # device simulators speak no MQTT
+            assert c.get("Health") == "healthy", (svc, c)
+
+
+def test_a_command_round_trip_through_the_containerised_broker(sim: Stack):
+    with RpcClient(sim.settings("operator"), name="test-deploy-op") as c:
+        rep = c.call("epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}, timeout=30)
+        assert rep.ok, rep
+        rep = c.call("ethercat-loop", "rh", "nullify_demands", {}, timeout=30)
+        assert rep.ok or rep.error, rep  # answered by the node (the contract's reply, either way)
+
+
+def test_the_viewer_cannot_command_and_anonymous_is_refused(sim: Stack):
+    anon = Probe("127.0.0.1", sim.port)
+    assert anon.connect() != 0
+    anon.close()
+    # the broker drops the viewer's request: no node ever sees it
+    with RpcClient(sim.settings("viewer"), name="test-deploy-viewer") as c, pytest.raises(TimeoutError):
+        c.call("epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}, timeout=3)
+
+
+def test_a_service_cannot_publish_under_another_nodes_topics_in_the_stack(sim: Stack):
+    viewer = Probe("127.0.0.1", sim.port, *creds(sim.secrets, "viewer"))
+    assert viewer.connect() == 0
+    viewer.subscribe(f"{sim.root}/#")
+    forger = Probe("127.0.0.1", sim.port, *creds(sim.secrets, "epuck-gateway"))
+    assert forger.connect() == 0
+    forger.publish(f"{sim.root}/ethercat-loop/rh/state/forged", b"{}")
+    forger.publish(f"{sim.root}/epuck-gateway/epuck1/state/sentinel", b"{}")
+    assert viewer.wait_for(lambda t, p, r: t.endswith("/sentinel"), 30)
+    assert not any(t.endswith("/forged") for t in viewer.topics())
+    viewer.close()
+    forger.close()
+
+
+def test_containers_are_locked_down(sim: Stack):
+    """Non-root, read-only root file system, every capability dropped, no new privileges."""
+    for svc in ("ethercat-loop-sim", "can-bootloader-sim", "epuck-gateway-sim", "broker"):
+        cid = sim.container_id(svc)
+        info = json.loads(run([DOCKER, "inspect", cid]).stdout)[0]
+        hc = info["HostConfig"]
+        assert hc["ReadonlyRootfs"] is True, svc
+        assert hc["CapDrop"] == ["ALL"] and not hc["CapAdd"], (svc, hc["CapAdd"])
+        assert "no-new-privileges:true" in hc["SecurityOpt"], svc
+        assert hc["Privileged"] is False, svc
+        uid = run([DOCKER, "exec", cid, "id", "-u"]).stdout.strip()
+        assert uid != "0", svc
+
+
+def test_image_sizes_are_lean(sim: Stack):
+    """Each service image carries only its own extra: no pysoem or numpy in the e-puck gateway, no Pillow
+    in the EtherCAT image."""
+    def has(image: str, module: str) -> bool:
+        code = f"import importlib.util,sys; sys.exit(0 if importlib.util.find_spec({module!r}) else 1)"
+        return run([DOCKER, "run", "--rm", image, "python3", "-c", code], check=False).returncode == 0
+    assert has("robobus/epuck-gateway:dev", "PIL") and not has("robobus/epuck-gateway:dev", "pysoem")
+    assert not has("robobus/epuck-gateway:dev", "numpy")
+    assert has("robobus/ethercat-loop:dev", "pysoem") and not has("robobus/ethercat-loop:dev", "PIL")
+    sizes = {}
+    for img in ("broker", "ethercat-loop", "can-bootloader", "epuck-gateway", "epuck-sim"):
+        sizes[img] = int(run([DOCKER, "image", "inspect", "-f", "{{.Size}}", f"robobus/{img}:dev"]).stdout) / 1e6
+    TIMINGS.update({f"image_{k}_MB": v for k, v in sizes.items()})
+
+
+def test_stop_is_fail_safe_every_node_says_offline_on_shutdown(sim: Stack, tmp_path: Path):
+    """`make down` sends SIGTERM: each node runs its fail-safe hooks and publishes online=false itself
+    (reason shutdown), not by its Last Will."""
+    for svc in ("epuck-gateway-sim", "ethercat-loop-sim", "can-bootloader-sim"):
+        sim.compose("stop", "-t", "20", svc, timeout=120)
+    deadline = time.monotonic() + 30
+    seen: dict[str, dict[str, object]] = {}
+    while time.monotonic() < deadline:
+        with RpcClient(sim.settings("viewer"), name="test-deploy-down") as c:
+            for topic, payload, _ in c.collect(f"{sim.root}/+/status", 2.0):
+                seen[topic.split("/")[-2]] = json.loads(payload)
+        if all(seen.get(n, {}).get("online") is False for n in ("epuck-gateway", "ethercat-loop", "can-bootloader")):
+            break
+    for n in ("epuck-gateway", "ethercat-loop", "can-bootloader"):
+        assert seen[n]["online"] is False and seen[n].get("reason") == "shutdown", (n, seen[n])

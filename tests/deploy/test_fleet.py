@@ -1,0 +1,128 @@
+"""A fleet on one host: a central broker and two sites, each its own compose project (the same compose file,
+its own env: topic root, secrets), each site's broker bridged to the centre over a shared docker network.
+One subscriber at the centre sees every site; a command sent at the centre reaches a device at a site and its
+reply comes back; a site cut off from the centre is seen as unreachable within seconds, loses nothing it
+published with QoS 1 meanwhile, and is current again when the link returns."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from shared.rpc import RpcClient
+from tests.deploy.conftest import TIMINGS
+from tests.deploy.mqttprobe import Probe, creds
+from tests.deploy.stack import DOCKER, Stack, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# The bridge's keepalive is 2 s (make_secrets.BRIDGE_KEEPALIVE_S): the centre's broker gives up after 1.5
+# keepalives; the bound below is generous for a loaded machine.
+UNREACHABLE_WITHIN_S = 15.0
+SITES = {"site-a": ["ethercat-loop-sim"], "site-b": ["epuck-sim", "epuck-gateway-sim"]}
+NODES = {"site-a": ["ethercat-loop"], "site-b": ["epuck-gateway"]}
+
+
+@pytest.fixture(scope="module")
+def fleet(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+    tag = f"{os.getpid()}"
+    wan = f"robobus-wan-{tag}"
+    central = Stack(f"robobus-central-{tag}", tmp_path_factory.mktemp("central"), profiles="central", root="robobus",
+                    extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": "central"})
+    central.make_secrets("--central", *[a for s in SITES for a in ("--site", f"{s}={s}/robobus")])
+    stacks = {"central": central}
+    for site in SITES:
+        st = Stack(f"robobus-{site}-{tag}", tmp_path_factory.mktemp(site), root=f"{site}/robobus",
+                   extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": f"{site}-broker"})
+        st.make_secrets("--site", site, "--bridge-to", "central:1883",
+                        "--bridge-credentials", str(central.secrets / f"bridge-{site}.env"))
+        stacks[site] = st
+    try:
+        central.up()
+        for site, services in SITES.items():
+            stacks[site].up("broker", *services)
+        TIMINGS["fleet_up_s"] = sum(s.timings["up_to_healthy_s"] for s in stacks.values())
+        yield stacks
+    finally:
+        for st in stacks.values():
+            st.down()
+        run([DOCKER, "network", "rm", wan], check=False)
+
+
+def centre_view(central: Stack, seconds: float, until=None) -> list[tuple[str, bytes, bool]]:
+    with RpcClient(central.settings("viewer"), name="test-fleet-view") as c:
+        out: list[tuple[str, bytes, bool]] = []
+        for site in SITES:  # one subscriber, every site's root
+            out += c.collect(f"{site}/robobus/#", seconds / len(SITES), until)
+    return out
+
+
+def test_one_subscriber_at_the_centre_sees_every_sites_status_health_and_state(fleet):
+    central = fleet["central"]
+    viewer = Probe("127.0.0.1", central.port, *creds(central.secrets, "viewer"))
+    assert viewer.connect() == 0
+    for site in SITES:
+        viewer.subscribe(f"{site}/robobus/#")
+    for site, nodes in NODES.items():
+        for node in nodes:
+            base = f"{site}/robobus/{node}"
+            assert viewer.wait_for(lambda t, p, r, b=base: t == f"{b}/status" and json.loads(p)["online"], 60), \
+                (base, viewer.topics()[-20:])
+            assert viewer.wait_for(lambda t, p, r, b=base: t.startswith(b) and t.endswith("/health"), 60), base
+            assert viewer.wait_for(lambda t, p, r, b=base: t.startswith(b) and "/state/" in t, 60), base
+    viewer.close()
+
+
+def test_a_command_at_the_centre_reaches_a_site_and_the_reply_comes_back(fleet):
+    central = fleet["central"]
+    calls = (("site-b", "epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}),
+             ("site-a", "ethercat-loop", "rh", "nullify_demands", {}))
+    for site, node, device, cmd, payload in calls:
+        with RpcClient(central.settings("operator", topic_root=f"{site}/robobus"), name="test-fleet-op") as c:
+            rep = c.call(node, device, cmd, payload, timeout=30)
+        assert rep.ok, (site, rep)
+
+
+def test_a_cut_link_is_seen_at_the_centre_and_nothing_sent_meanwhile_is_lost(fleet):
+    central, site = fleet["central"], fleet["site-a"]
+    root = "site-a/robobus"
+    watcher = Probe("127.0.0.1", central.port, *creds(central.secrets, "viewer"))
+    assert watcher.connect() == 0
+    watcher.subscribe(f"{root}/#")
+    assert watcher.wait_for(lambda t, p, r: t == f"{root}/_bridge/state" and p == b"1", 30)
+    # A publisher at the site with the node's own credentials (its topics only), QoS 1, numbered.
+    pub = Probe("127.0.0.1", site.port, *creds(site.secrets, "ethercat-loop"))
+    assert pub.connect() == 0
+    broker = site.container_id("broker")
+    net = site.extra_env["ROBOBUS_WAN_NETWORK"]
+    run([DOCKER, "network", "disconnect", net, broker])
+    cut_at = time.monotonic()
+    try:
+        assert watcher.wait_for(lambda t, p, r: t == f"{root}/_bridge/state" and p == b"0", UNREACHABLE_WITHIN_S), \
+            "the centre did not see site-a as unreachable"
+        TIMINGS["fleet_unreachable_seen_s"] = time.monotonic() - cut_at
+        cut_ts = time.time()
+        for i in range(50):
+            pub.publish(f"{root}/ethercat-loop/rh/event/probe", json.dumps({"seq": i}).encode(), qos=1)
+        time.sleep(6)  # over a health heartbeat (5 s) of the site's node, queued too
+    finally:
+        run([DOCKER, "network", "connect", "--alias", "site-a-broker", net, broker])
+    back_at = time.monotonic()
+    seqs = lambda: [json.loads(p)["seq"] for t, p, _ in list(watcher.received) if t.endswith("/event/probe")]  # noqa: E731
+    assert watcher.wait_for(lambda t, p, r: t == f"{root}/_bridge/state" and p == b"1" and time.monotonic() > back_at,
+                            60), "the bridge did not come back"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(set(seqs())) < 50:
+        time.sleep(0.2)
+    TIMINGS["fleet_queue_drained_s"] = time.monotonic() - back_at
+    assert sorted(set(seqs())) == list(range(50)), seqs()
+    # The node's own heartbeats from the cut-off period arrived too, and it is current again.
+    health_ts = [json.loads(p)["ts"] for t, p, _ in list(watcher.received) if t == f"{root}/ethercat-loop/rh/health"]
+    assert any(ts >= cut_ts for ts in health_ts), health_ts
+    fresh = f"{root}/ethercat-loop/rh/health"
+    assert watcher.wait_for(lambda t, p, r: t == fresh and json.loads(p)["ts"] > time.time() - 10, 30)
+    pub.close()
+    watcher.close()
