@@ -1,0 +1,76 @@
+// Generate typed models from an AsyncAPI document with the official AsyncAPI model generator
+// (Modelina), the way an integrator in another language would. Usage:
+//   node generate.mjs <asyncapi.yaml> <typescript|java|go|python> <out dir>
+// Writes the model files and prints, as the last line, one JSON object:
+//   {"language", "models": [written type names], "inlined": [schema names rendered inline],
+//    "anonymous": [models without a name]}   (files are written only when none is anonymous)
+// A model is anonymous when Modelina had no title or name for its schema (AnonymousSchema_N,
+// or an empty name in languages whose writers then cannot name a file).
+import { readFileSync, mkdirSync } from 'node:fs';
+import {
+  TypeScriptFileGenerator, JavaFileGenerator, GoFileGenerator, PythonFileGenerator,
+} from '@asyncapi/modelina';
+import { Parser } from '@asyncapi/parser';
+
+const [file, language, outDir] = process.argv.slice(2);
+if (!file || !language || !outDir) {
+  console.error('usage: node generate.mjs <asyncapi.yaml> <typescript|java|go|python> <out dir>');
+  process.exit(2);
+}
+
+const parser = new Parser();
+const { document, diagnostics } = await parser.parse(readFileSync(file, 'utf8'));
+if (!document) {
+  for (const d of diagnostics) console.error(`${d.code}: ${d.message} at ${JSON.stringify(d.path)}`);
+  process.exit(1);
+}
+
+// Modelina (5.10) writes a Double field's default as the JSON number it parsed, so a default of 2.0
+// becomes `Double timeoutS = 2;`, which javac rejects (int is not Double). This preset writes it
+// as a double literal; every other field is left to Modelina.
+const javaNumberDefaults = {
+  class: {
+    property({ property, content }) {
+      const dflt = property.property.originalInput?.default;
+      if (['Double', 'Float'].includes(property.property.type) && Number.isInteger(dflt)) {
+        const suffix = property.property.type === 'Float' ? 'f' : 'd';
+        return `private ${property.property.type} ${property.propertyName} = ${dflt}${suffix};`;
+      }
+      return content;
+    },
+  },
+};
+
+// Generator options are the ones the README documents for each language.
+const setups = {
+  typescript: [new TypeScriptFileGenerator({ modelType: 'interface', enumType: 'union', mapType: 'record' }),
+    { exportType: 'named' }],
+  java: [new JavaFileGenerator({ collectionType: 'List', presets: [javaNumberDefaults] }),
+    { packageName: 'robobus.models' }],
+  go: [new GoFileGenerator(), { packageName: 'models' }],
+  python: [new PythonFileGenerator(), {}],
+};
+const setup = setups[language];
+if (!setup) {
+  console.error(`unknown language ${language}; one of ${Object.keys(setups).join(', ')}`);
+  process.exit(2);
+}
+const [generator, options] = setup;
+
+// Modelina names a schema without a title or a component key "AnonymousSchema_N". A language that
+// has no type of its own for a schema (a union of primitives in Java, any union in Python) renders
+// it inline and gives the output an empty name; Modelina writes no file for it. The schema itself
+// must still have had a name.
+const models = await generator.generateCompleteModels(document, options);
+const written = models.filter((m) => m.modelName !== '');
+const anonymous = models.map((m) => m.model.name).filter((n) => !n || /anonymous/i.test(n));
+if (anonymous.length === 0) {
+  mkdirSync(outDir, { recursive: true });
+  await generator.generateToFiles(document, outDir, options);
+}
+console.log(JSON.stringify({
+  language,
+  models: written.map((m) => m.modelName).sort(),
+  inlined: models.filter((m) => m.modelName === '').map((m) => m.model.name).sort(),
+  anonymous,
+}));
