@@ -5,6 +5,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NODEV  := tests/contract/asyncapi-validate
+MODELINA := tests/contract/modelina
+TSEXAMPLE := examples/typescript
 PYTEST_ARGS ?=
 
 .PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check clean help
@@ -16,7 +18,8 @@ help:
 	@echo "make bench   benchmarks (bench/*.py); BENCH_ARGS=--quick for a short run"
 	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json"
 
-setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed
+setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(MODELINA)/node_modules/.installed \
+       $(TSEXAMPLE)/node_modules/.installed
 
 # Debian packages: mosquitto (broker), its clients, iproute2 (netns/veth for the EtherCAT tests),
 # rt-tests (cyclictest, the realtime anchor of bench/ethercat_cycle.py), nodejs/npm (AsyncAPI parser).
@@ -31,6 +34,16 @@ $(STAMP): pyproject.toml
 
 $(NODEV)/node_modules/.installed: $(NODEV)/package.json $(NODEV)/package-lock.json
 	cd $(NODEV) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# The AsyncAPI model generator (Modelina) and tsc, for the generated-models tests (tests/contract).
+$(MODELINA)/node_modules/.installed: $(MODELINA)/package.json $(MODELINA)/package-lock.json
+	cd $(MODELINA) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# The TypeScript example client (mqtt.js, tsc), run by tests/contract/test_example_typescript.py.
+$(TSEXAMPLE)/node_modules/.installed: $(TSEXAMPLE)/package.json $(TSEXAMPLE)/package-lock.json
+	cd $(TSEXAMPLE) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 run: setup
@@ -64,4 +77,4 @@ bench-quick:
 	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick
 
 clean:
-	rm -rf $(VENV) $(NODEV)/node_modules .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(NODEV)/node_modules $(MODELINA)/node_modules $(TSEXAMPLE)/node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -19,9 +19,9 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from shared.codegen_schema import name_inline_schemas, pascal
 from shared.contract import BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
 from shared.messages import ErrorReply, Health, JobAccepted, JobResult, NodeStats, OkReply, Status
-from shared.codegen_schema import name_inline_schemas, pascal
 
 REF = "#/components/schemas/{model}"
 MQTT_BINDING = "0.2.0"
@@ -399,9 +399,17 @@ class ContractValidator:
         return cid
 
     def validate_reply(self, doc: dict[str, Any], command_cid: str, payload: bytes) -> None:
-        """Validate a command reply against `{command_cid}_reply` of the document."""
+        """Validate a command reply against `{command_cid}_reply` of the document; an error reply's code
+        must be one the command's operation lists in `x-robobus.errors`."""
         msg = doc["components"]["messages"][f"{command_cid}_reply"]
         schema = {**msg["payload"], "components": {"schemas": self.schemas}}
-        errors = list(self._jsonschema.Draft202012Validator(schema).iter_errors(json.loads(payload)))
+        data = json.loads(payload)
+        errors = list(self._jsonschema.Draft202012Validator(schema).iter_errors(data))
         if errors:
             raise AssertionError(f"reply on {command_cid}: {errors[0].message}")
+        if data.get("ok") is False:
+            declared = doc["operations"][command_cid]["x-robobus"]["errors"]
+            code = data["error"]["code"]
+            if code not in declared:
+                raise AssertionError(f"reply on {command_cid}: error code {code!r} is not declared "
+                                     f"(the document lists {declared}); add it to the command's `errors`")

@@ -35,10 +35,10 @@ def pascal(name: str) -> str:
 def name_inline_schemas(schemas: dict[str, Any]) -> dict[str, Any]:
     """Title every component and every inline schema that a generator makes a type of; see the module
     docstring. Raises ValueError when two different schemas would get the same name."""
-    owners: dict[str, str] = {name: f"component {name}" for name in schemas}
+    owners: dict[str, str] = {name: name for name in schemas}  # name -> where it is used
     for name, schema in schemas.items():
         schema["title"] = name
-        _walk(schema, name, owners, top=True)
+        _walk(schema, name, f"{name}", owners, top=True)
     return schemas
 
 
@@ -77,25 +77,26 @@ def _claim(title: str, where: str, owners: dict[str, str]) -> None:
     owners[title] = where
 
 
-def _walk(node: Any, base: str, owners: dict[str, str], *, top: bool = False) -> None:
+def _walk(node: Any, base: str, path: str, owners: dict[str, str], *, top: bool = False) -> None:
+    """`base` is the name this schema gets if it makes a type; `path` where it is (for errors)."""
     if not isinstance(node, dict):
         return
     _merge_nullable(node)
     if not top and _makes_a_type(node):
-        _claim(base, f"inline schema {base}", owners)
+        _claim(base, path, owners)
         node["title"] = base
     for field, sub in (node.get("properties") or {}).items():
-        _walk(sub, base + pascal(field), owners)
+        _walk(sub, base + pascal(field), f"{path}.{field}", owners)
     for key in _UNIONS:
         branches = node.get(key)
         if isinstance(branches, list):
             for i, sub in enumerate(branches):
-                _walk(sub, f"{base}Option{i}", owners)
+                _walk(sub, f"{base}Option{i}", f"{path}.{key}[{i}]", owners)
     items = node.get("items")
     if isinstance(items, dict):
-        _walk(items, base + "Item", owners)
+        _walk(items, base + "Item", f"{path}[]", owners)
     for i, sub in enumerate(node.get("prefixItems") or []):
-        _walk(sub, f"{base}Item{i}", owners)
+        _walk(sub, f"{base}Item{i}", f"{path}[{i}]", owners)
     extra = node.get("additionalProperties")
     if isinstance(extra, dict):
-        _walk(extra, base + "Value", owners)
+        _walk(extra, base + "Value", f"{path}{{}}", owners)

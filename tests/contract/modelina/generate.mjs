@@ -9,6 +9,7 @@
 import { readFileSync, mkdirSync } from 'node:fs';
 import {
   TypeScriptFileGenerator, JavaFileGenerator, GoFileGenerator, PythonFileGenerator,
+  typeScriptDefaultModelNameConstraints,
 } from '@asyncapi/modelina';
 import { Parser } from '@asyncapi/parser';
 
@@ -43,7 +44,15 @@ const javaNumberDefaults = {
 
 // Generator options are the ones the README documents for each language.
 const setups = {
-  typescript: [new TypeScriptFileGenerator({ modelType: 'interface', enumType: 'union', mapType: 'record' }),
+  typescript: [new TypeScriptFileGenerator({
+    // interfaces of the JSON as it is on the wire: `JSON.parse(payload) as EpuckSensors` then holds,
+    // with the field names of the document (battery_v, not batteryV) and objects as records
+    modelType: 'interface', enumType: 'union', mapType: 'record', rawPropertyNames: true,
+    // Modelina checks model names against keywords and browser globals in lower case, before making
+    // them PascalCase, so the kit's `Status` would become `ReservedStatus`. Our names are PascalCase
+    // (every keyword is lower case) and interfaces are types only: keep the names as they are.
+    constraints: { modelName: typeScriptDefaultModelNameConstraints({ NO_RESERVED_KEYWORDS: (v) => v }) },
+  }),
     { exportType: 'named' }],
   java: [new JavaFileGenerator({ collectionType: 'List', presets: [javaNumberDefaults] }),
     { packageName: 'robobus.models' }],
