@@ -9,7 +9,7 @@ MODELINA := tests/contract/modelina
 TSEXAMPLE := examples/typescript
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check clean help
+.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak clean help
 
 help:
 	@echo "make run     start a local mosquitto and every service on simulators"
@@ -17,6 +17,8 @@ help:
 	@echo "make lint    ruff + mypy"
 	@echo "make bench   benchmarks (bench/*.py); BENCH_ARGS=--quick for a short run"
 	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json"
+	@echo "make chaos   faults against the whole simulated system + a 3-minute soak (table of invariants)"
+	@echo "make soak    the 30-minute soak of the whole simulated system (RSS, CPU, threads per process)"
 
 setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(MODELINA)/node_modules/.installed \
        $(TSEXAMPLE)/node_modules/.installed
@@ -72,6 +74,13 @@ bench: setup
 # `.venv/bin/python -m services.ethercat_loop.netns down`.
 ethercat-vhand:
 	$(BIN)/python -m services.ethercat_loop.netns up $(VHAND_ARGS)
+
+# Chaos and soak (tests/chaos): the suite runs the CI-sized version; these run the long ones.
+chaos: setup
+	$(BIN)/python -m tests.chaos --soak-minutes 3
+
+soak: setup
+	$(BIN)/python -m tests.chaos --only-soak --soak-minutes 30
 
 bench-quick:
 	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick

@@ -55,10 +55,10 @@ from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
 from services.ethercat_loop.netns import VethNetns  # noqa: E402
 from services.ethercat_loop.protocol import PROTOCOLS, PalmCommand, unpack_command  # noqa: E402
+from shared.localbroker import Broker, NodeProcess, can_netns, free_port, mosquitto_bin  # noqa: E402
 from shared.mqtt import reply_properties  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
-from shared.testing import Broker, NodeProcess, can_netns, free_port, mosquitto_bin  # noqa: E402
 
 NODE = "bench-ecat"
 CYCLE_PHASE_NS = 1_000_000  # spread of the demand client's send times (the cycle period)

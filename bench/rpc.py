@@ -33,9 +33,9 @@ from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from pydantic import BaseModel, create_model  # noqa: E402
 
 from shared import Node, ServiceAPI  # noqa: E402
+from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.mqtt import _nodelay, reply_properties  # noqa: E402
 from shared.rpc import RpcClient, wait_for  # noqa: E402
-from shared.testing import Broker, free_port  # noqa: E402
 
 # A 40-field state model: floats, ints, bools and strings, like a motor or sensor record.
 _FIELDS: dict[str, tuple[type, object]] = {}

@@ -7,11 +7,9 @@ reply (Response Topic + Correlation Data)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from collections.abc import Iterable
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -22,30 +20,15 @@ from pydantic.json_schema import models_json_schema
 from shared.codegen_schema import name_inline_schemas, pascal
 from shared.contract import BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
 from shared.messages import ErrorReply, Health, JobAccepted, JobResult, NodeStats, OkReply, Status
+from shared.registry import service_apis
 
 REF = "#/components/schemas/{model}"
 MQTT_BINDING = "0.2.0"
 
 
 def discover_apis() -> list[ServiceAPI]:
-    """Every service's contract: the in-tree services list plus `robobus.services` entry points."""
-    specs: dict[str, str] = {}
-    try:
-        from services import SERVICE_APIS
-
-        specs.update(SERVICE_APIS)
-    except ImportError:
-        pass
-    for ep in entry_points(group="robobus.services"):
-        specs.setdefault(ep.name, ep.value)
-    apis = []
-    for name in sorted(specs):
-        mod, _, attr = specs[name].partition(":")
-        api = getattr(importlib.import_module(mod), attr or "API")
-        if not isinstance(api, ServiceAPI):
-            raise TypeError(f"{specs[name]} is not a ServiceAPI")
-        apis.append(api)
-    return apis
+    """Every registered service's contract (the `robobus.services` entry points)."""
+    return service_apis()
 
 
 def _cid(*parts: str) -> str:

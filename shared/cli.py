@@ -8,12 +8,10 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import time
 from datetime import datetime
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from shared.registry import cli_plugins, service_names
 from shared.rpc import RpcClient
 from shared.settings import KitSettings, load_settings
 
@@ -66,8 +65,11 @@ def status(
     root: Root = None,
     wait: Annotated[float, typer.Option(help="Seconds to gather retained messages")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    expect_all: Annotated[bool, typer.Option(
+        "--expect-all", help="Exit 1 unless every registered service has a node online")] = False,
 ) -> None:
-    """Every node and device, from the retained status and health topics."""
+    """Every node and device, from the retained status and health topics; registered services with no
+    node online are named below the table."""
     c = _client(broker, root)
     try:
         msgs = c.collect(f"{c.root}/+/status", wait) + c.collect(f"{c.root}/+/+/health", wait)
@@ -108,6 +110,11 @@ def status(
         console.print(f"no robobus nodes under '{c.root}/' on this broker")
         raise typer.Exit(1)
     console.print(table)
+    missing = sorted(set(service_names()) - {st.get("service") for st in nodes.values() if st.get("online")})
+    if missing:
+        console.print(f"registered services with no node online: {', '.join(missing)}")
+    if expect_all and missing:
+        raise typer.Exit(1)
 
 
 def _yn(v: Any) -> str:
@@ -240,32 +247,22 @@ def schema(
 
 
 def _load_plugins() -> None:
-    """Sub-commands contributed by services (robobus flash, robobus can, ...)."""
-    specs: dict[str, str] = {}
-    try:
-        from services import SERVICE_CLIS
-
-        specs.update(SERVICE_CLIS)
-    except ImportError:
-        pass
-    for ep in entry_points(group="robobus.cli"):
-        specs.setdefault(ep.name, ep.value)
-    for name, spec in sorted(specs.items()):
-        mod, _, attr = spec.partition(":")
+    """Sub-commands contributed through the `robobus.cli` entry points (robobus flash, robobus can, ...)."""
+    for plugin in cli_plugins():
         try:
-            obj = getattr(importlib.import_module(mod), attr or "app")
+            obj = plugin.load()
         except ImportError as exc:  # a service whose extra is not installed
             err = str(exc)
 
             def missing(_err: str = err) -> None:
                 err_console.print(f"[red]robobus: this command needs a service extra: {_err}[/red]")
                 raise typer.Exit(2)
-            app.command(name=name, help=f"(unavailable: {err})")(missing)
+            app.command(name=plugin.name, help=f"(unavailable: {err})")(missing)
             continue
         if isinstance(obj, typer.Typer):
-            app.add_typer(obj, name=name)
+            app.add_typer(obj, name=plugin.name)
         else:
-            app.command(name=name)(obj)
+            app.command(name=plugin.name)(obj)
 
 
 def main() -> None:

@@ -1,1 +1,1 @@
-pytest_plugins = ["shared.testing"]
+pytest_plugins = ["tests.fixtures"]

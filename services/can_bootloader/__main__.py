@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from services.can_bootloader.service import API, CanBootSettings, build
-from shared import Node, load_settings
-from shared.logs import setup_logging
+from shared import run_service
 
 
 def main() -> None:
-    settings = load_settings(CanBootSettings)
-    setup_logging(settings.log_level, settings.log_json)
-    node = Node(API, settings)
-    build(node, settings)
-    node.run()
+    run_service(API, CanBootSettings, build)
 
 
 if __name__ == "__main__":

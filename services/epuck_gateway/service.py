@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -517,3 +518,21 @@ async def serve(node: Node, settings: EpuckSettings) -> None:
 
 
 __all__ = ["API", "REQ_IMAGE", "REQ_SENSORS", "EpuckRobot", "EpuckSettings", "serve"]
+
+
+class EpuckGateway:
+    """The kit's hooks for the gateway: an asyncio main serving every configured robot."""
+
+    def __init__(self, node: Node, settings: EpuckSettings) -> None:
+        self.node = node
+        self.settings = settings
+
+    async def serve(self) -> None:
+        await serve(self.node, self.settings)
+
+
+def build(node: Node, settings: EpuckSettings) -> EpuckGateway:
+    # Cross-thread hand-offs (loop -> paho's network thread) wait for the GIL; a shorter switch interval
+    # keeps sensor latency low while the encoder threads are busy.
+    sys.setswitchinterval(0.001)
+    return EpuckGateway(node, settings)

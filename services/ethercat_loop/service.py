@@ -11,7 +11,13 @@ import threading
 import time
 from typing import Any, Literal
 
-from services.ethercat_loop.backend import EthercatSettings, HandBackend, overrun_threshold
+from services.ethercat_loop.backend import (
+    BackendUnavailable,
+    EthercatSettings,
+    HandBackend,
+    make_backend,
+    overrun_threshold,
+)
 from services.ethercat_loop.bridge import BridgeLease, Lease, frame_in, frame_out
 from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.driver import (
@@ -76,7 +82,7 @@ from services.ethercat_loop.protocol import (
     serious_flags,
     split_channel_word,
 )
-from shared import CommandError, Device, ErrorCode, Node, ServiceAPI
+from shared import CommandError, Device, ErrorCode, Node, ServiceAPI, ServiceUnavailable
 
 log = logging.getLogger("robobus.ethercat")
 SEND_CAN_HOLDER = "_send_can"
@@ -509,3 +515,13 @@ class PalmService:
                 return
         if lease is not None:
             self.dev.stream_publish(CAN_RX, PalmCanRx(lease_id=lease.lease_id, frames=[frame_out(f) for f in frames]))
+
+
+def build(node: Node, settings: EthercatSettings) -> PalmService:
+    """The kit's hooks: start() brings the palm to OP (a failure shows in health, the node stays up),
+    run() publishes state and watches the cycle, shutdown() zeroes demands and leaves OP."""
+    try:
+        backend = make_backend(settings)
+    except BackendUnavailable as exc:
+        raise ServiceUnavailable(str(exc)) from None
+    return PalmService(node, backend, settings)

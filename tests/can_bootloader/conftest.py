@@ -13,7 +13,7 @@ from services.can_bootloader.service import API, CanBootService, CanBootSettings
 from services.can_bootloader.sim import BootBusSim, make_boards
 from services.can_bootloader.transport import CanBusConfig
 from shared import Node
-from shared.testing import Broker
+from tests.fixtures import Broker
 
 _ids = itertools.count()
 

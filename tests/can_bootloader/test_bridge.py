@@ -23,7 +23,7 @@ from services.can_bootloader.transport import CanBusConfig
 from shared import Node
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient, wait_for
-from shared.testing import Broker
+from tests.fixtures import Broker
 
 palm_loop = pytest.importorskip("services.ethercat_loop.service")
 palm_backend = pytest.importorskip("services.ethercat_loop.backend")

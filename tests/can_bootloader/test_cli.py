@@ -14,7 +14,7 @@ import typer
 from services.can_bootloader.cli import parse_boards
 from services.can_bootloader.image import load_intel_hex
 from services.can_bootloader.sim import make_intel_hex
-from shared.testing import Broker
+from tests.fixtures import Broker
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_HEX = make_intel_hex(0x1000, 0x13FF)

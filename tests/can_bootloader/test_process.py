@@ -10,7 +10,7 @@ from typing import Any
 
 from services.can_bootloader.sim import make_intel_hex
 from shared.rpc import RpcClient, wait_for
-from shared.testing import Broker
+from tests.fixtures import Broker
 
 SMALL_HEX = make_intel_hex(0x1000, 0x13FF)
 

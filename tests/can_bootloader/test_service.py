@@ -13,7 +13,7 @@ from services.can_bootloader.service import API, FlashTuning
 from services.can_bootloader.sim import FLAG_RUN_APP, FLAG_STAY, make_intel_hex
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient, wait_for
-from shared.testing import Broker
+from tests.fixtures import Broker
 
 HEX = make_intel_hex()
 IMAGE = load_intel_hex(HEX)

@@ -14,7 +14,7 @@ import pytest
 
 from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
 from shared.rpc import RpcClient
-from shared.testing import Broker, NodeProcess, free_port
+from tests.fixtures import Broker, NodeProcess, free_port
 
 NODE = "epuck-gateway"
 GATEWAY = ["-m", "services.epuck_gateway"]

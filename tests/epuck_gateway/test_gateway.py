@@ -16,8 +16,8 @@ from services.epuck_gateway.protocol import SET_CALIBRATE_IR, SOUND_MARIO, SOUND
 from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient
-from shared.testing import Broker, free_port
 from tests.epuck_gateway.conftest import GATEWAY, NODE, Gateway, gateway_env, wait_until
+from tests.fixtures import Broker, free_port
 
 
 def mean_abs_diff(a: Image.Image, b: Image.Image) -> float:

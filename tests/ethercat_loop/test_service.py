@@ -8,7 +8,7 @@ import pytest
 
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient, wait_for
-from shared.testing import NodeProcess
+from tests.fixtures import NodeProcess
 
 NODE = "hand-a"
 DEV = "rh"

@@ -19,8 +19,8 @@ from services.ethercat_loop.protocol import PalmCommand, unpack_command
 from services.ethercat_loop.virtual_hand import HandControl
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient
-from shared.testing import Broker, NodeProcess
 from tests.ethercat_loop.wire_fixtures import hand, skip_without_netns, wait_for
+from tests.fixtures import Broker, NodeProcess
 
 pytestmark = pytest.mark.root
 DEV = "rh"

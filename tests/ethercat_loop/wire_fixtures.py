@@ -16,7 +16,7 @@ import pytest
 
 from services.ethercat_loop.netns import VethNetns, enter_netns
 from services.ethercat_loop.virtual_hand import HandControl
-from shared.testing import can_netns
+from tests.fixtures import can_netns
 
 T = TypeVar("T")
 ECHO = ["--model", "tests.ethercat_loop.palm_fixtures:EchoPalm"]

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 
 from shared import Node
-from shared.testing import Broker
+from tests.fixtures import Broker
 from tests.kit.echo_node import API, build
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from shared import Node
-from shared.testing import Broker
+from tests.fixtures import Broker
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,9 @@ import pytest
 
 from shared import Node
 from shared.asyncapi import ContractValidator, build_document, discover_apis, render_yaml, write_docs
+from shared.registry import service_names, service_plugins
 from shared.rpc import RpcClient
-from shared.testing import Broker
+from tests.fixtures import Broker
 from tests.kit.echo_node import API as ECHO_API
 from tests.kit.echo_node import build
 
@@ -57,10 +58,13 @@ def test_official_parser_accepts_a_document_with_jobs_and_streams(tmp_path: Path
     assert _parse(doc)["valid"]
 
 
-def test_every_service_api_is_discovered() -> None:
-    from services import SERVICE_APIS
-
-    assert sorted(a.service for a in discover_apis()) == sorted(SERVICE_APIS)
+def test_every_service_package_is_registered_and_discovered() -> None:
+    # every services/<pkg>/service.py declares an API; each must be a `robobus.services` entry point
+    packages = {p.parent.name for p in (REPO / "services").glob("*/service.py")}
+    apis = discover_apis()
+    declared = {p.module.split(".")[1] for p in service_plugins()}
+    assert declared == packages
+    assert sorted(a.service for a in apis) == service_names()
 
 
 def test_everything_the_echo_node_publishes_validates(broker_session: Broker, client: RpcClient) -> None:

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from shared import Node, ServiceAPI
 from shared.rpc import RpcClient, wait_for
-from shared.testing import Broker
+from tests.fixtures import Broker
 
 
 def test_job_progress_and_result(echo_node: Node, client: RpcClient) -> None:
@@ -92,10 +92,10 @@ def test_health_heartbeat_and_change(echo_node: Node, client: RpcClient) -> None
 def test_rate_cap_keeps_its_cadence(broker_session: Broker, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A held-back value sent late must not stretch the period (100 Hz would become ~97 Hz):
     the slot's clock advances by whole intervals. A fake clock makes this exact."""
-    import shared.node as node_mod
+    import shared.ratecap as ratecap_mod
 
     clock = [1000.0]
-    monkeypatch.setattr(node_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ratecap_mod.time, "monotonic", lambda: clock[0])
     node = Node(RATE_API, broker_session.settings(node="rate3"))  # not started: publishes are just counted
     dev = node.device("d")
     slot = dev._slot(READING)  # 10 Hz cap
@@ -105,7 +105,7 @@ def test_rate_cap_keeps_its_cadence(broker_session: Broker, monkeypatch) -> None
     dev.publish(READING, Reading(value=2))  # too soon: held back, due at 1000.1
     assert slot.has_pending
     clock[0] = 1000.1012  # the flusher gets there 1.2 ms late
-    node._flush_due()
+    node.flush_schedule.flush(node.send_slot)
     assert not slot.has_pending and abs(slot.last_sent - 1000.1) < 1e-9  # due time, not flush time
     clock[0] = 1000.5  # a long pause: never more than one interval of catch-up, so no burst
     dev.publish(READING, Reading(value=3))

@@ -7,7 +7,7 @@ import signal
 import time
 
 from shared.rpc import RpcClient, wait_for
-from shared.testing import Broker
+from tests.fixtures import Broker
 
 
 def _status(c: RpcClient, node: str, timeout: float = 3.0) -> dict | None:

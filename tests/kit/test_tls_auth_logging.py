@@ -18,7 +18,7 @@ import pytest
 from shared import KitSettings, Node
 from shared.logs import JsonFormatter, KeyValueFormatter
 from shared.rpc import RpcClient
-from shared.testing import free_port, mosquitto_bin
+from tests.fixtures import free_port, mosquitto_bin
 from tests.kit.echo_node import API, build
 
 

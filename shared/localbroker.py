@@ -1,6 +1,5 @@
-"""Test helpers every service's tests share: a real mosquitto on a free loopback port, nodes run
-in subprocesses or threads, and the contract validator. Loaded as a pytest plugin by tests/conftest.py.
-"""
+"""A private mosquitto on a free loopback port, and service nodes in subprocesses: for the tests (through the
+pytest plugin tests/fixtures.py), the benchmarks and local tools. No pytest here: this is importable anywhere."""
 
 from __future__ import annotations
 
@@ -11,17 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from shared.rpc import RpcClient
 from shared.settings import KitSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,7 +53,8 @@ class Broker:
             f"listener {self.port} 127.0.0.1\n"
         )
         exe = mosquitto_bin()
-        assert exe, "mosquitto is not installed (make test installs it)"
+        if not exe:
+            raise RuntimeError("mosquitto is not installed (make test installs it)")
         self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -81,37 +76,6 @@ class Broker:
 
     def settings(self, **kw: Any) -> KitSettings:
         return KitSettings(mqtt_url=self.url, **kw)
-
-
-@pytest.fixture(scope="session")
-def broker_session() -> Iterator[Broker]:
-    if mosquitto_bin() is None:
-        pytest.skip("mosquitto is not installed (run `make test`, which installs it)")
-    with tempfile.TemporaryDirectory(prefix="robobus-broker-") as d:
-        b = Broker(free_port(), Path(d))
-        b.start()
-        yield b
-        b.kill()
-
-
-@pytest.fixture
-def broker() -> Iterator[Broker]:
-    """A broker of the test's own, for tests that kill or restart it."""
-    if mosquitto_bin() is None:
-        pytest.skip("mosquitto is not installed (run `make test`, which installs it)")
-    with tempfile.TemporaryDirectory(prefix="robobus-broker-") as d:
-        b = Broker(free_port(), Path(d))
-        b.start()
-        yield b
-        b.kill()
-
-
-@pytest.fixture
-def client(broker_session: Broker) -> Iterator[RpcClient]:
-    c = RpcClient(broker_session.settings(), name="test-client")
-    c.connect()
-    yield c
-    c.close()
 
 
 class NodeProcess:
@@ -150,24 +114,6 @@ class NodeProcess:
 
     def text(self) -> str:
         return "\n".join(self.output)
-
-
-@pytest.fixture
-def spawn() -> Iterator[Any]:
-    """spawn(args, env) -> NodeProcess; every process is stopped at the end of the test."""
-    procs: list[NodeProcess] = []
-
-    def _spawn(args: list[str], env: dict[str, str] | None = None) -> NodeProcess:
-        p = NodeProcess(args, env or {})
-        procs.append(p)
-        return p
-
-    yield _spawn
-    for p in procs:
-        if p.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.proc.pid, signal.SIGKILL)
-            p.proc.wait(5)
 
 
 def is_root() -> bool:

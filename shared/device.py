@@ -1,0 +1,182 @@
+"""One piece of hardware served by a node: its health, rate-capped state, events, streams and handlers."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import paho.mqtt.client as mqtt
+from pydantic import BaseModel, ValidationError
+
+from shared.contract import (
+    CANCEL,
+    JOB_PROGRESS,
+    JOB_RESULT,
+    BinarySpec,
+    CommandSpec,
+    EventSpec,
+    JobSpec,
+    StateSpec,
+    StreamSpec,
+    check_name,
+)
+from shared.errors import CommandError, ErrorCode
+from shared.messages import CancelReply, CancelRequest, Health
+from shared.payloads import describe_validation_error, dump
+from shared.ratecap import RateSlot
+
+if TYPE_CHECKING:
+    from shared.jobs import JobContext
+    from shared.node import Node
+
+HEALTH_FIELDS = ("connection", "operational", "state", "error", "error_message", "details")
+
+Handler = Callable[..., Any]
+
+
+class Device:
+    """Created by `node.device(name)`. Thread-safe: publish, emit and set_health from any thread."""
+
+    def __init__(self, node: Node, name: str) -> None:
+        self.node = node
+        self.name = check_name("device", name)
+        self.base = f"{node.base}/{name}"
+        self._health: dict[str, Any] = {
+            "connection": False, "operational": False, "state": "starting",
+            "error": False, "error_message": "", "details": {},
+        }
+        self._health_lock = threading.Lock()
+        self.commands: dict[str, tuple[CommandSpec, Handler]] = {}
+        self.inline: set[str] = set()
+        self.jobs: dict[str, tuple[JobSpec, Handler, Handler | None]] = {}
+        self.running: dict[str, JobContext] = {}
+        self.slots: dict[str, RateSlot] = {}
+
+    # -- health --------------------------------------------------------------------------------
+    @property
+    def health(self) -> dict[str, Any]:
+        with self._health_lock:
+            return dict(self._health)
+
+    def set_health(self, **fields: Any) -> None:
+        """Update health fields; publishes at once when anything changed (heartbeat otherwise)."""
+        unknown = set(fields) - set(HEALTH_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown health fields {sorted(unknown)}")
+        with self._health_lock:
+            changed = any(self._health.get(k) != v for k, v in fields.items())
+            self._health.update(fields)
+        if changed:
+            self.publish_health()
+
+    def health_message(self) -> Health:
+        with self._health_lock:
+            h = dict(self._health)
+        return Health(service=self.node.api.service, node=self.node.name, device=self.name,
+                      version=self.node.version, ts=time.time(), **h)
+
+    def publish_health(self) -> None:
+        self.node.session.publish(f"{self.base}/health", self.health_message().model_dump_json(),
+                                  qos=1, retain=True)
+
+    # -- state, events, streams ------------------------------------------------------------------
+    def _slot(self, spec: StateSpec | BinarySpec) -> RateSlot:
+        slot = self.slots.get(spec.name)
+        if slot is None:
+            if self.node.api.states.get(spec.name) is not spec:
+                raise KeyError(f"state {spec.name!r} is not declared on {self.node.api.service}'s API")
+            rate = self.node.settings.state_rates.get(spec.name, spec.rate_hz)
+            if isinstance(spec, BinarySpec):
+                enc: Callable[[Any], bytes] = bytes
+                ctype: str | None = spec.content_type
+            else:
+                model = spec.model
+
+                def enc(v: Any, _m: type[BaseModel] = model) -> bytes:
+                    return dump(_m, v)
+                ctype = "application/json"
+            slot = RateSlot(topic=f"{self.base}/state/{spec.name}", interval=(1.0 / rate) if rate else 0.0,
+                            retain=spec.retain, qos=spec.qos, encode=enc, content_type=ctype)
+            self.slots[spec.name] = slot
+        return slot
+
+    def publish(self, spec: StateSpec | BinarySpec, value: BaseModel | dict[str, Any] | bytes) -> None:
+        """Publish state under its rate cap: too soon, and only the newest value is kept for later.
+        Serialisation happens only for values that are actually sent."""
+        slot = self._slot(spec)
+        if slot.offer(value, time.monotonic()):
+            self.node.send_slot(slot, value)
+        else:
+            self.node.flush_schedule.schedule(slot, slot.due())
+
+    def emit(self, spec: EventSpec, value: BaseModel | dict[str, Any]) -> None:
+        if self.node.api.events.get(spec.name) is not spec and spec not in (JOB_PROGRESS, JOB_RESULT):
+            raise KeyError(f"event {spec.name!r} is not declared on {self.node.api.service}'s API")
+        self.node.publish(f"{self.base}/event/{spec.name}", dump(spec.model, value), qos=spec.qos)
+
+    def stream_publish(self, spec: StreamSpec, value: BaseModel | dict[str, Any]) -> None:
+        self.node.publish(f"{self.base}/stream/{spec.name}", dump(spec.model, value), qos=spec.qos)
+
+    def on_stream(self, spec: StreamSpec, handler: Callable[[Any], None]) -> None:
+        """Subscribe to an inbound stream; handler gets validated models on the network thread,
+        so it must be quick (queue the work). Bad payloads are counted and dropped."""
+        model = spec.model
+
+        def _recv(msg: mqtt.MQTTMessage) -> None:
+            try:
+                value = model.model_validate_json(msg.payload)
+            except ValidationError as exc:
+                self.node.count_decode_error(f"stream {spec.name}: {describe_validation_error(exc)}")
+                return
+            handler(value)
+
+        self.node.session.subscribe(f"{self.base}/stream/{spec.name}", _recv, qos=spec.qos)
+
+    # -- commands and jobs -----------------------------------------------------------------------
+    def bind(self, spec: CommandSpec, handler: Handler, *, inline: bool = False) -> None:
+        """handler(request_model) -> reply model or dict; may be `async def` (runs on node.loop).
+
+        `inline=True` runs a synchronous handler on the MQTT network thread, skipping the hand-over to
+        the command pool: for handlers that only validate and enqueue (a demand for a realtime cycle),
+        where the hop's latency matters. Such a handler must never block or do slow work: while it runs,
+        no message is received. Validation and the reply are the same either way."""
+        if self.node.api.commands.get(spec.name) is not spec:
+            raise KeyError(f"command {spec.name!r} is not declared on {self.node.api.service}'s API")
+        if inline and inspect.iscoroutinefunction(handler):
+            raise ValueError(f"command {spec.name!r}: an inline handler must be synchronous")
+        self.commands[spec.name] = (spec, handler)
+        if inline:
+            self.inline.add(spec.name)
+        else:
+            self.inline.discard(spec.name)
+
+    def bind_job(self, spec: JobSpec, run: Handler, admit: Handler | None = None) -> None:
+        """run(request, job: JobContext) -> result, on its own thread. `admit(request)` runs first,
+        synchronously: raise CommandError there (e.g. `busy`) to refuse before a job id exists."""
+        if self.node.api.jobs.get(spec.name) is not spec:
+            raise KeyError(f"job {spec.name!r} is not declared on {self.node.api.service}'s API")
+        self.jobs[spec.name] = (spec, run, admit)
+        if CANCEL.name not in self.commands:
+            self.commands[CANCEL.name] = (CANCEL, self._cancel)
+
+    def running_jobs(self) -> list[str]:
+        return list(self.running)
+
+    def cancel_all_jobs(self) -> None:
+        for ctx in list(self.running.values()):
+            ctx.cancel()
+
+    def _cancel(self, req: CancelRequest) -> CancelReply:
+        if req.job_id is not None:
+            job = self.running.get(req.job_id)
+            if job is None:
+                raise CommandError(ErrorCode.NOT_FOUND, f"no running job {req.job_id!r} on {self.name}")
+            job.cancel()
+            return CancelReply(cancelled=[req.job_id])
+        ids = list(self.running)
+        for jid in ids:
+            self.running[jid].cancel()
+        return CancelReply(cancelled=ids)

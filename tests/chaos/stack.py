@@ -1,0 +1,233 @@
+"""The whole simulated system under test: a private mosquitto and every process of `make run` (the same
+deploy/Procfile.sim, so a new service's simulator and node are in the chaos and soak runs as soon as they are
+in `make run`), each process killable and restartable, and an observer of the retained status and health.
+
+Used by tests/chaos/ and by `python -m tests.chaos` (make chaos / make soak)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from shared.localbroker import REPO, Broker, free_port
+from shared.registry import service_names
+from shared.rpc import RpcClient
+from shared.settings import KitSettings
+
+PROCFILE = REPO / "deploy" / "Procfile.sim"
+NOT_PROCESSES = {"broker", "banner"}  # the harness runs its own broker; the banner only prints
+_LINE = re.compile(r"^([A-Za-z0-9_-]+):\s*(.+)$")
+
+
+def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
+    """name -> shell command, for every process of `make run` but the broker and the banner."""
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        m = _LINE.match(line.strip())
+        if m and m.group(1) not in NOT_PROCESSES:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+@dataclass
+class Proc:
+    """One process of the stack, started through bash so the Procfile's `${VAR:-default}` expand; the
+    command is exec'd, so the pid is the service's own (for kill -9 and /proc sampling)."""
+
+    name: str
+    command: str
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    starts: int = 0
+
+    def start(self, logdir: Path) -> None:
+        self.log = logdir / f"{self.name}.log"
+        out = self.log.open("ab")
+        # `A=1 B=2 exec cmd`: bash keeps leading assignments in the exec'd command's environment
+        cmd = re.sub(r"^((?:[A-Za-z_][A-Za-z0-9_]*=(?:'[^']*'|\"[^\"]*\"|\S+)\s+)*)", r"\1exec ", self.command)
+        self.popen = subprocess.Popen(["bash", "-c", cmd], env=self.env, cwd=REPO, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        self.starts += 1
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill9(self) -> None:
+        if self.popen and self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.popen is None:
+            return None
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        return self.popen.returncode
+
+    def tail(self, n: int = 20) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@dataclass
+class Seen:
+    """The latest retained status and health, with the local time each arrived."""
+
+    status: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    health: dict[tuple[str, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def online_nodes(self) -> set[str]:
+        with self.lock:
+            return {n for n, (_, s) in self.status.items() if s.get("online")}
+
+    def node_status(self, node: str) -> dict[str, Any]:
+        with self.lock:
+            return dict(self.status.get(node, (0.0, {}))[1])
+
+    def device_health(self, node: str, device: str) -> dict[str, Any]:
+        with self.lock:
+            return dict(self.health.get((node, device), (0.0, {}))[1])
+
+    def devices(self) -> list[tuple[str, str]]:
+        with self.lock:
+            return sorted(self.health)
+
+
+class SimStack:
+    """Broker + every `make run` process on simulators, on a free port, for chaos and soak runs."""
+
+    def __init__(self, root: str = "robobus") -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="robobus-chaos-"))
+        self.broker = Broker(free_port(), self.workdir)
+        self.root = root
+        env = {**os.environ, "ROBOBUS_MQTT_URL": self.broker.url, "ROBOBUS_TOPIC_ROOT": root,
+               "PYTHONUNBUFFERED": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}:/usr/sbin"}
+        self.procs = {n: Proc(n, c, env) for n, c in procfile_commands().items()}
+        self.seen = Seen()
+        self.observer: RpcClient | None = None
+        self.expected_nodes: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self, settle_s: float = 60.0) -> None:
+        self.broker.start()
+        for p in self.procs.values():
+            p.start(self.workdir)
+        self.observer = self.client("chaos-observer")
+        self.observer.session.subscribe(f"{self.root}/+/status", self._on_status, qos=1)
+        self.observer.session.subscribe(f"{self.root}/+/+/health", self._on_health, qos=1)
+        # every registered service must bring a node online (what `robobus status --expect-all` checks)
+        wanted = set(service_names())
+        self.wait(lambda: wanted <= self.online_services(), settle_s, interval=0.2)
+        time.sleep(1.0)  # health of devices that connect a little after their node
+        self.expected_nodes = self.seen.online_nodes()
+
+    def online_services(self) -> set[str]:
+        with self.seen.lock:
+            return {s.get("service", "") for _, s in self.seen.status.values() if s.get("online")}
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+        if self.observer is not None:
+            self.observer.close()
+        self.broker.kill()
+
+    def client(self, name: str) -> RpcClient:
+        c = RpcClient(KitSettings(mqtt_url=self.broker.url, topic_root=self.root), name=name)
+        c.connect()
+        return c
+
+    def node_procs(self) -> dict[str, Proc]:
+        """node name -> the process serving it (by the pid in its status)."""
+        by_pid = {p.pid: p for p in self.procs.values()}
+        out = {}
+        for node in self.expected_nodes:
+            pid = self.seen.node_status(node).get("pid")
+            if pid in by_pid:
+                out[node] = by_pid[pid]
+        return out
+
+    # -- observation ---------------------------------------------------------------------------------------
+    def _on_status(self, msg: mqtt.MQTTMessage) -> None:
+        parts = msg.topic[len(self.root) + 1:].split("/")
+        with contextlib.suppress(ValueError), self.seen.lock:
+            self.seen.status[parts[0]] = (time.monotonic(), json.loads(msg.payload))
+
+    def _on_health(self, msg: mqtt.MQTTMessage) -> None:
+        parts = msg.topic[len(self.root) + 1:].split("/")
+        with contextlib.suppress(ValueError), self.seen.lock:
+            self.seen.health[(parts[0], parts[1])] = (time.monotonic(), json.loads(msg.payload))
+
+    def wait(self, pred: Callable[[], bool], timeout: float, interval: float = 0.02) -> float | None:
+        """Seconds until `pred()` held, or None if it did not within `timeout`."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if pred():
+                return time.monotonic() - t0
+            time.sleep(interval)
+        return None
+
+    def all_online(self) -> bool:
+        return self.expected_nodes <= self.seen.online_nodes()
+
+
+@contextlib.contextmanager
+def sim_stack(root: str = "robobus") -> Iterator[SimStack]:
+    stack = SimStack(root)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+# -- process sampling (/proc: no dependency) ---------------------------------------------------------------
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class ProcSample:
+    t: float
+    rss_kb: int
+    threads: int
+    cpu_s: float
+
+
+def sample(pid: int) -> ProcSample | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+    threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+    fields = stat[stat.rindex(")") + 2:].split()
+    cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+    return ProcSample(time.monotonic(), rss, threads, cpu)
