@@ -49,16 +49,23 @@ function matches(filter: string, topic: string): boolean {
   return f.length === t.length;
 }
 
-/** Subscribe, and collect what arrives on `filter` until `done` says enough (or time runs out). */
+/** Subscribe, and collect the latest message of each topic on `filter` until `done` says enough (or
+ * time runs out). The broker sends the retained messages at once after the subscription: `settleMs`
+ * more lets the rest of that burst in (every node's status, not only the first one we wanted). */
 async function collect<T>(client: MqttClient, filter: string, timeoutMs: number,
-  done: (got: Map<string, T>) => boolean): Promise<Map<string, T>> {
+  done: (got: Map<string, T>) => boolean, settleMs = 300): Promise<Map<string, T>> {
   const got = new Map<string, T>();
   return new Promise((resolve, reject) => {
-    const timer = setTimeout(() => finish(), timeoutMs);
+    let timer = setTimeout(() => finish(), timeoutMs);
+    let settling = false;
     const onMessage = (topic: string, payload: Buffer): void => {
       if (!matches(filter, topic) || payload.length === 0) return;
       got.set(topic, JSON.parse(payload.toString('utf8')) as T);
-      if (done(got)) finish();
+      if (!settling && done(got)) {
+        settling = true;
+        clearTimeout(timer);
+        timer = setTimeout(() => finish(), settleMs);
+      }
     };
     const finish = (): void => {
       clearTimeout(timer);
@@ -152,7 +159,7 @@ async function main(): Promise<void> {
 
     // 2. Sensors, typed by the generated model.
     const sensorsTopic = `${node}/${robot.device}/state/sensors`;
-    const sensors = (await collect<EpuckSensors>(client, sensorsTopic, opts.timeoutMs, (got) => got.size > 0))
+    const sensors = (await collect<EpuckSensors>(client, sensorsTopic, opts.timeoutMs, (got) => got.size > 0, 0))
       .get(sensorsTopic);
     if (sensors === undefined) throw new Error(`no sensors on ${sensorsTopic}`);
     console.log(`sensors #${sensors.seq}: battery ${sensors.battery_v.toFixed(2)} V, `
