@@ -23,6 +23,7 @@ CAN_DEVICE = "motors"  # can-bootloader's default device
 SMALL_HEX = make_intel_hex(0x1000, 0x13FF)
 DEVICES = {EPUCK_NODE: ROBOT, CAN_NODE: CAN_DEVICE}
 REPLY_WAIT_S = 20.0  # generous: a reply normally takes about a millisecond
+pytestmark = pytest.mark.timeout(300)  # the stack (three processes) starts in the first test's setup
 
 
 @pytest.fixture(scope="module")

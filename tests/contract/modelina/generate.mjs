@@ -1,23 +1,25 @@
 // Generate typed models from an AsyncAPI document with the official AsyncAPI model generator
 // (Modelina), the way an integrator in another language would. Usage:
 //   node generate.mjs <asyncapi.yaml> <typescript|java|go|python> <out dir>
-// Writes the model files and prints, as the last line, one JSON object:
+//   node generate.mjs <asyncapi.yaml> typescript,java,go,python <out dir>   (one parse; <out dir>/<language>)
+// Writes the model files and prints, as the last line, one JSON object per language:
 //   {"language", "models": [written type names], "inlined": [schema names rendered inline],
 //    "anonymous": [models without a name]}   (files are written only when none is anonymous)
-// A model is anonymous when Modelina had no title or name for its schema (AnonymousSchema_N,
-// or an empty name in languages whose writers then cannot name a file).
+// or, for several languages, {"languages": {<language>: <that object>}}.
 import { readFileSync, mkdirSync } from 'node:fs';
+import { join } from 'node:path';
 import {
   TypeScriptFileGenerator, JavaFileGenerator, GoFileGenerator, PythonFileGenerator,
   typeScriptDefaultModelNameConstraints,
 } from '@asyncapi/modelina';
 import { Parser } from '@asyncapi/parser';
 
-const [file, language, outDir] = process.argv.slice(2);
-if (!file || !language || !outDir) {
-  console.error('usage: node generate.mjs <asyncapi.yaml> <typescript|java|go|python> <out dir>');
+const [file, languageArg, outDir] = process.argv.slice(2);
+if (!file || !languageArg || !outDir) {
+  console.error('usage: node generate.mjs <asyncapi.yaml> <typescript|java|go|python>[,...] <out dir>');
   process.exit(2);
 }
+const languages = languageArg.split(',');
 
 const parser = new Parser();
 const { document, diagnostics } = await parser.parse(readFileSync(file, 'utf8'));
@@ -59,27 +61,36 @@ const setups = {
   go: [new GoFileGenerator(), { packageName: 'models' }],
   python: [new PythonFileGenerator(), {}],
 };
-const setup = setups[language];
-if (!setup) {
-  console.error(`unknown language ${language}; one of ${Object.keys(setups).join(', ')}`);
+const unknown = languages.filter((l) => !setups[l]);
+if (unknown.length) {
+  console.error(`unknown language ${unknown.join(', ')}; one of ${Object.keys(setups).join(', ')}`);
   process.exit(2);
 }
-const [generator, options] = setup;
 
 // Modelina names a schema without a title or a component key "AnonymousSchema_N". A language that
 // has no type of its own for a schema (a union of primitives in Java, any union in Python) renders
 // it inline and gives the output an empty name; Modelina writes no file for it. The schema itself
 // must still have had a name.
-const models = await generator.generateCompleteModels(document, options);
-const written = models.filter((m) => m.modelName !== '');
-const anonymous = models.map((m) => m.model.name).filter((n) => !n || /anonymous/i.test(n));
-if (anonymous.length === 0) {
-  mkdirSync(outDir, { recursive: true });
-  await generator.generateToFiles(document, outDir, options);
+async function generate(language, dir) {
+  const [generator, options] = setups[language];
+  const models = await generator.generateCompleteModels(document, options);
+  const anonymous = models.map((m) => m.model.name).filter((n) => !n || /anonymous/i.test(n));
+  if (anonymous.length === 0) {
+    mkdirSync(dir, { recursive: true });
+    await generator.generateToFiles(document, dir, options);
+  }
+  return {
+    language,
+    models: models.filter((m) => m.modelName !== '').map((m) => m.modelName).sort(),
+    inlined: models.filter((m) => m.modelName === '').map((m) => m.model.name).sort(),
+    anonymous,
+  };
 }
-console.log(JSON.stringify({
-  language,
-  models: written.map((m) => m.modelName).sort(),
-  inlined: models.filter((m) => m.modelName === '').map((m) => m.model.name).sort(),
-  anonymous,
-}));
+
+if (languages.length === 1) {
+  console.log(JSON.stringify(await generate(languages[0], outDir)));
+} else {
+  const out = {};
+  for (const l of languages) out[l] = await generate(l, join(outDir, l));
+  console.log(JSON.stringify({ languages: out }));
+}
