@@ -71,9 +71,9 @@ bench: setup
 
 # A virtual Shadow hand (bridge + 0220 palm) on a veth pair in namespace robobus-ec, for
 # ROBOBUS_ETHERCAT_BACKEND=virtual (root). VHAND_ARGS="--protocol 0230"; tear down with
-# `.venv/bin/python -m services.ethercat_loop.netns down`.
+# `.venv/bin/python -m services.ethercat_loop.sim.netns down`.
 ethercat-vhand:
-	$(BIN)/python -m services.ethercat_loop.netns up $(VHAND_ARGS)
+	$(BIN)/python -m services.ethercat_loop.sim.netns up $(VHAND_ARGS)
 
 # Chaos and soak (tests/chaos): the suite runs the CI-sized version; these run the long ones.
 chaos: setup

@@ -6,7 +6,12 @@ in the same window at the same period as the anchor for what this machine allows
     python bench/ethercat_cycle.py [--seconds 60] [--quick] [--priority 80] [--period-us 1000]
                                    [--cpus LAST] [--hand-cpus THE_OTHERS] [--demand-qos 1]
                                    [--cyclictest-cpus CYCLE'S] [--cyclictest-priority PRIORITY+1]
-                                   [--cyclictest-lead-us 100]
+                                   [--cyclictest-lead-us 100] [--iface IFNAME [--netns NAME]]
+
+`--iface IFNAME` measures an external hand on a real interface (ROBOBUS_ETHERCAT_BACKEND=nic): no namespace
+or virtual hand is built; demand-to-wire then ends at the kernel's transmit timestamp of the command frame
+on the master's own NIC (a tap on IFNAME, `--netns` if the NIC lives in a namespace), and the hand's answer
+times are not known (null).
 
 Placement: the cycle process on the last CPU, the virtual hand on the others (`--cpus ''` and
 `--hand-cpus ''` leave both to the scheduler); the broker, the node's MQTT process and the clients
@@ -36,6 +41,7 @@ import os
 import random
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -53,8 +59,11 @@ import numpy as np  # noqa: E402
 import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
-from services.ethercat_loop.netns import VethNetns  # noqa: E402
 from services.ethercat_loop.protocol import PROTOCOLS, PalmCommand, unpack_command  # noqa: E402
+from services.ethercat_loop.sim.esc_frames import Cmd, FrameError, parse_datagrams  # noqa: E402
+from services.ethercat_loop.sim.netns import VethNetns  # noqa: E402
+from services.ethercat_loop.sim.virtual_hand import realtime_minus_monotonic  # noqa: E402
+from services.ethercat_loop.transport.netns import enter_netns  # noqa: E402
 from shared.localbroker import Broker, NodeProcess, can_netns, free_port, mosquitto_bin  # noqa: E402
 from shared.mqtt import reply_properties  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
@@ -198,6 +207,80 @@ class DemandSender:
         return res
 
 
+ETH_P_ALL = 0x0003
+ETHERTYPE_ECAT = b"\x88\xa4"
+PACKET_OUTGOING = 4
+SO_TIMESTAMPNS = 35
+ETH_HEADER = 14
+
+
+class WireTap:
+    """The command frames the master sends on IFNAME, as (CLOCK_MONOTONIC ns of the kernel's transmit
+    timestamp, frame number, command hex) whenever the command changed: the external-hand twin of the
+    virtual hand's change log. The command is the first `command_size` bytes of an LRW (SII mapping: the
+    palm's outputs start the process image) or the data of an FPWR to the palm's SM0 (programmed mapping)."""
+
+    def __init__(self, iface: str, netns: str | None, protocol: str) -> None:
+        self.iface, self.netns = iface, netns
+        self.info = PROTOCOLS[protocol]
+        self.changes: list[tuple[int, int, str]] = []
+        self.frames = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="wire-tap", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10) or self._error is not None:
+            raise RuntimeError(f"cannot tap {iface}: {self._error}")
+
+    def _run(self) -> None:
+        try:
+            if self.netns:
+                enter_netns(self.netns)  # this thread only
+            # outgoing frames reach only ETH_P_ALL sockets (the kernel's taps), not per-protocol ones
+            sk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+            sk.bind((self.iface, ETH_P_ALL))
+            sk.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            sk.settimeout(0.2)
+        except BaseException as exc:  # reported by the constructor
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        offset = realtime_minus_monotonic()
+        last = b""
+        n = self.info.command_size
+        sm0 = self.info.sync_managers[0][0]
+        with sk:
+            while not self._stop.is_set():
+                try:
+                    frame, anc, _f, meta = sk.recvmsg(2048, socket.CMSG_SPACE(16))
+                except TimeoutError:
+                    continue
+                if meta[2] != PACKET_OUTGOING or frame[12:14] != ETHERTYPE_ECAT:
+                    continue
+                t = time.monotonic_ns()
+                for level, kind, data in anc:
+                    if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+                        sec, nsec = struct.unpack("qq", data[:16])
+                        t = sec * 1_000_000_000 + nsec - offset
+                try:
+                    dgs = parse_datagrams(frame[ETH_HEADER:])
+                except FrameError:
+                    continue
+                self.frames += 1
+                for d in dgs:
+                    cmd = bytes(d.data[:n]) if (d.cmd == Cmd.LRW and len(d.data) >= n) or (
+                        d.cmd == Cmd.FPWR and d.ado == sm0 and len(d.data) == n) else None
+                    if cmd is not None and cmd != last:
+                        last = cmd
+                        self.changes.append((t, self.frames, cmd.hex()))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
 def collect_changes(ctl: Any, sink: list[tuple[int, int, str]], stop: threading.Event) -> None:
     while not stop.is_set():
         try:
@@ -256,7 +339,12 @@ def main() -> None:
                     help="wake cyclictest this many µs before each of the cycle's releases (the cycle's releases "
                          "are on the CLOCK_MONOTONIC period grid; cyclictest --secaligned puts its wake-ups on it "
                          "too), so both sample the vCPU at nearly the same instants; -1: not aligned")
+    ap.add_argument("--iface", default=None,
+                    help="measure an external hand on this EtherCAT NIC (backend nic): no namespace or virtual "
+                         "hand is built")
+    ap.add_argument("--netns", default=None, help="with --iface: the network namespace holding the NIC")
     a = ap.parse_args()
+    external = a.iface is not None
     ct_cpus = a.cpus if a.cyclictest_cpus is None else a.cyclictest_cpus
     ct_prio = min(99, a.priority + 1) if a.cyclictest_priority is None else a.cyclictest_priority
     # cyclictest --secaligned=OFFSET wakes at (a full second + OFFSET + k x interval)
@@ -269,7 +357,7 @@ def main() -> None:
         rest = sorted(set(range(os.cpu_count() or 1)) - cycle_cpus) if cycle_cpus else []
         hand_cpus = ",".join(map(str, rest))
     seconds = min(a.seconds, 20.0) if a.quick else a.seconds
-    reason = can_netns() or (None if mosquitto_bin() else "mosquitto is not installed")
+    reason = (None if external else can_netns()) or (None if mosquitto_bin() else "mosquitto is not installed")
     if reason is None and shutil.which("cyclictest") is None:
         reason = "cyclictest (rt-tests) is not installed"
     if reason:
@@ -282,21 +370,30 @@ def main() -> None:
                                        "cyclictest": ct_cpus or "any", "of": os.cpu_count()},
                               "cyclictest_priority": ct_prio,
                               "cyclictest_lead_us": a.cyclictest_lead_us if aligned else None,
-                              "demand_qos": a.demand_qos}
+                              "demand_qos": a.demand_qos,
+                              "hand": f"external on {a.iface}" if external else "virtual (veth pair)"}
+    if external:
+        result["cpus"]["virtual_hand"] = None
     with tempfile.TemporaryDirectory(prefix="robobus-bench-") as d:
         broker = Broker(free_port(), Path(d))
         broker.start()
-        ns = VethNetns(f"rbbench{os.getpid()}")
+        ns = None if external else VethNetns(f"rbbench{os.getpid()}")
+        tap: WireTap | None = None
+        ctl: Any = None
         node: NodeProcess | None = None
         sender: DemandSender | None = None
         ct: subprocess.Popen[str] | None = None
         try:
-            ns.up()
-            at = MOTOR_DATA_AT[a.protocol]
-            ctl = ns.start_hand(a.protocol, ["--rt-priority", str(max(1, a.priority - 10)), "--watch", f"{at}:40",
-                                             *(["--cpus", hand_cpus] if hand_cpus else [])])
-            env = {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_NODE": NODE, "ROBOBUS_ETHERCAT_BACKEND": "virtual",
-                   "ROBOBUS_ETHERCAT_IFNAME": ns.master_if, "ROBOBUS_ETHERCAT_NETNS": ns.name,
+            if ns is not None:
+                ns.up()
+                at = MOTOR_DATA_AT[a.protocol]
+                ctl = ns.start_hand(a.protocol, ["--rt-priority", str(max(1, a.priority - 10)), "--watch",
+                                                 f"{at}:40", *(["--cpus", hand_cpus] if hand_cpus else [])])
+                iface, netns, backend = ns.master_if, ns.name, "virtual"
+            else:
+                iface, netns, backend = a.iface, a.netns or "", "nic"
+            env = {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_NODE": NODE, "ROBOBUS_ETHERCAT_BACKEND": backend,
+                   "ROBOBUS_ETHERCAT_IFNAME": iface, "ROBOBUS_ETHERCAT_NETNS": netns,
                    "ROBOBUS_ETHERCAT_PROTOCOL": a.protocol, "ROBOBUS_ETHERCAT_RT_PRIORITY": str(a.priority),
                    "ROBOBUS_ETHERCAT_PERIOD_US": str(a.period_us), "ROBOBUS_LOG_LEVEL": "WARNING",
                    "ROBOBUS_ETHERCAT_DEMAND_TIMEOUT_MS": "1000"}
@@ -317,10 +414,14 @@ def main() -> None:
                     raise RuntimeError(f"node never ran: {node.text()[-2000:]}")
             sender = DemandSender(broker.url, 200.0, a.demand_qos)
             time.sleep(1.0)  # let the start-up config burst pass
-            ctl.call("changes", max=100_000)
             changes: list[tuple[int, int, str]] = []
             stop = threading.Event()
-            collector = threading.Thread(target=collect_changes, args=(ctl, changes, stop), daemon=True)
+            if ctl is not None:  # the virtual hand's change log (its kernel receive times)
+                ctl.call("changes", max=100_000)
+                collector = threading.Thread(target=collect_changes, args=(ctl, changes, stop), daemon=True)
+            else:  # an external hand: the frames as they leave the master's NIC
+                tap = WireTap(iface, netns or None, a.protocol)
+                collector = threading.Thread(target=stop.wait, daemon=True)
             collector.start()
             n_stats = len(stats_msgs)  # the totals at the start: a loop_stats sent after that pull
             wait_until = time.monotonic() + 3.0
@@ -354,8 +455,15 @@ def main() -> None:
             end = stats_msgs[-1]["totals"] if stats_msgs else {}
             stop.set()
             collector.join(5)
-            changes.extend(ctl.call("changes", max=100_000)["changes"])
-            hand_stats = ctl.call("stats")
+            if ctl is not None:
+                changes.extend(ctl.call("changes", max=100_000)["changes"])
+                hand_stats = ctl.call("stats")
+            else:
+                assert tap is not None
+                tap.stop()
+                changes.extend(tap.changes)
+                hand_stats = {"pd_frames": tap.frames, "palm_cycles": None, "dropped": None, "delayed": None,
+                              "answer": None}
             lat, lat_call = demand_to_wire(sent["sent"], changes, a.protocol)
             ctr = parse_cyclictest(out, a.period_us)
             overruns = end.get("overruns", 0) - start_stats.get("overruns", 0)
@@ -424,7 +532,10 @@ def main() -> None:
                 sender.proc.kill()
             if node is not None:
                 node.stop()
-            ns.down()
+            if tap is not None:
+                tap.stop()
+            if ns is not None:
+                ns.down()
             broker.kill()
     c, ctr = result.get("cycle", {}), result.get("cyclictest", {})
     print(f"cycle  wake p50/p99/p99.9/max {c.get('wake_p50_us')}/{c.get('wake_p99_us')}/{c.get('wake_p99.9_us')}/"

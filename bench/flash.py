@@ -37,7 +37,7 @@ import can  # noqa: E402
 
 from services.can_bootloader.flasher import FlashConfig, Flasher  # noqa: E402
 from services.can_bootloader.image import load_intel_hex  # noqa: E402
-from services.can_bootloader.service import BRIDGE_WINDOW  # noqa: E402
+from services.can_bootloader.settings import BRIDGE_WINDOW  # noqa: E402
 from services.can_bootloader.sim import BootBoardSet, BootBusSim, make_boards, make_intel_hex  # noqa: E402
 from services.can_bootloader.transport import CanBusConfig, CanPort  # noqa: E402
 from shared import Node  # noqa: E402
@@ -70,16 +70,15 @@ def bench_virtual(window: int) -> dict[str, Any]:
 
 
 def _start_palm(broker: Broker, name: str) -> tuple[Any, Any, BootBoardSet, threading.Thread]:
-    from services.ethercat_loop.backend import EthercatSettings, make_backend
     from services.ethercat_loop.service import API as PALM_API
-    from services.ethercat_loop.service import PalmService
+    from services.ethercat_loop.service import build as build_palm
+    from services.ethercat_loop.settings import EthercatSettings
 
     settings = EthercatSettings(mqtt_url=broker.url, node=name, backend="model", health_interval_s=1.0)
-    backend = make_backend(settings)
-    boards = BootBoardSet(make_boards([8]))
-    backend.model.add_can_node(boards)  # type: ignore[attr-defined]  # the model backend (InProcessBackend)
     node = Node(PALM_API, settings)
-    svc = PalmService(node, backend, settings)
+    svc = build_palm(node, settings)
+    boards = BootBoardSet(make_boards([8]))
+    svc.backend.model.add_can_node(boards)  # type: ignore[attr-defined]  # the model backend (ModelBackend)
     node.start()
     assert node.session.wait_ready(10)
     svc.start()

@@ -21,7 +21,6 @@ direct mode stops every motor).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -30,7 +29,10 @@ import time
 from typing import Any
 
 import can
+from pydantic import ValidationError
 
+from services.ethercat_loop.models import PalmCanFrameIn, PalmCanRx, PalmCanTx
+from shared.messages import Status
 from shared.rpc import RpcClient
 from shared.settings import KitSettings, hostname
 
@@ -54,6 +56,7 @@ class _BridgeLink:
         self.queues: dict[int, queue.Queue[can.Message]] = {}
         self.lease_id: str | None = None
         self.last_tx = 0.0
+        self.garbage = 0  # can_rx messages or frames that were not valid
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.client = RpcClient(settings, name=f"can-bridge-{node}-{device}")
@@ -62,12 +65,12 @@ class _BridgeLink:
         except ConnectionError as exc:
             self.client.close()
             raise can.CanInitializationError(f"robobus_bridge: {exc}") from exc
-        root = settings.topic_root
-        self.tx_topic = f"{root}/{node}/{device}/stream/can_tx"
-        self.rx_topic = f"{root}/{node}/{device}/stream/can_rx"
+        # ethercat-loop's streams (its service.py: CAN_TX / CAN_RX), carrying its PalmCanTx / PalmCanRx models
+        self.tx_topic = self.client.topic(node, device, "stream", "can_tx")
+        self.rx_topic = self.client.topic(node, device, "stream", "can_rx")
         self.remote_online: bool | None = None  # ethercat-loop's retained status: None until seen
         self.client.subscribe_before(self.rx_topic, self._on_rx)
-        self.client.session.subscribe(f"{root}/{node}/status", self._on_status, qos=1)
+        self.client.session.subscribe(f"{settings.topic_root}/{node}/status", self._on_status, qos=1)
         self._keeper = threading.Thread(target=self._keep, name=f"bridge-lease-{node}", daemon=True)
         self._keeper.start()
 
@@ -123,8 +126,8 @@ class _BridgeLink:
 
     def _on_status(self, m: Any) -> None:
         try:
-            self.remote_online = bool(json.loads(m.payload).get("online"))
-        except (ValueError, AttributeError):
+            self.remote_online = Status.model_validate_json(m.payload).online
+        except ValidationError:
             self.remote_online = None
         if not self.remote_online:
             with self._lock:
@@ -134,29 +137,30 @@ class _BridgeLink:
     def send(self, bus: int, msg: can.Message) -> None:
         lease_id = self.ensure_lease()
         self.last_tx = time.monotonic()
-        payload = {"lease_id": lease_id,
-                   "frames": [{"bus": bus, "sid": int(msg.arbitration_id), "data": bytes(msg.data).hex()}]}
-        self.client.session.publish(self.tx_topic, json.dumps(payload), qos=0)
+        tx = PalmCanTx(lease_id=lease_id,
+                       frames=[PalmCanFrameIn(bus=bus, sid=int(msg.arbitration_id), data=bytes(msg.data).hex())])
+        self.client.session.publish(self.tx_topic, tx.model_dump_json(), qos=0)
 
     def _on_rx(self, m: Any) -> None:
         try:
-            body = json.loads(m.payload)
-            if body.get("lease_id") != self.lease_id:
-                return
-            frames = body["frames"]
-        except (ValueError, KeyError, TypeError, AttributeError):
+            rx = PalmCanRx.model_validate_json(m.payload)
+        except ValidationError:
+            self.garbage += 1  # not ethercat-loop's can_rx: counted, dropped
+            return
+        if rx.lease_id != self.lease_id:
             return
         now = time.time()
-        for f in frames:
+        for f in rx.frames:
+            q = self.queues.get(f.bus)
             try:
-                bus, sid, data = int(f["bus"]), int(f["sid"]), bytes.fromhex(f["data"])
-            except (KeyError, TypeError, ValueError):
+                data = bytes.fromhex(f.data)
+            except ValueError:
+                data = None
+            if q is None or data is None or not 0 <= f.sid <= 0x7FF or len(data) > 8:
+                self.garbage += 1
                 continue
-            q = self.queues.get(bus)
-            if q is None or not 0 <= sid <= 0x7FF or len(data) > 8:
-                continue
-            q.put(can.Message(timestamp=now, arbitration_id=sid, data=data, is_extended_id=False,
-                              channel=str(bus), is_rx=True))
+            q.put(can.Message(timestamp=now, arbitration_id=f.sid, data=data, is_extended_id=False,
+                              channel=str(f.bus), is_rx=True))
 
     def close(self) -> None:
         self._stop.set()

@@ -2,6 +2,9 @@
 
     robobus flash firmware.hex --board 8          flash one board, with a progress bar
     robobus flash firmware.hex --boards 0-19      flash several (the two buses in parallel)
+    robobus flash firmware.hex --board 8 --interface socketcan --channel can0
+                                                  flash through a local CAN adapter (any python-can
+                                                  interface), no service and no broker needed
     robobus can send 0x70A 8 55AA55AA55AA55AA     one raw frame through ethercat-loop's send_can
     robobus can version 8 | read 8 0x4C0 64 | reset 8
 
@@ -64,7 +67,12 @@ def _summary(results: list[dict[str, Any]]) -> int:
                       {True: "yes", False: "[bold red]NO[/bold red]", None: "not checked"}[aware])
         if aware is False:
             code = max(code, EXIT_NOT_AWARE)
+        if not r["ok"]:
+            code = max(code, EXIT_FAILED)
     console.print(table)
+    for r in results:
+        if not r["ok"]:
+            err_console.print(f"[red]board {r['board']}: {r.get('reason', 'failed')}[/red]")
     for r in results:
         for w in r.get("warnings", []):
             style = "bold red" if "NOT bootloader-aware" in w else "yellow"
@@ -86,10 +94,24 @@ def flash(
     root: Root = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the job to be accepted")] = 30.0,
     job_timeout: Annotated[float, typer.Option(help="Seconds to wait for the result")] = 1800.0,
+    interface: Annotated[str | None, typer.Option(help="Flash here through this python-can interface (socketcan, "
+                                                       "pcan, kvaser, slcan, ...) instead of the service")] = None,
+    channel: Annotated[str | None, typer.Option(help="With --interface: the adapter's channel (can0, ...)")] = None,
+    bitrate: Annotated[int | None, typer.Option(help="With --interface: bit rate, for adapters that set it "
+                                                     "(1000000 on the hand)")] = None,
 ) -> None:
-    """Flash motor boards over CAN (can-bootloader), with a progress bar; non-zero exit on any failure."""
+    """Flash motor boards over CAN, with a progress bar; non-zero exit on any failure. Through the can-bootloader
+    service by default; with --interface, here, through a local CAN adapter (same flasher, same checks)."""
     if (board is None) == (boards is None):
         raise _fail("give exactly one of --board N or --boards RANGE", EXIT_USAGE)
+    if interface is not None:
+        if remote_path:
+            raise _fail("--remote-path names a file of the service's; with --interface give a local file", EXIT_USAGE)
+        try:
+            ids = [board] if board is not None else parse_boards(boards or "")
+        except typer.BadParameter as exc:
+            raise _fail(str(exc), EXIT_USAGE) from None
+        raise typer.Exit(_summary(flash_local(firmware, ids, interface, channel or "", bitrate, window, not no_check)))
     req: dict[str, Any] = {"check_bootloader_aware": not no_check}
     if window is not None:
         req["window"] = window
@@ -129,6 +151,63 @@ def flash(
     body = result.get("result") or {}
     results = body.get("results", [body])
     raise typer.Exit(_summary(results))
+
+
+def flash_local(firmware: Path, ids: list[int], interface: str, channel: str, bitrate: int | None,
+                window: int | None, check: bool) -> list[dict[str, Any]]:
+    """Flash boards one after the other through a local python-can adapter, with the service's flasher and
+    checks (image validated before anything is sent, bounded retries, verify, bootloader-aware check)."""
+    import threading
+
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+    from services.can_bootloader import protocol as p
+    from services.can_bootloader.image import ImageError, load_intel_hex
+    from services.can_bootloader.service import CanBootService
+    from services.can_bootloader.settings import CanBootSettings, default_window
+    from services.can_bootloader.transport import CanBusConfig, TransportError
+
+    if not all(0 <= b <= 19 for b in ids):
+        raise _fail("board ids are 0–19", EXIT_USAGE)
+    buses = sorted({p.board_address(b).bus for b in ids})
+    if len(buses) > 1:
+        raise _fail("one adapter is one CAN bus: boards 0–9 sit on palm bus 1, 10–19 on bus 2; flash each bus in "
+                    "a run of its own", EXIT_USAGE)
+    try:
+        image = load_intel_hex(firmware.read_text(encoding="ascii"))
+    except (OSError, UnicodeDecodeError, ImageError) as exc:
+        raise _fail(f"cannot use {firmware}: {exc}", EXIT_USAGE) from None
+    bus = buses[0]
+    cfg = CanBusConfig(interface=interface, channel=channel, bitrate=bitrate)
+    settings = CanBootSettings(can_bus1=cfg if bus == 1 else None, can_bus2=cfg if bus == 2 else None,
+                               can_window=window)
+    svc = CanBootService(settings)
+    port = svc.ports[bus]
+    try:
+        port.open()
+    except TransportError as exc:
+        raise _fail(f"cannot open the CAN adapter: {exc}", EXIT_FAILED) from None
+    flash_cfg = settings.can_flash.model_copy(update={"window": window or default_window(cfg),
+                                                      "check_bootloader_aware": check})
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    try:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console) as bar:
+            for b in ids:
+                task = bar.add_task(f"board {b}", total=None, info="")
+
+                def report(snap: dict[str, Any], _task: Any = task, _b: int = b) -> None:
+                    bar.update(_task, description=f"board {_b} {snap['phase']}", total=snap.get("total") or None,
+                               completed=snap.get("done", 0), info=f"frames/s={snap.get('frames_per_s', 0):.0f}")
+
+                res = svc.flash_board(b, image, flash_cfg, None, lock, report)
+                if res.ok:
+                    bar.update(task, description=f"board {b} done", completed=1, total=1)
+                results.append(res.model_dump(mode="json"))
+    finally:
+        port.close()
+    return results
 
 
 can_app = typer.Typer(add_completion=False, no_args_is_help=True,

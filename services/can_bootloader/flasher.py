@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from services.can_bootloader import protocol as p
 from services.can_bootloader.image import CHUNK, FlashImage
 
@@ -53,34 +55,32 @@ class Phase(StrEnum):
     DONE = "done"
 
 
-@dataclass(frozen=True)
-class FlashConfig:
-    """Timeouts and retries; defaults are the original's where it had bounded ones (reference §4)."""
+class FlashConfig(BaseModel):
+    """Timeouts and retries; defaults are the original's where it had bounded ones (reference §4). The one
+    definition: the service's `can_flash` setting is this model (`window` and `check_bootloader_aware` come
+    from ROBOBUS_CAN_WINDOW and the request instead)."""
 
-    window: int = 2  # frames in flight; 1 = the original's stop-and-wait
-    magic_timeout_s: float = 0.1
-    magic_tries: int = 2
-    erase_timeout_s: float = 3.0
-    erase_tries: int = 3  # original: forever
-    post_erase_delay_s: float = 0.0  # original: sleep(1); the bootloader ACKs ERASE after its erase loop
-    frame_timeout_s: float = 0.1  # WRITE_ADDRESS, WRITE_DATA, READ
-    block_retries: int = 20  # rewinds of one 32-byte block (original: forever)
-    read_retries: int = 20  # per 8-byte chunk (original max_retry)
-    reset_timeout_s: float = 1.0
-    reset_tries: int = 3  # original: forever
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    window: int = Field(2, ge=1, description="Frames in flight; 1 = the original's stop-and-wait")
+    magic_timeout_s: float = Field(0.1, gt=0)
+    magic_tries: int = Field(2, ge=1)
+    erase_timeout_s: float = Field(3.0, gt=0)
+    erase_tries: int = Field(3, ge=1, description="The original: forever")
+    post_erase_delay_s: float = Field(0.0, ge=0, description="The original slept 1 s; the bootloader ACKs ERASE "
+                                                            "after its erase loop")
+    frame_timeout_s: float = Field(0.1, gt=0, description="WRITE_ADDRESS, WRITE_DATA, READ")
+    block_retries: int = Field(20, ge=0, description="Rewinds of one 32-byte block (the original: forever)")
+    read_retries: int = Field(20, ge=1, description="Per 8-byte chunk (the original's max_retry)")
+    reset_timeout_s: float = Field(1.0, gt=0)
+    reset_tries: int = Field(3, ge=1, description="The original: forever")
     check_bootloader_aware: bool = True
-    check_delay_s: float = 0.05  # let the new application start before the magic packet
-    check_timeout_s: float = 0.5
-    check_tries: int = 2  # a lost ACK must not brand an aware firmware as unaware; a second magic is harmless
-    drain_s: float = 0.05  # quiet time after a rewind with several frames in flight
-    restarts: int = 1  # full re-erase + rewrite after a read-back that re-reading cannot fix
-
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError("window must be >= 1")
-        for name in ("magic_tries", "erase_tries", "reset_tries", "check_tries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+    check_delay_s: float = Field(0.05, ge=0, description="Let the new application start before the magic packet")
+    check_timeout_s: float = Field(0.5, gt=0)
+    check_tries: int = Field(2, ge=1, description="A lost ACK must not brand an aware firmware as unaware; a "
+                                                  "second magic is harmless")
+    drain_s: float = Field(0.05, ge=0, description="Quiet time after a rewind with several frames in flight")
+    restarts: int = Field(1, ge=0, description="Full re-erase + rewrite after a read-back that re-reading "
+                                               "cannot fix")
 
 
 # -- events ------------------------------------------------------------------------------------------------
@@ -485,9 +485,12 @@ class Flasher:
                                                  "the bootloader, then RESET again"))
             self._enter(Phase.REENTER, now)
         elif ph is Phase.REENTER:
-            self._finish(False, f"{self._resume.value} failed: RESET was not acknowledged and the board does not "
-                                f"answer the magic packet ({failure.reason}). The image was written and verified; "
-                                "the board is either running it (and it is not bootloader-aware) or not powered",
+            # say what was observed, no guess: a board still in its bootloader whose every answer is lost
+            # looks exactly like one running a firmware that ignores the bootloader, or an unpowered one
+            self._finish(False, f"{self._resume.value} failed: no answer from board {self.local_id} since the image "
+                                f"was written and verified: RESET and the magic packets sent after it were not "
+                                f"acknowledged ({failure.reason}). Check the "
+                                "board's power and bus; reflash to be sure the new image runs",
                          address=None)
         elif ph is Phase.CHECK:
             msg = ("the new firmware did not answer the magic packet after the reset: it is NOT bootloader-aware, "

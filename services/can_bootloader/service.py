@@ -12,10 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.can_bootloader import protocol as p
 from services.can_bootloader.flasher import (
@@ -31,110 +28,26 @@ from services.can_bootloader.flasher import (
     version_exchange,
 )
 from services.can_bootloader.image import FlashImage, ImageError, load_intel_hex
-from services.can_bootloader.transport import CanBusConfig, CanPort, TransportError
-from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI
+from services.can_bootloader.models import (
+    BootBoardRequest,
+    BootReadReply,
+    BootReadRequest,
+    BootResetReply,
+    BootVersionReply,
+    FlashBoardResult,
+    FlashManyRequest,
+    FlashManyResult,
+    FlashRequest,
+    _Firmware,
+)
+from services.can_bootloader.settings import BRIDGE_INTERFACE, CanBootSettings, default_window
+from services.can_bootloader.transport import CanPort, TransportError
+from shared import CommandError, ErrorCode, JobContext, Node, ServiceAPI
+
+__all__ = ["API", "CanBootService", "CanBootSettings", "build"]
 
 log = logging.getLogger("robobus.can_bootloader")
 
-MAX_HEX_CHARS = 4_000_000
-BRIDGE_INTERFACE = "robobus_bridge"
-
-
-# -- requests and replies ----------------------------------------------------------------------------------
-class _Firmware(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    hex: str | None = Field(None, max_length=MAX_HEX_CHARS, description="The firmware as Intel HEX text")
-    path: str | None = Field(None, max_length=1024, description="A .hex file inside the service's firmware folder "
-                                                               "(relative to it); nowhere else is readable")
-    window: int | None = Field(None, ge=1, le=64, description="Frames in flight (default from configuration)")
-    check_bootloader_aware: bool = Field(True, description="After the reset, send the magic packet once more to "
-                                                           "prove the new firmware can be reflashed over CAN")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> _Firmware:
-        if (self.hex is None) == (self.path is None):
-            raise ValueError("give exactly one of `hex` (Intel HEX text) or `path` (a file in the firmware folder)")
-        return self
-
-
-class FlashRequest(_Firmware):
-    """Flash one motor board (0–19)."""
-
-    board: int = Field(ge=0, le=p.MAX_BOARD_ID, description="Board id: 0–9 on CAN bus 1, 10–19 on CAN bus 2")
-
-
-class FlashManyRequest(_Firmware):
-    """Flash several boards with one image; the two buses run in parallel."""
-
-    boards: list[int] = Field(min_length=1, max_length=20, description="Board ids 0–19, each at most once")
-
-    @field_validator("boards")
-    @classmethod
-    def _boards(cls, v: list[int]) -> list[int]:
-        bad = [b for b in v if not 0 <= b <= p.MAX_BOARD_ID]
-        if bad:
-            raise ValueError(f"board ids must be 0–{p.MAX_BOARD_ID}, got {bad}")
-        if len(set(v)) != len(v):
-            raise ValueError("each board at most once")
-        return v
-
-
-class FlashBoardResult(BaseModel):
-    """The outcome of flashing one board (the `flash` job result, and the `flash_report` event)."""
-
-    board: int
-    bus: int
-    ok: bool
-    reason: str
-    phase: str = Field(description="Where it ended: 'done', or the failing phase (magic, erase, write, verify, ...)")
-    address: int | None = Field(None, description="Program memory address of the failure, when there is one")
-    bootloader_aware: bool | None = Field(None, description="False: the board can no longer be reflashed over CAN")
-    cancelled: bool = False
-    image_first: int
-    image_last: int
-    bytes_written: int
-    bytes_verified: int
-    frames_sent: int
-    frames_received: int
-    retries: int
-    restarts: int
-    duration_s: float
-    frames_per_s: float
-    warnings: list[str] = Field(default_factory=list)
-
-
-class FlashManyResult(BaseModel):
-    results: list[FlashBoardResult]
-
-
-class BootBoardRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    board: int = Field(ge=0, le=p.MAX_BOARD_ID)
-
-
-class BootVersionReply(BaseModel):
-    board: int
-    bus: int
-    version: str = Field(description="The bootloader's 4 version bytes as hex (40414243)")
-
-
-class BootReadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    board: int = Field(ge=0, le=p.MAX_BOARD_ID)
-    address: int = Field(ge=0, le=0x3FFFFF, description="First program memory address")
-    length: int = Field(ge=1, le=4096, description="Bytes to read (read 8 at a time)")
-
-
-class BootReadReply(BaseModel):
-    board: int
-    bus: int
-    address: int
-    data: str = Field(description="The bytes read, as hex")
-
-
-class BootResetReply(BaseModel):
-    board: int
-    bus: int
 
 
 # error codes beyond the kit's: a bus not configured or failing (unavailable), one exchange per bus (busy),
@@ -156,60 +69,6 @@ READ_FLASH = API.command("read_flash", BootReadRequest, BootReadReply, errors=_B
 RESET = API.command("reset", BootBoardRequest, BootResetReply, errors=_BUS_ERRORS,
                     doc="RESET: the bootloader marks the application valid (EEPROM[0xFF]=0x42) and starts it")
 FLASH_REPORT = API.event("flash_report", FlashBoardResult, doc="One board flashed (or not): the full outcome")
-
-
-# -- settings ----------------------------------------------------------------------------------------------
-class FlashTuning(BaseModel):
-    """Timeouts and retries of the flasher (defaults: the original's, but bounded)."""
-
-    model_config = ConfigDict(extra="forbid")
-    magic_timeout_s: float = Field(0.1, gt=0)
-    magic_tries: int = Field(2, ge=1)
-    erase_timeout_s: float = Field(3.0, gt=0)
-    erase_tries: int = Field(3, ge=1)
-    post_erase_delay_s: float = Field(0.0, ge=0, description="The original slept 1 s after the erase ACK")
-    frame_timeout_s: float = Field(0.1, gt=0)
-    block_retries: int = Field(20, ge=0)
-    read_retries: int = Field(20, ge=1)
-    reset_timeout_s: float = Field(1.0, gt=0)
-    reset_tries: int = Field(3, ge=1)
-    check_delay_s: float = Field(0.05, ge=0)
-    check_timeout_s: float = Field(0.5, gt=0)
-    check_tries: int = Field(2, ge=1)
-    drain_s: float = Field(0.05, ge=0)
-    restarts: int = Field(1, ge=0)
-
-
-def _default_bus(n: int) -> CanBusConfig:
-    return CanBusConfig(interface="virtual", channel=f"robobus-can{n}")
-
-
-class CanBootSettings(KitSettings):
-    """can-bootloader configuration: ROBOBUS_CAN_* in the environment (nested values as JSON), or keys of a
-    ROBOBUS_CONFIG file. Example: ROBOBUS_CAN_BUS1='{"interface": "socketcan", "channel": "can0"}'."""
-
-    can_device: str = Field("motors", description="Device name on MQTT")
-    can_bus1: CanBusConfig | None = Field(default_factory=lambda: _default_bus(1),
-                                          description="Palm CAN bus 1 (boards 0–9); null: not served")
-    can_bus2: CanBusConfig | None = Field(default_factory=lambda: _default_bus(2),
-                                          description="Palm CAN bus 2 (boards 10–19); null: not served")
-    can_firmware_dir: Path | None = Field(None, description="The only folder `path` requests may read from")
-    can_window: int | None = Field(None, ge=1, le=64, description="Frames in flight; default 12 through the palm "
-                                                                  "bridge (it paces 1 frame/ms), 2 on a direct bus "
-                                                                  "(the PIC's two receive buffers)")
-    can_flash: FlashTuning = Field(default_factory=FlashTuning)
-    can_sim: bool = Field(False, description="Run simulated boards on in-process virtual buses (make run, demos)")
-    can_sim_boards: list[int] = Field(default_factory=lambda: list(range(20)))
-    can_sim_erase_s: float = Field(0.968, ge=0, description="Simulated erase time (484 rows x 2 ms)")
-    can_sim_row_write_s: float = Field(0.002, ge=0)
-
-
-BRIDGE_WINDOW = 12  # the bridge round trip is ~4 palm cycles on a quiet host, more on a loaded one
-DIRECT_WINDOW = 2  # the PIC's two receive buffers
-
-
-def default_window(bus: CanBusConfig) -> int:
-    return BRIDGE_WINDOW if bus.interface == BRIDGE_INTERFACE else DIRECT_WINDOW
 
 
 # -- the service -------------------------------------------------------------------------------------------
@@ -298,18 +157,11 @@ class CanBootService:
             port.close()
 
     def start_sim(self) -> None:
-        """Simulated boards on the configured (virtual) buses, in this process."""
-        import can
+        """Simulated boards on the configured (virtual) buses, in this process (`make run`, demos)."""
+        from services.can_bootloader.sim import sims_on_ports  # late: only demos need the simulator
 
-        from services.can_bootloader.sim import BootBusSim, make_boards
-
-        for n, port in self.ports.items():
-            ids = [b for b in self.settings.can_sim_boards if p.board_address(b).bus == n]
-            bus = can.Bus(interface=port.cfg.interface, channel=port.cfg.channel)
-            sim = BootBusSim(bus, make_boards(ids), row_write_s=self.settings.can_sim_row_write_s,
-                             erase_s=self.settings.can_sim_erase_s,
-                             ignore_sent=port.cfg.interface == "udp_multicast").start()
-            self.sims.append(sim)
+        self.sims.extend(sims_on_ports(self.ports, self.settings.can_sim_boards, self.settings.can_sim_row_write_s,
+                                       self.settings.can_sim_erase_s))
 
     # -- health ------------------------------------------------------------------------------------------------
     def update_health(self) -> None:
@@ -380,8 +232,8 @@ class CanBootService:
 
     def _config(self, req: _Firmware, port: CanPort) -> FlashConfig:
         window = req.window or self.settings.can_window or default_window(port.cfg)
-        return FlashConfig(window=window, check_bootloader_aware=req.check_bootloader_aware,
-                           **self.settings.can_flash.model_dump())
+        return self.settings.can_flash.model_copy(update={"window": window,
+                                                          "check_bootloader_aware": req.check_bootloader_aware})
 
     def _exchange(self, board: int, ex: Exchange, what: str) -> Exchange:
         port = self._port(board)

@@ -28,12 +28,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.can_bootloader import protocol as p
 from services.can_bootloader.image import APP_END, APP_START, BLOCK, ERASE_ROW
+from services.can_bootloader.transport import CanPort
 
 log = logging.getLogger("robobus.can_bootloader.sim")
 
@@ -412,6 +413,21 @@ class BootBusSim:
 SIMPLEMOTOR_FIRST = 0x04C0
 SIMPLEMOTOR_LAST = 0x7D4B  # released_firmware/simplemotor.hex spans 0x04C0–0x7D4B (reference §4)
 CONFIG_BYTES = {0x300001: bytes.fromhex("0E1E0081000F")}  # config words 0x300001–0x300006, skipped
+
+
+def sims_on_ports(ports: Mapping[int, CanPort], board_ids: Iterable[int], row_write_s: float,
+                  erase_s: float) -> list[BootBusSim]:
+    """Simulated boards on the configured buses (their own bus objects on the same channels), started."""
+    import can
+
+    sims = []
+    ids = list(board_ids)
+    for n, port in ports.items():
+        bus = can.Bus(interface=port.cfg.interface, channel=port.cfg.channel)
+        sims.append(BootBusSim(bus, make_boards([b for b in ids if p.board_address(b).bus == n]),
+                               row_write_s=row_write_s, erase_s=erase_s,
+                               ignore_sent=port.cfg.interface == "udp_multicast").start())
+    return sims
 
 
 def make_firmware(first: int = SIMPLEMOTOR_FIRST, last: int = SIMPLEMOTOR_LAST, *, aware: bool = True,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from services.ethercat_loop.backend import EthercatSettings
-from services.ethercat_loop.service import API, build
+from services.ethercat_loop.service import API, EthercatSettings, build
 from shared import run_service
 
 

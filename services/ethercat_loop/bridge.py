@@ -6,11 +6,11 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from services.ethercat_loop.driver import (
+from services.ethercat_loop.control import (
     CanFrame,
     CanRxFrame,
 )
-from services.ethercat_loop.messages import PalmCanFrameIn, PalmCanFrameOut
+from services.ethercat_loop.models import PalmCanFrameIn, PalmCanFrameOut
 from shared import CommandError, ErrorCode
 
 

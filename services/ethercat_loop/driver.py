@@ -1,9 +1,8 @@
 """The per-cycle palm logic (what SR06 packCommand/unpackState did), pure: no I/O, no clock.
 
 `PalmDriver.cycle(status, now_ns)` decodes the previous status (None = lost frame) and returns the next
-command bytes; `apply(msg)` takes a control message from the MQTT side; `snapshot()` is a picklable view.
-The messages below are small frozen dataclasses so the cycle process can receive them over a
-multiprocessing queue.
+command bytes; control messages (control.py) change it through its `DriverControls` operations
+(`msg.apply(driver)`); `snapshot()` is a picklable view (snapshot.py).
 
 Fixed defects of the original (reference §2.3): demands expire (deadman) and a halt zeroes them (the
 original ignored its halt flag); torque is not updated from SLOW_MISC/READBACK replies, whose `torque`
@@ -15,19 +14,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
 from services.ethercat_loop.calibration import HandCalibration
+from services.ethercat_loop.control import POLL_TYPES, CanFrame, CanRxFrame, ControlMode
 from services.ethercat_loop.protocol import (
     CONFIG_FIRST,
     CONFIG_TYPES,
-    DEMAND_RANGES,
     NO_CAN,
     NUM_MOTORS,
     PROTOCOLS,
     SERIOUS_ERROR_FLAGS,
     SLOW_DATA_LAST,
-    SYSTEM_RESET_MAGIC,
     CanBridgeFrame,
     DecodeError,
     EdcCommand,
@@ -36,12 +33,12 @@ from services.ethercat_loop.protocol import (
     PalmCommand,
     PalmStatus,
     ToMotorDataType,
-    config_crc,
     flag_names,
     pack_command,
     s16,
     unpack_status,
 )
+from services.ethercat_loop.snapshot import PalmMotorSnapshot, PalmSnapshot, calibrated_joints, status_fields
 
 MAX_NON_DEMAND_CYCLES = 12  # one whole config push (11 cycles) + 1; well under the motors' 20 ms timeout
 CONFIG_PUSH_CYCLES = len(CONFIG_TYPES) + 1
@@ -49,15 +46,6 @@ INIT_TIMEOUT_NS = 5_000_000_000  # like the original's 5 s "Motor Initialization
 CAN_TX_QUEUE_MAX = 4096
 CAN_RX_KEEP = 4096
 
-# motor_data_polling.yaml keys -> FROM_MOTOR data types
-POLL_TYPES: dict[str, FromMotorDataType] = {
-    "sgl": FromMotorDataType.SGL, "sgr": FromMotorDataType.SGR, "pwm": FromMotorDataType.PWM,
-    "flags": FromMotorDataType.FLAGS, "current": FromMotorDataType.CURRENT, "voltage": FromMotorDataType.VOLTAGE,
-    "temperature": FromMotorDataType.TEMPERATURE, "can_num_received": FromMotorDataType.CAN_NUM_RECEIVED,
-    "can_num_transmitted": FromMotorDataType.CAN_NUM_TRANSMITTED, "slow_data": FromMotorDataType.SLOW_MISC,
-    "can_error_counters": FromMotorDataType.CAN_ERROR_COUNTERS, "pterm": FromMotorDataType.PTERM,
-    "iterm": FromMotorDataType.ITERM, "dterm": FromMotorDataType.DTERM,
-}
 # The current per-hand defaults (sr_hand_config/2106/rates/motor_data_polling.yaml):
 # -1 important (round robin), -2 initialisation only, >0 period in seconds.
 DEFAULT_POLLING: dict[str, float] = {
@@ -65,262 +53,6 @@ DEFAULT_POLLING: dict[str, float] = {
     "can_num_received": 0.1, "can_num_transmitted": 0.1, "slow_data": -2, "can_error_counters": 0.1,
     "pterm": -2, "iterm": -2, "dterm": -2,
 }
-
-ControlMode = Literal["torque", "pwm"]
-
-
-# ------------------------------------------------------------------------------------------- messages
-@dataclass(frozen=True)
-class SetControlMode:
-    """Torque (the motors' FPID loop) or PWM (straight to the H-bridge). Switching zeroes all demands."""
-
-    mode: ControlMode
-
-
-@dataclass(frozen=True)
-class SetDemands:
-    """motor id -> demand; each value stays valid for `demand_timeout_ms` from the cycle it reached."""
-
-    demands: dict[int, int]
-
-
-@dataclass(frozen=True)
-class NullifyDemands:
-    """While enabled, every demand is zero (the original `nullify_demand` service)."""
-
-    enable: bool = True
-
-
-@dataclass(frozen=True)
-class MotorConfig:
-    """The FPID configuration of one motor (TO_MOTOR config types 0x5..0xE)."""
-
-    torque_limit: int = 0
-    torque_limiter_gain: int = 0
-    max_pwm: int = 0
-    sgl_ref: int = 0
-    sgr_ref: int = 0
-    f: int = 0
-    p: int = 0
-    i: int = 0
-    d: int = 0
-    imax: int = 0
-    deadband: int = 0
-    sign: int = 0
-
-    def words(self) -> dict[int, int]:
-        t = ToMotorDataType
-        return {
-            t.CONFIG_TORQUE_LIMIT: self.torque_limit & 0xFFFF,
-            t.CONFIG_TORQUE_LIMITER_GAIN: self.torque_limiter_gain & 0xFFFF,
-            t.CONFIG_MAX_PWM: self.max_pwm & 0xFFFF,
-            t.CONFIG_SG_REFS: (self.sgl_ref & 0xFF) | ((self.sgr_ref & 0xFF) << 8),
-            t.CONFIG_F: self.f & 0xFFFF, t.CONFIG_P: self.p & 0xFFFF, t.CONFIG_I: self.i & 0xFFFF,
-            t.CONFIG_D: self.d & 0xFFFF, t.CONFIG_IMAX: self.imax & 0xFFFF,
-            t.CONFIG_DEADBAND_SIGN: (self.deadband & 0xFF) | ((self.sign & 0xFF) << 8),
-        }
-
-    def check(self) -> str | None:
-        t = ToMotorDataType
-        vals = {t.CONFIG_TORQUE_LIMIT: self.torque_limit, t.CONFIG_TORQUE_LIMITER_GAIN: self.torque_limiter_gain,
-                t.CONFIG_MAX_PWM: self.max_pwm, t.CONFIG_F: self.f, t.CONFIG_P: self.p, t.CONFIG_I: self.i,
-                t.CONFIG_D: self.d, t.CONFIG_IMAX: self.imax}
-        for k, v in vals.items():
-            lo, hi = DEMAND_RANGES[k]
-            if not lo <= v <= hi:
-                return f"{k.name.lower()[7:]} {v} out of range {lo}..{hi}"
-        for name, v, hi in (("sgl_ref", self.sgl_ref, 255), ("sgr_ref", self.sgr_ref, 255),
-                            ("deadband", self.deadband, 255), ("sign", self.sign, 1)):
-            if not 0 <= v <= hi:
-                return f"{name} {v} out of range 0..{hi}"
-        return None
-
-
-@dataclass(frozen=True)
-class SetMotorConfig:
-    """Push a config to some motors: one type per cycle, ending with the CRC."""
-
-    motors: tuple[int, ...]
-    config: MotorConfig
-
-
-@dataclass(frozen=True)
-class SystemControls:
-    """MOTOR_SYSTEM_CONTROLS bits for some motors (backlash, gauge tracking, jiggle, EEPROM write)."""
-
-    motors: tuple[int, ...]
-    controls: int
-
-
-@dataclass(frozen=True)
-class ResetMotors:
-    motors: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SetTestMode:
-    """EDC_command for the coming cycles: SENSOR_DATA (normal), SENSOR_CHANNEL_NUMBERS or SENSOR_ADC_CHANNEL_CS."""
-
-    edc_command: int
-
-
-@dataclass(frozen=True)
-class SetCanDirect:
-    """CAN direct mode (the bridge lease): no demands, the CAN-bridge frames go to and from the buses."""
-
-    enable: bool
-    flush: bool = True  # drop frames still queued for the wire
-
-
-@dataclass(frozen=True)
-class CanFrame:
-    bus: int  # 1 or 2
-    sid: int  # 11-bit
-    data: bytes  # up to 8 bytes
-
-
-@dataclass(frozen=True)
-class CanTx:
-    """Frames for the bridge, one per cycle in CAN direct mode."""
-
-    frames: tuple[CanFrame, ...]
-
-
-@dataclass(frozen=True)
-class CanRxFrame:
-    bus: int
-    sid: int
-    data: bytes
-    cycle: int  # the driver cycle whose status carried it
-
-
-@dataclass(frozen=True)
-class Halt:
-    """Zero every demand from the next cycle on (shutdown, leaving OP)."""
-
-    enable: bool = True
-
-
-@dataclass(frozen=True)
-class SetPolling:
-    """Replace the motor data polling schedule (keys and semantics of motor_data_polling.yaml)."""
-
-    rates: dict[str, float]
-
-
-@dataclass(frozen=True)
-class ReinitializeMotors:
-    """Start the initialisation phase again (after a motor was flashed or reset)."""
-
-
-ControlMessage = (SetControlMode | SetDemands | NullifyDemands | SetMotorConfig | SystemControls | ResetMotors
-                  | SetTestMode | SetCanDirect | CanTx | Halt | SetPolling | ReinitializeMotors)
-
-
-def check_message(msg: object, mode: ControlMode | None = None) -> str | None:
-    """None if `msg` is acceptable, else why not. The service calls it before submitting (to answer
-    with an error); the driver calls it again, counting what it rejects."""
-
-    def motors_ok(ms: tuple[int, ...]) -> str | None:
-        bad = [m for m in ms if not 0 <= m < NUM_MOTORS]
-        return f"motor ids {bad} not in 0..{NUM_MOTORS - 1}" if bad else None
-
-    if isinstance(msg, SetDemands):
-        err = motors_ok(tuple(msg.demands))
-        if err or mode is None:
-            return err
-        lo, hi = DEMAND_RANGES[ToMotorDataType.DEMAND_TORQUE if mode == "torque" else ToMotorDataType.DEMAND_PWM]
-        bad = {m: v for m, v in msg.demands.items() if not lo <= v <= hi}
-        return f"demands {bad} out of the {mode} range {lo}..{hi}" if bad else None
-    if isinstance(msg, SetControlMode):
-        return None if msg.mode in ("torque", "pwm") else f"unknown control mode {msg.mode!r}"
-    if isinstance(msg, SetMotorConfig):
-        return motors_ok(msg.motors) or msg.config.check()
-    if isinstance(msg, SystemControls):
-        return motors_ok(msg.motors) or (None if 0 < msg.controls <= 0xFF else "controls must be 1..0xFF")
-    if isinstance(msg, ResetMotors):
-        return motors_ok(msg.motors)
-    if isinstance(msg, SetTestMode):
-        ok = (EdcCommand.SENSOR_DATA, EdcCommand.SENSOR_CHANNEL_NUMBERS, EdcCommand.SENSOR_ADC_CHANNEL_CS)
-        return None if msg.edc_command in ok else f"EDC_command {msg.edc_command} is not a sensor mode"
-    if isinstance(msg, CanTx):
-        for f in msg.frames:
-            if f.bus not in (1, 2) or not 0 <= f.sid <= 0x7FF or len(f.data) > 8:
-                return f"bad CAN frame {f}"
-        return None
-    if isinstance(msg, SetPolling):
-        bad_keys = sorted(set(msg.rates) - set(POLL_TYPES))
-        if bad_keys:
-            return f"unknown polling keys {bad_keys}"
-        bad_vals = {k: v for k, v in msg.rates.items() if not (v in (-1, -2) or v > 0)}
-        return f"polling rates must be -1, -2 or > 0 s: {bad_vals}" if bad_vals else None
-    if isinstance(msg, NullifyDemands | SetCanDirect | Halt | ReinitializeMotors):
-        return None
-    return f"unknown message {type(msg).__name__}"
-
-
-# ------------------------------------------------------------------------------------------- snapshot
-@dataclass(frozen=True)
-class PalmMotorSnapshot:
-    id: int
-    joint: str | None
-    torque: int | None
-    demand: int  # the latest demand asked for (before expiry)
-    demand_sent: int  # what the last demand cycle put on the wire
-    flags: int | None
-    flag_names: tuple[str, ...]
-    serious: bool
-    temperature: float | None  # °C
-    current: float | None  # A
-    voltage: float | None  # V
-    pwm: int | None
-    sgl: int | None
-    sgr: int | None
-    last_seen_ns: int | None
-    missed: int  # polls without an answer
-    data_errors: int
-    slow: dict[str, int]
-    last_config: tuple[int, int] | None
-    can_received: int | None
-    can_transmitted: int | None
-    can_errors: tuple[int, int] | None  # (tx, rx)
-    terms: dict[str, int]
-
-
-@dataclass(frozen=True)
-class PalmJointSnapshot:
-    name: str
-    position: float | None  # rad
-    raw: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class PalmSnapshot:
-    cycle: int
-    now_ns: int
-    protocol: str
-    phase: str  # "init" | "operation"
-    mode: ControlMode
-    edc_command: int  # what we send
-    edc_echo: int  # what the last good status echoed
-    status_count: int
-    can_direct: bool
-    halted: bool
-    nullified: bool
-    joints: tuple[PalmJointSnapshot, ...]
-    sensors_raw: tuple[int, ...]
-    motors: tuple[PalmMotorSnapshot, ...]
-    tactile_type: int
-    tactile_valid: int
-    tactile: tuple[tuple[int, ...], ...]
-    tactile_mid_prox: tuple[tuple[int, ...], ...]  # 0230 only
-    aux_spi_type: int  # 0230 only
-    aux_spi: tuple[int, ...]  # 0230 only
-    imu: tuple[int, ...]  # ACCX..GYRZ as int16s
-    analog: tuple[int, ...]  # AN0..AN3
-    idle_time_us: int
-    counters: dict[str, int]
-
 
 # ------------------------------------------------------------------------------------------- state
 @dataclass
@@ -418,64 +150,52 @@ class PalmDriver:
         self.last_sensor_data: tuple[int, ...] | None = None
         self.c: dict[str, int] = dict.fromkeys(
             ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
-             "demands_expired", "configs_sent", "controls_sent", "resets_sent", "rejected", "init_timeout",
+             "demands_expired", "configs_sent", "controls_sent", "resets_sent", "init_timeout",
              "can_tx", "can_rx", "can_tx_overflow", "non_demand_cycles", "halt_zero_cycles"), 0)
         self.last_error = ""
         self._reset_init()
 
-    # -- control messages -----------------------------------------------------------------------------
-    def apply(self, msg: ControlMessage) -> str | None:
-        """Apply one control message; returns None, or why it was rejected (counted, never raised)."""
-        err = check_message(msg, self.mode)
-        if err:
-            self.c["rejected"] += 1
-            self.last_error = err
-            return err
-        if isinstance(msg, SetDemands):
-            self._fresh.update(msg.demands)
-        elif isinstance(msg, SetControlMode):
-            if msg.mode != self.mode:
-                self.mode = msg.mode
-                self._zero_demands()
-        elif isinstance(msg, NullifyDemands):
-            self.nullified = msg.enable
-        elif isinstance(msg, Halt):
-            self.halted = msg.enable
-            if msg.enable:
-                self._zero_demands()
-        elif isinstance(msg, SetMotorConfig):
-            words = msg.config.words()
-            crc = config_crc(words)
-            for t in CONFIG_TYPES:
-                self._config_steps.append((t, dict.fromkeys(msg.motors, words[t])))
-            self._config_steps.append((ToMotorDataType.CONFIG_CRC, dict.fromkeys(msg.motors, crc)))
-        elif isinstance(msg, SystemControls):
-            self._controls.append((ToMotorDataType.SYSTEM_CONTROLS, dict.fromkeys(msg.motors, msg.controls)))
-        elif isinstance(msg, ResetMotors):
-            self._controls.append((ToMotorDataType.SYSTEM_RESET,
-                                   {m: SYSTEM_RESET_MAGIC | (m % 10) for m in msg.motors}))
-        elif isinstance(msg, SetTestMode):
-            self.edc_mode = msg.edc_command
-        elif isinstance(msg, SetCanDirect):
-            if self.can_direct and not msg.enable:
-                self._reset_init()  # like reinitialize_boards() after a flash: firmware data may have changed
-            self.can_direct = msg.enable
-            if msg.flush:
-                self._can_tx.clear()
+    # -- control operations (DriverControls: what control messages do; see control.py) ---------------
+    def queue_demands(self, demands: dict[int, int]) -> None:
+        self._fresh.update(demands)
+
+    def set_mode(self, mode: ControlMode) -> None:
+        if mode != self.mode:
+            self.mode = mode
             self._zero_demands()
-        elif isinstance(msg, CanTx):
-            for f in msg.frames:
-                if len(self._can_tx) >= CAN_TX_QUEUE_MAX:
-                    self.c["can_tx_overflow"] += 1
-                else:
-                    self._can_tx.append(f)
-        elif isinstance(msg, SetPolling):
-            self.rates = {**self.rates, **msg.rates}
-            self.schedule = PollSchedule(self.rates, self.now_ns)
-            self._reset_init()
-        elif isinstance(msg, ReinitializeMotors):
-            self._reset_init()
-        return None
+
+    def halt(self, enable: bool) -> None:
+        self.halted = enable
+        if enable:
+            self._zero_demands()
+
+    def queue_to_motors(self, kind: int, words: dict[int, int], config: bool) -> None:
+        """One TO_MOTOR word per motor for one cycle: a config step (pushed whole, in order) or a system
+        control / reset (priority over configs, as in packCommand)."""
+        (self._config_steps if config else self._controls).append((kind, words))
+
+    def set_can_direct(self, enable: bool, flush: bool) -> None:
+        if self.can_direct and not enable:
+            self._reset_init()  # like reinitialize_boards() after a flash: firmware data may have changed
+        self.can_direct = enable
+        if flush:
+            self._can_tx.clear()
+        self._zero_demands()
+
+    def queue_can_tx(self, frames: tuple[CanFrame, ...]) -> None:
+        for f in frames:
+            if len(self._can_tx) >= CAN_TX_QUEUE_MAX:
+                self.c["can_tx_overflow"] += 1
+            else:
+                self._can_tx.append(f)
+
+    def set_polling(self, rates: dict[str, float]) -> None:
+        self.rates = {**self.rates, **rates}
+        self.schedule = PollSchedule(self.rates, self.now_ns)
+        self._reset_init()
+
+    def reinitialize(self) -> None:
+        self._reset_init()
 
     def _zero_demands(self) -> None:
         self._fresh.clear()
@@ -660,13 +380,10 @@ class PalmDriver:
     def can_tx_pending(self) -> int:
         return len(self._can_tx)
 
-    def snapshot(self) -> PalmSnapshot:
+    def snapshot(self, joints: bool = True) -> PalmSnapshot:
+        """The driver's view. `joints=False` skips the calibration (40 % of the cost): the cycle process's
+        lean snapshot, whose joints the MQTT process derives from the raw statuses (`status_fields`)."""
         st = self.last or PalmStatus()
-        joints: tuple[PalmJointSnapshot, ...]
-        if self.last_sensor_data is not None:
-            joints = tuple(PalmJointSnapshot(j.name, j.position, j.raw) for j in self.cal.joints(self.last_sensor_data))
-        else:
-            joints = ()
         motors = tuple(PalmMotorSnapshot(
             id=m.id, joint=self.cal.joint_of_motor.get(m.id), torque=m.torque, demand=m.demand,
             demand_sent=m.demand_sent, flags=m.flags, flag_names=tuple(flag_names(m.flags or 0)),
@@ -674,13 +391,12 @@ class PalmDriver:
             voltage=m.voltage, pwm=m.pwm, sgl=m.sgl, sgr=m.sgr, last_seen_ns=m.last_seen_ns, missed=m.missed,
             data_errors=m.data_errors, slow=dict(m.slow), last_config=m.last_config, can_received=m.can_received,
             can_transmitted=m.can_transmitted, can_errors=m.can_errors, terms=dict(m.terms)) for m in self.motors)
-        sensors = st.sensors
+        # joints from the last SENSOR_DATA status (a test-mode status carries channel ids, not positions)
+        last_joints = calibrated_joints(self.cal, self.last_sensor_data) \
+            if joints and self.last_sensor_data is not None else ()
         return PalmSnapshot(
             cycle=self.cycle_no, now_ns=self.now_ns, protocol=self.protocol, phase=self.phase, mode=self.mode,
             edc_command=int(EdcCommand.CAN_DIRECT_MODE if self.can_direct else self.edc_mode),
-            edc_echo=st.edc_command, status_count=self.c["statuses"], can_direct=self.can_direct,
-            halted=self.halted, nullified=self.nullified, joints=joints, sensors_raw=sensors, motors=motors,
-            tactile_type=st.tactile_data_type, tactile_valid=st.tactile_data_valid, tactile=st.tactile,
-            tactile_mid_prox=st.tactile_mid_prox, aux_spi_type=st.aux_spi_data_type, aux_spi=st.aux_spi_sensor,
-            imu=tuple(s16(v) for v in sensors[26:32]), analog=tuple(sensors[32:36]), idle_time_us=st.idle_time_us,
-            counters={**self.c, "can_tx_pending": len(self._can_tx)})
+            status_count=self.c["statuses"], can_direct=self.can_direct, halted=self.halted,
+            nullified=self.nullified, motors=motors, counters={**self.c, "can_tx_pending": len(self._can_tx)},
+            **status_fields(st, None, last_joints))

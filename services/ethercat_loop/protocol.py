@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import TypeVar
 
-from services.can_bootloader.protocol import BootCommand
-
 T = TypeVar("T")
 
 NUM_MOTORS = 20
@@ -241,9 +239,8 @@ class CanDirection(IntEnum):
     BOOTLOADER = 3
 
 
-# The bootloader's commands (SID bits [3:0] when the direction is BOOTLOADER) have one definition,
-# in can-bootloader's pure protocol module, which owns the bootloader.
-BootloaderCommand = BootCommand
+# The bootloader's commands (SID bits [3:0] when the direction is BOOTLOADER) are defined once, in
+# can-bootloader's protocol module (BootCommand), which owns the bootloader; the palm only forwards them.
 
 
 SID_ACK = 0x10

@@ -7,27 +7,22 @@ a publisher thread turns driver snapshots into state at the configured rates.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
-from services.ethercat_loop.backend import (
-    BackendUnavailable,
-    EthercatSettings,
-    HandBackend,
-    make_backend,
-    overrun_threshold,
-)
+from services.ethercat_loop.backend import BackendUnavailable, HandBackend, build_driver
 from services.ethercat_loop.bridge import BridgeLease, Lease, frame_in, frame_out
 from services.ethercat_loop.calibration import HandCalibration
-from services.ethercat_loop.driver import (
+from services.ethercat_loop.control import (
     CanFrame,
     CanRxFrame,
     CanTx,
     ControlMessage,
     MotorConfig,
     NullifyDemands,
-    PalmSnapshot,
     ResetMotors,
     SetCanDirect,
     SetControlMode,
@@ -35,9 +30,9 @@ from services.ethercat_loop.driver import (
     SetMotorConfig,
     SetTestMode,
     SystemControls,
-    check_message,
 )
-from services.ethercat_loop.messages import (
+from services.ethercat_loop.model_backend import ModelBackend, load_can_nodes
+from services.ethercat_loop.models import (
     EthercatLoopStats,
     MotorRef,
     PalmAck,
@@ -70,6 +65,7 @@ from services.ethercat_loop.messages import (
     PalmSystemControlsRequest,
     PalmTactile,
 )
+from services.ethercat_loop.palm_model import PalmModel
 from services.ethercat_loop.protocol import (
     ACTUATED_JOINTS,
     EXPECTED_CHANNELS,
@@ -82,10 +78,14 @@ from services.ethercat_loop.protocol import (
     serious_flags,
     split_channel_word,
 )
+from services.ethercat_loop.settings import EthercatSettings, overrun_threshold
+from services.ethercat_loop.snapshot import PalmSnapshot
 from shared import CommandError, Device, ErrorCode, Node, ServiceAPI, ServiceUnavailable
 
+__all__ = ["API", "EthercatSettings", "PalmService", "build", "make_backend"]
 log = logging.getLogger("robobus.ethercat")
 SEND_CAN_HOLDER = "_send_can"
+RECOVERY_STEPS_SHOWN = 12
 TEST_HOLDER = "_test_adc_channels"
 
 
@@ -137,14 +137,15 @@ CAN_RX = API.stream("can_rx", PalmCanRx, "out", doc="Frames received through the
 class PalmService:
     """Binds the commands, publishes state and health, owns the CAN bridge lease."""
 
-    def __init__(self, node: Node, backend: HandBackend, settings: EthercatSettings) -> None:
+    def __init__(self, node: Node, backend: HandBackend, settings: EthercatSettings,
+                 calibration: HandCalibration) -> None:
         self.node = node
         self.backend = backend
         self.settings = settings
         self.dev: Device = node.device(settings.ethercat_device)
         self.lease = BridgeLease()
-        # the same file the driver calibrates with (wherever the cycle runs): joint names -> motor ids
-        self.joint_to_motor = dict(HandCalibration.load(settings.ethercat_calibration).motor_of_joint)
+        # the calibration the driver uses (loaded once by `build`): joint names -> motor ids
+        self.joint_to_motor = dict(calibration.motor_of_joint)
         self._lease_active: Lease | None = None  # what the driver was last told
         self._lease_lock = threading.Lock()
         self._collect: list[CanRxFrame] | None = None
@@ -174,7 +175,7 @@ class PalmService:
         self.backend.start()
         if self.settings.ethercat_push_config_on_start:
             # typical motor_board_effort_controllers values (reference §3.3)
-            self.backend.submit(SetMotorConfig(tuple(range(NUM_MOTORS)), MotorConfig(
+            self._submit(SetMotorConfig(tuple(range(NUM_MOTORS)), MotorConfig(
                 torque_limit=400, torque_limiter_gain=64, max_pwm=500, f=500, p=6200, deadband=5)))
 
     def run(self) -> None:
@@ -243,9 +244,9 @@ class PalmService:
             self.dev.publish(EXTRAS, PalmExtras(ts=ts, accel=list(s.imu[:3]), gyro=list(s.imu[3:]),
                                                 analog=list(s.analog), idle_time_us=s.idle_time_us))
         if "loop_stats" in names:
-            self.dev.publish(LOOP, EthercatLoopStats(ts=ts, counters=dict(s.counters), **self.backend.stats()))
+            self.dev.publish(LOOP, self.backend.stats().model_copy(update={"ts": ts, "counters": dict(s.counters)}))
 
-    def _loss_problems(self, info: dict[str, Any], stats: dict[str, Any]) -> list[str]:
+    def _loss_problems(self, info: dict[str, Any], stats: EthercatLoopStats) -> list[str]:
         """Errors from the link, never from a single lost frame: a run of `ethercat_error_after_lost`
         cycles without a valid status (the backend's `health_error`), or more lost frames, overruns or
         dropped statuses in the last 1 s window than their thresholds."""
@@ -253,28 +254,28 @@ class PalmService:
         problems: list[str] = []
         if info.get("error"):
             problems.append(str(info["error"]))
-        elif stats.get("health_error"):
-            problems.append(f"no valid status for {s.ethercat_error_after_lost} cycles or more")
-        lost = int(stats.get("frames_lost", 0))
+        elif info.get("no_data"):
+            problems.append(f"no valid process data for {s.ethercat_error_after_lost} cycles or more")
+        lost = stats.frames_lost
         if lost > s.ethercat_lost_threshold:
             problems.append(f"{lost} frames lost in the last second (threshold {s.ethercat_lost_threshold})")
-        wkc = int(stats.get("wkc_errors", 0))
+        wkc = stats.wkc_errors
         if wkc > s.ethercat_lost_threshold:
             problems.append(f"{wkc} frames with a wrong working counter in the last second "
                             f"(threshold {s.ethercat_lost_threshold})")
-        overruns, limit = int(stats.get("overruns", 0)), overrun_threshold(s)
+        overruns, limit = stats.overruns, overrun_threshold(s)
         if overruns > limit:
             problems.append(f"{overruns} overruns in the last second (threshold {limit})")
-        drops = int(stats.get("drops", 0))
+        drops = stats.drops
         if drops > s.ethercat_drop_threshold:
             problems.append(f"{drops} dropped statuses in the last second (threshold {s.ethercat_drop_threshold})")
         return problems
 
     @staticmethod
-    def _realtime(info: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any] | None:
+    def _realtime(info: dict[str, Any], stats: EthercatLoopStats) -> dict[str, Any] | None:
         """The cycle's scheduling and the realtime settings it was refused (None: the backend has no
         realtime cycle to report on, e.g. the in-process model)."""
-        rt = stats.get("realtime")
+        rt = stats.realtime
         if not isinstance(rt, dict) and "warnings" not in info:
             return None
         rt = rt if isinstance(rt, dict) else {}
@@ -312,6 +313,19 @@ class PalmService:
                                                      else ("initializing" if s.phase == "init" else "running"))
         connected = bool(info.get("connected"))
         details = {k: info.get(k) for k in ("vendor", "product", "revision", "serial", "protocol", "backend")}
+        # the link as the cycle sees it: valid process data or not, what recovery works on, its last steps
+        details["link"] = {"valid_data": not info.get("no_data"), "issue": info.get("issue") or ""}
+        recovery = info.get("recovery")
+        if recovery:
+            now = time.monotonic_ns()
+            details["recovery"] = {
+                **{k: recovery.get(k, 0) for k in ("escalations", "escalation_failures", "rescans", "recoveries")},
+                "steps": [{"ago_s": round((now - int(t)) / 1e9, 3), "step": str(text)}
+                          for t, text in recovery.get("steps", [])[-RECOVERY_STEPS_SHOWN:]]}
+        if info.get("issue") and connected:
+            state = "recovering"  # data flow, but a slave is being brought back
+        elif state == "op":
+            state = "starting"  # in OP, no snapshot yet
         # refused realtime settings are warnings: in details and the message, never an error by themselves
         warnings = [f"warning: {w}" for w in realtime["warnings"]] if realtime else []
         if realtime is not None:
@@ -322,7 +336,8 @@ class PalmService:
 
     # -- helpers --------------------------------------------------------------------------------------
     def _submit(self, msg: ControlMessage) -> None:
-        err = check_message(msg, self._mode)
+        """Validate once (the cycle applies without checking again), then hand it to the backend."""
+        err = msg.validate(self._mode)
         if err:
             raise CommandError(ErrorCode.INVALID_REQUEST, err)
         self.backend.submit(msg)
@@ -517,11 +532,56 @@ class PalmService:
             self.dev.stream_publish(CAN_RX, PalmCanRx(lease_id=lease.lease_id, frames=[frame_out(f) for f in frames]))
 
 
+# ------------------------------------------------------------------------------------------- wiring
+def make_backend(settings: EthercatSettings, calibration: HandCalibration | None = None) -> HandBackend:
+    """The backend the settings ask for: `model` (driver + palm model in-process), `virtual` (the realtime
+    cycle process against the virtual hand: on ROBOBUS_ETHERCAT_IFNAME, or on a namespace + veth pair it
+    brings up itself at start) or `nic` (a real NIC)."""
+    cal = calibration or HandCalibration.load(settings.ethercat_calibration)
+    if settings.backend == "model":
+        model = PalmModel(settings.ethercat_protocol, calibration=cal)
+        for spec in settings.ethercat_can_nodes:
+            for peer in load_can_nodes(spec, model):
+                model.add_can_node(peer)
+        return ModelBackend(build_driver(settings, cal), model, settings.ethercat_period_us * 1000,
+                            settings.ethercat_serial, settings.ethercat_error_after_lost)
+    try:  # late: pysoem and the realtime machinery, which the model backend does not need
+        from services.ethercat_loop.transport.process_backend import ProcessBackend
+    except ImportError as exc:
+        raise BackendUnavailable(f"backend {settings.backend!r} cannot be imported here: {exc}") from exc
+    nic = _virtual_hand_nic(settings) if settings.backend == "virtual" and not settings.ethercat_ifname else None
+    return ProcessBackend(settings, cal, nic=nic)
+
+
+def _virtual_hand_nic(settings: EthercatSettings) -> Callable[[], tuple[str, str | None, Callable[[], None]]]:
+    """A NIC provider: a private namespace + veth pair with the virtual hand on one end (root, iproute2)."""
+
+    def up() -> tuple[str, str | None, Callable[[], None]]:
+        from services.ethercat_loop.sim.netns import VethNetns  # late: only this path needs ip/netns
+
+        ns = VethNetns(f"rbec{os.getpid()}")
+        try:
+            ns.up()
+            # the hand answers frames a little below the cycle's priority: it must not starve either
+            s = settings
+            hand_rt = ["--rt-priority", str(max(1, s.ethercat_rt_priority - 10))] if s.ethercat_rt_priority else []
+            ns.start_hand(s.ethercat_protocol, ["--serial", str(s.ethercat_serial), *hand_rt, *s.ethercat_virtual_args])
+        except Exception as exc:
+            ns.down()
+            raise BackendUnavailable(f"cannot start the virtual EtherCAT hand (needs root, iproute2): {exc}") from exc
+        return ns.master_if, ns.name, ns.down
+
+    return up
+
+
 def build(node: Node, settings: EthercatSettings) -> PalmService:
-    """The kit's hooks: start() brings the palm to OP (a failure shows in health, the node stays up),
-    run() publishes state and watches the cycle, shutdown() zeroes demands and leaves OP."""
+    """The kit's hook: the calibration (loaded once), the backend, the MQTT surface. The returned service
+    has start() (bring the palm to OP), run() (the state publisher) and shutdown() (zero demands, leave OP)."""
     try:
-        backend = make_backend(settings)
+        cal = HandCalibration.load(settings.ethercat_calibration)
+        backend = make_backend(settings, cal)
+    except (OSError, ValueError) as exc:  # a calibration file that cannot be read or is not valid
+        raise ServiceUnavailable(f"calibration {settings.ethercat_calibration}: {exc}") from None
     except BackendUnavailable as exc:
         raise ServiceUnavailable(str(exc)) from None
-    return PalmService(node, backend, settings)
+    return PalmService(node, backend, settings, cal)

@@ -26,7 +26,7 @@ from shared.rpc import RpcClient, wait_for
 from tests.fixtures import Broker
 
 palm_loop = pytest.importorskip("services.ethercat_loop.service")
-palm_backend = pytest.importorskip("services.ethercat_loop.backend")
+palm_settings = pytest.importorskip("services.ethercat_loop.settings")
 
 HEX = make_intel_hex()
 IMAGE = load_intel_hex(HEX)
@@ -39,14 +39,14 @@ class Palm:
     def __init__(self, broker: Broker) -> None:
         n = next(_ids)
         self.name = f"palm{n}-{time.monotonic_ns() % 100000}"
-        self.settings = palm_backend.EthercatSettings(mqtt_url=broker.url, node=self.name, backend="model",
-                                                      health_interval_s=1.0)
+        self.settings = palm_settings.EthercatSettings(mqtt_url=broker.url, node=self.name, backend="model",
+                                                       health_interval_s=1.0)
         self.device = self.settings.ethercat_device
-        self.backend = palm_backend.make_backend(self.settings)
+        self.node = Node(palm_loop.API, self.settings)
+        self.svc = palm_loop.build(self.node, self.settings)
+        self.backend = self.svc.backend
         self.boards = BootBoardSet(make_boards([3, 8, 13]))
         self.backend.model.add_can_node(self.boards)
-        self.node = Node(palm_loop.API, self.settings)
-        self.svc = palm_loop.PalmService(self.node, self.backend, self.settings)
         self.node.start()
         assert self.node.session.wait_ready(10)
         self.svc.start()
@@ -91,6 +91,28 @@ def test_python_can_opens_the_bridge(broker_session: Broker, palm: Palm) -> None
         msg = bus.recv(2.0)
         assert msg is not None and msg.arbitration_id == 0x674 and bytes(msg.data) == bytes.fromhex("40414243")
         assert bus.recv(0.2) is None  # board 10 is not there
+    finally:
+        bus.shutdown()
+
+
+def test_garbage_on_can_rx_is_counted_and_dropped(broker_session: Broker, palm: Palm, client: RpcClient) -> None:
+    bus = can.Bus(interface="robobus_bridge", channel="1", mqtt_url=broker_session.url, node=palm.name,
+                  device=palm.device)
+    try:
+        bus.send(can.Message(arbitration_id=0x064, data=b"", is_extended_id=False))  # READ_VERSION, board 3
+        assert bus.recv(2.0) is not None  # leased, and the path works
+        link = bus._link
+        lease = link.lease_id
+        before = link.garbage
+        for payload in (b"not json", b'{"lease_id": 5}', json.dumps(
+                {"lease_id": lease, "frames": [{"bus": 1, "sid": 7, "data": "zz", "cycle": 1},
+                                               {"bus": 1, "sid": 0x900, "data": "", "cycle": 1}]}).encode()):
+            client.session.publish(link.rx_topic, payload, qos=1)
+        assert wait_for(lambda: link.garbage >= before + 4, 5), link.garbage
+        got = [m.arbitration_id for m in iter(lambda: bus.recv(0.2), None)]
+        assert 7 not in got and 0x900 not in got  # nothing of it reached the bus
+        bus.send(can.Message(arbitration_id=0x064, data=b"", is_extended_id=False))
+        assert bus.recv(2.0) is not None  # and the link still works
     finally:
         bus.shutdown()
 

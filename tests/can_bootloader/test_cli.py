@@ -79,3 +79,33 @@ def test_can_commands(broker_session: Broker, boot_node: Any) -> None:
     assert r.returncode == 1 and "timeout" in r.stderr
     r = robobus(broker_session, "can", "send", "0x900", "0")
     assert r.returncode == 2
+
+
+def test_flash_through_a_local_adapter_without_service_or_broker(tmp_path: Path) -> None:
+    """`robobus flash --interface virtual --channel X`: the service's flasher on a python-can bus of this
+    process, against the PIC18F bootloader model (python-can's virtual bus works inside one process only)."""
+    import can
+    from typer.testing import CliRunner
+
+    from services.can_bootloader import cli
+    from services.can_bootloader.sim import BootBusSim, make_boards
+
+    channel = f"robobus-local-{os.getpid()}"
+    sim = BootBusSim(can.Bus(interface="virtual", channel=channel), make_boards([8, 9])).start()
+    fw = tmp_path / "fw.hex"
+    fw.write_text(SMALL_HEX)
+    app = typer.Typer()
+    app.command()(cli.flash)
+    app.command("noop")(lambda: None)  # two commands: typer keeps `flash` as a sub-command name
+    runner = CliRunner()
+    try:
+        ok = runner.invoke(app, ["flash", str(fw), "--board", "8", "--interface", "virtual", "--channel", channel])
+        assert ok.exit_code == 0, ok.output
+        assert sim.board(8).app_image(0x1000, 0x1400) == load_intel_hex(SMALL_HEX).data
+        both_buses = runner.invoke(app, ["flash", str(fw), "--boards", "8,12", "--interface", "virtual",
+                                         "--channel", channel])
+        assert both_buses.exit_code == 2 and "one CAN bus" in both_buses.output
+        absent = runner.invoke(app, ["flash", str(fw), "--board", "5", "--interface", "virtual", "--channel", channel])
+        assert absent.exit_code == 1 and "magic" in absent.output.lower(), absent.output
+    finally:
+        sim.stop()

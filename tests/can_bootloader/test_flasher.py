@@ -299,3 +299,29 @@ def test_board_set_for_the_palm_model() -> None:
     assert boards.on_can_frame(2, 0x7FF, b"") == [(2, 0x654, p.VERSION_DATA)]
     with pytest.raises(KeyError):
         boards.board(5)
+
+
+class _SilentFromReset(BootBoard):
+    """A board that stays in its bootloader but whose every answer is lost from the first RESET on."""
+
+    silent = False
+
+    def handle(self, sid: int, data: bytes) -> list:  # type: ignore[override]
+        msg = p.decode(p.BootFrame(sid, data))
+        if msg is not None and msg.command == p.BootCommand.RESET:
+            self.silent = True
+        replies = super().handle(sid, data)
+        if self.silent:
+            self.mode = "bootloader"  # it sat in its bootloader all along
+            return []
+        return replies
+
+
+def test_every_ack_lost_from_reset_on_says_what_was_observed() -> None:
+    board = _SilentFromReset(4)
+    f, _ = flash(board, small_image())
+    assert f.result is not None and not f.result.ok
+    reason = f.result.reason
+    assert "no answer from board" in reason and "written and verified" in reason, reason
+    # what was seen, not a guess about what the board runs
+    assert "not bootloader-aware" not in reason and "either running" not in reason, reason

@@ -8,8 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from services.can_bootloader.flasher import FlashConfig
 from services.can_bootloader.image import load_intel_hex
-from services.can_bootloader.service import API, FlashTuning
+from services.can_bootloader.service import API
+from services.can_bootloader.settings import CanBootSettings
 from services.can_bootloader.sim import FLAG_RUN_APP, FLAG_STAY, make_intel_hex
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient, wait_for
@@ -100,7 +104,7 @@ def test_refused_images_send_no_frame(boot_node: Any, client: RpcClient, tmp_pat
 
 
 def test_busy_bus_and_cancel(boot_node: Any, client: RpcClient, broker_session: Broker) -> None:
-    bn = boot_node(erase_s=2.5, can_flash=FlashTuning(erase_timeout_s=8.0))  # a slow erase keeps bus 1 busy
+    bn = boot_node(erase_s=2.5, can_flash=FlashConfig(erase_timeout_s=8.0))  # a slow erase keeps bus 1 busy
     results: dict[str, Any] = {}
     first_progress = threading.Event()
     other = RpcClient(broker_session.settings(), name="test-other")  # call_job unsubscribes when it ends
@@ -179,3 +183,14 @@ def test_health(boot_node: Any, client: RpcClient) -> None:
     h = json.loads(msgs[-1][1])
     assert h["connection"] and h["operational"] and h["state"] == "idle"
     assert h["details"]["bus1"]["interface"] == "virtual"
+
+
+def test_flash_settings_are_the_flashers_one_config(monkeypatch: Any) -> None:
+    monkeypatch.setenv("ROBOBUS_CAN_FLASH", '{"erase_timeout_s": 7.5, "restarts": 0}')
+    s = CanBootSettings()
+    assert isinstance(s.can_flash, FlashConfig)
+    assert (s.can_flash.erase_timeout_s, s.can_flash.restarts, s.can_flash.block_retries) == (7.5, 0, 20)
+    for bad in ('{"window": 4}', '{"check_bootloader_aware": false}', '{"erase_tries": 0}', '{"nope": 1}'):
+        monkeypatch.setenv("ROBOBUS_CAN_FLASH", bad)
+        with pytest.raises(ValueError):
+            CanBootSettings()

@@ -8,14 +8,12 @@ from hypothesis import strategies as st
 
 from services.ethercat_loop import protocol as p
 from services.ethercat_loop.calibration import HandCalibration, PiecewiseLinear
-from services.ethercat_loop.driver import (
-    MAX_NON_DEMAND_CYCLES,
+from services.ethercat_loop.control import (
     CanFrame,
     CanTx,
     Halt,
     MotorConfig,
     NullifyDemands,
-    PalmDriver,
     ResetMotors,
     SetCanDirect,
     SetControlMode,
@@ -25,9 +23,18 @@ from services.ethercat_loop.driver import (
     SetTestMode,
     SystemControls,
 )
-from services.ethercat_loop.sim import PalmModel
+from services.ethercat_loop.driver import MAX_NON_DEMAND_CYCLES, PalmDriver
+from services.ethercat_loop.palm_model import PalmModel
 
 MS = 1_000_000
+
+
+def apply(driver, msg):
+    """What the node does with a control message: validate once (the service), then apply (the cycle)."""
+    err = msg.validate(driver.mode)
+    if err is None:
+        msg.apply(driver)
+    return err
 
 
 class Rig:
@@ -122,16 +129,15 @@ def test_init_timeout_with_a_silent_motor():
 
 def test_polling_config_is_validated():
     d = PalmDriver()
-    assert d.apply(SetPolling({"nonsense": 1})) is not None
-    assert d.apply(SetPolling({"flags": 0})) is not None
-    assert d.apply(SetPolling({"flags": 0.5})) is None
-    assert d.c["rejected"] == 2
+    assert apply(d, SetPolling({"nonsense": 1})) is not None
+    assert apply(d, SetPolling({"flags": 0})) is not None
+    assert apply(d, SetPolling({"flags": 0.5})) is None
 
 
 def test_torque_demand_moves_the_motor_and_the_deadman_zeroes_it(rig):
     rig.run(10)
-    assert rig.driver.apply(SetControlMode("torque")) is None
-    assert rig.driver.apply(SetDemands({3: 800})) is None
+    assert apply(rig.driver, SetControlMode("torque")) is None
+    assert apply(rig.driver, SetDemands({3: 800})) is None
     rig.run(60)
     assert rig.commands[-1].to_motor_data_type == p.ToMotorDataType.DEMAND_TORQUE
     assert rig.commands[-1].motor_data[3] == 800 and rig.model.motors[3].torque == pytest.approx(800, abs=2)
@@ -147,31 +153,31 @@ def test_torque_demand_moves_the_motor_and_the_deadman_zeroes_it(rig):
 def test_pwm_mode_and_ranges():
     r = Rig()
     assert r.driver.mode == "pwm"
-    assert r.driver.apply(SetDemands({0: 0x400})) is not None  # out of the PWM range
-    assert r.driver.apply(SetDemands({20: 1})) is not None  # no motor 20
-    assert r.driver.apply(SetDemands({0: -0x3FF})) is None
+    assert apply(r.driver, SetDemands({0: 0x400})) is not None  # out of the PWM range
+    assert apply(r.driver, SetDemands({20: 1})) is not None  # no motor 20
+    assert apply(r.driver, SetDemands({0: -0x3FF})) is None
     r.run(4)
     assert r.commands[-1].to_motor_data_type == p.ToMotorDataType.DEMAND_PWM
     assert r.commands[-1].motor_data[0] == -0x3FF and r.model.motors[0].pwm == -0x3FF
-    r.driver.apply(SetControlMode("torque"))  # switching zeroes every demand
+    apply(r.driver, SetControlMode("torque"))  # switching zeroes every demand
     r.run(1)
     assert r.commands[-1].motor_data[0] == 0
 
 
 def test_halt_and_nullify_zero_demands(rig):
-    rig.driver.apply(SetDemands({1: 100, 2: -100}))
+    apply(rig.driver, SetDemands({1: 100, 2: -100}))
     rig.run(3)
     assert rig.commands[-1].motor_data[1:3] == (100, -100)
-    rig.driver.apply(NullifyDemands(True))
-    rig.driver.apply(SetDemands({1: 100}))
+    apply(rig.driver, NullifyDemands(True))
+    apply(rig.driver, SetDemands({1: 100}))
     rig.run(2)
     assert set(rig.commands[-1].motor_data) == {0}
-    rig.driver.apply(NullifyDemands(False))
-    rig.driver.apply(SetDemands({1: 100}))
+    apply(rig.driver, NullifyDemands(False))
+    apply(rig.driver, SetDemands({1: 100}))
     rig.run(2)
     assert rig.commands[-1].motor_data[1] == 100
-    rig.driver.apply(Halt())
-    rig.driver.apply(SetDemands({1: 100}))
+    apply(rig.driver, Halt())
+    apply(rig.driver, SetDemands({1: 100}))
     rig.run(5)
     assert set(rig.commands[-1].motor_data) == {0} and rig.snap().counters["halt_zero_cycles"] == 5
 
@@ -180,7 +186,7 @@ def test_config_push_one_type_per_cycle_ending_with_the_crc(rig):
     rig.run(10)
     cfg = MotorConfig(torque_limit=300, torque_limiter_gain=-64, max_pwm=500, sgl_ref=3, sgr_ref=4, f=500, p=6200,
                       i=10, d=20, imax=100, deadband=5, sign=1)
-    assert rig.driver.apply(SetMotorConfig((2, 11), cfg)) is None
+    assert apply(rig.driver, SetMotorConfig((2, 11), cfg)) is None
     n = len(rig.commands)
     rig.run(11)
     pushed = rig.commands[n:]
@@ -218,7 +224,7 @@ def test_bad_crc_and_out_of_range_config_are_flagged_by_the_motor():
 def test_queued_configs_never_starve_the_demands():
     r = Rig()
     for _ in range(5):
-        r.driver.apply(SetMotorConfig(tuple(range(20)), MotorConfig(f=1)))
+        apply(r.driver, SetMotorConfig(tuple(range(20)), MotorConfig(f=1)))
     r.run(80)
     gap = longest = 0
     for c in r.commands:
@@ -230,9 +236,9 @@ def test_queued_configs_never_starve_the_demands():
 
 def test_system_controls_and_reset(rig):
     rig.run(4)
-    rig.driver.apply(SystemControls((0, 13), int(p.SystemControl.BACKLASH_COMPENSATION_DISABLE
+    apply(rig.driver, SystemControls((0, 13), int(p.SystemControl.BACKLASH_COMPENSATION_DISABLE
                                                   | p.SystemControl.INITIATE_JIGGLING | p.SystemControl.EEPROM_WRITE)))
-    rig.driver.apply(ResetMotors((13,)))
+    apply(rig.driver, ResetMotors((13,)))
     rig.run(2)
     ctl, rst = rig.commands[-2:]
     assert ctl.to_motor_data_type == p.ToMotorDataType.SYSTEM_CONTROLS and ctl.motor_data[13] == 0xC2
@@ -279,21 +285,21 @@ def test_flags_temperature_and_serious_errors():
 
 def test_channel_number_test_mode(rig):
     rig.run(4)
-    rig.driver.apply(SetTestMode(p.EdcCommand.SENSOR_CHANNEL_NUMBERS))
+    apply(rig.driver, SetTestMode(p.EdcCommand.SENSOR_CHANNEL_NUMBERS))
     rig.run(3)
     st = rig.statuses[-1]
     assert st.edc_command == p.EdcCommand.SENSOR_CHANNEL_NUMBERS
     assert st.sensors[p.SENSOR_INDEX["LFJ5"]] == 0x0605
     joints_before = rig.snap().joints
-    rig.driver.apply(SetTestMode(p.EdcCommand.SENSOR_DATA))
+    apply(rig.driver, SetTestMode(p.EdcCommand.SENSOR_DATA))
     rig.run(2)
     assert rig.statuses[-1].sensors[p.SENSOR_INDEX["LFJ5"]] != 0x0605
     assert joints_before  # the joints kept the last real sensor data during the test
 
 
 def test_joint_calibration_matches_the_model(rig):
-    rig.driver.apply(SetControlMode("torque"))
-    rig.driver.apply(SetDemands({0: 900}))  # FFJ0: pulls FFJ1 and FFJ2
+    apply(rig.driver, SetControlMode("torque"))
+    apply(rig.driver, SetDemands({0: 900}))  # FFJ0: pulls FFJ1 and FFJ2
     rig.run(80)
     s = rig.snap()
     j = {x.name: x for x in s.joints}
@@ -327,8 +333,8 @@ def test_can_direct_mode_bridges_one_frame_each_way_one_cycle_later():
     echo = Echo()
     r.model.add_can_node(echo)
     r.run(5)
-    r.driver.apply(SetCanDirect(True))
-    r.driver.apply(CanTx((CanFrame(2, 0x60A, bytes.fromhex("55aa55aa55aa55aa")), CanFrame(1, 0x007, b""))))
+    apply(r.driver, SetCanDirect(True))
+    apply(r.driver, CanTx((CanFrame(2, 0x60A, bytes.fromhex("55aa55aa55aa55aa")), CanFrame(1, 0x007, b""))))
     r.run(1)
     assert r.commands[-1].edc_command == p.EdcCommand.CAN_DIRECT_MODE
     assert r.commands[-1].can == p.CanBridgeFrame(2, 8, 0x60A, bytes.fromhex("55aa55aa55aa55aa"))
@@ -346,7 +352,7 @@ def test_can_direct_mode_bridges_one_frame_each_way_one_cycle_later():
     assert r.driver.take_can_rx() == []
     r.run(10)  # no demands in direct mode: the motors stop themselves after 20 ms
     assert all(m.flags & p.MotorFlag.NO_DEMAND_SEEN for m in r.model.motors)
-    r.driver.apply(SetCanDirect(False))
+    apply(r.driver, SetCanDirect(False))
     r.run(2)
     assert r.snap().phase == "init"  # slow data (firmware revision...) is read again after direct mode
     assert r.commands[-1].edc_command == p.EdcCommand.SENSOR_DATA

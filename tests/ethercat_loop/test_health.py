@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from services.ethercat_loop.backend import EthercatSettings, InProcessBackend, make_backend
-from services.ethercat_loop.service import API, PalmService
+from services.ethercat_loop.model_backend import ModelBackend
+from services.ethercat_loop.service import API, build
+from services.ethercat_loop.settings import EthercatSettings
 from shared import Node
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import wait_for
@@ -16,14 +17,14 @@ REFUSED = ("SCHED_FIFO priority 80 refused ([Errno 1] Operation not permitted): 
            "priority, expect jitter (needs CAP_SYS_NICE or an rtprio ulimit)")
 
 
-class UnprivilegedBackend(InProcessBackend):
+class UnprivilegedBackend(ModelBackend):
     """The model backend reporting what ProcessBackend reports when realtime settings were refused."""
 
     def info(self):
         return {**super().info(), "warnings": [REFUSED], "realtime_policy": "SCHED_OTHER/0"}
 
     def stats(self):
-        return {**super().stats(), "realtime": {"policy": "SCHED_OTHER/0", "warnings": [REFUSED]}}
+        return super().stats().model_copy(update={"realtime": {"policy": "SCHED_OTHER/0", "warnings": [REFUSED]}})
 
 
 @pytest.fixture
@@ -31,12 +32,12 @@ def service(broker_session, client, request):
     settings = EthercatSettings(mqtt_url=broker_session.url, node="hand-h", health_interval_s=1.0,
                                 ethercat_silent_motor_ms=100,
                                 ethercat_overrun_threshold=1_000_000)  # a busy test machine is not under test
-    backend = make_backend(settings)
-    assert isinstance(backend, InProcessBackend)
+    node = Node(API, settings)
+    svc = build(node, settings)
+    backend = svc.backend
+    assert isinstance(backend, ModelBackend)
     if getattr(request, "param", "") == "unprivileged":
         backend.__class__ = UnprivilegedBackend
-    node = Node(API, settings)
-    svc = PalmService(node, backend, settings)
     health: list[dict] = []
     seen: list[tuple[str, bytes]] = []
 
@@ -92,6 +93,21 @@ def test_health_reports_faults_and_recovers(service):
         validator.validate(topic, payload)
 
 
+def test_no_valid_process_data_is_not_connected(service):
+    """Issue 19: while no valid process data flow, health says so (connection and operational false, state
+    no_data, an error naming it), whatever the slaves' AL state; it clears when data flow again."""
+    backend, health, _seen = service
+    assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["connection"], 10)
+    backend.lose_next = 1500  # 1.5 s without a status
+    assert wait_for(lambda: not latest(health).get("connection"), 5)
+    h = latest(health)
+    assert not h["operational"] and h["error"] and h["state"] == "no_data", h
+    assert "no valid process data for 20 cycles" in h["error_message"]
+    assert h["details"]["link"] == {"valid_data": False, "issue": ""}
+    assert wait_for(lambda: latest(health).get("connection") and latest(health).get("state") == "running", 10)
+    assert latest(health)["details"]["link"]["valid_data"]
+
+
 def test_a_few_lost_frames_do_not_flicker_health(service):
     backend, health, _seen = service
     assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["operational"], 10)
@@ -101,7 +117,7 @@ def test_a_few_lost_frames_do_not_flicker_health(service):
         time.sleep(0.4)
         backend.lose_next = 5
         time.sleep(0.4)
-    assert wait_for(lambda: backend.stats().get("frames_lost", 0) > 0, 3)
+    assert wait_for(lambda: backend.stats().frames_lost > 0, 3)
     time.sleep(1.5)  # two health evaluations per window, and the window the losses fell in
     assert backend.driver.c["lost"] >= 18
     after = health[n:]

@@ -6,6 +6,7 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.can_bootloader.protocol import BootCommand
 from services.ethercat_loop import protocol as p
 
 
@@ -27,7 +28,7 @@ def test_enums_follow_current_headers():
     assert p.flag_names(0x8403) == ["current_choke_3", "no_demand_seen", "over_temperature"]
     assert p.serious_flags(0x0020) == []
     assert p.channel_word(*p.EXPECTED_CHANNELS["LFJ5"]) == 0x0605
-    assert p.make_sid(p.CanDirection.BOOTLOADER, 8, p.BootloaderCommand.MAGIC_PACKET) == 0x600 | (8 << 5) | 0xA
+    assert p.make_sid(p.CanDirection.BOOTLOADER, 8, BootCommand.MAGIC_PACKET) == 0x600 | (8 << 5) | 0xA
     assert p.split_sid(0x600 | (3 << 5) | 0x10 | 1) == (3, 3, True, 1)
 
 

@@ -231,7 +231,8 @@ def test_everything_published_follows_the_contract(hand):
     channels = {validator.validate(topic, payload) for topic, payload in seen}
     for name in ("joints", "motors", "tactile", "palm_extras", "loop_stats"):
         assert f"ethercat-loop_state_{name}" in channels
-    assert "ethercat-loop_stream_can_rx" in channels and "health" in channels
+    assert "ethercat-loop_stream_can_rx" in channels and "health" in channels, (
+        sorted(channels), sorted({t for t, _ in seen}))
     rep = call(client, "set_demands", {"joints": {"FFJ3": 1}})
     validator.validate_reply(doc, "ethercat-loop_cmd_set_demands", rep.raw)
     stats = watch.get("state/loop_stats")

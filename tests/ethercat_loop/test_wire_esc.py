@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.ethercat_loop.cycle_rt import next_deadline
-from services.ethercat_loop.cycle_shm import HIST_US, SharedBlock, percentiles
-from services.ethercat_loop.esc import (
+from services.ethercat_loop.loop_stats import HIST_US, percentiles
+from services.ethercat_loop.protocol import PROTOCOLS
+from services.ethercat_loop.sim.esc import (
     AL_CODE_INVALID_CHANGE,
     AL_CODE_INVALID_OUTPUT_CONFIG,
     INIT,
@@ -23,7 +23,7 @@ from services.ethercat_loop.esc import (
     Esc,
     EscChain,
 )
-from services.ethercat_loop.esc_frames import (
+from services.ethercat_loop.sim.esc_frames import (
     Cmd,
     Datagram,
     Frame,
@@ -33,10 +33,11 @@ from services.ethercat_loop.esc_frames import (
     parse_datagrams,
     parse_frame,
 )
-from services.ethercat_loop.esc_sii import CAT_RXPDO, CAT_TXPDO, build_sii, parse_sii
-from services.ethercat_loop.master import fmmu_register_block, sm_register_block
-from services.ethercat_loop.protocol import PROTOCOLS
-from services.ethercat_loop.virtual_hand import HandOptions, VirtualHand, bridge_sii, build_chain, palm_sii
+from services.ethercat_loop.sim.esc_sii import CAT_RXPDO, CAT_TXPDO, build_sii, parse_sii
+from services.ethercat_loop.sim.virtual_hand import HandOptions, VirtualHand, bridge_sii, build_chain, palm_sii
+from services.ethercat_loop.transport.master import fmmu_register_block, sm_register_block
+from services.ethercat_loop.transport.realtime import next_deadline
+from services.ethercat_loop.transport.shm import SharedBlock
 from tests.ethercat_loop.palm_fixtures import EchoPalm
 
 # ---------------------------------------------------------------------------------------------- codec
@@ -267,7 +268,7 @@ def test_shared_block_slots_and_histograms() -> None:
 
 
 def test_overrun_ring_keeps_the_last_records_in_order() -> None:
-    from services.ethercat_loop.cycle_shm import OVERRUN_RING, C
+    from services.ethercat_loop.transport.shm import OVERRUN_RING, C
 
     blk = SharedBlock.create()
     other = SharedBlock(blk.path)
@@ -316,7 +317,7 @@ def test_realtime_to_monotonic_offset_is_tight() -> None:
     """The virtual hand moves kernel receive timestamps (CLOCK_REALTIME) to CLOCK_MONOTONIC with this."""
     import time
 
-    from services.ethercat_loop.virtual_hand import realtime_minus_monotonic
+    from services.ethercat_loop.sim.virtual_hand import realtime_minus_monotonic
 
     offs = [realtime_minus_monotonic() for _ in range(20)]
     assert max(offs) - min(offs) < 200_000  # the same offset within 0.2 ms, read after read

@@ -16,7 +16,7 @@ import pytest
 
 from services.ethercat_loop.backend import STOP_ZERO_CYCLES
 from services.ethercat_loop.protocol import PalmCommand, unpack_command
-from services.ethercat_loop.virtual_hand import HandControl
+from services.ethercat_loop.sim.virtual_hand import HandControl
 from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient
 from tests.ethercat_loop.wire_fixtures import hand, skip_without_netns, wait_for
@@ -68,7 +68,8 @@ def wire_node(broker_session: Broker, spawn: Any,
     if unprivileged and shutil.which("setpriv") is None:
         pytest.skip("needs setpriv (util-linux) to drop CAP_SYS_NICE and CAP_IPC_LOCK")
     node = f"wire{os.getpid()}"
-    with hand("0220", ["--serial", "4242"]) as (ns, ctl):
+    # the stricter slave of issue 19: FMMUs take effect only on PRE-OP -> SAFE-OP
+    with hand("0220", ["--serial", "4242", "--fmmus-on-safeop"]) as (ns, ctl):
         env = {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node, "ROBOBUS_ETHERCAT_BACKEND": "virtual",
                "ROBOBUS_ETHERCAT_IFNAME": ns.master_if, "ROBOBUS_ETHERCAT_NETNS": ns.name,
                "ROBOBUS_HEALTH_INTERVAL_S": "1"}
@@ -136,6 +137,31 @@ def test_health_reports_loss_and_recovers(wire_node: Any) -> None:
     wait_for(lambda: (h := seen.latest("health")) and h["error"], 10, "health error on repeated loss")
     assert "lost" in (seen.latest("health") or {}).get("error_message", "")
     wait_for(lambda: (h := seen.latest("health")) and not h["error"] and h["connection"], 15, "health recovered")
+
+
+def test_power_cycle_shows_in_health_and_is_recovered(wire_node: Any) -> None:
+    """Issue 19 end to end: the hand loses power for 0.5 s; health says connection false while no valid
+    process data flow (whatever the AL states say), names the recovery's steps, and is back to running."""
+    _node, _proc, _client, ctl, seen = wire_node
+    with seen.lock:
+        n0 = len(seen.msgs)
+    ctl.call("power_cycle", off_ms=500)
+    wait_for(lambda: (h := seen.latest("health")) and not h["connection"], 10, "the outage in health")
+    h = seen.latest("health") or {}
+    assert not h["operational"] and h["error"] and h["state"] in ("no_data", "recovering"), h
+    wait_for(lambda: (h := seen.latest("health")) and h["connection"] and h["state"] == "running", 15,
+             "health back to running")
+    with seen.lock:
+        healths = [json.loads(p) for t, p in seen.msgs[n0:] if t.endswith(f"/{DEV}/health")]
+    rec = (healths[-1]["details"].get("recovery") or {})
+    steps = [s["step"] for s in rec.get("steps", [])]
+    assert rec.get("escalations", 0) >= 1 and any(s.startswith("step safeop: FMMUs written") for s in steps), rec
+    assert any(s.startswith("valid process data again") for s in steps), steps
+    assert all(h["details"]["link"]["valid_data"] == h["connection"] for h in healths), healths
+    validator = ContractValidator(build_document())
+    with seen.lock:
+        for topic, payload in seen.msgs[n0:]:
+            validator.validate(topic, payload)
 
 
 def test_a_lost_frame_does_not_flicker_health(wire_node: Any) -> None:

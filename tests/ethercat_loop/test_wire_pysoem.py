@@ -11,8 +11,8 @@ import time
 import pysoem
 import pytest
 
-from services.ethercat_loop.master import EthercatMaster, MasterConfig, MasterError, SizeMismatch
 from services.ethercat_loop.protocol import PROTOCOLS, PalmCommand, PalmStatus, pack_command, unpack_status
+from services.ethercat_loop.transport.master import EthercatMaster, MasterConfig, MasterError, SizeMismatch
 from tests.ethercat_loop.wire_fixtures import ECHO, hand, in_netns
 
 pytestmark = pytest.mark.root

@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.ethercat_loop.netns import VethNetns, enter_netns
-from services.ethercat_loop.virtual_hand import HandControl
+from services.ethercat_loop.sim.netns import VethNetns
+from services.ethercat_loop.sim.virtual_hand import HandControl
+from services.ethercat_loop.transport.netns import enter_netns
 from tests.fixtures import can_netns
 
 T = TypeVar("T")

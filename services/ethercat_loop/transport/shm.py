@@ -18,19 +18,21 @@ import tempfile
 import numpy as np
 import numpy.typing as npt
 
+from services.ethercat_loop.loop_stats import HIST_US
+
 COUNTERS = (
     "cycles", "overruns", "skipped_cycles", "frames", "lost", "late", "wkc_errors", "no_status", "recoveries",
     "left_op", "consecutive_no_status", "max_consecutive_no_status", "cpu_ns_sum", "cpu_ns_max", "wake_ns_max",
-    "rtt_ns_max", "commands_applied", "commands_rejected", "snapshots", "state_checks", "period_ns",
+    "rtt_ns_max", "commands_applied", "snapshots", "state_checks", "period_ns",
     "started_ns", "heartbeat_ns", "in_op", "health_error", "events_dropped",
-    "dropped",  # the driver's dropped statuses (an empty palm mailbox: a valid frame, no data)
+    "dropped", "decode_errors",  # the driver's dropped statuses (an empty palm mailbox: a valid frame, no data)
     # what the overrunning cycles had in common (a cycle can count in several)
     "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame", "overrun_slack_work",
+    "escalations", "rescans",  # recovery: INIT -> OP ladders started, full re-scans
     "late_starts",  # cycles started late (by less than a period) because the one before ran past their release
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64
-HIST_US = 20_000  # 1 µs bins up to 20 ms; the last bin holds everything later
 HISTOGRAMS = ("wake", "cpu", "rtt", "command")  # command: submit() on the MQTT side -> its frame sent
 SLOTS = {"snapshot": 1 << 20, "status": 1 << 16, "info": 1 << 16, "raw": 1 << 12}
 RAW_HEAD = struct.Struct("<QQQ")  # driver cycle, CLOCK_MONOTONIC ns, statuses accepted; then the status bytes
@@ -147,24 +149,3 @@ class SharedBlock:
     def counters_dict(self) -> dict[str, int]:
         vals = self.counters.copy()
         return {name: int(vals[i]) for name, i in C.items()}
-
-
-def percentiles(hist: npt.NDArray[np.int64], qs: tuple[float, ...] = (0.5, 0.99, 0.999)) -> dict[str, float | None]:
-    """Percentiles (µs) of a 1 µs-bin histogram; the last bin stands for 'HIST_US or more'."""
-    # only the occupied bins (a few hundred of 20 001): the MQTT process calls this several times a second
-    # and holds the GIL while it runs. Copied first: the cycle process keeps counting while we read (numpy's
-    # nonzero refuses an array whose count of non-zero elements changes under it).
-    hist = hist.copy()
-    bins = np.flatnonzero(hist)
-    counts = hist[bins]
-    out: dict[str, float | None] = {}
-    if not len(bins):
-        empty: dict[str, float | None] = {f"p{q * 100:g}": None for q in qs}
-        return {**empty, "max": None, "count": 0.0}
-    cum = np.cumsum(counts)
-    total = int(cum[-1])
-    for q in qs:
-        out[f"p{q * 100:g}"] = float(bins[min(int(np.searchsorted(cum, q * total, side="left")), len(bins) - 1)])
-    out["max"] = float(bins[-1])
-    out["count"] = float(total)
-    return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from services.ethercat_loop.esc_frames import Cmd, Datagram
+from services.ethercat_loop.sim.esc_frames import Cmd, Datagram
 
 # AL states (ETG.1000.6)
 INIT = 0x01
@@ -107,8 +107,14 @@ class Esc:
     """One slave. `mem` is the whole 0x0000-0x1FFF address space (registers + 4 KiB RAM)."""
 
     def __init__(self, sii: bytes, *, name: str, esc_type: int = 0x12, fmmus: int = 3, sms: int = 4,
-                 dl_status: int = 0x0230, expected_sms: tuple[ExpectedSm, ...] = ()) -> None:
+                 dl_status: int = 0x0230, expected_sms: tuple[ExpectedSm, ...] = (),
+                 fmmus_on_safeop: bool = False) -> None:
         self.name = name
+        # like some slaves (and unlike an ET1200, which applies FMMU writes at once): FMMUs take effect only
+        # when the slave goes PRE-OP -> SAFE-OP, so a master that writes them after the SAFE-OP request gets
+        # a working counter of 0 for ever (issue 19)
+        self.fmmus_on_safeop = fmmus_on_safeop
+        self._fmmus_live: set[int] = set()
         self.mem = bytearray(0x2000)
         self.sii = bytearray(sii)
         self.n_fmmu = fmmus
@@ -170,7 +176,17 @@ class Esc:
                 return
         if req != cur:
             self.transitions.append((cur, req))
+        if cur == PREOP and req == SAFEOP:
+            self._fmmus_live = {i for i in range(self.n_fmmu) if self.mem[REG_FMMU0 + 16 * i + 12] & 1}
+        elif req in (INIT, PREOP, BOOT):
+            self._fmmus_live = set()
         self._set_al(req, error=False, code=AL_CODE_NONE)
+
+    def deactivate_fmmus(self) -> None:
+        """Fault: the FMMUs stop mapping while the AL state stays as it is (the picture of issue 19)."""
+        self._fmmus_live = set()
+        for i in range(self.n_fmmu):
+            self.mem[REG_FMMU0 + 16 * i + 12] &= 0xFE
 
     def _check_sms(self) -> int:
         for exp in self.expected_sms:
@@ -261,7 +277,7 @@ class Esc:
         for i in range(self.n_fmmu):
             base = REG_FMMU0 + 16 * i
             log, length, _sb, _eb, phys, _pb, ftype, active = struct.unpack_from("<IHBBHBBB", self.mem, base)
-            if active & 1 and length:
+            if active & 1 and length and (not self.fmmus_on_safeop or i in self._fmmus_live):
                 out.append((log, length, phys, ftype))
         return out
 

@@ -4,7 +4,7 @@ Every model is named Palm*/Ethercat* so it stays unique in the AsyncAPI document
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -101,7 +101,15 @@ class EthercatLoopStats(BaseModel):
     decode_errors: int = 0
     cycles: int = 0
     window_s: float = 0.0
+    late_frames: int = Field(0, description="replies later than ETHERCAT_LATE_US in the window (wire backends)")
+    wkc_errors: int = Field(0, description="replies with a wrong working counter in the window (wire backends)")
+    no_status: int = Field(0, description="cycles without a valid status in the window")
+    total_cycles: int = 0
+    total_overruns: int = 0
     counters: dict[str, int] = Field(default_factory=dict, description="driver counters since start")
+    totals: dict[str, Any] | None = Field(None, description="wire backends: counters and percentiles since start")
+    realtime: dict[str, Any] | None = Field(None, description="wire backends: the cycle's scheduling policy and "
+                                                              "the realtime settings it was refused")
 
 
 class PalmMotorFault(BaseModel):

@@ -1,8 +1,8 @@
-"""The palm's side of the same wire protocol: a Shadow palm (PIC32 + 20 motor boards on two CAN buses).
+"""The palm model: a Shadow palm (PIC32 + 20 motor boards on two CAN buses) as pure code, no I/O.
 
 `PalmModel.exchange(command) -> status` is one 1 ms EtherCAT cycle: it takes the command + CAN-bridge
-bytes the host wrote and returns the status + CAN-bridge bytes the palm loaded. The in-process backend
-calls it directly; the virtual EtherCAT slave (esc.py) calls it from its process-data hook.
+bytes the host wrote and returns the status + CAN-bridge bytes the palm loaded. The model backend
+(model_backend.py) calls it directly; the virtual EtherCAT hand (sim/) calls it behind its mailboxes.
 
 What it models (reference §1, §2.3, seed 001): EDC_command, data type and parity echoed; the requested
 data type answered by the polled parity with arrived/error bits; torque that follows the demand and

@@ -1,9 +1,9 @@
 """The virtual Shadow hand on the wire: two software ESCs (the bridge, product 0, then the palm,
 0220 or 0230) answering real EtherCAT frames on a raw socket, with the palm's process data driven
-once per cycle by the shared palm model (`sim.PalmModel`).
+once per cycle by the shared palm model (`palm_model.PalmModel`).
 
 Run it on one end of a veth pair (netns.py does the plumbing):
-    python -m services.ethercat_loop.virtual_hand --iface ech0 --protocol 0220 --control /run/x.sock
+    python -m services.ethercat_loop.sim.virtual_hand --iface ech0 --protocol 0220 --control /run/x.sock
 Faults are injected at run time through the control socket (`HandControl`), or from the start
 with --drop-every / --delay-every.
 
@@ -35,18 +35,18 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from services.ethercat_loop.cycle_rt import RtSettings, apply_realtime
-from services.ethercat_loop.cycle_shm import percentiles
-from services.ethercat_loop.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc, EscChain, ExpectedSm
-from services.ethercat_loop.esc_frames import (
+from services.ethercat_loop.loop_stats import percentiles
+from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, PalmCommand, ProtocolInfo, unpack_command
+from services.ethercat_loop.sim.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc, EscChain, ExpectedSm
+from services.ethercat_loop.sim.esc_frames import (
     ETH_HEADER_LEN,
     ETHERTYPE_ECAT,
     FrameError,
     build_datagrams,
     parse_datagrams,
 )
-from services.ethercat_loop.esc_sii import SM_TYPE_INPUTS, SM_TYPE_OUTPUTS, PdoSpec, SiiConfig, SmSpec, build_sii
-from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, PalmCommand, ProtocolInfo, unpack_command
+from services.ethercat_loop.sim.esc_sii import SM_TYPE_INPUTS, SM_TYPE_OUTPUTS, PdoSpec, SiiConfig, SmSpec, build_sii
+from services.ethercat_loop.transport.realtime import RtSettings, apply_realtime
 
 PACKET_OUTGOING = 4
 SO_TIMESTAMPNS = 35  # <asm-generic/socket.h>; Python's socket module does not export it
@@ -76,6 +76,7 @@ class HandOptions:
     delay_every: int = 0
     delay_us: int = 3000
     watch: tuple[int, int] | None = None  # (offset, length) of the command bytes whose changes are logged
+    fmmus_on_safeop: bool = False  # FMMUs take effect only on PRE-OP -> SAFE-OP (both slaves)
 
 
 def palm_product(opts: HandOptions) -> int:
@@ -104,14 +105,15 @@ def bridge_sii(opts: HandOptions) -> SiiConfig:
 def build_chain(opts: HandOptions) -> tuple[EscChain, Esc, Esc]:
     info = PROTOCOLS[opts.protocol]
     # DL status: bridge has ports 0 and 1 open with communication; the palm ends the line.
-    bridge = Esc(build_sii(bridge_sii(opts)), name="bridge", dl_status=0x0A30)
+    bridge = Esc(build_sii(bridge_sii(opts)), name="bridge", dl_status=0x0A30, fmmus_on_safeop=opts.fmmus_on_safeop)
     palm = Esc(build_sii(palm_sii(opts)), name="palm", dl_status=0x0610,
-               expected_sms=tuple(ExpectedSm(i, a, n) for i, (a, n, _c) in enumerate(info.sync_managers)))
+               expected_sms=tuple(ExpectedSm(i, a, n) for i, (a, n, _c) in enumerate(info.sync_managers)),
+               fmmus_on_safeop=opts.fmmus_on_safeop)
     return EscChain([bridge, palm]), bridge, palm
 
 
 def load_model(spec: str, protocol: str) -> PalmLike:
-    """`module:factory` called with protocol=..., default the shared palm model in sim.py."""
+    """`module:factory` called with protocol=..., default the shared palm model (palm_model.py)."""
     mod_name, _, attr = spec.partition(":")
     factory: Callable[..., PalmLike] = getattr(importlib.import_module(mod_name), attr or "PalmModel")
     return factory(protocol=protocol)
@@ -139,6 +141,8 @@ class HandStats:
     corrupted: int = 0
     palm_cycles: int = 0
     left_op: int = 0
+    power_cycles: int = 0
+    frames_while_off: int = 0  # frames that met a hand without power (no reply)
     zero_demand_frames_before_leaving_op: int = -1  # -1: the palm has not left OP yet
     transitions: list[str] = field(default_factory=list)
     # how long a frame waited in the hand: kernel receive timestamp -> reply handed to the kernel (µs
@@ -194,10 +198,33 @@ class VirtualHand:
         self.faults = Faults(delay_us=opts.delay_us, drop_every=opts.drop_every, delay_every=opts.delay_every)
         self.firmware = PalmFirmware(self.palm, self.info, model, self.stats, opts.watch)
         self._palm_state = self.palm.al_state
+        self.off_until_ns: int | None = None  # powered off until then (a power cycle in progress)
+        self.powered_on_ns = 0  # CLOCK_MONOTONIC of the last power-on (0: at start)
+
+    def power_cycle(self, off_ms: int, serial: int | None = None) -> None:
+        """Power lost now, back after `off_ms`: no frame is answered meanwhile; then both slaves start
+        afresh (INIT, station address 0, no SyncManager or FMMU), optionally as a palm with another serial."""
+        if serial is not None:
+            self.opts.serial = serial
+        self.off_until_ns = time.monotonic_ns() + off_ms * 1_000_000
+        self.stats.power_cycles += 1
+
+    def _power_on(self, now_ns: int) -> None:
+        self.chain, self.bridge, self.palm = build_chain(self.opts)
+        self.firmware.esc = self.palm
+        self._palm_state = self.palm.al_state
+        self.stats.transitions.append("power on")
+        self.off_until_ns = None
+        self.powered_on_ns = now_ns
 
     def handle(self, payload: bytes, now_ns: int) -> tuple[bytes | None, int]:
         """One EtherCAT payload in; (reply payload or None to drop it, delay in µs)."""
         self.stats.frames += 1
+        if self.off_until_ns is not None:
+            if time.monotonic_ns() < self.off_until_ns:
+                self.stats.frames_while_off += 1
+                return None, 0
+            self._power_on(time.monotonic_ns())
         try:
             dgs = parse_datagrams(payload)
         except FrameError:
@@ -252,6 +279,10 @@ class VirtualHand:
             self.faults.corrupt_wkc += n
         elif op == "leave_op":
             self.leave_op()
+        elif op == "power_cycle":
+            self.power_cycle(int(msg.get("off_ms", 300)), None if msg.get("serial") is None else int(msg["serial"]))
+        elif op == "fmmus_off":
+            self.palm.deactivate_fmmus()
         elif op == "changes":
             out: list[tuple[int, int, str]] = []
             while self.firmware.changes and len(out) < int(msg.get("max", 400)):
@@ -267,6 +298,8 @@ class VirtualHand:
             "frames": s.frames, "pd_frames": s.pd_frames, "garbage": s.garbage, "dropped": s.dropped,
             "delayed": s.delayed, "corrupted": s.corrupted, "palm_cycles": s.palm_cycles, "left_op": s.left_op,
             "zero_demand_frames_before_leaving_op": s.zero_demand_frames_before_leaving_op,
+            "power_cycles": s.power_cycles, "frames_while_off": s.frames_while_off,
+            "powered": self.off_until_ns is None, "powered_on_ns": self.powered_on_ns,
             "transitions": s.transitions[-20:], "palm_state": self.palm.al_state, "palm_error": self.palm.al_error,
             "bridge_state": self.bridge.al_state, "last_command": self.firmware.last_command.hex(),
             "protocol": self.info.name, "product": palm_product(self.opts), "serial": self.opts.serial,
@@ -438,7 +471,7 @@ def set_realtime(priority: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.ethercat_loop.virtual_hand",
+    p = argparse.ArgumentParser(prog="python -m services.ethercat_loop.sim.virtual_hand",
                                 description=(__doc__ or "").split("\n")[0])
     p.add_argument("--iface", required=True, help="interface to answer on (one end of a veth pair)")
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="0220")
@@ -448,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--left", action="store_true", help="0230: the left hand's product code")
     p.add_argument("--no-sii-pd", action="store_true", help="palm SII without SyncManager/PDO categories")
     p.add_argument("--status-size-delta", type=int, default=0, help="declare a wrong status size in the SII")
-    p.add_argument("--model", default="services.ethercat_loop.sim:PalmModel", help="palm model factory module:name")
+    p.add_argument("--model", default="services.ethercat_loop.palm_model:PalmModel",
+                   help="palm model factory module:name")
     p.add_argument("--control", help="UNIX datagram socket for fault injection and stats")
     p.add_argument("--drop-every", type=int, default=0, help="drop every Nth process-data frame")
     p.add_argument("--delay-every", type=int, default=0, help="delay every Nth process-data frame")
@@ -456,13 +490,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rt-priority", type=int, default=0, help="SCHED_FIFO priority for the hand (0: normal)")
     p.add_argument("--cpus", default="", help="CPU affinity of the hand, e.g. 1 or 0,1 (default: any)")
     p.add_argument("--watch", help="OFFSET:LENGTH of the command bytes whose changes are logged (default: all)")
+    p.add_argument("--fmmus-on-safeop", action="store_true",
+                   help="FMMUs take effect only on the PRE-OP -> SAFE-OP transition (as some slaves do)")
     a = p.parse_args(argv)
     watch: tuple[int, int] | None = None
     if a.watch:
         off, _, length = a.watch.partition(":")
         watch = (int(off, 0), int(length, 0))
     opts = HandOptions(a.protocol, a.serial, a.vendor, a.revision, a.left, not a.no_sii_pd, a.status_size_delta,
-                       a.drop_every, a.delay_every, a.delay_us, watch)
+                       a.drop_every, a.delay_every, a.delay_us, watch, a.fmmus_on_safeop)
     hand = VirtualHand(opts, load_model(a.model, a.protocol))
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})

@@ -3,7 +3,7 @@ process data (from the SII, or by programming the four mailbox SyncManagers and 
 the original EML driver did, reference §2.2), bring the bus to OP and back, and exchange one frame
 per cycle with a working-counter check and a receive timeout well under the period.
 
-Blocking calls only; the realtime cycle (cycle.py) owns the timing and calls `exchange` once per
+Blocking calls only; the realtime cycle (transport/cycle.py) owns the timing and calls `exchange` once per
 period from its own process.
 """
 
@@ -16,15 +16,16 @@ import select
 import socket
 import struct
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pysoem
 
-from services.ethercat_loop.netns import enter_netns
 from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, ProtocolInfo, protocol_for_product
+from services.ethercat_loop.transport.netns import enter_netns
 
-log = logging.getLogger("ethercat_loop.master")
+log = logging.getLogger("robobus.ethercat.master")
 
 SII_SERIAL_WORD = 0x0E
 SII_CAT_START = 0x40
@@ -35,6 +36,11 @@ REG_FMMU0 = 0x0600
 REG_SM0 = 0x0800
 REG_ALCTL = 0x0120
 REG_ALSTAT = 0x0130  # AL status (state | 0x10 error), then 0x0134 AL status code
+REG_ESC_COUNTS = 0x0004  # FMMUs supported, SyncManagers supported
+MAX_FMMUS = 16
+MAX_SMS = 16
+LADDER = ("init", "preop", "safeop", "op", "verify")  # the escalation's steps, in order
+LADDER_STATE = {"init": 0x01, "preop": 0x02, "safeop": 0x04, "op": 0x08}
 MIN_WAIT_NS = 20_000  # even a late cycle waits this long for its frame
 LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (reference §2.2)
 STATE_NAMES = {0: "NONE", 1: "INIT", 2: "PRE-OP", 3: "BOOT", 4: "SAFE-OP", 8: "OP"}
@@ -62,6 +68,25 @@ class MasterConfig:
     late_us: int = 300  # a reply later than this (but in time) counts as a late frame
     program_sms: str = "auto"  # auto: program SMs/FMMUs when the SII lacks them; always; never
     state_timeout_us: int = 3_000_000
+    recovery: RecoveryPolicy = field(default_factory=lambda: RecoveryPolicy())
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    """How the master escalates (issue 19). A slave out of OP first gets the cheap step (acknowledge an
+    error, SAFE-OP -> OP); when that is not enough, or the working counter stays wrong while every slave
+    claims OP, every slave goes through INIT -> PRE-OP -> SAFE-OP -> OP with its SyncManagers written
+    before the PRE-OP request and its FMMUs before the SAFE-OP request (the order a standard ESC expects:
+    some activate FMMUs only on that transition). Capped attempts with doubling backoff, then a full
+    re-scan of the bus; a re-scan also follows a slave that came back with another identity."""
+
+    escalate_after: int = 100  # cycles in a row without valid process data while every slave reports OP
+    quick_tries: int = 3  # cheap steps on one issue before escalating
+    step_timeout_ns: int = 300_000_000  # a requested state not reached within this fails the attempt
+    max_attempts: int = 4  # escalations before a full re-scan
+    backoff_ns: int = 50_000_000  # before attempt n > 1: backoff * 2**(n-2), capped
+    backoff_cap_ns: int = 1_000_000_000
+    recover_timeout_us: int = 500  # SOEM's recover (station address + identity check) per try
 
 
 @dataclass(frozen=True)
@@ -92,6 +117,10 @@ class WireCounters:
     wkc_errors: int = 0  # a reply with the wrong working counter
     recoveries: int = 0  # recovery actions sent to a slave out of OP
     left_op: int = 0  # times a slave was found out of OP
+    escalations: int = 0  # INIT -> OP ladders started
+    escalation_failures: int = 0  # ladders that timed out (retried with backoff)
+    rescans: int = 0  # full re-scans of the bus
+    bad_run: int = 0  # consecutive cycles without valid process data (lost or wrong working counter)
     last_wkc: int = 0
     rtt_max_ns: int = 0
     state_issue: str = ""  # "" when every slave is in OP
@@ -130,6 +159,19 @@ class _Bus:
     info: ProtocolInfo
     ident: HandIdentity
     slaves: list[Any] = field(default_factory=list)
+    # per slave, the SyncManager and FMMU register blocks as configured: what an escalation writes back
+    golden: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+@dataclass
+class _Escalation:
+    reason: str
+    started_ns: int
+    attempt: int = 1
+    step: str = "init"
+    requested: bool = False  # the step's writes are done; now waiting for the state
+    step_ns: int = 0  # when the step's request went out
+    not_before_ns: int = 0  # backoff
 
 
 class EthercatMaster:
@@ -143,6 +185,15 @@ class EthercatMaster:
         self._output = b""
         self._sightings: dict[int, int] = {}  # slave index -> consecutive checks found out of OP
         self.socket_fds: list[int] = []  # SOEM's raw socket(s), made non-blocking and waited on with select
+        self.policy = cfg.recovery
+        self._quick: tuple[str, int] = ("", 0)  # the issue the cheap steps work on, and how many were sent
+        self._esc: _Escalation | None = None
+        self._recover_after_ns = 0  # backoff of SOEM's recover() for a slave that does not answer
+        self.rescan_needed = ""  # why a full re-scan is due ("" none): the cycle calls rescan()
+        # what recovery did, newest last: (CLOCK_MONOTONIC ns, text); the cycle publishes it, the MQTT side
+        # logs each entry (no logging in the realtime process)
+        self.recovery_log: deque[tuple[int, str]] = deque(maxlen=32)
+        self.recovery_seq = 0
 
     @property
     def identity(self) -> HandIdentity:
@@ -224,7 +275,7 @@ class EthercatMaster:
         log.info("palm %s: vendor %#x product %#x revision %#x serial %d, protocol %s, %s mapping %d/%d B",
                  palm.name, palm.man, palm.id, palm.rev, serial, info.name, mapping,
                  info.command_size, info.status_size)
-        return _Bus(m, palm, info, ident, slaves)
+        return _Bus(m, palm, info, ident, slaves, [_read_sm_fmmu(s) for s in slaves])
 
     def _program_sms(self, palm: Any, info: ProtocolInfo) -> None:
         """EML's configuration (reference §2.2): 4 mailbox SMs, FMMU0 writes the command + CAN bridge,
@@ -273,12 +324,20 @@ class EthercatMaster:
         return self._bus
 
     # ---- per cycle ------------------------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return self._bus is not None
+
     def exchange(self, command: bytes, give_up_ns: int | None = None) -> Exchange:
         """Send this cycle's command, wait at most recv_timeout_us for the frame (and never past the
-        CLOCK_MONOTONIC time `give_up_ns`), check the WKC."""
+        CLOCK_MONOTONIC time `give_up_ns`), check the WKC. Without a bus (a re-scan that failed) nothing
+        is sent: a lost exchange."""
         bus = self._bus
-        assert bus is not None, "exchange() before open()"
         c = self.counters
+        if bus is None:
+            c.lost += 1
+            c.bad_run += 1
+            return Exchange(None, -1, 0, lost=True, sent_ns=time.monotonic_ns())
         c.frames += 1
         if len(command) != bus.info.command_size:
             raise ValueError(f"command is {len(command)} B, protocol {bus.info.name} needs {bus.info.command_size}")
@@ -304,6 +363,7 @@ class EthercatMaster:
         if not ex.lost and rtt > self.cfg.late_us * 1000:
             c.late += 1
             ex.late = True
+        c.bad_run = 0 if status is not None else c.bad_run + 1
         return ex
 
     def _wait_frame(self, t0: int, give_up_ns: int | None) -> int:
@@ -367,15 +427,19 @@ class EthercatMaster:
         return out
 
     def check_states(self, give_up_ns: int | None = None) -> str:
-        """Read every slave's AL state (waiting at most until the CLOCK_MONOTONIC time `give_up_ns`,
-        when given); one recovery step for the first slave confirmed out of OP.
-        Returns "" when all are in OP, else what was found (for health). A slave must be seen out of OP
-        twice in a row (three times when it did not answer at all) before anything is done: one lost
-        state-read frame must not trigger a recovery of a healthy slave. No logging here (this runs in
-        the realtime process); the MQTT side logs the returned text when it changes."""
+        """One recovery step, bounded by the CLOCK_MONOTONIC time `give_up_ns` when given: read every slave's
+        AL state; act on the first slave confirmed out of OP (or on process data that stay invalid while all
+        claim OP); or advance an escalation already under way. Returns "" when all is well, else what is
+        being worked on (for health). A slave must be seen out of OP twice in a row (three times when it
+        did not answer at all) before anything is done: one lost state-read frame must not trigger a
+        recovery of a healthy slave. No logging here (this runs in the realtime process): steps go to
+        `recovery_log`, which the MQTT side logs."""
         bus = self._need()
+        if self._esc is not None:
+            return self._escalate(bus, give_up_ns)
         states = self._read_states(bus, give_up_ns)
         confirmed: tuple[int, Any, int, int] | None = None
+        silent = False  # a slave did not answer at its address: find it (recover) before anything else
         for i, s in enumerate(bus.slaves):
             got = states[i]
             if got is None:  # not read this time: no evidence either way
@@ -385,31 +449,209 @@ class EthercatMaster:
                 self._sightings.pop(i, None)
                 continue
             n = self._sightings[i] = self._sightings.get(i, 0) + 1
-            if confirmed is None and n >= (3 if st == pysoem.NONE_STATE else 2):
+            silent = silent or st == pysoem.NONE_STATE
+            if n >= (3 if st == pysoem.NONE_STATE else 2) and (
+                    confirmed is None or (st == pysoem.NONE_STATE and confirmed[2] != pysoem.NONE_STATE)):
                 confirmed = (i, s, st, code)
+        c = self.counters
         if confirmed is None:
-            if not self._sightings:
-                self.counters.state_issue = ""
-            return self.counters.state_issue
+            all_op = not self._sightings and all(x is not None for x in states)
+            if all_op and c.bad_run >= self.policy.escalate_after:
+                self._start_escalation(f"no valid process data for {c.bad_run} cycles (working counter "
+                                       f"{c.last_wkc}, expected {bus.ident.expected_wkc}) while every slave "
+                                       f"reports OP")
+                return c.state_issue
+            if not self._sightings and c.bad_run == 0:
+                c.state_issue = ""
+                self._quick = ("", 0)
+            return c.state_issue
         i, s, st, code = confirmed
         issue = f"slave {i + 1} {s.name} in {state_name(st)} (AL code {code:#06x})"
-        if self.counters.state_issue != issue:
-            self.counters.left_op += 1
-        self.counters.state_issue = issue
-        self.counters.recoveries += 1
+        if c.state_issue != issue:
+            c.left_op += 1
+        c.state_issue = issue
+        now = time.monotonic_ns()
+        if st == pysoem.NONE_STATE:  # not answering at its address: gone, or back with the address cleared
+            if now >= self._recover_after_ns:
+                self._recover(bus, i, s, now)
+            return issue
+        if silent:  # another slave is not answering yet: the ladder needs every one of them
+            return issue
+        tries = self._quick[1] + 1 if self._quick[0] == issue else 1
+        if tries > self.policy.quick_tries or st & 0x0F in (pysoem.INIT_STATE, pysoem.PREOP_STATE, pysoem.BOOT_STATE):
+            self._start_escalation(issue if tries <= self.policy.quick_tries
+                                   else f"{issue} after {tries - 1} acknowledge/OP requests")
+            return c.state_issue
+        self._quick = (issue, tries)
+        c.recoveries += 1
         if st & pysoem.STATE_ERROR:
+            self._note(f"slave {i + 1} {s.name}: acknowledge {state_name(st)} (AL code {code:#06x})")
             s.state = (st & 0x0F) | pysoem.STATE_ACK
             s.write_state()
         elif st == pysoem.SAFEOP_STATE:
+            self._note(f"slave {i + 1} {s.name}: SAFE-OP -> OP")
             s.state = pysoem.OP_STATE
             s.write_state()
-        elif st == pysoem.NONE_STATE:
-            s.recover()
-        else:
-            s.reconfig()
-            if bus.ident.mapping == "programmed" and s is bus.palm:
-                self._program_sms(bus.palm, bus.info)
         return issue
+
+    # ---- escalation -----------------------------------------------------------------------
+    def _note(self, text: str) -> None:
+        self.recovery_log.append((time.monotonic_ns(), text))
+        self.recovery_seq += 1
+
+    def _recover(self, bus: _Bus, i: int, s: Any, now: int) -> None:
+        """SOEM's recover: find the slave at its position again, give it back its station address if it
+        lost it (a power cycle), provided vendor, product and revision are the ones configured. A slave
+        that answers at its position with another identity is never given the address: after the capped
+        tries, a full re-scan takes the bus as it now is."""
+        c = self.counters
+        c.recoveries += 1
+        ok = int(s.recover(self.policy.recover_timeout_us)) > 0
+        if ok:
+            self._recover_after_ns = 0
+            self._note(f"slave {i + 1} {s.name}: answering at its address again")
+            if s is bus.palm:
+                serial = self._palm_serial(bus)
+                if serial is not None and serial != bus.ident.serial:
+                    self._want_rescan(f"the palm came back with serial {serial} (was {bus.ident.serial})")
+            return
+        tries = self._quick[1] + 1 if self._quick[0] == f"recover {i}" else 1
+        self._quick = (f"recover {i}", tries)
+        delay = min(self.policy.backoff_cap_ns, self.policy.backoff_ns << min(tries, 16))
+        self._recover_after_ns = now + delay
+        if tries == 1 or tries % 10 == 0:
+            self._note(f"slave {i + 1} {s.name}: not answering (try {tries}; next in {delay / 1e6:.0f} ms)")
+        if tries > 3 * self.policy.max_attempts:
+            self._want_rescan(f"slave {i + 1} {s.name} does not take its address back after {tries} tries "
+                              "(gone, or another device at its position)")
+
+    def _palm_serial(self, bus: _Bus) -> int | None:
+        try:
+            return int.from_bytes(bus.palm.eeprom_read(SII_SERIAL_WORD, 5000)[:4], "little")
+        except Exception:  # pysoem raises its own errors for a read that did not complete
+            return None
+
+    def _want_rescan(self, why: str) -> None:
+        if not self.rescan_needed:
+            self.rescan_needed = why
+            self._note(f"full re-scan: {why}")
+
+    def _start_escalation(self, reason: str) -> None:
+        now = time.monotonic_ns()
+        self._esc = _Escalation(reason, now, step_ns=now)
+        self.counters.escalations += 1
+        self.counters.state_issue = f"recovering: {reason}"
+        self._note(f"escalating (attempt 1 of {self.policy.max_attempts}): {reason}; INIT -> PRE-OP -> SAFE-OP -> OP")
+
+    def _escalate(self, bus: _Bus, give_up_ns: int | None) -> str:
+        """Advance the INIT -> PRE-OP -> SAFE-OP -> OP ladder by one action: a step's writes, or a read of
+        the states it waits for."""
+        e = self._esc
+        assert e is not None
+        c = self.counters
+        now = time.monotonic_ns()
+        if now < e.not_before_ns:
+            return c.state_issue
+        if e.step == "verify":
+            if c.bad_run == 0:
+                self._note(f"valid process data again after {(now - e.started_ns) / 1e6:.0f} ms "
+                           f"(attempt {e.attempt})")
+                self._esc = None
+                self._quick = ("", 0)
+                self._sightings.clear()
+                c.state_issue = ""
+                return ""
+        elif not e.requested:
+            target = LADDER_STATE[e.step]
+            try:
+                for i, s in enumerate(bus.slaves):
+                    sms, fmmus = bus.golden[i]
+                    if e.step == "preop" and sms:  # SyncManagers first, then ask for PRE-OP
+                        s._fpwr(REG_SM0, sms, self._wait_us(give_up_ns))
+                    if e.step == "safeop" and fmmus:  # FMMUs written BEFORE the SAFE-OP request
+                        s._fpwr(REG_FMMU0, fmmus, self._wait_us(give_up_ns))
+                    ack = pysoem.STATE_ACK if e.step == "init" else 0
+                    s._fpwr(REG_ALCTL, struct.pack("<H", target | ack), self._wait_us(give_up_ns))
+            except pysoem.WkcError:  # a slave stopped answering (power lost again?): find it first
+                self._esc = None
+                self._sightings.clear()
+                self._note(f"step {e.step}: a slave did not take the write; looking for it again")
+                return c.state_issue
+            e.requested, e.step_ns = True, now
+            self._note(f"step {e.step}: " + ("SyncManagers written, " if e.step == "preop" else
+                                            "FMMUs written, " if e.step == "safeop" else "")
+                       + f"{state_name(target)} requested")
+        else:
+            target = LADDER_STATE[e.step]
+            states = self._read_states(bus, give_up_ns)
+            if all(x is not None and x[0] & 0x0F == target and not x[0] & pysoem.STATE_ERROR for x in states):
+                e.step = LADDER[LADDER.index(e.step) + 1]
+                e.requested, e.step_ns = False, now
+                if e.step == "verify":
+                    self._note("every slave in OP; waiting for valid process data")
+                return c.state_issue
+            bad = [f"{bus.slaves[i].name}: {state_name(x[0])} (AL code {x[1]:#06x})" for i, x in enumerate(states)
+                   if x is not None and x[0] & 0x0F != target]
+            if any(x is not None and x[0] & pysoem.STATE_ERROR for x in states):
+                return self._step_failed(e, now, f"{e.step}: refused: {', '.join(bad)}")
+        if now - e.step_ns > self.policy.step_timeout_ns:
+            return self._step_failed(e, now, f"{e.step}: not reached within {self.policy.step_timeout_ns / 1e6:.0f} ms")
+        return c.state_issue
+
+    def _step_failed(self, e: _Escalation, now: int, why: str) -> str:
+        c = self.counters
+        c.escalation_failures += 1
+        if e.attempt >= self.policy.max_attempts:
+            self._esc = None
+            self._want_rescan(f"{e.attempt} escalations failed (last: {why})")
+            return c.state_issue
+        delay = min(self.policy.backoff_cap_ns, self.policy.backoff_ns << (e.attempt - 1))
+        e.attempt += 1
+        e.step, e.requested, e.step_ns, e.not_before_ns = "init", False, now + delay, now + delay
+        self._note(f"attempt {e.attempt - 1} failed ({why}); attempt {e.attempt} of {self.policy.max_attempts} "
+                   f"in {delay / 1e6:.0f} ms")
+        return c.state_issue
+
+    def _wait_us(self, give_up_ns: int | None) -> int:
+        if give_up_ns is None:
+            return self.cfg.recv_timeout_us
+        return max(MIN_WAIT_NS // 1000, min(self.cfg.recv_timeout_us, (give_up_ns - time.monotonic_ns()) // 1000))
+
+    def rescan(self) -> HandIdentity:
+        """The whole bring-up again (config_init, mapping, SAFE-OP, OP): the bus as it now is. Blocking (tens
+        of ms or more); the cycle calls it only while no valid process data flow anyway. Raises MasterError
+        when the bus cannot be brought up (the cycle then tries again later)."""
+        why, self.rescan_needed = self.rescan_needed, ""
+        self.counters.rescans += 1
+        old = self._bus
+        self._bus = None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.master.close()
+        self._esc, self._quick, self._recover_after_ns = None, ("", 0), 0
+        self._sightings.clear()
+        netns, self.cfg.netns = self.cfg.netns, None  # this thread is in the namespace already
+        try:
+            ident = self.open()
+        finally:
+            self.cfg.netns = netns
+        self.to_op()
+        self.counters.state_issue = ""
+        self.counters.bad_run = 0
+        self._note(f"re-scan done ({why or 'requested'}): palm {ident.palm_name} serial {ident.serial}, "
+                   f"protocol {ident.protocol}")
+        return ident
+
+
+def _read_sm_fmmu(s: Any) -> tuple[bytes, bytes]:
+    """A slave's SyncManager and FMMU register blocks as configured (what an escalation writes back)."""
+    try:
+        n_fmmu, n_sm = s._fprd(REG_ESC_COUNTS, 2)
+        n_fmmu, n_sm = min(int(n_fmmu), MAX_FMMUS), min(int(n_sm), MAX_SMS)
+        return (bytes(s._fprd(REG_SM0, 8 * n_sm)) if n_sm else b"",
+                bytes(s._fprd(REG_FMMU0, 16 * n_fmmu)) if n_fmmu else b"")
+    except pysoem.WkcError:
+        return b"", b""
 
 
 def _open_fds() -> dict[int, str]:

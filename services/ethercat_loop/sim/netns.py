@@ -1,17 +1,16 @@
 """A network namespace with a veth pair for the virtual hand: both ends live in the namespace, so
 test traffic never touches the host's interfaces. The virtual hand answers on one end; the master
-enters the namespace (`enter_netns`, a per-thread setns) before pysoem opens the other end. Only
+enters the namespace (`transport.netns.enter_netns`, a per-thread setns) before pysoem opens the other end. Only
 the cycle process enters it, so the MQTT side keeps the host's loopback and broker.
 
-    python -m services.ethercat_loop.netns up [--name robobus-ec] [--protocol 0220]   # prints the master NIC
-    python -m services.ethercat_loop.netns down [--name robobus-ec]
+    python -m services.ethercat_loop.sim.netns up [--name robobus-ec] [--protocol 0220]   # prints the master NIC
+    python -m services.ethercat_loop.sim.netns down [--name robobus-ec]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -21,15 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.ethercat_loop.virtual_hand import HandControl
+from services.ethercat_loop.sim.virtual_hand import HandControl
+from services.ethercat_loop.transport.netns import NetnsError
 
-CLONE_NEWNET = 0x40000000
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RUN_DIR = Path("/run/robobus-ethercat")
-
-
-class NetnsError(RuntimeError):
-    pass
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -37,18 +32,6 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and r.returncode != 0:
         raise NetnsError(f"ip {' '.join(args)}: {r.stderr.strip()}")
     return r
-
-
-def enter_netns(name: str) -> None:
-    """Move the CALLING THREAD into namespace `name` (sockets it opens afterwards live there)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise NetnsError(f"setns({name}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -93,7 +76,7 @@ class VethNetns:
         out = open(self.hand_log, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             self.hand_proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.name, sys.executable, "-m", "services.ethercat_loop.virtual_hand",
+                ["ip", "netns", "exec", self.name, sys.executable, "-m", "services.ethercat_loop.sim.virtual_hand",
                  *self.hand_args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": str(REPO)})
         finally:
@@ -156,12 +139,13 @@ def _pidfile(name: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.ethercat_loop.netns", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m services.ethercat_loop.sim.netns", description=__doc__.split("\n")[0])
     p.add_argument("action", choices=["up", "down"])
     p.add_argument("--name", default="robobus-ec")
     p.add_argument("--protocol", default="0220")
     p.add_argument("hand_args", nargs="*", help="extra virtual_hand options, after --")
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)  # options after `--` are the hand's
+    a.hand_args = [*a.hand_args, *(x for x in rest if x != "--")]
     ns = VethNetns(a.name)
     if a.action == "down":
         pid = _pidfile(a.name)
@@ -190,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
           f"  control socket {ns.control_path}, log {ns.hand_log}\n"
           f"  run the service with ROBOBUS_ETHERCAT_BACKEND=virtual ROBOBUS_ETHERCAT_IFNAME={ns.master_if} "
           f"ROBOBUS_ETHERCAT_NETNS={a.name}\n"
-          f"  tear down: python -m services.ethercat_loop.netns down --name {a.name}")
+          f"  tear down: python -m services.ethercat_loop.sim.netns down --name {a.name}")
     return 0
 
 

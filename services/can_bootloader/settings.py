@@ -1,0 +1,56 @@
+"""can-bootloader's settings: ROBOBUS_CAN_* in the environment (nested values as JSON), or keys of a
+ROBOBUS_CONFIG file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from services.can_bootloader.flasher import FlashConfig
+from services.can_bootloader.transport import CanBusConfig
+from shared import KitSettings
+
+BRIDGE_INTERFACE = "robobus_bridge"
+
+
+def _default_bus(n: int) -> CanBusConfig:
+    return CanBusConfig(interface="virtual", channel=f"robobus-can{n}")
+
+
+class CanBootSettings(KitSettings):
+    """can-bootloader configuration: ROBOBUS_CAN_* in the environment (nested values as JSON), or keys of a
+    ROBOBUS_CONFIG file. Example: ROBOBUS_CAN_BUS1='{"interface": "socketcan", "channel": "can0"}'."""
+
+    can_device: str = Field("motors", description="Device name on MQTT")
+    can_bus1: CanBusConfig | None = Field(default_factory=lambda: _default_bus(1),
+                                          description="Palm CAN bus 1 (boards 0–9); null: not served")
+    can_bus2: CanBusConfig | None = Field(default_factory=lambda: _default_bus(2),
+                                          description="Palm CAN bus 2 (boards 10–19); null: not served")
+    can_firmware_dir: Path | None = Field(None, description="The only folder `path` requests may read from")
+    can_window: int | None = Field(None, ge=1, le=64, description="Frames in flight; default 12 through the palm "
+                                                                  "bridge (it paces 1 frame/ms), 2 on a direct bus "
+                                                                  "(the PIC's two receive buffers)")
+    can_flash: FlashConfig = Field(default_factory=FlashConfig, description="Flasher timeouts and retries (the "
+                                   "window comes from can_window, check_bootloader_aware from each request)")
+    can_sim: bool = Field(False, description="Run simulated boards on in-process virtual buses (make run, demos)")
+    can_sim_boards: list[int] = Field(default_factory=lambda: list(range(20)))
+    can_sim_erase_s: float = Field(0.968, ge=0, description="Simulated erase time (484 rows x 2 ms)")
+    can_sim_row_write_s: float = Field(0.002, ge=0)
+
+    @model_validator(mode="after")
+    def _one_place_each(self) -> CanBootSettings:
+        # FlashConfig is the flasher's one definition; these two of its fields have their own settings
+        twice = sorted({"window", "check_bootloader_aware"} & self.can_flash.model_fields_set)
+        if twice:
+            raise ValueError(f"can_flash: {', '.join(twice)} is not set here (the window is can_window; "
+                             "check_bootloader_aware is a field of each flash request)")
+        return self
+
+
+BRIDGE_WINDOW = 12  # the bridge round trip is ~4 palm cycles on a quiet host, more on a loaded one
+DIRECT_WINDOW = 2  # the PIC's two receive buffers
+
+
+def default_window(bus: CanBusConfig) -> int:
+    return BRIDGE_WINDOW if bus.interface == BRIDGE_INTERFACE else DIRECT_WINDOW

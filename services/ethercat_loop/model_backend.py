@@ -1,0 +1,187 @@
+"""The model backend: `PalmDriver` against the in-process `PalmModel`, in one thread of the MQTT process.
+
+For `make run`, demos and fast tests: no raw sockets, no privileges. It shares the GIL with MQTT, so it is
+not the realtime path (that is `transport.ProcessBackend`), but it keeps the same release rule, loop
+statistics and link states, so the MQTT surface cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable, CanRxHandler, HandBackend
+from services.ethercat_loop.control import CanRxFrame, ControlMessage, Halt
+from services.ethercat_loop.driver import PalmDriver
+from services.ethercat_loop.loop_stats import HIST_US, WINDOW_COUNTERS, LoopWindow, new_histogram
+from services.ethercat_loop.models import EthercatLoopStats
+from services.ethercat_loop.palm_model import CanNode, PalmModel
+from services.ethercat_loop.snapshot import PalmSnapshot
+from services.ethercat_loop.transport.realtime import next_deadline
+
+log = logging.getLogger("robobus.ethercat.model")
+
+
+class ModelBackend(HandBackend):
+    """Driver + palm model in one dedicated thread, `period_ns` apart on absolute deadlines, with the
+    wire backend's release rule (`transport.realtime.next_deadline`): an overrun snaps to the next period
+    boundary (missed cycles are skipped, not caught up, as ros_ethercat does, but with an integer period)."""
+
+    def __init__(self, driver: PalmDriver, model: PalmModel, period_ns: int = 1_000_000,
+                 serial: int = 1234, error_after_lost: int = 20) -> None:
+        self.driver = driver
+        self.error_after_lost = error_after_lost
+        self._no_status_run = 0  # consecutive cycles without a status
+        self.model = model
+        self.period_ns = period_ns
+        self.serial = serial
+        self._inbox: queue.SimpleQueue[ControlMessage] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._window = LoopWindow(period_ns)
+        self._wake = new_histogram()  # wake-up latency, 1 µs bins (what the wire backend keeps in shared memory)
+        self._counts = dict.fromkeys(WINDOW_COUNTERS, 0)
+        self._rx: deque[CanRxFrame] = deque(maxlen=65536)
+        self._rx_event = threading.Event()
+        self._rx_handler: CanRxHandler | None = None
+        self._rx_thread: threading.Thread | None = None
+        self._running = False
+        self._stopped = False
+        self._report: dict[str, Any] = {}
+        self.lose_next = 0  # fault: the next n frames are lost (no status at all)
+        self.error = ""
+
+    # -- HandBackend ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="palm-cycle", daemon=True)
+        self._thread.start()
+        self._rx_thread = threading.Thread(target=self._pump_rx, name="palm-can-rx", daemon=True)
+        self._rx_thread.start()
+
+    def stop(self) -> None:
+        if self._stopped or self._thread is None:
+            return
+        self._stopped = True
+        self.submit(Halt(True))
+        deadline = time.monotonic() + 2.0
+        while (self.driver.c["halt_zero_cycles"] < STOP_ZERO_CYCLES and time.monotonic() < deadline
+               and self._thread.is_alive()):
+            time.sleep(0.002)
+        self._stop.set()
+        self._thread.join(2.0)
+        self._running = False
+        self._rx_event.set()
+        with self._lock:
+            self._report = {"zero_demand_cycles": self.driver.c["halt_zero_cycles"],
+                            "demands_sent_last": [m.demand_sent for m in self.driver.motors],
+                            "model_demands": self.model.demands}
+
+    def stop_report(self) -> dict[str, Any]:
+        return dict(self._report)
+
+    def submit(self, msg: ControlMessage) -> None:
+        self._inbox.put(msg)
+
+    def snapshot(self) -> PalmSnapshot | None:
+        with self._lock:
+            if self.driver.cycle_no == 0:
+                return None
+            return self.driver.snapshot()
+
+    def stats(self) -> EthercatLoopStats:
+        with self._lock:
+            counts = {**self._counts, "dropped": self.driver.c["dropped"],
+                      "decode_errors": self.driver.c["decode_errors"]}
+            wake = self._wake.copy()
+        return self._window.roll(time.monotonic_ns(), counts, wake)
+
+    def info(self) -> dict[str, Any]:
+        no_data = self._no_status_run >= self.error_after_lost
+        state = ("no_data" if no_data else "op") if self._running else ("error" if self.error else "stopped")
+        return {"vendor": None, "product": self.driver.info.product_codes[0], "revision": 0, "serial": self.serial,
+                "protocol": self.driver.protocol, "backend": "model", "connected": self.connected(),
+                "state": state, "error": self.error, "no_data": no_data, "issue": "", "recovery": None}
+
+    def on_can_rx(self, handler: CanRxHandler) -> None:
+        self._rx_handler = handler
+
+    def connected(self) -> bool:
+        return self._running and self._no_status_run < self.error_after_lost
+
+    # -- the cycle thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        status: bytes | None = None
+        deadline = time.monotonic_ns()
+        try:
+            while not self._stop.is_set():
+                wake = time.monotonic_ns()
+                with self._lock:
+                    while True:
+                        try:
+                            self._inbox.get_nowait().apply(self.driver)
+                        except queue.Empty:
+                            break
+                    command = self.driver.cycle(status, wake)
+                    status = self.model.exchange(command)
+                    if self.lose_next > 0:
+                        self.lose_next -= 1
+                        status = None
+                    self._no_status_run = self._no_status_run + 1 if status is None else 0
+                    rx = self.driver.take_can_rx()
+                    now = time.monotonic_ns()
+                    release = deadline
+                    deadline, skipped = next_deadline(release, wake, now, self.period_ns)
+                    c = self._counts
+                    c["cycles"] += 1
+                    c["overruns"] += skipped > 0
+                    if status is None:
+                        c["no_status"] += 1
+                        c["lost"] += 1
+                    self._wake[min(max(0, wake - release) // 1000, HIST_US)] += 1
+                if rx:
+                    self._rx.extend(rx)
+                    self._rx_event.set()
+                time.sleep(max(0.0, (deadline - time.monotonic_ns()) / 1e9))
+        except Exception as exc:  # a bug in driver or model: stop cycling, say why (motors stop in 20 ms)
+            self.error = f"cycle crashed: {type(exc).__name__}: {exc}"
+            self._running = False
+            raise
+
+    def _pump_rx(self) -> None:
+        while self._running or self._rx:
+            self._rx_event.wait(0.5)
+            self._rx_event.clear()
+            batch: list[CanRxFrame] = []
+            with contextlib.suppress(IndexError):
+                while True:
+                    batch.append(self._rx.popleft())
+            if batch and self._rx_handler is not None:
+                try:
+                    self._rx_handler(batch)
+                except Exception:  # the handler's bug must not kill the pump
+                    log.exception("CAN rx handler failed")
+
+
+def load_can_nodes(spec: str, model: PalmModel) -> list[CanNode]:
+    """'module:factory' -> the CAN peers factory(model) makes (one, or a list)."""
+    mod_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+        made = factory(model)
+    except Exception as exc:
+        raise BackendUnavailable(f"CAN node factory {spec!r} failed: {type(exc).__name__}: {exc}") from exc
+    nodes = list(made) if isinstance(made, list | tuple) else [made]
+    for n in nodes:
+        if not callable(getattr(n, "on_can_frame", None)):
+            raise BackendUnavailable(f"{spec!r} made {n!r}, which has no on_can_frame(bus, sid, data)")
+    return nodes

@@ -1,0 +1,380 @@
+"""The cycle process: the 1 kHz cycle in its OWN PROCESS (pysoem master + PalmDriver), joined to the
+MQTT process by shared memory and pipes, so MQTT, JSON and logging never hold the GIL the cycle needs
+(`python -m services.ethercat_loop.transport.cycle`, started by process_backend.ProcessBackend).
+
+    MQTT process (ProcessBackend)                 cycle process (cycle_main), single-threaded
+    submit(msg) --pickle--> control pipe ------>  drained at every tick, msg.apply(driver)
+    snapshot() <-- seqlock slots in /dev/shm <--  every valid status raw; a lean driver snapshot 10 Hz
+    stats()    <-- counters + histograms <------  incremented in place every cycle
+    on_can_rx  <-- event pipe (non-blocking) <--  driver.take_can_rx()
+
+One cycle: sleep until the absolute deadline (CLOCK_MONOTONIC) -> record the wake-up latency ->
+apply control messages -> driver.cycle(last status) builds the command -> exchange it (sleeping in
+select() for the reply, never past the next tick) -> WKC / loss bookkeeping -> AL state check and
+snapshot only in the slack the period leaves -> next release (`realtime.next_deadline`): a cycle
+that ran past the next release starts that one late; an overrun (a release that could not start
+within its period) skips to the next period boundary (counted, never a burst).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import pickle
+import signal
+import struct
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from services.ethercat_loop.backend import STOP_ZERO_CYCLES, build_driver
+from services.ethercat_loop.calibration import HandCalibration
+from services.ethercat_loop.control import CanRxFrame, Halt
+from services.ethercat_loop.driver import PalmDriver
+from services.ethercat_loop.loop_stats import HIST_US
+from services.ethercat_loop.settings import EthercatSettings
+from services.ethercat_loop.transport.master import EthercatMaster, MasterConfig, MasterError
+from services.ethercat_loop.transport.realtime import (
+    AbsoluteSleeper,
+    RtSettings,
+    apply_realtime,
+    current_policy,
+    next_deadline,
+)
+from services.ethercat_loop.transport.shm import RAW_HEAD, C, SharedBlock
+from shared.logs import setup_logging
+
+log = logging.getLogger("robobus.ethercat.cycle")
+MAX_MSGS_PER_CYCLE = 64
+CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
+SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submit time (CLOCK_MONOTONIC ns)
+POST_EXCHANGE_NS = 250_000  # bookkeeping after the exchange, with margin
+SLACK_SNAPSHOT_NS = 300_000  # the least slack a snapshot may start in; more if recent ones took longer
+SLACK_STATE_CHECK_NS = 400_000  # an AL state read is one round trip per slave (bounded: see below)
+CHECK_RESERVE_NS = 100_000  # what the cycle still does after the state check, with margin
+
+
+@dataclass
+class CycleConfig:
+    """Everything the cycle process needs (picklable: it crosses a spawn)."""
+
+    settings: EthercatSettings
+    calibration: HandCalibration  # loaded once, in the MQTT process
+    master: MasterConfig
+    rt: RtSettings
+    period_ns: int
+    snapshot_every: int
+    state_check_every: int
+    error_after: int
+    zero_cycles: int = STOP_ZERO_CYCLES
+
+
+@dataclass
+class _Stop:
+    """Control message: zero demands, then leave OP and exit."""
+
+    reason: str = "stop"
+
+
+@dataclass
+class _CycleState:
+    state: str = "starting"
+    error: str = ""
+    fatal: str = ""
+    warnings: list[str] = field(default_factory=list)
+    state_issue: str = ""
+    policy: str = ""
+    identity: dict[str, Any] = field(default_factory=dict)
+    recovery: dict[str, Any] = field(default_factory=dict)
+    stop_report: dict[str, Any] = field(default_factory=dict)
+
+
+# ============================================================================ the cycle process
+def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connection) -> None:
+    """Entry point of the cycle process."""
+    # the node's own logging configuration (level, ROBOBUS_LOG_JSON), not a private one
+    setup_logging(cfg.settings.log_level, cfg.settings.log_json)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us cleanly
+    stopping: list[str] = []
+    signal.signal(signal.SIGTERM, lambda _s, _f: stopping.append("SIGTERM"))
+    # The parent's death closes the control pipe: the cycle reads EOF and stops the same way (zero
+    # demands, leave OP). No PR_SET_PDEATHSIG: it fires when the *thread* that started us exits.
+    os.set_blocking(events.fileno(), False)
+    shm = SharedBlock(shm_path)
+    st = _CycleState()
+
+    def publish() -> None:
+        shm.write_slot("status", pickle.dumps(st, 5))
+
+    st.warnings = apply_realtime(cfg.rt)
+    st.policy = current_policy()
+    for w in st.warnings:
+        log.warning("%s", w)
+    publish()
+    master = EthercatMaster(cfg.master)
+    try:
+        ident = master.open()
+        driver = build_driver(cfg.settings, cfg.calibration, ident.protocol)
+        # Everything allocated so far lives for the whole run: collect and freeze it now, while no
+        # frame is due (a full collection can take tens of ms), then keep the collector out of the cycle.
+        gc.collect()
+        gc.freeze()
+        master.to_op()
+    except (MasterError, OSError, ValueError) as exc:
+        st.state, st.fatal, st.error = "error", str(exc), str(exc)
+        publish()
+        log.error("%s", exc)
+        master.close()
+        shm.close()
+        raise SystemExit(3) from None
+    st.identity = ident.as_dict()
+    st.state = "op"
+    publish()
+    try:
+        _run(cfg, master, driver, shm, ctl, events, st, publish, stopping)
+    finally:
+        with contextlib.suppress(Exception):
+            master.leave_op()
+        master.close()
+        st.state = "stopped"
+        publish()
+        shm.close()
+        if "parent gone" in stopping:  # nobody is left to remove the shared block
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shm_path)
+
+
+def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,
+         events: Connection, st: _CycleState, publish: Callable[[], None], stopping: list[str]) -> None:
+    cnt, h_wake, h_cpu, h_rtt = shm.counters, shm.hist["wake"], shm.hist["cpu"], shm.hist["rtt"]
+    h_cmd = shm.hist["command"]
+    submitted: list[int] = []  # submit times of the commands applied this cycle
+    wc = master.counters
+    period = cfg.period_ns
+    sleeper = AbsoluteSleeper()
+    mono, cpu_clock, loads, dumps = time.monotonic_ns, time.thread_time_ns, pickle.loads, pickle.dumps
+    cnt[C["period_ns"]] = period
+    slack_check = min(SLACK_STATE_CHECK_NS, period * 2 // 5)
+    snap_cost = SLACK_SNAPSHOT_NS  # decaying maximum of what a snapshot took
+    status: bytes | None = None
+    statuses_seen = -1
+    halting = False
+    check_due = cfg.state_check_every
+    snapshot_due = cfg.snapshot_every
+    recovery_seen = master.recovery_seq
+    rescan_after, rescan_backoff = 0, 0
+    gc.disable()
+    # releases on the CLOCK_MONOTONIC grid of the period (multiples of it; for a period dividing 1 s, on
+    # the full second): a phase other processes can know, e.g. a latency probe woken just before it
+    deadline = (mono() // period + 2) * period
+    cnt[C["started_ns"]] = deadline
+    cycle = 0
+    while True:
+        sleeper.sleep_until(deadline)
+        wake = mono()
+        cpu0 = cpu_clock()
+        lat = wake - deadline
+        h_wake[min(lat // 1000, HIST_US)] += 1
+        if lat > cnt[C["wake_ns_max"]]:
+            cnt[C["wake_ns_max"]] = lat
+        # ---- control messages, then the command: a demand that arrived before the tick goes out now ----
+        n = 0
+        while n < MAX_MSGS_PER_CYCLE and ctl.poll(0):
+            n += 1
+            try:
+                data = ctl.recv_bytes()
+                msg = loads(memoryview(data)[SUBMIT_STAMP.size :])
+            except (EOFError, OSError):
+                stopping.append("parent gone")
+                break
+            if isinstance(msg, _Stop):
+                stopping.append(msg.reason)
+            else:  # validated once, by the service, before it was submitted
+                msg.apply(driver)
+                cnt[C["commands_applied"]] += 1
+                submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
+        if stopping and not halting:
+            Halt(True).apply(driver)
+            halting = True
+            st.state = "stopping"
+            publish()
+        # the status of the last exchange answers the command before it (the palm loads it after the
+        # command arrived), so building the command here loses nothing and saves a period of latency
+        command = driver.cycle(status, wake)
+        # ---- the wire ----
+        # a reply that would end this cycle after the next tick is not worth waiting for: the next
+        # frame on time is what the palm needs (the late one is counted as lost, not as an overrun)
+        ex = master.exchange(command, deadline + period - POST_EXCHANGE_NS)
+        t_ex = mono()
+        status = ex.status
+        if submitted:  # how long the applied commands waited for their frame (the cycle's share of the latency)
+            for t_sub in submitted:
+                h_cmd[min((ex.sent_ns - t_sub) // 1000, HIST_US)] += 1
+            submitted.clear()
+        h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
+        cycle += 1
+        cnt[C["cycles"]] = cycle
+        cnt[C["frames"]] = wc.frames
+        cnt[C["lost"]] = wc.lost
+        cnt[C["late"]] = wc.late
+        cnt[C["dropped"]] = driver.c["dropped"]
+        cnt[C["decode_errors"]] = driver.c["decode_errors"]
+        cnt[C["wkc_errors"]] = wc.wkc_errors
+        cnt[C["rtt_ns_max"]] = wc.rtt_max_ns
+        if status is None:
+            cnt[C["no_status"]] += 1
+            run = cnt[C["consecutive_no_status"]] + 1
+            cnt[C["consecutive_no_status"]] = run
+            if run > cnt[C["max_consecutive_no_status"]]:
+                cnt[C["max_consecutive_no_status"]] = run
+            if run == cfg.error_after:
+                cnt[C["health_error"]] = 1
+                st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
+                publish()
+        elif cnt[C["consecutive_no_status"]]:
+            cnt[C["consecutive_no_status"]] = 0
+            if cnt[C["health_error"]]:
+                cnt[C["health_error"]] = 0
+                st.error = ""
+                publish()
+        if status is not None and driver.c["statuses"] != statuses_seen:
+            # every valid status goes to the MQTT side raw (a few µs); it decodes joints there, so the
+            # costly full driver snapshot can run at a fraction of the rate
+            statuses_seen = driver.c["statuses"]
+            shm.write_slot("raw", RAW_HEAD.pack(driver.cycle_no, wake, statuses_seen) + status)
+        if halting and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:  # that many zero commands exchanged
+            st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
+                              "demands_sent_last": [m.demand_sent for m in driver.motors],
+                              "reason": stopping[0]}
+            shm.write_slot("snapshot", dumps(driver.snapshot(joints=False), 5))
+            publish()
+            return
+        rx = driver.take_can_rx()
+        if rx:
+            _send_events(events, rx, cnt)
+        # ---- slack work, only with enough of the period left: it may wait a cycle, the next tick may not ----
+        slack_work = False
+        check_due -= 1
+        snapshot_due -= 1
+        recheck = (status is None or st.state_issue) and cycle % 10 == 0
+        if master.rescan_needed and not halting and mono() >= rescan_after:
+            # a full re-scan stops the cycle for as long as it takes: only ever while no valid data flow
+            slack_work = True
+            rescan_after = _rescan(master, st, publish, cnt, rescan_backoff)
+            rescan_backoff = 0 if not master.rescan_needed else min(5_000_000_000, max(rescan_backoff * 2,
+                                                                                       100_000_000))
+            deadline = mono() // period * period  # back on the grid: the stop is a re-scan, not an overrun
+            wake = deadline
+            cnt[C["rescans"]] = wc.rescans
+        elif (check_due <= 0 or recheck) and master.is_open and deadline + period - mono() > slack_check:
+            check_due = cfg.state_check_every
+            slack_work = True
+            cnt[C["state_checks"]] += 1
+            # never past the period: a slave that stopped answering must not stall the cycle for SOEM's
+            # 2 ms per datagram (the reads that do not fit count as no evidence, not as a problem)
+            issue = master.check_states(deadline + period - CHECK_RESERVE_NS)
+            cnt[C["recoveries"]] = wc.recoveries
+            cnt[C["left_op"]] = wc.left_op
+            cnt[C["escalations"]] = wc.escalations
+            cnt[C["in_op"]] = 0 if issue else 1
+            changed = issue != st.state_issue or master.recovery_seq != recovery_seen
+            if changed:
+                recovery_seen = master.recovery_seq
+                st.state_issue = issue
+                st.state = "recovering" if issue else ("stopping" if halting else "op")
+                st.recovery = _recovery_view(master)
+                publish()
+        left = deadline + period - mono()
+        # start a snapshot only in 2x what recent ones took (a slowly decaying maximum: one took 2x its
+        # usual on this VM); after another snapshot interval of refusals, anyway
+        fits = left > min(snap_cost * 2, period * 4 // 5)
+        if snapshot_due <= 0 and (fits or snapshot_due < -cfg.snapshot_every):
+            snapshot_due = cfg.snapshot_every
+            slack_work = True
+            t_snap = mono()
+            shm.write_slot("snapshot", dumps(driver.snapshot(joints=False), 5))
+            snap_cost = max(snap_cost * 31 // 32, mono() - t_snap, SLACK_SNAPSHOT_NS // 2)
+            cnt[C["snapshots"]] += 1
+        cpu = cpu_clock() - cpu0
+        h_cpu[min(cpu // 1000, HIST_US)] += 1
+        cnt[C["cpu_ns_sum"]] += cpu
+        if cpu > cnt[C["cpu_ns_max"]]:
+            cnt[C["cpu_ns_max"]] = cpu
+        now = mono()
+        cnt[C["heartbeat_ns"]] = now
+        release = deadline
+        deadline, skipped = next_deadline(deadline, wake, now, period)
+        if skipped:
+            # what the cycle was doing, µs after its release (a fixed-size record written in place)
+            shm.put_overrun(int(cnt[C["overruns"]]), release, lat // 1000, (ex.sent_ns - release) // 1000,
+                            (t_ex - release) // 1000, (now - release) // 1000, skipped, ex.lost, slack_work)
+            cnt[C["overruns"]] += 1
+            cnt[C["skipped_cycles"]] += skipped
+            if lat >= period:
+                cnt[C["overrun_late_wake"]] += 1
+            if ex.lost:
+                cnt[C["overrun_lost_frame"]] += 1
+            elif ex.rtt_ns > period // 2:
+                cnt[C["overrun_slow_exchange"]] += 1
+            if slack_work:
+                cnt[C["overrun_slack_work"]] += 1
+        elif now > deadline:
+            cnt[C["late_starts"]] += 1  # ran past the next release: it starts now, late (its latency is in "wake")
+        elif cycle % 1000 == 0 and deadline - mono() > period // 2:
+            gc.collect(0)  # young objects only, and only with half a period of slack left
+
+
+def _recovery_view(master: EthercatMaster) -> dict[str, Any]:
+    """What recovery did (for health details and the MQTT side's log): the last steps with their
+    CLOCK_MONOTONIC time, and the counters."""
+    wc = master.counters
+    return {"steps": [[t, text] for t, text in master.recovery_log], "seq": master.recovery_seq,
+            "escalations": wc.escalations, "escalation_failures": wc.escalation_failures, "rescans": wc.rescans,
+            "recoveries": wc.recoveries}
+
+
+def _rescan(master: EthercatMaster, st: _CycleState, publish: Callable[[], None], cnt: Any, backoff_ns: int) -> int:
+    """Run the re-scan the master asked for; returns the CLOCK_MONOTONIC time before which not to retry."""
+    st.state, st.state_issue = "rescanning", f"re-scanning the bus: {master.rescan_needed}"
+    st.recovery = _recovery_view(master)
+    publish()
+    try:
+        ident = master.rescan()
+    except (MasterError, OSError, ValueError) as exc:
+        master.rescan_needed = f"re-scan failed: {exc}"
+        st.state, st.state_issue = "recovering", master.rescan_needed
+        st.recovery = _recovery_view(master)
+        publish()
+        return time.monotonic_ns() + max(backoff_ns, 100_000_000)
+    st.identity = ident.as_dict()
+    st.state, st.state_issue = "op", ""
+    st.recovery = _recovery_view(master)
+    publish()
+    return 0
+
+
+def _send_events(events: Connection, rx: list[CanRxFrame], cnt: Any) -> None:
+    for i in range(0, len(rx), CAN_RX_CHUNK):
+        try:
+            events.send_bytes(pickle.dumps(rx[i : i + CAN_RX_CHUNK], 5))
+        except BlockingIOError:
+            cnt[C["events_dropped"]] += 1  # the MQTT side is not reading: frames are dropped, not queued
+            break
+
+
+def _child_entry(argv: list[str]) -> None:
+    """`python -m services.ethercat_loop.cycle CTL_FD EVENTS_FD SHM_PATH`, the config pickled on stdin."""
+    cfg: CycleConfig = pickle.loads(sys.stdin.buffer.read())
+    cycle_main(cfg, argv[2], Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False))
+
+
+if __name__ == "__main__":
+    # run the copy imported under its package name, so pickled classes resolve in both processes
+    from services.ethercat_loop.transport import cycle as _cycle
+
+    _cycle._child_entry(sys.argv[1:])

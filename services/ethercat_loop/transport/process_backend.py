@@ -1,0 +1,368 @@
+"""ProcessBackend: the MQTT process's side of the realtime cycle. It starts the cycle process
+(`python -m services.ethercat_loop.transport.cycle`), hands it control messages through a pipe, and
+reads its state, snapshots, counters and histograms from shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable, CanRxHandler, HandBackend
+from services.ethercat_loop.calibration import HandCalibration
+from services.ethercat_loop.control import CanRxFrame, CanTx, ControlMessage
+from services.ethercat_loop.loop_stats import LoopWindow, percentiles
+from services.ethercat_loop.models import EthercatLoopStats
+from services.ethercat_loop.protocol import DecodeError, unpack_status
+from services.ethercat_loop.settings import EthercatSettings
+from services.ethercat_loop.snapshot import PalmSnapshot, status_fields
+from services.ethercat_loop.transport.cycle import CAN_RX_CHUNK, SUBMIT_STAMP, CycleConfig, _CycleState, _Stop
+from services.ethercat_loop.transport.master import MasterConfig
+from services.ethercat_loop.transport.realtime import RtSettings
+from services.ethercat_loop.transport.shm import RAW_HEAD, SharedBlock
+
+log = logging.getLogger("robobus.ethercat")
+PIPE_ATOMIC = 4096
+OVERRUNS_SHOWN = 8  # overrun records in loop_stats (all kept ones: their release times)
+SWITCH_INTERVAL_S = 0.0005
+REPO = Path(__file__).resolve().parents[3]
+# at start: (interface, network namespace or None, teardown run after the cycle process is gone)
+NicProvider = Callable[[], tuple[str, str | None, Callable[[], None]]]
+
+
+class ProcessBackend(HandBackend):
+    """HandBackend whose cycle runs in its own realtime process against pysoem (virtual hand or NIC)."""
+
+    def __init__(self, settings: EthercatSettings, calibration: HandCalibration | None = None,
+                 start_timeout_s: float = 30.0, nic: NicProvider | None = None) -> None:
+        self.settings = settings
+        self.nic = nic  # brings up the NIC at start (e.g. a simulated hand on a veth pair); None: settings name it
+        s = self.settings
+        self.start_timeout_s = start_timeout_s
+        self.period_ns = s.ethercat_period_us * 1000
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._shm: SharedBlock | None = None
+        self._ctl_w: Connection | None = None
+        self._events_r: Connection | None = None
+        self._lock = threading.Lock()
+        self._snap_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._state_seq = 0
+        self._state = _CycleState()
+        self._snap: PalmSnapshot | None = None
+        self._snap_seq = 0
+        self._merged: PalmSnapshot | None = None
+        self._raw_seq: tuple[int, int] = (0, 0)
+        self._cal = calibration or HandCalibration.load(settings.ethercat_calibration)
+        self._rx_handler: CanRxHandler | None = None
+        self._threads: list[threading.Thread] = []
+        self._running = False
+        self._stopped = False
+        self._window = LoopWindow(self.period_ns)
+        self.cleanups: list[Callable[[], None]] = []  # run after the cycle process is gone (e.g. a simulated NIC)
+        self.dropped_submits = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def _master_config(self) -> MasterConfig:
+        s = self.settings
+        iface, netns = s.ethercat_ifname, s.ethercat_netns or None
+        if self.nic is not None:
+            iface, netns, teardown = self.nic()
+            self.cleanups.append(teardown)
+        if not iface:
+            raise BackendUnavailable(f"backend {s.backend!r} needs ROBOBUS_ETHERCAT_IFNAME (the EtherCAT NIC)")
+        return MasterConfig(iface, netns, None, s.ethercat_recv_timeout_us, s.ethercat_late_us, s.ethercat_program_sms)
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        try:
+            self._start()
+        except BaseException:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait(5)
+            self._teardown()
+            raise
+
+    def _start(self) -> None:
+        # In this (MQTT) process a demand hops paho's thread -> a handler -> submit(); each hop waits for
+        # the GIL, up to the switch interval (5 ms by default) while the state publisher decodes joints.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        s = self.settings
+        period_ms = self.period_ns / 1e6
+        cfg = CycleConfig(
+            s, self._cal, self._master_config(), RtSettings(s.ethercat_rt_priority, tuple(s.ethercat_cpus),
+                                                 s.ethercat_lock_memory),
+            self.period_ns, max(1, round(1000 / period_ms / s.ethercat_snapshot_hz)),
+            max(1, round(s.ethercat_state_check_ms / period_ms)), s.ethercat_error_after_lost)
+        self._shm = SharedBlock.create()
+        # A fresh interpreter (not fork: no paho threads or held locks inherited; not multiprocessing
+        # spawn: no re-import of the caller's __main__): `python -m services.ethercat_loop.transport.cycle`.
+        ctl_r, ctl_w = os.pipe()
+        ev_r, ev_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "services.ethercat_loop.transport.cycle", str(ctl_r), str(ev_w), self._shm.path],
+                stdin=subprocess.PIPE, pass_fds=(ctl_r, ev_w), cwd=REPO,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                               os.environ.get("PYTHONPATH")]))})
+        finally:
+            os.close(ctl_r)
+            os.close(ev_w)
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(pickle.dumps(cfg, 5))
+        self._proc.stdin.close()
+        self._ctl_w, self._events_r = Connection(ctl_w, readable=False), Connection(ev_r, writable=False)
+        os.set_blocking(ctl_w, False)
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            self._poll_state()
+            if self._state.state == "op":
+                break
+            if self._state.fatal or self._proc.poll() is not None:
+                if self._proc.poll() is None:
+                    self._proc.wait(5)
+                raise BackendUnavailable(self._state.fatal
+                                         or f"cycle process exited ({self._proc.returncode}) before OP")
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(f"cycle process did not reach OP within {self.start_timeout_s}s")
+            time.sleep(0.02)
+        self._running = True
+        for target, name in ((self._monitor, "ethercat-monitor"), (self._pump_events, "ethercat-events")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        ident = self._state.identity
+        log.info("EtherCAT cycle process %d: palm %s protocol %s serial %s, %s; %s", self._proc.pid,
+                 ident.get("palm_name"), ident.get("protocol"), ident.get("serial"), self._state.policy,
+                 "; ".join(self._state.warnings) or "realtime settings applied")
+
+    def stop(self) -> None:
+        if self._stopped or self._proc is None:
+            return
+        self._stopped = True
+        self._send(_Stop("stop"), force=True)
+        try:
+            self._proc.wait(max(3.0, 3 * STOP_ZERO_CYCLES * self.period_ns / 1e9))
+        except subprocess.TimeoutExpired:
+            log.error("cycle process did not stop in time: killing it")
+            self._proc.kill()
+            self._proc.wait(5)
+        self._poll_state()
+        self._running = False
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for t in self._threads:
+            t.join(1.0)
+        for conn in (self._ctl_w, self._events_r):
+            if conn is not None:
+                conn.close()
+        self._ctl_w = self._events_r = None
+        if self._shm is not None:
+            with self._snap_lock:
+                self._read_snapshot()
+                self._shm.close()
+            self._shm = None
+        while self.cleanups:
+            self.cleanups.pop()()
+
+    def stop_report(self) -> dict[str, Any]:
+        return dict(self._state.stop_report)
+
+    # ---- messages -------------------------------------------------------------------------
+    def submit(self, msg: ControlMessage) -> None:
+        if isinstance(msg, CanTx) and len(msg.frames) > CAN_RX_CHUNK:
+            for i in range(0, len(msg.frames), CAN_RX_CHUNK):
+                self._send(CanTx(msg.frames[i : i + CAN_RX_CHUNK]))
+            return
+        self._send(msg)
+
+    def _send(self, msg: object, force: bool = False) -> None:
+        data = SUBMIT_STAMP.pack(time.monotonic_ns()) + pickle.dumps(msg, 5)
+        with self._lock:
+            conn = self._ctl_w
+            if conn is None:
+                return
+            try:
+                if force or len(data) > PIPE_ATOMIC - 8:
+                    os.set_blocking(conn.fileno(), True)  # rare: must arrive whole
+                    try:
+                        conn.send_bytes(data)
+                    finally:
+                        os.set_blocking(conn.fileno(), False)
+                else:
+                    conn.send_bytes(data)
+            except BlockingIOError:
+                self.dropped_submits += 1  # the cycle is not draining: never block the MQTT side on it
+                log.warning("control pipe full: dropped %s", type(msg).__name__)
+            except (BrokenPipeError, OSError):
+                self.dropped_submits += 1
+
+    # ---- views ----------------------------------------------------------------------------
+    def _poll_state(self) -> None:
+        with self._state_lock:  # the monitor thread and info() callers: log each change once
+            self._poll_state_locked()
+
+    def _poll_state_locked(self) -> None:
+        shm = self._shm
+        got = shm.read_slot("status") if shm is not None and shm.seq("status") != self._state_seq else None
+        if got is not None and got[0] != self._state_seq:
+            self._state_seq = got[0]
+            new: _CycleState = pickle.loads(got[1])
+            old = self._state
+            if new.state_issue != old.state_issue:
+                if new.state_issue:
+                    log.warning("EtherCAT: %s", new.state_issue)
+                else:
+                    log.info("EtherCAT: every slave in OP, process data valid")
+            seen = int(old.recovery.get("seq", 0)) if old.recovery else 0
+            steps = new.recovery.get("steps", []) if new.recovery else []
+            fresh = int(new.recovery.get("seq", 0)) - seen if new.recovery else 0
+            for _t, text in steps[-fresh:] if fresh > 0 else []:  # every recovery step, once
+                log.warning("EtherCAT recovery: %s", text)
+            if new.error != old.error and new.error:
+                log.error("EtherCAT: %s", new.error)
+            self._state = new
+
+    def _read_snapshot(self) -> PalmSnapshot | None:
+        shm = self._shm
+        if shm is None:
+            return self._merged or self._snap
+        # peek at the sequences first: most calls find nothing new and copy nothing
+        got = shm.read_slot("snapshot") if shm.seq("snapshot") != self._snap_seq else None
+        if got is not None and got[0] != self._snap_seq:
+            self._snap_seq = got[0]
+            self._snap = pickle.loads(got[1])
+            self._merged = None
+        raw = shm.read_slot("raw") if (shm.seq("raw"), self._snap_seq) != self._raw_seq else None
+        if self._snap is not None and raw is not None and (raw[0], self._snap_seq) != self._raw_seq:
+            self._raw_seq = (raw[0], self._snap_seq)
+            self._merged = self._merge(self._snap, raw[1])
+        return self._merged or self._snap
+
+    def _merge(self, base: PalmSnapshot, raw: bytes) -> PalmSnapshot | None:
+        """The last full snapshot refreshed with the newest status (decoded here, off the realtime process,
+        by the same `status_fields` the driver's own snapshot uses). Every accepted status is written raw,
+        so the raw slot always holds the driver's latest status."""
+        cycle, now_ns, statuses = RAW_HEAD.unpack_from(raw)
+        st = unpack_status(raw[RAW_HEAD.size :], base.protocol)
+        if isinstance(st, DecodeError) or st.dropped:
+            return None
+        if cycle < base.cycle:
+            cycle, now_ns, statuses = base.cycle, base.now_ns, base.status_count
+        return dataclasses.replace(base, cycle=cycle, now_ns=now_ns, status_count=statuses,
+                                   **status_fields(st, self._cal, base.joints))
+
+    def snapshot(self) -> PalmSnapshot | None:
+        with self._snap_lock:  # not the submit lock: decoding must never delay a demand
+            return self._read_snapshot()
+
+    def _monitor(self) -> None:
+        while self._running:
+            self._poll_state()
+            if self._proc is not None and self._proc.poll() is not None and not self._stopped:
+                self._state.state, self._state.error = "error", f"cycle process died ({self._proc.returncode})"
+                log.error("EtherCAT: %s", self._state.error)
+                self._running = False
+                return
+            time.sleep(0.05)
+
+    def stats(self) -> EthercatLoopStats:
+        """The last full 1 s window plus totals since start and the cycle's realtime policy."""
+        shm = self._shm
+        if shm is None:
+            return self._window.last
+        c = shm.counters_dict()
+        win = self._window.roll(time.monotonic_ns(), c, shm.hist["wake"])
+        cycles = max(1, c["cycles"])
+        totals = {
+            **{k: c[k] for k in ("cycles", "overruns", "skipped_cycles", "frames", "lost", "late", "wkc_errors",
+                                 "no_status", "dropped", "recoveries", "left_op", "escalations", "rescans",
+                                 "max_consecutive_no_status",
+                                 "commands_applied", "state_checks", "events_dropped",
+                                 "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
+                                 "overrun_slack_work", "late_starts")},
+            "wake_us": percentiles(shm.hist["wake"]), "cpu_us": percentiles(shm.hist["cpu"]),
+            "wake_over_period": int(shm.hist["wake"][self.period_ns // 1000 :].sum()),
+            "rtt_us": percentiles(shm.hist["rtt"]), "command_us": percentiles(shm.hist["command"]),
+            **self._overrun_view(),
+            "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
+            "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,
+            "dropped_submits": self.dropped_submits,
+        }
+        return win.model_copy(update={"totals": totals, "realtime": {"policy": self._state.policy,
+                                                                     "warnings": list(self._state.warnings)}})
+
+    def _overrun_view(self) -> dict[str, Any]:
+        """The kept overrun records (cycle_shm.OVERRUN_FIELDS: release in CLOCK_MONOTONIC ns, then µs after
+        it the wake-up, frame sent, exchange done and end; periods skipped; lost frame; slack work)."""
+        recent = self._shm.overruns() if self._shm is not None else []
+        return {"recent_overruns": recent[-OVERRUNS_SHOWN:], "overrun_releases_ns": [o["release_ns"] for o in recent]}
+
+    def histograms(self) -> dict[str, Any]:
+        """Raw 1 µs histograms (wake, cpu, rtt) for the benchmark."""
+        shm = self._shm
+        return {k: v.copy() for k, v in shm.hist.items()} if shm is not None else {}
+
+    def info(self) -> dict[str, Any]:
+        self._poll_state()
+        st = self._state
+        ident = st.identity
+        return {"vendor": ident.get("vendor"), "product": ident.get("product"), "revision": ident.get("revision"),
+                "serial": ident.get("serial"), "protocol": ident.get("protocol", self.settings.ethercat_protocol),
+                "backend": self.settings.backend, "connected": self.connected(), "state": self._link_state(),
+                "error": st.error or st.fatal, "no_data": self._no_data(), "issue": st.state_issue,
+                "recovery": dict(st.recovery) if st.recovery else None, "warnings": list(st.warnings),
+                "mapping": ident.get("mapping"), "slaves": ident.get("slaves"), "realtime_policy": st.policy}
+
+    def _link_state(self) -> str:
+        """The cycle's state, with `no_data` for a cycle in OP that exchanges no valid process data (before
+        the recovery has named an issue)."""
+        st = self._state.state
+        if not self._running and st in ("op", "recovering", "rescanning"):
+            return "error"  # the cycle process is gone
+        return "no_data" if st == "op" and self._no_data() else st
+
+    def _no_data(self) -> bool:
+        """No valid status for `error_after_lost` cycles in a row (the cycle sets the flag in place)."""
+        shm = self._shm
+        return shm is not None and bool(shm.get("health_error"))
+
+    def on_can_rx(self, handler: CanRxHandler) -> None:
+        self._rx_handler = handler
+
+    def connected(self) -> bool:
+        """Valid process data are being exchanged: the cycle is in OP (by its own account, kept current by
+        the monitor thread every 50 ms) and the last `error_after_lost` cycles were not all without a valid
+        status. One counter read from shared memory; no unpickling on a command's path."""
+        st = self._state
+        return self._running and st.state in ("op", "stopping") and not self._no_data()
+
+    def _pump_events(self) -> None:
+        conn = self._events_r
+        while self._running and conn is not None:
+            try:
+                if not conn.poll(0.2):
+                    continue
+                frames: list[CanRxFrame] = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if self._rx_handler is not None:
+                try:
+                    self._rx_handler(frames)
+                except Exception:
+                    log.exception("CAN rx handler failed")
+
+

@@ -1,0 +1,109 @@
+"""Fuzz targets: every binary decoder that reads bytes from a device, each with the errors it is allowed to
+raise (its own documented rejection). Anything else escaping a decoder is a bug: garbage from a device must be
+rejected, counted and logged, never crash a service.
+
+Each target takes raw fuzzer bytes. `python -m tests.fuzz TARGET [atheris/libFuzzer flags]` runs one under
+atheris (coverage-guided); tests/fuzz/test_fuzz.py runs each briefly; hypothesis tests of the codecs live
+beside each service's tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    run: Callable[[bytes], object]
+    allowed: Callable[[], tuple[type[BaseException], ...]] = tuple  # imported late: atheris instruments first
+    modules: tuple[str, ...] = ()  # what the target exercises (imported before atheris instruments)
+    seeds: Callable[[], list[bytes]] = list  # well-formed inputs to start from (sizes the fuzzer would not guess)
+
+
+def _palm_seeds() -> list[bytes]:
+    from services.ethercat_loop.protocol import PROTOCOLS
+
+    return [b"\x00" + bytes(PROTOCOLS["0220"].status_size), b"\x01" + bytes(PROTOCOLS["0230"].status_size)]
+
+
+def _palm_command_seeds() -> list[bytes]:
+    from services.ethercat_loop.protocol import PROTOCOLS
+
+    return [bytes(PROTOCOLS["0220"].command_size)]
+
+
+def _palm_status(data: bytes) -> object:
+    from services.ethercat_loop import protocol as p
+
+    proto = "0230" if data[:1] == b"\x01" else "0220"
+    return p.unpack_status(data[1:], proto)  # a DecodeError value, never an exception
+
+
+def _palm_command(data: bytes) -> object:
+    from services.ethercat_loop import protocol as p
+
+    return p.unpack_command(data, "0220")
+
+
+def _ethercat_frame(data: bytes) -> object:
+    from services.ethercat_loop.sim import esc_frames as f
+
+    frame = f.parse_frame(data)
+    return f.parse_datagrams(frame.payload) if hasattr(frame, "payload") else frame
+
+
+def _ethercat_frame_allowed() -> tuple[type[BaseException], ...]:
+    from services.ethercat_loop.sim.esc_frames import FrameError
+
+    return (FrameError,)
+
+
+def _boot_reply(data: bytes) -> object:
+    from services.can_bootloader import protocol as p
+
+    if len(data) < 2:
+        return None
+    frame = p.BootFrame(int.from_bytes(data[:2], "little") & 0x7FF, data[2:10])
+    msg = p.decode(frame)
+    if msg is not None:
+        p.parse_address(msg.data) if len(msg.data) >= 3 else None
+        p.is_ack(p.read_flash(msg.local_id & 0xF, 0x1000), frame)
+    return msg
+
+
+def _epuck_stream(data: bytes) -> object:
+    from services.epuck_gateway.protocol import EpuckStreamParser
+
+    parser = EpuckStreamParser()
+    events = []
+    # the first byte chooses the segmentation: the same bytes, cut into reads of 1..256 bytes
+    step = (data[0] if data else 1) or 1
+    for i in range(1, len(data), step):
+        events += parser.feed(data[i:i + step])
+    return events
+
+
+def _epuck_command(data: bytes) -> object:
+    from services.epuck_gateway.protocol import EpuckCommand
+
+    return EpuckCommand.decode(data)
+
+
+def _epuck_allowed() -> tuple[type[BaseException], ...]:
+    from services.epuck_gateway.protocol import ProtocolError
+
+    return (ProtocolError,)
+
+
+def targets() -> dict[str, Target]:
+    out = [
+        Target("palm_status", _palm_status, tuple, ("services.ethercat_loop.protocol",), _palm_seeds),
+        Target("palm_command", _palm_command, tuple, ("services.ethercat_loop.protocol",), _palm_command_seeds),
+        Target("ethercat_frame", _ethercat_frame, _ethercat_frame_allowed, ("services.ethercat_loop.sim.esc_frames",)),
+        Target("bootloader_reply", _boot_reply, tuple, ("services.can_bootloader.protocol",)),
+        Target("epuck_stream", _epuck_stream, tuple, ("services.epuck_gateway.protocol",)),
+        Target("epuck_command", _epuck_command, _epuck_allowed, ("services.epuck_gateway.protocol",),
+               lambda: [b"\x80" + bytes(20)]),
+    ]
+    return {t.name: t for t in out}
