@@ -146,14 +146,6 @@ def test_retain_and_qos_per_channel_are_what_the_document_says(stack: Stack, doc
         live_msgs = [s for s in live.seen if "/_client/" not in s.topic and not s.topic.endswith("/reply")]
     finally:
         live.close()
-    fresh = stack.tap("contract-fresh")
-    try:
-        fresh.subscribe("robobus/#")
-        time.sleep(1.0)  # retained messages come right after the SUBACK; live ones are not looked at
-        retained = {s.topic: s for s in fresh.seen if s.retain}
-    finally:
-        fresh.close()
-
     channels: dict[str, set[str]] = {}
     for s in live_msgs:
         if not s.payload:
@@ -167,6 +159,19 @@ def test_retain_and_qos_per_channel_are_what_the_document_says(stack: Stack, doc
     # every kind of channel was seen: the kit's, state, binary state, events of a job
     assert {"status", "health", "nodeStats", f"{EPUCK_NODE}_state_sensors", f"{EPUCK_NODE}_state_image",
             f"{CAN_NODE}_event_job_progress", f"{CAN_NODE}_event_job_result"} <= set(channels)
+    should_be_retained = {t for cid, topics in channels.items() if doc["channels"][cid]["x-robobus"]["retain"]
+                          for t in topics}
+
+    # a new subscriber gets the retained ones (the broker sends them after the SUBACK, among live traffic
+    # that a loaded machine may make slow to read: wait for them rather than for a fixed time)
+    fresh = stack.tap("contract-fresh")
+    try:
+        fresh.subscribe("robobus/#")
+        wait_for(lambda: should_be_retained <= {s.topic for s in list(fresh.seen) if s.retain}, 30)
+        retained = {s.topic: s for s in list(fresh.seen) if s.retain}
+    finally:
+        fresh.close()
+
     for cid, topics in channels.items():
         is_retained = doc["channels"][cid]["x-robobus"]["retain"]
         for topic in topics:
