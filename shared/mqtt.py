@@ -61,6 +61,7 @@ class MqttSession:
         self.connected = threading.Event()
         self.ready = threading.Event()  # connected AND the broker acknowledged every subscription
         self._pending_subacks: set[int] = set()
+        self._hooks_due = False  # connect hooks wait for the SUBACKs of the subscriptions restored on connect
         self.reconnects = 0
         self.last_error = ""  # why the last connection attempt failed (refused, auth, TLS, ...)
         self.dropped = 0
@@ -126,7 +127,8 @@ class MqttSession:
             self.client.loop_stop()
 
     def on_connect(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on every (re)connect, after subscriptions are restored (e.g. publish a birth)."""
+        """Run `fn` on every (re)connect, once the broker has acknowledged the subscriptions restored on
+        connect (e.g. publish a birth: whoever sees it can be answered)."""
         self._connect_hooks.append(fn)
 
     def on_disconnect(self, fn: Callable[[], None]) -> None:
@@ -194,11 +196,17 @@ class MqttSession:
                 sub_rc, mid = client.subscribe(topic, qos=qos)
                 if sub_rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
                     self._pending_subacks.add(mid)
-            if not self._pending_subacks:
+            hooks_now = not self._pending_subacks
+            self._hooks_due = not hooks_now
+            if hooks_now:
                 self.ready.set()
         self.connected.set()
         log.info("connected", extra={"broker": f"{self.broker.host}:{self.broker.port}",
                                      "client_id": self.client_id})
+        if hooks_now:
+            self._run_connect_hooks()
+
+    def _run_connect_hooks(self) -> None:
         for hook in self._connect_hooks:
             try:
                 hook()
@@ -229,8 +237,14 @@ class MqttSession:
                       properties: Properties | None = None) -> None:
         with self._lock:
             self._pending_subacks.discard(mid)
+            run_hooks = False
             if not self._pending_subacks and self.connected.is_set():
                 self.ready.set()
+                run_hooks, self._hooks_due = self._hooks_due, False
+        if run_hooks:
+            # the birth (status, health) goes out once the broker has every subscription: a client that sees a
+            # node online can command it at once
+            self._run_connect_hooks()
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
         with self._lock:

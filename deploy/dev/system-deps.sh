@@ -8,6 +8,9 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v cyclictest >/dev/null 2>&1 || need+=(rt-tests)
 command -v node >/dev/null 2>&1 || need+=(nodejs)
 command -v npm >/dev/null 2>&1 || need+=(npm)
+# epuck-gateway's firmware update drives gdb-multiarch; its tests build a Cortex-M4 ELF with binutils.
+command -v gdb-multiarch >/dev/null 2>&1 || need+=(gdb-multiarch)
+command -v arm-none-eabi-as >/dev/null 2>&1 || need+=(binutils-arm-none-eabi)
 [ ${#need[@]} -eq 0 ] && exit 0
 echo "robobus: installing Debian packages: ${need[*]}"
 SUDO=""

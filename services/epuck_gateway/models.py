@@ -89,11 +89,11 @@ class EpuckImageInfo(BaseModel):
 
 
 class EpuckLinkStats(BaseModel):
-    """The TCP link to one robot, once a second."""
+    """The link to one robot (WiFi TCP or asercom serial), once a second."""
 
     connected: bool
-    host: str
-    port: int
+    transport: Literal["wifi", "serial"]
+    address: str = Field(description="host:port on WiFi, device@baud on serial")
     packets_per_s: float
     images_per_s: float
     sensors_per_s: float
@@ -106,7 +106,11 @@ class EpuckLinkStats(BaseModel):
     frames_dropped: int = Field(description="Images replaced by a newer one before they could be encoded")
     sensors_received: int
     sensors_published: int
-    commands_sent: int
+    commands_sent: int = Field(description="Commands written to the robot (at most one per robot cycle)")
+    commands_requested: int = Field(description="State changes asked for by commands; several coalesce into one write")
+    reply_timeouts: int = Field(0, description="Serial: polls the robot did not answer in time")
+    garbage_bytes: int = Field(0, description="Serial: bytes that were no reply to a poll (banner, late replies)")
+    silences: int = Field(description="Times the robot sent nothing for longer than its requested streams allow")
     image_stream: bool
     sensors_stream: bool
     ts: float
@@ -215,3 +219,36 @@ class EpuckSnapshot(BaseModel):
     height: int
     seq: int
     ts: float
+
+
+# -- firmware update ----------------------------------------------------------------------------------
+class EpuckFlashRequest(BaseModel):
+    """Load a firmware into the robot's STM32F407 through its onboard programmer's GDB server."""
+
+    model_config = ConfigDict(extra="forbid")
+    elf_base64: str = Field(min_length=4, description="The firmware ELF file, base64 (robobus epuck flash sends it)")
+    programmer: str | None = Field(None, description="The GDB server's serial port (or host:port); default: the "
+                                                     "robot's configured `programmer`")
+    verify: bool = Field(True, description="compare-sections after the load")
+
+
+class EpuckFlashResult(BaseModel):
+    programmer: str
+    bytes_loaded: int
+    sections: list[str]
+    verified: bool
+    duration_s: float
+
+
+# -- asercom ASCII mode (serial robots) ---------------------------------------------------------------
+class EpuckAsciiRequest(BaseModel):
+    """One line of asercom's ASCII mode, as a person types it (`D,200,200`, `N`, `H`); serial robots only."""
+
+    model_config = _REQ
+    line: str = Field(pattern=r"^[A-Za-z](,-?[0-9]{1,6})*$", max_length=64,
+                      description="A letter and comma-separated integers, without the CR")
+    timeout_s: float = Field(1.0, gt=0, le=10)
+
+
+class EpuckAsciiReply(BaseModel):
+    reply: str = Field(description="The robot's answer, lines joined by LF (e.g. `n,12,0,3,...`)")

@@ -255,7 +255,9 @@ def rgb888_to_rgb565(r: int, g: int, b: int) -> int:
 # =============================================================================================
 @dataclass(frozen=True)
 class ImagePacket:
-    data: bytes  # 38400 bytes RGB565, big-endian words
+    data: bytes  # RGB565, big-endian words: 38400 bytes over WiFi
+    width: int = IMAGE_WIDTH  # asercom over serial: its camera's size (40x40 by default)
+    height: int = IMAGE_HEIGHT
 
 
 @dataclass(frozen=True)

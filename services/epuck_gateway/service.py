@@ -12,18 +12,26 @@ import base64
 import contextlib
 import logging
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
+from services.epuck_gateway.asercom import ascii_command
+from services.epuck_gateway.firmware import BadFirmware, FirmwareError, ProgrammerNotFound, flash_firmware, parse_elf
 from services.epuck_gateway.image import to_jpeg, to_png
 from services.epuck_gateway.models import (
     EpuckActuators,
+    EpuckAsciiReply,
+    EpuckAsciiRequest,
     EpuckColor,
     EpuckEmpty,
     EpuckFault,
+    EpuckFlashRequest,
+    EpuckFlashResult,
     EpuckImageInfo,
     EpuckLeds,
     EpuckLinkStats,
@@ -44,8 +52,6 @@ from services.epuck_gateway.models import (
 )
 from services.epuck_gateway.pacing import RateGate
 from services.epuck_gateway.protocol import (
-    IMAGE_HEIGHT,
-    IMAGE_WIDTH,
     LED_BITS,
     MIC_NAMES,
     REQ_IMAGE,
@@ -65,8 +71,9 @@ from services.epuck_gateway.protocol import (
     finite,
     gyro_to_dps,
 )
+from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
 from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig
-from shared import CommandError, ErrorCode, KitSettings, Node, ServiceAPI
+from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI
 from shared.contract import NAME_RE
 from shared.node import NODE_DEVICE
 
@@ -97,20 +104,60 @@ CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators, errors=_L
 OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators, errors=_LINK,
                        doc="Enable or disable the on-board obstacle avoidance")
 STREAM = API.command("stream", EpuckStream, EpuckActuators, errors=_LINK, doc="Image and sensors streams on/off")
+ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply, errors=[*_LINK, ErrorCode.TIMEOUT],
+                    doc="asercom ASCII mode, one typed line (`D,200,200`, `N`); robots on a serial port only")
+FLASH = API.job("flash", EpuckFlashRequest, EpuckFlashResult,
+                errors=[*_LINK, ErrorCode.BUSY, ErrorCode.DEVICE_ERROR],
+                doc="Firmware update of the robot's main MCU through its onboard programmer (gdb-multiarch on the "
+                    "gateway's host); the robot's link is paused and restored around it")
 SNAPSHOT = API.command("snapshot", EpuckSnapshotRequest, EpuckSnapshot, errors=[*_LINK, ErrorCode.TIMEOUT],
                        doc="One fresh camera frame as PNG, base64 in the reply (png_base64)")
 
 
-class EpuckRobotConfig(BaseModel):
+class EpuckWifiRobot(BaseModel):
+    """A robot on WiFi (selector 15): the radio module's TCP server."""
+
     id: str = Field(pattern=NAME_RE.pattern, description="Device name on the bus")
+    transport: Literal["wifi"] = "wifi"
     host: str
     port: int = Field(1000, ge=1, le=65535)
+    programmer: str | None = Field(None, description="Its programmer's GDB server port on this host, for `flash`")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class EpuckSerialRobot(BaseModel):
+    """A robot on Bluetooth SPP (/dev/rfcommN, selector 3) or USB (/dev/ttyACMn, selector 8): asercom v2."""
+
+    id: str = Field(pattern=NAME_RE.pattern, description="Device name on the bus")
+    transport: Literal["serial"]
+    port: str = Field(min_length=1, description="Serial device, e.g. /dev/ttyACM0 or /dev/serial/by-id/...")
+    baud: int = Field(115200, ge=1200, le=4_000_000)
+    poll_hz: float = Field(50.0, gt=0, le=1000, description="asercom is request/response: sensor polls per second")
+    image_fps: float = Field(2.0, ge=0, le=30, description="Camera polls per second while the image stream is on")
+    programmer: str | None = Field(None, description="Its programmer's GDB server port on this host, for `flash`")
+
+    @property
+    def address(self) -> str:
+        return f"{self.port}@{self.baud}"
+
+
+def _transport_of(v: Any) -> str:
+    return str(v.get("transport", "wifi") if isinstance(v, dict) else getattr(v, "transport", "wifi"))
+
+
+EpuckRobotConfig = Annotated[Annotated[EpuckWifiRobot, Tag("wifi")] | Annotated[EpuckSerialRobot, Tag("serial")],
+                             Discriminator(_transport_of)]
 
 
 class EpuckSettings(KitSettings):
     """ROBOBUS_EPUCK_ROBOTS='[{"id":"epuck1","host":"192.168.1.20"}]' and the knobs below (ROBOBUS_<FIELD>)."""
 
-    epuck_robots: list[EpuckRobotConfig] = Field(min_length=1, description="The robots: id, host, port (default 1000)")
+    epuck_robots: list[EpuckRobotConfig] = Field(
+        min_length=1, description='The robots: {"id", "host", "port": 1000} on WiFi, or {"id", "transport": '
+                                  '"serial", "port": "/dev/ttyACM0", "baud": 115200} on Bluetooth/USB')
     epuck_sensors_hz: float = Field(50.0, ge=0, le=1000, description="Sensors rate cap per robot; 0 = every packet")
     epuck_image_fps: float = Field(10.0, ge=0, le=100, description="JPEG rate cap per robot; 0 = every frame")
     epuck_jpeg_quality: int = Field(80, ge=1, le=95)
@@ -120,7 +167,15 @@ class EpuckSettings(KitSettings):
     epuck_connect_timeout_s: float = Field(3.0, gt=0, le=60)
     epuck_reconnect_min_s: float = Field(0.2, gt=0, le=60)
     epuck_reconnect_max_s: float = Field(2.0, gt=0, le=600)
-    epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60, description="Silence that counts as a lost robot")
+    epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60,
+                                         description="Silence beyond the expected gap between packets (the image "
+                                                     "interval while images are requested) that makes a robot silent")
+    epuck_image_gap_max_s: float = Field(6.0, gt=0, le=120,
+                                         description="Longest image interval a healthy WiFi link may show (measured "
+                                                     "max 5.9 s)")
+    epuck_tcp_user_timeout_s: float = Field(10.0, gt=0, le=600,
+                                            description="Drop a connection whose robot stopped acknowledging for this "
+                                                        "long (TCP_USER_TIMEOUT), then reconnect")
     epuck_encode_workers: int = Field(2, ge=1, le=32, description="Threads encoding JPEG/PNG")
 
     @field_validator("epuck_robots")
@@ -131,7 +186,7 @@ class EpuckSettings(KitSettings):
             raise ValueError(f"{NODE_DEVICE!r} is reserved for the node's own state")
         if len(set(ids)) != len(ids):
             raise ValueError(f"robot ids must be unique, got {ids}")
-        addrs = [f"{r.host}:{r.port}" for r in v]
+        addrs = [r.address.split("@")[0] for r in v]
         if len(set(addrs)) != len(addrs):  # a robot serves one client: two links would fight over it
             raise ValueError(f"each robot address may appear once, got {addrs}")
         return v
@@ -140,7 +195,8 @@ class EpuckSettings(KitSettings):
 class EpuckRobot:
     """One robot's device on the bus, wired to its link."""
 
-    def __init__(self, node: Node, cfg: EpuckRobotConfig, settings: EpuckSettings, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, node: Node, cfg: EpuckWifiRobot | EpuckSerialRobot, settings: EpuckSettings,
+                 pool: ThreadPoolExecutor) -> None:
         self.cfg = cfg
         self.settings = settings
         self.dev = node.device(cfg.id)
@@ -151,11 +207,8 @@ class EpuckRobot:
         self.want_sensors = settings.epuck_stream_sensors
         self._snapshot_holds = 0
         self._apply_stream()
-        self.link = EpuckLink(cfg.id, EpuckLinkConfig(
-            host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
-            reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
-            stale_timeout_s=settings.epuck_stale_timeout_s), self.controller, self._on_packets, self._on_link_state,
-            self._on_framing_error)
+        self.link: EpuckLink | EpuckSerialLink = self._make_link()
+        self._flashing = False
         self.sensors_gate = RateGate(settings.epuck_sensors_hz)
         self.image_gate = RateGate(settings.epuck_image_fps)
         self.unwrap_l, self.unwrap_r = StepUnwrapper(), StepUnwrapper()
@@ -166,21 +219,37 @@ class EpuckRobot:
         self.image_seq = 0
         self.images_published = 0
         self.frames_dropped = 0
-        self._frame: tuple[bytes, float, int] | None = None  # newest frame not yet encoded
+        self._frame: tuple[ImagePacket, float, int] | None = None  # newest frame not yet encoded
         self._encoding = False
         self._image_timer: asyncio.TimerHandle | None = None
-        self._snapshot_waiters: list[asyncio.Future[tuple[bytes, float, int]]] = []
+        self._snapshot_waiters: list[asyncio.Future[tuple[ImagePacket, float, int]]] = []
         self._motion_timer: asyncio.TimerHandle | None = None
         self._motion_deadline: float | None = None
         self._was_connected = False
+        self._was_streaming = False
         self._stats_prev: tuple[float, int, int, int, int, int] | None = None
         self._bind()
+
+    def _make_link(self) -> EpuckLink | EpuckSerialLink:
+        cfg, settings = self.cfg, self.settings
+        if isinstance(cfg, EpuckSerialRobot):
+            return EpuckSerialLink(cfg.id, EpuckSerialConfig(
+                port=cfg.port, baud=cfg.baud, poll_hz=cfg.poll_hz, image_fps=cfg.image_fps,
+                stale_timeout_s=settings.epuck_stale_timeout_s, reopen_min_s=settings.epuck_reconnect_min_s,
+                reopen_max_s=settings.epuck_reconnect_max_s), self.controller, self._on_packets,
+                self._on_link_state, self._on_framing_error)
+        return EpuckLink(cfg.id, EpuckLinkConfig(
+            host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
+            reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
+            stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
+            tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), self.controller, self._on_packets,
+            self._on_link_state, self._on_framing_error)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         self.link.start()
         self.dev.set_health(connection=False, operational=False, state="connecting", error=False,
-                            error_message="", details={"host": self.cfg.host, "port": self.cfg.port})
+                            error_message="", details=self._details())
 
     async def close(self) -> None:
         self._cancel_motion_timer()
@@ -193,6 +262,21 @@ class EpuckRobot:
                             error_message="gateway stopped" + ("; the robot was sent a stop command"
                                                                if was_connected else ""))
 
+    async def pause_link(self, why: str) -> None:
+        """Firmware update: stop the robot and leave its link, so nothing polls or judges a halted MCU."""
+        self._cancel_motion_timer()
+        await self.link.close()
+        self._was_connected = self._was_streaming = False
+        self.dev.set_health(connection=False, operational=False, state="updating", error=False,
+                            error_message=why, details=self._details())
+        self.publish_link_stats()
+
+    async def resume_link(self) -> None:
+        old = self.link
+        self.link = self._make_link()
+        self.link.stats = old.stats  # counters run on across the update
+        self.link.start()
+
     async def stats_loop(self) -> None:
         while True:
             self.publish_link_stats()
@@ -200,32 +284,48 @@ class EpuckRobot:
 
     # -- link callbacks (on the loop) --------------------------------------------------------------
     def _on_link_state(self, connected: bool, state: str, message: str) -> None:
-        if connected:
-            self.unwrap_l.reset()
-            self.unwrap_r.reset()
+        """connecting -> connected (TCP up, silent) -> streaming <-> silent; disconnected when TCP goes."""
+        if state == "streaming":
+            self._was_streaming = True
             self.dev.set_health(connection=True, operational=True, state="streaming", error=False,
                                 error_message="", details=self._details())
+        elif state in ("connected", "silent"):
+            if state == "silent":
+                self._lost_robot(message)
+            self.dev.set_health(connection=True, operational=False, state=state, error=state == "silent",
+                                error_message=message, details=self._details())
         else:
-            self._cancel_motion_timer()
-            self._pending_sensors = None  # data from a dead link must not be published later
-            if self._frame is not None:
-                self._frame = None
-                self.frames_dropped += 1
-            for fut in self._snapshot_waiters:
-                if not fut.done():
-                    fut.set_exception(CommandError(ErrorCode.UNAVAILABLE, f"robot link lost: {message}"))
-            self._snapshot_waiters.clear()
-            if self._was_connected and state == "disconnected":
-                self.dev.emit(FAULT, EpuckFault(kind="link_lost", message=message, ts=time.time()))
+            if state == "disconnected":
+                self._lost_robot(message)
             self.dev.set_health(connection=False, operational=False, state=state,
                                 error=state == "disconnected", error_message=message, details=self._details())
         if connected != self._was_connected:
             self._was_connected = connected
+            self.unwrap_l.reset()  # a new link: the robot may have restarted its counters
+            self.unwrap_r.reset()
             self.publish_link_stats()
+
+    def _lost_robot(self, message: str) -> None:
+        """The robot stopped talking or the link went: fail safe, drop stale data, tell the operator once."""
+        self._cancel_motion_timer()
+        if self.controller.left or self.controller.right:
+            self.controller.set_speed(0, 0)  # never resume motion by itself when the robot talks again
+            self.link.request_write()
+        self._pending_sensors = None  # data from a dead link must not be published later
+        if self._frame is not None:
+            self._frame = None
+            self.frames_dropped += 1
+        for fut in self._snapshot_waiters:
+            if not fut.done():
+                fut.set_exception(CommandError(ErrorCode.UNAVAILABLE, f"robot link lost: {message}"))
+        self._snapshot_waiters.clear()
+        if self._was_streaming:
+            self.dev.emit(FAULT, EpuckFault(kind="link_lost", message=message, ts=time.time()))
+        self._was_streaming = False
 
     def _details(self) -> dict[str, Any]:
         s = self.link.stats
-        return {"host": self.cfg.host, "port": self.cfg.port, "reconnects": s.reconnects,
+        return {"transport": self.cfg.transport, "address": self.cfg.address, "reconnects": s.reconnects,
                 "framing_errors": s.framing_errors}
 
     def _on_framing_error(self, err: FramingError) -> None:
@@ -250,7 +350,7 @@ class EpuckRobot:
         if sensors is not None:
             self._offer_sensors(sensors.data, ts, self.sensors_seq)
         if image is not None:
-            self._offer_image(image.data, ts, self.image_seq)
+            self._offer_image(image, ts, self.image_seq)
 
     # -- sensors -----------------------------------------------------------------------------------
     def _offer_sensors(self, data: bytes, ts: float, seq: int) -> None:
@@ -278,7 +378,7 @@ class EpuckRobot:
             self.node.count_decode_error(f"{self.cfg.id}: {exc}")
 
     # -- images ------------------------------------------------------------------------------------
-    def _offer_image(self, data: bytes, ts: float, seq: int) -> None:
+    def _offer_image(self, data: ImagePacket, ts: float, seq: int) -> None:
         for fut in self._snapshot_waiters:
             if not fut.done():
                 fut.set_result((data, ts, seq))
@@ -300,14 +400,16 @@ class EpuckRobot:
             return
         frame, self._frame = self._frame, None
         self._encoding = True
-        fut = loop.run_in_executor(self.pool, to_jpeg, frame[0], self.settings.epuck_jpeg_quality)
-        fut.add_done_callback(lambda f: self._encoded(f, frame[1], frame[2]))
+        img = frame[0]
+        fut = loop.run_in_executor(self.pool, to_jpeg, img.data, self.settings.epuck_jpeg_quality, img.width,
+                                   img.height)
+        fut.add_done_callback(lambda f: self._encoded(f, frame[1], frame[2], img.width, img.height))
 
     def _image_due(self) -> None:
         self._image_timer = None
         self._pump_images()
 
-    def _encoded(self, fut: asyncio.Future[bytes], ts: float, seq: int) -> None:
+    def _encoded(self, fut: asyncio.Future[bytes], ts: float, seq: int, width: int, height: int) -> None:
         self._encoding = False
         try:
             jpeg = fut.result()
@@ -315,7 +417,7 @@ class EpuckRobot:
             log.exception("JPEG encoding failed", extra={"robot": self.cfg.id})
         else:
             self.dev.publish(IMAGE, jpeg)
-            self.dev.publish(IMAGE_INFO, EpuckImageInfo(seq=seq, ts=ts, width=IMAGE_WIDTH, height=IMAGE_HEIGHT,
+            self.dev.publish(IMAGE_INFO, EpuckImageInfo(seq=seq, ts=ts, width=width, height=height,
                                                         bytes=len(jpeg), quality=self.settings.epuck_jpeg_quality))
             self.images_published += 1
         self._pump_images()
@@ -333,12 +435,15 @@ class EpuckRobot:
             return round((cur[i] - prev[i]) / dt, 2)
 
         self.dev.publish(LINK, EpuckLinkStats(
-            connected=self.link.connected, host=self.cfg.host, port=self.cfg.port, packets_per_s=rate(1),
+            connected=self.link.connected, transport=self.cfg.transport, address=self.cfg.address,
+            packets_per_s=rate(1),
             images_per_s=rate(2), sensors_per_s=rate(3), empty_per_s=rate(4), bytes_per_s=rate(5),
             framing_errors=s.framing_errors, reconnects=s.reconnects, images_received=self.image_seq,
+            reply_timeouts=s.reply_timeouts, garbage_bytes=s.garbage_bytes,
             images_published=self.images_published, frames_dropped=self.frames_dropped,
             sensors_received=self.sensors_seq, sensors_published=self.sensors_published,
-            commands_sent=s.commands_sent, image_stream=self.want_image, sensors_stream=self.want_sensors,
+            commands_sent=s.commands_sent, commands_requested=s.commands_requested, silences=s.silences,
+            image_stream=self.want_image, sensors_stream=self.want_sensors,
             ts=time.time()))
 
     # -- commands (coroutines: they run on the loop, next to the link) ------------------------------
@@ -353,16 +458,74 @@ class EpuckRobot:
         d.bind(OBSTACLE, self.cmd_obstacle)
         d.bind(STREAM, self.cmd_stream)
         d.bind(SNAPSHOT, self.cmd_snapshot)
+        d.bind_job(FLASH, self._flash_job, self._admit_flash)
+        d.bind(ASCII, self.cmd_ascii)
+
+    async def cmd_ascii(self, req: EpuckAsciiRequest) -> EpuckAsciiReply:
+        link = self.link
+        if not isinstance(link, EpuckSerialLink):
+            raise CommandError(ErrorCode.INVALID_REQUEST,
+                               f"robot {self.cfg.id} is on WiFi: the ASCII mode is asercom's, over a serial port")
+        self._require_link()
+        letter, *args = req.line.split(",")
+        try:
+            reply = await link.ascii(ascii_command(letter, *(int(a) for a in args)), req.timeout_s)
+        except (TimeoutError, ConnectionError) as exc:
+            raise CommandError(ErrorCode.TIMEOUT if isinstance(exc, TimeoutError) else ErrorCode.UNAVAILABLE,
+                               str(exc) or f"no ASCII reply from {self.cfg.id}") from None
+        return EpuckAsciiReply(reply=reply)
+
+    # -- firmware update (a job: its own thread) ----------------------------------------------------
+    def _admit_flash(self, req: EpuckFlashRequest) -> None:
+        if self._flashing:
+            raise CommandError(ErrorCode.BUSY, f"a firmware update of {self.cfg.id} is already running")
+        if not (req.programmer or self.cfg.programmer):
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"robot {self.cfg.id} has no programmer port configured "
+                                                          "(its `programmer` setting) and the request names none")
+        try:
+            parse_elf(base64.b64decode(req.elf_base64, validate=True), Path("the ELF"))
+        except (ValueError, BadFirmware) as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    def _flash_job(self, req: EpuckFlashRequest, job: JobContext) -> EpuckFlashResult:
+        programmer = req.programmer or self.cfg.programmer
+        assert programmer is not None and self.node.loop is not None
+        loop = self.node.loop
+        self._flashing = True
+        try:
+            with tempfile.TemporaryDirectory(prefix="epuck-flash-") as tmp:
+                elf = Path(tmp) / "firmware.elf"
+                elf.write_bytes(base64.b64decode(req.elf_base64))
+                job.progress("pause", force=True)
+                asyncio.run_coroutine_threadsafe(
+                    self.pause_link(f"firmware update through {programmer}"), loop).result(15)
+                try:
+                    res = flash_firmware(programmer, elf, lambda phase, done, total: job.progress(phase, done, total),
+                                         verify=req.verify, cancelled=lambda: job.cancelled)
+                except ProgrammerNotFound as exc:
+                    raise CommandError(ErrorCode.UNAVAILABLE, str(exc)) from None
+                except BadFirmware as exc:
+                    raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+                except FirmwareError as exc:
+                    raise CommandError(ErrorCode.DEVICE_ERROR, str(exc)) from None
+                finally:
+                    job.progress("resume", force=True)
+                    asyncio.run_coroutine_threadsafe(self.resume_link(), loop).result(15)
+        finally:
+            self._flashing = False
+        log.info("firmware updated", extra={"robot": self.cfg.id, "bytes": res.bytes_loaded, "s": res.duration_s})
+        return EpuckFlashResult(programmer=programmer, bytes_loaded=res.bytes_loaded, sections=res.sections,
+                                verified=res.verified, duration_s=res.duration_s)
 
     def _require_link(self) -> None:
         if not self.link.connected:
             h = self.dev.health
             raise CommandError(ErrorCode.UNAVAILABLE,
-                               f"robot {self.cfg.id} ({self.cfg.host}:{self.cfg.port}) is not connected"
+                               f"robot {self.cfg.id} ({self.cfg.address}) is not connected"
                                + (f": {h['error_message']}" if h.get("error_message") else ""))
 
     def _send(self) -> EpuckActuators:
-        self.link.send_state()
+        self.link.request_write()
         return self.actuators()
 
     def actuators(self) -> EpuckActuators:
@@ -398,7 +561,7 @@ class EpuckRobot:
         self._motion_deadline = None
         if self.controller.left or self.controller.right:
             self.controller.set_speed(0, 0)
-            self.link.send_state()
+            self.link.request_write()
             msg = f"no set_speed for {self.settings.epuck_motion_timeout_ms} ms: robot stopped"
             log.warning(msg, extra={"robot": self.cfg.id})
             self.dev.emit(FAULT, EpuckFault(kind="motion_timeout", message=msg, ts=time.time()))
@@ -451,15 +614,15 @@ class EpuckRobot:
     async def cmd_snapshot(self, req: EpuckSnapshotRequest) -> EpuckSnapshot:
         self._require_link()
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[tuple[bytes, float, int]] = loop.create_future()
+        fut: asyncio.Future[tuple[ImagePacket, float, int]] = loop.create_future()
         self._snapshot_waiters.append(fut)
         hold = not (self.controller.request & REQ_IMAGE)
         if hold:  # image stream off: turn it on for one frame
             self._snapshot_holds += 1
             self._apply_stream()
-            self.link.send_state()
+            self.link.request_write()
         try:
-            data, ts, seq = await asyncio.wait_for(fut, req.timeout_s)
+            img, ts, seq = await asyncio.wait_for(fut, req.timeout_s)
         except TimeoutError:
             raise CommandError(ErrorCode.TIMEOUT, f"no image from {self.cfg.id} within {req.timeout_s} s") from None
         finally:
@@ -469,9 +632,9 @@ class EpuckRobot:
                 self._snapshot_holds -= 1
                 self._apply_stream()
                 if self.link.connected:
-                    self.link.send_state()
-        png = await loop.run_in_executor(self.pool, to_png, data)
-        return EpuckSnapshot(png_base64=base64.b64encode(png).decode(), width=IMAGE_WIDTH, height=IMAGE_HEIGHT,
+                    self.link.request_write()
+        png = await loop.run_in_executor(self.pool, to_png, img.data, img.width, img.height)
+        return EpuckSnapshot(png_base64=base64.b64encode(png).decode(), width=img.width, height=img.height,
                              seq=seq, ts=ts)
 
 
@@ -505,7 +668,7 @@ async def serve(node: Node, settings: EpuckSettings) -> None:
     for r in robots:
         r.start()
         stats_tasks.append(asyncio.ensure_future(r.stats_loop()))
-    log.info("serving robots", extra={"robots": [f"{r.cfg.id}@{r.cfg.host}:{r.cfg.port}" for r in robots]})
+    log.info("serving robots", extra={"robots": [f"{r.cfg.id}@{r.cfg.address}" for r in robots]})
     try:
         await asyncio.Event().wait()
     finally:

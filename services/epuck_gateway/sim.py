@@ -7,6 +7,9 @@ Behaviour copied from the ESP32 WiFi firmware as the reference describes it (sec
   (if 5 or more are queued, the older ones are flushed), applies it to the "F407" (every flag is
   level-triggered: calibration and sound repeat until a command clears them), and sends the image
   (id byte, then 9 x 4092 + 1572 bytes), then the sensors packet, or 0x03 when nothing is requested;
+  with the image requested, the cycle waits for the next image (`image_fps`), so the sensors packet
+  comes once per image, as on the robot (`image_holds_cycle`; off = sensors every cycle, images when
+  due, a load profile for benchmarks);
 - on a disconnect the motors keep their last speeds (no watchdog on the robot).
 
 Run several robots: python -m services.epuck_gateway.sim --count 2 --base-port 11000
@@ -54,6 +57,7 @@ class EpuckSimConfig:
     image_fps: float = 10.0  # 0 = an image every cycle
     stamp: bool = False  # benchmarks: magnetometer X carries the send time (unix time mod 1000 s)
     nodelay: bool = True  # the ESP32's lwIP uses Nagle; the sim does not, so latency figures are the gateway's
+    image_holds_cycle: bool = True  # firmware: a cycle with the image requested waits for the image
 
 
 @dataclass
@@ -65,6 +69,8 @@ class EpuckSimStats:
     images_sent: int = 0
     sensors_sent: int = 0
     empty_sent: int = 0
+    cycles: int = 0
+    max_queued: int = 0  # most commands waiting at the start of a cycle (the firmware flushes at 5)
     received: collections.deque[EpuckCommand] = field(default_factory=lambda: collections.deque(maxlen=2000))
 
     def summary(self) -> dict[str, int]:
@@ -87,6 +93,7 @@ class EpuckSimRobot:
         self.command: EpuckCommand | None = None  # the one the robot repeats
         self.connected = False
         self.silent = False  # tests: keep the socket open but send nothing (a robot out of WiFi range)
+        self.hung = False  # tests: like silent, and commands are not taken either (a hung radio module)
         self._sock: socket.socket | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._client: asyncio.StreamWriter | None = None
@@ -193,6 +200,17 @@ class EpuckSimRobot:
         next_tick = time.monotonic()
         next_image = next_tick
         while not rx.done():
+            if self.hung:
+                await asyncio.sleep(0.01)
+                continue
+            cmd = self.command
+            if cfg.image_holds_cycle and cmd is not None and cmd.request & REQ_IMAGE and img_period:
+                # The firmware's cycle blocks on the image (capture + SPI) before it reads commands again.
+                wait = next_image - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            self.stats.cycles += 1
+            self.stats.max_queued = max(self.stats.max_queued, len(queue))
             if len(queue) >= QUEUE_FLUSH:
                 self.stats.flushed_commands += len(queue) - 1
                 while len(queue) > 1:
@@ -303,9 +321,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sensors-hz", type=float, default=50.0, help="cycle rate; 0 = line rate")
     p.add_argument("--image-fps", type=float, default=10.0, help="image rate cap; 0 = every cycle")
     p.add_argument("--stamp", action="store_true", help="benchmarks: send time in magnetometer X")
+    p.add_argument("--free-sensors", action="store_true",
+                   help="benchmarks: sensors every cycle and images when due, instead of the firmware's cycle that "
+                        "waits for each image (a heavier load profile)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s epuck-sim %(message)s")
-    cfg = EpuckSimConfig(sensors_hz=a.sensors_hz, image_fps=a.image_fps, stamp=a.stamp)
+    cfg = EpuckSimConfig(sensors_hz=a.sensors_hz, image_fps=a.image_fps, stamp=a.stamp,
+                         image_holds_cycle=not a.free_sensors)
     sim = EpuckSimulator(a.count, a.host, a.base_port, cfg)
 
     async def run() -> None:

@@ -71,6 +71,8 @@ class EpuckWorld:
     calibrations: int = 0  # cycles that applied the calibrate flag (it is level-triggered)
     sound_starts: int = 0  # cycles that (re)started a melody
     sound: int = 0  # last melody started, 0 when none
+    melodies: list[int] = field(default_factory=list)  # sound bits of every command that started a melody anew
+    _last_sound_bits: int = 0
     omega: float = 0.0
 
     # -- actuators ------------------------------------------------------------------------------
@@ -95,6 +97,9 @@ class EpuckWorld:
         if cmd.sound:
             self.sound_starts += 1  # ML_FORCE_CHANGE: every cycle restarts the melody
             self.sound = 0 if cmd.sound == 0x20 else cmd.sound
+            if cmd.sound != self._last_sound_bits:
+                self.melodies.append(cmd.sound)
+        self._last_sound_bits = cmd.sound
 
     # -- physics --------------------------------------------------------------------------------
     def advance(self, dt: float) -> None:

@@ -1,10 +1,24 @@
-"""The TCP link to one e-puck2: connect, stream-parse at line rate, reconnect, stop before closing.
+"""The TCP link to one e-puck2: connect, stream-parse at line rate, pace commands, watch liveness.
 
 asyncio, one `EpuckLink` per robot, all on the service's loop. An `asyncio.Protocol` is fed by the
 loop as soon as bytes arrive (up to 256 KiB per read), so the socket's receive buffer never fills
 and no backlog of stale packets can build up (the published Python client reads one packet per call
 and lags exactly there). What to do with the packets is the listener's business; it keeps only the
 newest.
+
+Commands are coalesced: a command handler only changes the controller's state and asks for a write;
+the link writes the whole state (latest values plus every pending one-shot) at most once per robot
+cycle, i.e. once a packet that ends a robot cycle has arrived since the previous write. The firmware
+takes one queued command per cycle and flushes the older ones when 5 or more are queued (reference
+section 4), so writing every command as it came lost one-shots (a sound followed by six LED changes
+within 15 ms never played).
+
+Liveness follows what the robot was asked to send (liveness.py): a healthy slow image stream does
+not flap the link, and a robot that sends nothing at all is reported `silent` (connection up, no
+data) within the allowed silence. A silent link is kept, not reset: a hung robot keeps its TCP
+connection and reconnecting would only make the health toggle; one probe (the current state again)
+goes out, and TCP_USER_TIMEOUT makes the kernel drop a connection whose peer stopped acknowledging,
+which then reconnects.
 """
 
 from __future__ import annotations
@@ -17,7 +31,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.epuck_gateway.liveness import LinkLiveness
 from services.epuck_gateway.protocol import (
+    REQ_SENSORS,
+    EmptyPacket,
     EpuckController,
     EpuckStreamParser,
     FramingError,
@@ -28,6 +45,7 @@ from services.epuck_gateway.protocol import (
 )
 
 log = logging.getLogger("robobus.epuck.link")
+STOP_LINGER_S = 0.2
 
 
 @dataclass
@@ -37,9 +55,11 @@ class EpuckLinkConfig:
     connect_timeout_s: float = 3.0
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 2.0
-    # The robot streams all the time (0x03 at least), so silence means the link is gone: this is
-    # what gets health to "disconnected" within 1 s when a robot drops off WiFi without a FIN.
+    # Silence beyond the expected gap between packets (liveness.py) that makes a link `silent`.
     stale_timeout_s: float = 0.8
+    image_gap_max_s: float = 6.0
+    # Unacknowledged data older than this makes the kernel drop the connection (TCP_USER_TIMEOUT).
+    tcp_user_timeout_s: float = 10.0
     stop_drain_s: float = 0.5
 
 
@@ -54,26 +74,44 @@ class EpuckLinkStats:
     empty: int = 0
     bytes: int = 0
     commands_sent: int = 0
+    commands_requested: int = 0  # state changes asked for; several coalesce into one write
+    silences: int = 0
+    reply_timeouts: int = 0  # serial: polls not answered in time
+    garbage_bytes: int = 0  # serial: bytes that answered nothing we asked
 
 
 PacketsHandler = Callable[[list[Packet], float], None]
-StateHandler = Callable[[bool, str, str], None]  # connected, state, message
+# connected, state, message. States: connecting, connected (TCP up, nothing received yet), streaming,
+# silent (TCP up, nothing received for longer than allowed), disconnected.
+StateHandler = Callable[[bool, str, str], None]
 ErrorHandler = Callable[[FramingError], None]
 
 
 class _Wire(asyncio.Protocol):
+    """Feeds the link while its connection is the link's current one (a connection being left after a
+    framing error lingers a moment, and its bytes must not reach the next connection's parser)."""
+
     def __init__(self, link: EpuckLink) -> None:
         self.link = link
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def _current(self) -> bool:
+        return self.transport is not None and self.link._transport is self.transport
 
     def data_received(self, data: bytes) -> None:
-        self.link._on_data(data)
+        if self._current():
+            self.link._on_data(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.link._on_lost(f"connection lost: {exc}" if exc else "connection closed by the robot")
+        if self._current():
+            self.link._on_lost(f"connection lost: {exc}" if exc else "connection closed by the robot")
 
 
 class EpuckLink:
-    """One robot's TCP link. `run()` until `close()`; `send_state()` sends the controller's command."""
+    """One robot's TCP link. `run()` until `close()`; `request_write()` after changing the controller."""
 
     def __init__(self, name: str, config: EpuckLinkConfig, controller: EpuckController,
                  on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler) -> None:
@@ -82,7 +120,9 @@ class EpuckLink:
         self.controller = controller
         self.parser = EpuckStreamParser()
         self.stats = EpuckLinkStats()
+        self.liveness = LinkLiveness(config.stale_timeout_s, config.image_gap_max_s)
         self.connected = False
+        self.receiving = False  # data arrived within the allowed silence
         self.last_rx = 0.0
         self._on_packets = on_packets
         self._on_state = on_state
@@ -96,7 +136,10 @@ class EpuckLink:
         self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._accepted = False  # the robot answered this connection's first command
-        self._deferred = False
+        self._dirty = False  # the controller holds state not yet written
+        self._cycle_done = False  # a robot cycle ended since the last write: the next write may go
+        self._written_request = 0
+        self._silent = False
         self._probed_at = -1.0
 
     # -- public ---------------------------------------------------------------------------------
@@ -104,17 +147,13 @@ class EpuckLink:
         self._task = asyncio.ensure_future(self.run())
         return self._task
 
-    def send_state(self) -> bool:
-        """Send the controller's next command (level state plus pending one-shots)."""
+    def request_write(self) -> bool:
+        """The controller changed: write its state at the robot's next cycle (coalesced)."""
         if not self.connected:
             return False
-        if not self._accepted:
-            # The firmware takes the first command of a connection only as exactly 21 bytes: nothing
-            # may share its TCP segment. Later commands wait for the robot's first packet.
-            self._deferred = True
-            return True
-        self._write(self.controller.build().encode())
-        self.controller.sent(self.parser.packets, self.parser.in_packet)
+        self.stats.commands_requested += 1
+        self._dirty = True
+        self._flush()
         return True
 
     async def close(self) -> None:
@@ -124,7 +163,7 @@ class EpuckLink:
         if self.connected and self._transport is not None:
             self._stop_mark = self.parser.packets + (1 if self.parser.in_packet else 0)
             self._stopped.clear()
-            self._write(stop_command().encode())
+            self._write(stop_command().encode())  # the last word: not paced
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), self.config.stop_drain_s)
             self._drop_transport()
@@ -157,6 +196,9 @@ class EpuckLink:
             if sock is not None:
                 with contextlib.suppress(OSError):  # 21-byte commands must not wait for Nagle
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with contextlib.suppress(OSError, AttributeError):  # Linux: give up on a peer that stopped ACKing
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                    int(cfg.tcp_user_timeout_s * 1000))
             if self.stats.connects:
                 self.stats.reconnects += 1
             self.stats.connects += 1
@@ -166,8 +208,8 @@ class EpuckLink:
                 break  # close() reports the end itself
             self._on_state(False, "disconnected", reason)
             down_reported = True
-            # A link that carried data was healthy: retry fast. One that never did (a robot busy with
-            # another client keeps us in its backlog) backs off like a refused connect.
+            # A link that carried data was healthy: retry fast. One that never did backs off like a
+            # refused connect.
             delay = cfg.reconnect_min_s if self.stats.packets > packets_before else min(delay * 2,
                                                                                       cfg.reconnect_max_s)
             await self._pause(delay)
@@ -176,17 +218,28 @@ class EpuckLink:
         loop = asyncio.get_running_loop()
         self._transport = transport
         self._lost = loop.create_future()
+        if transport.is_closing():  # closed by the robot before the link took it over
+            self._transport = None
+            return "connection closed by the robot"
         self.parser.reset()
         self.last_rx = time.monotonic()
         self.connected = True
-        self._accepted = self._deferred = False
-        self._on_state(True, "streaming", "")
-        # The robot sends nothing until its first command: send it at once.
-        self._write(self.controller.on_link_up().encode())
+        self.receiving = False
+        self._silent = False
+        self._probed_at = -1.0
+        self._accepted = False
+        self._dirty = self._cycle_done = False
+        # Connected is not streaming: the health says so until the robot's first byte.
+        self._on_state(True, "connected", "TCP connected; no data from the robot yet")
+        # The robot sends nothing until its first command: send it at once, alone in its segment (the
+        # firmware takes the first command only as exactly 21 bytes). Later writes wait for its packets.
+        first = self.controller.on_link_up()
+        self.liveness.reset(first.request)
+        self._written_request = first.request
+        self._write(first.encode())
         self.controller.sent(self.parser.packets, False)
         log.info("robot connected", extra={"robot": self.name, "host": self.config.host, "port": self.config.port})
-        self._probed_at = -1.0
-        self._arm_watchdog(self.config.stale_timeout_s / 2)
+        self._arm_watchdog(self.liveness.allowed_silence())
         try:
             return await self._lost
         finally:
@@ -194,35 +247,66 @@ class EpuckLink:
                 self._watchdog.cancel()
                 self._watchdog = None
             self.connected = False
+            self.receiving = False
             if not self._closing:
                 self._drop_transport()
 
+    # -- pacing: at most one write per robot cycle ---------------------------------------------------
+    def _flush(self) -> None:
+        if not (self._dirty and self._accepted and self._cycle_done) or self._closing:
+            return
+        cmd = self.controller.build()
+        self._dirty = self._cycle_done = False
+        self._written_request = cmd.request
+        self.liveness.set_request(cmd.request)
+        self._write(cmd.encode())
+        self.controller.sent(self.parser.packets, self.parser.in_packet)
+
+    def _ends_cycle(self, p: Packet) -> bool:
+        """The robot's cycle ends with the sensors packet, or the image when no sensors follow it, or 0x03."""
+        if isinstance(p, ImagePacket):
+            return not self._written_request & REQ_SENSORS
+        return True
+
     # -- silence watchdog: one timer per link, re-armed from the last byte's time ------------------
     def _arm_watchdog(self, delay: float) -> None:
-        self._watchdog = asyncio.get_running_loop().call_later(delay, self._watchdog_fired)
+        self._watchdog = asyncio.get_running_loop().call_later(max(delay, 0.005), self._watchdog_fired)
 
     def _watchdog_fired(self) -> None:
         self._watchdog = None
         if not self.connected or self._closing:
             return
-        stale = self.config.stale_timeout_s
+        allowed = self.liveness.allowed_silence()
         silent = time.monotonic() - self.last_rx
-        if silent >= stale:
-            self._on_lost(f"no data from the robot for {silent:.1f} s")
-            self._reset_link()
-            return
-        if silent >= stale / 2 and self._probed_at != self.last_rx:
-            # The firmware keeps sending 0x03 with nothing requested; should a robot only acknowledge
-            # commands instead, repeating the current command (idempotent: the robot repeats it
-            # anyway) draws an 0x03 and tells a quiet link from a dead one.
+        if silent >= allowed and not self._silent:
+            self._silent = True
+            self.receiving = False
+            self.stats.silences += 1
+            self._on_state(True, "silent", f"no data from the robot for {silent:.1f} s "
+                                           f"(allowed {allowed:.1f} s for what it was asked to send)")
+        # One probe per silence, unpaced: the current state again. With nothing requested it is sent at
+        # half the allowed silence, since the robot answers it with 0x03 (a robot that only acknowledges
+        # commands stays alive this way). Otherwise a slow robot just queues it (the same state, and one
+        # probe only, so a stalled robot's queue never reaches the firmware's flush at 5), and a dead one
+        # leaves it unacknowledged, so TCP_USER_TIMEOUT ends the connection, which then reconnects.
+        due = allowed if self.liveness.request else allowed / 2
+        if silent >= due and self._probed_at != self.last_rx:
             self._probed_at = self.last_rx
-            self.send_state()
-        self._arm_watchdog(max((stale / 2 if silent < stale / 2 else stale) - silent, 0.005))
+            self._write(self.controller.level().encode())
+        nxt = allowed / 2 if silent < allowed / 2 else allowed
+        self._arm_watchdog(nxt - silent if silent < nxt else allowed)
 
     def _reset_link(self) -> None:
-        """Leave a link we no longer trust: tell the robot to stop first (best effort), then close."""
+        """Leave a link we no longer trust: tell the robot to stop first, then close a moment later.
+
+        Closing at once with the robot's stream unread in our receive buffer makes the kernel send an
+        RST, which can discard the stop command before the robot has read it. The left connection keeps
+        draining (its bytes go nowhere) for `STOP_LINGER_S`, so it ends with a FIN after the stop."""
         self._write(stop_command().encode())
-        self._drop_transport()
+        t, self._transport = self._transport, None
+        self.connected = False
+        if t is not None:
+            asyncio.get_running_loop().call_later(STOP_LINGER_S, t.close)
 
     def _drop_transport(self) -> None:
         t, self._transport = self._transport, None
@@ -247,11 +331,9 @@ class EpuckLink:
 
     def _on_data(self, data: bytes) -> None:
         now = time.time()
-        self.last_rx = time.monotonic()
+        self.last_rx = mono = time.monotonic()
         self.stats.bytes += len(data)
         events = self.parser.feed(data)
-        if not events:
-            return
         packets: list[Packet] = []
         error: FramingError | None = None
         for ev in events:
@@ -261,21 +343,29 @@ class EpuckLink:
             packets.append(ev)
         base = self.parser.packets - len(packets)
         for i, p in enumerate(packets, 1):
+            self.liveness.on_packet(mono, isinstance(p, ImagePacket))
             if isinstance(p, SensorsPacket):
                 self.stats.sensors += 1
             elif isinstance(p, ImagePacket):
                 self.stats.images += 1
-            else:
+            elif isinstance(p, EmptyPacket):
                 self.stats.empty += 1
                 if self._stop_mark is not None and base + i > self._stop_mark:
                     self._stopped.set()
+            if self._ends_cycle(p):
+                self._cycle_done = True
         self.stats.packets += len(packets)
+        if (packets or self._silent) and not self._closing and error is None and not self.receiving:
+            # The first data of the link, or data after a silence: the robot talks again.
+            self.receiving = True
+            self._silent = False
+            self._on_state(True, "streaming", "")
         if packets and not self._closing:
             self._accepted = True
             self._on_packets(packets, now)
-            if self._deferred or self.controller.clear_due(self.parser.packets):
-                self._deferred = False
-                self.send_state()  # a deferred command, or the clear of one-shots the robot has applied
+            if self.controller.clear_due(self.parser.packets):
+                self._dirty = True  # the one-shots the robot has applied must now be cleared
+            self._flush()
         if error is not None:
             self.stats.framing_errors += 1
             log.warning("framing error, resetting the link",

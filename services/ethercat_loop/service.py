@@ -151,6 +151,7 @@ class PalmService:
         self._collect: list[CanRxFrame] | None = None
         self._stop = threading.Event()
         self._direct_until = 0.0  # ignore no-demand flags until then (CAN direct mode just ended)
+        self._rates_bad_since: float | None = None  # since when a 1 s window's counts are over their thresholds
         self._known_faults: dict[int, int] = {}
         self._mode: Literal["torque", "pwm"] = settings.ethercat_control_mode
         self._stopped = False
@@ -246,30 +247,43 @@ class PalmService:
         if "loop_stats" in names:
             self.dev.publish(LOOP, self.backend.stats().model_copy(update={"ts": ts, "counters": dict(s.counters)}))
 
-    def _loss_problems(self, info: dict[str, Any], stats: EthercatLoopStats) -> list[str]:
-        """Errors from the link, never from a single lost frame: a run of `ethercat_error_after_lost`
-        cycles without a valid status (the backend's `health_error`), or more lost frames, overruns or
-        dropped statuses in the last 1 s window than their thresholds."""
+    def _loss_problems(self, info: dict[str, Any], stats: EthercatLoopStats) -> tuple[list[str], list[str]]:
+        """(errors, warnings) of the link. An outage is an error at once: the backend's own error, or a run of
+        `ethercat_error_after_lost` cycles without a valid status (the motors cut out after 20 ms). Counts
+        above their thresholds in the 1 s window (lost frames, wrong working counters, overruns, dropped
+        statuses) are an error only when sustained for `ethercat_loss_sustain_s`; before that they are a
+        warning. A healthy link on a loaded host loses a burst of frames to a scheduling stall now and
+        then, and health that flips to error for that one second is an alarm nobody can act on."""
         s = self.settings
-        problems: list[str] = []
+        errors: list[str] = []
         if info.get("error"):
-            problems.append(str(info["error"]))
+            errors.append(str(info["error"]))
         elif info.get("no_data"):
-            problems.append(f"no valid process data for {s.ethercat_error_after_lost} cycles or more")
+            errors.append(f"no valid process data for {s.ethercat_error_after_lost} cycles or more")
+        rates: list[str] = []
         lost = stats.frames_lost
         if lost > s.ethercat_lost_threshold:
-            problems.append(f"{lost} frames lost in the last second (threshold {s.ethercat_lost_threshold})")
+            rates.append(f"{lost} frames lost in the last second (threshold {s.ethercat_lost_threshold})")
         wkc = stats.wkc_errors
         if wkc > s.ethercat_lost_threshold:
-            problems.append(f"{wkc} frames with a wrong working counter in the last second "
-                            f"(threshold {s.ethercat_lost_threshold})")
+            rates.append(f"{wkc} frames with a wrong working counter in the last second "
+                         f"(threshold {s.ethercat_lost_threshold})")
         overruns, limit = stats.overruns, overrun_threshold(s)
         if overruns > limit:
-            problems.append(f"{overruns} overruns in the last second (threshold {limit})")
+            rates.append(f"{overruns} overruns in the last second (threshold {limit})")
         drops = stats.drops
         if drops > s.ethercat_drop_threshold:
-            problems.append(f"{drops} dropped statuses in the last second (threshold {s.ethercat_drop_threshold})")
-        return problems
+            rates.append(f"{drops} dropped statuses in the last second (threshold {s.ethercat_drop_threshold})")
+        now = time.monotonic()
+        if not rates:
+            self._rates_bad_since = None
+            return errors, []
+        if self._rates_bad_since is None:
+            self._rates_bad_since = now
+        lasted = now - self._rates_bad_since
+        if lasted >= s.ethercat_loss_sustain_s:
+            return errors + [f"{r}, for {lasted:.0f} s" for r in rates], []
+        return errors, [f"warning: {r}" for r in rates]
 
     @staticmethod
     def _realtime(info: dict[str, Any], stats: EthercatLoopStats) -> dict[str, Any] | None:
@@ -286,7 +300,7 @@ class PalmService:
     def _health(self, s: PalmSnapshot | None) -> None:
         info = self.backend.info()
         stats = self.backend.stats()
-        problems = self._loss_problems(info, stats)
+        problems, loss_warnings = self._loss_problems(info, stats)
         realtime = self._realtime(info, stats)
         state = str(info.get("state", "unknown"))
         direct = False
@@ -327,7 +341,7 @@ class PalmService:
         elif state == "op":
             state = "starting"  # in OP, no snapshot yet
         # refused realtime settings are warnings: in details and the message, never an error by themselves
-        warnings = [f"warning: {w}" for w in realtime["warnings"]] if realtime else []
+        warnings = loss_warnings + ([f"warning: {w}" for w in realtime["warnings"]] if realtime else [])
         if realtime is not None:
             details["realtime"] = realtime
         self.dev.set_health(connection=connected, operational=connected and not direct and not problems

@@ -38,6 +38,9 @@ class EthercatSettings(KitSettings):
     ethercat_lost_threshold: int = Field(10, ge=0, description="Lost frames (no reply, or a wrong working "
                                          "counter) per 1 s window above which health reports an error; a "
                                          "single lost frame never does")
+    ethercat_loss_sustain_s: float = Field(3.0, ge=0, description="Counts over their thresholds (lost frames, "
+                                           "overruns, dropped statuses) are a warning until they have lasted this "
+                                           "long, then an error (a burst from one scheduling stall never is)")
     ethercat_error_after_lost: int = Field(20, ge=1, description="Consecutive cycles without a valid status "
                                            "after which health reports an error (the motors cut out at 20 ms)")
     ethercat_overrun_threshold: int | None = Field(

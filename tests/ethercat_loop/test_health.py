@@ -135,3 +135,19 @@ def test_refused_realtime_settings_are_a_warning_in_health(service):
     validator = ContractValidator(build_document())
     for topic, payload in list(seen):
         validator.validate(topic, payload)
+
+
+def test_sustained_loss_is_an_error_and_a_burst_only_a_warning(service):
+    """One bad second is a warning; losses over the threshold for ETHERCAT_LOSS_SUSTAIN_S (3 s) are an error."""
+    backend, health, _seen = service
+    assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["operational"], 10)
+    n = len(health)
+    backend.lose_next = 15  # one burst over the threshold (10 a second), under the outage rule (20 in a row)
+    assert wait_for(lambda: "warning: " in latest(health).get("error_message", ""), 5), health[n:]
+    assert not [h for h in health[n:] if h["error"]], health[n:]
+    t_end = time.monotonic() + 6.0  # sustained: a burst of 15 every 0.4 s
+    while time.monotonic() < t_end and not latest(health).get("error"):
+        backend.lose_next = 15
+        time.sleep(0.4)
+    h = latest(health)
+    assert h["error"] and not h["operational"] and "frames lost" in h["error_message"], h

@@ -264,7 +264,7 @@ def test_runs_without_realtime_privileges_with_warnings() -> None:
         drop = "-sys_nice,-ipc_lock"
         r = subprocess.run(["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}", sys.executable, "-c",
                             UNPRIVILEGED, ns.master_if, ns.name], capture_output=True, text=True, cwd=REPO,
-                           timeout=60)
+                           timeout=60, env={**os.environ, "ROBOBUS_LOG_JSON": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["info"]["state"] == "op" and out["info"]["connected"]
@@ -272,6 +272,10 @@ def test_runs_without_realtime_privileges_with_warnings() -> None:
     assert "SCHED_FIFO priority 80 refused" in warnings and "mlockall refused" in warnings
     assert out["realtime"]["policy"] == "SCHED_OTHER/0"
     assert "SCHED_FIFO priority 80 refused" in r.stderr  # and in the logs
+    # the cycle process logs through the kit's setup_logging: ROBOBUS_LOG_JSON reaches it
+    cycle_lines = [json.loads(line) for line in r.stderr.splitlines()
+                   if line.startswith("{") and '"robobus.ethercat.cycle"' in line]
+    assert any("SCHED_FIFO priority 80 refused" in x["msg"] for x in cycle_lines), r.stderr[-2000:]
 
 
 def test_virtual_backend_brings_its_own_hand() -> None:

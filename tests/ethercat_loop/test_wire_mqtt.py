@@ -73,6 +73,9 @@ def wire_node(broker_session: Broker, spawn: Any,
         env = {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node, "ROBOBUS_ETHERCAT_BACKEND": "virtual",
                "ROBOBUS_ETHERCAT_IFNAME": ns.master_if, "ROBOBUS_ETHERCAT_NETNS": ns.name,
                "ROBOBUS_HEALTH_INTERVAL_S": "1"}
+        if unprivileged:  # a normal-priority cycle on a busy shared machine loses frames: not under test here
+            env.update({"ROBOBUS_ETHERCAT_OVERRUN_THRESHOLD": "1000000", "ROBOBUS_ETHERCAT_LOST_THRESHOLD": "1000000",
+                        "ROBOBUS_ETHERCAT_SILENT_MOTOR_MS": "600000"})
         client = RpcClient(broker_session.settings(), name=f"wire-test-{os.getpid()}")
         client.connect()
         seen = Seen(client, f"robobus/{node}/#")
@@ -184,7 +187,10 @@ def test_a_lost_frame_does_not_flicker_health(wire_node: Any) -> None:
 @pytest.mark.parametrize("wire_node", ["unprivileged"], indirect=True)
 def test_refused_realtime_is_a_warning_in_health(wire_node: Any) -> None:
     node, proc, client, ctl, seen = wire_node
-    h = wait_for(lambda: (h := seen.latest("health")) and h["operational"] and h, 10, "operational")
+    try:
+        h = wait_for(lambda: (h := seen.latest("health")) and h["operational"] and h, 10, "operational")
+    except AssertionError:
+        raise AssertionError(f"not operational: {seen.latest('health')}") from None
     assert h["connection"] and not h["error"] and h["state"] == "running"
     assert h["error_message"].startswith("warning: ") and "SCHED_FIFO priority 80 refused" in h["error_message"]
     assert "mlockall refused" in h["error_message"]

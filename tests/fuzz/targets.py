@@ -96,6 +96,60 @@ def _epuck_allowed() -> tuple[type[BaseException], ...]:
     return (ProtocolError,)
 
 
+def _roi_datagram(data: bytes) -> object:
+    """What the roi-modules transport does with a datagram: decode it as the port says, then its payload."""
+    from services.roi_modules import protocol as p
+
+    if not data:
+        return None
+    body = data[1:]
+    if data[0] & 1:
+        pkt, _ = p.decode_general(body, verify=False)
+        p.OdriveAll.decode(pkt.payload)
+        return p.gpio_read_value(pkt.sub_device_id % 18, pkt.payload)
+    spkt, _ = p.decode_sysadmin(body, verify=False)
+    p.Pong.decode(spkt.payload)
+    p.decode_blacklist_list(spkt.payload)
+    try:
+        p.decode_firmware_report(spkt.payload)
+    except p.DecodeError:
+        pass
+    return p.StatusReport.decode(spkt.payload)
+
+
+def _roi_allowed() -> tuple[type[BaseException], ...]:
+    from services.roi_modules.protocol import DecodeError
+
+    return (DecodeError,)
+
+def _dexter_replies(data: bytes) -> object:
+    from services.dexter_gateway import protocol as p
+
+    asm = p.ReplyAssembler()
+    out = []
+    step = (data[0] if data else 1) or 1  # the first byte chooses the segmentation, as for the e-puck stream
+    for i in range(1, len(data), step):
+        for raw in asm.feed(data[i:i + step]):
+            rep = p.decode_reply(raw)
+            out += [p.decode_status(rep), p.decode_error(rep.error), p.decode_error(rep.error, errno_reply=True)]
+            out.append(p.decode_read(rep))
+    return out
+
+
+def _dexter_allowed() -> tuple[type[BaseException], ...]:
+    from services.dexter_gateway.protocol import ProtocolError
+
+    return (ProtocolError,)
+
+
+def _dexter_seeds() -> list[bytes]:
+    from services.dexter_gateway import protocol as p
+
+    status = p.encode_reply([1, 2, 1700000000, 5, ord("g"), 0] + [0] * 54)
+    read = p.read_reply_ints([1, 3, 1700000000, 5, ord("r"), 0] + [0] * 54, b"[0, 0, 0, 0, 0]", 0)
+    return [b"\x07" + status + read, b"\xf0" + read]
+
+
 def targets() -> dict[str, Target]:
     out = [
         Target("palm_status", _palm_status, tuple, ("services.ethercat_loop.protocol",), _palm_seeds),
@@ -105,5 +159,9 @@ def targets() -> dict[str, Target]:
         Target("epuck_stream", _epuck_stream, tuple, ("services.epuck_gateway.protocol",)),
         Target("epuck_command", _epuck_command, _epuck_allowed, ("services.epuck_gateway.protocol",),
                lambda: [b"\x80" + bytes(20)]),
+        Target("roi_datagram", _roi_datagram, _roi_allowed, ("services.roi_modules.protocol",),
+               lambda: [b"\x01" + bytes(64), b"\x00" + bytes(64)]),
+        Target("dexter_replies", _dexter_replies, _dexter_allowed, ("services.dexter_gateway.protocol",),
+               _dexter_seeds),
     ]
     return {t.name: t for t in out}

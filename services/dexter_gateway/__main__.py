@@ -1,0 +1,14 @@
+"""python -m services.dexter_gateway: the kit's one entry point (settings, logging, node, signals, shutdown)."""
+
+from __future__ import annotations
+
+from services.dexter_gateway.service import API, DexterSettings, build
+from shared import run_service
+
+
+def main() -> None:
+    run_service(API, DexterSettings, build)
+
+
+if __name__ == "__main__":
+    main()

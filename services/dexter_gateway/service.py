@@ -1,0 +1,670 @@
+"""dexter-gateway's MQTT surface: per arm health, decoded status, every DexRun command, and file jobs.
+
+One process, one `DexterArm` (device) per configured arm, each with its own `DexterLink` (transport.py).
+Command handlers run on the kit's command pool, jobs on their own threads, the status poller on one
+thread per arm; each does its own exchange with the robot when its turn in the arm's FIFO comes (strict
+stop-and-wait), with no hand-off to another thread on the way.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field
+
+from services.dexter_gateway import protocol as p
+from services.dexter_gateway.models import (
+    DexterArmConfig,
+    DexterCommandReply,
+    DexterEmpty,
+    DexterErrorInfo,
+    DexterFileContent,
+    DexterFileWritten,
+    DexterJoint,
+    DexterMotionDone,
+    DexterMoveAllJoints,
+    DexterMoveRelative,
+    DexterMoveTo,
+    DexterMoveToStraight,
+    DexterPidMove,
+    DexterRawCommand,
+    DexterReadBlock,
+    DexterReadFile,
+    DexterRunFile,
+    DexterRunFileResult,
+    DexterServo,
+    DexterSetBoundaries,
+    DexterSetParameter,
+    DexterSleep,
+    DexterStatus,
+    DexterStatusModeRequest,
+    DexterWaitMotionDone,
+    DexterWriteFile,
+    DexterWriteFpga,
+)
+from services.dexter_gateway.protocol import Firmware, ProtocolError
+from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError, LinkReply
+from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
+
+log = logging.getLogger("robobus.dexter")
+
+API = ServiceAPI("dexter-gateway", device_doc="one Haddington Dynamics Dexter arm (DexRun, TCP port 50000)",
+                 doc="Dexter arms over the DexRun socket protocol: status, moves, parameters, robot files")
+STATUS = API.state("status", DexterStatus, doc="Decoded standard status (polled with `g` when the link is idle); "
+                   "rate ROBOBUS_DEXTER_STATUS_HZ")
+MOVE_ALL = API.command("move_all_joints", DexterMoveAllJoints, DexterCommandReply,
+                       doc="`a`: queued coordinated move, J1..J5 degrees (sent as arcseconds), optional J6/J7")
+MOVE_REL = API.command("move_all_joints_relative", DexterMoveRelative, DexterCommandReply,
+                       doc="`R`: queued relative move, degrees")
+PID_MOVE = API.command("pid_move_all_joints", DexterPidMove, DexterCommandReply,
+                       doc="`P`: immediate PID offsets added to the `a` position (closed-loop mode)")
+MOVE_TO = API.command("move_to", DexterMoveTo, DexterCommandReply,
+                      doc="`M`: Cartesian move (onboard IK), metres or microns, direction and arm configuration")
+MOVE_STRAIGHT = API.command("move_to_straight", DexterMoveToStraight, DexterCommandReply,
+                            doc="`T`: straight-line Cartesian move")
+SET_PARAM = API.command("set_parameter", DexterSetParameter, DexterCommandReply,
+                        doc="`S` by name or index, with DDE's unit conversions (deg/s -> nbits, deg -> arcsec, "
+                        "m -> µm) unless units='wire'. RunFile is the run_file job")
+SET_BOUNDS = API.command("set_boundaries", DexterSetBoundaries, DexterCommandReply,
+                         doc="`B`: J1..J5 high/low boundaries, degrees")
+SLEEP = API.command("sleep", DexterSleep, DexterCommandReply, doc="`z`: DexRun sleeps before replying")
+HEARTBEAT = API.command("heartbeat", DexterEmpty, DexterCommandReply, doc="`h`: no-op, returns the status")
+WRITE_FPGA = API.command("write_fpga", DexterWriteFpga, DexterCommandReply,
+                         doc="`w`: waits for the motion FIFO to drain, then writes a virtual FPGA register")
+STATUS_MODE = API.command("status_mode", DexterStatusModeRequest, DexterCommandReply,
+                          doc="`g <mode>` (newest DexRun only): '0' is the standard layout; others are "
+                          "firmware-specific and published as raw ints")
+RAW = API.command("raw", DexterRawCommand, DexterCommandReply,
+                  doc="Any oplet for experts, `<oplet> <args…>`: checked for arguments, length and terminator; "
+                  "the shell target of `r` is refused unless enabled and allowlisted")
+WAIT_MOTION = API.job("wait_motion_done", DexterWaitMotionDone, DexterMotionDone,
+                      doc="`F`: returns when the motion FIFO has drained")
+READ_FILE = API.job("read_file", DexterReadFile, DexterFileContent,
+                    doc="`r` block by block: a robot file, a #keyword (decoded), or an allowlisted shell command")
+WRITE_FILE = API.job("write_file", DexterWriteFile, DexterFileWritten,
+                     doc="`W f/m/e`: escaped, 62 characters a block; optional read-back verification")
+RUN_FILE = API.job("run_file", DexterRunFile, DexterRunFileResult, doc="`S RunFile <path>`: run a file of oplets")
+
+
+class DexterSettings(KitSettings):
+    dexter_arms: list[DexterArmConfig] = Field(
+        default_factory=lambda: [DexterArmConfig(id="dexter1", host="127.0.0.1")],
+        description="The arms: [{id, host, port, firmware, reply_timeout_s, keepalive_s, ...}]")
+    dexter_status_hz: float = Field(10.0, ge=0, le=200, description="Status publish rate; 0 = only with commands")
+    dexter_shell_enabled: bool = Field(False, description="Allow the backtick shell target of `r` at all")
+    dexter_shell_allowlist: list[str] = Field(default_factory=list,
+                                              description="Exact shell command lines that may run when enabled")
+    dexter_servo_deg_per_unit: float = Field(p.XL320_DEG_PER_UNIT, gt=0, description="0.29 (XL-320), 360/4096 "
+                                             "(XL-430)")
+    dexter_j6_zero_units: int = Field(p.J6_ZERO_UNITS, description="J6 zero in Dynamixel units")
+
+
+# -- conversions ------------------------------------------------------------------------------------
+
+def error_info(value: int, *, errno_reply: bool = False) -> DexterErrorInfo:
+    e = p.decode_error(value, errno_reply=errno_reply)
+    return DexterErrorInfo(value=e.value, code=e.code, flags=list(e.flags), message=e.message)
+
+
+def status_model(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts: float) -> DexterStatus:
+    err = error_info(reply.error)
+    head: dict[str, Any] = dict(ts=ts, robot_time=reply.robot_time, instruction_id=reply.instruction_id,
+                                oplet=reply.oplet, error=err, status_mode=mode)
+    if mode != "0":  # firmware-specific layouts (§3.3): raw
+        return DexterStatus(**head, raw=list(reply.ints))
+    s = p.decode_status(reply, deg_per_unit, j6_zero)
+    joints = [DexterJoint(angle_deg=j.angle_deg, angle_rad=math.radians(j.angle_deg), angle_arcsec=j.angle_arcsec,
+                          delta_deg=j.delta_deg, pid_delta_deg=j.pid_delta_deg, force_delta_deg=j.force_delta_deg,
+                          measured_deg=j.measured_deg, measured_rad=math.radians(j.measured_deg),
+                          measured_arcsec=j.measured_arcsec, sent_raw=j.sent_raw, sin_raw=j.sin_raw,
+                          cos_raw=j.cos_raw) for j in s.joints]
+
+    def servo(v: p.ServoStatus) -> DexterServo:
+        return DexterServo(position_units=v.position_units, load_units=v.load_units, error_flags=v.error_flags,
+                           angle_deg=v.angle_deg, angle_rad=math.radians(v.angle_deg))
+    return DexterStatus(**head, joints=joints, j6=servo(s.j6), j7=servo(s.j7), end_effector_io=s.end_effector_io,
+                        phui_button=s.phui_button)
+
+
+def read_block_model(reply: p.Reply) -> DexterReadBlock:
+    blk = p.decode_read(reply)
+    try:
+        text: str | None = blk.payload.decode("utf-8")
+        b64 = None
+    except UnicodeDecodeError:
+        text, b64 = None, base64.b64encode(blk.payload).decode()
+    return DexterReadBlock(error=error_info(reply.error, errno_reply=True), length=blk.length, text=text, base64=b64)
+
+
+def link_error(exc: DexterLinkError) -> CommandError:
+    return CommandError(ErrorCode(exc.code), exc.message)
+
+
+ERRNO_CODES = {p.ENOENT: ErrorCode.NOT_FOUND, p.EBUSY: ErrorCode.BUSY, 13: ErrorCode.FORBIDDEN}
+
+
+class DexterArm:
+    """One arm: its device, its link, its status, its commands and jobs."""
+
+    def __init__(self, node: Node, cfg: DexterArmConfig, settings: DexterSettings) -> None:
+        self.node = node
+        self.cfg = cfg
+        self.settings = settings
+        self.firmware = Firmware(cfg.firmware)
+        self.dev = node.device(cfg.id)
+        self.status_mode = "0"
+        self.link = DexterLink(cfg.id, DexterLinkConfig(
+            host=cfg.host, port=cfg.port, firmware=self.firmware, connect_timeout_s=cfg.connect_timeout_s,
+            reply_timeout_s=cfg.reply_timeout_s, motion_timeout_s=cfg.motion_timeout_s,
+            fifo_timeout_s=cfg.fifo_timeout_s, keepalive_s=cfg.keepalive_s, reconnect_min_s=cfg.reconnect_min_s,
+            reconnect_max_s=cfg.reconnect_max_s, queue_limit=cfg.queue_limit),
+            on_state=self._on_link_state, on_reply=self._on_reply, on_decode_error=self._on_decode_error,
+            keepalive_args=self._g_args)
+        self._latest: tuple[p.Reply, str, float] | None = None  # newest standard-status reply, its mode, time
+        self._published_instr = -1
+        self._flags: tuple[str, ...] = ()
+        self._file_job: str | None = None  # r/W keep state on the robot: one file job at a time
+        self._file_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.dev.set_health(connection=False, operational=False, state="starting", error=False, error_message="",
+                            details=self._details())
+        self._bind()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.link.start()
+        self._threads = [threading.Thread(target=self._status_loop, name=f"dexter-status-{self.cfg.id}", daemon=True),
+                         threading.Thread(target=self._health_loop, name=f"dexter-health-{self.cfg.id}", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.link.close()
+        for t in self._threads:
+            t.join(2)
+        self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
+                            error_message="gateway stopped", details=self._details())
+
+    def _g_args(self) -> Sequence[str]:
+        # newest: `g` without an argument resets the status mode to '0', so polls repeat the current mode
+        return (self.status_mode,) if self.firmware is Firmware.NEWEST and self.status_mode != "0" else ()
+
+    # -- link callbacks (on the loop) -----------------------------------------------------------------
+    def _on_link_state(self, connected: bool, state: str, message: str) -> None:
+        self._publish_health()
+
+    def _on_decode_error(self, what: str) -> None:
+        self.node.count_decode_error(f"{self.cfg.id}: {what}")
+
+    def _on_reply(self, lr: LinkReply) -> None:
+        rep = lr.reply
+        if rep.oplet == "r":
+            return  # not a status
+        mode = self.status_mode if self.firmware is Firmware.NEWEST else "0"
+        if lr.request.oplet == "g":
+            mode = lr.request.args[0][0] if lr.request.args and self.firmware is Firmware.NEWEST else "0"
+        self._latest = (rep, mode, time.time())
+        flags = p.decode_error(rep.error).flags
+        if flags != self._flags:
+            self._flags = flags
+            self._publish_health()
+
+    def _publish_health(self) -> None:
+        link = self.link
+        flags = self._flags
+        serving = link.serving
+        problems = [p.FLAG_TEXT[f] for f in flags]
+        if not serving and link.message:
+            problems.insert(0, link.message)
+        state = link.state if not serving else ("fault" if flags else "connected")
+        self.dev.set_health(connection=serving, operational=serving and "firmware_mismatch" not in flags,
+                            state=state, error=(bool(problems) and link.state != "connecting") or bool(flags),
+                            error_message="; ".join(problems), details=self._details())
+
+    def _details(self) -> dict[str, Any]:
+        s = self.link.stats
+        d: dict[str, Any] = {"host": self.cfg.host, "port": self.cfg.port, "firmware": self.cfg.firmware.value,
+                             "status_mode": self.status_mode}
+        d.update(link=self.link.state, rtt_last_ms=s.rtt_last_ms, rtt_avg_ms=s.rtt_avg_ms,
+                 rtt_max_ms=s.rtt_max_ms, reconnects=s.reconnects, timeouts=s.timeouts,
+                 out_of_step=s.out_of_step, stale_replies=s.stale_replies, commands=s.commands,
+                 keepalives=s.keepalives, busy_refusals=s.busy, queued=self.link.queued)
+        return d
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.settings.health_interval_s):
+            self._publish_health()
+
+    def _status_loop(self) -> None:
+        """Publish the newest status at the configured rate; poll `g` only when nothing else brought one."""
+        hz = self.settings.dexter_status_hz
+        if hz <= 0:
+            return
+        period = 1.0 / hz
+        while not self._stop.wait(period):
+            latest = self._latest
+            fresh = latest is not None and time.time() - latest[2] < period and \
+                latest[0].instruction_id != self._published_instr
+            if not fresh and self.link.serving and not self.link.busy:
+                with contextlib.suppress(DexterLinkError, ProtocolError):
+                    self.link.request("g", self._g_args())
+                latest = self._latest
+            if latest is not None and latest[0].instruction_id != self._published_instr:
+                self._published_instr = latest[0].instruction_id
+                self.dev.publish(STATUS, self._status(latest))
+
+    def _status(self, latest: tuple[p.Reply, str, float]) -> DexterStatus:
+        rep, mode, ts = latest
+        return status_model(rep, mode, self.settings.dexter_servo_deg_per_unit, self.settings.dexter_j6_zero_units, ts)
+
+    # -- sending ------------------------------------------------------------------------------------------
+    def send(self, oplet: str, args: Sequence[Any] = (), *, timeout_s: float | None = None,
+             errno_reply: bool = False, fail_on_error: bool = True, job: JobContext | None = None
+             ) -> DexterCommandReply:
+        """One command, on the caller's thread; a job's cancel stops it waiting for its turn (a command
+        already sent completes on the robot)."""
+        try:
+            req = self.link.prepare(oplet, args)
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        try:
+            lr = self.link.submit(req, timeout_s=timeout_s, cancelled=None if job is None else lambda: job.cancelled)
+        except DexterLinkError as exc:
+            raise link_error(exc) from None
+        return self._reply_model(lr, errno_reply=errno_reply, fail_on_error=fail_on_error)
+
+    def _reply_model(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> DexterCommandReply:
+        rep = lr.reply
+        is_read = rep.oplet == "r"
+        err = error_info(rep.error, errno_reply=errno_reply or is_read)
+        if fail_on_error and err.code != 0:
+            code = ERRNO_CODES.get(err.code, ErrorCode.DEVICE_ERROR) if (errno_reply or is_read) else \
+                ErrorCode.DEVICE_ERROR
+            raise CommandError(code, f"arm {self.cfg.id}: {lr.request.oplet!r} failed: {err.message}")
+        out = DexterCommandReply(request=lr.request.text(), instruction_id=rep.instruction_id, oplet=rep.oplet,
+                                 rtt_ms=round(lr.rtt_s * 1000, 3), error=err)
+        try:
+            if is_read:
+                out.read = read_block_model(rep)
+            else:
+                mode = self._latest[1] if self._latest is not None and self._latest[0] is rep else self.status_mode
+                out.status = status_model(rep, mode, self.settings.dexter_servo_deg_per_unit,
+                                          self.settings.dexter_j6_zero_units, time.time())
+        except ProtocolError as exc:
+            self._on_decode_error(str(exc))
+            raise CommandError(ErrorCode.DEVICE_ERROR, f"arm {self.cfg.id}: undecodable reply: {exc}") from None
+        return out
+
+    def _servo_units(self, j6_deg: float | None, j7_deg: float | None) -> list[Any]:
+        """J6/J7 degrees -> Dynamixel units; NaN skips J6 when only J7 is given (§2)."""
+        per = self.settings.dexter_servo_deg_per_unit
+        if j6_deg is None and j7_deg is None:
+            return []
+        j6: Any = float("nan") if j6_deg is None else round(self.settings.dexter_j6_zero_units + j6_deg / per)
+        return [j6] if j7_deg is None else [j6, round(j7_deg / per)]
+
+    # -- commands --------------------------------------------------------------------------------------
+    def _bind(self) -> None:
+        d = self.dev
+        d.bind(MOVE_ALL, self.cmd_move_all)
+        d.bind(MOVE_REL, self.cmd_move_relative)
+        d.bind(PID_MOVE, self.cmd_pid_move)
+        d.bind(MOVE_TO, self.cmd_move_to)
+        d.bind(MOVE_STRAIGHT, self.cmd_move_to_straight)
+        d.bind(SET_PARAM, self.cmd_set_parameter)
+        d.bind(SET_BOUNDS, self.cmd_set_boundaries)
+        d.bind(SLEEP, self.cmd_sleep)
+        d.bind(HEARTBEAT, self.cmd_heartbeat)
+        d.bind(WRITE_FPGA, self.cmd_write_fpga)
+        d.bind(STATUS_MODE, self.cmd_status_mode)
+        d.bind(RAW, self.cmd_raw)
+        d.bind_job(WAIT_MOTION, self.job_wait_motion)
+        d.bind_job(READ_FILE, self.job_read_file, self.admit_read)
+        d.bind_job(WRITE_FILE, self.job_write_file, self.admit_file)
+        d.bind_job(RUN_FILE, self.job_run_file)
+
+    def cmd_move_all(self, req: DexterMoveAllJoints) -> DexterCommandReply:
+        args = [p.arcsec(a) for a in req.joints_deg] + self._servo_units(req.j6_deg, req.j7_deg)
+        return self.send("a", args)
+
+    def cmd_move_relative(self, req: DexterMoveRelative) -> DexterCommandReply:
+        return self.send("R", [p.arcsec(a) for a in req.joints_deg])
+
+    def cmd_pid_move(self, req: DexterPidMove) -> DexterCommandReply:
+        args = [p.arcsec(a) for a in req.offsets_deg] + self._servo_units(req.j6_deg, req.j7_deg)
+        return self.send("P", args)
+
+    def _cartesian(self, req: DexterMoveTo) -> list[Any]:
+        scale = p.UM_PER_M if req.units == "m" else 1.0
+        xyz = [round(v * scale) for v in req.xyz]
+        c = req.config
+        return [*xyz, *req.direction, int(c.right_arm), int(c.elbow_up), int(c.wrist_out)]
+
+    def cmd_move_to(self, req: DexterMoveTo) -> DexterCommandReply:
+        return self.send("M", self._cartesian(req))
+
+    def cmd_move_to_straight(self, req: DexterMoveToStraight) -> DexterCommandReply:
+        args = self._cartesian(req)
+        extras: list[Any] = [x for x in (req.tool_speed_um_s, req.resolution_um) if x is not None]
+        if req.j6_deg is not None:
+            extras += self._servo_units(req.j6_deg, req.j7_deg)
+        return self.send("T", args + extras)
+
+    def cmd_set_parameter(self, req: DexterSetParameter) -> DexterCommandReply:
+        try:
+            name = p.resolve_param(req.name)
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        if name == "RunFile":
+            raise CommandError(ErrorCode.INVALID_REQUEST, "S RunFile is the run_file job")
+        vals = [req.value] if req.value is not None else list(req.values or [])
+        if req.units == "user":
+            vals = [p.convert_param(name, v) for v in vals]
+        unit = p.param_unit(name)
+        # DexRun reads the first value with atof and the rest with atoi
+        wire: list[Any] = [round(v) if unit in (p.ParamUnit.ARCSEC, p.ParamUnit.MICRONS) else v for v in vals[:1]]
+        wire += [round(v) for v in vals[1:]]
+        return self.send("S", [req.name if req.name.isdigit() else name, *wire])
+
+    def cmd_set_boundaries(self, req: DexterSetBoundaries) -> DexterCommandReply:
+        args: list[int] = []
+        for hi, lo in zip(req.high_deg, req.low_deg, strict=True):
+            args += [p.arcsec(hi), p.arcsec(lo)]
+        return self.send("B", args)
+
+    def cmd_sleep(self, req: DexterSleep) -> DexterCommandReply:
+        return self.send("z", [round(req.seconds * 1e6)])
+
+    def cmd_heartbeat(self, req: DexterEmpty) -> DexterCommandReply:
+        return self.send("h")
+
+    def cmd_write_fpga(self, req: DexterWriteFpga) -> DexterCommandReply:
+        return self.send("w", [req.address, req.value])
+
+    def cmd_status_mode(self, req: DexterStatusModeRequest) -> DexterCommandReply:
+        if self.firmware is Firmware.STABLE:
+            raise CommandError(ErrorCode.INVALID_REQUEST,
+                               "the stable DexRun has no status modes (`g` ignores its argument)")
+        if req.mode in " ,;\x00":
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"status mode {req.mode!r} cannot be sent")
+        reply = self.send("g", [req.mode] if req.mode != "0" else [])
+        self.status_mode = req.mode
+        self._publish_health()
+        return reply
+
+    def check_shell(self, target: str) -> None:
+        """The backtick shell target: forbidden unless enabled, and then only allowlisted command lines."""
+        line = target[1:].strip()
+        s = self.settings
+        if not s.dexter_shell_enabled:
+            raise CommandError(ErrorCode.FORBIDDEN, "the shell target of `r` is disabled on this gateway "
+                               "(ROBOBUS_DEXTER_SHELL_ENABLED)")
+        if line and line not in s.dexter_shell_allowlist:
+            raise CommandError(ErrorCode.FORBIDDEN, f"shell command {line!r} is not on the allowlist "
+                               "(ROBOBUS_DEXTER_SHELL_ALLOWLIST)")
+        if line and self.firmware is Firmware.STABLE and " " in line:
+            raise CommandError(ErrorCode.INVALID_REQUEST, "the stable DexRun hands only the first word of a shell "
+                               "command to the shell")
+
+    def cmd_raw(self, req: DexterRawCommand) -> DexterCommandReply:
+        try:
+            oplet, args = p.parse_command_line(req.command)
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        if oplet == "r" and len(args) > 1 and p.target_kind(args[1]) == "shell":
+            self.check_shell(args[1])
+        if oplet in "rW" and self._file_job is not None:
+            raise CommandError(ErrorCode.BUSY, f"a {self._file_job} job holds the arm's file channel")
+        if oplet == "g" and self.firmware is Firmware.NEWEST:
+            self.status_mode = args[0][0] if args else "0"
+        return self.send(oplet, args, fail_on_error=False)
+
+    # -- jobs ----------------------------------------------------------------------------------------
+    def admit_file(self, req: Any) -> None:
+        if not self.link.serving:
+            raise link_error(DexterLinkError("unavailable", f"arm {self.cfg.id} is not connected: {self.link.message}"))
+        with self._file_lock:
+            if self._file_job is not None:
+                raise CommandError(ErrorCode.BUSY, f"a {self._file_job} job is using the arm's file channel "
+                                   "(DexRun keeps one write handle, one keyword and one shell)")
+            self._file_job = "read_file" if isinstance(req, DexterReadFile) else "write_file"
+
+    def admit_read(self, req: DexterReadFile) -> None:
+        kind = p.target_kind(req.path)
+        if kind == "shell":
+            self.check_shell(req.path)
+        elif kind == "file":
+            try:
+                p.check_path(req.path)
+            except ProtocolError as exc:
+                raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        self.admit_file(req)
+
+    def job_wait_motion(self, req: DexterWaitMotionDone, job: JobContext) -> DexterMotionDone:
+        """`F` blocks the link until the FIFO drains: it runs on a helper thread so that a cancel ends the
+        job at once (the `F` itself completes on the robot; its reply is read and dropped)."""
+        t0 = time.monotonic()
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["reply"] = self.send("F", timeout_s=req.timeout_s or self.cfg.motion_timeout_s)
+            except Exception as exc:
+                out["error"] = exc
+
+        waiter = threading.Thread(target=run, name=f"dexter-F-{self.cfg.id}", daemon=True)
+        waiter.start()
+        while waiter.is_alive():
+            job.progress("waiting", round(time.monotonic() - t0, 1), 0, info="F: until the motion FIFO drains")
+            if job.wait(0.1):
+                job.check_cancelled()
+        if "error" in out:
+            raise out["error"]
+        rep: DexterCommandReply = out["reply"]
+        return DexterMotionDone(waited_s=round(time.monotonic() - t0, 3), status=rep.status)
+
+    def _exchange(self, req: p.Request | tuple[str, Sequence[Any]], job: JobContext) -> p.Reply:
+        """A job's block: straight to the link (no reply model per block; the job reports the whole).
+        A `Request` was validated by the caller (a block of a transfer whose first request was checked)."""
+        try:
+            if isinstance(req, p.Request):
+                return self.link.submit(req, cancelled=lambda: job.cancelled).reply
+            return self.link.request(req[0], req[1], cancelled=lambda: job.cancelled).reply
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        except DexterLinkError as exc:
+            if job.cancelled and exc.code == "unavailable":
+                job.check_cancelled()  # gave up its turn because of the cancel: a cancelled result, not an error
+            raise link_error(exc) from None
+
+    def _read_block(self, block: int, target: str, job: JobContext) -> p.ReadBlock:
+        # block 0 is validated in full; later blocks differ only in the block number
+        rep = self._exchange(("r", (str(block), target)) if block == 0 else p.Request("r", (str(block), target)), job)
+        try:
+            return p.decode_read(rep)
+        except ProtocolError as exc:
+            self._on_decode_error(str(exc))
+            raise CommandError(ErrorCode.DEVICE_ERROR, f"arm {self.cfg.id}: undecodable r reply: {exc}") from None
+
+    def _fail_errno(self, what: str, errno: int) -> CommandError:
+        e = p.decode_error(errno, errno_reply=True)
+        return CommandError(ERRNO_CODES.get(e.code, ErrorCode.DEVICE_ERROR), f"{what}: {e.message}")
+
+    def job_read_file(self, req: DexterReadFile, job: JobContext) -> DexterFileContent:
+        try:
+            return self._read_file(req, job)
+        finally:
+            self._file_job = None
+
+    def _read_file(self, req: DexterReadFile, job: JobContext, phase: str = "reading",
+                   total: int = 0) -> DexterFileContent:
+        kind = p.target_kind(req.path)
+        data = bytearray()
+        blocks = 0
+        exit_status = None
+        if kind == "shell":
+            shell = p.ShellRead()
+            target = req.path
+            while not shell.done:
+                job.check_cancelled()
+                blk = self._read_block(1 if blocks else 0, target if not blocks else "`", job)
+                if blocks == 0 and blk.error in (p.EBUSY, p.ECHILD):
+                    raise self._fail_errno(f"shell {req.path[1:]!r}", blk.error)
+                blocks += 1
+                shell.feed(blk)
+                job.progress("reading", len(shell.output), 0, blocks=blocks)
+                if len(shell.output) > req.max_bytes:
+                    raise CommandError(ErrorCode.INVALID_REQUEST, f"output exceeds max_bytes={req.max_bytes}")
+                if not blk.payload and not shell.done:
+                    job.wait(0.005)  # still running: output trickles
+            data, exit_status = shell.output, shell.exit_status
+        else:
+            prev = b""
+            while True:
+                job.check_cancelled()
+                blk = self._read_block(blocks, req.path, job)
+                if blk.error:
+                    if kind == "keyword" and blk.error == p.ESPIPE and blocks > 0:
+                        break  # newest: keyword data exhausted
+                    raise self._fail_errno(f"read {req.path!r}", blk.error)
+                if kind == "keyword" and blocks > 0 and blk.payload == prev and blk.length == p.MAX_CONTENT_CHARS:
+                    break  # stable: past the end it repeats the previous reply's stale bytes
+                blocks += 1
+                data += blk.payload
+                prev = blk.payload
+                job.progress(phase, len(data), total, blocks=blocks)
+                if len(data) > req.max_bytes:
+                    raise CommandError(ErrorCode.INVALID_REQUEST, f"{req.path!r} exceeds max_bytes={req.max_bytes}")
+                if blk.length < p.MAX_CONTENT_CHARS:
+                    break
+                if kind == "keyword" and self.firmware is Firmware.STABLE and _complete_json(data):
+                    break  # stable never says "exhausted": stop at a complete value
+        out = DexterFileContent(path=req.path, kind=kind, bytes=len(data), blocks=blocks, exit_status=exit_status)
+        raw = bytes(data)
+        if req.encoding != "base64":
+            try:
+                out.text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                if req.encoding == "text":
+                    raise CommandError(ErrorCode.INVALID_REQUEST, f"{req.path!r} is not UTF-8 text; "
+                                       "ask for encoding=base64") from None
+        if out.text is None:
+            out.base64 = base64.b64encode(raw).decode()
+        if kind == "keyword" and out.text is not None:
+            try:
+                out.value = p.decode_keyword(req.path, out.text)
+            except ProtocolError as exc:
+                self._on_decode_error(str(exc))
+        return out
+
+    def job_write_file(self, req: DexterWriteFile, job: JobContext) -> DexterFileWritten:
+        try:
+            return self._write_file(req, job)
+        finally:
+            self._file_job = None
+
+    def _write_file(self, req: DexterWriteFile, job: JobContext) -> DexterFileWritten:
+        if req.text is not None:
+            data = req.text.encode("utf-8")
+        else:
+            try:
+                data = base64.b64decode(req.base64 or "", validate=True)
+            except (binascii.Error, ValueError):
+                raise CommandError(ErrorCode.INVALID_REQUEST, "base64 is not valid base64") from None
+        try:
+            seq = p.write_requests(req.path, data)
+            built = [self.link.prepare(oplet, args) for oplet, args in seq]  # every block checked before the first
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        done = 0
+        def stop_if_cancelled(opened: bool) -> None:
+            if job.cancelled:
+                if opened:  # close DexRun's write handle (the file keeps what was written), then report the cancel
+                    with contextlib.suppress(CommandError):
+                        self.send("W", ["e", "0"], errno_reply=True)
+                job.check_cancelled()
+
+        for i, (_oplet, args) in enumerate(seq):
+            stop_if_cancelled(i > 0)
+            try:
+                rep = self._exchange(built[i], job)
+            except CommandError:
+                stop_if_cancelled(i > 0)  # a cancel while waiting for the link's turn
+                raise
+            if rep.error:  # DexRun reports no fopen/fwrite errors (§4.2); anything here is worth stopping for
+                raise self._fail_errno(f"write {req.path!r}", rep.error)
+            if i > 0:
+                done += len(p.unescape(args[2].encode("latin-1"))) if len(args) > 2 else 0
+            job.progress("writing", done, len(data), force=i == len(seq) - 1, blocks=i)
+        verified = None
+        if req.verify:
+            back = self._read_file(DexterReadFile(path=req.path, encoding="base64", max_bytes=max(len(data) + 62, 62)),
+                                   job, "verifying", len(data))
+            verified = base64.b64decode(back.base64 or "") == data if back.base64 is not None else \
+                (back.text or "").encode() == data
+            if not verified:
+                raise CommandError(ErrorCode.DEVICE_ERROR, f"{req.path!r} reads back {back.bytes} bytes that differ "
+                                   f"from the {len(data)} written (DexRun does not report write errors)")
+        return DexterFileWritten(path=req.path, bytes=len(data), blocks=len(seq) - 1, verified=verified)
+
+    def job_run_file(self, req: DexterRunFile, job: JobContext) -> DexterRunFileResult:
+        try:
+            p.check_path(req.path)
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        job.progress("running", force=True)
+        rep = self.send("S", ["RunFile", req.path], errno_reply=True, fail_on_error=False, job=job)
+        if rep.error.code:
+            raise self._fail_errno(f"RunFile {req.path!r}", rep.error.code)
+        return DexterRunFileResult(path=req.path, error=rep.error, status=rep.status)
+
+
+def _complete_json(data: bytearray) -> bool:
+    try:
+        json.loads(bytes(data))
+    except ValueError:
+        return False
+    return True
+
+
+class DexterGateway:
+    """The hooks `run_service` drives: start every arm's link and pollers; on shutdown close the links."""
+
+    def __init__(self, node: Node, settings: DexterSettings) -> None:
+        self.node = node
+        self.settings = settings
+        self.arms = [DexterArm(node, cfg, settings) for cfg in settings.dexter_arms]
+
+    def start(self) -> None:
+        for arm in self.arms:
+            arm.start()
+        log.info("serving arms", extra={"arms": [f"{a.cfg.id}@{a.cfg.host}:{a.cfg.port}" for a in self.arms]})
+
+    def shutdown(self) -> None:
+        """Fail safe: refuse new commands and drop the queued ones (nothing more reaches the arm); the one in
+        flight completes. DexRun has no stop oplet: moves already in its FIFO run to their end."""
+        for arm in self.arms:
+            arm.close()
+
+
+def build(node: Node, settings: DexterSettings) -> DexterGateway:
+    ids = [a.id for a in settings.dexter_arms]
+    if not ids:
+        raise ServiceUnavailable("no arms configured (ROBOBUS_DEXTER_ARMS)")
+    if len(set(ids)) != len(ids):
+        raise ServiceUnavailable(f"arm ids must be unique, got {ids}")
+    return DexterGateway(node, settings)
+
+
+__all__ = ["API", "DexterArm", "DexterGateway", "DexterSettings", "build"]

@@ -1,0 +1,431 @@
+"""The TCP link to one Dexter (DexRun, port 50000): strict stop-and-wait, timeouts, keepalive, reconnect.
+
+Blocking sockets, one `DexterLink` per arm. The caller's own thread (a command-pool thread, a job thread,
+the status poller) does its exchange: it takes its turn in the arm's FIFO, writes the command, reads the
+reply, and hands the link to the next caller. No thread hop sits between a caller and the robot, so a file
+transfer runs at the robot's block round trip, not at the speed of hand-offs between threads.
+
+* **One command in flight.** DexRun treats each `recv` as one command, so a second command in the same
+  segment is lost (reference §1); the wiki: "wait for the status to be returned before sending the next
+  oplet". Callers queue in arrival order (FIFO, never interleaved); more than `queue_limit` waiting get
+  `busy`.
+* **A reply timeout per command** (DDE has none, §8), longer where DexRun legitimately waits: `F`
+  (FIFO drain), `w` (flushes the FIFO first), `z` (its sleep), queued moves (no reply while the 16-deep
+  FIFO is full), `S RunFile`. A timed-out link is reset (a late reply would be out of step) and the caller
+  gets `timeout`.
+* **Replies reassembled** from any segmentation (`ReplyAssembler`); each must echo the instruction id we
+  sent and our oplet. An older id is a stale copy (a coalesced duplicate: dropped and counted); anything
+  else means the byte stream is out of step: counted, the link is reset.
+* **Keepalive**: DexRun closes a connection idle for 30 s (`SO_RCVTIMEO`, §1); after `keepalive_s` of
+  silence the supervisor sends a `g` through the same FIFO. While idle it also peeks at the socket, so a
+  close by the robot shows in health at once.
+* **Connect** with a timeout, a `g` probe (a second client is accepted by the kernel but never served
+  while another holds the arm), then capped exponential backoff between attempts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import select
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from services.dexter_gateway.protocol import (
+    MOTION_OPLETS,
+    Firmware,
+    ProtocolError,
+    Reply,
+    ReplyAssembler,
+    Request,
+    build_request,
+    decode_reply,
+    resolve_param,
+)
+
+log = logging.getLogger("robobus.dexter.link")
+
+
+class DexterLinkError(Exception):
+    """A command that did not complete; `code` is one of the contract's error codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class DexterLinkConfig:
+    host: str
+    port: int = 50000
+    firmware: Firmware = Firmware.NEWEST
+    connect_timeout_s: float = 3.0
+    reply_timeout_s: float = 2.0
+    motion_timeout_s: float = 300.0  # F / w / RunFile: until the motion FIFO has drained
+    fifo_timeout_s: float = 120.0  # a queued move while the FIFO is full: until a slot frees
+    keepalive_s: float = 10.0  # DexRun closes after 30 s of silence
+    reconnect_min_s: float = 0.2
+    reconnect_max_s: float = 5.0
+    queue_limit: int = 64
+    job_id: int = 1
+
+
+@dataclass
+class DexterLinkStats:
+    connects: int = 0
+    reconnects: int = 0
+    commands: int = 0
+    timeouts: int = 0
+    out_of_step: int = 0
+    stale_replies: int = 0
+    keepalives: int = 0
+    busy: int = 0
+    rtt_last_ms: float = 0.0
+    rtt_avg_ms: float = 0.0  # exponentially weighted, 1/16
+    rtt_max_ms: float = 0.0
+
+
+@dataclass
+class LinkReply:
+    request: Request
+    reply: Reply
+    rtt_s: float
+
+
+@dataclass
+class _Turn:
+    granted: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False
+
+
+StateHandler = Callable[[bool, str, str], None]  # connected, state, message
+ReplyHandler = Callable[[LinkReply], None]
+DecodeErrorHandler = Callable[[str], None]
+Cancelled = Callable[[], bool]
+
+
+class DexterLink:
+    """One arm's link. `start()`; `request(oplet, args)` from any thread; `close()`."""
+
+    def __init__(self, name: str, config: DexterLinkConfig, *, on_state: StateHandler | None = None,
+                 on_reply: ReplyHandler | None = None, on_decode_error: DecodeErrorHandler | None = None,
+                 keepalive_args: Callable[[], Sequence[str]] | None = None) -> None:
+        self.name = name
+        self.config = config
+        self.stats = DexterLinkStats()
+        self.serving = False  # connected and DexRun answered our probe
+        self.state = "starting"
+        self.message = ""
+        self.on_state = on_state or (lambda c, s, m: None)
+        self.on_reply = on_reply or (lambda r: None)
+        self.on_decode_error = on_decode_error or (lambda what: None)
+        self.keepalive_args = keepalive_args or (lambda: ())
+        self._sock: socket.socket | None = None
+        self._asm = ReplyAssembler()
+        self._instr = 0
+        self._last_tx = 0.0
+        self._closing = threading.Event()
+        self._lost = threading.Event()
+        self._lock = threading.Lock()  # guards the turn queue
+        self._turns: deque[_Turn] = deque()
+        self._held = False
+        self._thread: threading.Thread | None = None
+
+    # -- public ---------------------------------------------------------------------------------
+    def start(self) -> DexterLink:
+        self._thread = threading.Thread(target=self._supervise, name=f"dexter-link-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._turns)
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._held or bool(self._turns)
+
+    def prepare(self, oplet: str, args: Sequence[Any] = ()) -> Request:
+        """Validate now (ProtocolError), so nothing invalid is ever queued."""
+        return build_request(oplet, args, job_id=self.config.job_id, firmware=self.config.firmware)
+
+    def timeout_for(self, req: Request) -> float:
+        c = self.config
+        if req.oplet in ("F", "w"):
+            return c.motion_timeout_s
+        if req.oplet == "z":
+            return int(req.args[0]) / 1e6 + c.reply_timeout_s
+        if req.oplet in MOTION_OPLETS:
+            return c.fifo_timeout_s
+        if req.oplet == "S" and resolve_param(req.args[0]) == "RunFile":
+            return c.motion_timeout_s
+        return c.reply_timeout_s
+
+    def request(self, oplet: str, args: Sequence[Any] = (), *, timeout_s: float | None = None,
+                cancelled: Cancelled | None = None) -> LinkReply:
+        """Send one command when it is this caller's turn and return its reply (blocking).
+        Raises ProtocolError (invalid request) or DexterLinkError (unavailable, busy, timeout, device_error)."""
+        return self.submit(self.prepare(oplet, args), timeout_s=timeout_s, cancelled=cancelled)
+
+    def submit(self, req: Request, *, timeout_s: float | None = None, cancelled: Cancelled | None = None
+               ) -> LinkReply:
+        self._check_up()
+        self._acquire(cancelled)
+        try:
+            self._check_up()
+            rep = self._exchange(req, self.timeout_for(req) if timeout_s is None else timeout_s)
+        finally:
+            self._release()
+        self.on_reply(rep)
+        return rep
+
+    def close(self) -> None:
+        """Refuse new commands, fail the queued ones; the one in flight finishes; close the socket."""
+        self._closing.set()
+        with self._lock:
+            for t in self._turns:
+                t.abandoned = True
+                t.granted.set()
+        self._lost.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        with self._lock:
+            held = self._held
+        if not held:
+            self._drop_socket()
+        self._set_state(False, "stopped", "gateway stopped")
+
+    def reset(self, why: str) -> None:
+        """Drop the connection (a timed-out or out-of-step link); the supervisor reconnects."""
+        log.warning("resetting the link", extra={"arm": self.name, "why": why})
+        self.message = why
+        self.serving = False
+        self._drop_socket()
+        self._lost.set()
+
+    # -- turns: FIFO, bounded ------------------------------------------------------------------------
+    def _acquire(self, cancelled: Cancelled | None) -> None:
+        with self._lock:
+            if not self._held and not self._turns:
+                self._held = True
+                return
+            if len(self._turns) >= self.config.queue_limit:
+                self.stats.busy += 1
+                raise DexterLinkError("busy", f"arm {self.name}: {self.config.queue_limit} commands already queued "
+                                      "(one runs at a time)")
+            turn = _Turn()
+            self._turns.append(turn)
+        while not turn.granted.wait(0.1):
+            if (cancelled is not None and cancelled()) or self._closing.is_set():
+                with self._lock:
+                    if not turn.granted.is_set():
+                        turn.abandoned = True
+                        self._turns.remove(turn)
+                        break
+        if turn.abandoned or self._closing.is_set():
+            if turn.granted.is_set() and not turn.abandoned:
+                self._release()
+            raise DexterLinkError("unavailable", f"arm {self.name}: gave up waiting for the link "
+                                  f"({'stopping' if self._closing.is_set() else 'cancelled'})")
+
+    def _release(self) -> None:
+        with self._lock:
+            while self._turns:
+                nxt = self._turns.popleft()
+                if not nxt.abandoned:
+                    nxt.granted.set()  # the turn passes on; _held stays True
+                    return
+            self._held = False
+
+    def _check_up(self) -> None:
+        if self._closing.is_set():
+            raise DexterLinkError("unavailable", f"arm {self.name}: the link is stopping")
+        if not self.serving:
+            raise DexterLinkError("unavailable", f"arm {self.name} ({self.config.host}:{self.config.port}) is not "
+                                  "connected" + (f": {self.message}" if self.message else ""))
+
+    # -- one exchange (the caller holds the turn) ------------------------------------------------------
+    def _exchange(self, req: Request, timeout_s: float) -> LinkReply:
+        sock = self._sock
+        if sock is None:
+            raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {self.message}")
+        self._instr = self._instr + 1 if self._instr < 2**31 - 1 else 1
+        req = dataclasses.replace(req, instruction_id=self._instr, job_id=self.config.job_id)
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        try:
+            sock.sendall(req.encode())  # the whole command in one write (TCP_NODELAY: one segment)
+        except OSError as exc:
+            self._lose(f"send failed: {exc}")
+            raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {exc}") from None
+        self._last_tx = t0
+        self.stats.commands += 1
+        pending: list[bytes] = []
+        while True:
+            while pending:
+                raw = pending.pop(0)
+                rep = self._match(req, raw)
+                if rep is not None:
+                    rtt = time.monotonic() - t0
+                    self._note_rtt(rtt)
+                    if pending:  # more replies in the same segment: copies nobody asked for
+                        self.stats.stale_replies += len(pending)
+                        self.on_decode_error(f"{len(pending)} unsolicited replies after {req.oplet!r} dropped")
+                    return LinkReply(req, rep, rtt)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stats.timeouts += 1
+                msg = f"no reply to {req.oplet!r} within {timeout_s:g} s; link reset"
+                self.reset(msg)
+                raise DexterLinkError("timeout", f"arm {self.name}: {msg}")
+            try:
+                sock.settimeout(left)
+                data = sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                self._lose(f"connection lost: {exc}")
+                raise DexterLinkError("unavailable", f"link to arm {self.name} lost before the reply to "
+                                      f"{req.oplet!r}: {exc}") from None
+            if not data:
+                self._lose("connection closed by the robot")
+                raise DexterLinkError("unavailable", f"link to arm {self.name} closed by the robot before the "
+                                      f"reply to {req.oplet!r}")
+            pending += self._asm.feed(data)
+
+    def _match(self, req: Request, raw: bytes) -> Reply | None:
+        try:
+            rep = decode_reply(raw)
+        except ProtocolError as exc:
+            self._out_of_step(str(exc))
+        if rep.instruction_id == req.instruction_id and rep.oplet == req.oplet:
+            return rep
+        if 0 < rep.instruction_id < req.instruction_id:  # an older reply again (a coalesced copy): stale
+            self.stats.stale_replies += 1
+            self.on_decode_error(f"stale reply to instruction {rep.instruction_id} ({rep.oplet!r}) dropped")
+            return None
+        self._out_of_step(f"reply to instruction {rep.instruction_id} ({rep.oplet!r}) was not asked for")
+
+    def _out_of_step(self, why: str) -> NoReturn:
+        self.stats.out_of_step += 1
+        self.on_decode_error(why)
+        msg = f"reply stream out of step ({why}); link reset"
+        self.reset(msg)
+        raise DexterLinkError("device_error", f"arm {self.name}: {msg}")
+
+    def _note_rtt(self, rtt: float) -> None:
+        ms = rtt * 1000
+        s = self.stats
+        s.rtt_last_ms = round(ms, 3)
+        s.rtt_avg_ms = round(ms if s.rtt_avg_ms == 0 else s.rtt_avg_ms + (ms - s.rtt_avg_ms) / 16, 3)
+        s.rtt_max_ms = round(max(s.rtt_max_ms, ms), 3)
+
+    def _lose(self, why: str) -> None:
+        if not self._lost.is_set():
+            self.message = why
+        self.serving = False
+        self._drop_socket()
+        self._lost.set()
+
+    def _drop_socket(self) -> None:
+        s, self._sock = self._sock, None
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    # -- supervisor: connect, probe, keepalive, reconnect ---------------------------------------------------
+    def _supervise(self) -> None:
+        cfg = self.config
+        delay = cfg.reconnect_min_s
+        while not self._closing.is_set():
+            self._set_state(False, "connecting", self.message)
+            try:
+                sock = socket.create_connection((cfg.host, cfg.port), timeout=cfg.connect_timeout_s)
+            except OSError as exc:
+                self._set_state(False, "disconnected", f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}")
+                self._closing.wait(delay)
+                delay = min(delay * 2, cfg.reconnect_max_s)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+            self._asm.reset()
+            self._lost.clear()
+            served = self._session()
+            if self._closing.is_set():
+                break
+            self._set_state(False, "disconnected", self.message)
+            delay = cfg.reconnect_min_s if served else min(delay * 2, cfg.reconnect_max_s)
+            self._closing.wait(delay)
+
+    def _session(self) -> bool:
+        """Probe, then keep the link alive until it is lost. True if DexRun answered us."""
+        probe = build_request("g", self.keepalive_args(), job_id=self.config.job_id, firmware=self.config.firmware)
+        self._acquire(None)
+        try:
+            first = self._exchange(probe, self.config.reply_timeout_s)
+        except DexterLinkError as exc:
+            msg = exc.message
+            if exc.code == "timeout":
+                msg = ("connected, but DexRun did not answer within "
+                       f"{self.config.reply_timeout_s:g} s (another client may hold the arm)")
+            self.message = msg
+            self._drop_socket()
+            return False
+        finally:
+            self._release()
+        self.stats.connects += 1
+        if self.stats.connects > 1:
+            self.stats.reconnects += 1
+        self.serving = True
+        self.message = ""
+        self._set_state(True, "connected", "")
+        log.info("arm connected", extra={"arm": self.name, "host": self.config.host, "port": self.config.port})
+        self.on_reply(first)
+        ka = self.config.keepalive_s
+        while not self._lost.wait(min(0.25, ka / 2)):
+            if self._closing.is_set():
+                break
+            if time.monotonic() - self._last_tx >= ka and not self.busy:
+                self.stats.keepalives += 1
+                with contextlib.suppress(DexterLinkError, ProtocolError):
+                    self.request("g", self.keepalive_args())
+            elif not self.busy:
+                self._peek()
+        self.serving = False
+        return True
+
+    def _peek(self) -> None:
+        """While idle: has the robot closed the connection (DexRun's idle close, a reboot)?"""
+        with self._lock:
+            if self._held or self._turns:
+                return
+            self._held = True
+        try:
+            sock = self._sock
+            if sock is None:
+                return
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable:
+                try:
+                    data = sock.recv(4096, socket.MSG_PEEK)
+                except OSError as exc:
+                    self._lose(f"connection lost: {exc}")
+                    return
+                if not data:
+                    self._lose("connection closed by the robot")
+        finally:
+            self._release()
+
+    def _set_state(self, connected: bool, state: str, message: str) -> None:
+        self.state = state
+        self.message = message
+        self.on_state(connected, state, message)

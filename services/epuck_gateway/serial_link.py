@@ -1,0 +1,395 @@
+"""The serial link to one e-puck2 (asercom v2): Bluetooth SPP (/dev/rfcommN) or USB (/dev/ttyACMn).
+
+Same surface as the WiFi `EpuckLink` (start, close, request_write, connected, stats, the same packet
+and state callbacks), so a robot device on the bus looks the same whichever way it is reached.
+
+asercom is request/response: the link polls at `poll_hz` with one chain per poll, e.g.
+`[-0x09 + 19 actuator bytes] -0x08 -0x0B 0x00` (actuators only when the state changed, so commands
+coalesce into at most one write per poll), and turns the 103-byte block plus the button into the
+WiFi sensors layout, so one decoder and one MQTT state serve both transports; only the newest
+reply is published. The port is opened with pyserial and read on the asyncio loop (`add_reader` on
+its file descriptor): no thread, and all controller access stays on the loop.
+
+Over serial the F407 applies `-0x09` once, when it arrives (no radio module re-sends the last
+command), so one-shot flags need no clearing command.
+
+A device that goes away (USB unplugged, Bluetooth out of range) makes the port error or hang up:
+the link reports `disconnected` and reopens the same path with back-off until it is back (a udev
+/dev/serial/by-id path keeps its name across replugs; /dev/ttyACMn may not). A device that stays
+open but stops answering is `silent`, as over WiFi.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import serial
+
+from services.epuck_gateway.asercom import (
+    CAM_RGB565,
+    DEFAULT_IMAGE,
+    AsercomCommand,
+    AsercomImage,
+    AsercomReplyReader,
+    encode_chain,
+    expected_size,
+    get_all_sensors,
+    get_button,
+    get_image,
+    sensors_packet,
+    set_all_actuators,
+)
+from services.epuck_gateway.protocol import (
+    REQ_IMAGE,
+    REQ_SENSORS,
+    EpuckController,
+    ImagePacket,
+    Packet,
+    ProtocolError,
+    SensorsPacket,
+    stop_command,
+)
+from services.epuck_gateway.transport import EpuckLinkStats, ErrorHandler, PacketsHandler, StateHandler
+
+log = logging.getLogger("robobus.epuck.serial")
+
+
+@dataclass
+class EpuckSerialConfig:
+    port: str
+    baud: int = 115200
+    poll_hz: float = 50.0  # chains per second; the reply to -0x08 -0x0B is 104 bytes (~9 ms at 115200 baud)
+    image_fps: float = 2.0  # -'I' in a chain at most this often while the image stream is on (0 = never)
+    reply_timeout_s: float = 0.25  # beyond the reply's transfer time at `baud`
+    stale_timeout_s: float = 0.8  # no complete reply for this long: the robot is silent
+    reopen_min_s: float = 0.2
+    reopen_max_s: float = 2.0
+    stop_drain_s: float = 0.5
+
+
+class EpuckSerialLink:
+    """One robot over asercom v2. `run()` until `close()`; `request_write()` after changing the controller."""
+
+    def __init__(self, name: str, config: EpuckSerialConfig, controller: EpuckController,
+                 on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler) -> None:
+        self.name = name
+        self.config = config
+        self.controller = controller
+        self.stats = EpuckLinkStats()
+        self.connected = False
+        self.receiving = False
+        self.last_reply = 0.0
+        self.last_image: AsercomImage | None = None
+        self._on_packets = on_packets
+        self._on_state = on_state
+        self._on_framing_error = on_framing_error
+        self._serial: serial.Serial | None = None
+        self._fd = -1
+        self._reader: AsercomReplyReader | None = None
+        self._reply: asyncio.Future[None] | None = None
+        self._lost: asyncio.Future[str] | None = None
+        self._closing = False
+        self._wake = asyncio.Event()
+        self._poke = asyncio.Event()
+        self._dirty = False
+        self._silent = False
+        self._next_image = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._ascii: list[tuple[bytes, asyncio.Future[str]]] = []  # typed lines waiting for a slot between polls
+        self._line: bytearray | None = None  # the ASCII reply being read
+        self._line_event = asyncio.Event()
+
+    # -- public ---------------------------------------------------------------------------------------
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.ensure_future(self.run())
+        return self._task
+
+    def request_write(self) -> bool:
+        if not self.connected:
+            return False
+        self.stats.commands_requested += 1
+        self._dirty = True
+        self._poke.set()  # do not wait for the next poll slot
+        return True
+
+    async def ascii(self, line: bytes, timeout_s: float = 1.0) -> str:
+        """One ASCII-mode command (`D,200,200\r`) between two polls; the robot's reply lines, CR/LF stripped."""
+        if not self.connected:
+            raise ConnectionError(f"{self.config.port} is not open")
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._ascii.append((line, fut))
+        self._poke.set()
+        return await asyncio.wait_for(fut, timeout_s + 2 * self._reply_timeout([]))
+
+    async def _exchange_ascii(self, line: bytes, fut: asyncio.Future[str]) -> None:
+        """Write the line, read until its reply ends (CR LF, then a quiet moment: `H` answers many lines)."""
+        self._line = bytearray()
+        self._line_event.clear()
+        try:
+            assert self._serial is not None
+            self._serial.write(line)
+            deadline = time.monotonic() + self._reply_timeout([]) + 0.5
+            quiet = 0.05
+            while time.monotonic() < deadline:
+                self._line_event.clear()
+                ended = self._line.endswith(b"\n")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._line_event.wait(), quiet if ended else deadline - time.monotonic())
+                    continue
+                if ended:
+                    break
+            text = self._line.decode("ascii", "replace").replace("\r", "").strip("\n")
+            if not fut.done():
+                if text:
+                    fut.set_result(text)
+                else:
+                    fut.set_exception(TimeoutError(f"no ASCII reply from the robot on {self.config.port}"))
+        except (serial.SerialException, OSError) as exc:
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"write to {self.config.port} failed: {exc}"))
+        finally:
+            self._line = None
+
+    async def close(self) -> None:
+        """Stop the robot (speeds 0, LEDs off, stop sound) and close the port."""
+        self._closing = True
+        self._wake.set()
+        self._poke.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        ser = self._serial
+        if ser is not None:
+            with contextlib.suppress(serial.SerialException, OSError):
+                ser.write(encode_chain([set_all_actuators(stop_command())]))
+                self.stats.commands_sent += 1
+                ser.flush()
+            self._close_port()
+
+    # -- port lifecycle ------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        cfg = self.config
+        delay = cfg.reopen_min_s
+        down_reported = False
+        while not self._closing:
+            if not down_reported:
+                self._on_state(False, "connecting", "")
+            try:
+                ser = serial.Serial(cfg.port, cfg.baud, timeout=0, write_timeout=1.0, exclusive=True)
+            except (serial.SerialException, OSError, ValueError) as exc:
+                self._on_state(False, "disconnected", f"cannot open {cfg.port}: {exc}")
+                down_reported = True
+                await self._pause(delay)
+                delay = min(delay * 2, cfg.reopen_max_s)
+                continue
+            if self.stats.connects:
+                self.stats.reconnects += 1
+            self.stats.connects += 1
+            before = self.stats.packets
+            reason = await self._session(ser)
+            self._close_port()
+            if self._closing:
+                break
+            log.warning("serial link lost", extra={"robot": self.name, "port": cfg.port, "reason": reason})
+            self._on_state(False, "disconnected", reason)
+            down_reported = True
+            delay = cfg.reopen_min_s if self.stats.packets > before else min(delay * 2, cfg.reopen_max_s)
+            await self._pause(delay)
+
+    async def _session(self, ser: serial.Serial) -> str:
+        loop = asyncio.get_running_loop()
+        self._serial = ser
+        self._fd = ser.fileno()
+        self._lost = loop.create_future()
+        with contextlib.suppress(serial.SerialException, OSError):
+            ser.reset_input_buffer()  # the robot's welcome banner, or a reply to a previous host
+        self.connected = True
+        self.receiving = False
+        self._silent = False
+        self.last_reply = time.monotonic()
+        self._on_state(True, "connected", f"{self.config.port} open; no reply from the robot yet")
+        self.controller.on_link_up()  # never resume motion or replay one-shots from a past link
+        self._dirty = True
+        loop.add_reader(self._fd, self._readable)
+        poller = asyncio.ensure_future(self._poll())
+        try:
+            waits: list[asyncio.Future[Any]] = [poller, self._lost]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if self._lost.done():
+                return self._lost.result()
+            exc = poller.exception()
+            return f"poller stopped: {exc}"
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await poller
+            self.connected = False
+            self.receiving = False
+            for _line, fut in self._ascii:
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"{self.config.port} closed"))
+            self._ascii.clear()
+
+    def _close_port(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._fd)
+            self._fd = -1
+        ser, self._serial = self._serial, None
+        if ser is not None:
+            with contextlib.suppress(Exception):
+                ser.close()
+
+    async def _pause(self, seconds: float) -> None:
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+
+    def _lose(self, reason: str) -> None:
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(reason)
+
+    # -- polling -------------------------------------------------------------------------------------------
+    def _chain(self, now: float) -> list[AsercomCommand]:
+        chain: list[AsercomCommand] = []
+        if self._dirty:
+            self._dirty = False
+            chain.append(set_all_actuators(self.controller.build()))
+            self.controller.drop_oneshots()  # applied once on arrival: nothing to clear (module doc)
+        request = self.controller.request
+        if request & REQ_SENSORS or not request & REQ_IMAGE:
+            # With nothing requested the button (1 byte) still tells a live robot from a dead one.
+            chain += [get_all_sensors(), get_button()] if request & REQ_SENSORS else [get_button()]
+        if request & REQ_IMAGE and self.config.image_fps > 0 and now >= self._next_image:
+            self._next_image = max(self._next_image + 1.0 / self.config.image_fps, now)
+            chain.append(get_image())
+        return chain
+
+    def _reply_timeout(self, chain: list[AsercomCommand]) -> float:
+        transfer = expected_size(chain, DEFAULT_IMAGE) * 10 / self.config.baud  # 8N1: 10 bits a byte
+        return self.config.reply_timeout_s + 1.5 * transfer
+
+    async def _poll(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = 1.0 / self.config.poll_hz if self.config.poll_hz > 0 else 0.0
+        next_poll = time.monotonic()
+        while not self._closing:
+            while self._ascii:
+                line, fut = self._ascii.pop(0)
+                if not fut.done():
+                    await self._exchange_ascii(line, fut)
+            now = time.monotonic()
+            chain = self._chain(now)
+            self._reader = AsercomReplyReader(chain)
+            self._reply = loop.create_future()
+            try:
+                assert self._serial is not None
+                self._serial.write(encode_chain(chain))
+            except (serial.SerialException, OSError) as exc:
+                self._lose(f"write to {self.config.port} failed: {exc}")
+                return
+            if any(c.code == 0x09 for c in chain):
+                self.stats.commands_sent += 1
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reply), self._reply_timeout(chain))
+            except TimeoutError:
+                await self._timed_out()
+            else:
+                self._delivered(self._reader, time.time())
+            self._reader = None
+            self._check_silence()
+            next_poll += period
+            delay = next_poll - time.monotonic()
+            if delay < -period:
+                next_poll = time.monotonic()  # fell behind: do not burst
+                delay = 0.0
+            self._poke.clear()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    # A command wakes the poller early: it goes in the next chain at once.
+                    await asyncio.wait_for(self._poke.wait(), delay)
+
+    async def _timed_out(self) -> None:
+        """asercom replies carry no sequence number: a late reply to this chain would be taken for the
+        reply to the next one (stale data, or a misparse). So no new chain goes out until this one's
+        reply has come in full (discarded as late) or the line has stayed quiet for the stale timeout
+        (then the robot dropped the chain; whatever came is flushed)."""
+        self.stats.reply_timeouts += 1
+        self.stats.framing_errors += 1
+        log.debug("reply timeout", extra={"robot": self.name})
+        if self._reply is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reply), self.config.stale_timeout_s)
+        r = self._reader
+        if r is not None:
+            self.stats.garbage_bytes += r.pending + (expected_size(r.commands) if r.done else 0)
+        with contextlib.suppress(serial.SerialException, OSError, AttributeError):
+            assert self._serial is not None
+            self._serial.reset_input_buffer()
+
+    def _check_silence(self) -> None:
+        silent_for = time.monotonic() - self.last_reply
+        if not self._silent and silent_for >= self.config.stale_timeout_s:
+            self._silent = True
+            self.receiving = False
+            self.stats.silences += 1
+            self._on_state(True, "silent", f"no reply from the robot for {silent_for:.1f} s on {self.config.port}")
+
+    def _delivered(self, reader: AsercomReplyReader, ts: float) -> None:
+        self.last_reply = time.monotonic()
+        if not self.receiving:
+            self.receiving = True
+            self._silent = False
+            self._on_state(True, "streaming", "")
+        values = {cmd.name: value for cmd, value in reader.results}
+        packets: list[Packet] = []
+        if "all_sensors" in values:
+            try:
+                packets.append(SensorsPacket(sensors_packet(values["all_sensors"], values.get("button", 0))))
+                self.stats.sensors += 1
+            except ProtocolError as exc:  # cannot happen with a complete reply; counted all the same
+                log.warning("bad sensors block", extra={"robot": self.name, "error": str(exc)})
+        elif "button" in values:
+            self.stats.empty += 1
+        if "image" in values:
+            img: AsercomImage = values["image"]
+            self.last_image = img
+            if img.mode == CAM_RGB565 and img.width and img.height:
+                packets.append(ImagePacket(img.pixels, img.width, img.height))
+                self.stats.images += 1
+            else:  # grey or YUV: asercom's camera was reconfigured by someone else; not a 565 picture
+                self.stats.framing_errors += 1
+        self.stats.packets += 1
+        if packets:
+            self._on_packets(packets, ts)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError as exc:  # EIO: the device went away (USB unplugged, pty closed)
+            self._lose(f"{self.config.port} went away: {exc}")
+            return
+        if not data:
+            self._lose(f"{self.config.port} hung up")
+            return
+        self.stats.bytes += len(data)
+        if self._line is not None:
+            self._line += data
+            self._line_event.set()
+            return
+        r = self._reader
+        if r is None or r.done:
+            self.stats.garbage_bytes += len(data)  # nothing was asked: not a reply
+            return
+        if r.feed(data) is not None and self._reply is not None and not self._reply.done():
+            self.stats.garbage_bytes += r.extra
+            self._reply.set_result(None)

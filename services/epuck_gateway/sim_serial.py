@@ -1,0 +1,376 @@
+"""Simulated e-puck2 on a serial port: the F407's asercom v2 (selector 8 = USB, 3 = Bluetooth) on a pty.
+
+The device side of asercom2 as `Asercom2.c` runs it (reference §6): it prints its welcome banner when
+it starts, answers a binary chain (negative codes ended by 0x00) with every reply concatenated, LSB
+first, applies -0x09 once when it arrives, and answers ASCII lines (`D,200,200\\r` -> `d\\r\\n`).
+The world (motion, sensors, camera) is the WiFi simulator's `EpuckWorld`.
+
+A pseudo-terminal stands in for /dev/ttyACMn or /dev/rfcommN; the stable path the gateway opens is
+a symlink to the pty's slave (as udev's /dev/serial/by-id links are). `unplug()` closes the pty and
+removes the link (the host's reads fail with EIO, as on a USB unplug); `plug()` makes a new one.
+
+Run one: python -m services.epuck_gateway.sim_serial --link /tmp/robobus-epuck-serial1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+import tty
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from services.epuck_gateway.asercom import (
+    CAM_RGB565,
+    DEFAULT_IMAGE,
+    AsercomChainParser,
+    AsercomCommand,
+    all_sensors_block,
+    parse_ascii_reply,
+)
+from services.epuck_gateway.protocol import (
+    COMMAND_ID,
+    IMAGE_HEIGHT,
+    IMAGE_WIDTH,
+    EpuckCommand,
+    EpuckRawSensors,
+    ProtocolError,
+)
+from services.epuck_gateway.sim import initial_world
+from services.epuck_gateway.simworld import EpuckWorld
+
+log = logging.getLogger("robobus.epuck.sim_serial")
+T = TypeVar("T")
+
+BANNER = b'\x0c\x07WELCOME to the SerCom protocol on e-Puck\r\nthe EPFL education robot type "H" for help\r\n'
+HELP = b'\n"D,#,#"          Set motor speed left,right\r\n"N"               Proximity\r\n"H"               Help\r\n'
+
+
+@dataclass
+class EpuckSerialSimConfig:
+    selector: int = 8  # USB
+    stamp: bool = False  # benchmarks: magnetometer X carries the send time (unix time mod 1000 s)
+
+
+@dataclass
+class EpuckSerialSimStats:
+    plugs: int = 0
+    chains: int = 0
+    ascii_lines: int = 0
+    actuator_commands: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class EpuckSerialSimRobot:
+    """One robot on a pty, served on the running asyncio loop (add_reader / add_writer)."""
+
+    def __init__(self, name: str, link: str, config: EpuckSerialSimConfig | None = None,
+                 world: EpuckWorld | None = None) -> None:
+        self.name = name
+        self.link = link
+        self.config = config or EpuckSerialSimConfig()
+        self.world = world or EpuckWorld()
+        self.stats = EpuckSerialSimStats()
+        self.received: list[EpuckCommand] = []  # every -0x09 as a WiFi-style command (request 0)
+        self.hung = False  # tests: reads, never answers
+        self.late_replies = 0  # tests: answer this many chains late (after `late_s`), as a stalled robot would
+        self.late_s = 0.6
+        self.plugged = False
+        self._master = -1
+        self._slave = -1
+        self._parser = AsercomChainParser()
+        self._out = bytearray()
+        self._writing = False
+        self._last_physics = time.monotonic()
+
+    # -- the device comes and goes ----------------------------------------------------------------------
+    def plug(self) -> None:
+        if self.plugged:
+            return
+        master, slave = os.openpty()
+        tty.setraw(slave)  # no echo, no line editing: bytes as they are, as a CDC-ACM port
+        os.set_blocking(master, False)
+        self._master, self._slave = master, slave
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.link)
+        os.symlink(os.ttyname(slave), self.link)
+        self._parser = AsercomChainParser()
+        self._out.clear()
+        self._writing = False
+        asyncio.get_running_loop().add_reader(master, self._readable)
+        self.plugged = True
+        self.stats.plugs += 1
+        self._send(BANNER)  # Asercom2.c prints it when it starts
+
+    def unplug(self) -> None:
+        if not self.plugged:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._master)
+        if self._writing:
+            loop.remove_writer(self._master)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.link)
+        for fd in (self._master, self._slave):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._master = self._slave = -1
+        self.plugged = False
+
+    async def start(self) -> None:
+        self.plug()
+
+    async def stop(self) -> None:
+        self.unplug()
+
+    # -- I/O ----------------------------------------------------------------------------------------------
+    def _readable(self) -> None:
+        try:
+            data = os.read(self._master, 65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return  # no slave open right now (we keep one, so only while unplugging)
+        self.stats.bytes_in += len(data)
+        for item in self._parser.feed(data):
+            if self.hung:
+                continue
+            if isinstance(item, str):
+                self.stats.ascii_lines += 1
+                self._send(self._ascii(item))
+            else:
+                self.stats.chains += 1
+                reply = self._chain(item)
+                if reply and self.late_replies > 0:
+                    self.late_replies -= 1
+                    asyncio.get_running_loop().call_later(self.late_s, self._send, reply)
+                elif reply:
+                    self._send(reply)
+
+    def _send(self, data: bytes) -> None:
+        self._out += data
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._out:
+            try:
+                n = os.write(self._master, self._out)
+            except BlockingIOError:
+                break
+            except OSError:
+                self._out.clear()
+                break
+            self.stats.bytes_out += n
+            del self._out[:n]
+        loop = asyncio.get_running_loop()
+        if self._out and not self._writing:
+            loop.add_writer(self._master, self._flush)
+            self._writing = True
+        elif not self._out and self._writing:
+            loop.remove_writer(self._master)
+            self._writing = False
+
+    # -- the F407's asercom2 -------------------------------------------------------------------------------
+    def _advance(self) -> None:
+        now = time.monotonic()
+        self.world.advance(now - self._last_physics)
+        self._last_physics = now
+
+    def _sensors(self) -> EpuckRawSensors:
+        stamp = (time.time() % 1000.0) if self.config.stamp else None
+        s = self.world.sensors(stamp)
+        return dataclasses.replace(s, selector=self.config.selector)
+
+    def _chain(self, chain: list[AsercomCommand]) -> bytes:
+        self._advance()
+        out = bytearray()
+        sensors: EpuckRawSensors | None = None
+
+        def snap() -> EpuckRawSensors:
+            nonlocal sensors
+            if sensors is None:
+                sensors = self._sensors()
+            return sensors
+
+        for c in chain:
+            code, args = c.code, c.args
+            if code == 0x08:
+                block, _button = all_sensors_block(snap().encode())
+                out += block
+            elif code == 0x09:
+                cmd = EpuckCommand.decode(bytes([COMMAND_ID, 0]) + args)
+                self.world.apply(cmd)
+                self.received.append(cmd)
+                self.stats.actuator_commands += 1
+            elif code == 0x0A:
+                self.world.rgb = tuple((args[i], args[i + 1], args[i + 2]) for i in range(0, 12, 3))
+            elif code == 0x0B:
+                out.append(snap().button)
+            elif code == 0x0C:
+                out += struct.pack("<4H", *snap().mic)
+            elif code == 0x0D:
+                out += struct.pack("<H", snap().tof)
+            elif code == 0x0E:
+                out.append(snap().sd_state)
+            elif code in (0x0F, 0x10, 0x11):
+                out.append(args[0])
+            elif code == ord("N"):
+                out += struct.pack("<8H", *snap().proximity)
+            elif code == ord("O"):
+                out += struct.pack("<8H", *snap().ambient)
+            elif code == ord("a"):
+                out += struct.pack("<3h", *snap().acc)
+            elif code == ord("g"):
+                out += struct.pack("<3h", *snap().gyro)
+            elif code == ord("Q"):
+                out += struct.pack("<2h", *snap().steps)
+            elif code == ord("b"):
+                out += struct.pack("<H", snap().battery)
+            elif code == ord("u"):
+                out += struct.pack("<3H", *snap().mic[:3])
+            elif code == ord("t"):
+                out += struct.pack("<b", snap().temperature)
+            elif code == ord("D"):
+                left, right = struct.unpack("<2h", args)
+                self.world.speed_left, self.world.speed_right = left, right
+            elif code == ord("P"):
+                left, right = struct.unpack("<2h", args)
+                self.world.steps_left, self.world.steps_right = float(left), float(right)
+            elif code == ord("L"):
+                self._led(args[0], args[1])
+            elif code == ord("I"):
+                out += self._image()
+            # anything else: silently ignored, as the firmware does
+        return bytes(out)
+
+    def _led(self, number: int, state: int) -> None:
+        bits = {0: 0x01, 2: 0x02, 4: 0x04, 6: 0x08, 8: 0x10, 9: 0x20}  # ring LEDs 1/3/5/7 are 0/2/4/6
+        bit = bits.get(number)
+        if bit is None:
+            return
+        on = (not self.world.leds & bit) if state == 2 else bool(state)
+        self.world.leds = (self.world.leds | bit) if on else (self.world.leds & ~bit)
+
+    def _image(self) -> bytes:
+        """asercom2's default camera: 40x40 RGB565; the 160x120 world picture, centre crop, every 3rd pixel."""
+        mode, w, h = DEFAULT_IMAGE
+        frame = self.world.camera()
+        x0, y0, step = (IMAGE_WIDTH - 3 * w) // 2, (IMAGE_HEIGHT - 3 * h) // 2, 3
+        out = bytearray([CAM_RGB565 if mode == CAM_RGB565 else mode, w, h])
+        for y in range(h):
+            row = (y0 + y * step) * IMAGE_WIDTH
+            for x in range(w):
+                i = 2 * (row + x0 + x * step)
+                out += frame[i:i + 2]
+        return bytes(out)
+
+    def _ascii(self, line: str) -> bytes:
+        try:
+            letter, args = parse_ascii_reply(line)
+        except ProtocolError:
+            return b"z,Command not found\r\n"
+        letter = letter if letter in ("b", "g") else letter.upper()
+        s = self._sensors()
+        if letter == "D" and len(args) == 2:
+            self.world.speed_left, self.world.speed_right = args
+            return b"d\r\n"
+        if letter == "E":
+            return f"e,{self.world.speed_left},{self.world.speed_right}\r\n".encode()
+        if letter == "N":
+            return ("n," + ",".join(map(str, s.proximity)) + "\r\n").encode()
+        if letter == "O":
+            return ("o," + ",".join(map(str, s.ambient)) + "\r\n").encode()
+        if letter == "Q":
+            return f"q,{s.steps[0]},{s.steps[1]}\r\n".encode()
+        if letter == "C":
+            return f"c,{self.config.selector}\r\n".encode()
+        if letter == "b":
+            return f"b,{s.battery}\r\n".encode()
+        if letter == "H":
+            return HELP
+        return b"z,Command not found\r\n"
+
+
+class EpuckSerialSimulator:
+    """Several serial robots, links `<prefix>1`, `<prefix>2`, ..."""
+
+    def __init__(self, count: int, prefix: str, config: EpuckSerialSimConfig | None = None) -> None:
+        self.robots = [EpuckSerialSimRobot(f"epuck-serial{i + 1}", f"{prefix}{i + 1}", config, initial_world(i + 5))
+                       for i in range(count)]
+
+    async def start(self) -> None:
+        for r in self.robots:
+            await r.start()
+
+    async def stop(self) -> None:
+        for r in self.robots:
+            await r.stop()
+
+
+class EpuckSerialSimThread:
+    """Tests and benchmarks: serial robots on their own loop in a daemon thread."""
+
+    def __init__(self, count: int, prefix: str, config: EpuckSerialSimConfig | None = None) -> None:
+        self.sim = EpuckSerialSimulator(count, prefix, config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="epuck-serial-sim", daemon=True)
+
+    @property
+    def robots(self) -> list[EpuckSerialSimRobot]:
+        return self.sim.robots
+
+    def start(self) -> EpuckSerialSimThread:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.sim.start(), self.loop).result(10)
+        return self
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def run() -> T:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.sim.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Simulated e-puck2 robots on serial ports (asercom v2 over a pty)")
+    p.add_argument("--link", default="/tmp/robobus-epuck-serial",
+                   help="path prefix of the port symlinks; robot N is <link>N")
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--stamp", action="store_true", help="benchmarks: send time in magnetometer X")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s epuck-serial-sim %(message)s")
+    sim = EpuckSerialSimulator(a.count, a.link, EpuckSerialSimConfig(stamp=a.stamp))
+
+    async def run() -> None:
+        await sim.start()
+        print(json.dumps({"ready": True, "ports": {r.name: r.link for r in sim.robots}}), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await sim.stop()
+
+    asyncio.run(run())
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""roi-modules: ROI GPIO, ODrive and actuator modules over UDP."""

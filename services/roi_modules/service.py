@@ -1,0 +1,894 @@
+"""roi-modules' MQTT surface: every configured ROI module is one device (health, state, commands, jobs).
+
+One asyncio loop runs the transport and one maintain task per module (reference roi.md §4): every 100 ms a
+poll that feeds the module's 500 ms watchdog (ODrive GET_ALL, actuator GET_CURRENT_LENGTH, GPIO READs), and a
+STATUS_REPORT at start, every 128 ticks and after a reconnection. Health follows §4.2; the BLANK_STATE
+protocol of §4.3 pushes the cached settings after a module reset and pulls state when the service starts
+beside a running module. Command handlers are coroutines on the same loop; jobs poll the latest state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from services.roi_modules import protocol as p
+from services.roi_modules.models import (
+    PIN_MODE_CODES,
+    PIN_MODE_NAMES,
+    RoiAck,
+    RoiBlacklistReply,
+    RoiBlacklistRequest,
+    RoiEmpty,
+    RoiFault,
+    RoiGotoPosition,
+    RoiLinkStats,
+    RoiModuleConfig,
+    RoiMotionState,
+    RoiMoveRequest,
+    RoiMoveResult,
+    RoiOdrivePower,
+    RoiOdriveTemperature,
+    RoiPinStates,
+    RoiPinValues,
+    RoiPong,
+    RoiQueueGeneral,
+    RoiQueueSysAdmin,
+    RoiRawReply,
+    RoiSetPinMode,
+    RoiSetPinOutput,
+    RoiSetTorque,
+    RoiSetVelocity,
+    RoiStatusReport,
+)
+from services.roi_modules.transport import LinkStats, RequestLost, RoiTransport, TransportConfig, check_prefix
+from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
+from shared.node import NODE_DEVICE
+
+log = logging.getLogger("robobus.roi")
+
+API = ServiceAPI("roi-modules", device_doc="one ROI module (GPIO, ODrive or actuator) on the ROI UDP network",
+                 doc="ROI (Roobot Over IP) modules over UDP: health, state, commands, moves")
+PIN_STATES = API.state("pin_states", RoiPinStates, doc="GPIO: pin modes, on change")
+PIN_VALUES = API.state("pin_values", RoiPinValues, doc="GPIO: pin values after each read sweep")
+STATE = API.state("state", RoiMotionState, rate_hz=20,
+                  doc="ODrive: position/velocity/torque (GET_ALL, every maintain tick); actuator: estimated %")
+POWER = API.state("power", RoiOdrivePower, rate_hz=2, doc="ODrive: bus voltage and current")
+TEMPERATURE = API.state("temperature", RoiOdriveTemperature, rate_hz=2, doc="ODrive: FET and motor temperature")
+LINK = API.state("link", RoiLinkStats, rate_hz=1, doc="The module's UDP link counters")
+FAULT = API.event("fault", RoiFault, doc="Disconnection, reconnection, module reset, module error")
+SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, doc="GPIO: drive an output pin 0/1")
+SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, doc="GPIO: input, input_pullup or output")
+GOTO_POSITION = API.command("goto_position", RoiGotoPosition, RoiAck,
+                            doc="ODrive (rev, position mode, TRAP_TRAJ) or actuator (%); returns when acknowledged")
+GOTO_RELATIVE = API.command("goto_relative_position", RoiGotoPosition, RoiAck,
+                            doc="Relative to the current position; sent as an absolute set-point (resend-safe)")
+SET_VELOCITY = API.command("set_velocity", RoiSetVelocity, RoiAck,
+                           doc="ODrive: velocity mode (VEL_RAMP); actuator: the velocity of later moves")
+SET_TORQUE = API.command("set_torque", RoiSetTorque, RoiAck, doc="ODrive: torque mode (TORQUE_RAMP)")
+CLEAR_ERRORS = API.command("clear_errors", RoiEmpty, RoiAck, doc="ODrive: clear errors, closed loop again")
+QUEUE_GENERAL = API.command("queue_general_packet", RoiQueueGeneral, RoiRawReply,
+                            doc="Raw general packet; answered with the module's decoded reply")
+QUEUE_SYSADMIN = API.command("queue_sysadmin_packet", RoiQueueSysAdmin, RoiRawReply,
+                             doc="Raw SysAdmin packet; answered with the module's decoded reply")
+PING = API.command("ping", RoiEmpty, RoiPong, doc="SysAdmin PING: operable and module type")
+STATUS_REPORT = API.command("status_report", RoiEmpty, RoiStatusReport, doc="SysAdmin STATUS_REPORT, decoded")
+BLACKLIST = API.command("blacklist", RoiBlacklistRequest, RoiBlacklistReply,
+                        doc="SysAdmin BLACK_LIST add/remove/list (the firmware never answers it)")
+GO_TO_POSITION = API.job("go_to_position", RoiMoveRequest, RoiMoveResult,
+                         doc="Move and follow: progress = position/velocity; done within tolerance; cancel stops")
+GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResult,
+                         doc="As go_to_position, relative to the position at the start")
+
+ENV_PREFIX = "ROBOBUS_ROI_"
+KIND_TYPES = {"gpio": p.ModuleType.GENERAL_GPIO, "odrive": p.ModuleType.O_DRIVE, "actuator": p.ModuleType.ACTUATOR}
+
+
+class RoiSettings(KitSettings):
+    """ROBOBUS_ROI_* (see the service README)."""
+
+    roi_network: str = Field("192.168.2", description="First three octets of the ROI network (firmware: 192.168.2)")
+    roi_host_octet: int = Field(100, ge=1, le=254, description="This host's octet; both ports are bound there")
+    roi_modules: list[RoiModuleConfig] = Field(min_length=1, description="The modules: name, octet, type, options")
+    roi_timeout_s: float = Field(0.05, gt=0, le=10, description="Resend a request unanswered for this long")
+    roi_max_retries: int = Field(10, ge=0, le=100, description="Resends before a request is abandoned (lost)")
+    roi_lost_to_disconnect: int = Field(1, ge=1, le=1000, description="Abandoned requests that disconnect a module")
+    roi_maintain_period_s: float = Field(0.1, gt=0, le=0.4,
+                                         description="Poll period; under the modules' 500 ms watchdog")
+    roi_status_every: int = Field(128, ge=1, le=100000, description="STATUS_REPORT every n maintain ticks")
+    roi_gpio_reads_per_tick: int = Field(4, ge=1, le=16, description="GPIO pins read per tick (round robin)")
+    roi_odrive_tolerance: float = Field(0.05, gt=0, description="Jobs: ODrive done within this many rev")
+    roi_actuator_tolerance: float = Field(0.5, gt=0, description="Jobs: actuator done within this many %")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_roi_keys(cls, data: Any) -> Any:
+        # §5.5: the launch file set `network-address`/`octet`, the code read other names, nobody noticed
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            bad = [k for k in data if isinstance(k, str) and k.lower().replace("-", "_").startswith("roi")
+                   and k.lower() not in known]
+            # the environment source drops unknown variables before validation: look at them here
+            bad += [k for k in os.environ if k.upper().startswith(ENV_PREFIX)
+                    and k[len("ROBOBUS_"):].lower() not in known]
+            if bad:
+                ours = sorted(f for f in known if f.startswith("roi"))
+                raise ValueError(f"unknown roi setting(s) {sorted(bad)}; known: {ours}")
+        return data
+
+    @field_validator("roi_network")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        return check_prefix(v)
+
+    @model_validator(mode="after")
+    def _modules(self) -> RoiSettings:
+        names = [m.name for m in self.roi_modules]
+        if NODE_DEVICE in names:
+            raise ValueError(f"{NODE_DEVICE!r} is reserved for the node's own state")
+        if len(set(names)) != len(names):
+            raise ValueError(f"module names must be unique, got {names}")
+        seen: dict[int, list[RoiModuleConfig]] = {}
+        for m in self.roi_modules:
+            if m.octet == self.roi_host_octet:
+                raise ValueError(f"module {m.name!r} has octet {m.octet}, this host's own (roi_host_octet)")
+            if m.type == "odrive" and m.channel != 0:
+                raise ValueError(f"module {m.name!r}: an ODrive module has one ODrive, channel 0")
+            seen.setdefault(m.octet, []).append(m)
+        for octet, ms in seen.items():
+            # one module per octet; only the two channels of one actuator module may share it
+            if len(ms) > 1 and not (all(m.type == "actuator" for m in ms) and len({m.channel for m in ms}) == len(ms)):
+                raise ValueError(f"octet {octet} is given to {[m.name for m in ms]}")
+        return self
+
+
+def _unavailable(exc: RequestLost, what: str) -> CommandError:
+    return CommandError(ErrorCode.UNAVAILABLE, f"{what}: {exc}")
+
+
+class RoiModule:
+    """One module on the bus: health from the transport and STATUS_REPORT, the maintain loop, sysadmin."""
+
+    unit = "rev"
+
+    def __init__(self, svc: RoiService, cfg: RoiModuleConfig) -> None:
+        self.svc = svc
+        self.cfg = cfg
+        self.node = svc.node
+        self.dev = svc.node.device(cfg.name)
+        self.module_type = KIND_TYPES[cfg.type]
+        self.status: p.StatusReport | None = None
+        self.pulled = False  # state pulled (or pushed) since this service started
+        self.tick_no = 0
+        self.status_due = True
+        self.blacklist: set[int] = set()
+        self.error_text = ""  # a type-specific error (e.g. decoded ODrive error bits)
+        self.state_event = asyncio.Event()
+        self._bind_common()
+
+    # -- health (§4.2) ---------------------------------------------------------------------------------
+    @property
+    def link(self) -> LinkStats:
+        return self.svc.transport.links[self.cfg.octet]
+
+    def health_fields(self) -> dict[str, Any]:
+        st, link = self.status, self.link
+        details: dict[str, Any] = {"octet": self.cfg.octet, "address": self.svc.transport.address(self.cfg.octet),
+                                   "type": self.cfg.type, "channel": self.cfg.channel,
+                                   "blacklist": sorted(self.blacklist)}
+        if st is not None:
+            details.update({
+                "module_state": st.state, "reported_type": p.module_type_name(st.module_type),
+                "time_alive": {"hours": st.hours, "minutes": st.minutes, "seconds": st.seconds},
+                "supply_voltage": round(st.supply_volts, 3), "mac": st.mac_text,
+                "chain": {"neighbour": st.neighbour, "formed": st.state != p.ModuleState.OPERATING_WITHOUT_CHAIN
+                          and st.state in p.OPERATIONAL_STATES}})
+        if not link.connected:
+            msg = (f"no reply from {details['address']} ({link.lost_since_connect} requests lost)"
+                   if link.lost_total else "waiting for the module's first reply")
+            return {"connection": False, "operational": False, "state": "disconnected" if link.lost_total
+                    else "connecting", "error": bool(link.lost_total), "error_message": msg, "details": details}
+        if st is None:
+            return {"connection": True, "operational": False, "state": "connecting", "error": False,
+                    "error_message": "waiting for the STATUS_REPORT", "details": details}
+        mismatch = st.module_type != self.module_type
+        operational = self.operational_state(st.state) and not mismatch
+        error = st.state in p.ERROR_STATES or mismatch or bool(self.error_text)
+        if mismatch:
+            message = (f"Module type mismatch: {p.module_type_name(st.module_type)} answers at octet "
+                       f"{self.cfg.octet}, configured {self.cfg.type}. Check IP octet.")
+        else:
+            message = self.error_text or self.state_message(st.state)
+        return {"connection": True, "operational": operational, "state": p.state_name(st.state), "error": error,
+                "error_message": message, "details": details}
+
+    def operational_state(self, state: int) -> bool:
+        return state in p.OPERATIONAL_STATES
+
+    def state_message(self, state: int) -> str:
+        return p.STATE_MESSAGES.get(state, f"Unknown module state {state}.")
+
+    def update_health(self) -> None:
+        self.dev.set_health(**self.health_fields())
+
+    def fault(self, kind: str, message: str) -> None:
+        self.dev.emit(FAULT, RoiFault(kind=kind, message=message, ts=time.time()))  # type: ignore[arg-type]
+
+    def on_connection(self, link: LinkStats) -> None:
+        if link.connected:
+            self.status_due = True  # it may have rebooted while away
+            self.fault("connected", f"{self.svc.transport.address(self.cfg.octet)} answers again")
+        else:
+            self.fault("disconnected", f"no reply from {self.svc.transport.address(self.cfg.octet)} after "
+                                       f"{self.svc.settings.roi_max_retries + 1} sends")
+            self.state_event.set()  # wake jobs: they abort
+        self.update_health()
+
+    def publish_link(self) -> None:
+        s = self.link
+        self.dev.publish(LINK, RoiLinkStats(
+            connected=s.connected, lost_packets_since_connect=s.lost_since_connect,
+            lost_packets_accumulated=s.lost_total, sent=s.sent, resent=s.resent, replies=s.replies,
+            unmatched=s.unmatched, bad_checksum=s.bad_checksum, ts=time.time()))
+
+    # -- requests ----------------------------------------------------------------------------------------
+    async def request(self, pkt: p.GeneralPacket, what: str) -> p.GeneralPacket:
+        try:
+            return await self.svc.transport.general(self.cfg.octet, pkt)
+        except RequestLost as exc:
+            raise _unavailable(exc, what) from None
+
+    async def set_ok(self, pkt: p.GeneralPacket, what: str) -> None:
+        """A setter whose reply [0] is 1 on success (GPIO, ODrive)."""
+        rep = await self.request(pkt, what)
+        if rep.payload[0] != 1:
+            raise CommandError(ErrorCode.DEVICE_ERROR, f"{what}: the module refused (reply {rep.payload[0]})")
+
+    async def sysadmin(self, action: int, payload: bytes = b"", **kw: Any) -> p.SysAdminPacket | None:
+        return await self.svc.transport.sysadmin(
+            self.cfg.octet, p.SysAdminPacket(action, payload, 0, self.svc.settings.roi_host_octet), **kw)
+
+    # -- maintain loop (§4.4) ------------------------------------------------------------------------------
+    async def maintain(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = self.svc.settings.roi_maintain_period_s
+        nxt = loop.time()
+        while True:
+            try:
+                if self.status_due or self.tick_no % self.svc.settings.roi_status_every == 0:
+                    self.status_due = False
+                    try:
+                        await self.fetch_status()
+                    except RequestLost:
+                        # still connected (lost_to_disconnect > 1): ask again next tick; disconnected: the
+                        # reconnection asks (one probe per tick is enough)
+                        self.status_due = self.link.connected
+                        raise
+                await self.poll()
+            except (RequestLost, CommandError) as exc:
+                log.debug("maintain tick failed", extra={"module": self.cfg.name, "error": str(exc)})
+            except Exception:
+                log.exception("maintain tick crashed", extra={"module": self.cfg.name})
+            self.tick_no += 1
+            nxt += period
+            now = loop.time()
+            if nxt < now:  # late (a lost request took its resends): skip the missed ticks, no burst
+                nxt = now + period - (now - nxt) % period
+            await asyncio.sleep(nxt - now)
+
+    async def poll(self) -> None:
+        """One tick's request; it also keeps the module's watchdog fed."""
+
+    async def fetch_status(self) -> p.StatusReport:
+        rep = await self.sysadmin(p.SysAdminAction.STATUS_REPORT)
+        assert rep is not None
+        st = p.StatusReport.decode(rep.payload)
+        await self.on_status(st)
+        return st
+
+    async def on_status(self, st: p.StatusReport) -> None:
+        """§4.3: BLANK_STATE (or an uptime going backwards) means the module was reset: push what we set.
+        Not blank right after our start: the module kept running, pull its state."""
+        prev, self.status = self.status, st
+        if st.module_type != self.module_type and (prev is None or prev.module_type != st.module_type):
+            self.fault("type_mismatch", f"module type {p.module_type_name(st.module_type)} at octet "
+                                        f"{self.cfg.octet}, configured {self.cfg.type}")
+        reset = prev is not None and (st.uptime_s < prev.uptime_s or
+                                      (st.state == p.ModuleState.BLANK_STATE and self.resets_to_blank()
+                                       and prev.state != p.ModuleState.BLANK_STATE))
+        if reset:
+            self.fault("module_reset", f"the module restarted (state {p.state_name(st.state)}, up {st.uptime_s} s)")
+        blank = st.state == p.ModuleState.BLANK_STATE
+        if st.module_type == self.module_type:
+            if self.has_cache() and (reset or (blank and self.resets_to_blank())):
+                await self.push_guarded()
+            elif not self.pulled and not blank:
+                await self.pull()
+        self.pulled = True
+        self.update_health()
+
+    async def push_guarded(self) -> None:
+        try:
+            await self.push()
+            log.info("settings pushed", extra={"module": self.cfg.name})
+        except CommandError as exc:
+            self.fault("push_failed", f"re-sending the cached settings failed: {exc.message}")
+
+    def resets_to_blank(self) -> bool:
+        return True
+
+    def has_cache(self) -> bool:
+        return False
+
+    async def push(self) -> None:
+        """Re-send the cached settings to a module that came back blank."""
+
+    async def pull(self) -> None:
+        """Read the module's settings into the cache (the service started beside a running module)."""
+
+    async def stop(self) -> None:
+        """Fail-safe: zero demands."""
+
+    # -- commands common to every module ---------------------------------------------------------------------
+    def _bind_common(self) -> None:
+        d = self.dev
+        d.bind(QUEUE_GENERAL, self.cmd_queue_general)
+        d.bind(QUEUE_SYSADMIN, self.cmd_queue_sysadmin)
+        d.bind(PING, self.cmd_ping)
+        d.bind(STATUS_REPORT, self.cmd_status_report)
+        d.bind(BLACKLIST, self.cmd_blacklist)
+
+    async def cmd_queue_general(self, req: RoiQueueGeneral) -> RoiRawReply:
+        pkt = p.GeneralPacket(req.sub_device_id, req.action, bytes.fromhex(req.payload_hex))
+        try:
+            rep = (await self.svc.transport.general(self.cfg.octet, pkt, retries=req.retries) if req.wait_reply
+                   else await self.svc.transport.general_once(self.cfg.octet, pkt))
+        except RequestLost as exc:
+            raise _unavailable(exc, "general packet") from None
+        if rep is None:
+            return RoiRawReply(replied=False)
+        return RoiRawReply(replied=True, action=rep.action, sub_device_id=rep.sub_device_id,
+                           payload_hex=rep.payload.hex())
+
+    async def cmd_queue_sysadmin(self, req: RoiQueueSysAdmin) -> RoiRawReply:
+        origin = self.svc.settings.roi_host_octet if req.origin is None else req.origin
+        pkt = p.SysAdminPacket(req.action, bytes.fromhex(req.payload_hex), req.meta, origin)
+        try:
+            rep = await self.svc.transport.sysadmin(self.cfg.octet, pkt, retries=req.retries,
+                                                    expect_reply=req.wait_reply)
+        except RequestLost as exc:
+            raise _unavailable(exc, "sysAdmin packet") from None
+        if rep is None:
+            return RoiRawReply(replied=False)
+        return RoiRawReply(replied=True, action=rep.action, meta=rep.meta, origin=rep.origin,
+                           payload_hex=rep.payload.hex())
+
+    async def cmd_ping(self, req: RoiEmpty) -> RoiPong:
+        t0 = time.perf_counter()
+        try:
+            rep = await self.sysadmin(p.SysAdminAction.PING)
+        except RequestLost as exc:
+            raise _unavailable(exc, "PING") from None
+        assert rep is not None
+        pong = p.Pong.decode(rep.payload)
+        return RoiPong(operable=pong.operable, module_type=pong.module_type,
+                       module_type_name=p.module_type_name(pong.module_type),
+                       rtt_ms=round((time.perf_counter() - t0) * 1000, 3))
+
+    async def cmd_status_report(self, req: RoiEmpty) -> RoiStatusReport:
+        try:
+            st = await self.fetch_status()
+        except RequestLost as exc:
+            raise _unavailable(exc, "STATUS_REPORT") from None
+        return RoiStatusReport(state=st.state, state_name=p.state_name(st.state), message=self.state_message(st.state),
+                               hours=st.hours, minutes=st.minutes, seconds=st.seconds,
+                               supply_voltage=round(st.supply_volts, 3), module_type=st.module_type,
+                               module_type_name=p.module_type_name(st.module_type), chain_neighbour=st.neighbour,
+                               mac=st.mac_text)
+
+    async def cmd_blacklist(self, req: RoiBlacklistRequest) -> RoiBlacklistReply:
+        op = {"add": p.BlacklistOp.ADD, "remove": p.BlacklistOp.REMOVE, "list": p.BlacklistOp.LIST}[req.op]
+        if req.op != "list":
+            if req.octet is None:
+                raise CommandError(ErrorCode.INVALID_REQUEST, f"blacklist {req.op} needs an octet")
+            if req.octet == self.svc.settings.roi_host_octet:
+                raise CommandError(ErrorCode.INVALID_REQUEST, f"octet {req.octet} is this host: the module would "
+                                                              "ignore the service from then on")
+        # the firmware applies ADD/REMOVE but never answers (§3.2): one send, a reply taken if one ever comes
+        rep = await self.sysadmin(p.SysAdminAction.BLACK_LIST, p.blacklist_payload(op, req.octet or 0),
+                                  expect_reply=False)
+        if req.op == "add" and req.octet is not None:
+            self.blacklist.add(req.octet)
+        elif req.op == "remove" and req.octet is not None:
+            self.blacklist.discard(req.octet)
+        self.update_health()
+        octets = sorted(self.blacklist)
+        if rep is not None and req.op == "list":
+            octets = p.decode_blacklist_list(rep.payload)
+        return RoiBlacklistReply(op=req.op, octet=req.octet, sent=True, confirmed=rep is not None, octets=octets,
+                                 note="" if rep is not None else "the module does not answer BLACK_LIST "
+                                                                 "(firmware defect); octets: what this service sent")
+
+
+class GpioModule(RoiModule):
+    """§3.5: pins 0..7 digital, 10..17 analog; values read round robin, a full sweep every 16/n ticks."""
+
+    def __init__(self, svc: RoiService, cfg: RoiModuleConfig) -> None:
+        super().__init__(svc, cfg)
+        self.modes = [0] * p.GPIO_COUNT
+        self.outputs: dict[int, int] = {}
+        self.values: list[int | None] = [None] * p.GPIO_COUNT
+        self.cursor = 0
+        self.dev.bind(SET_PIN_OUTPUT, self.cmd_set_pin_output)
+        self.dev.bind(SET_PIN_MODE, self.cmd_set_pin_mode)
+
+    def publish_modes(self) -> None:
+        self.dev.publish(PIN_STATES, RoiPinStates(modes=list(self.modes),
+                                                  names=[PIN_MODE_NAMES.get(m, str(m)) for m in self.modes],
+                                                  ts=time.time()))
+
+    async def poll(self) -> None:
+        for _ in range(self.svc.settings.roi_gpio_reads_per_tick):
+            pin = p.GPIO_PINS[self.cursor]
+            rep = await self.svc.transport.general(self.cfg.octet, p.GeneralPacket(pin, p.GpioAction.READ))
+            self.values[pin] = p.gpio_read_value(pin, rep.payload)
+            self.cursor = (self.cursor + 1) % len(p.GPIO_PINS)
+            if self.cursor == 0:
+                self.dev.publish(PIN_VALUES, RoiPinValues(values=list(self.values), ts=time.time()))
+
+    def has_cache(self) -> bool:
+        return any(self.modes)
+
+    async def push(self) -> None:
+        for pin in p.GPIO_PINS:
+            if self.modes[pin]:
+                await self.set_ok(p.GeneralPacket(pin, p.GpioAction.SET_PIN_MODE, bytes([self.modes[pin]])),
+                                  f"SET_PIN_MODE {pin}")
+        for pin, value in self.outputs.items():
+            await self.set_ok(p.GeneralPacket(pin, p.GpioAction.SET_OUTPUT, bytes([value])), f"SET_OUTPUT {pin}")
+
+    async def cmd_set_pin_mode(self, req: RoiSetPinMode) -> RoiAck:
+        mode = PIN_MODE_CODES[req.mode]
+        await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_PIN_MODE, bytes([mode])), "SET_PIN_MODE")
+        self.modes[req.pin] = mode
+        if mode != p.PinMode.OUTPUT:
+            self.outputs.pop(req.pin, None)
+        self.publish_modes()
+        return RoiAck(accepted=True, detail=f"pin {req.pin} is {req.mode}")
+
+    async def cmd_set_pin_output(self, req: RoiSetPinOutput) -> RoiAck:
+        if self.modes[req.pin] not in (0, p.PinMode.OUTPUT):
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"pin {req.pin} is {PIN_MODE_NAMES[self.modes[req.pin]]}; "
+                                                          "set_pin_mode output first")
+        await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_OUTPUT, bytes([req.value])), "SET_OUTPUT")
+        self.outputs[req.pin] = req.value
+        self.values[req.pin] = req.value
+        return RoiAck(accepted=True, detail=f"pin {req.pin} = {req.value}")
+
+
+class MotionModule(RoiModule):
+    """What the ODrive and the actuator share: jobs that move and follow."""
+
+    def __init__(self, svc: RoiService, cfg: RoiModuleConfig) -> None:
+        super().__init__(svc, cfg)
+        self.position: float | None = None
+        self.velocity = 0.0
+        self.dev.bind(GOTO_POSITION, self.cmd_goto)
+        self.dev.bind(GOTO_RELATIVE, self.cmd_goto_relative)
+        self.dev.bind(SET_VELOCITY, self.cmd_set_velocity)
+        self.dev.bind_job(GO_TO_POSITION, self.job_absolute, self.admit_job)
+        self.dev.bind_job(GO_TO_RELATIVE, self.job_relative, self.admit_job)
+
+    @property
+    def tolerance(self) -> float:
+        raise NotImplementedError
+
+    @property
+    def estimated(self) -> bool:
+        return False
+
+    async def goto(self, target: float, req: RoiGotoPosition) -> None:
+        raise NotImplementedError
+
+    async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
+        raise NotImplementedError
+
+    def current_position(self) -> float:
+        if self.position is None or not self.link.connected:
+            raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name}: no current position (module not answering)")
+        return self.position
+
+    async def cmd_goto(self, req: RoiGotoPosition) -> RoiAck:
+        await self.goto(req.position, req)
+        return RoiAck(accepted=True, detail=f"target {req.position} {self.unit}")
+
+    async def cmd_goto_relative(self, req: RoiGotoPosition) -> RoiAck:
+        target = self.current_position() + req.position
+        await self.goto(target, req)
+        return RoiAck(accepted=True, detail=f"target {target} {self.unit}")
+
+    def admit_job(self, req: RoiMoveRequest) -> None:
+        if self.dev.running_jobs():
+            raise CommandError(ErrorCode.BUSY, f"{self.cfg.name} is already moving (job {self.dev.running_jobs()[0]})")
+        if not self.link.connected:
+            raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name} is not connected")
+
+    async def job_absolute(self, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
+        return await self.move(req.position, req, job)
+
+    async def job_relative(self, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
+        return await self.move(self.current_position() + req.position, req, job)
+
+    def module_error(self) -> str:
+        h = self.dev.health
+        return str(h["error_message"]) if h["connection"] and h["error"] else ""
+
+    async def move(self, target: float, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
+        """Success within tolerance (the original waited while position == goal, §4.5)."""
+        tol = req.tolerance or self.tolerance
+        start = self.current_position()
+        await self.goto(target, req)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.timeout_s
+        total = abs(target - start)
+        while True:
+            pos = self.position if self.position is not None else start
+            job.progress("moving", done=max(0.0, total - abs(target - pos)), total=total, position=pos,
+                         velocity=self.velocity, target=target, estimated=self.estimated)
+            if abs(target - pos) <= tol:
+                return RoiMoveResult(target=target, position=pos, velocity=self.velocity, unit=self.unit,  # type: ignore[arg-type]
+                                     estimated=self.estimated)
+            if job.cancelled:
+                await self.stop()
+                job.check_cancelled()
+            if not self.link.connected:
+                raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name} disconnected during the move")
+            err = self.module_error()
+            if err:
+                with contextlib.suppress(CommandError):
+                    await self.stop()
+                raise CommandError(ErrorCode.DEVICE_ERROR, f"{self.cfg.name}: {err}")
+            if loop.time() >= deadline:
+                with contextlib.suppress(CommandError):
+                    await self.stop()
+                raise CommandError(ErrorCode.TIMEOUT, f"{self.cfg.name} not within {tol} {self.unit} of {target} "
+                                                      f"after {req.timeout_s} s (at {pos:.4g}); stopped")
+            self.state_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.state_event.wait(), 0.1)
+
+
+class OdriveModule(MotionModule):
+    """§3.6/§7.1: GET_ALL every tick; commands switch control/input modes first."""
+
+    def __init__(self, svc: RoiService, cfg: RoiModuleConfig) -> None:
+        super().__init__(svc, cfg)
+        self.cache: dict[str, float] = {}  # control_mode, input_mode, torque, position, velocity: what we set
+        self.torque_sp = 0.0
+        self.errors = 0
+        self.dev.bind(SET_TORQUE, self.cmd_set_torque)
+        self.dev.bind(CLEAR_ERRORS, self.cmd_clear_errors)
+
+    @property
+    def tolerance(self) -> float:
+        return self.cfg.tolerance or self.svc.settings.roi_odrive_tolerance
+
+    async def poll(self) -> None:
+        rep = await self.svc.transport.general(self.cfg.octet, p.odrive_request(p.OdriveAction.GET_ALL))
+        a = p.OdriveAll.decode(rep.payload)
+        self.position, self.velocity = a.position, a.velocity
+        now = time.time()
+        self.dev.publish(STATE, RoiMotionState(position=a.position, velocity=a.velocity, torque=self.torque_sp,
+                                               unit="rev", estimated=False, ts=now))
+        self.dev.publish(POWER, RoiOdrivePower(voltage=a.bus_voltage, current=a.current, ts=now))
+        self.dev.publish(TEMPERATURE, RoiOdriveTemperature(fet_temperature=a.fet_temperature,
+                                                           motor_temperature=a.motor_temperature, ts=now))
+        if a.error != self.errors:
+            self.errors = a.error
+            self.error_text = p.odrive_error_text(a.error)
+            if a.error:
+                self.fault("module_error", self.error_text)
+            self.update_health()
+        self.state_event.set()
+
+    def has_cache(self) -> bool:
+        return bool(self.cache)
+
+    async def push(self) -> None:
+        # the order of §4.3: control mode, input mode, torque, position, velocity
+        for key, act in (("control_mode", p.OdriveAction.SET_CONTROL_MODE),
+                         ("input_mode", p.OdriveAction.SET_INPUT_MODE), ("torque", p.OdriveAction.SET_TORQUE),
+                         ("position", p.OdriveAction.SET_POSITION), ("velocity", p.OdriveAction.SET_VELOCITY)):
+            if key in self.cache:
+                await self.set_ok(p.odrive_request(act, self.cache[key]), f"push {key}")
+
+    async def pull(self) -> None:
+        for key, act in (("control_mode", p.OdriveAction.GET_CONTROL_MODE),
+                         ("input_mode", p.OdriveAction.GET_INPUT_MODE),
+                         ("torque", p.OdriveAction.GET_TORQUE_SETPOINT),
+                         ("position", p.OdriveAction.GET_POSITION_SETPOINT),
+                         ("velocity", p.OdriveAction.GET_VELOCITY_SETPOINT)):
+            rep = await self.request(p.odrive_request(act), f"pull {key}")
+            self.cache[key] = rep.payload[0] if key.endswith("_mode") else p.read_f32(rep.payload)
+        self.torque_sp = self.cache.get("torque", 0.0)
+
+    async def set_value(self, key: str, act: p.OdriveAction, value: float) -> None:
+        await self.set_ok(p.odrive_request(act, value), act.name)
+        self.cache[key] = value
+
+    async def modes(self, kind: str) -> None:
+        """§7.1: switch control and input mode first when the cached ones differ."""
+        cm, im = p.COMMAND_MODES[kind]
+        if self.cache.get("control_mode") != cm:
+            await self.set_value("control_mode", p.OdriveAction.SET_CONTROL_MODE, cm)
+        if self.cache.get("input_mode") != im:
+            await self.set_value("input_mode", p.OdriveAction.SET_INPUT_MODE, im)
+
+    def check_limits(self, velocity: float = 0.0, torque: float = 0.0) -> None:
+        if self.cfg.max_velocity is not None and abs(velocity) > self.cfg.max_velocity:
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"|velocity| {abs(velocity)} > max_velocity "
+                                                          f"{self.cfg.max_velocity} rev/s")
+        if self.cfg.max_torque is not None and abs(torque) > self.cfg.max_torque:
+            raise CommandError(ErrorCode.INVALID_REQUEST,
+                               f"|torque| {abs(torque)} > max_torque {self.cfg.max_torque} Nm")
+
+    async def goto(self, target: float, req: RoiGotoPosition) -> None:
+        if not p.fits_f32(target):
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"target {target} does not fit a float32")
+        self.check_limits(req.velocity_feedforward, req.torque_feedforward)
+        await self.modes("position")
+        if req.velocity_feedforward:
+            await self.set_value("velocity", p.OdriveAction.SET_VELOCITY, req.velocity_feedforward)
+        if req.torque_feedforward:
+            await self.set_value("torque", p.OdriveAction.SET_TORQUE, req.torque_feedforward)
+        # relative moves too go as SET_POSITION: a resent SET_RELATIVE_POSITION whose first reply was lost
+        # would be applied twice (the protocol has no sequence number)
+        await self.set_value("position", p.OdriveAction.SET_POSITION, target)
+
+    async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
+        self.check_limits(req.velocity, req.torque_feedforward)
+        await self.modes("velocity")
+        if req.torque_feedforward:
+            await self.set_value("torque", p.OdriveAction.SET_TORQUE, req.torque_feedforward)
+        await self.set_value("velocity", p.OdriveAction.SET_VELOCITY, req.velocity)
+        return RoiAck(accepted=True, detail=f"velocity {req.velocity} rev/s")
+
+    async def cmd_set_torque(self, req: RoiSetTorque) -> RoiAck:
+        self.check_limits(torque=req.torque)
+        await self.modes("torque")
+        await self.set_value("torque", p.OdriveAction.SET_TORQUE, req.torque)
+        self.torque_sp = req.torque
+        return RoiAck(accepted=True, detail=f"torque {req.torque} Nm")
+
+    async def cmd_clear_errors(self, req: RoiEmpty) -> RoiAck:
+        await self.set_ok(p.odrive_request(p.OdriveAction.CLEAR_ERRORS), "CLEAR_ERRORS")
+        # the module state (2/4) would otherwise stay in health until the next STATUS_REPORT (up to 12.8 s)
+        with contextlib.suppress(RequestLost):
+            await self.poll()
+            await self.fetch_status()
+        return RoiAck(accepted=True, detail="errors cleared")
+
+    async def stop(self) -> None:
+        """Velocity mode, 0 rev/s (the original's cancel sent velocity 0 in whatever mode was active, which
+        in position mode only zeroes a feed-forward)."""
+        await self.modes("velocity")
+        await self.set_value("velocity", p.OdriveAction.SET_VELOCITY, 0.0)
+
+
+class ActuatorModule(MotionModule):
+    """§3.7: lengths in encoder ticks; no getter is implemented, so position is estimated from the commands
+    (moving toward the target at the commanded velocity) and flagged `estimated`."""
+
+    unit = "percent"
+
+    def __init__(self, svc: RoiService, cfg: RoiModuleConfig) -> None:
+        super().__init__(svc, cfg)
+        self.position = None  # unknown until the first absolute move
+        self.target: float | None = None
+        self.speed = cfg.default_velocity  # %/s
+        self.speed_set = False
+        self.t_est = time.monotonic()
+
+    @property
+    def tolerance(self) -> float:
+        return self.cfg.tolerance or self.svc.settings.roi_actuator_tolerance
+
+    @property
+    def estimated(self) -> bool:
+        return True
+
+    def ticks(self, percent: float) -> int:
+        return round(max(0.0, min(100.0, percent)) / 100.0 * self.cfg.max_position)
+
+    def resets_to_blank(self) -> bool:
+        return False  # the firmware never leaves BLANK_STATE (§3.7): a reset shows as uptime going backwards
+
+    def operational_state(self, state: int) -> bool:
+        return state in p.OPERATIONAL_STATES or state == p.ModuleState.BLANK_STATE
+
+    def state_message(self, state: int) -> str:
+        if state == p.ModuleState.BLANK_STATE:
+            return "Blank state: the actuator firmware never reports itself configured."
+        return super().state_message(state)
+
+    def estimate(self) -> None:
+        now = time.monotonic()
+        dt, self.t_est = now - self.t_est, now
+        if self.position is None or self.target is None:
+            self.velocity = 0.0
+            return
+        err = self.target - self.position
+        step = max(-self.speed * dt, min(self.speed * dt, err))
+        self.position += step
+        self.velocity = (step / dt) if dt > 0 and abs(err) > 1e-9 else 0.0
+
+    async def poll(self) -> None:
+        # GET_CURRENT_LENGTH is not implemented (reply [0] = 0); sent to feed the module's watchdog
+        await self.svc.transport.general(self.cfg.octet, p.GeneralPacket(self.cfg.channel,
+                                                                          p.ActuatorAction.GET_CURRENT_LENGTH))
+        self.estimate()
+        known = self.position is not None
+        self.dev.publish(STATE, RoiMotionState(position=self.position, velocity=self.velocity if known else None,
+                                               unit="percent", estimated=True, ts=time.time()))
+        self.state_event.set()
+
+    def has_cache(self) -> bool:
+        return self.target is not None or self.speed_set
+
+    async def push(self) -> None:
+        if self.speed_set:
+            await self.request(p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_VELOCITY,
+                                               p.f32(self.speed / 100.0 * self.cfg.max_position)), "push velocity")
+        if self.target is not None:
+            await self.request(p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_ABSOLUTE_LENGTH,
+                                               p.u16(self.ticks(self.target))), "push length")
+
+    def current_position(self) -> float:
+        self.estimate()
+        if self.position is None:
+            raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name}: position unknown (the firmware has no "
+                                                      "getter); send an absolute goto_position first")
+        return self.position
+
+    async def goto(self, target: float, req: RoiGotoPosition) -> None:
+        if req.torque_feedforward:
+            raise CommandError(ErrorCode.INVALID_REQUEST, "an actuator takes no torque_feedforward")
+        if not 0.0 <= target <= 100.0:
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"target {target:.4g} % is outside 0..100 % of max_position")
+        if req.velocity_feedforward:
+            await self.set_speed(req.velocity_feedforward)
+        # relative moves go as SET_ABSOLUTE_LENGTH too: SET_RELATIVE_LENGTH is a uint16 (no way back) and a
+        # resend after a lost reply would add it twice
+        await self.request(p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_ABSOLUTE_LENGTH,
+                                           p.u16(self.ticks(target))), "SET_ABSOLUTE_LENGTH")
+        self.estimate()
+        if self.position is None:
+            # first move: where it was is unknown, the estimate starts at the target (flagged estimated)
+            self.position = target
+        self.target = target
+
+    async def set_speed(self, pct_s: float) -> None:
+        if pct_s <= 0 or pct_s > 1000:
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"actuator velocity {pct_s} %/s must be in (0, 1000]")
+        await self.request(p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_VELOCITY,
+                                           p.f32(pct_s / 100.0 * self.cfg.max_position)), "SET_VELOCITY")
+        self.estimate()
+        self.speed = pct_s
+        self.speed_set = True
+
+    async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
+        if req.torque_feedforward:
+            raise CommandError(ErrorCode.INVALID_REQUEST, "an actuator takes no torque_feedforward")
+        await self.set_speed(abs(req.velocity))
+        return RoiAck(accepted=True, detail=f"moves at {abs(req.velocity)} %/s")
+
+    async def stop(self) -> None:
+        """No stop in the firmware: hold at the estimated position."""
+        self.estimate()
+        if self.position is not None and self.target is not None:
+            await self.request(p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_ABSOLUTE_LENGTH,
+                                               p.u16(self.ticks(self.position))), "hold")
+            self.target = self.position
+
+
+MODULE_CLASSES: dict[str, type[RoiModule]] = {"gpio": GpioModule, "odrive": OdriveModule, "actuator": ActuatorModule}
+
+
+class RoiService:
+    """The hooks the kit runs: `serve()` on node.loop, `shutdown()` before the node says offline."""
+
+    def __init__(self, node: Node, settings: RoiSettings) -> None:
+        self.node = node
+        self.settings = settings
+        self.modules: list[RoiModule] = []
+        self.by_octet: dict[int, list[RoiModule]] = {}
+        self.transport = RoiTransport(
+            TransportConfig(settings.roi_network, settings.roi_host_octet, settings.roi_timeout_s,
+                            settings.roi_max_retries, settings.roi_lost_to_disconnect),
+            sorted({m.octet for m in settings.roi_modules}), self._on_connection, self._on_decode_error)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
+
+    def build_modules(self) -> None:
+        for cfg in self.settings.roi_modules:
+            mod = MODULE_CLASSES[cfg.type](self, cfg)
+            self.modules.append(mod)
+            self.by_octet.setdefault(cfg.octet, []).append(mod)
+            mod.dev.set_health(connection=False, operational=False, state="connecting", error=False,
+                               error_message="waiting for the module's first reply",
+                               details={"octet": cfg.octet, "type": cfg.type})
+
+    def _on_connection(self, octet: int, link: LinkStats) -> None:
+        for m in self.by_octet.get(octet, []):
+            m.on_connection(link)
+
+    def _on_decode_error(self, what: str) -> None:
+        self.node.count_decode_error(what)
+
+    async def serve(self) -> None:
+        await self.transport.open()
+        log.info("serving ROI modules", extra={"host": self.transport.cfg.host_address,
+                                               "modules": [f"{m.cfg.name}@{m.cfg.octet}" for m in self.modules]})
+        self._tasks = [asyncio.ensure_future(m.maintain()) for m in self.modules]
+        self._tasks.append(asyncio.ensure_future(self._link_stats()))
+        try:
+            await asyncio.gather(*self._tasks)
+        finally:
+            for t in self._tasks:
+                t.cancel()
+
+    async def _link_stats(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for m in self.modules:
+                m.publish_link()
+
+    async def shutdown(self) -> None:
+        """Fail-safe: stop the maintain loops, zero every motor's demand, close the sockets."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for t in self._tasks:
+            t.cancel()
+        if self.transport._transports:
+            stops = [m.stop() for m in self.modules if isinstance(m, MotionModule) and m.link.connected]
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 2.0)
+        self.transport.close()
+        for m in self.modules:
+            m.dev.set_health(connection=False, operational=False, state="stopped", error=False,
+                             error_message="service stopped; motors were sent a stop")
+
+
+def check_bindable(host: str) -> None:
+    """Both ROI ports on this host's address, or one clear line: the address is not ours, or the ports are
+    taken (only one process can own the ROI network, §1)."""
+    for port in (p.GENERAL_PORT, p.SYSADMIN_PORT):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise ServiceUnavailable(f"cannot bind {host}:{port} ({exc.strerror}): roi_network and "
+                                         "roi_host_octet must name an address of this host, and no other "
+                                         "process may own the ROI ports there") from None
+
+
+def build(node: Node, settings: RoiSettings) -> RoiService:
+    # A command hops paho's thread -> the command pool -> this loop and back; each hop waits for the GIL,
+    # which a busy thread keeps up to the switch interval (5 ms by default): 1 ms keeps the round trip short.
+    sys.setswitchinterval(0.001)
+    check_bindable(f"{settings.roi_network}.{settings.roi_host_octet}")
+    svc = RoiService(node, settings)
+    svc.build_modules()
+    return svc
+
+
+__all__ = ["API", "RoiService", "RoiSettings", "build"]

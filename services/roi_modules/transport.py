@@ -1,0 +1,288 @@
+"""The ROI UDP network: one process owns both sockets (57344 general, 57664 SysAdmin) on the host's address.
+
+The reply is the acknowledgement (reference roi.md §5.4): a request is resent every `timeout_s` (50 ms) up to
+`max_retries` (10) times, then abandoned and counted as lost; after `lost_to_disconnect` abandoned requests
+the module is disconnected, and any matching reply connects it again.
+
+What the original Transport Agent got wrong (§5.5), fixed here:
+- replies are matched to requests by source octet, port, subDeviceID and action code (PING -> PONG): the
+  original compared an octet string with an int, so nothing ever matched and every packet was resent until
+  abandoned;
+- the destination address is `<prefix>.<octet>`, built from validated parts (the original used str.replace
+  on the whole address, which rewrites every matching digit);
+- a reply that matches no request is counted (per module and in total), not published as if it had.
+Requests to one module are serialised per port (one in flight: the firmware answers strictly in order and two
+requests with the same key could not be told apart); different modules are served concurrently.
+While a module is disconnected, a request is sent once (a probe) instead of being resent ten times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.roi_modules import protocol as p
+
+log = logging.getLogger("robobus.roi.transport")
+
+
+class RequestLost(Exception):
+    """Every send of a request went unanswered: it was abandoned (and counted)."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    prefix: str  # three octets, e.g. "192.168.2" (the firmware's network) or "127.0.2" (simulators)
+    host_octet: int  # our own address on that network
+    timeout_s: float = 0.05
+    max_retries: int = 10
+    lost_to_disconnect: int = 1
+    general_port: int = p.GENERAL_PORT
+    sysadmin_port: int = p.SYSADMIN_PORT
+
+    def __post_init__(self) -> None:
+        check_prefix(self.prefix)
+        check_octet(self.host_octet)
+
+    @property
+    def host_address(self) -> str:
+        return module_address(self.prefix, self.host_octet)
+
+
+def check_prefix(prefix: str) -> str:
+    parts = prefix.split(".")
+    if len(parts) != 3 or not all(x.isdigit() and 0 <= int(x) <= 255 and str(int(x)) == x for x in parts):
+        raise ValueError(f"network prefix {prefix!r} must be three decimal octets, e.g. 192.168.2")
+    return prefix
+
+
+def check_octet(octet: int) -> int:
+    if not 1 <= octet <= 254:
+        raise ValueError(f"octet {octet} must be 1..254 (0 is the network, 255 broadcast)")
+    return octet
+
+
+def module_address(prefix: str, octet: int) -> str:
+    """`<prefix>.<octet>`, built from parts (never a text replace on a whole address, §5.5)."""
+    return str(ipaddress.IPv4Address(f"{check_prefix(prefix)}.{check_octet(octet)}"))
+
+
+@dataclass
+class LinkStats:
+    """One module's link, as ConnectionState (§5.2) plus what we count beyond it."""
+
+    connected: bool = False
+    lost_since_connect: int = 0
+    lost_total: int = 0
+    sent: int = 0
+    resent: int = 0
+    replies: int = 0
+    unmatched: int = 0
+    bad_checksum: int = 0
+    last_reply: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"connected": self.connected, "lost_since_connect": self.lost_since_connect,
+                "lost_total": self.lost_total, "sent": self.sent, "resent": self.resent, "replies": self.replies,
+                "unmatched": self.unmatched, "bad_checksum": self.bad_checksum}
+
+
+Key = tuple[int, int, int, int]  # octet, port, subDeviceID (-1 for SysAdmin), reply action
+
+
+@dataclass
+class _Pending:
+    fut: asyncio.Future[Any]
+    sent_at: float = 0.0
+
+
+class _Endpoint(asyncio.DatagramProtocol):
+    def __init__(self, owner: RoiTransport, port: int) -> None:
+        self.owner = owner
+        self.port = port
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        self.owner._on_datagram(self.port, data, addr)
+
+    def error_received(self, exc: Exception) -> None:  # ICMP unreachable: the resend timer covers it
+        log.debug("socket error", extra={"port": self.port, "error": str(exc)})
+
+
+@dataclass
+class TransportTotals:
+    unmatched: int = 0  # replies matching no request, from any source
+    foreign: int = 0  # datagrams from outside the prefix or from an octet we do not serve
+    decode_errors: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class RoiTransport:
+    """Request/reply over the ROI UDP ports; coroutines run on one asyncio loop."""
+
+    def __init__(self, cfg: TransportConfig, octets: list[int],
+                 on_connection: Callable[[int, LinkStats], None] | None = None,
+                 on_decode_error: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.links: dict[int, LinkStats] = {check_octet(o): LinkStats() for o in octets}
+        self.totals = TransportTotals()
+        self.on_connection = on_connection
+        self.on_decode_error = on_decode_error
+        self._pending: dict[Key, _Pending] = {}
+        self._locks: dict[tuple[int, int], asyncio.Lock] = {}
+        self._transports: dict[int, asyncio.DatagramTransport] = {}
+        self._prefix_dot = cfg.prefix + "."
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        for port in (self.cfg.general_port, self.cfg.sysadmin_port):
+            try:
+                tr, _ = await loop.create_datagram_endpoint(lambda port=port: _Endpoint(self, port),  # type: ignore[misc]
+                                                            local_addr=(self.cfg.host_address, port))
+            except OSError as exc:
+                self.close()
+                raise OSError(exc.errno, f"cannot bind {self.cfg.host_address}:{port}: {exc.strerror}") from None
+            self._transports[port] = tr
+
+    def close(self) -> None:
+        for tr in self._transports.values():
+            tr.close()
+        self._transports.clear()
+        for pend in self._pending.values():
+            if not pend.fut.done():
+                pend.fut.cancel()
+
+    def address(self, octet: int) -> str:
+        return module_address(self.cfg.prefix, octet)
+
+    # -- requests ------------------------------------------------------------------------------------
+    async def general(self, octet: int, pkt: p.GeneralPacket, *, retries: int | None = None) -> p.GeneralPacket:
+        """Send a general request; the module's reply (same subDeviceID and action) or RequestLost."""
+        key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
+        reply: p.GeneralPacket = await self._request(key, pkt.encode(), retries, True)
+        return reply
+
+    async def general_once(self, octet: int, pkt: p.GeneralPacket) -> p.GeneralPacket | None:
+        """Sent once; a reply taken if one comes within the timeout; silence is not counted as a loss."""
+        key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
+        return await self._request(key, pkt.encode(), 0, False)  # type: ignore[no-any-return]
+
+    async def sysadmin(self, octet: int, pkt: p.SysAdminPacket, *, retries: int | None = None,
+                       expect_reply: bool = True) -> p.SysAdminPacket | None:
+        """Send a SysAdmin request. `expect_reply=False` (BLACK_LIST, whose reply the firmware never sends,
+        §3.2): sent once, a reply is taken if one comes within the timeout, and silence is not a loss."""
+        key = (octet, self.cfg.sysadmin_port, -1, p.sysadmin_reply_action(pkt.action))
+        if not expect_reply:
+            return await self._request(key, pkt.encode(), 0, False)  # type: ignore[no-any-return]
+        reply: p.SysAdminPacket = await self._request(key, pkt.encode(), retries, True)
+        return reply
+
+    async def _request(self, key: Key, data: bytes, retries: int | None, counts: bool) -> Any:
+        octet, port = key[0], key[1]
+        link = self.links.get(octet)
+        if link is None:
+            raise ValueError(f"octet {octet} is not one of this transport's modules")
+        tr = self._transports.get(port)
+        if tr is None:
+            raise RequestLost("the transport is closed")
+        lock = self._locks.get((octet, port))
+        if lock is None:
+            lock = self._locks[(octet, port)] = asyncio.Lock()
+        if retries is None:
+            retries = self.cfg.max_retries if link.connected or link.replies == 0 else 0
+        dest = (self.address(octet), port)
+        loop = asyncio.get_running_loop()
+        async with lock:
+            try:
+                for attempt in range(retries + 1):
+                    fut: asyncio.Future[Any] = loop.create_future()
+                    self._pending[key] = _Pending(fut, time.monotonic())
+                    timer = loop.call_later(self.cfg.timeout_s, _expire, fut)
+                    tr.sendto(data, dest)
+                    link.sent += 1
+                    if attempt:
+                        link.resent += 1
+                    try:
+                        reply = await fut
+                    finally:
+                        timer.cancel()
+                    if reply is not None:
+                        return reply
+            finally:
+                self._pending.pop(key, None)
+        if not counts:
+            return None
+        link.lost_since_connect += 1
+        link.lost_total += 1
+        if link.connected and link.lost_since_connect >= self.cfg.lost_to_disconnect:
+            link.connected = False
+            log.warning("module disconnected", extra={"octet": octet, "lost_total": link.lost_total})
+            self._notify(octet, link)
+        raise RequestLost(f"no reply from {dest[0]}:{port} after {retries + 1} sends "
+                          f"{self.cfg.timeout_s * 1000:.0f} ms apart")
+
+    def _notify(self, octet: int, link: LinkStats) -> None:
+        if self.on_connection is not None:
+            try:
+                self.on_connection(octet, link)
+            except Exception:
+                log.exception("connection callback failed")
+
+    # -- replies -------------------------------------------------------------------------------------
+    def _decode_error(self, reason: str, what: str) -> None:
+        self.totals.decode_errors += 1
+        self.totals.by_reason[reason] = self.totals.by_reason.get(reason, 0) + 1
+        if self.on_decode_error is not None:
+            self.on_decode_error(what)
+
+    def _on_datagram(self, port: int, data: bytes, addr: tuple[Any, int]) -> None:
+        host = str(addr[0])
+        if not host.startswith(self._prefix_dot):
+            self.totals.foreign += 1
+            return
+        try:
+            octet = int(host[len(self._prefix_dot):])
+        except ValueError:
+            self.totals.foreign += 1
+            return
+        link = self.links.get(octet)
+        if link is None:
+            self.totals.foreign += 1
+            return
+        pkt: p.GeneralPacket | p.SysAdminPacket
+        try:
+            if port == self.cfg.general_port:
+                pkt = p.decode_general(data)[0]
+                key = (octet, port, pkt.sub_device_id, pkt.action)
+            else:
+                pkt = p.decode_sysadmin(data)[0]
+                key = (octet, port, -1, pkt.action)
+        except p.DecodeError as exc:
+            if exc.reason == "checksum":
+                link.bad_checksum += 1  # dropped: the request is resent (the original never dropped, §2.4)
+            self._decode_error(exc.reason, f"octet {octet} port {port}: {exc}")
+            return
+        pend = self._pending.get(key)
+        if pend is None or pend.fut.done():
+            link.unmatched += 1
+            self.totals.unmatched += 1
+            return
+        link.replies += 1
+        link.last_reply = time.monotonic()
+        if not link.connected or link.lost_since_connect:
+            was = link.connected
+            link.connected = True
+            link.lost_since_connect = 0
+            if not was:
+                log.info("module connected", extra={"octet": octet})
+                self._notify(octet, link)
+        pend.fut.set_result(pkt)
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(None)

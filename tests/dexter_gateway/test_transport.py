@@ -1,0 +1,172 @@
+"""DexterLink against the simulated DexRun: stop-and-wait, timeouts, keepalive, reconnect, reassembly."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from services.dexter_gateway import protocol as p
+from services.dexter_gateway.sim import DexterSim, DexterSimConfig
+from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError
+from shared.rpc import wait_for
+
+
+@pytest.fixture
+def sim() -> Iterator[DexterSim]:
+    s = DexterSim(DexterSimConfig(port=0, max_speed_deg_s=200, acceleration_deg_s2=4000)).start()
+    yield s
+    s.close()
+
+
+def make_link(sim: DexterSim, **cfg: Any) -> DexterLink:
+    link = DexterLink("arm", DexterLinkConfig(host="127.0.0.1", port=sim.port, **cfg)).start()
+    assert wait_for(lambda: link.serving, 10), link.message
+    return link
+
+
+def in_parallel(fn: Callable[[], Any], n: int) -> list[Any]:
+    def safe() -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            return exc
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: safe(), range(n)))
+
+
+def test_commands_from_many_threads_are_serialised(sim: DexterSim) -> None:
+    link = make_link(sim)
+    n0 = sim.stats.commands
+    reps = in_parallel(lambda: link.request("h"), 40)
+    assert all(not isinstance(r, Exception) and r.reply.error == 0 and r.reply.oplet == "h" for r in reps), reps
+    assert len({r.reply.instruction_id for r in reps}) == 40
+    # strictly one command per recv: the simulator saw every one as its own command, and none was lost
+    assert sim.stats.commands - n0 >= 40 and sim.stats.crashes == 0 and link.stats.timeouts == 0
+    assert link.stats.rtt_avg_ms > 0
+    link.close()
+
+
+def test_queue_limit_answers_busy(sim: DexterSim) -> None:
+    link = make_link(sim, queue_limit=2)
+    sim.delay_replies(0.3, 1)
+    res = in_parallel(lambda: link.request("h"), 6)
+    busy = [r for r in res if isinstance(r, DexterLinkError) and r.code == "busy"]
+    assert busy and link.stats.busy == len(busy)
+    assert sum(not isinstance(r, Exception) for r in res) >= 3
+    link.close()
+
+
+def test_a_cancelled_caller_leaves_the_queue(sim: DexterSim) -> None:
+    link = make_link(sim)
+    sim.delay_replies(0.5, 1)
+    t = threading.Thread(target=lambda: link.request("h"))
+    t.start()
+    time.sleep(0.1)
+    flag = threading.Event()
+    threading.Timer(0.1, flag.set).start()
+    with pytest.raises(DexterLinkError, match="cancelled"):
+        link.request("h", cancelled=flag.is_set)
+    t.join(5)
+    assert link.request("h").reply.error == 0
+    link.close()
+
+
+def test_timeout_resets_the_link_and_it_comes_back(sim: DexterSim) -> None:
+    link = make_link(sim, reply_timeout_s=0.3, reconnect_min_s=0.05)
+    sim.drop_replies(1)
+    t0 = time.monotonic()
+    with pytest.raises(DexterLinkError) as ei:
+        link.request("h")
+    assert ei.value.code == "timeout" and time.monotonic() - t0 >= 0.25
+    assert link.stats.timeouts == 1
+    assert wait_for(lambda: link.serving and link.stats.reconnects == 1, 10)
+    assert link.request("h").reply.error == 0
+    link.close()
+
+
+def test_longer_allowance_for_z_and_queued_moves(sim: DexterSim) -> None:
+    link = make_link(sim, reply_timeout_s=0.3)
+    rep = link.request("z", [500000])  # 0.5 s sleep > the 0.3 s reply timeout
+    assert rep.reply.error == 0 and rep.rtt_s >= 0.45
+    assert link.timeout_for(link.prepare("F")) == link.config.motion_timeout_s
+    assert link.timeout_for(link.prepare("w", [1, 2])) == link.config.motion_timeout_s
+    assert link.timeout_for(link.prepare("a", [0] * 5)) == link.config.fifo_timeout_s
+    assert link.timeout_for(link.prepare("S", ["RunFile", "x.make_ins"])) == link.config.motion_timeout_s
+    link.close()
+
+
+def test_keepalive_outlives_dexrun_idle_close() -> None:
+    with DexterSim(DexterSimConfig(port=0, idle_close_s=0.5)) as sim:
+        link = make_link(sim, keepalive_s=0.2)
+        time.sleep(2.0)  # four idle-close periods without a command of ours
+        assert sim.stats.idle_closes == 0 and link.stats.reconnects == 0 and link.serving
+        assert link.stats.keepalives >= 3
+        link.close()
+
+
+def test_without_keepalive_the_idle_close_is_seen_and_survived() -> None:
+    with DexterSim(DexterSimConfig(port=0, idle_close_s=0.3)) as sim:
+        link = make_link(sim, keepalive_s=29, reconnect_min_s=0.05)
+        assert wait_for(lambda: sim.stats.idle_closes >= 1 and link.stats.reconnects >= 1, 10)
+        assert wait_for(lambda: link.serving, 5)
+        assert link.request("h").reply.error == 0
+        link.close()
+
+
+def test_split_and_coalesced_replies(sim: DexterSim) -> None:
+    link = make_link(sim)
+    sim.split_replies(3, pieces=7, gap_s=0.01)
+    for _ in range(3):
+        assert link.request("h").reply.oplet == "h"
+    sim.coalesce_replies(2)
+    for _ in range(3):
+        assert link.request("h").reply.oplet == "h"
+    assert link.stats.stale_replies == 2 and link.stats.reconnects == 0 and link.stats.out_of_step == 0
+    link.close()
+
+
+def test_garbage_puts_the_stream_out_of_step_and_the_link_resets(sim: DexterSim) -> None:
+    errors: list[str] = []
+    link = make_link(sim, reply_timeout_s=0.5, reconnect_min_s=0.05)
+    link.on_decode_error = errors.append
+    sim.garbage(b"\x01\x02\x03")
+    with pytest.raises(DexterLinkError) as ei:
+        link.request("h")
+    assert ei.value.code in ("device_error", "timeout")
+    assert wait_for(lambda: link.serving and link.stats.reconnects >= 1, 10)
+    assert link.request("h").reply.error == 0
+    assert errors
+    link.close()
+
+
+def test_second_client_waits_until_the_arm_is_free(sim: DexterSim) -> None:
+    holder = socket.create_connection(("127.0.0.1", sim.port))
+    holder.sendall(p.build_request("g").encode())
+    assert len(holder.recv(240)) > 0
+    link = DexterLink("arm", DexterLinkConfig(host="127.0.0.1", port=sim.port, reply_timeout_s=0.3,
+                                              reconnect_min_s=0.05, reconnect_max_s=0.2)).start()
+    assert wait_for(lambda: "another client" in link.message, 5), link.message
+    assert not link.serving
+    with pytest.raises(DexterLinkError) as ei:
+        link.request("h")
+    assert ei.value.code == "unavailable"
+    holder.close()
+    assert wait_for(lambda: link.serving, 10)
+    link.close()
+
+
+def test_invalid_requests_never_reach_the_queue(sim: DexterSim) -> None:
+    link = make_link(sim)
+    n0 = sim.stats.commands
+    with pytest.raises(p.ProtocolError):
+        link.request("z")
+    with pytest.raises(p.ProtocolError):
+        link.request("a", [1, 2, 3])
+    assert sim.stats.commands == n0
+    link.close()

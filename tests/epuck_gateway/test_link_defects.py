@@ -1,0 +1,167 @@
+"""The three WiFi link defects of issue #14, each against a simulated robot set to the same behaviour.
+
+- slow images (1 fps with sensors riding on each image, as the firmware's cycle does) must not flap
+  the link, yet a robot that sends nothing at all is found within the allowed silence;
+- a one-shot (sound) followed at once by a burst of commands is never lost: commands coalesce and go
+  at most once per robot cycle, so the firmware's queue never reaches its flush at 5;
+- health says connected-but-silent until data arrives, and a hung robot does not toggle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from services.epuck_gateway.protocol import LED_BITS, SOUND_MARIO, EpuckController
+from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
+from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig
+
+States = list[tuple[float, bool, str, str]]
+
+
+def make_link(port: int, ctl: EpuckController, states: States) -> EpuckLink:
+    cfg = EpuckLinkConfig("127.0.0.1", port, connect_timeout_s=2.0, reconnect_min_s=0.05, reconnect_max_s=0.3)
+    return EpuckLink("r1", cfg, ctl, lambda p, t: None,
+                     lambda c, s, m: states.append((time.monotonic(), c, s, m)), lambda e: None)
+
+
+async def wait_for(pred: object, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.01)
+    return bool(pred())  # type: ignore[operator]
+
+
+@pytest.fixture
+def slow_robot() -> Iterator[EpuckSimThread]:
+    """One image a second, the sensors packet following each image (the firmware's cycle)."""
+    s = EpuckSimThread(1, EpuckSimConfig(sensors_hz=50, image_fps=1, image_holds_cycle=True)).start()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def fast_robot() -> Iterator[EpuckSimThread]:
+    s = EpuckSimThread(1, EpuckSimConfig(sensors_hz=50, image_fps=10)).start()
+    yield s
+    s.close()
+
+
+def test_slow_images_do_not_flap_and_a_dead_robot_is_found(slow_robot: EpuckSimThread) -> None:
+    robot = slow_robot.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        link = make_link(robot.port, EpuckController(), states)  # image + sensors requested
+        link.start()
+        assert await wait_for(lambda: link.stats.images >= 2)
+        t0 = time.monotonic()
+        await asyncio.sleep(6.0)  # the issue saw 8 link_lost in 8 s here
+        assert link.stats.images >= 4 and link.stats.sensors >= 4
+        assert link.stats.sensors <= link.stats.images + 1  # the sensors packet rides on the image
+        assert [s for s in states if s[0] > t0] == [] and link.stats.silences == 0
+        assert link.stats.reconnects == 0 and robot.stats.connections == 1
+        # the robot dies without a FIN: nothing at all arrives
+        allowed = link.liveness.allowed_silence()
+        assert allowed <= link.config.stale_timeout_s + 1.0 + 0.5  # follows the 1 s image interval
+        robot.silent = True
+        assert await wait_for(lambda: any(s[2] == "silent" for s in states), allowed + 5.0)
+        found = next(s for s in states if s[2] == "silent")
+        # detected at the allowed silence after the last byte (generous slack for a busy machine)
+        assert found[0] - link.last_rx == pytest.approx(allowed, abs=0.5)
+        assert found[1] is True and "no data" in found[3]
+        robot.silent = False
+        assert await wait_for(lambda: states[-1][2] == "streaming", 10)
+        assert link.stats.reconnects == 0  # a silence is not a reason to reconnect
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_dead_sensors_stream_is_found_within_the_stale_timeout(fast_robot: EpuckSimThread) -> None:
+    robot = fast_robot.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        ctl = EpuckController()
+        ctl.set_stream(image=False, sensors=True)
+        link = make_link(robot.port, ctl, states)
+        link.start()
+        assert await wait_for(lambda: link.stats.sensors >= 10)
+        assert link.liveness.allowed_silence() == link.config.stale_timeout_s
+        robot.silent = True
+        assert await wait_for(lambda: any(s[2] == "silent" for s in states), 5.0)
+        found = next(s for s in states if s[2] == "silent")
+        assert found[0] - link.last_rx == pytest.approx(link.config.stale_timeout_s, abs=0.5)
+        robot.silent = False
+        await link.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("image_fps", [10.0, 1.0], ids=["fast", "one-image-a-second"])
+def test_a_sound_is_not_lost_in_a_burst_of_commands(image_fps: float) -> None:
+    sim = EpuckSimThread(1, EpuckSimConfig(sensors_hz=50, image_fps=image_fps, image_holds_cycle=True)).start()
+    robot = sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        ctl = EpuckController()
+        link = make_link(robot.port, ctl, states)
+        link.start()
+        assert await wait_for(lambda: link.stats.sensors >= 2)
+        received_before = robot.stats.commands
+        cycles_before = robot.stats.cycles
+        # cmd/sound then, within 15 ms, six cmd/leds (each a different LED pattern)
+        ctl.play(SOUND_MARIO)
+        link.request_write()
+        names = list(LED_BITS)
+        for i in range(6):
+            ctl.set_leds(**{names[i]: True})
+            link.request_write()
+            await asyncio.sleep(0.002)
+        want_leds = sum(LED_BITS.values())
+        assert await wait_for(lambda: robot.world.leds == want_leds and SOUND_MARIO in robot.world.melodies, 10)
+        assert robot.world.melodies.count(SOUND_MARIO) == 1
+        assert await wait_for(lambda: robot.command is not None and robot.command.sound == 0, 10)  # cleared
+        written = robot.stats.commands - received_before
+        cycles = robot.stats.cycles - cycles_before
+        assert link.stats.commands_requested >= 7
+        assert written <= cycles + 1  # at most one write per robot cycle
+        assert written < 7  # coalesced
+        assert robot.stats.flushed_commands == 0 and robot.stats.max_queued <= 2
+        await link.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sim.close()
+
+
+def test_health_is_connected_but_silent_until_data_and_a_hung_robot_does_not_toggle(
+        fast_robot: EpuckSimThread) -> None:
+    robot = fast_robot.robots[0]
+    robot.hung = True  # takes the connection, never sends a byte (no FIN)
+
+    async def main() -> None:
+        states: States = []
+        link = make_link(robot.port, EpuckController(), states)
+        link.start()
+        assert await wait_for(lambda: any(s[2] == "connected" for s in states))
+        first = next(s for s in states if s[2] == "connected")
+        assert first[1] is True and "no data" in first[3]
+        await asyncio.sleep(3.0)  # the issue saw streaming <-> disconnected every ~1.2 s
+        kinds = [s[2] for s in states]
+        assert "streaming" not in kinds and "disconnected" not in kinds, kinds
+        assert kinds.count("connected") == 1 and kinds.count("silent") <= 1
+        assert robot.stats.connections == 1 and link.stats.reconnects == 0
+        robot.hung = False
+        assert await wait_for(lambda: states[-1][2] == "streaming", 10)
+        await link.close()
+
+    asyncio.run(main())

@@ -1,0 +1,180 @@
+"""The asercom v2 serial link against the pty simulator: polling, coalesced actuators, garbage, a
+device that goes away (USB unplug) and comes back, a robot that stops answering."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.epuck_gateway.protocol import SOUND_MARIO, EpuckController, EpuckRawSensors, Packet, SensorsPacket
+from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
+from services.epuck_gateway.sim_serial import EpuckSerialSimThread
+
+States = list[tuple[float, bool, str, str]]
+
+
+@pytest.fixture
+def serial_sim(tmp_path: Path) -> Iterator[EpuckSerialSimThread]:
+    s = EpuckSerialSimThread(1, str(tmp_path / "ttyEPUCK")).start()
+    yield s
+    s.close()
+
+
+def make_link(port: str, ctl: EpuckController, states: States, packets: list[Packet],
+              poll_hz: float = 50.0) -> EpuckSerialLink:
+    cfg = EpuckSerialConfig(port, poll_hz=poll_hz, reopen_min_s=0.05, reopen_max_s=0.3)
+    return EpuckSerialLink("s1", cfg, ctl, lambda p, t: packets.extend(p),
+                           lambda c, s, m: states.append((time.monotonic(), c, s, m)), lambda e: None)
+
+
+async def wait_for(pred: object, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.01)
+    return bool(pred())  # type: ignore[operator]
+
+
+def test_polls_sensors_and_writes_actuators_coalesced(serial_sim: EpuckSerialSimThread) -> None:
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        ctl = EpuckController()
+        ctl.set_stream(image=False, sensors=True)
+        link = make_link(robot.link, ctl, states, packets)
+        link.start()
+        assert await wait_for(lambda: len(packets) >= 5)
+        kinds = [s[2] for s in states]
+        assert kinds[:3] == ["connecting", "connected", "streaming"], kinds
+        s = EpuckRawSensors.decode(packets[-1].data)  # type: ignore[union-attr]
+        assert isinstance(packets[-1], SensorsPacket) and s.selector == 8 and s.battery == 3400
+        assert link.stats.garbage_bytes == 0  # the welcome banner was flushed at open
+        # a sound then six LED changes at once: one -0x09 carries them all, the sound plays once
+        before = robot.stats.actuator_commands
+        ctl.play(SOUND_MARIO)
+        link.request_write()
+        for bit in range(6):
+            ctl.leds |= 1 << bit
+            link.request_write()
+        assert await wait_for(lambda: robot.world.leds == 0x3F and SOUND_MARIO in robot.world.melodies)
+        assert robot.stats.actuator_commands - before <= 2 and robot.world.melodies.count(SOUND_MARIO) == 1
+        ctl.set_speed(300, -300)
+        link.request_write()
+        assert await wait_for(lambda: (robot.world.speed_left, robot.world.speed_right) == (300, -300))
+        assert await wait_for(lambda: link.stats.sensors >= 20)
+        await link.close()
+        # stopped at close: speeds 0, stop sound
+        assert await wait_for(lambda: robot.received[-1].sound == 0x20 and robot.received[-1].left == 0)
+        assert (robot.world.speed_left, robot.world.speed_right) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_garbage_on_the_line_is_counted_and_the_link_recovers(serial_sim: EpuckSerialSimThread) -> None:
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        ctl = EpuckController()
+        ctl.set_stream(image=False, sensors=True)
+        link = make_link(robot.link, ctl, states, packets)
+        link.start()
+        assert await wait_for(lambda: len(packets) >= 3)
+        for _ in range(5):  # unasked bytes (a banner after a robot reset, line noise)
+            serial_sim.call(lambda: robot._send(os.urandom(57)))
+            await asyncio.sleep(0.05)
+        assert await wait_for(lambda: link.stats.garbage_bytes > 0 or link.stats.reply_timeouts > 0)
+        n = len(packets)
+        assert await wait_for(lambda: len(packets) >= n + 10)  # polling goes on with good replies
+        for p in packets[n + 5:]:
+            s = EpuckRawSensors.decode(p.data)  # type: ignore[union-attr]
+            assert s.selector == 8 and s.battery == 3400  # no reply was mixed with garbage
+        assert link.connected and link.stats.reconnects == 0
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_late_reply_is_never_taken_for_the_next_one(serial_sim: EpuckSerialSimThread) -> None:
+    """asercom has no sequence numbers: after a timeout the link waits the late reply out."""
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        stamps: list[tuple[float, float]] = []
+        ctl = EpuckController()
+        ctl.set_stream(image=False, sensors=True)
+        link = make_link(robot.link, ctl, states, packets)
+        link._on_packets = lambda p, t: stamps.extend((time.time() % 1000.0, EpuckRawSensors.decode(x.data).mag[0])
+                                                      for x in p if isinstance(x, SensorsPacket))
+        robot.config.stamp = True
+        link.start()
+        assert await wait_for(lambda: len(stamps) >= 3)
+        robot.late_replies = 3  # three replies come 0.6 s late (the reply timeout is ~0.25 s)
+        assert await wait_for(lambda: link.stats.reply_timeouts >= 3 and robot.late_replies == 0)
+        n = len(stamps)
+        assert await wait_for(lambda: len(stamps) >= n + 20)
+        ages = [(now - sent) % 1000.0 for now, sent in stamps[n:]]
+        assert max(ages) < 0.3, ages  # every reply taken after the stall is fresh, none a late one
+        assert link.stats.garbage_bytes >= 3 * 104
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_device_unplugged_and_plugged_back(serial_sim: EpuckSerialSimThread) -> None:
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        ctl = EpuckController()
+        link = make_link(robot.link, ctl, states, packets)
+        link.start()
+        assert await wait_for(lambda: len(packets) >= 3)
+        serial_sim.call(robot.unplug)
+        assert await wait_for(lambda: any(s[2] == "disconnected" for s in states))
+        assert await wait_for(lambda: any("cannot open" in s[3] for s in states))  # the path is gone
+        assert not link.connected
+        serial_sim.call(robot.plug)
+        n = len(packets)
+        assert await wait_for(lambda: len(packets) >= n + 3 and link.connected)
+        assert states[-1][2] == "streaming" and link.stats.reconnects == 1
+        ctl.set_speed(100, 100)
+        link.request_write()
+        assert await wait_for(lambda: robot.world.speed_left == 100)
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_robot_that_stops_answering_is_silent_and_comes_back(serial_sim: EpuckSerialSimThread) -> None:
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        ctl = EpuckController()
+        link = make_link(robot.link, ctl, states, packets)
+        link.start()
+        assert await wait_for(lambda: len(packets) >= 3)
+        robot.hung = True
+        assert await wait_for(lambda: states[-1][2] == "silent")
+        assert states[-1][1] is True and "no reply" in states[-1][3]
+        await asyncio.sleep(1.5)
+        assert states[-1][2] == "silent" and link.stats.reconnects == 0  # no toggling
+        robot.hung = False
+        assert await wait_for(lambda: states[-1][2] == "streaming")
+        await link.close()
+
+    asyncio.run(main())

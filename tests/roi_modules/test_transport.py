@@ -1,0 +1,171 @@
+"""The transport against the simulator on loopback: matching, resends, losses, (dis)connection, counters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from services.roi_modules import protocol as p
+from services.roi_modules.sim import RoiSim, SimModuleSpec
+from services.roi_modules.transport import LinkStats, RequestLost, RoiTransport, TransportConfig, module_address
+from tests.roi_modules.conftest import fresh_prefix
+
+OCTETS = [10, 20, 30]
+
+
+@pytest.fixture
+def sim() -> Iterator[RoiSim]:
+    s = RoiSim(fresh_prefix(), [SimModuleSpec(10, "gpio"), SimModuleSpec(20, "odrive"),
+                                SimModuleSpec(30, "actuator")], seed=7).start()
+    yield s
+    s.close()
+
+
+def run(sim: RoiSim, body, **cfg):  # type: ignore[no-untyped-def]
+    events: list[tuple[int, bool]] = []
+
+    def on_conn(octet: int, link: LinkStats) -> None:
+        events.append((octet, link.connected))
+
+    async def main():  # type: ignore[no-untyped-def]
+        tr = RoiTransport(TransportConfig(sim.prefix, 100, **cfg), OCTETS, on_conn)
+        await tr.open()
+        try:
+            return await body(tr, events)
+        finally:
+            tr.close()
+
+    return asyncio.run(main())
+
+
+def test_destination_address_built_from_prefix_not_str_replace() -> None:
+    """§5.5: sendToOctet swapped the octet with str.replace; 192.168.2.2 -> octet 5 gave 195.168.5.5."""
+    assert module_address("192.168.2", 5) == "192.168.2.5"
+    assert module_address("127.0.2", 2) == "127.0.2.2"
+    for bad in ("192.168", "192.168.02", "1.2.300", "a.b.c"):
+        with pytest.raises(ValueError):
+            module_address(bad, 5)
+    for bad_octet in (0, 255, 256):
+        with pytest.raises(ValueError):
+            module_address("192.168.2", bad_octet)
+
+
+def test_replies_match_requests_by_octet_port_subdevice_action(sim: RoiSim) -> None:
+    """§5.5: the original never matched a reply (str vs int) and resent every packet until abandoned."""
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        rep = await tr.general(10, p.GeneralPacket(12, p.GpioAction.READ))
+        assert (rep.sub_device_id, rep.action) == (12, p.GpioAction.READ)
+        pong = await tr.sysadmin(20, p.SysAdminPacket(p.SysAdminAction.PING, origin=100))
+        assert pong is not None and pong.action == p.SysAdminAction.PONG
+        # concurrent requests to three modules and two ports, each gets its own reply
+        reps = await asyncio.gather(
+            tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL)),
+            tr.general(30, p.GeneralPacket(1, p.ActuatorAction.GET_CURRENT_LENGTH)),
+            tr.sysadmin(10, p.SysAdminPacket(p.SysAdminAction.STATUS_REPORT, origin=100)),
+            tr.general(10, p.GeneralPacket(3, p.GpioAction.READ)))
+        assert [r.action for r in reps] == [p.OdriveAction.GET_ALL, p.ActuatorAction.GET_CURRENT_LENGTH,
+                                            p.SysAdminAction.STATUS_REPORT, p.GpioAction.READ]
+        for o in OCTETS:
+            assert tr.links[o].resent == 0 and tr.links[o].lost_total == 0 and tr.links[o].connected
+        return events
+
+    events = run(sim, body)
+    assert sorted(events) == [(10, True), (20, True), (30, True)]
+
+
+def test_lost_requests_are_resent_then_abandoned_and_disconnect(sim: RoiSim) -> None:
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))
+        sim.set_faults(20, drop_next=3)
+        await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))  # the 4th send gets through
+        link = tr.links[20]
+        assert link.resent == 3 and link.lost_total == 0 and link.connected
+        sim.set_faults(20, offline=True)
+        t0 = time.monotonic()
+        with pytest.raises(RequestLost):
+            await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))
+        assert time.monotonic() - t0 >= 10 * 0.05 * 0.9  # 1 + 10 sends, 50 ms apart
+        assert link.lost_total == 1 and link.lost_since_connect == 1 and not link.connected
+        sent = link.sent
+        with pytest.raises(RequestLost):  # disconnected: one probe, not eleven sends
+            await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))
+        assert link.sent == sent + 1 and link.lost_total == 2
+        sim.set_faults(20, offline=False)
+        await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))  # any matching reply reconnects
+        assert link.connected and link.lost_since_connect == 0 and link.lost_total == 2
+        return events
+
+    events = run(sim, body)
+    assert [e for e in events if e[0] == 20] == [(20, True), (20, False), (20, True)]
+
+
+def test_unmatched_and_corrupt_replies_are_counted(sim: RoiSim) -> None:
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        sim.set_faults(10, duplicate=True)
+        await tr.general(10, p.GeneralPacket(12, p.GpioAction.READ))
+        link = tr.links[10]
+        for _ in range(200):
+            if link.unmatched:
+                break
+            await asyncio.sleep(0.01)
+        assert link.unmatched == 1 and tr.totals.unmatched == 1
+        sim.set_faults(10, duplicate=False, corrupt_rate=1.0)
+        with pytest.raises(RequestLost):
+            await tr.general(10, p.GeneralPacket(12, p.GpioAction.READ), retries=2)
+        assert link.bad_checksum == 3 and tr.totals.by_reason["checksum"] == 3
+        return events
+
+    run(sim, body)
+
+
+def test_sysadmin_reply_with_bad_checksum_is_dropped_and_counted(sim: RoiSim) -> None:
+    """§2.4: BaseModule::sysadminResponseCallback had its condition inverted and never dropped anything."""
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        sim.set_faults(20, corrupt_rate=1.0)
+        with pytest.raises(RequestLost):
+            await tr.sysadmin(20, p.SysAdminPacket(p.SysAdminAction.STATUS_REPORT, origin=100), retries=1)
+        assert tr.links[20].bad_checksum == 2 and tr.links[20].replies == 0
+        return events
+
+    run(sim, body)
+
+
+def test_blacklist_reply_never_sent_does_not_disconnect(sim: RoiSim) -> None:
+    """§3.2: BLACK_LIST falls through to default and is never answered; that silence is not a lost request."""
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        await tr.general(10, p.GeneralPacket(12, p.GpioAction.READ))
+        rep = await tr.sysadmin(10, p.SysAdminPacket(p.SysAdminAction.BLACK_LIST,
+                                                     p.blacklist_payload(p.BlacklistOp.ADD, 42), origin=100),
+                                expect_reply=False)
+        assert rep is None
+        link = tr.links[10]
+        assert link.connected and link.lost_total == 0 and link.sent == 2
+        assert sim.call(10, lambda fw: 42 in fw.blacklist)
+        return events
+
+    run(sim, body)
+
+
+def test_requests_to_one_module_are_serialised_and_modules_run_concurrently(sim: RoiSim) -> None:
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        for o in OCTETS:
+            sim.set_faults(o, delay_s=0.1)  # each reply is held; the resend time below is longer
+        work = asyncio.gather(*(tr.general(10, p.GeneralPacket(pin, p.GpioAction.READ)) for pin in range(3)),
+                              tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL)),
+                              tr.general(30, p.GeneralPacket(0, p.ActuatorAction.GET_CURRENT_LENGTH)))
+        per_module, modules = 0, 0
+        while not work.done():
+            pending = [k[0] for k in tr._pending]
+            per_module = max([per_module] + [pending.count(o) for o in OCTETS])
+            modules = max(modules, len(set(pending)))
+            await asyncio.sleep(0.002)
+        reps = await work
+        assert [r.sub_device_id for r in reps[:3]] == [0, 1, 2]
+        assert per_module == 1  # one request in flight per module and port
+        assert modules == 3  # the three modules were served at the same time
+        return events
+
+    run(sim, body, timeout_s=1.0)
