@@ -19,7 +19,7 @@ from pydantic.json_schema import models_json_schema
 
 from shared.codegen_schema import name_inline_schemas, pascal
 from shared.contract import BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
-from shared.messages import ErrorReply, Health, JobAccepted, JobResult, NodeStats, OkReply, Status
+from shared.messages import CancelReply, ErrorReply, Health, JobAccepted, JobResult, NodeStats, OkReply, Status
 from shared.registry import service_apis
 
 REF = "#/components/schemas/{model}"
@@ -160,6 +160,10 @@ class DocBuilder:
         self.operation("publishNodeStats", "send", "nodeStats", "Kit statistics", retain=True)
         self.model(ErrorReply)
         self.model(OkReply)
+        # the kit's own replies (a job's JobAccepted, cancel's CancelReply) are kit types in every document,
+        # so a service's schemas are only its own models and their envelopes
+        self.reply_union(JobAccepted)
+        self.reply_union(CancelReply)
 
     def service(self, api: ServiceAPI) -> None:
         svc = api.service
