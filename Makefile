@@ -6,6 +6,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NODEV  := tests/contract/asyncapi-validate
 DASH   := shared/dashboard
+MODELINA := tests/contract/modelina
+TSEXAMPLE := examples/typescript
 PYTEST_ARGS ?=
 
 .PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak clean help
@@ -20,7 +22,8 @@ help:
 	@echo "make chaos   faults against the whole simulated system + a 3-minute soak (table of invariants)"
 	@echo "make soak    the 30-minute soak of the whole simulated system (RSS, CPU, threads per process)"
 
-setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(DASH)/node_modules/.installed
+setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(DASH)/node_modules/.installed \
+       $(MODELINA)/node_modules/.installed $(TSEXAMPLE)/node_modules/.installed
 
 # Debian packages: mosquitto (broker), its clients, iproute2 (netns/veth for the EtherCAT tests),
 # rt-tests (cyclictest, the realtime anchor of bench/ethercat_cycle.py), nodejs/npm (AsyncAPI parser).
@@ -40,6 +43,16 @@ $(NODEV)/node_modules/.installed: $(NODEV)/package.json $(NODEV)/package-lock.js
 # The dashboard's browser libraries (mqtt.js, Ajv), served as shipped by `robobus dashboard`.
 $(DASH)/node_modules/.installed: $(DASH)/package.json $(DASH)/package-lock.json
 	cd $(DASH) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# The AsyncAPI model generator (Modelina) and tsc, for the generated-models tests (tests/contract).
+$(MODELINA)/node_modules/.installed: $(MODELINA)/package.json $(MODELINA)/package-lock.json
+	cd $(MODELINA) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# The TypeScript example client (mqtt.js, tsc), run by tests/contract/test_example_typescript.py.
+$(TSEXAMPLE)/node_modules/.installed: $(TSEXAMPLE)/package.json $(TSEXAMPLE)/package-lock.json
+	cd $(TSEXAMPLE) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 run: setup
@@ -80,7 +93,8 @@ bench-quick:
 	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick
 
 clean:
-	rm -rf $(VENV) $(NODEV)/node_modules $(DASH)/node_modules .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(NODEV)/node_modules $(DASH)/node_modules $(MODELINA)/node_modules $(TSEXAMPLE)/node_modules \
+	       .pytest_cache .mypy_cache .ruff_cache
 
 # -- containers (deploy/): the whole system on this host, from nothing -------------------------------------
 # COMPOSE_PROFILES=sim (default: every service on its simulator), hand, epuck; ROBOBUS_ENV_FILE=a host's env.

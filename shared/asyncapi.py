@@ -17,8 +17,9 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from shared.contract import BinarySpec, ServiceAPI, StateSpec
-from shared.messages import ErrorReply, Health, NodeStats, OkReply, Status
+from shared.codegen_schema import name_inline_schemas, pascal
+from shared.contract import BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
+from shared.messages import CancelReply, ErrorReply, Health, JobAccepted, JobResult, NodeStats, OkReply, Status
 from shared.registry import service_apis
 
 REF = "#/components/schemas/{model}"
@@ -34,18 +35,15 @@ def _cid(*parts: str) -> str:
     return "_".join(re.sub(r"[^A-Za-z0-9_-]", "-", p) for p in parts)
 
 
-def _reply_schema(reply: type[BaseModel]) -> dict[str, Any]:
-    """{"ok": true, "result": <reply>} | {"ok": false, "error": ...}"""
-    return {
-        "oneOf": [
-            {
-                "type": "object",
-                "required": ["ok", "result"],
-                "properties": {"ok": {"const": True}, "result": {"$ref": REF.format(model=reply.__name__)}},
-            },
-            {"$ref": REF.format(model="ErrorReply")},
-        ]
-    }
+def reply_names(reply: type[BaseModel]) -> tuple[str, str]:
+    """Component names of a reply model's success envelope and of its success-or-error union.
+    Derived from the model's name alone, so every command answering with it shares the two types."""
+    return f"{reply.__name__}Ok", f"{reply.__name__}OrError"
+
+
+REPLY_TOPIC = ("the request's MQTT 5 Response Topic; a request without one is answered on "
+               "`<request topic>/reply` (MQTT 3 clients)")
+REPLY_QOS = "the request's QoS: 0 for a QoS 0 request, else 1"
 
 
 PARAMS = {
@@ -73,26 +71,38 @@ class DocBuilder:
         self.models[m.__name__] = m
         return {"$ref": REF.format(model=m.__name__)}
 
-    def message(self, mid: str, payload: dict[str, Any], *, summary: str, content_type: str = "application/json",
-                correlated: bool = False) -> dict[str, str]:
-        msg: dict[str, Any] = {"name": mid, "summary": summary or mid, "contentType": content_type,
-                               "payload": payload}
+    def message(self, mid: str, payload: dict[str, Any], *, summary: str, title: str,
+                content_type: str = "application/json", correlated: bool = False) -> dict[str, str]:
+        msg: dict[str, Any] = {"name": mid, "title": title, "summary": summary or mid,
+                               "contentType": content_type, "payload": payload}
+        mqtt: dict[str, Any] = {}
+        if content_type != "application/json":
+            mqtt["contentType"] = content_type  # set as the MQTT 5 Content Type property
         if correlated:
             msg["correlationId"] = {"description": "MQTT 5 Correlation Data, echoed in the reply",
                                     "location": "$message.header#/correlationData"}
+            mqtt["correlationData"] = {"type": "string", "format": "binary",
+                                       "description": "Any bytes; the reply carries the same"}
+        if mqtt:
+            msg["bindings"] = {"mqtt": {**mqtt, "bindingVersion": MQTT_BINDING}}
         self.messages[mid] = msg
         return {"$ref": f"#/components/messages/{mid}"}
 
     def channel(self, cid: str, address: str | None, messages: dict[str, dict[str, str]], description: str,
-                *, retain: bool = False, qos: int = 0) -> None:
+                *, retain: bool = False, qos: int = 0, kind: str) -> None:
+        """`x-robobus` says how the channel is used: what kind of topic, whether messages on it are
+        retained and at which QoS they are published (the operation's MQTT binding says the same)."""
         params = {p: PARAMS[p] for p in re.findall(r"{(\w+)}", address or "")}
-        ch: dict[str, Any] = {"address": address, "messages": messages, "description": description}
+        ch: dict[str, Any] = {"address": address, "messages": messages, "description": description,
+                              "x-robobus": {"kind": kind, "retain": retain, "qos": qos}}
+        if kind == "reply":
+            ch["x-robobus"]["qos"] = REPLY_QOS
         if params:
             ch["parameters"] = params
         self.channels[cid] = ch
 
     def operation(self, oid: str, action: str, cid: str, summary: str, *, reply_cid: str | None = None,
-                  qos: int = 0, retain: bool = False) -> None:
+                  qos: int = 0, retain: bool = False, contract: dict[str, Any] | None = None) -> None:
         op: dict[str, Any] = {
             "action": action,
             "channel": {"$ref": f"#/channels/{cid}"},
@@ -102,32 +112,58 @@ class DocBuilder:
         }
         if reply_cid:
             op["reply"] = {
-                "address": {"description": "The request's MQTT 5 Response Topic (else `<request topic>/reply`)",
+                "address": {"description": f"The reply topic: {REPLY_TOPIC}",
                             "location": "$message.header#/responseTopic"},
                 "channel": {"$ref": f"#/channels/{reply_cid}"},
                 "messages": [{"$ref": f"#/channels/{reply_cid}/messages/{k}"}
                              for k in self.channels[reply_cid]["messages"]],
             }
+        if contract:
+            op["x-robobus"] = contract
         self.operations[oid] = op
+
+    def reply_union(self, reply: type[BaseModel]) -> dict[str, str]:
+        """`{"ok": true, "result": <reply>} | {"ok": false, "error": ...}` as two named components."""
+        ok_name, union_name = reply_names(reply)
+        self.extra_schemas[ok_name] = {
+            "type": "object",
+            "description": f"A successful reply carrying {reply.__name__}",
+            "required": ["ok", "result"],
+            "properties": {"ok": {"const": True, "type": "boolean", "title": "Ok"},
+                           "result": self.model(reply)},
+        }
+        self.extra_schemas[union_name] = {
+            "description": f"The reply to a command answering with {reply.__name__}: success or an error",
+            "oneOf": [{"$ref": REF.format(model=ok_name)}, self.model(ErrorReply)],
+        }
+        return {"$ref": REF.format(model=union_name)}
 
     # -- the kit's own channels, common to every service --------------------------------------
     def kit(self) -> None:
         self.channel("status", "{root}/{node}/status",
-                     {"Status": self.message("Status", self.model(Status), summary="Node birth / death")},
+                     {"Status": self.message("Status", self.model(Status), summary="Node birth / death",
+                                             title="Node status")},
                      "Retained. Published on connect (online=true); the Last Will says online=false.",
-                     retain=True, qos=1)
+                     retain=True, qos=1, kind="status")
         self.operation("publishStatus", "send", "status", "Node liveness", qos=1, retain=True)
         self.channel("health", "{root}/{node}/{device}/health",
-                     {"Health": self.message("Health", self.model(Health), summary="Device health")},
-                     "Retained. On change and on the heartbeat (ROBOBUS_HEALTH_INTERVAL_S).", retain=True, qos=1)
+                     {"Health": self.message("Health", self.model(Health), summary="Device health",
+                                             title="Device health")},
+                     "Retained. On change and on the heartbeat (ROBOBUS_HEALTH_INTERVAL_S).", retain=True, qos=1,
+                     kind="health")
         self.operation("publishHealth", "send", "health", "Device health", qos=1, retain=True)
         self.channel("nodeStats", "{root}/{node}/_node/state/stats",
-                     {"NodeStats": self.message("NodeStats", self.model(NodeStats), summary="Kit counters")},
+                     {"NodeStats": self.message("NodeStats", self.model(NodeStats), summary="Kit counters",
+                                                title="Node statistics")},
                      "Retained, on the heartbeat: command outcomes, publishes, decode errors, reconnects.",
-                     retain=True)
+                     retain=True, kind="state")
         self.operation("publishNodeStats", "send", "nodeStats", "Kit statistics", retain=True)
         self.model(ErrorReply)
         self.model(OkReply)
+        # the kit's own replies (a job's JobAccepted, cancel's CancelReply) are kit types in every document,
+        # so a service's schemas are only its own models and their envelopes
+        self.reply_union(JobAccepted)
+        self.reply_union(CancelReply)
 
     def service(self, api: ServiceAPI) -> None:
         svc = api.service
@@ -136,8 +172,11 @@ class DocBuilder:
             cid = _cid(svc, "state", name)
             mid = _cid(svc, "state", name)
             if isinstance(st, BinarySpec):
-                payload: dict[str, Any] = {"type": "string", "format": "binary",
-                                           "description": f"raw bytes, {st.content_type}"}
+                # a named component, so generators give the payload a type name of its own
+                bname = f"{pascal(svc)}{pascal(name)}Bytes"
+                self.extra_schemas[bname] = {"type": "string", "format": "binary",
+                                             "description": f"{svc} {name}: raw bytes, {st.content_type}"}
+                payload: dict[str, Any] = {"$ref": REF.format(model=bname)}
                 ctype = st.content_type
             else:
                 assert isinstance(st, StateSpec)
@@ -145,57 +184,73 @@ class DocBuilder:
                 ctype = "application/json"
             rate = f" Rate cap {st.rate_hz:g} Hz (ROBOBUS_STATE_RATES)." if st.rate_hz else ""
             self.channel(cid, f"{dev}/state/{name}",
-                         {mid: self.message(mid, payload, summary=st.doc or name, content_type=ctype)},
+                         {mid: self.message(mid, payload, summary=st.doc or name, content_type=ctype,
+                                            title=f"{svc} state {name}")},
                          f"{svc}: {st.doc or name}.{rate}{' Retained.' if st.retain else ''}",
-                         retain=st.retain, qos=st.qos)
+                         retain=st.retain, qos=st.qos, kind="state")
             self.operation(_cid(svc, "publish", name), "send", cid, st.doc or name, qos=st.qos, retain=st.retain)
         for name, ev in sorted(api.events.items()):
             cid = _cid(svc, "event", name)
             self.channel(cid, f"{dev}/event/{name}",
-                         {cid: self.message(cid, self.model(ev.model), summary=ev.doc or name)},
-                         f"{svc}: {ev.doc or name}", qos=ev.qos)
+                         {cid: self.message(cid, self.model(ev.model), summary=ev.doc or name,
+                                            title=f"{svc} event {name}")},
+                         f"{svc}: {ev.doc or name}", qos=ev.qos, kind="event")
             self.operation(_cid(svc, "emit", name), "send", cid, ev.doc or name, qos=ev.qos)
-        calls: list[tuple[str, type[BaseModel], type[BaseModel] | None, str]] = [
-            (n, c.request, c.reply, c.doc) for n, c in api.commands.items()
-        ] + [(n, j.request, None, j.doc) for n, j in api.jobs.items()]
-        for name, req, rep, doc in sorted(calls, key=lambda c: c[0]):
-            cid = _cid(svc, "cmd", name)
-            rid = _cid(svc, "cmd", name, "reply")
-            reply_model = rep
-            if rep is None:  # a job: the immediate reply is JobAccepted, the result comes as an event
-                from shared.messages import JobAccepted, JobResult
-
-                reply_model = JobAccepted
-                res_model = api.jobs[name].result
-                self.model(JobResult)
-                doc = (doc or name) + f" (job: replies with a job id; result model {res_model.__name__} " \
-                                      "in event/job_result)"
-                self.model(res_model)
-            assert reply_model is not None
-            self.model(reply_model)
-            self.channel(cid, f"{dev}/cmd/{name}",
-                         {cid: self.message(cid, self.model(req), summary=doc or name, correlated=True)},
-                         f"{svc}: {doc or name}", qos=1)
-            self.channel(rid, None,
-                         {rid: self.message(rid, _reply_schema(reply_model), summary=f"reply to {name}",
-                                            correlated=True)},
-                         f"Reply to {svc} {name}, at the request's QoS (0 for a QoS 0 request, else 1)", qos=1)
-            self.operation(_cid(svc, "cmd", name), "receive", cid, doc or name, reply_cid=rid, qos=1)
+        calls: list[CommandSpec | JobSpec] = [*api.commands.values(), *api.jobs.values()]
+        for spec in sorted(calls, key=lambda c: c.name):
+            self.command(svc, dev, spec)
         for name, sp in sorted(api.streams.items()):
             cid = _cid(svc, "stream", name)
             self.channel(cid, f"{dev}/stream/{name}",
-                         {cid: self.message(cid, self.model(sp.model), summary=sp.doc or name)},
+                         {cid: self.message(cid, self.model(sp.model), summary=sp.doc or name,
+                                            title=f"{svc} stream {name}")},
                          f"{svc}: {sp.doc or name} (stream, {'into' if sp.direction == 'in' else 'out of'} "
-                         "the node)", qos=sp.qos)
+                         "the node)", qos=sp.qos, kind="stream")
             self.operation(_cid(svc, "stream", name), "receive" if sp.direction == "in" else "send", cid,
                            sp.doc or name, qos=sp.qos)
+
+    def command(self, svc: str, dev: str, spec: CommandSpec | JobSpec) -> None:
+        """One command: its request channel, its reply channel, and what a client cannot guess
+        (job or not, the error codes, the reply topic and QoS) in the operation's `x-robobus`."""
+        name = spec.name
+        cid = _cid(svc, "cmd", name)
+        rid = _cid(svc, "cmd", name, "reply")
+        doc = spec.doc or name
+        codes = [c.value for c in command_errors(spec)]
+        contract: dict[str, Any] = {"job": isinstance(spec, JobSpec), "errors": codes,
+                                    "replyTopic": REPLY_TOPIC, "replyQos": REPLY_QOS}
+        if isinstance(spec, JobSpec):  # the immediate reply is JobAccepted, the result comes as an event
+            reply_model: type[BaseModel] = JobAccepted
+            self.model(JobResult)
+            contract.update({
+                "events": ["job_progress", "job_result"],
+                "result": self.model(spec.result),
+                "cancel": "cmd/cancel",
+            })
+            doc += (f" (job: replies with a job id; streams event/job_progress; ends with one event/job_result "
+                    f"whose result is {spec.result.__name__}; cancel with cmd/cancel)")
+        else:
+            reply_model = spec.reply
+        doc += f". Error codes: {', '.join(codes)}."
+        self.channel(cid, f"{dev}/cmd/{name}",
+                     {cid: self.message(cid, self.model(spec.request), summary=doc, correlated=True,
+                                        title=f"{svc} command {name}")},
+                     f"{svc}: {doc}", qos=1, kind="cmd")
+        self.channel(rid, None,
+                     {rid: self.message(rid, self.reply_union(reply_model), summary=f"reply to {name}",
+                                        correlated=True, title=f"{svc} reply to {name}")},
+                     f"Reply to {svc} {name}, on {REPLY_TOPIC}, at {REPLY_QOS}", qos=1, kind="reply")
+        self.operation(cid, "receive", cid, doc, reply_cid=rid, qos=1, contract=contract)
 
     def schemas(self) -> dict[str, Any]:
         pairs = [(m, "validation") for _, m in sorted(self.models.items())]
         _, top = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
         defs: dict[str, Any] = dict(top.get("$defs", {}))
-        defs.update(self.extra_schemas)
-        return dict(sorted(defs.items()))
+        for name, schema in self.extra_schemas.items():
+            if name in defs:
+                raise ValueError(f"schema name {name!r} is both a model and a generated envelope; rename the model")
+            defs[name] = schema
+        return dict(sorted(name_inline_schemas(defs).items()))
 
     def document(self) -> dict[str, Any]:
         return {
@@ -331,9 +386,17 @@ class ContractValidator:
         return cid
 
     def validate_reply(self, doc: dict[str, Any], command_cid: str, payload: bytes) -> None:
-        """Validate a command reply against `{command_cid}_reply` of the document."""
+        """Validate a command reply against `{command_cid}_reply` of the document; an error reply's code
+        must be one the command's operation lists in `x-robobus.errors`."""
         msg = doc["components"]["messages"][f"{command_cid}_reply"]
         schema = {**msg["payload"], "components": {"schemas": self.schemas}}
-        errors = list(self._jsonschema.Draft202012Validator(schema).iter_errors(json.loads(payload)))
+        data = json.loads(payload)
+        errors = list(self._jsonschema.Draft202012Validator(schema).iter_errors(data))
         if errors:
             raise AssertionError(f"reply on {command_cid}: {errors[0].message}")
+        if data.get("ok") is False:
+            declared = doc["operations"][command_cid]["x-robobus"]["errors"]
+            code = data["error"]["code"]
+            if code not in declared:
+                raise AssertionError(f"reply on {command_cid}: error code {code!r} is not declared "
+                                     f"(the document lists {declared}); add it to the command's `errors`")

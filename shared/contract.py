@@ -12,10 +12,12 @@ reads the same specs to write the AsyncAPI document, so code and document cannot
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from shared.errors import ErrorCode
 from shared.messages import (
     CancelReply,
     CancelRequest,
@@ -31,6 +33,10 @@ def check_name(kind: str, name: str) -> str:
     if not NAME_RE.match(name):
         raise ValueError(f"{kind} name {name!r} must match {NAME_RE.pattern} (no '/', '+', '#', spaces)")
     return name
+
+
+def _codes(errors: Iterable[ErrorCode | str]) -> tuple[ErrorCode, ...]:
+    return tuple(sorted({ErrorCode(e) for e in errors}, key=list(ErrorCode).index))
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,9 @@ class CommandSpec:
     request: type[BaseModel]
     reply: type[BaseModel]
     doc: str = ""
+    # Error codes the handler may answer with, beyond the kit's own (KIT_ERRORS); the AsyncAPI
+    # document lists both, and the contract tests hold the service to them.
+    errors: tuple[ErrorCode, ...] = ()
     # Synchronous handlers run on the command pool; the network loop never waits on them.
 
 
@@ -86,6 +95,7 @@ class JobSpec:
     request: type[BaseModel]
     result: type[BaseModel]
     doc: str = ""
+    errors: tuple[ErrorCode, ...] = ()  # codes of the refusal (admit) or of the job_result's error
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,19 @@ class StreamSpec:
     direction: str
     qos: int = 0
     doc: str = ""
+
+
+# Codes the kit itself answers any command with: a request that fails validation (invalid_request), an
+# unknown device (not_found), a handler that raised something unexpected (internal).
+KIT_ERRORS = (ErrorCode.INVALID_REQUEST, ErrorCode.NOT_FOUND, ErrorCode.INTERNAL)
+# A cancelled job ends with a job_result whose error code is `busy`.
+JOB_ERRORS = (ErrorCode.BUSY,)
+
+
+def command_errors(spec: CommandSpec | JobSpec) -> list[ErrorCode]:
+    """Every code a command's reply (and, for a job, its job_result) may carry, in ErrorCode order."""
+    codes = set(KIT_ERRORS) | set(spec.errors) | (set(JOB_ERRORS) if isinstance(spec, JobSpec) else set())
+    return [c for c in ErrorCode if c in codes]
 
 
 JOB_PROGRESS = EventSpec("job_progress", JobProgress, doc="Progress of a running job")
@@ -161,20 +184,22 @@ class ServiceAPI:
         return spec
 
     def command(
-        self, name: str, request: type[BaseModel], reply: type[BaseModel], *, doc: str = ""
+        self, name: str, request: type[BaseModel], reply: type[BaseModel], *, doc: str = "",
+        errors: Iterable[ErrorCode | str] = (),
     ) -> CommandSpec:
         if name in self.jobs:
             raise ValueError(f"{self.service}: command {name!r} already declared as a job")
         self._free(name, self.commands, "command")  # type: ignore[arg-type]
-        spec = CommandSpec(name, request, reply, doc)
+        spec = CommandSpec(name, request, reply, doc, _codes(errors))
         self.commands[name] = spec
         return spec
 
-    def job(self, name: str, request: type[BaseModel], result: type[BaseModel], *, doc: str = "") -> JobSpec:
+    def job(self, name: str, request: type[BaseModel], result: type[BaseModel], *, doc: str = "",
+            errors: Iterable[ErrorCode | str] = ()) -> JobSpec:
         if name in self.commands:
             raise ValueError(f"{self.service}: job {name!r} already declared as a command")
         self._free(name, self.jobs, "job")  # type: ignore[arg-type]
-        spec = JobSpec(name, request, result, doc)
+        spec = JobSpec(name, request, result, doc, _codes(errors))
         self.jobs[name] = spec
         # Jobs bring the kit's job events and the cancel command with them.
         self.events.setdefault(JOB_PROGRESS.name, JOB_PROGRESS)

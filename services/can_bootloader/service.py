@@ -50,16 +50,23 @@ log = logging.getLogger("robobus.can_bootloader")
 
 
 
+# error codes beyond the kit's: a bus not configured or failing (unavailable), one exchange per bus (busy),
+# no answer (timeout); a flash also refuses paths outside the firmware folder (forbidden) and ends with
+# device_error when a board fails verification
+_BUS_ERRORS = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY, ErrorCode.TIMEOUT]
+_FLASH_ERRORS = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY, ErrorCode.TIMEOUT, ErrorCode.FORBIDDEN, ErrorCode.DEVICE_ERROR]
 API = ServiceAPI("can-bootloader",
                  device_doc="the motor boards (PIC18F2580 CAN bootloader) of one hand's two CAN buses",
                  doc="Flashes the Shadow hand's motor boards over CAN (a python-can bus or the palm's CAN bridge).")
-FLASH = API.job("flash", FlashRequest, FlashBoardResult,
+FLASH = API.job("flash", FlashRequest, FlashBoardResult, errors=_FLASH_ERRORS,
                 doc="Flash one board: magic packet, erase, write, read-back verify, reset, bootloader-aware check")
-FLASH_MANY = API.job("flash_many", FlashManyRequest, FlashManyResult,
+FLASH_MANY = API.job("flash_many", FlashManyRequest, FlashManyResult, errors=_FLASH_ERRORS,
                      doc="Flash several boards; boards 0–9 and 10–19 (the two buses) in parallel")
-READ_VERSION = API.command("read_version", BootBoardRequest, BootVersionReply, doc="The bootloader's version")
-READ_FLASH = API.command("read_flash", BootReadRequest, BootReadReply, doc="Dump program memory (bootloader mode)")
-RESET = API.command("reset", BootBoardRequest, BootResetReply,
+READ_VERSION = API.command("read_version", BootBoardRequest, BootVersionReply, errors=_BUS_ERRORS,
+                           doc="The bootloader's version")
+READ_FLASH = API.command("read_flash", BootReadRequest, BootReadReply, errors=_BUS_ERRORS,
+                         doc="Dump program memory (bootloader mode)")
+RESET = API.command("reset", BootBoardRequest, BootResetReply, errors=_BUS_ERRORS,
                     doc="RESET: the bootloader marks the application valid (EEPROM[0xFF]=0x42) and starts it")
 FLASH_REPORT = API.event("flash_report", FlashBoardResult, doc="One board flashed (or not): the full outcome")
 

@@ -88,25 +88,29 @@ IMAGE = API.binary("image", "image/jpeg", doc="Camera, 160x120 JPEG; fps cap ROB
 IMAGE_INFO = API.state("image_info", EpuckImageInfo, doc="Sequence, time and size of the latest image")
 LINK = API.state("link", EpuckLinkStats, doc="TCP link statistics, once a second and on change")
 FAULT = API.event("fault", EpuckFault)
-SET_SPEED = API.command("set_speed", EpuckSetSpeed, EpuckActuators,
+# every command needs the robot's TCP link (unavailable without it); the kit adds its own codes
+_LINK = [ErrorCode.UNAVAILABLE]
+SET_SPEED = API.command("set_speed", EpuckSetSpeed, EpuckActuators, errors=_LINK,
                         doc="Wheel speeds, +-1000 steps/s; the robot is stopped after motion_timeout_ms "
                             "without a new set_speed")
-SET_STEPS = API.command("set_steps", EpuckSetSteps, EpuckActuators, doc="Overwrite the motor step counters")
-LEDS = API.command("leds", EpuckLeds, EpuckActuators, doc="LED1/3/5/7, body and front LED on/off")
-RGB_CMD = API.command("rgb", EpuckRgb, EpuckActuators, doc="RGB LEDs 2/4/6/8, red/green/blue 0..100")
-SOUND = API.command("sound", EpuckSound, EpuckActuators,
+SET_STEPS = API.command("set_steps", EpuckSetSteps, EpuckActuators, errors=_LINK,
+                        doc="Overwrite the motor step counters")
+LEDS = API.command("leds", EpuckLeds, EpuckActuators, errors=_LINK, doc="LED1/3/5/7, body and front LED on/off")
+RGB_CMD = API.command("rgb", EpuckRgb, EpuckActuators, errors=_LINK, doc="RGB LEDs 2/4/6/8, red/green/blue 0..100")
+SOUND = API.command("sound", EpuckSound, EpuckActuators, errors=_LINK,
                     doc="Play mario, underworld, star_wars, 4khz, 10khz, or stop")
-CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators,
+CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators, errors=_LINK,
                            doc="Calibrate the IR proximity sensors (keep objects away)")
-OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators,
+OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators, errors=_LINK,
                        doc="Enable or disable the on-board obstacle avoidance")
-STREAM = API.command("stream", EpuckStream, EpuckActuators, doc="Image and sensors streams on/off")
-ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply,
+STREAM = API.command("stream", EpuckStream, EpuckActuators, errors=_LINK, doc="Image and sensors streams on/off")
+ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply, errors=[*_LINK, ErrorCode.TIMEOUT],
                     doc="asercom ASCII mode, one typed line (`D,200,200`, `N`); robots on a serial port only")
 FLASH = API.job("flash", EpuckFlashRequest, EpuckFlashResult,
+                errors=[*_LINK, ErrorCode.BUSY, ErrorCode.DEVICE_ERROR],
                 doc="Firmware update of the robot's main MCU through its onboard programmer (gdb-multiarch on the "
                     "gateway's host); the robot's link is paused and restored around it")
-SNAPSHOT = API.command("snapshot", EpuckSnapshotRequest, EpuckSnapshot,
+SNAPSHOT = API.command("snapshot", EpuckSnapshotRequest, EpuckSnapshot, errors=[*_LINK, ErrorCode.TIMEOUT],
                        doc="One fresh camera frame as PNG, base64 in the reply (png_base64)")
 
 

@@ -103,24 +103,27 @@ LOOP = API.state("loop_stats", EthercatLoopStats, rate_hz=1,
                  doc="Cycle period, jitter p50/p99/max, overruns, drops and lost frames per 1 s window")
 MOTOR_FAULT = API.event("motor_fault", PalmMotorFault)
 STOPPED = API.event("stopped", PalmStopped)
-SET_MODE = API.command("set_control_mode", PalmControlModeRequest, PalmAck,
+# error codes beyond the kit's: the palm not in OP (unavailable), the CAN bridge leased (busy)
+_NORMAL = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY]
+SET_MODE = API.command("set_control_mode", PalmControlModeRequest, PalmAck, errors=_NORMAL,
                        doc="Torque or PWM control; switching zeroes every demand")
-SET_DEMANDS = API.command("set_demands", PalmDemandsRequest, PalmDemandsReply,
+SET_DEMANDS = API.command("set_demands", PalmDemandsRequest, PalmDemandsReply, errors=_NORMAL,
                           doc="Demands by joint or motor id, range-checked for the mode; they expire after "
                               "demand_timeout_ms (default 100) unless renewed")
 NULLIFY = API.command("nullify_demands", PalmNullifyRequest, PalmAck,
                       doc="Zero every demand now and, while enabled, keep them zero")
-SET_CONFIG = API.command("set_motor_config", PalmMotorConfigRequest, PalmMotorConfigReply,
+SET_CONFIG = API.command("set_motor_config", PalmMotorConfigRequest, PalmMotorConfigReply, errors=_NORMAL,
                          doc="Push an FPID config (one type per cycle, then the CRC)")
-SYSTEM = API.command("system_controls", PalmSystemControlsRequest, PalmSystemControlsReply,
+SYSTEM = API.command("system_controls", PalmSystemControlsRequest, PalmSystemControlsReply, errors=_NORMAL,
                      doc="Reset motors, backlash compensation, gauge tracking, jiggle, write EEPROM")
 TEST_ADC = API.command("test_adc_channels", PalmAdcTestRequest, PalmAdcTestReply,
+                       errors=[*_NORMAL, ErrorCode.TIMEOUT],
                        doc="The seed's TestADCChannelNumbers: read every sensor's ADC/channel id in "
                            "SENSOR_CHANNEL_NUMBERS mode and compare with the expected wiring")
-SEND_CAN = API.command("send_can", PalmSendCanRequest, PalmSendCanReply,
+SEND_CAN = API.command("send_can", PalmSendCanRequest, PalmSendCanReply, errors=_NORMAL,
                        doc="The seed's SendCanMessage: send one frame in CAN direct mode and return the frames "
                            "received within window_ms")
-LEASE = API.command("bridge_lease", PalmBridgeLeaseRequest, PalmBridgeLease,
+LEASE = API.command("bridge_lease", PalmBridgeLeaseRequest, PalmBridgeLease, errors=_NORMAL,
                     doc="Take (or renew) the exclusive CAN bridge: CAN direct mode, demands zero, until released "
                         "or the holder is quiet for ttl_ms; `busy` if another holder has it")
 RELEASE = API.command("bridge_release", PalmBridgeReleaseRequest, PalmEmpty,

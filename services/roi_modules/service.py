@@ -57,6 +57,10 @@ log = logging.getLogger("robobus.roi")
 
 API = ServiceAPI("roi-modules", device_doc="one ROI module (GPIO, ODrive or actuator) on the ROI UDP network",
                  doc="ROI (Roobot Over IP) modules over UDP: health, state, commands, moves")
+# error codes beyond the kit's: the module not answering (unavailable) or refusing (device_error);
+# a move job is also refused while another runs (busy) and ends with timeout when never in tolerance
+_MODULE = [ErrorCode.UNAVAILABLE, ErrorCode.DEVICE_ERROR]
+_MOVE = [*_MODULE, ErrorCode.BUSY, ErrorCode.TIMEOUT]
 PIN_STATES = API.state("pin_states", RoiPinStates, doc="GPIO: pin modes, on change")
 PIN_VALUES = API.state("pin_values", RoiPinValues, doc="GPIO: pin values after each read sweep")
 STATE = API.state("state", RoiMotionState, rate_hz=20,
@@ -65,27 +69,31 @@ POWER = API.state("power", RoiOdrivePower, rate_hz=2, doc="ODrive: bus voltage a
 TEMPERATURE = API.state("temperature", RoiOdriveTemperature, rate_hz=2, doc="ODrive: FET and motor temperature")
 LINK = API.state("link", RoiLinkStats, rate_hz=1, doc="The module's UDP link counters")
 FAULT = API.event("fault", RoiFault, doc="Disconnection, reconnection, module reset, module error")
-SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, doc="GPIO: drive an output pin 0/1")
-SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, doc="GPIO: input, input_pullup or output")
-GOTO_POSITION = API.command("goto_position", RoiGotoPosition, RoiAck,
+SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, errors=_MODULE,
+                             doc="GPIO: drive an output pin 0/1")
+SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, errors=_MODULE,
+                           doc="GPIO: input, input_pullup or output")
+GOTO_POSITION = API.command("goto_position", RoiGotoPosition, RoiAck, errors=_MODULE,
                             doc="ODrive (rev, position mode, TRAP_TRAJ) or actuator (%); returns when acknowledged")
-GOTO_RELATIVE = API.command("goto_relative_position", RoiGotoPosition, RoiAck,
+GOTO_RELATIVE = API.command("goto_relative_position", RoiGotoPosition, RoiAck, errors=_MODULE,
                             doc="Relative to the current position; sent as an absolute set-point (resend-safe)")
-SET_VELOCITY = API.command("set_velocity", RoiSetVelocity, RoiAck,
+SET_VELOCITY = API.command("set_velocity", RoiSetVelocity, RoiAck, errors=_MODULE,
                            doc="ODrive: velocity mode (VEL_RAMP); actuator: the velocity of later moves")
-SET_TORQUE = API.command("set_torque", RoiSetTorque, RoiAck, doc="ODrive: torque mode (TORQUE_RAMP)")
-CLEAR_ERRORS = API.command("clear_errors", RoiEmpty, RoiAck, doc="ODrive: clear errors, closed loop again")
-QUEUE_GENERAL = API.command("queue_general_packet", RoiQueueGeneral, RoiRawReply,
+SET_TORQUE = API.command("set_torque", RoiSetTorque, RoiAck, errors=_MODULE, doc="ODrive: torque mode (TORQUE_RAMP)")
+CLEAR_ERRORS = API.command("clear_errors", RoiEmpty, RoiAck, errors=_MODULE,
+                           doc="ODrive: clear errors, closed loop again")
+QUEUE_GENERAL = API.command("queue_general_packet", RoiQueueGeneral, RoiRawReply, errors=_MODULE,
                             doc="Raw general packet; answered with the module's decoded reply")
-QUEUE_SYSADMIN = API.command("queue_sysadmin_packet", RoiQueueSysAdmin, RoiRawReply,
+QUEUE_SYSADMIN = API.command("queue_sysadmin_packet", RoiQueueSysAdmin, RoiRawReply, errors=_MODULE,
                              doc="Raw SysAdmin packet; answered with the module's decoded reply")
-PING = API.command("ping", RoiEmpty, RoiPong, doc="SysAdmin PING: operable and module type")
-STATUS_REPORT = API.command("status_report", RoiEmpty, RoiStatusReport, doc="SysAdmin STATUS_REPORT, decoded")
-BLACKLIST = API.command("blacklist", RoiBlacklistRequest, RoiBlacklistReply,
+PING = API.command("ping", RoiEmpty, RoiPong, errors=_MODULE, doc="SysAdmin PING: operable and module type")
+STATUS_REPORT = API.command("status_report", RoiEmpty, RoiStatusReport, errors=_MODULE,
+                            doc="SysAdmin STATUS_REPORT, decoded")
+BLACKLIST = API.command("blacklist", RoiBlacklistRequest, RoiBlacklistReply, errors=_MODULE,
                         doc="SysAdmin BLACK_LIST add/remove/list (the firmware never answers it)")
-GO_TO_POSITION = API.job("go_to_position", RoiMoveRequest, RoiMoveResult,
+GO_TO_POSITION = API.job("go_to_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE,
                          doc="Move and follow: progress = position/velocity; done within tolerance; cancel stops")
-GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResult,
+GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE,
                          doc="As go_to_position, relative to the position at the start")
 
 ENV_PREFIX = "ROBOBUS_ROI_"
