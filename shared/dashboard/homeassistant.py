@@ -95,6 +95,11 @@ class FieldCatalog:
         alts = [a for a in schema.get("anyOf", []) if a.get("type") != "null"]
         if len(alts) == 1:
             return self.resolve(alts[0])
+        types = schema.get("type")
+        if isinstance(types, list) and "null" in types:  # a nullable field: {"type": ["number", "null"]}
+            rest = [t for t in types if t != "null"]
+            if len(rest) == 1:
+                return {**schema, "type": rest[0]}
         return schema
 
     def default_fields(self, service: str) -> list[tuple[str, str]]:

@@ -12,9 +12,16 @@ function el(tag, attrs = {}, ...children) {
   return e;
 }
 
-// anyOf [X, {type: null}] -> X, nullable
+// anyOf [X, {type: null}] or type [X, "null"] -> X, nullable
 function unwrapNullable(contract, schema) {
   const s = contract.resolve(schema);
+  if (Array.isArray(s.type) && s.type.includes("null")) {
+    const types = s.type.filter((t) => t !== "null");
+    if (types.length === 1) {
+      const { default: dflt, ...rest } = s;
+      return { schema: { ...rest, type: types[0], ...(dflt === null ? {} : { default: dflt }) }, nullable: true };
+    }
+  }
   const alts = s.anyOf || s.oneOf;
   if (alts) {
     const nonNull = alts.filter((a) => a.type !== "null");
