@@ -347,6 +347,7 @@ class ContractValidator:
         self._jsonschema = jsonschema
         self.schemas = doc["components"]["schemas"]
         self.routes: list[tuple[re.Pattern[str], dict[str, Any], str]] = []
+        self.node_services: dict[str, str] = {}  # node -> service, from the status and health messages validated
         msgs = doc["components"]["messages"]
         for cid, ch in doc["channels"].items():
             addr = ch.get("address")
@@ -361,29 +362,55 @@ class ContractValidator:
         # most specific first: the kit's `_node` stats before a service's `{device}` channels
         self.routes.sort(key=lambda r: (-r[0].pattern.count("_node"), -len(r[0].pattern)))
 
-    def channel_for(self, topic: str) -> tuple[str, dict[str, Any]] | None:
+    def channels_for(self, topic: str) -> list[tuple[str, dict[str, Any]]]:
+        """Every channel whose address matches, most specific first. Several services may declare the same
+        relative address with different payloads (`{device}/state/link`, `{device}/event/fault`)."""
+        hits = []
+        best: tuple[int, int] | None = None
         for pat, msg, cid in self.routes:
-            if pat.match(topic):
-                return cid, msg
-        return None
+            m = pat.match(topic)
+            if not m:
+                continue
+            rank = (pat.pattern.count("_node"), len(pat.pattern))
+            if best is None:
+                best = rank
+            if rank == best:
+                hits.append((cid, msg, m.groupdict().get("node")))
+        node = hits[0][2] if hits else None
+        service = self.node_services.get(node or "")
+        if service is not None and len(hits) > 1:
+            own = [h for h in hits if h[0].startswith(f"{service}_")]
+            hits = own or hits
+        return [(cid, msg) for cid, msg, _ in hits]
+
+    def channel_for(self, topic: str) -> tuple[str, dict[str, Any]] | None:
+        hits = self.channels_for(topic)
+        return hits[0] if hits else None
 
     def validate(self, topic: str, payload: bytes) -> str:
-        """Return the channel id; raise AssertionError when the topic or payload is not in the contract."""
-        hit = self.channel_for(topic)
-        if hit is None:
+        """Return the channel id; raise AssertionError when the topic or payload is not in the contract. Where
+        services share an address, the node's service (learnt from its status or health messages seen here)
+        picks the channel; before that, the payload must be valid for one of them."""
+        hits = self.channels_for(topic)
+        if not hits:
             raise AssertionError(f"topic {topic!r} is not in the AsyncAPI document")
-        cid, msg = hit
-        if msg.get("contentType", "application/json") != "application/json":
-            return cid
-        try:
-            data = json.loads(payload)
-        except ValueError as exc:
-            raise AssertionError(f"{topic}: payload is not JSON ({exc})") from None
-        schema = {**msg["payload"], "components": {"schemas": self.schemas}}
-        errors = sorted(self._jsonschema.Draft202012Validator(schema).iter_errors(data), key=str)
-        if errors:
-            raise AssertionError(f"{topic} ({cid}): {errors[0].message} at {list(errors[0].absolute_path)}")
-        return cid
+        failures = []
+        for cid, msg in hits:
+            if msg.get("contentType", "application/json") != "application/json":
+                return cid
+            try:
+                data = json.loads(payload)
+            except ValueError as exc:
+                raise AssertionError(f"{topic}: payload is not JSON ({exc})") from None
+            schema = {**msg["payload"], "components": {"schemas": self.schemas}}
+            errors = sorted(self._jsonschema.Draft202012Validator(schema).iter_errors(data), key=str)
+            if not errors:
+                if isinstance(data, dict) and isinstance(data.get("service"), str) and isinstance(data.get("node"),
+                                                                                                    str):
+                    self.node_services[data["node"]] = data["service"]
+                return cid
+            failures.append(f"{topic} ({cid}): {errors[0].message} at {list(errors[0].absolute_path)}")
+        raise AssertionError("; ".join(failures))
 
     def validate_reply(self, doc: dict[str, Any], command_cid: str, payload: bytes) -> None:
         """Validate a command reply against `{command_cid}_reply` of the document; an error reply's code
