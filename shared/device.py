@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import json
+import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import paho.mqtt.client as mqtt
 from pydantic import BaseModel, ValidationError
@@ -19,28 +22,54 @@ from shared.contract import (
     CommandSpec,
     EventSpec,
     JobSpec,
+    ServiceAPI,
     StateSpec,
     StreamSpec,
     check_name,
 )
+from shared.counters import Counters
 from shared.errors import CommandError, ErrorCode
-from shared.messages import CancelReply, CancelRequest, Health
-from shared.payloads import describe_validation_error, dump
-from shared.ratecap import RateSlot
+from shared.jobs import JobCancelled, JobContext
+from shared.messages import CancelReply, CancelRequest, ErrorInfo, Health, JobAccepted, JobResult
+from shared.mqtt import MqttSession
+from shared.payloads import describe_validation_error, dump, error_info
+from shared.ratecap import FlushSchedule, RateSlot
+from shared.settings import KitSettings
 
-if TYPE_CHECKING:
-    from shared.jobs import JobContext
-    from shared.node import Node
+log = logging.getLogger("robobus.device")
 
 HEALTH_FIELDS = ("connection", "operational", "state", "error", "error_message", "details")
 
 Handler = Callable[..., Any]
 
 
+class NodeServices(Protocol):
+    """What a device uses of its node (shared/node.py's Node provides it): the session, the contract, the
+    rate-cap flusher, the counters. A protocol, so that the node imports its devices and never the reverse."""
+
+    api: ServiceAPI
+    settings: KitSettings
+    name: str
+    base: str
+    version: str
+    session: MqttSession
+    counters: Counters
+    flush_schedule: FlushSchedule
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
+                content_type: str | None = "application/json") -> None: ...
+
+    def send_slot(self, slot: RateSlot, value: Any) -> None: ...
+
+    def count_decode_error(self, what: str) -> None: ...
+
+    def run_coro(self, aw: Awaitable[Any], timeout: float | None) -> Any: ...
+
+
 class Device:
     """Created by `node.device(name)`. Thread-safe: publish, emit and set_health from any thread."""
 
-    def __init__(self, node: Node, name: str) -> None:
+    def __init__(self, node: NodeServices, name: str) -> None:
         self.node = node
         self.name = check_name("device", name)
         self.base = f"{node.base}/{name}"
@@ -164,6 +193,42 @@ class Device:
 
     def running_jobs(self) -> list[str]:
         return list(self.running)
+
+    def start_job(self, spec: JobSpec, run: Handler, req: BaseModel) -> JobAccepted:
+        """Run `run(req, ctx)` on its own thread; emit exactly one `job_result` when it ends."""
+        job_id = uuid.uuid4().hex[:12]
+        ctx = JobContext(self.emit, job_id, spec.name)
+        self.running[job_id] = ctx
+        threading.Thread(target=self._job_body, args=(spec, run, req, ctx), name=f"job-{spec.name}-{job_id}",
+                         daemon=True).start()
+        return JobAccepted(job_id=job_id, command=spec.name)
+
+    def _job_body(self, spec: JobSpec, run: Handler, req: BaseModel, ctx: JobContext) -> None:
+        t0 = time.monotonic()
+        job_id = ctx.job_id
+        try:
+            result = run(req, ctx)
+            if inspect.iscoroutine(result):
+                result = self.node.run_coro(result, None)
+            ctx.check_cancelled()
+            payload = json.loads(dump(spec.result, result))
+            res = JobResult(job_id=job_id, command=spec.name, ok=True, result=payload,
+                            duration_s=time.monotonic() - t0, ts=time.time())
+        except JobCancelled:
+            res = JobResult(job_id=job_id, command=spec.name, ok=False, cancelled=True,
+                            error=ErrorInfo(code=ErrorCode.BUSY, message="cancelled by request"),
+                            duration_s=time.monotonic() - t0, ts=time.time())
+        except Exception as exc:
+            res = JobResult(job_id=job_id, command=spec.name, ok=False, cancelled=ctx.cancelled,
+                            error=error_info(exc, f"job {spec.name}"), duration_s=time.monotonic() - t0,
+                            ts=time.time())
+        finally:
+            self.running.pop(job_id, None)
+        if not res.ok:
+            self.node.counters.failed(res.error.code.value if res.error else "internal")
+        self.emit(JOB_RESULT, res)
+        log.info("job finished", extra={"device": self.name, "job": spec.name, "job_id": job_id,
+                                        "ok": res.ok, "duration_s": round(res.duration_s, 3)})
 
     def cancel_all_jobs(self) -> None:
         for ctx in list(self.running.values()):

@@ -8,20 +8,19 @@ Correlation Data."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from pydantic import BaseModel, ValidationError
 
+from shared.counters import Counters
+from shared.device import Device
 from shared.errors import CommandError, ErrorCode
-from shared.jobs import start_job
 from shared.messages import JobAccepted
-from shared.mqtt import reply_properties
+from shared.mqtt import MqttSession, reply_properties
 from shared.payloads import describe_validation_error, dump, error_info
-
-if TYPE_CHECKING:
-    from shared.node import Node
 
 OK_PREFIX = b'{"ok":true,"result":'
 
@@ -29,9 +28,14 @@ OK_PREFIX = b'{"ok":true,"result":'
 class CommandDispatcher:
     """Routes `{base}/{device}/cmd/{name}` requests to the devices' bound handlers and jobs."""
 
-    def __init__(self, node: Node, workers: int) -> None:
-        self.node = node
-        self._prefix = len(node.base) + 1
+    def __init__(self, node_name: str, base: str, devices: Mapping[str, Device], session: MqttSession,
+                 counters: Counters, run_coro: Callable[[Awaitable[Any], float | None], Any], workers: int) -> None:
+        self.node_name = node_name
+        self.devices = devices
+        self.session = session
+        self.counters = counters
+        self.run_coro = run_coro
+        self._prefix = len(base) + 1
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cmd")
 
     def shutdown(self) -> None:
@@ -49,7 +53,7 @@ class CommandDispatcher:
         qos = min(int(msg.qos), 1)
         topic = msg.topic
         device_name, _, command = topic[self._prefix:].partition("/cmd/")
-        dev = self.node.devices.get(device_name)
+        dev = self.devices.get(device_name)
         if dev is not None and command in dev.inline:
             self.handle(topic, device_name, command, msg.payload, response_topic, correlation, qos)
             return
@@ -61,7 +65,7 @@ class CommandDispatcher:
 
     def handle(self, topic: str, device_name: str, command: str, payload: bytes | bytearray, response_topic: str | None,
                correlation: bytes | None, qos: int = 1) -> None:
-        counters = self.node.counters
+        counters = self.counters
         try:
             body = OK_PREFIX + self.dispatch(device_name, command, payload) + b"}"
             counters.ok()
@@ -69,16 +73,15 @@ class CommandDispatcher:
             err = error_info(exc, f"{device_name}/{command}")
             counters.failed(err.code.value)
             body = b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
-        self.node.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
+        self.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
                                   properties=reply_properties(None, correlation, "application/json"))
 
     def dispatch(self, device_name: str, command: str, payload: bytes | bytearray) -> bytes:
         """Validate and run one request; the reply's `result` as JSON bytes, or raise CommandError."""
-        node = self.node
-        dev = node.devices.get(device_name)
+        dev = self.devices.get(device_name)
         if dev is None:
-            raise CommandError(ErrorCode.NOT_FOUND,
-                               f"no device {device_name!r} on node {node.name} (devices: {sorted(node.devices)})")
+            raise CommandError(ErrorCode.NOT_FOUND, f"no device {device_name!r} on node {self.node_name} "
+                                                    f"(devices: {sorted(self.devices)})")
         entry = dev.commands.get(command)
         job = dev.jobs.get(command)
         if entry is None and job is None:
@@ -91,12 +94,12 @@ class CommandDispatcher:
             if admit is not None:
                 r = admit(req)
                 if inspect.isawaitable(r):
-                    node.run_coro(r, 30.0)
-            return dump(JobAccepted, start_job(dev, spec, run, req))
+                    self.run_coro(r, 30.0)
+            return dump(JobAccepted, dev.start_job(spec, run, req))
         cspec, handler = entry  # type: ignore[misc]
         out = handler(req)
         if inspect.isawaitable(out):
-            out = node.run_coro(out, None)
+            out = self.run_coro(out, None)
         if out is None:
             out = {}
         try:

@@ -1,27 +1,18 @@
-"""Jobs: long work that answers at once with a job id, streams progress and ends with one result event."""
+"""Jobs: long work that answers at once with a job id, streams progress and ends with one result event.
+
+The job function gets a JobContext; `Device.start_job` runs it on its own thread."""
 
 from __future__ import annotations
 
-import inspect
-import json
-import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import BaseModel
+from shared.contract import JOB_PROGRESS, EventSpec
+from shared.messages import JobProgress
 
-from shared.contract import JOB_PROGRESS, JOB_RESULT, JobSpec
-from shared.errors import ErrorCode
-from shared.messages import ErrorInfo, JobAccepted, JobProgress, JobResult
-from shared.payloads import dump, error_info
-
-if TYPE_CHECKING:
-    from shared.device import Device
-
-log = logging.getLogger("robobus.jobs")
+Emit = Callable[[EventSpec, Any], None]
 
 
 class JobCancelled(Exception):
@@ -31,8 +22,8 @@ class JobCancelled(Exception):
 class JobContext:
     """Handed to a job function: report progress, check for cancellation."""
 
-    def __init__(self, device: Device, job_id: str, command: str, progress_hz: float = 10.0) -> None:
-        self.device = device
+    def __init__(self, emit: Emit, job_id: str, command: str, progress_hz: float = 10.0) -> None:
+        self._emit = emit
         self.job_id = job_id
         self.command = command
         self.started = time.monotonic()
@@ -64,42 +55,5 @@ class JobContext:
             return
         self._last_phase = phase
         self._last_progress = t
-        self.device.emit(JOB_PROGRESS, JobProgress(job_id=self.job_id, command=self.command, phase=phase,
+        self._emit(JOB_PROGRESS, JobProgress(job_id=self.job_id, command=self.command, phase=phase,
                                                    done=done, total=total, info=info, ts=time.time()))
-
-
-def start_job(device: Device, spec: JobSpec, run: Callable[..., Any], req: BaseModel) -> JobAccepted:
-    """Run `run(req, ctx)` on its own thread; emit exactly one `job_result` when it ends."""
-    job_id = uuid.uuid4().hex[:12]
-    ctx = JobContext(device, job_id, spec.name)
-    device.running[job_id] = ctx
-    node = device.node
-
-    def body() -> None:
-        t0 = time.monotonic()
-        try:
-            result = run(req, ctx)
-            if inspect.iscoroutine(result):
-                result = node.run_coro(result, None)
-            ctx.check_cancelled()
-            payload = json.loads(dump(spec.result, result))
-            res = JobResult(job_id=job_id, command=spec.name, ok=True, result=payload,
-                            duration_s=time.monotonic() - t0, ts=time.time())
-        except JobCancelled:
-            res = JobResult(job_id=job_id, command=spec.name, ok=False, cancelled=True,
-                            error=ErrorInfo(code=ErrorCode.BUSY, message="cancelled by request"),
-                            duration_s=time.monotonic() - t0, ts=time.time())
-        except Exception as exc:
-            res = JobResult(job_id=job_id, command=spec.name, ok=False, cancelled=ctx.cancelled,
-                            error=error_info(exc, f"job {spec.name}"), duration_s=time.monotonic() - t0,
-                            ts=time.time())
-        finally:
-            device.running.pop(job_id, None)
-        if not res.ok:
-            node.counters.failed(res.error.code.value if res.error else "internal")
-        device.emit(JOB_RESULT, res)
-        log.info("job finished", extra={"device": device.name, "job": spec.name, "job_id": job_id,
-                                        "ok": res.ok, "duration_s": round(res.duration_s, 3)})
-
-    threading.Thread(target=body, name=f"job-{spec.name}-{job_id}", daemon=True).start()
-    return JobAccepted(job_id=job_id, command=spec.name)

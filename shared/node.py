@@ -65,11 +65,12 @@ class Node:
         self._shutdown_hooks: list[Callable[[], Any]] = []
         self.counters = Counters()
         self.flush_schedule = FlushSchedule()
-        self.dispatcher = CommandDispatcher(self, settings.command_workers)
         self._stopped = False
         will = Will(f"{self.base}/status", self._status(False, "connection lost").model_dump_json().encode())
         self.session = MqttSession(settings, unique_client_id(f"{api.service}-{self.name}"), will)
         self.session.on_connect(self._on_connected)
+        self.dispatcher = CommandDispatcher(self.name, self.base, self.devices, self.session, self.counters,
+                                            self.run_coro, settings.command_workers)
         self.session.subscribe(f"{self.base}/+/cmd/+", self.dispatcher.on_message, qos=1)
         self._house = threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True)
 
