@@ -11,6 +11,7 @@ not import the driver (no import cycle).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -60,14 +61,15 @@ def _motors_ok(ms: tuple[int, ...]) -> str | None:
     return f"motor ids {bad} not in 0..{NUM_MOTORS - 1}" if bad else None
 
 
-class _Message:
+class _Message(ABC):
     """Base: valid unless a message says otherwise."""
 
     def validate(self, mode: ControlMode) -> str | None:
         return None
 
-    def apply(self, d: DriverControls) -> None:  # pragma: no cover - every message overrides it
-        raise NotImplementedError
+    @abstractmethod
+    def apply(self, d: DriverControls) -> None:
+        """Change the driver's controls (in the cycle process; validated before it was sent)."""
 
 
 @dataclass(frozen=True)

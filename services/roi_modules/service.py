@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -482,7 +483,7 @@ class GpioModule(RoiModule):
         return RoiAck(accepted=True, detail=f"pin {req.pin} = {req.value}")
 
 
-class MotionModule(RoiModule):
+class MotionModule(RoiModule, ABC):
     """What the ODrive and the actuator share: jobs that move and follow."""
 
     def __init__(self, svc: RoiService, cfg: RoiModuleConfig) -> None:
@@ -496,18 +497,21 @@ class MotionModule(RoiModule):
         self.dev.bind_job(GO_TO_RELATIVE, self.job_relative, self.admit_job)
 
     @property
+    @abstractmethod
     def tolerance(self) -> float:
-        raise NotImplementedError
+        """How close to a target counts as arrived, in the module's units."""
 
     @property
     def estimated(self) -> bool:
         return False
 
+    @abstractmethod
     async def goto(self, target: float, req: RoiGotoPosition) -> None:
-        raise NotImplementedError
+        """Send the module towards `target` (its own units), switching its mode as the firmware needs."""
 
+    @abstractmethod
     async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
-        raise NotImplementedError
+        """The `set_velocity` command in the module's own terms."""
 
     def current_position(self) -> float:
         if self.position is None or not self.link.connected:
