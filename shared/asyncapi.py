@@ -308,8 +308,8 @@ def write_docs(out_dir: Path, apis: Iterable[ServiceAPI] | None = None) -> list[
     return paths
 
 
-def _standalone(name: str, schemas: dict[str, Any]) -> dict[str, Any]:
-    """One model with the definitions it uses, refs rewritten to local $defs."""
+def standalone_schema(payload: dict[str, Any], schemas: dict[str, Any], title: str = "") -> dict[str, Any]:
+    """A message payload schema with the component schemas it uses inlined as local `$defs`."""
     needed: dict[str, Any] = {}
 
     def walk(node: Any) -> Any:
@@ -329,12 +329,19 @@ def _standalone(name: str, schemas: dict[str, Any]) -> dict[str, Any]:
             return [walk(v) for v in node]
         return node
 
-    root = walk(schemas[name])
-    root = {"$schema": "https://json-schema.org/draft/2020-12/schema", **root}
-    defs = {k: v for k, v in needed.items() if k != name}
-    if defs:
-        root["$defs"] = dict(sorted(defs.items()))
-    return root
+    root = walk(payload)
+    out: dict[str, Any] = {"$schema": "https://json-schema.org/draft/2020-12/schema"}
+    if title:
+        out["title"] = title
+    out.update(root)
+    if needed:
+        out["$defs"] = dict(sorted(needed.items()))
+    return out
+
+
+def _standalone(name: str, schemas: dict[str, Any]) -> dict[str, Any]:
+    """One model with the definitions it uses, refs rewritten to local $defs."""
+    return standalone_schema(schemas[name], schemas)
 
 
 class ContractValidator:

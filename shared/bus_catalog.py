@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from shared.asyncapi import standalone_schema
+
 log = logging.getLogger("robobus.record")
 
 # MCAP channel metadata keys (strings only, per the MCAP spec)
@@ -174,37 +176,6 @@ def _kind(address: str) -> str:
     if "_node" in parts:
         return "stats"
     return parts[-2] if len(parts) >= 2 and parts[-2] in ("state", "event", "cmd", "stream") else "other"
-
-
-def standalone_schema(payload: dict[str, Any], schemas: dict[str, Any], title: str = "") -> dict[str, Any]:
-    """A message payload schema with the component schemas it uses inlined as local `$defs`."""
-    needed: dict[str, Any] = {}
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            out = {}
-            for k, v in node.items():
-                if k == "$ref" and isinstance(v, str) and v.startswith("#/components/schemas/"):
-                    ref = v.rsplit("/", 1)[-1]
-                    if ref not in needed:
-                        needed[ref] = None
-                        needed[ref] = walk(schemas[ref])
-                    out[k] = f"#/$defs/{ref}"
-                else:
-                    out[k] = walk(v)
-            return out
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    root = walk(payload)
-    out: dict[str, Any] = {"$schema": "https://json-schema.org/draft/2020-12/schema"}
-    if title:
-        out["title"] = title
-    out.update(root)
-    if needed:
-        out["$defs"] = dict(sorted(needed.items()))
-    return out
 
 
 def load_document(path: Path | None = None) -> dict[str, Any]:
