@@ -10,7 +10,7 @@ MODELINA := tests/contract/modelina
 TSEXAMPLE := examples/typescript
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak clean help
+.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak prove clean help
 
 help:
 	@echo "make run     start a local mosquitto and every service on simulators"
@@ -21,6 +21,7 @@ help:
 	@echo "make up      the whole system in containers (COMPOSE_PROFILES=sim|hand|epuck); make down stops it"
 	@echo "make chaos   faults against the whole simulated system + a 3-minute soak (table of invariants)"
 	@echo "make soak    the 30-minute soak of the whole simulated system (RSS, CPU, threads per process)"
+	@echo "make prove  make test RUNS times beside stress-ng --cpu 1, then RUNS times quiet (default 3)"
 
 setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(DASH)/node_modules/.installed \
        $(MODELINA)/node_modules/.installed $(TSEXAMPLE)/node_modules/.installed
@@ -66,6 +67,11 @@ pytest: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint pytest
+
+# The busy-machine proof: the whole suite RUNS times with a CPU hog on one core, RUNS times quiet.
+RUNS ?= 3
+prove: setup
+	@RUNS=$(RUNS) deploy/dev/prove-suite.sh
 
 schema: setup
 	$(BIN)/robobus schema --out docs
