@@ -82,7 +82,7 @@ class CommandDispatcher:
             self.counters.failed(err.code.value)
             body = b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
         self.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
-                             properties=PublishProperties(None, correlation, "application/json"))
+                             properties=PublishProperties(None, correlation, "application/json"), now=True)
 
     def dispatch(self, device_name: str, command: str, payload: bytes | bytearray) -> bytes:
         """Validate and run one request; the reply's `result` as JSON bytes, or raise CommandError."""

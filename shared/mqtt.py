@@ -6,8 +6,8 @@
 - Last Will registered before CONNECT; `on_connect` hooks publish the birth.
 - Callbacks must not block: the session only dispatches, callers hand slow work to threads.
 - Hot path (docs/kit.md, "Hot paths"): handlers resolved once per topic; PUBLISH properties packed once when built
-  (paho's Properties builds its tables per object and re-packs per publish); a publish is written to the socket
-  by the publishing thread itself, one writer at a time, instead of waking paho's network thread to do it.
+  (paho's Properties builds its tables per object and re-packs per publish); a reply or a request is written to
+  the socket by the publishing thread itself, one writer at a time, instead of waking paho's network thread.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ class MqttSession:
                 return paho_loop_write()
 
         setattr(c, "loop_write", loop_write)  # noqa: B010 (an instance attribute over paho's method)
+        self.coalesced_wakes = _coalesce_wakes(c)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -182,14 +183,19 @@ class MqttSession:
         qos: int = 0,
         retain: bool = False,
         properties: Properties | None = None,
+        now: bool = False,
     ) -> bool:
-        """Publish; False (and counted) when paho refused it, e.g. QoS 0 while disconnected."""
+        """Publish; False (and counted) when paho refused it, e.g. QoS 0 while disconnected.
+
+        `now=True` (a command's reply, a client's request: one message somebody waits for) writes it on this
+        thread at once; otherwise paho's network thread writes it, which overlaps the socket write with the
+        caller's next message (a stream of state publishes goes faster so)."""
         client = self.client
         info = client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             self.dropped += 1
             return False
-        if self.direct_writes and client.on_publish is None:
+        if now and self.direct_writes and client.on_publish is None:
             self.write_now()
         return True
 
@@ -302,6 +308,43 @@ class MqttSession:
 
 
 _ROUTES_MAX = 4096
+
+
+def _coalesce_wakes(c: mqtt.Client) -> bool:
+    """One wake-up of paho's network thread per burst, not per packet.
+
+    paho's `_packet_queue` writes a byte to its socketpair for every packet queued from another thread, to
+    break the network thread out of select(). At 20,000 state messages a second that is 20,000 wake-ups, and
+    each one hands the GIL to the network thread and back: ~40 us a message, most of a publish's cost. The same
+    routine here wakes it only when the packet is the only one queued. That is enough: a packet queued behind
+    others is written by whoever drains them (paho's loop, or a direct write, both pop until the queue is
+    empty); a write the socket refused leaves the queue non-empty and paho's loop selects for writable.
+    Returns False (paho's own routine kept) when this paho lacks what the routine relies on."""
+    needed = ("_out_packet", "_sockpairW", "_thread", "_on_socket_register_write", "_in_callback_mutex",
+              "_call_socket_register_write", "_packet_queue")
+    if not all(hasattr(c, a) for a in needed) or not hasattr(mqtt, "sockpair_data"):
+        return False
+    out = c._out_packet
+    wake_byte = mqtt.sockpair_data
+
+    def packet_queue(command: int, packet: bytes | bytearray, mid: int, qos: int, info: Any = None) -> Any:
+        out.append({"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet),
+                    "packet": packet, "info": info})
+        pair = c._sockpairW
+        if pair is not None and len(out) == 1:  # counted after the append: no lost wake-up (see above)
+            try:
+                pair.send(wake_byte)
+            except BlockingIOError:
+                pass
+        # as paho: without a network thread (and not inside a callback), write at once
+        if c._thread is None and c._on_socket_register_write is None and c._in_callback_mutex.acquire(False):
+            c._in_callback_mutex.release()
+            return c.loop_write()
+        c._call_socket_register_write()
+        return mqtt.MQTT_ERR_SUCCESS
+
+    setattr(c, "_packet_queue", packet_queue)  # noqa: B010
+    return True
 
 _TABLES = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
 

@@ -139,7 +139,7 @@ class RpcClient:
             body = payload
         try:
             self.session.publish(self.topic(node, device, "cmd", command), body, qos=1,
-                                 properties=reply_properties(self.reply_topic, corr, "application/json"))
+                                 properties=reply_properties(self.reply_topic, corr, "application/json"), now=True)
             rep = w.get(timeout)
             if rep is None:
                 raise TimeoutError(f"no reply from {node}/{device} to {command} within {timeout} s")
