@@ -19,6 +19,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from threading import get_ident
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -318,7 +319,8 @@ def _coalesce_wakes(c: mqtt.Client) -> bool:
     each one hands the GIL to the network thread and back: ~40 us a message, most of a publish's cost. The same
     routine here wakes it only when the packet is the only one queued. That is enough: a packet queued behind
     others is written by whoever drains them (paho's loop, or a direct write, both pop until the queue is
-    empty); a write the socket refused leaves the queue non-empty and paho's loop selects for writable.
+    empty); a write the socket refused leaves the queue non-empty and paho's loop selects for writable. And the
+    network thread never wakes itself (a PUBACK, an inline reply): its loop looks at the queue before select().
     Returns False (paho's own routine kept) when this paho lacks what the routine relies on."""
     needed = ("_out_packet", "_sockpairW", "_thread", "_on_socket_register_write", "_in_callback_mutex",
               "_call_socket_register_write", "_packet_queue")
@@ -331,7 +333,9 @@ def _coalesce_wakes(c: mqtt.Client) -> bool:
         out.append({"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet),
                     "packet": packet, "info": info})
         pair = c._sockpairW
-        if pair is not None and len(out) == 1:  # counted after the append: no lost wake-up (see above)
+        net = c._thread
+        if (pair is not None and len(out) == 1  # counted after the append: no lost wake-up (see above)
+                and (net is None or net.ident != get_ident())):  # paho's loop checks its queue before select()
             try:
                 pair.send(wake_byte)
             except BlockingIOError:
