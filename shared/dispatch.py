@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -21,6 +20,7 @@ from shared.errors import CommandError, ErrorCode
 from shared.messages import JobAccepted
 from shared.mqtt import MqttSession, PublishProperties
 from shared.payloads import describe_validation_error, dump, error_info
+from shared.workers import CommandPool
 
 OK_PREFIX = b'{"ok":true,"result":'
 _TOPICS_MAX = 4096  # parsed command topics kept (a node has a few dozen; garbage topics are not kept forever)
@@ -38,10 +38,10 @@ class CommandDispatcher:
         self.run_coro = run_coro
         self._prefix = len(base) + 1
         self._topics: dict[str, tuple[str, str]] = {}  # topic -> (device, command), parsed once
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cmd")
+        self._pool = CommandPool(workers, "cmd")
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def on_message(self, msg: mqtt.MQTTMessage) -> None:
         """Network thread: copy what we need and hand over at once (or, inline, answer right here)."""
