@@ -7,7 +7,8 @@ their own processes, as they would in production.
 
     python bench/rpc.py [--quick] [--calls N] [--messages N]
 
-Targets (issue 2): p50 <= 1 ms, p99 <= 5 ms, kit/bare p50 ratio <= 1.5, >= 10,000 validated msgs/s.
+Targets (issue 2): p50 <= 1 ms, p99 <= 5 ms; (issue 16, on a quiet machine) kit/bare p50 <= 1.15 and p99 <= 1.5,
+>= 25,000 validated 40-field messages/s delivered.
 Last line: one JSON object with the figures and ratios.
 """
 
@@ -229,16 +230,22 @@ def main() -> None:
         "validated_publish_per_s": round(thr["publish_rate"]),
         "validated_delivered_per_s": round(thr["delivered_rate"]),
         "delivered_all": thr["delivered_all"],
-        "targets": {"p50_ms": 1.0, "p99_ms": 5.0, "kit_bare_ratio": 1.5, "msgs_per_s": 10000},
+        "targets": {"p50_ms": 1.0, "p99_ms": 5.0, "kit_bare_p50_ratio": 1.15, "kit_bare_p99_ratio": 1.5,
+                    "msgs_per_s": 25000},
     }
     res["ratio_p50_to_target"] = round(res["kit_p50_ms"] / 1.0, 3)
     res["ratio_p99_to_target"] = round(res["kit_p99_ms"] / 5.0, 3)
-    res["ratio_msgs_to_target"] = round(res["validated_delivered_per_s"] / 10000, 3)
+    res["ratio_p50_ratio_to_target"] = round(res["kit_bare_p50_ratio"] / 1.15, 3)
+    res["ratio_p99_ratio_to_target"] = round(res["kit_bare_p99_ratio"] / 1.5, 3)
+    res["ratio_msgs_to_target"] = round(res["validated_delivered_per_s"] / 25000, 3)
     res["meets_targets"] = bool(res["kit_p50_ms"] <= 1 and res["kit_p99_ms"] <= 5
-                                and res["kit_bare_p50_ratio"] <= 1.5 and res["validated_delivered_per_s"] >= 10000)
+                                and res["kit_bare_p50_ratio"] <= 1.15 and res["kit_bare_p99_ratio"] <= 1.5
+                                and res["validated_delivered_per_s"] >= 25000)
     print(f"kit  round trip: p50 {res['kit_p50_ms']} ms  p99 {res['kit_p99_ms']} ms  (n={len(kit)})")
     print(f"kit  inline:     p50 {res['kit_inline_p50_ms']} ms  p99 {res['kit_inline_p99_ms']} ms")
     print(f"bare round trip: p50 {res['bare_p50_ms']} ms  p99 {res['bare_p99_ms']} ms")
+    print(f"kit / bare:      p50 {res['kit_bare_p50_ratio']} (target 1.15)  "
+          f"p99 {res['kit_bare_p99_ratio']} (target 1.5)")
     print(f"validated 40-field publishes: {res['validated_delivered_per_s']}/s delivered "
           f"({res['validated_publish_per_s']}/s handed to paho)")
     print(json.dumps(res))

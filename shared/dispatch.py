@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -19,10 +18,12 @@ from shared.counters import Counters
 from shared.device import Device
 from shared.errors import CommandError, ErrorCode
 from shared.messages import JobAccepted
-from shared.mqtt import MqttSession, reply_properties
+from shared.mqtt import MqttSession, PublishProperties
 from shared.payloads import describe_validation_error, dump, error_info
+from shared.workers import CommandPool
 
 OK_PREFIX = b'{"ok":true,"result":'
+_TOPICS_MAX = 4096  # parsed command topics kept (a node has a few dozen; garbage topics are not kept forever)
 
 
 class CommandDispatcher:
@@ -36,23 +37,30 @@ class CommandDispatcher:
         self.counters = counters
         self.run_coro = run_coro
         self._prefix = len(base) + 1
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cmd")
+        self._topics: dict[str, tuple[str, str]] = {}  # topic -> (device, command), parsed once
+        self._pool = CommandPool(workers, "cmd")
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def on_message(self, msg: mqtt.MQTTMessage) -> None:
-        """Network thread: copy what we need and hand over at once."""
+        """Network thread: copy what we need and hand over at once (or, inline, answer right here)."""
         if msg.retain:
             return  # a retained request is stale by definition; never act on it
-        props = getattr(msg, "properties", None)
-        response_topic = getattr(props, "ResponseTopic", None) if props else None
-        correlation = getattr(props, "CorrelationData", None) if props else None
+        props = msg.properties
+        response_topic = getattr(props, "ResponseTopic", None)
+        correlation = getattr(props, "CorrelationData", None)
         # the reply goes at the request's QoS: a caller streaming at QoS 0 (setpoints superseded a few ms
         # later) chose no acknowledgements, a QoS 1 caller gets its reply at least once (QoS 2 -> 1)
-        qos = min(int(msg.qos), 1)
+        qos = 1 if msg.qos else 0
         topic = msg.topic
-        device_name, _, command = topic[self._prefix:].partition("/cmd/")
+        route = self._topics.get(topic)
+        if route is None:
+            route = topic[self._prefix:].partition("/cmd/")[::2]
+            if len(self._topics) >= _TOPICS_MAX:  # garbage topics must not grow it without bound
+                self._topics = {}
+            self._topics[topic] = route
+        device_name, command = route
         dev = self.devices.get(device_name)
         if dev is not None and command in dev.inline:
             self.handle(topic, device_name, command, msg.payload, response_topic, correlation, qos)
@@ -65,16 +73,16 @@ class CommandDispatcher:
 
     def handle(self, topic: str, device_name: str, command: str, payload: bytes | bytearray, response_topic: str | None,
                correlation: bytes | None, qos: int = 1) -> None:
-        counters = self.counters
+        """Validate, run, answer; the reply is packed once and written by this thread (shared/mqtt.py)."""
         try:
             body = OK_PREFIX + self.dispatch(device_name, command, payload) + b"}"
-            counters.ok()
+            self.counters.ok()
         except Exception as exc:
             err = error_info(exc, f"{device_name}/{command}")
-            counters.failed(err.code.value)
+            self.counters.failed(err.code.value)
             body = b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
         self.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
-                                  properties=reply_properties(None, correlation, "application/json"))
+                             properties=PublishProperties(None, correlation, "application/json"), now=True)
 
     def dispatch(self, device_name: str, command: str, payload: bytes | bytearray) -> bytes:
         """Validate and run one request; the reply's `result` as JSON bytes, or raise CommandError."""

@@ -5,6 +5,9 @@
 - Subscriptions are remembered and made again in `on_connect` (paho 2.x forgets them).
 - Last Will registered before CONNECT; `on_connect` hooks publish the birth.
 - Callbacks must not block: the session only dispatches, callers hand slow work to threads.
+- Hot path (docs/kit.md, "Hot paths"): handlers resolved once per topic; PUBLISH properties packed once when built
+  (paho's Properties builds its tables per object and re-packs per publish); a reply or a request is written to
+  the socket by the publishing thread itself, one writer at a time, instead of waking paho's network thread.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from threading import get_ident
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.reasoncodes import ReasonCode
 
 from shared.settings import KitSettings
@@ -66,6 +70,9 @@ class MqttSession:
         self.last_error = ""  # why the last connection attempt failed (refused, auth, TLS, ...)
         self.dropped = 0
         self._subs: dict[str, tuple[int, MessageHandler]] = {}
+        # topic -> its handlers, resolved once; cleared when the subscriptions change (and when it grows past
+        # _ROUTES_MAX, so that a flood of distinct topics cannot grow it without bound)
+        self._routes: dict[str, tuple[MessageHandler, ...]] = {}
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -101,6 +108,23 @@ class MqttSession:
             c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
         self.client = c
         self.broker = broker
+        # Direct writes: paho's publish() from any thread only queues the packet and wakes the network thread to
+        # write it (one thread hop per message). Here the publishing thread writes it itself. paho's packet
+        # queue takes one writer at a time, so its network thread's loop_write and ours share a lock. Not over
+        # TLS (an SSL object must not read and write from two threads at once), and only while no on_publish
+        # callback is set (paho would run it, under its callback lock, on the writing thread).
+        self._write_lock = threading.Lock()
+        packet_write = getattr(c, "_packet_write", None)
+        self.direct_writes = packet_write is not None and not broker.tls
+        self._packet_write: Callable[[], Any] = packet_write or (lambda: None)
+        paho_loop_write = c.loop_write
+
+        def loop_write() -> Any:
+            with self._write_lock:
+                return paho_loop_write()
+
+        setattr(c, "loop_write", loop_write)  # noqa: B010 (an instance attribute over paho's method)
+        self.coalesced_wakes = _coalesce_wakes(c)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -138,6 +162,7 @@ class MqttSession:
     def subscribe(self, topic: str, handler: MessageHandler, qos: int = 1) -> None:
         with self._lock:
             self._subs[topic] = (qos, handler)
+            self._routes = {}
             if self.connected.is_set():
                 rc, mid = self.client.subscribe(topic, qos=qos)
                 if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
@@ -147,6 +172,7 @@ class MqttSession:
     def unsubscribe(self, topic: str) -> None:
         with self._lock:
             self._subs.pop(topic, None)
+            self._routes = {}
         if self.connected.is_set():
             self.client.unsubscribe(topic)
 
@@ -158,13 +184,33 @@ class MqttSession:
         qos: int = 0,
         retain: bool = False,
         properties: Properties | None = None,
+        now: bool = False,
     ) -> bool:
-        """Publish; False (and counted) when paho refused it, e.g. QoS 0 while disconnected."""
-        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        """Publish; False (and counted) when paho refused it, e.g. QoS 0 while disconnected.
+
+        `now=True` (a command's reply, a client's request: one message somebody waits for) writes it on this
+        thread at once; otherwise paho's network thread writes it, which overlaps the socket write with the
+        caller's next message (a stream of state publishes goes faster so)."""
+        client = self.client
+        info = client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             self.dropped += 1
             return False
+        if now and self.direct_writes and client.on_publish is None:
+            self.write_now()
         return True
+
+    def write_now(self) -> None:
+        """Write queued packets on this thread, if no other thread is writing (that one, or paho's network
+        thread woken by the publish, writes ours too). A packet the socket cannot take yet stays queued for
+        the network thread, and so does any error: paho's own loop sees a broken socket and reconnects."""
+        if self._write_lock.acquire(blocking=False):
+            try:
+                self._packet_write()
+            except Exception:  # the socket went away under us: paho's loop handles it
+                pass
+            finally:
+                self._write_lock.release()
 
     def publish_wait(self, topic: str, payload: bytes | str, *, qos: int = 1, retain: bool = False,
                      timeout: float = 2.0) -> bool:
@@ -247,22 +293,109 @@ class MqttSession:
             self._run_connect_hooks()
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        with self._lock:
-            handlers = [h for t, (_, h) in self._subs.items() if mqtt.topic_matches_sub(t, msg.topic)]
+        topic = msg.topic
+        handlers = self._routes.get(topic)
+        if handlers is None:
+            with self._lock:
+                handlers = tuple(h for t, (_, h) in self._subs.items() if mqtt.topic_matches_sub(t, topic))
+                if len(self._routes) >= _ROUTES_MAX:
+                    self._routes = {}
+                self._routes[topic] = handlers
         for h in handlers:
             try:
                 h(msg)
             except Exception:
-                log.exception("message handler failed", extra={"topic": msg.topic})
+                log.exception("message handler failed", extra={"topic": topic})
+
+
+_ROUTES_MAX = 4096
+
+
+def _coalesce_wakes(c: mqtt.Client) -> bool:
+    """One wake-up of paho's network thread per burst, not per packet.
+
+    paho's `_packet_queue` writes a byte to its socketpair for every packet queued from another thread, to
+    break the network thread out of select(). At 20,000 state messages a second that is 20,000 wake-ups, and
+    each one hands the GIL to the network thread and back: ~40 us a message, most of a publish's cost. The same
+    routine here wakes it only when the packet is the only one queued. That is enough: a packet queued behind
+    others is written by whoever drains them (paho's loop, or a direct write, both pop until the queue is
+    empty); a write the socket refused leaves the queue non-empty and paho's loop selects for writable. And the
+    network thread never wakes itself (a PUBACK, an inline reply): its loop looks at the queue before select().
+    Returns False (paho's own routine kept) when this paho lacks what the routine relies on."""
+    needed = ("_out_packet", "_sockpairW", "_thread", "_on_socket_register_write", "_in_callback_mutex",
+              "_call_socket_register_write", "_packet_queue")
+    if not all(hasattr(c, a) for a in needed) or not hasattr(mqtt, "sockpair_data"):
+        return False
+    out = c._out_packet
+    wake_byte = mqtt.sockpair_data
+
+    def packet_queue(command: int, packet: bytes | bytearray, mid: int, qos: int, info: Any = None) -> Any:
+        out.append({"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet),
+                    "packet": packet, "info": info})
+        pair = c._sockpairW
+        net = c._thread
+        if (pair is not None and len(out) == 1  # counted after the append: no lost wake-up (see above)
+                and (net is None or net.ident != get_ident())):  # paho's loop checks its queue before select()
+            try:
+                pair.send(wake_byte)
+            except BlockingIOError:
+                pass
+        # as paho: without a network thread (and not inside a callback), write at once
+        if c._thread is None and c._on_socket_register_write is None and c._in_callback_mutex.acquire(False):
+            c._in_callback_mutex.release()
+            return c.loop_write()
+        c._call_socket_register_write()
+        return mqtt.MQTT_ERR_SUCCESS
+
+    setattr(c, "_packet_queue", packet_queue)  # noqa: B010
+    return True
+
+_TABLES = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+
+
+def _field(ident: int, data: bytes) -> bytes:
+    """One property: identifier, two-byte length, the bytes (UTF-8 string or binary data, MQTT 5 2.2.2.2)."""
+    if len(data) > 0xFFFF:
+        raise ValueError(f"MQTT property {ident} longer than 65535 bytes")
+    return bytes((ident,)) + len(data).to_bytes(2, "big") + data
+
+
+class PublishProperties(Properties):
+    """PUBLISH properties (Content Type, Response Topic, Correlation Data), packed once when built.
+
+    paho's Properties builds its name tables per object and walks them in every `pack()`, that is per publish
+    and again per retry (~20 us a message); this one shares the tables and packs once, in paho's order (by
+    identifier), to the same bytes. Setting a property afterwards re-packs."""
+
+    types = _TABLES.types
+    names = _TABLES.names
+    properties = _TABLES.properties
+
+    def __init__(self, response_topic: str | None = None, correlation: bytes | None = None,
+                 content_type: str | None = None) -> None:  # no super().__init__: the tables are shared
+        setattr_ = object.__setattr__
+        setattr_(self, "packetType", PacketTypes.PUBLISH)
+        buf = b""
+        if content_type:
+            setattr_(self, "ContentType", content_type)
+            buf += _field(3, content_type.encode())
+        if response_topic:
+            setattr_(self, "ResponseTopic", response_topic)
+            buf += _field(8, response_topic.encode())
+        if correlation is not None:
+            setattr_(self, "CorrelationData", correlation)
+            buf += _field(9, bytes(correlation))
+        setattr_(self, "_packed", VariableByteIntegers.encode(len(buf)) + buf)  # type: ignore[no-untyped-call]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)  # type: ignore[no-untyped-call]
+        object.__setattr__(self, "_packed", super().pack())  # type: ignore[no-untyped-call]
+
+    def pack(self) -> bytes:
+        packed: bytes = object.__getattribute__(self, "_packed")
+        return packed
 
 
 def reply_properties(response_topic: str | None = None, correlation: bytes | None = None,
                      content_type: str | None = None) -> Properties:
-    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-    if response_topic:
-        props.ResponseTopic = response_topic
-    if correlation is not None:
-        props.CorrelationData = correlation
-    if content_type:
-        props.ContentType = content_type
-    return props
+    return PublishProperties(response_topic, correlation, content_type)

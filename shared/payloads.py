@@ -27,13 +27,14 @@ def describe_validation_error(exc: ValidationError, limit: int = 5) -> str:
 
 
 def dump(spec_model: type[BaseModel], value: BaseModel | dict[str, Any]) -> bytes:
-    """Validate (dicts) and serialise. A model instance of the right class is already valid."""
+    """Validate (dicts) and serialise. A model instance of the right class is already valid.
+    Straight to bytes with the model's own serializer (what `model_dump_json` runs, without its str round trip)."""
     if isinstance(value, spec_model):
-        return value.model_dump_json().encode()
+        return value.__pydantic_serializer__.to_json(value)
     if isinstance(value, dict):
-        return spec_model.model_validate(value).model_dump_json().encode()
+        return spec_model.__pydantic_serializer__.to_json(spec_model.model_validate(value))
     if isinstance(value, BaseModel):
-        return spec_model.model_validate(value.model_dump()).model_dump_json().encode()
+        return spec_model.__pydantic_serializer__.to_json(spec_model.model_validate(value.model_dump()))
     raise TypeError(f"expected {spec_model.__name__} or dict, got {type(value).__name__}")
 
 

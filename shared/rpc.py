@@ -6,10 +6,10 @@ Used by the CLI, the tests, the benchmarks and by services that talk to another 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,26 @@ class Reply:
         return self.result
 
 
+class _Waiter:
+    """One call's rendezvous: a lock the caller blocks on until the network thread drops the reply in
+    (cheaper than a Queue or an Event per call: no Condition, one acquire each side)."""
+
+    __slots__ = ("lock", "reply")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.reply: Reply | None = None
+
+    def put(self, rep: Reply) -> None:
+        if self.reply is None:  # a duplicate (QoS 1 redelivery) changes nothing
+            self.reply = rep
+            self.lock.release()
+
+    def get(self, timeout: float) -> Reply | None:
+        return self.reply if self.lock.acquire(timeout=timeout) else None
+
+
 class RpcClient:
     """A connected MQTT client that can call `{root}/{node}/{device}/cmd/{name}`."""
 
@@ -49,7 +69,7 @@ class RpcClient:
         self.root = self.settings.topic_root
         self.session = MqttSession(self.settings, unique_client_id(name))
         self.reply_topic = f"{self.root}/_client/{self.session.client_id}/reply"
-        self._pending: dict[bytes, queue.Queue[Reply]] = {}
+        self._pending: dict[bytes, _Waiter] = {}  # correlation data -> the call waiting for it
         self._lock = threading.Lock()
         self.session.subscribe(self.reply_topic, self._on_reply, qos=1)
 
@@ -73,15 +93,13 @@ class RpcClient:
     def _settle(self) -> None:
         probe = self.reply_topic
         corr = b"__settle__"
+        w = _Waiter()
         with self._lock:
-            q: queue.Queue[Reply] = queue.Queue()
-            self._pending[corr] = q
+            self._pending[corr] = w
         self.session.publish(probe, b'{"ok":true,"result":{}}', qos=1,
                              properties=reply_properties(None, corr))
         try:
-            q.get(timeout=5.0)
-        except queue.Empty:
-            pass
+            w.get(timeout=5.0)
         finally:
             with self._lock:
                 self._pending.pop(corr, None)
@@ -90,10 +108,9 @@ class RpcClient:
         self.session.stop()
 
     def _on_reply(self, msg: mqtt.MQTTMessage) -> None:
-        corr = getattr(getattr(msg, "properties", None), "CorrelationData", None)
-        with self._lock:
-            q = self._pending.get(bytes(corr)) if corr is not None else None
-        if q is None:
+        corr = getattr(msg.properties, "CorrelationData", None)
+        w = self._pending.get(bytes(corr)) if corr is not None else None  # a dict read needs no lock (GIL)
+        if w is None:
             return
         try:
             data = json.loads(msg.payload)
@@ -102,7 +119,7 @@ class RpcClient:
         except (ValueError, AttributeError):
             rep = Reply(ok=False, error={"code": "internal", "message": "unparseable reply"},
                         raw=bytes(msg.payload))
-        q.put(rep)
+        w.put(rep)
 
     def topic(self, node: str, device: str, kind: str, name: str) -> str:
         return f"{self.root}/{node}/{device}/{kind}/{name}"
@@ -110,10 +127,10 @@ class RpcClient:
     def call(self, node: str, device: str, command: str, payload: dict[str, Any] | bytes | str | None = None,
              timeout: float = 10.0) -> Reply:
         """Send one request and wait for its reply (TimeoutError if none comes)."""
-        corr = uuid.uuid4().bytes
-        q: queue.Queue[Reply] = queue.Queue(maxsize=1)
+        corr = os.urandom(16)  # what uuid4() draws, without building the UUID
+        w = _Waiter()
         with self._lock:
-            self._pending[corr] = q
+            self._pending[corr] = w
         if payload is None:
             body: bytes | str = b"{}"
         elif isinstance(payload, dict):
@@ -122,11 +139,11 @@ class RpcClient:
             body = payload
         try:
             self.session.publish(self.topic(node, device, "cmd", command), body, qos=1,
-                                 properties=reply_properties(self.reply_topic, corr, "application/json"))
-            try:
-                return q.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"no reply from {node}/{device} to {command} within {timeout} s") from None
+                                 properties=reply_properties(self.reply_topic, corr, "application/json"), now=True)
+            rep = w.get(timeout)
+            if rep is None:
+                raise TimeoutError(f"no reply from {node}/{device} to {command} within {timeout} s")
+            return rep
         finally:
             with self._lock:
                 self._pending.pop(corr, None)
