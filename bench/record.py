@@ -6,8 +6,10 @@
    caught up within 2 s of the last publish (no growing backlog). Rates are stepped up; the figure is
    the highest rate that passed.
 2. Replay timing: the recorder records a mixed stream (10 topics at 100 Hz, 2 at 500 Hz, 2,000 msg/s);
-   `robobus replay --rate 1 --root <other>` (the real CLI) republishes it and a subscriber stamps each
-   arrival; error = |(arrival_i - arrival_0) - (log_time_i - log_time_0)|.
+   `robobus replay --rate 1 --root <other>` (the real CLI) republishes it, at normal priority, with
+   --realtime, and with --realtime and the broker at SCHED_FIFO; a subscriber in its own process has the
+   kernel stamp each arrival at its socket (SO_TIMESTAMPNS, one MQTT packet a read);
+   error = |(arrival_i - arrival_0) - (log_time_i - log_time_0)|, every message.
 
     python bench/record.py [--quick] [--rates 20000,30000,40000] [--seconds 10]
 
