@@ -287,7 +287,10 @@ def subscriber(port: int, expected: int, out: str) -> None:
         if size is None:  # the header is not all there yet (a few bytes of a split segment)
             time.sleep(0.0001)
             continue
-        data, anc, _flags, _addr = sock.recvmsg(size, 64, socket.MSG_WAITALL)
+        try:
+            data, anc, _flags, _addr = sock.recvmsg(size, 64, socket.MSG_WAITALL)
+        except TimeoutError:
+            break
         t_user = time.time_ns()
         if len(data) < size:
             break
