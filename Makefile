@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed
 NODEV  := tests/contract/asyncapi-validate
 DASH   := shared/dashboard
 MODELINA := tests/contract/modelina
+MCAPCLI := .venv-mcapcli
 TSEXAMPLE := examples/typescript
 PYTEST_ARGS ?=
 
@@ -24,7 +25,7 @@ help:
 	@echo "make prove  make test RUNS times beside stress-ng --cpu 1, then RUNS times quiet (default 3)"
 
 setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(DASH)/node_modules/.installed \
-       $(MODELINA)/node_modules/.installed $(TSEXAMPLE)/node_modules/.installed
+       $(MODELINA)/node_modules/.installed $(TSEXAMPLE)/node_modules/.installed $(MCAPCLI)/.installed
 
 # Debian packages: mosquitto (broker), its clients, iproute2 (netns/veth for the EtherCAT tests),
 # rt-tests (cyclictest, the realtime anchor of bench/ethercat_cycle.py), nodejs/npm (AsyncAPI parser).
@@ -54,6 +55,14 @@ $(MODELINA)/node_modules/.installed: $(MODELINA)/package.json $(MODELINA)/packag
 # The TypeScript example client (mqtt.js, tsc), run by tests/contract/test_example_typescript.py.
 $(TSEXAMPLE)/node_modules/.installed: $(TSEXAMPLE)/package.json $(TSEXAMPLE)/package-lock.json
 	cd $(TSEXAMPLE) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# pymcap-cli, an MCAP implementation independent of ours (its own reader, small-mcap), which
+# tests/record/test_mcap_cli.py runs on our files; its own venv, since its dependencies are many.
+# (The official `mcap` CLI is a Go program, and there is no Go toolchain here.)
+$(MCAPCLI)/.installed: tests/record/mcapcli-requirements.txt
+	@test -x $(MCAPCLI)/bin/python || $(PYTHON) -m venv $(MCAPCLI)
+	$(MCAPCLI)/bin/python -m pip install -q -r tests/record/mcapcli-requirements.txt
 	@touch $@
 
 run: setup
@@ -99,7 +108,7 @@ bench-quick:
 	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick
 
 clean:
-	rm -rf $(VENV) $(NODEV)/node_modules $(DASH)/node_modules $(MODELINA)/node_modules $(TSEXAMPLE)/node_modules \
+	rm -rf $(VENV) $(MCAPCLI) $(NODEV)/node_modules $(DASH)/node_modules $(MODELINA)/node_modules $(TSEXAMPLE)/node_modules \
 	       .pytest_cache .mypy_cache .ruff_cache
 
 # -- containers (deploy/): the whole system on this host, from nothing -------------------------------------

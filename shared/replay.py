@@ -15,6 +15,7 @@ read-ahead thread that filled its queue before the clock started.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -231,18 +232,24 @@ class Replayer:
         while not (done.is_set() or items.full() or stop.is_set()):
             time.sleep(0.005)
         policy = os.sched_getscheduler(0), os.sched_getparam(0)
+        spin_ns = 0
         if self.opts.realtime:
             self.realtime_note = _realtime_thread()  # this thread only: the read-ahead stays SCHED_OTHER
+            if self.realtime_note.startswith("SCHED_FIFO"):
+                spin_ns = SPIN_NS
+        slack = _set_timer_slack(1)
         try:
-            self._publish_loop(items, stop)
+            self._publish_loop(items, stop, spin_ns)
         finally:
             if self.opts.realtime:
                 with contextlib.suppress(OSError):
                     os.sched_setscheduler(0, *policy)
+            if slack:
+                _set_timer_slack(slack)
             th.join(5)
 
     def _publish_loop(self, items: queue.Queue[tuple[int, _Plan, bytes, dict[str, Any] | None] | None],
-                      stop: threading.Event) -> None:
+                      stop: threading.Event, spin_ns: int = 0) -> None:
         rate = self.opts.rate
         first: int | None = None
         t0 = 0
@@ -258,7 +265,7 @@ class Replayer:
                 t0 = time.monotonic_ns()
             if rate:
                 due = t0 + int((log_time - first) / rate)
-                _wait_until(due, stop)
+                _wait_until(due, stop, spin_ns)
                 if stop.is_set():
                     break
             publish(plan.topic, data, plan.qos, plan.retain, p)
@@ -279,16 +286,39 @@ def _realtime_thread(priority: int = 10) -> str:
         return f"normal priority (SCHED_FIFO refused: {exc})"
 
 
-def _wait_until(due_ns: int, stop: threading.Event) -> None:
-    """Sleep until the due time (looking at `stop` at least every 0.2 s). Sleeping, not spinning: on a
-    loaded machine the scheduler favours a task that slept when it wakes, while a spinning one uses up
-    its share and gets preempted (with a spin, the null-sink lateness median here was 0.5-0.8 ms;
-    sleeping, 0.1-0.2 ms)."""
+SPIN_NS = 200_000  # with SCHED_FIFO, the last stretch before a due time is spun, not slept
+
+
+def _set_timer_slack(ns: int) -> int:
+    """PR_SET_TIMERSLACK for the calling thread; returns the previous slack (0 where unavailable). A normal
+    thread's sleeps end up to 50 us late by default (the kernel groups timer expiries); 1 ns makes
+    time.sleep end when asked. Realtime threads have no slack anyway."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        previous = int(libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0))
+        if previous < 0 or libc.prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(ns), 0, 0, 0) != 0:
+            return 0
+        return previous
+    except (OSError, AttributeError):
+        return 0
+
+
+PR_SET_TIMERSLACK, PR_GET_TIMERSLACK = 29, 30
+
+
+def _wait_until(due_ns: int, stop: threading.Event, spin_ns: int = 0) -> None:
+    """Sleep until the due time (looking at `stop` at least every 0.2 s), the last `spin_ns` spun.
+    At normal priority sleeping, not spinning: on a loaded machine the scheduler favours a task that slept
+    when it wakes, while a spinning one uses up its share and gets preempted (with a spin, the null-sink
+    lateness median here was 0.5-0.8 ms; sleeping, 0.1-0.2 ms). With SCHED_FIFO (--realtime) nothing
+    ordinary preempts the spin, and it removes the wake-up latency from the last 0.2 ms."""
     while not stop.is_set():
-        left = (due_ns - time.monotonic_ns()) / 1e9
-        if left <= 0:
-            return
-        time.sleep(min(left, 0.2))
+        left = due_ns - time.monotonic_ns()
+        if left <= spin_ns:
+            break
+        time.sleep(min(left - spin_ns, 200_000_000) / 1e9)
+    while not stop.is_set() and time.monotonic_ns() < due_ns:
+        pass
 
 
 class Publisher(Protocol):

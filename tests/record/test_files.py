@@ -228,3 +228,41 @@ def test_replay_realtime_is_for_the_pass_only(tmp_path: Path) -> None:
         assert set(policies) == {os.SCHED_FIFO}
     else:
         assert "refused" in rp.realtime_note and set(policies) == {before}
+
+
+def test_timer_slack_is_for_the_pass_only(tmp_path: Path) -> None:
+    """The publishing thread sleeps with 1 ns of timer slack (sleeps end when asked, not up to 50 us
+    later) during the pass, and gets its own slack back after it."""
+    from shared.replay import _set_timer_slack
+
+    path = tmp_path / "a.mcap"
+    make_recording(path, [(i * 0.002, pub("robobus/n/d/state/x", str(i))) for i in range(5)])
+    own = _set_timer_slack(1)
+    if own == 0:
+        pytest.skip("no prctl(PR_SET_TIMERSLACK) here")
+    _set_timer_slack(own)
+    slacks: list[int] = []
+
+    def publish(*_a: Any) -> None:
+        slacks.append(_set_timer_slack(1))  # returns the slack in force (and leaves 1 ns)
+
+    Replayer(path, ReplayOptions(), publish).run()
+    assert slacks == [1] * 5
+    assert _set_timer_slack(own) == own
+
+
+def test_wait_until_spins_to_the_due_time_and_stops_at_once() -> None:
+    """With a spin, the wait never ends before the due time; a stop ends it at once however far it is."""
+    import time
+
+    from shared.replay import SPIN_NS, _wait_until
+
+    stop = threading.Event()
+    for ahead in (0, SPIN_NS // 2, 3 * SPIN_NS):
+        due = time.monotonic_ns() + ahead
+        _wait_until(due, stop, SPIN_NS)
+        assert time.monotonic_ns() >= due
+    stop.set()
+    t = time.monotonic()
+    _wait_until(time.monotonic_ns() + 3_600_000_000_000, stop, SPIN_NS)
+    assert time.monotonic() - t < 60  # returned, instead of sleeping or spinning for an hour

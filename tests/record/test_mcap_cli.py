@@ -1,8 +1,9 @@
 """An independent MCAP implementation checks our files: `pymcap-cli doctor` (structure against the MCAP
 specification) and `pymcap-cli recover` on a torn file. The official `mcap` CLI is a Go binary that is
-not on PyPI or npm; pymcap-cli is a PyPI package with its own reader (small-mcap). Its dependencies
-clash with nothing of ours but are many, so it lives in its own venv: put `pymcap-cli` on PATH or name
-it in ROBOBUS_MCAP_CLI (python3 -m venv /opt/mcapcli && /opt/mcapcli/bin/pip install pymcap-cli)."""
+not on PyPI or npm (and there is no Go toolchain here to build it); pymcap-cli is a PyPI package with its
+own reader (small-mcap). Its dependencies are many, so `make setup` installs it in its own venv,
+.venv-mcapcli (pinned in tests/record/mcapcli-requirements.txt); ROBOBUS_MCAP_CLI names another one, and
+one on PATH is used otherwise. Without any, these tests skip (run `make setup`)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import pytest
 from shared.replay import inspect
 from tests.record.helpers import make_recording, pub
 
-CLI = os.environ.get("ROBOBUS_MCAP_CLI") or shutil.which("pymcap-cli")
-pytestmark = pytest.mark.skipif(CLI is None, reason="pymcap-cli not installed (see this module's docstring)")
+REPO = Path(__file__).resolve().parents[2]
+VENV_CLI = REPO / ".venv-mcapcli" / "bin" / "pymcap-cli"
+CLI = os.environ.get("ROBOBUS_MCAP_CLI") or (str(VENV_CLI) if VENV_CLI.exists() else shutil.which("pymcap-cli"))
+pytestmark = pytest.mark.skipif(CLI is None, reason="pymcap-cli not installed: `make setup` puts it in .venv-mcapcli")
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
