@@ -15,6 +15,7 @@ const CHART_EVERY_MS = 500;  // sparklines
 const CHARTS_PER_STATE = 32;
 const VALUES_PER_STATE = 40;
 const LOG_LINES = 300;
+const UNWATCH_AFTER_MS = 2000; // a card off screen this long has its state topics unsubscribed
 const NOT_CHARTED = /(^|\.)(ts|seq|session|cycle)$|raw/i;
 const TIME_FIELD = /(^|\.|_)ts$/;
 
@@ -45,7 +46,7 @@ let contract = null;
 let bus = null;
 let root = "robobus";
 const nodes = new Map();
-window.__robobus = { nodes };
+window.__robobus = { nodes, watched: () => (bus ? [...bus.watched] : []) };
 
 function since(ms) {
   const s = Math.max(0, (Date.now() - ms) / 1000);
@@ -165,8 +166,22 @@ class DeviceView {
       el("details", { class: "health-details" }, el("summary", { text: "health details" }), this.detailsPre),
       this.statesBox, this.jobsBox, this.commandsBox);
     insertSorted($("#devices"), this.card, key, "key");
+    this.key = key;
+    this.visible = false; // until the observer says it is on screen
+    this.unwatchTimer = 0;
+    cardViews.set(this.card, this);
     observer.observe(this.card);
-    this.visible = true;
+  }
+
+  // The card came on screen or left it: its state topics are subscribed while it is on screen (with a
+  // margin, so a card scrolling in has its retained values already), and dropped a moment after it left,
+  // so that scrolling past does not churn subscriptions. Charts show the gap while it was away.
+  setVisible(on) {
+    this.visible = on;
+    clearTimeout(this.unwatchTimer);
+    if (on) bus.watchStates(this.key, true);
+    else this.unwatchTimer = setTimeout(() => { if (!this.visible) bus.watchStates(this.key, false); }, UNWATCH_AFTER_MS);
+    this.dirty = true;
   }
 
   healthClass() {
@@ -504,11 +519,13 @@ function route(topic, payload, ctype, retained, nowMs) {
 }
 
 // -- drawing -----------------------------------------------------------------------------------------------
+const cardViews = new WeakMap(); // card element -> DeviceView
 const observer = new IntersectionObserver((entries) => {
   for (const e of entries) {
-    for (const n of nodes.values()) for (const d of n.devices.values()) if (d.card === e.target) d.visible = e.isIntersecting;
+    const d = cardViews.get(e.target);
+    if (d) d.setVisible(e.isIntersecting);
   }
-});
+}, { root: document.querySelector("main"), rootMargin: "200px 0px" });
 
 // JSON states are parsed at most once per tick (10 Hz), the newest message of each: a chart keeps one
 // sample per 100 ms anyway, so the joints' 100 Hz cost one parse in ten.
@@ -593,7 +610,10 @@ function setConn(state, detail) {
 }
 
 function resetModel() {
-  for (const n of nodes.values()) { n.row.remove(); for (const d of n.devices.values()) { observer.unobserve(d.card); d.card.remove(); } }
+  for (const n of nodes.values()) {
+    n.row.remove();
+    for (const d of n.devices.values()) { clearTimeout(d.unwatchTimer); observer.unobserve(d.card); d.card.remove(); }
+  }
   nodes.clear();
   $("#no-nodes").hidden = false;
 }
