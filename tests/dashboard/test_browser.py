@@ -83,13 +83,28 @@ def shoot(page: Any, name: str, target: Any | None = None) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"))
 
 
-def test_lists_every_online_node_and_device(page: Any) -> None:
+def expected_health(h: dict[str, Any]) -> str:
+    """The page's word for a health message (OK, ERROR / NOT CONNECTED, NOT OPERATIONAL) as a data-health."""
+    if h["error"] or not h["connection"]:
+        return "error"
+    return "ok" if h["operational"] else "warn"
+
+
+def test_lists_every_online_node_and_device(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """Every node of `make run` online, every device of each with the health its service reports (ROI modules
+    start in their blank state, NOT OPERATIONAL until configured: the page says so)."""
+    _, client = stack
+    healths = {tuple(t.split("/")[1:3]): json.loads(p) for t, p, _ in client.collect("robobus/+/+/health", 1.0) if p}
     for node in NODES:
         page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
         for dev in DEVICES[node]:
-            page.wait_for_selector(f"tr.node[data-node='{node}'] .chip[data-device='{dev}'][data-health=ok]", timeout=T)
-            page.wait_for_selector(f"article.device[data-node='{node}'][data-device='{dev}'][data-health=ok]",
+            want = expected_health(healths[(node, dev)])
+            page.wait_for_selector(f"tr.node[data-node='{node}'] .chip[data-device='{dev}'][data-health={want}]",
                                    timeout=T)
+            page.wait_for_selector(f"article.device[data-node='{node}'][data-device='{dev}'][data-health={want}]",
+                                   timeout=T)
+    assert page.locator("article.device").count() == sum(len(d) for d in DEVICES.values())
+    assert page.locator("tr.node").count() == len(NODES)
     # status words, not colour alone
     assert "online" in page.locator("tr.node[data-node='ethercat-loop'] td.status").inner_text()
     assert "OK" in card(page, "epuck-gateway", "epuck1").locator("header .badge").inner_text()
