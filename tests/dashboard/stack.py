@@ -172,7 +172,9 @@ class SimStack:
         self.procs[name] = Proc(name, p, log)
         return self.procs[name]
 
-    def start_services(self) -> None:
+    def start_services(self, nodes: list[str]) -> None:
+        if nodes == NODES_EARLIER:
+            return self._start_earlier()
         base = free_ports(2, consecutive=True)[0]
         robots: list[dict[str, Any]] = [{"id": f"epuck{i + 1}", "host": "127.0.0.1", "port": base + i}
                                         for i in range(2)]
@@ -198,6 +200,16 @@ class SimStack:
         self.spawn("dexter-gateway", ["-m", "services.dexter_gateway"], {
             "ROBOBUS_DEXTER_ARMS": json.dumps([{"id": "dexter1", "host": "127.0.0.1", "port": dexter_port}])})
 
+    def _start_earlier(self) -> None:
+        """The three services the dashboard was first measured with (bench/dashboard.py --stack three)."""
+        base = free_ports(2, consecutive=True)[0]
+        robots = [{"id": f"epuck{i + 1}", "host": "127.0.0.1", "port": base + i} for i in range(2)]
+        self.spawn("ethercat-loop", ["-m", "services.ethercat_loop"], {"ROBOBUS_ETHERCAT_BACKEND": "model"})
+        self.spawn("epuck-sim", ["-m", "services.epuck_gateway.sim", "--count", "2", "--base-port", str(base)])
+        self.spawn("epuck-gateway", ["-m", "services.epuck_gateway"], {"ROBOBUS_EPUCK_ROBOTS": json.dumps(robots)})
+        self.spawn("can-bootloader", ["-m", "services.can_bootloader"],
+                   {"ROBOBUS_CAN_SIM": "true", "ROBOBUS_CAN_SIM_ERASE_S": "0.05"})
+
     def start_dashboard(self) -> None:
         port = free_ports(1)[0]
         self.spawn("dashboard", ["-m", "shared.cli", "dashboard", "--port", str(port), "--ws-url",
@@ -208,7 +220,10 @@ class SimStack:
     def wait_online(self, client: RpcClient, nodes: list[str], timeout: float = 60) -> None:
         def online() -> bool:
             seen = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect("robobus/+/status", 0.3)}
-            return all(seen.get(n, {}).get("online") for n in nodes)
+            if not all(seen.get(n, {}).get("online") for n in nodes):
+                return False
+            healths = {tuple(t.split("/")[1:3]) for t, p, _ in client.collect("robobus/+/+/health", 0.3) if p}
+            return all((n, d) in healths for n in nodes for d in seen[n].get("devices", []) if d != "_node")
 
         assert wait_for(online, timeout, 0.5), {n: p.text() for n, p in self.procs.items() if not p.alive()}
 
@@ -261,11 +276,16 @@ def _udp_free(host: str, port: int) -> bool:
 NODES = ["can-bootloader", "dexter-gateway", "epuck-gateway", "ethercat-loop", "roi-modules"]
 DEVICES = {"can-bootloader": ["motors"], "dexter-gateway": ["dexter1"], "epuck-gateway": ["epuck1", "epuck2", "epuck3"],
            "ethercat-loop": ["rh"], "roi-modules": ["roi_arm", "roi_io", "roi_wheel"]}
+# the stack of the dashboard's first benchmark figures: the hand, two e-pucks on TCP, the CAN boards
+NODES_EARLIER = ["can-bootloader", "epuck-gateway", "ethercat-loop"]
 
 
 @contextlib.contextmanager
-def sim_stack(users: dict[str, str] | None = None) -> Iterator[tuple[SimStack, RpcClient]]:
-    """Broker + every service on its simulator + the dashboard; yields the stack and a connected client."""
+def sim_stack(users: dict[str, str] | None = None, nodes: list[str] | None = None
+              ) -> Iterator[tuple[SimStack, RpcClient]]:
+    """Broker + every service on its simulator (`nodes`: NODES, or NODES_EARLIER) + the dashboard; yields the
+    stack and a connected client once every node is online and every device has published its health."""
+    nodes = nodes or NODES
     with tempfile.TemporaryDirectory(prefix="robobus-dash-") as d:
         broker = WsBroker(Path(d), users)
         broker.start()
@@ -274,9 +294,9 @@ def sim_stack(users: dict[str, str] | None = None) -> Iterator[tuple[SimStack, R
         client = RpcClient(KitSettings(mqtt_url=broker.url(user)), name="dash-test")
         try:
             client.connect()
-            stack.start_services()
+            stack.start_services(nodes)
             stack.start_dashboard()
-            stack.wait_online(client, NODES)
+            stack.wait_online(client, nodes)
             yield stack, client
         finally:
             client.close()
