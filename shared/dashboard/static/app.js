@@ -173,9 +173,9 @@ class DeviceView {
     observer.observe(this.card);
   }
 
-  // The card came on screen or left it: its state topics are subscribed while it is on screen (with a
-  // margin, so a card scrolling in has its retained values already), and dropped a moment after it left,
-  // so that scrolling past does not churn subscriptions. Charts show the gap while it was away.
+  // The card came on screen or left it: its state topics are subscribed while it is on screen (its retained
+  // values arrive at once), and dropped a moment after it left, so that scrolling past does not churn
+  // subscriptions. Charts show the gap while it was away.
   setVisible(on) {
     this.visible = on;
     clearTimeout(this.unwatchTimer);
@@ -296,7 +296,8 @@ class StateView {
       this.img = el("canvas", { class: "image", role: "img", "aria-label": `${dev.name} ${name}`, "data-frames": "0",
                                 width: "160", height: "120" }); // drawn 1:1, scaled by the compositor
       this.section.append(el("div", { class: "camera" }, this.img));
-      this.pendingImage = null;
+      this.pendingImage = null; // the newest JPEG received
+      this.ready = null;        // the newest decoded frame, drawn on the next tick
       this.decoding = false;
       this.frames = 0;
     } else {
@@ -391,12 +392,13 @@ class StateView {
     }
   }
 
+  // Called in the page's drawing frame. A decoded frame is drawn here, in the same animation frame as every
+  // other change of the tick, so that two cameras and the values cost one compositor frame per tick, not one
+  // per decode; the newest JPEG is then handed to createImageBitmap (off the main thread) for the next tick.
   renderImage() {
-    if (!this.pendingImage || this.decoding) return;
-    const blob = this.pendingImage;
-    this.pendingImage = null;
-    this.decoding = true;
-    createImageBitmap(blob).then((bmp) => {
+    if (this.ready) {
+      const bmp = this.ready;
+      this.ready = null;
       if (this.img.width !== bmp.width || this.img.height !== bmp.height) {
         this.img.width = bmp.width;
         this.img.height = bmp.height;
@@ -407,6 +409,15 @@ class StateView {
       bmp.close();
       this.frames++;
       this.img.dataset.frames = String(this.frames);
+    }
+    if (!this.pendingImage || this.decoding) return;
+    const blob = this.pendingImage;
+    this.pendingImage = null;
+    this.decoding = true;
+    createImageBitmap(blob).then((bmp) => {
+      if (this.ready) this.ready.close(); // not drawn yet: the newer one wins
+      this.ready = bmp;
+      imagesPending = true; // drawn on the next tick
     }).catch((e) => {
       perf.bad++;
       this.img.dataset.error = `not an image: ${e.message}`;
@@ -525,7 +536,7 @@ const observer = new IntersectionObserver((entries) => {
     const d = cardViews.get(e.target);
     if (d) d.setVisible(e.isIntersecting);
   }
-}, { root: document.querySelector("main"), rootMargin: "200px 0px" });
+}, { root: document.querySelector("main") });
 
 // JSON states are parsed at most once per tick (10 Hz), the newest message of each: a chart keeps one
 // sample per 100 ms anyway, so the joints' 100 Hz cost one parse in ten.
