@@ -15,7 +15,7 @@ const CHART_EVERY_MS = 500;  // sparklines
 const CHARTS_PER_STATE = 32;
 const VALUES_PER_STATE = 40;
 const LOG_LINES = 300;
-const UNWATCH_AFTER_MS = 2000; // a card off screen this long has its state topics unsubscribed
+const UNWATCH_AFTER_MS = 2000; // a state off screen this long is unsubscribed
 const NOT_CHARTED = /(^|\.)(ts|seq|session|cycle)$|raw/i;
 const TIME_FIELD = /(^|\.|_)ts$/;
 
@@ -168,22 +168,22 @@ class DeviceView {
     insertSorted($("#devices"), this.card, key, "key");
     this.key = key;
     this.visible = false; // until the observer says it is on screen
-    this.unwatchTimer = 0;
+    this.unwatchTimers = new Map();
+    this.perState = false; // true once the document's states have their sections
     cardViews.set(this.card, this);
     observer.observe(this.card);
   }
 
-  // The card came on screen or left it: its state topics are subscribed while it is on screen (its retained
-  // values arrive at once), and dropped a moment after it left, so that scrolling past does not churn
-  // subscriptions. Charts show the gap while it was away.
+  // What the page receives of a device's states follows what is on screen. For a service in the document
+  // every state has its section from the start, and each section subscribes its own topic while it is on
+  // screen and open (StateView.show); a device of a service the document does not know subscribes
+  // `state/#` while its card is on screen. Dropped a moment after leaving the view, so that scrolling past
+  // does not churn subscriptions; retained values arrive at once when it comes back. Charts show the gap.
   setVisible(on) {
     this.visible = on;
-    clearTimeout(this.unwatchTimer);
-    if (on) bus.watchStates(this.key, true);
-    else this.unwatchTimer = setTimeout(() => { if (!this.visible) bus.watchStates(this.key, false); }, UNWATCH_AFTER_MS);
     this.dirty = true;
+    if (!this.perState) later(this, `${root}/${this.key}/state/#`, on);
   }
-
   healthClass() {
     if (this.nodeView.online === false) return ["offline", "OFFLINE", "off"];
     const h = this.health;
@@ -206,6 +206,10 @@ class DeviceView {
     this.service = svc;
     const api = contract.services.get(svc);
     if (!api) { this.commandsBox.append(el("p", { class: "hint", text: `service ${svc} is not in this AsyncAPI document` })); return; }
+    // every state of the document gets its section now, so that each one is observed and subscribed alone
+    this.perState = true;
+    later(this, `${root}/${this.key}/state/#`, false, 0);
+    for (const name of [...api.states.keys()].sort()) this.state(name);
     $("summary", this.commandsBox).textContent = `commands (${api.commands.size})`;
     for (const [name, entry] of [...api.commands.entries()].sort()) {
       const cmd = el("details", { class: "command", "data-command": name },
@@ -314,6 +318,18 @@ class StateView {
     // binary (camera) first, then states by name
     const after = [...dev.statesBox.children].find((c) => !c.querySelector(".image") && (this.binary || c.dataset.state > name));
     dev.statesBox.insertBefore(this.section, after || null);
+    this.onScreen = false;
+    this.filter = `${root}/${dev.key}/state/${name}`;
+    if (entry) { // a state of the document: subscribed while on screen and open
+      sectionViews.set(this.section, this);
+      sectionObserver.observe(this.section);
+      this.section.addEventListener("toggle", () => this.show(this.onScreen));
+    }
+  }
+
+  show(onScreen) {
+    this.onScreen = onScreen;
+    later(this.dev, this.filter, onScreen && this.section.open);
   }
 
   onJson(data, nowMs) {
@@ -530,6 +546,22 @@ function route(topic, payload, ctype, retained, nowMs) {
 }
 
 // -- drawing -----------------------------------------------------------------------------------------------
+// (Un)subscribe a state filter for a device: at once when it comes on screen, a moment after it left.
+function later(dev, filter, on, delay = UNWATCH_AFTER_MS) {
+  clearTimeout(dev.unwatchTimers.get(filter));
+  dev.unwatchTimers.delete(filter);
+  if (on || delay === 0) { bus.watch(filter, on); return; }
+  dev.unwatchTimers.set(filter, setTimeout(() => { dev.unwatchTimers.delete(filter); bus.watch(filter, false); }, delay));
+}
+
+const sectionViews = new WeakMap(); // state section element -> StateView
+const sectionObserver = new IntersectionObserver((entries) => {
+  for (const e of entries) {
+    const s = sectionViews.get(e.target);
+    if (s) s.show(e.isIntersecting);
+  }
+}, { root: document.querySelector("main") });
+
 const cardViews = new WeakMap(); // card element -> DeviceView
 const observer = new IntersectionObserver((entries) => {
   for (const e of entries) {
@@ -623,7 +655,12 @@ function setConn(state, detail) {
 function resetModel() {
   for (const n of nodes.values()) {
     n.row.remove();
-    for (const d of n.devices.values()) { clearTimeout(d.unwatchTimer); observer.unobserve(d.card); d.card.remove(); }
+    for (const d of n.devices.values()) {
+      for (const t of d.unwatchTimers.values()) clearTimeout(t);
+      for (const s of d.states.values()) sectionObserver.unobserve(s.section);
+      observer.unobserve(d.card);
+      d.card.remove();
+    }
   }
   nodes.clear();
   $("#no-nodes").hidden = false;

@@ -26,21 +26,19 @@ export class Bus {
     this.client = null;
     this.pending = new Map(); // correlation hex -> {resolve, timer}
     this.clientId = `robobus-dash-${randomId(4)}`;
-    this.watched = new Set(); // "node/device" whose state topics are subscribed (the cards on screen)
+    this.watched = new Set(); // state topic filters subscribed: the states on screen
   }
 
-  // A device's state topics (its 100 Hz joints, 50 Hz sensors, camera) are subscribed only while its card is
-  // on screen: a message nobody looks at still costs the browser its websocket frame, the IPC to the renderer
+  // State topics (the hand's 100 Hz joints, 50 Hz sensors, the camera) are subscribed only while they are on
+  // screen: a message nobody looks at still costs the browser its websocket frame, the IPC to the renderer
   // and a wake-up of the page. Liveness, health and events stay subscribed for every device.
-  stateFilter(key) { return `${this.root}/${key}/state/#`; }
-
-  watchStates(key, on) {
-    if (on === this.watched.has(key)) return;
-    if (on) this.watched.add(key); else this.watched.delete(key);
+  watch(filter, on) {
+    if (on === this.watched.has(filter)) return;
+    if (on) this.watched.add(filter); else this.watched.delete(filter);
     const c = this.client;
     if (!c || !c.connected) return; // subscribed on (re)connect
-    if (on) c.subscribe(this.stateFilter(key), { qos: 0 });
-    else c.unsubscribe(this.stateFilter(key));
+    if (on) c.subscribe(filter, { qos: 0 });
+    else c.unsubscribe(filter);
   }
 
   connect({ url, username, password, root }) {
@@ -58,11 +56,11 @@ export class Bus {
       if (client !== this.client) return;
       // State at QoS 0: the newest value wins anyway, and a 100 Hz state at QoS 1 would cost a PUBACK per
       // message from the browser. Liveness, health, events and replies at QoS 1. Device states: only those
-      // of the cards on screen (watchStates); the nodes' own counters (`_node/state/stats`) always.
+      // on screen (watch); the nodes' own counters (`_node/state/stats`) always.
       const subs = { [`${root}/+/status`]: { qos: 1 }, [`${root}/+/+/health`]: { qos: 1 },
                      [`${root}/+/_node/state/#`]: { qos: 0 }, [`${root}/+/+/event/#`]: { qos: 1 },
                      [this.replyTopic]: { qos: 1 } };
-      for (const key of this.watched) subs[this.stateFilter(key)] = { qos: 0 };
+      for (const filter of this.watched) subs[filter] = { qos: 0 };
       client.subscribe(subs, (err) => {
         if (err) this.onState("error", `subscribe failed: ${err.message}`);
         else this.onState("connected", url);
