@@ -1,8 +1,10 @@
 """Benchmark: the browser dashboard under `make run`'s full simulated stack.
 
-The stack of the tests (tests/dashboard/stack.py: mosquitto with websockets, ethercat-loop on the
-model backend with joints at their 100 Hz state rate, can-bootloader on simulated boards, two simulated
-e-puck2 robots at 50 Hz sensors and 10 fps camera, epuck-gateway, `robobus dashboard`) and the page in
+The stack of the tests (tests/dashboard/stack.py, as `make run`: mosquitto with websockets, ethercat-loop on
+the model backend with joints at their 100 Hz state rate, can-bootloader on simulated boards, three simulated
+e-puck2 robots (two on TCP with 50 Hz sensors and 10 fps camera, one on a serial pty), epuck-gateway,
+roi-modules on three simulated modules, dexter-gateway on a simulated arm, `robobus dashboard`; `--stack
+three`: only the hand, the two TCP e-pucks and the CAN boards, the stack of the first figures) and the page in
 Debian's headless chromium (1920x1080, software rendering: --disable-gpu). Measured over a window, for
 two views: the top of the page (the overview and the first device cards), and the hand's card in view
 (its joint charts drawing):
@@ -14,6 +16,10 @@ Targets (issue #15): >= 30 fps and <= 25 % of one core in the browser. Last line
 
     python bench/dashboard.py            # 30 s per view
     python bench/dashboard.py --quick    # 10 s per view
+    python bench/dashboard.py --quick --stack three
+
+The page receives the states on screen only, so a view's figures depend on what is in it: the JSON result
+lists, per view, the state topics the page had subscribed (`states_received`).
 """
 
 from __future__ import annotations
@@ -93,8 +99,8 @@ def main() -> None:
                 fig["host_busy_cores_incl_browser"] = round(host, 2)
                 fig["host_loadavg_1m"] = round(os.getloadavg()[0], 2)
                 fig["charts_on_page"] = page.evaluate("() => document.querySelectorAll('figure.spark').length")
-                fig["cards_receiving_state"] = page.evaluate("() => window.__robobus.watched ? "
-                                                             "window.__robobus.watched() : null")
+                fig["states_received"] = page.evaluate("() => window.__robobus.watched ? "
+                                                       "window.__robobus.watched() : null")
                 views[f"{view}{', fps probe on' if probe else ''}"] = fig
     # fps from the windows with the probe; the CPU target from the windows without it (the page as it runs
     # on a wall screen), the probe's windows reported beside
