@@ -184,6 +184,7 @@ class DeviceView {
     this.dirty = true;
     if (!this.perState) later(this, `${root}/${this.key}/state/#`, on);
   }
+
   healthClass() {
     if (this.nodeView.online === false) return ["offline", "OFFLINE", "off"];
     const h = this.health;
