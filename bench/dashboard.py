@@ -1,8 +1,10 @@
 """Benchmark: the browser dashboard under `make run`'s full simulated stack.
 
-The stack of the tests (tests/dashboard/stack.py: mosquitto with websockets, ethercat-loop on the
-model backend with joints at their 100 Hz state rate, can-bootloader on simulated boards, two simulated
-e-puck2 robots at 50 Hz sensors and 10 fps camera, epuck-gateway, `robobus dashboard`) and the page in
+The stack of the tests (tests/dashboard/stack.py, as `make run`: mosquitto with websockets, ethercat-loop on
+the model backend with joints at their 100 Hz state rate, can-bootloader on simulated boards, three simulated
+e-puck2 robots (two on TCP with 50 Hz sensors and 10 fps camera, one on a serial pty), epuck-gateway,
+roi-modules on three simulated modules, dexter-gateway on a simulated arm, `robobus dashboard`; `--stack
+three`: only the hand, the two TCP e-pucks and the CAN boards, the stack of the first figures) and the page in
 Debian's headless chromium (1920x1080, software rendering: --disable-gpu). Measured over a window, for
 two views: the top of the page (the overview and the first device cards), and the hand's card in view
 (its joint charts drawing):
@@ -14,6 +16,10 @@ Targets (issue #15): >= 30 fps and <= 25 % of one core in the browser. Last line
 
     python bench/dashboard.py            # 30 s per view
     python bench/dashboard.py --quick    # 10 s per view
+    python bench/dashboard.py --quick --stack three
+
+The page receives the states on screen only, so a view's figures depend on what is in it: the JSON result
+lists, per view, the state topics the page had subscribed (`states_received`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.dashboard.stack import browser, browser_missing, measure_page, sim_stack  # noqa: E402
+from tests.dashboard.stack import (  # noqa: E402
+    NODES,
+    NODES_EARLIER,
+    browser,
+    browser_missing,
+    measure_page,
+    sim_stack,
+)
 
 TARGET_FPS = 30.0
 TARGET_BROWSER_CPU_PCT = 25.0
@@ -48,7 +61,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="measured window per view")
     ap.add_argument("--warmup", type=float, default=8.0, help="seconds after every node is on the page")
     ap.add_argument("--quick", action="store_true", help="10 s per view")
+    ap.add_argument("--stack", choices=["make-run", "three"], default="make-run",
+                    help="make-run: all five services as `make run` starts them (default); three: the hand, two "
+                         "e-pucks and the CAN boards, the stack of the first figures (to compare with them)")
     a = ap.parse_args()
+    nodes = NODES if a.stack == "make-run" else NODES_EARLIER
     seconds = 10.0 if a.quick else a.seconds
     why = browser_missing()
     if why:
@@ -56,14 +73,18 @@ def main() -> None:
         print(json.dumps({"skipped": why}))
         return
     views: dict[str, dict[str, Any]] = {}
-    with sim_stack() as (stack, _client), browser(1920, 1080) as ctx:
+    with sim_stack(nodes=nodes) as (stack, _client), browser(1920, 1080) as ctx:
         page = ctx.new_page()
         page.goto(f"{stack.dashboard_url}?broker={stack.broker.ws_url}")
         page.wait_for_selector("#conn[data-state=connected]", timeout=30_000)
-        for node in ("can-bootloader", "epuck-gateway", "ethercat-loop"):
+        for node in nodes:
             page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=60_000)
-        page.wait_for_selector("article[data-device='epuck2'] canvas.image[data-width]", state="attached",
-                               timeout=60_000)
+        # every camera has drawn (each card on screen once: the page receives the states of cards on screen)
+        for dev in ("epuck1", "epuck2"):
+            page.locator(f"article[data-device='{dev}']").evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.wait_for_selector(f"article[data-device='{dev}'] canvas.image[data-width]", state="attached",
+                                   timeout=60_000)
+        page.evaluate("() => document.querySelector('main').scrollTo(0, 0)")
         time.sleep(a.warmup)
         for view, target in VIEWS:
             if target:
@@ -78,6 +99,8 @@ def main() -> None:
                 fig["host_busy_cores_incl_browser"] = round(host, 2)
                 fig["host_loadavg_1m"] = round(os.getloadavg()[0], 2)
                 fig["charts_on_page"] = page.evaluate("() => document.querySelectorAll('figure.spark').length")
+                fig["states_received"] = page.evaluate("() => window.__robobus.watched ? "
+                                                       "window.__robobus.watched() : null")
                 views[f"{view}{', fps probe on' if probe else ''}"] = fig
     # fps from the windows with the probe; the CPU target from the windows without it (the page as it runs
     # on a wall screen), the probe's windows reported beside
@@ -95,7 +118,7 @@ def main() -> None:
     print(f"worst fps {worst_fps:.1f} (target >= {TARGET_FPS:.0f}: ratio {worst_fps / TARGET_FPS:.2f}); "
           f"worst browser CPU {worst_cpu:.1f} % (target <= {TARGET_BROWSER_CPU_PCT:.0f} %: ratio "
           f"{worst_cpu / TARGET_BROWSER_CPU_PCT:.2f})")
-    result = {"views": views, "seconds_per_view": seconds,
+    result = {"stack": a.stack, "nodes": nodes, "views": views, "seconds_per_view": seconds,
               "fps_ratio_to_target": round(worst_fps / TARGET_FPS, 2),
               "browser_cpu_ratio_to_target": round(worst_cpu / TARGET_BROWSER_CPU_PCT, 2),
               "targets": {"fps_ge_30": worst_fps >= TARGET_FPS,

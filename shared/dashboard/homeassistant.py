@@ -7,6 +7,14 @@ and message, and sensors for chosen numeric state fields, all with availability 
 topic (its Last Will turns them unavailable). Everything is re-published when Home Assistant announces
 itself on `{prefix}/status` ("online"), as Home Assistant asks integrations to do after it restarts.
 
+A device gone for good has its configs removed the way Home Assistant's discovery asks: an empty retained
+payload on each of its config topics (Home Assistant deletes the entity, the broker the retained config).
+Gone for good means: its node comes online with a device list without it (it left the node's contract), its
+retained health is cleared, or its node's retained status is cleared (the node is decommissioned). A node
+that is merely offline (Last Will, shutdown) keeps its entities, unavailable. The process also reads back the
+retained configs under its own node ids, so configs left by an earlier run for a device that is gone are
+removed too.
+
 Which state fields become sensors comes from the AsyncAPI document: by default every top-level numeric
 field of every JSON state (not `ts`/`seq`); ROBOBUS_HOMEASSISTANT_FIELDS picks others, e.g.
 `["ethercat-loop/joints/joints.FFJ3.position", "epuck-gateway/sensors/battery_v"]` (a segment after an
@@ -216,21 +224,116 @@ class Discovery:
         self.health: dict[tuple[str, str], dict[str, Any]] = {}
         self.sent: dict[tuple[str, str], str] = {}  # device -> service/version its configs were made for
         self.published = 0
+        self.removed = 0
         self.rounds = 0
         self.bad = 0
+        self.node_devices: dict[str, set[str]] = {}  # node -> devices of its last online status
+        self.topics: dict[tuple[str, str], set[str]] = {}  # device -> config topics it has on the broker
+        self.current: dict[tuple[str, str], set[str]] = {}  # device -> config topics of its last publication
+        self._node_id_prefix = _slug(f"robobus_{self.root}_")
         self._lock = threading.Lock()
 
     def start(self) -> None:
+        self.session.subscribe(f"{self.root}/+/status", self._on_status)
         self.session.subscribe(f"{self.root}/+/+/health", self._on_health)
+        # our own retained configs, including an earlier run's: what a removal has to clear
+        self.session.subscribe(f"{self.prefix}/+/+/+/config", self._on_config)
         self.session.subscribe(f"{self.prefix}/status", self._on_ha_status)
         self.session.start()
 
     def stop(self) -> None:
         self.session.stop()
 
+    def _on_status(self, msg: mqtt.MQTTMessage) -> None:
+        parts = msg.topic[len(self.root) + 1:].split("/")
+        if len(parts) != 2:
+            return
+        node = parts[0]
+        if not msg.payload:  # the retained status cleared: the node is gone for good
+            with self._lock:
+                self.node_devices.pop(node, None)
+                gone = [k for k in self._known() if k[0] == node]
+            for key in gone:
+                self.remove_device(*key, why="its node's status was cleared")
+            return
+        try:
+            status = json.loads(msg.payload)
+            devices = status["devices"] if status.get("online") else None
+            if devices is not None and not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
+                raise ValueError("devices is not a list of names")
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            self.bad += 1
+            log.warning("ignoring status on %s: %s (%d bad so far)", msg.topic, exc, self.bad)
+            return
+        if devices is None:  # offline: its entities turn unavailable through availability, and stay
+            return
+        with self._lock:
+            self.node_devices[node] = set(devices)
+            gone = [k for k in self._known() if k[0] == node and k[1] not in devices]
+        for key in gone:
+            self.remove_device(*key, why="no longer in its node's device list")
+
+    def _known(self) -> set[tuple[str, str]]:
+        """Every device with health seen or configs on the broker (under the lock)."""
+        return set(self.health) | {k for k, t in self.topics.items() if t}
+
+    def _listed(self, node: str, device: str) -> bool:
+        """False when the node's last online status leaves the device out (under the lock)."""
+        listed = self.node_devices.get(node)
+        return listed is None or device in listed
+
+    def _on_config(self, msg: mqtt.MQTTMessage) -> None:
+        parts = msg.topic.split("/")
+        if len(parts) != 5 or not parts[2].startswith(self._node_id_prefix):
+            return  # another integration's entity
+        if not msg.payload:
+            with self._lock:
+                for topics in self.topics.values():
+                    topics.discard(msg.topic)
+            return
+        try:
+            cfg = json.loads(msg.payload)
+            where = str(cfg["state_topic"])[len(self.root) + 1:].split("/")
+            if not str(cfg["state_topic"]).startswith(f"{self.root}/") or len(where) < 3:
+                raise ValueError(f"state_topic {cfg['state_topic']!r} is not a device's")
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("ignoring discovery config on %s: %s", msg.topic, exc)
+            return
+        key = (where[0], where[1])
+        with self._lock:
+            current = self.current.get(key)
+            if current is not None and msg.topic not in current:
+                outdated = True  # an entity this run no longer makes for a device it has published
+            else:
+                outdated = False
+                self.topics.setdefault(key, set()).add(msg.topic)
+            stale = not self._listed(*key) and key not in self.health
+        if outdated:
+            self.session.publish(msg.topic, b"", qos=1, retain=True)
+            self.removed += 1
+        elif stale:  # an earlier run's config for a device that has left its node
+            self.remove_device(*key, why="no longer in its node's device list")
+
+    def remove_device(self, node: str, device: str, why: str) -> int:
+        """Delete a device's entities from Home Assistant: an empty retained payload on each config topic."""
+        with self._lock:
+            self.health.pop((node, device), None)
+            self.sent.pop((node, device), None)
+            self.current.pop((node, device), None)
+            topics = sorted(self.topics.pop((node, device), set()))
+        for topic in topics:
+            self.session.publish(topic, b"", qos=1, retain=True)
+        self.removed += len(topics)
+        if topics:
+            log.info("discovery: removed %d entities of %s/%s (%s)", len(topics), node, device, why)
+        return len(topics)
+
     def _on_health(self, msg: mqtt.MQTTMessage) -> None:
         parts = msg.topic[len(self.root) + 1:].split("/")
-        if len(parts) != 3 or not msg.payload:
+        if len(parts) != 3:
+            return
+        if not msg.payload:  # the retained health cleared: the device is gone for good
+            self.remove_device(parts[0], parts[1], why="its health was cleared")
             return
         try:
             health = json.loads(msg.payload)
@@ -241,6 +344,11 @@ class Discovery:
             log.warning("ignoring health on %s: %s (%d bad so far)", msg.topic, exc, self.bad)
             return
         key = (parts[0], parts[1])
+        with self._lock:
+            listed = self._listed(*key)
+        if not listed:  # a stale retained health of a device its node no longer has
+            self.remove_device(*key, why="no longer in its node's device list")
+            return
         with self._lock:
             self.health[key] = health
             ident = f"{health.get('service')}/{health.get('version')}"
@@ -256,11 +364,23 @@ class Discovery:
 
     def publish_device(self, node: str, device: str) -> int:
         with self._lock:
-            health = self.health[(node, device)]
+            health = self.health.get((node, device))
+        if health is None:  # removed meanwhile
+            return 0
         entities, problems = device_entities(self.root, self.prefix, node, device, health, self.catalog,
                                              self.settings.homeassistant_fields, self.version)
         for p in problems:
             log.warning("homeassistant field skipped: %s", p)
+        made = {e.topic for e in entities}
+        with self._lock:
+            known = self.topics.setdefault((node, device), set())
+            dropped = sorted(known - made)  # entities of an earlier field setting or version
+            known.clear()
+            known.update(made)
+            self.current[(node, device)] = made
+        for topic in dropped:
+            self.session.publish(topic, b"", qos=1, retain=True)
+        self.removed += len(dropped)
         for e in entities:
             self.session.publish(e.topic, json.dumps(e.config), qos=1, retain=True)
         self.published += len(entities)

@@ -2,7 +2,8 @@
 
 A mosquitto with an MQTT and a websockets listener (optionally with a password file), the services on
 their simulators exactly as deploy/Procfile.sim starts them (ethercat-loop on the model backend,
-can-bootloader with ROBOBUS_CAN_SIM=true, two simulated e-puck2 robots and epuck-gateway), and
+can-bootloader with ROBOBUS_CAN_SIM=true, two simulated e-puck2 robots on TCP and one on a serial pty with
+epuck-gateway, three simulated ROI modules with roi-modules, a simulated Dexter with dexter-gateway), and
 `robobus dashboard` serving the page. Headless Debian chromium, driven by Python playwright."""
 
 from __future__ import annotations
@@ -171,10 +172,38 @@ class SimStack:
         self.procs[name] = Proc(name, p, log)
         return self.procs[name]
 
-    def start_services(self) -> None:
+    def start_services(self, nodes: list[str]) -> None:
+        if nodes == NODES_EARLIER:
+            return self._start_earlier()
+        base = free_ports(2, consecutive=True)[0]
+        robots: list[dict[str, Any]] = [{"id": f"epuck{i + 1}", "host": "127.0.0.1", "port": base + i}
+                                        for i in range(2)]
+        link = self.workdir / "epuck-serial"
+        robots.append({"id": "epuck3", "transport": "serial", "port": f"{link}1"})
+        dexter_port = free_ports(1)[0]
+        prefix = roi_prefix()
+        # The same commands and settings as deploy/Procfile.sim (ports and the ROI network chosen free).
+        self.spawn("ethercat-loop", ["-m", "services.ethercat_loop"], {"ROBOBUS_ETHERCAT_BACKEND": "model"})
+        self.spawn("epuck-sim", ["-m", "services.epuck_gateway.sim", "--count", "2", "--base-port", str(base)])
+        self.spawn("epuck-serial-sim", ["-m", "services.epuck_gateway.sim_serial", "--count", "1", "--link", str(link)])
+        assert wait_for(lambda: Path(f"{link}1").exists(), 20), self.procs["epuck-serial-sim"].text()
+        self.spawn("epuck-gateway", ["-m", "services.epuck_gateway"], {"ROBOBUS_EPUCK_ROBOTS": json.dumps(robots)})
+        self.spawn("can-bootloader", ["-m", "services.can_bootloader"],
+                   {"ROBOBUS_CAN_SIM": "true", "ROBOBUS_CAN_SIM_ERASE_S": "0.05"})
+        self.spawn("roi-sim", ["-m", "services.roi_modules.sim", "--prefix", prefix, "--modules",
+                               ",".join(f"{kind}:{octet}" for _, octet, kind in ROI_MODULES)])
+        self.spawn("roi-modules", ["-m", "services.roi_modules"], {
+            "ROBOBUS_ROI_NETWORK": prefix, "ROBOBUS_ROI_HOST_OCTET": "100",
+            "ROBOBUS_ROI_MODULES": json.dumps([{"name": n, "octet": o, "type": k} for n, o, k in ROI_MODULES])})
+        self.spawn("dexter-sim", ["-m", "services.dexter_gateway.sim", "--port", str(dexter_port)])
+        assert wait_for(lambda: _listening(dexter_port), 20), self.procs["dexter-sim"].text()
+        self.spawn("dexter-gateway", ["-m", "services.dexter_gateway"], {
+            "ROBOBUS_DEXTER_ARMS": json.dumps([{"id": "dexter1", "host": "127.0.0.1", "port": dexter_port}])})
+
+    def _start_earlier(self) -> None:
+        """The three services the dashboard was first measured with (bench/dashboard.py --stack three)."""
         base = free_ports(2, consecutive=True)[0]
         robots = [{"id": f"epuck{i + 1}", "host": "127.0.0.1", "port": base + i} for i in range(2)]
-        # The same commands and settings as deploy/Procfile.sim.
         self.spawn("ethercat-loop", ["-m", "services.ethercat_loop"], {"ROBOBUS_ETHERCAT_BACKEND": "model"})
         self.spawn("epuck-sim", ["-m", "services.epuck_gateway.sim", "--count", "2", "--base-port", str(base)])
         self.spawn("epuck-gateway", ["-m", "services.epuck_gateway"], {"ROBOBUS_EPUCK_ROBOTS": json.dumps(robots)})
@@ -191,7 +220,10 @@ class SimStack:
     def wait_online(self, client: RpcClient, nodes: list[str], timeout: float = 60) -> None:
         def online() -> bool:
             seen = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect("robobus/+/status", 0.3)}
-            return all(seen.get(n, {}).get("online") for n in nodes)
+            if not all(seen.get(n, {}).get("online") for n in nodes):
+                return False
+            healths = {tuple(t.split("/")[1:3]) for t, p, _ in client.collect("robobus/+/+/health", 0.3) if p}
+            return all((n, d) in healths for n in nodes for d in seen[n].get("devices", []) if d != "_node")
 
         assert wait_for(online, timeout, 0.5), {n: p.text() for n, p in self.procs.items() if not p.alive()}
 
@@ -216,13 +248,44 @@ class SimStack:
                 p.popen.wait(5)
 
 
-NODES = ["can-bootloader", "epuck-gateway", "ethercat-loop"]
-DEVICES = {"can-bootloader": ["motors"], "epuck-gateway": ["epuck1", "epuck2"], "ethercat-loop": ["rh"]}
+ROI_MODULES = [("roi_io", 10, "gpio"), ("roi_wheel", 20, "odrive"), ("roi_arm", 30, "actuator")]
+ROI_PORTS = (57344, 57664)
+
+
+def roi_prefix() -> str:
+    """A loopback /24 of this run's own for the ROI simulator (its ports are fixed by the protocol): derived
+    from the pid in a range the roi-modules tests do not use (127.200-249), the first whose ports are free."""
+    for n in range(64):
+        pid = os.getpid() + n
+        prefix = f"127.{150 + pid % 50}.{(pid // 50) % 250 + 1}"
+        if all(_udp_free(f"{prefix}.{octet}", port) for _, octet, _ in ROI_MODULES for port in ROI_PORTS):
+            return prefix
+    raise RuntimeError("no free loopback network for the ROI simulator")
+
+
+def _udp_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+# `make run`'s whole stack: every service on its simulator (deploy/Procfile.sim)
+NODES = ["can-bootloader", "dexter-gateway", "epuck-gateway", "ethercat-loop", "roi-modules"]
+DEVICES = {"can-bootloader": ["motors"], "dexter-gateway": ["dexter1"], "epuck-gateway": ["epuck1", "epuck2", "epuck3"],
+           "ethercat-loop": ["rh"], "roi-modules": ["roi_arm", "roi_io", "roi_wheel"]}
+# the stack of the dashboard's first benchmark figures: the hand, two e-pucks on TCP, the CAN boards
+NODES_EARLIER = ["can-bootloader", "epuck-gateway", "ethercat-loop"]
 
 
 @contextlib.contextmanager
-def sim_stack(users: dict[str, str] | None = None) -> Iterator[tuple[SimStack, RpcClient]]:
-    """Broker + every service on its simulator + the dashboard; yields the stack and a connected client."""
+def sim_stack(users: dict[str, str] | None = None, nodes: list[str] | None = None
+              ) -> Iterator[tuple[SimStack, RpcClient]]:
+    """Broker + every service on its simulator (`nodes`: NODES, or NODES_EARLIER) + the dashboard; yields the
+    stack and a connected client once every node is online and every device has published its health."""
+    nodes = nodes or NODES
     with tempfile.TemporaryDirectory(prefix="robobus-dash-") as d:
         broker = WsBroker(Path(d), users)
         broker.start()
@@ -231,9 +294,9 @@ def sim_stack(users: dict[str, str] | None = None) -> Iterator[tuple[SimStack, R
         client = RpcClient(KitSettings(mqtt_url=broker.url(user)), name="dash-test")
         try:
             client.connect()
-            stack.start_services()
+            stack.start_services(nodes)
             stack.start_dashboard()
-            stack.wait_online(client, NODES)
+            stack.wait_online(client, nodes)
             yield stack, client
         finally:
             client.close()

@@ -65,6 +65,13 @@ def open_command(page: Any, node: str, device: str, command: str) -> Any:
     return cmd
 
 
+def on_screen(page: Any, node: str, device: str) -> None:
+    """Scroll a device's card to the top of the view: the page receives and draws the states of the cards on
+    screen only."""
+    card(page, node, device).wait_for(state="attached", timeout=T)
+    card(page, node, device).evaluate("e => e.scrollIntoView({block: 'start'})")
+
+
 def shoot(page: Any, name: str, target: Any | None = None) -> None:
     """The window as a person sees it, with `target` scrolled to the top."""
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -76,13 +83,28 @@ def shoot(page: Any, name: str, target: Any | None = None) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"))
 
 
-def test_lists_every_online_node_and_device(page: Any) -> None:
+def expected_health(h: dict[str, Any]) -> str:
+    """The page's word for a health message (OK, ERROR / NOT CONNECTED, NOT OPERATIONAL) as a data-health."""
+    if h["error"] or not h["connection"]:
+        return "error"
+    return "ok" if h["operational"] else "warn"
+
+
+def test_lists_every_online_node_and_device(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """Every node of `make run` online, every device of each with the health its service reports (ROI modules
+    start in their blank state, NOT OPERATIONAL until configured: the page says so)."""
+    _, client = stack
+    healths = {tuple(t.split("/")[1:3]): json.loads(p) for t, p, _ in client.collect("robobus/+/+/health", 1.0) if p}
     for node in NODES:
         page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
         for dev in DEVICES[node]:
-            page.wait_for_selector(f"tr.node[data-node='{node}'] .chip[data-device='{dev}'][data-health=ok]", timeout=T)
-            page.wait_for_selector(f"article.device[data-node='{node}'][data-device='{dev}'][data-health=ok]",
+            want = expected_health(healths[(node, dev)])
+            page.wait_for_selector(f"tr.node[data-node='{node}'] .chip[data-device='{dev}'][data-health={want}]",
                                    timeout=T)
+            page.wait_for_selector(f"article.device[data-node='{node}'][data-device='{dev}'][data-health={want}]",
+                                   timeout=T)
+    assert page.locator("article.device").count() == sum(len(d) for d in DEVICES.values())
+    assert page.locator("tr.node").count() == len(NODES)
     # status words, not colour alone
     assert "online" in page.locator("tr.node[data-node='ethercat-loop'] td.status").inner_text()
     assert "OK" in card(page, "epuck-gateway", "epuck1").locator("header .badge").inner_text()
@@ -119,15 +141,18 @@ def _samples(page: Any, key: list[str]) -> int:
 def test_charts_receive_values(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
     _, client = stack
     hand = ["ethercat-loop", "rh", "joints", "joints.FFJ3.position"]
+    on_screen(page, "ethercat-loop", "rh")
     page.wait_for_selector("article.device[data-device='rh'] details.state[data-state='joints'] "
                            "figure.spark[data-path='joints.FFJ3.position']", state="attached", timeout=T)
     # integer fields chart once they change: drive the robot so its step counters move
     assert client.call("epuck-gateway", "epuck1", "set_speed", {"left": 400, "right": 300}).ok
+    on_screen(page, "epuck-gateway", "epuck1")
     steps_fig = page.locator("article.device[data-device='epuck1'] details.state[data-state='sensors'] "
                              "figure.spark[data-path^='steps']").first
     steps_fig.wait_for(state="attached", timeout=T)
     steps = ["epuck-gateway", "epuck1", "sensors", str(steps_fig.get_attribute("data-path"))]
     for key in (hand, steps):
+        on_screen(page, key[0], key[1])
         first = _samples(page, key)
         assert first >= 0, key
         page.wait_for_function(f"n => ({SAMPLES_JS})({json.dumps(key)}) > n + 10", arg=first, timeout=T)
@@ -140,7 +165,40 @@ def test_charts_receive_values(page: Any, stack: tuple[SimStack, RpcClient]) -> 
     shoot(page, "hand-joints", card(page, "ethercat-loop", "rh"))
 
 
+def test_states_off_screen_are_unsubscribed(page: Any) -> None:
+    """A card out of view has its state topics unsubscribed (its samples stop), and subscribed again when it
+    scrolls back in (they resume); a folded state is unsubscribed too: the browser does not receive what it
+    does not show."""
+    hand = ["ethercat-loop", "rh", "joints", "joints.FFJ3.position"]
+    on_screen(page, "ethercat-loop", "rh")
+    page.wait_for_function(f"() => ({SAMPLES_JS})({json.dumps(hand)}) > 0", timeout=T)
+    # the last card in the page's order: the hand's card is then far out of view
+    last = page.locator("article.device").last
+    last.evaluate("e => e.scrollIntoView({block: 'end'})")
+    watched = "k => window.__robobus.watched().some(f => f.startsWith(`robobus/${k}/state/`))"
+    page.wait_for_function(f"() => !({watched})('ethercat-loop/rh')", timeout=T)
+    # nothing in flight any more: two reads a parse tick apart agree (what was sent before the UNSUBACK
+    # has arrived once the samples stand still)
+    page.wait_for_function(f"""() => new Promise(r => {{ const a = ({SAMPLES_JS})({json.dumps(hand)});
+        setTimeout(() => r(({SAMPLES_JS})({json.dumps(hand)}) === a), 600); }})""", timeout=T)
+    stopped = _samples(page, hand)
+    page.wait_for_timeout(1500)  # at 100 Hz, a state still subscribed would add 10+ samples here
+    assert _samples(page, hand) == stopped
+    on_screen(page, "ethercat-loop", "rh")
+    page.wait_for_function(f"() => ({watched})('ethercat-loop/rh')", timeout=T)
+    page.wait_for_function(f"n => ({SAMPLES_JS})({json.dumps(hand)}) > n + 5", arg=stopped, timeout=T)
+    # each state of the document its own subscription: folding the joints drops theirs, unfolding takes it again
+    joints = card(page, "ethercat-loop", "rh").locator("details.state[data-state='joints']")
+    has = "f => window.__robobus.watched().includes(f)"
+    topic = "robobus/ethercat-loop/rh/state/joints"
+    joints.evaluate("e => { e.open = false; }")
+    page.wait_for_function(f"f => !({has})(f)", arg=topic, timeout=T)
+    joints.evaluate("e => { e.open = true; }")
+    page.wait_for_function(f"f => ({has})(f)", arg=topic, timeout=T)
+
+
 def test_camera_image_updates(page: Any) -> None:
+    on_screen(page, "epuck-gateway", "epuck2")
     img = card(page, "epuck-gateway", "epuck2").locator("details.state[data-state='image'] canvas.image")
     img.wait_for(timeout=T)
     img.scroll_into_view_if_needed()
@@ -240,9 +298,14 @@ def test_cancel_button_cancels_a_running_job(page: Any) -> None:
 def test_garbage_on_the_bus_is_counted_not_fatal(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
     _, client = stack
     before = int(page.evaluate("() => window.__robobusPerf.bad"))
-    # a state no one else publishes: a garbage `link` could be superseded by the next real one within the
-    # page's 100 ms parse tick (the newest wins) and never be looked at
-    client.session.publish("robobus/epuck-gateway/epuck1/state/garbage", b"\xff{not json", qos=1)
+    on_screen(page, "epuck-gateway", "epuck1")  # its states are subscribed while they are on screen
+    page.wait_for_function("() => window.__robobus.watched().includes('robobus/epuck-gateway/epuck1/state/link')",
+                           timeout=T)
+    # `link` comes once a second: garbage there is the newest message of the page's 100 ms parse tick (the
+    # newest wins) at least once in three tries
+    for _ in range(3):
+        client.session.publish("robobus/epuck-gateway/epuck1/state/link", b"\xff{not json", qos=1)
+        time.sleep(0.3)
     client.session.publish("robobus/epuck-gateway/epuck1/event/fault", b"[1, 2", qos=1)
     page.wait_for_function("n => window.__robobusPerf.bad >= n + 2", arg=before, timeout=T)
     page.wait_for_selector("#event-log li.fault:has-text('bad message')", state="attached", timeout=T)

@@ -194,3 +194,97 @@ def test_process_publishes_republishes_and_tracks_availability(broker_session: B
     text = out.decode()
     assert ha.returncode == 0, text
     assert "ignoring health" in text
+
+
+def _health(service: str = "epuck-gateway") -> bytes:
+    return json.dumps({"service": service, "version": "1.0", "connection": True, "operational": True,
+                       "error": False, "state": "streaming", "error_message": "", "details": {},
+                       "ts": time.time()}).encode()
+
+
+def _status(devices: list[str] | None) -> bytes:
+    if devices is None:
+        return json.dumps({"online": False, "reason": "connection lost", "ts": time.time()}).encode()
+    return json.dumps({"online": True, "service": "epuck-gateway", "devices": devices, "ts": time.time()}).encode()
+
+
+def test_configs_of_vanished_devices_are_removed(broker_session: Broker, client: RpcClient) -> None:
+    """Home Assistant's rule: an empty retained payload on a config topic deletes the entity. A device that
+    leaves its node's device list, whose health is cleared, or whose node's status is cleared, has every
+    config removed, also when that happened while the discovery process was not running; a node merely
+    offline keeps its entities."""
+    from shared.dashboard.homeassistant import Discovery, HomeAssistantSettings
+
+    tag = f"{os.getpid()}x{time.monotonic_ns() % 100000}"
+    root, prefix, node = f"hadel{tag}", f"hadelp{tag}", "gw"
+    latest: dict[str, bytes] = {}
+    lock = __import__("threading").Lock()
+
+    def on(msg: Any) -> None:
+        with lock:
+            latest[msg.topic] = bytes(msg.payload)
+
+    client.subscribe_before(f"{prefix}/#", on)
+
+    def live(device: str) -> set[str]:
+        """The config topics of `device` whose last payload is a config (not a removal)."""
+        ident = f"robobus_{root}_{node}_{device}"
+        with lock:
+            return {t for t, p in latest.items()
+                    if t.endswith("/config") and p and json.loads(p)["device"]["identifiers"] == [ident]}
+
+    def removed(topics: set[str]) -> bool:
+        with lock:
+            return all(latest.get(t) == b"" for t in topics)
+
+    def pub(topic: str, payload: bytes) -> None:
+        client.session.publish(f"{root}/{topic}", payload, qos=1, retain=True)
+
+    settings = HomeAssistantSettings(mqtt_url=broker_session.url, topic_root=root, homeassistant_prefix=prefix)
+    doc = build_document()
+    pub(f"{node}/status", _status(["e1", "e2", "e3"]))
+    for dev in ("e1", "e2", "e3"):
+        pub(f"{node}/{dev}/health", _health())
+    d1 = Discovery(settings, doc, __version__)
+    d1.start()
+    try:
+        assert wait_for(lambda: all(len(live(d)) >= 6 for d in ("e1", "e2", "e3")), 30), latest.keys()
+        made = {d: live(d) for d in ("e1", "e2", "e3")}
+        # e3 leaves the node's contract: its node comes online without it
+        pub(f"{node}/status", _status(["e1", "e2"]))
+        assert wait_for(lambda: removed(made["e3"]), 15), made["e3"]
+        # e2's retained health is cleared (the operator decommissions it)
+        pub(f"{node}/e2/health", b"")
+        assert wait_for(lambda: removed(made["e2"]), 15)
+        assert live("e1") == made["e1"]
+        # the empty payloads were retained: the broker no longer holds these configs
+        retained = {t for t, p, r in client.collect(f"{prefix}/+/+/+/config", 1.0) if r and p}
+        assert retained >= made["e1"] and not retained & (made["e2"] | made["e3"])
+    finally:
+        d1.stop()
+    # e1 vanishes while no discovery process runs (its stale retained health stays); the next run removes it
+    pub(f"{node}/status", _status([]))
+    d2 = Discovery(settings, doc, __version__)
+    d2.start()
+    try:
+        assert wait_for(lambda: removed(made["e1"]), 15), made["e1"]
+        # a node merely offline keeps its entities (unavailable); a cleared status removes them
+        pub(f"{node}/status", _status(["e4"]))
+        pub(f"{node}/e4/health", _health())
+        assert wait_for(lambda: len(live("e4")) >= 6, 15)
+        e4 = live("e4")
+        pub(f"{node}/status", _status(None))
+        rounds = d2.rounds
+        client.session.publish(f"{prefix}/status", "online", qos=1)  # something observable after the offline
+        assert wait_for(lambda: d2.rounds > rounds, 15)
+        assert live("e4") == e4
+        pub(f"{node}/status", b"")
+        assert wait_for(lambda: removed(e4), 15), e4
+        assert d2.removed >= len(e4) + len(made["e1"])
+    finally:
+        d2.stop()
+        for t in list(latest):
+            client.session.publish(t, b"", qos=1, retain=True)
+        for dev in ("e1", "e2", "e3", "e4"):
+            pub(f"{node}/{dev}/health", b"")
+        pub(f"{node}/status", b"")

@@ -15,6 +15,7 @@ const CHART_EVERY_MS = 500;  // sparklines
 const CHARTS_PER_STATE = 32;
 const VALUES_PER_STATE = 40;
 const LOG_LINES = 300;
+const UNWATCH_AFTER_MS = 2000; // a state off screen this long is unsubscribed
 const NOT_CHARTED = /(^|\.)(ts|seq|session|cycle)$|raw/i;
 const TIME_FIELD = /(^|\.|_)ts$/;
 
@@ -45,7 +46,7 @@ let contract = null;
 let bus = null;
 let root = "robobus";
 const nodes = new Map();
-window.__robobus = { nodes };
+window.__robobus = { nodes, watched: () => (bus ? [...bus.watched] : []) };
 
 function since(ms) {
   const s = Math.max(0, (Date.now() - ms) / 1000);
@@ -165,8 +166,23 @@ class DeviceView {
       el("details", { class: "health-details" }, el("summary", { text: "health details" }), this.detailsPre),
       this.statesBox, this.jobsBox, this.commandsBox);
     insertSorted($("#devices"), this.card, key, "key");
+    this.key = key;
+    this.visible = false; // until the observer says it is on screen
+    this.unwatchTimers = new Map();
+    this.perState = false; // true once the document's states have their sections
+    cardViews.set(this.card, this);
     observer.observe(this.card);
-    this.visible = true;
+  }
+
+  // What the page receives of a device's states follows what is on screen. For a service in the document
+  // every state has its section from the start, and each section subscribes its own topic while it is on
+  // screen and open (StateView.show); a device of a service the document does not know subscribes
+  // `state/#` while its card is on screen. Dropped a moment after leaving the view, so that scrolling past
+  // does not churn subscriptions; retained values arrive at once when it comes back. Charts show the gap.
+  setVisible(on) {
+    this.visible = on;
+    this.dirty = true;
+    if (!this.perState) later(this, `${root}/${this.key}/state/#`, on);
   }
 
   healthClass() {
@@ -191,6 +207,10 @@ class DeviceView {
     this.service = svc;
     const api = contract.services.get(svc);
     if (!api) { this.commandsBox.append(el("p", { class: "hint", text: `service ${svc} is not in this AsyncAPI document` })); return; }
+    // every state of the document gets its section now, so that each one is observed and subscribed alone
+    this.perState = true;
+    later(this, `${root}/${this.key}/state/#`, false, 0);
+    for (const name of [...api.states.keys()].sort()) this.state(name);
     $("summary", this.commandsBox).textContent = `commands (${api.commands.size})`;
     for (const [name, entry] of [...api.commands.entries()].sort()) {
       const cmd = el("details", { class: "command", "data-command": name },
@@ -281,7 +301,8 @@ class StateView {
       this.img = el("canvas", { class: "image", role: "img", "aria-label": `${dev.name} ${name}`, "data-frames": "0",
                                 width: "160", height: "120" }); // drawn 1:1, scaled by the compositor
       this.section.append(el("div", { class: "camera" }, this.img));
-      this.pendingImage = null;
+      this.pendingImage = null; // the newest JPEG received
+      this.ready = null;        // the newest decoded frame, drawn on the next tick
       this.decoding = false;
       this.frames = 0;
     } else {
@@ -298,6 +319,18 @@ class StateView {
     // binary (camera) first, then states by name
     const after = [...dev.statesBox.children].find((c) => !c.querySelector(".image") && (this.binary || c.dataset.state > name));
     dev.statesBox.insertBefore(this.section, after || null);
+    this.onScreen = false;
+    this.filter = `${root}/${dev.key}/state/${name}`;
+    if (entry) { // a state of the document: subscribed while on screen and open
+      sectionViews.set(this.section, this);
+      sectionObserver.observe(this.section);
+      this.section.addEventListener("toggle", () => this.show(this.onScreen));
+    }
+  }
+
+  show(onScreen) {
+    this.onScreen = onScreen;
+    later(this.dev, this.filter, onScreen && this.section.open);
   }
 
   onJson(data, nowMs) {
@@ -376,12 +409,13 @@ class StateView {
     }
   }
 
+  // Called in the page's drawing frame. A decoded frame is drawn here, in the same animation frame as every
+  // other change of the tick, so that two cameras and the values cost one compositor frame per tick, not one
+  // per decode; the newest JPEG is then handed to createImageBitmap (off the main thread) for the next tick.
   renderImage() {
-    if (!this.pendingImage || this.decoding) return;
-    const blob = this.pendingImage;
-    this.pendingImage = null;
-    this.decoding = true;
-    createImageBitmap(blob).then((bmp) => {
+    if (this.ready) {
+      const bmp = this.ready;
+      this.ready = null;
       if (this.img.width !== bmp.width || this.img.height !== bmp.height) {
         this.img.width = bmp.width;
         this.img.height = bmp.height;
@@ -392,6 +426,15 @@ class StateView {
       bmp.close();
       this.frames++;
       this.img.dataset.frames = String(this.frames);
+    }
+    if (!this.pendingImage || this.decoding) return;
+    const blob = this.pendingImage;
+    this.pendingImage = null;
+    this.decoding = true;
+    createImageBitmap(blob).then((bmp) => {
+      if (this.ready) this.ready.close(); // not drawn yet: the newer one wins
+      this.ready = bmp;
+      imagesPending = true; // drawn on the next tick
     }).catch((e) => {
       perf.bad++;
       this.img.dataset.error = `not an image: ${e.message}`;
@@ -504,11 +547,29 @@ function route(topic, payload, ctype, retained, nowMs) {
 }
 
 // -- drawing -----------------------------------------------------------------------------------------------
+// (Un)subscribe a state filter for a device: at once when it comes on screen, a moment after it left.
+function later(dev, filter, on, delay = UNWATCH_AFTER_MS) {
+  clearTimeout(dev.unwatchTimers.get(filter));
+  dev.unwatchTimers.delete(filter);
+  if (on || delay === 0) { bus.watch(filter, on); return; }
+  dev.unwatchTimers.set(filter, setTimeout(() => { dev.unwatchTimers.delete(filter); bus.watch(filter, false); }, delay));
+}
+
+const sectionViews = new WeakMap(); // state section element -> StateView
+const sectionObserver = new IntersectionObserver((entries) => {
+  for (const e of entries) {
+    const s = sectionViews.get(e.target);
+    if (s) s.show(e.isIntersecting);
+  }
+}, { root: document.querySelector("main") });
+
+const cardViews = new WeakMap(); // card element -> DeviceView
 const observer = new IntersectionObserver((entries) => {
   for (const e of entries) {
-    for (const n of nodes.values()) for (const d of n.devices.values()) if (d.card === e.target) d.visible = e.isIntersecting;
+    const d = cardViews.get(e.target);
+    if (d) d.setVisible(e.isIntersecting);
   }
-});
+}, { root: document.querySelector("main") });
 
 // JSON states are parsed at most once per tick (10 Hz), the newest message of each: a chart keeps one
 // sample per 100 ms anyway, so the joints' 100 Hz cost one parse in ten.
@@ -593,7 +654,15 @@ function setConn(state, detail) {
 }
 
 function resetModel() {
-  for (const n of nodes.values()) { n.row.remove(); for (const d of n.devices.values()) { observer.unobserve(d.card); d.card.remove(); } }
+  for (const n of nodes.values()) {
+    n.row.remove();
+    for (const d of n.devices.values()) {
+      for (const t of d.unwatchTimers.values()) clearTimeout(t);
+      for (const s of d.states.values()) sectionObserver.unobserve(s.section);
+      observer.unobserve(d.card);
+      d.card.remove();
+    }
+  }
   nodes.clear();
   $("#no-nodes").hidden = false;
 }

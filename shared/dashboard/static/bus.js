@@ -26,10 +26,24 @@ export class Bus {
     this.client = null;
     this.pending = new Map(); // correlation hex -> {resolve, timer}
     this.clientId = `robobus-dash-${randomId(4)}`;
+    this.watched = new Set(); // state topic filters subscribed: the states on screen
+  }
+
+  // State topics (the hand's 100 Hz joints, 50 Hz sensors, the camera) are subscribed only while they are on
+  // screen: a message nobody looks at still costs the browser its websocket frame, the IPC to the renderer
+  // and a wake-up of the page. Liveness, health and events stay subscribed for every device.
+  watch(filter, on) {
+    if (on === this.watched.has(filter)) return;
+    if (on) this.watched.add(filter); else this.watched.delete(filter);
+    const c = this.client;
+    if (!c || !c.connected) return; // subscribed on (re)connect
+    if (on) c.subscribe(filter, { qos: 0 });
+    else c.unsubscribe(filter);
   }
 
   connect({ url, username, password, root }) {
     this.close();
+    this.watched.clear();
     this.root = root;
     this.replyTopic = `${root}/_client/${this.clientId}/reply`;
     const opts = { protocolVersion: 5, clientId: this.clientId, clean: true, reconnectPeriod: 1000,
@@ -41,10 +55,12 @@ export class Bus {
     client.on("connect", () => {
       if (client !== this.client) return;
       // State at QoS 0: the newest value wins anyway, and a 100 Hz state at QoS 1 would cost a PUBACK per
-      // message from the browser. Liveness, health, events and replies at QoS 1.
+      // message from the browser. Liveness, health, events and replies at QoS 1. Device states: only those
+      // on screen (watch); the nodes' own counters (`_node/state/stats`) always.
       const subs = { [`${root}/+/status`]: { qos: 1 }, [`${root}/+/+/health`]: { qos: 1 },
-                     [`${root}/+/+/state/#`]: { qos: 0 }, [`${root}/+/+/event/#`]: { qos: 1 },
+                     [`${root}/+/_node/state/#`]: { qos: 0 }, [`${root}/+/+/event/#`]: { qos: 1 },
                      [this.replyTopic]: { qos: 1 } };
+      for (const filter of this.watched) subs[filter] = { qos: 0 };
       client.subscribe(subs, (err) => {
         if (err) this.onState("error", `subscribe failed: ${err.message}`);
         else this.onState("connected", url);
