@@ -30,12 +30,13 @@ from services.ethercat_loop.protocol import (
     EdcCommand,
     FromMotorDataType,
     FromMotorSlowDataType,
-    PalmCommand,
     PalmStatus,
     ToMotorDataType,
+    command_packer,
     flag_names,
-    pack_command,
+    pack_command_fields,
     s16,
+    status_head,
     unpack_status,
 )
 from services.ethercat_loop.snapshot import PalmMotorSnapshot, PalmSnapshot, calibrated_joints, status_fields
@@ -45,6 +46,7 @@ CONFIG_PUSH_CYCLES = len(CONFIG_TYPES) + 1
 INIT_TIMEOUT_NS = 5_000_000_000  # like the original's 5 s "Motor Initialization Timeout"
 CAN_TX_QUEUE_MAX = 4096
 CAN_RX_KEEP = 4096
+_ZERO_WORDS = (0,) * NUM_MOTORS
 
 # The current per-hand defaults (sr_hand_config/2106/rates/motor_data_polling.yaml):
 # -1 important (round robin), -2 initialisation only, >0 period in seconds.
@@ -146,8 +148,12 @@ class PalmDriver:
         self._config_steps: deque[tuple[int, dict[int, int]]] = deque(maxlen=64 * 11)
         self._can_tx: deque[CanFrame] = deque()
         self._can_rx: deque[CanRxFrame] = deque(maxlen=CAN_RX_KEEP)
-        self.last: PalmStatus | None = None
-        self.last_sensor_data: tuple[int, ...] | None = None
+        # the last valid status and the last SENSOR_DATA one, kept raw: decoded only when a snapshot asks
+        self._last_raw: bytes | None = None
+        self._last: PalmStatus | None = None
+        self._sensor_raw: bytes | None = None
+        self._packer = command_packer(protocol)
+        self._demand_kinds = (ToMotorDataType.DEMAND_PWM, ToMotorDataType.DEMAND_TORQUE)
         self.c: dict[str, int] = dict.fromkeys(
             ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
              "demands_expired", "configs_sent", "controls_sent", "resets_sent", "init_timeout",
@@ -212,54 +218,80 @@ class PalmDriver:
     def cycle(self, status: bytes | None, now_ns: int) -> bytes:
         """Decode the previous cycle's status (None: the frame was lost) and build the next command."""
         self.cycle_no += 1
-        self.c["cycles"] += 1
+        c = self.c
+        c["cycles"] += 1
         self.now_ns = now_ns
         if self.start_ns is None:
             self.start_ns = now_ns
         if status is None:
-            self.c["lost"] += 1
+            c["lost"] += 1
         else:
             self._unpack(status, now_ns)
-        return pack_command(self._pack(now_ns), self.protocol)
+        return self._pack(now_ns)
+
+    @property
+    def last(self) -> PalmStatus | None:
+        """The last valid status, decoded (on demand: the cycle itself reads only its motor block)."""
+        if self._last is None and self._last_raw is not None:
+            st = unpack_status(self._last_raw, self.protocol)
+            self._last = st if isinstance(st, PalmStatus) else None
+        return self._last
+
+    @property
+    def last_sensor_data(self) -> tuple[int, ...] | None:
+        """Sensors of the last SENSOR_DATA status (a test-mode status carries channel ids, not positions)."""
+        if self._sensor_raw is None:
+            return None
+        st = unpack_status(self._sensor_raw, self.protocol)
+        return st.sensors if isinstance(st, PalmStatus) else None
 
     def _unpack(self, buf: bytes, now_ns: int) -> None:
-        st = unpack_status(buf, self.protocol)
-        if isinstance(st, DecodeError):
+        head = status_head(buf, self.protocol)
+        if head is None:  # the full decoder says why
+            err = unpack_status(buf, self.protocol)
             self.c["decode_errors"] += 1
-            self.last_error = str(st)
+            self.last_error = str(err)
             return
-        if st.dropped:  # empty mailbox: count and skip, like the original (no halt)
+        edc, block = head
+        if edc == EdcCommand.INVALID:  # empty mailbox: count and skip, like the original (no halt)
             self.c["dropped"] += 1
             return
         self.c["statuses"] += 1
-        self.last = st
-        if st.edc_command == EdcCommand.SENSOR_DATA:
-            self.last_sensor_data = st.sensors
-        if st.edc_command == EdcCommand.CAN_DIRECT_MODE:
-            if not st.can.empty:
+        self._last_raw, self._last = buf, None
+        if edc == EdcCommand.SENSOR_DATA:
+            self._sensor_raw = buf
+        elif edc == EdcCommand.CAN_DIRECT_MODE:
+            st = self.last
+            if st is not None and not st.can.empty:
                 self.c["can_rx"] += 1
                 self._can_rx.append(CanRxFrame(st.can.can_bus, st.can.message_id, st.can.payload, self.cycle_no))
             return
-        self._motor_block(st, now_ns)
+        self._motor_block(block, now_ns)
 
-    def _motor_block(self, st: PalmStatus, now_ns: int) -> None:
-        kind = st.motor_data_type
-        for m in self.motors[st.which_motors::2]:
-            if not st.which_motor_data_arrived & (1 << m.id):
+    def _motor_block(self, block: tuple[int, ...], now_ns: int) -> None:
+        """block: motor_data_type, which_motors, arrived, had_errors, then (torque, misc) x 10."""
+        kind, which, arrived, had_errors = block[0], block[1], block[2], block[3]
+        keep_torque = kind not in (FromMotorDataType.SLOW_MISC, FromMotorDataType.READBACK_LAST_CONFIG)
+        init = self.phase == "init"
+        c = self.c
+        for m in self.motors[which::2]:
+            mid = m.id
+            if not arrived & (1 << mid):
                 m.missed += 1
-                self.c["motor_missing"] += 1
+                c["motor_missing"] += 1
                 continue
+            half = mid >> 1
             # bit motor_id/2 of had_errors, as the original reads it (reference §2.3)
-            if st.which_motor_data_had_errors & (1 << (m.id // 2)):
+            if had_errors & (1 << half):
                 m.data_errors += 1
-                self.c["motor_data_errors"] += 1
+                c["motor_data_errors"] += 1
                 continue
-            torque, misc = st.motor_data_packet[m.id // 2]
+            torque, misc = block[4 + 2 * half], block[5 + 2 * half]
             m.last_seen_ns = now_ns
-            if kind not in (FromMotorDataType.SLOW_MISC, FromMotorDataType.READBACK_LAST_CONFIG):
-                m.torque = torque  # in those two replies `torque` holds a type, not a torque
+            if keep_torque:
+                m.torque = torque  # in SLOW_MISC / READBACK replies `torque` holds a type, not a torque
             self._misc(m, kind, torque, misc)
-            if self.phase == "init":
+            if init:
                 self._note_init(m, kind, torque)
 
     def _misc(self, m: _Motor, kind: int, torque: int, misc: int) -> None:
@@ -305,7 +337,7 @@ class PalmDriver:
     def _init_pending(self) -> list[FromMotorDataType]:
         return [FromMotorDataType(t) for t, seen in self._init_seen.items() if len(seen) < NUM_MOTORS]
 
-    def _pack(self, now_ns: int) -> PalmCommand:
+    def _pack(self, now_ns: int) -> bytes:
         self.which ^= 1
         if self.phase == "init":
             pending = self._init_pending()
@@ -322,10 +354,12 @@ class PalmDriver:
                 f = self._can_tx.popleft()
                 frame = CanBridgeFrame(f.bus, len(f.data), f.sid, f.data)
                 self.c["can_tx"] += 1
-            return PalmCommand(EdcCommand.CAN_DIRECT_MODE, self.data_type, self.which, ToMotorDataType.INVALID,
-                               (0,) * NUM_MOTORS, self.tactile_data_type, 0, frame)
+            return pack_command_fields(self._packer, self.protocol, EdcCommand.CAN_DIRECT_MODE, self.data_type,
+                                       self.which, ToMotorDataType.INVALID, _ZERO_WORDS, self.tactile_data_type,
+                                       frame)
         kind, data = self._to_motors(now_ns)
-        return PalmCommand(self.edc_mode, self.data_type, self.which, kind, data, self.tactile_data_type, 0, NO_CAN)
+        return pack_command_fields(self._packer, self.protocol, self.edc_mode, self.data_type, self.which, kind, data,
+                                   self.tactile_data_type)
 
     def _to_motors(self, now_ns: int) -> tuple[int, tuple[int, ...]]:
         if self.non_demand_streak < MAX_NON_DEMAND_CYCLES:
@@ -349,21 +383,27 @@ class PalmDriver:
                     self._reset_init()
                 return kind, tuple(s16(words.get(i, 0)) for i in range(NUM_MOTORS))
         self.non_demand_streak = 0
-        for mid, v in self._fresh.items():
-            self.motors[mid].demand, self.motors[mid].demand_ns = v, now_ns
-        self._fresh.clear()
+        motors = self.motors
+        if self._fresh:
+            for mid, v in self._fresh.items():
+                motors[mid].demand, motors[mid].demand_ns = v, now_ns
+            self._fresh.clear()
         out = []
-        for m in self.motors:
+        zero = self.halted or self.nullified
+        oldest = now_ns - self.demand_timeout_ns
+        for m in motors:
             v = m.demand
-            if m.demand_ns is None or now_ns - m.demand_ns > self.demand_timeout_ns:
-                if m.demand_ns is not None:
+            t = m.demand_ns
+            if t is None or t < oldest:
+                if t is not None:
                     self.c["demands_expired"] += 1
                     m.demand, m.demand_ns = 0, None
                 v = 0
-            if self.halted or self.nullified:
+            elif zero:
                 v = 0
             m.demand_sent = v
-            out.append(v)
+            # validated demands are int16; an out-of-range word wraps on the wire as pack_command's did
+            out.append(v if -0x8000 <= v <= 0x7FFF else s16(v))
         if self.halted:
             self.c["halt_zero_cycles"] += 1
         kind = ToMotorDataType.DEMAND_TORQUE if self.mode == "torque" else ToMotorDataType.DEMAND_PWM
@@ -384,6 +424,7 @@ class PalmDriver:
         """The driver's view. `joints=False` skips the calibration (40 % of the cost): the cycle process's
         lean snapshot, whose joints the MQTT process derives from the raw statuses (`status_fields`)."""
         st = self.last or PalmStatus()
+        sensor_data = self.last_sensor_data
         motors = tuple(PalmMotorSnapshot(
             id=m.id, joint=self.cal.joint_of_motor.get(m.id), torque=m.torque, demand=m.demand,
             demand_sent=m.demand_sent, flags=m.flags, flag_names=tuple(flag_names(m.flags or 0)),
@@ -392,8 +433,7 @@ class PalmDriver:
             data_errors=m.data_errors, slow=dict(m.slow), last_config=m.last_config, can_received=m.can_received,
             can_transmitted=m.can_transmitted, can_errors=m.can_errors, terms=dict(m.terms)) for m in self.motors)
         # joints from the last SENSOR_DATA status (a test-mode status carries channel ids, not positions)
-        last_joints = calibrated_joints(self.cal, self.last_sensor_data) \
-            if joints and self.last_sensor_data is not None else ()
+        last_joints = calibrated_joints(self.cal, sensor_data) if joints and sensor_data is not None else ()
         return PalmSnapshot(
             cycle=self.cycle_no, now_ns=self.now_ns, protocol=self.protocol, phase=self.phase, mode=self.mode,
             edc_command=int(EdcCommand.CAN_DIRECT_MODE if self.can_direct else self.edc_mode),

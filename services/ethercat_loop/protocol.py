@@ -521,3 +521,43 @@ def unpack_status(buf: bytes, protocol: str = "0220") -> PalmStatus | DecodeErro
     if st.which_motors not in (0, 1):
         return DecodeError("status", f"which_motors {st.which_motors} is neither 0 nor 1")
     return st
+
+
+# ------------------------------------------------------------------ the cycle's fast path (no objects)
+# What the driver needs of every status (the motor data block and the EDC echo) and the whole command,
+# with precompiled structs and no PalmStatus / PalmCommand built per cycle: the 1 kHz cycle's CPU budget.
+# Same layouts as above (the offsets are computed from the same format prefixes), same validation.
+_MOTOR_BLOCK = struct.Struct("<IhII" + "hH" * 10)  # motor_data_type, which_motors, arrived, had_errors, packets
+_MOTOR_BLOCK_AT = {"0220": struct.calcsize("<I37H"), "0230": struct.calcsize("<I37H40HIH80HI16H")}
+_U32 = struct.Struct("<I")
+_CMD_FAST = {"0220": struct.Struct("<IIhI20hI" + "BBH8s"), "0230": struct.Struct("<IIhIII20h" + "BBH8s")}
+assert _ST_0220.format.endswith("hII" + "hH" * 10 + "IH40HH")  # the motor block follows sensors in 0220
+
+
+def status_head(buf: bytes, protocol: str = "0220") -> tuple[int, tuple[int, ...]] | None:
+    """(EDC echo, motor block: motor_data_type, which_motors, arrived, had_errors, 10 x (torque, misc))
+    of a status that `unpack_status` would accept; None when it would not (call it for the DecodeError)."""
+    info = PROTOCOLS.get(protocol)
+    if info is None or len(buf) != info.status_size or buf[info.status_struct_size + 1] > 8:
+        return None
+    edc = _U32.unpack_from(buf)[0]
+    block = _MOTOR_BLOCK.unpack_from(buf, _MOTOR_BLOCK_AT[protocol])
+    if edc > EdcCommand.CAN_DIRECT_MODE or block[0] > FromMotorDataType.DTERM or block[1] not in (0, 1):
+        return None
+    return edc, block
+
+
+def command_packer(protocol: str) -> struct.Struct:
+    """The precompiled command + CAN bridge struct; `pack_command_fields` fills it."""
+    return _CMD_FAST[protocol]
+
+
+def pack_command_fields(packer: struct.Struct, protocol: str, edc: int, from_type: int, which: int, to_type: int,
+                        motor_data: Sequence[int], tactile: int, can: CanBridgeFrame = NO_CAN,
+                        aux: int = 0) -> bytes:
+    """`pack_command(PalmCommand(...))` without the PalmCommand; motor_data already int16 (s16)."""
+    if protocol == "0220":
+        return packer.pack(edc, from_type, which, to_type, *motor_data, tactile,
+                           can.can_bus, can.message_length, can.message_id, can.data)
+    return packer.pack(edc, from_type, which, to_type, tactile, aux, *motor_data,
+                       can.can_bus, can.message_length, can.message_id, can.data)
