@@ -26,7 +26,6 @@ from services.ethercat_loop.protocol import (
     SERIOUS_ERROR_FLAGS,
     SLOW_DATA_LAST,
     CanBridgeFrame,
-    DecodeError,
     EdcCommand,
     FromMotorDataType,
     FromMotorSlowDataType,
