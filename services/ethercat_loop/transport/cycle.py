@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 import pickle
+import select
 import signal
 import struct
 import sys
@@ -153,6 +154,9 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
          events: Connection, st: _CycleState, publish: Callable[[], None], stopping: list[str]) -> None:
     cnt, h_wake, h_cpu, h_rtt = shm.counters, shm.hist["wake"], shm.hist["cpu"], shm.hist["rtt"]
     h_cmd = shm.hist["command"]
+    # one poll object for the whole run: Connection.poll(0) builds a selector per call (~15 µs a cycle)
+    ctl_poll = select.poll()
+    ctl_poll.register(ctl.fileno(), select.POLLIN)
     submitted: list[int] = []  # submit times of the commands applied this cycle
     wc = master.counters
     period = cfg.period_ns
@@ -184,7 +188,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             cnt[C["wake_ns_max"]] = lat
         # ---- control messages, then the command: a demand that arrived before the tick goes out now ----
         n = 0
-        while n < MAX_MSGS_PER_CYCLE and ctl.poll(0):
+        while n < MAX_MSGS_PER_CYCLE and ctl_poll.poll(0):  # readable, or EOF (POLLHUP)
             n += 1
             try:
                 data = ctl.recv_bytes()
