@@ -13,6 +13,7 @@ controls can never starve the motors into their 20 ms no-demand stop; queues are
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.ethercat_loop.calibration import HandCalibration
@@ -46,6 +47,25 @@ INIT_TIMEOUT_NS = 5_000_000_000  # like the original's 5 s "Motor Initialization
 CAN_TX_QUEUE_MAX = 4096
 CAN_RX_KEEP = 4096
 _ZERO_WORDS = (0,) * NUM_MOTORS
+_FOREVER = 1 << 62
+
+
+def _per_1000(v: int) -> float:
+    return v / 1000.0
+
+
+def _per_256(v: int) -> float:
+    return v / 256.0
+
+
+# the FROM_MOTOR types whose misc word sets one field (attribute, conversion); the rest: PalmDriver._misc
+_SIMPLE_MISC: dict[int, tuple[str, Callable[[int], int | float] | None]] = {
+    FromMotorDataType.SGL: ("sgl", None), FromMotorDataType.SGR: ("sgr", None), FromMotorDataType.PWM: ("pwm", s16),
+    FromMotorDataType.FLAGS: ("flags", None), FromMotorDataType.CURRENT: ("current", _per_1000),
+    FromMotorDataType.VOLTAGE: ("voltage", _per_256), FromMotorDataType.TEMPERATURE: ("temperature", _per_256),
+    FromMotorDataType.CAN_NUM_RECEIVED: ("can_received", None),
+    FromMotorDataType.CAN_NUM_TRANSMITTED: ("can_transmitted", None),
+}
 
 # The current per-hand defaults (sr_hand_config/2106/rates/motor_data_polling.yaml):
 # -1 important (round robin), -2 initialisation only, >0 period in seconds.
@@ -152,7 +172,9 @@ class PalmDriver:
         self._last: PalmStatus | None = None
         self._sensor_raw: bytes | None = None
         self._packer = command_packer(protocol)
-        self._demand_kinds = (ToMotorDataType.DEMAND_PWM, ToMotorDataType.DEMAND_TORQUE)
+        self._out: tuple[int, ...] = _ZERO_WORDS  # the demand words of the last demand cycle ...
+        self._out_until = -1  # ... valid until this CLOCK_MONOTONIC ns (the first deadman due) ...
+        self._out_zero = False  # ... computed with this halt / nullify state
         self.c: dict[str, int] = dict.fromkeys(
             ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
              "demands_expired", "configs_sent", "controls_sent", "resets_sent", "init_timeout",
@@ -204,6 +226,7 @@ class PalmDriver:
 
     def _zero_demands(self) -> None:
         self._fresh.clear()
+        self._out_until = -1  # the cached demand words are stale
         for m in self.motors:
             m.demand, m.demand_ns = 0, None
 
@@ -272,6 +295,7 @@ class PalmDriver:
         kind, which, arrived, had_errors = block[0], block[1], block[2], block[3]
         keep_torque = kind not in (FromMotorDataType.SLOW_MISC, FromMotorDataType.READBACK_LAST_CONFIG)
         init = self.phase == "init"
+        simple = _SIMPLE_MISC.get(kind)  # one field of the motor, as _misc sets it
         c = self.c
         for m in self.motors[which::2]:
             mid = m.id
@@ -289,7 +313,10 @@ class PalmDriver:
             m.last_seen_ns = now_ns
             if keep_torque:
                 m.torque = torque  # in SLOW_MISC / READBACK replies `torque` holds a type, not a torque
-            self._misc(m, kind, torque, misc)
+            if simple is None:
+                self._misc(m, kind, torque, misc)
+            else:
+                setattr(m, simple[0], misc if simple[1] is None else simple[1](misc))
             if init:
                 self._note_init(m, kind, torque)
 
@@ -382,14 +409,28 @@ class PalmDriver:
                     self._reset_init()
                 return kind, tuple(s16(words.get(i, 0)) for i in range(NUM_MOTORS))
         self.non_demand_streak = 0
+        zero = self.halted or self.nullified
+        # nothing new, no deadman due, same halt state: the words of the last demand cycle (most cycles)
+        if not self._fresh and now_ns <= self._out_until and zero == self._out_zero:
+            out = self._out
+        else:
+            out = self._demand_words(now_ns, zero)
+        if self.halted:
+            self.c["halt_zero_cycles"] += 1
+        kind = ToMotorDataType.DEMAND_TORQUE if self.mode == "torque" else ToMotorDataType.DEMAND_PWM
+        return kind, out
+
+    def _demand_words(self, now_ns: int, zero: bool) -> tuple[int, ...]:
+        """Fresh demands in, expired ones (deadman) out; the words to send, and until when they hold."""
         motors = self.motors
         if self._fresh:
             for mid, v in self._fresh.items():
                 motors[mid].demand, motors[mid].demand_ns = v, now_ns
             self._fresh.clear()
         out = []
-        zero = self.halted or self.nullified
-        oldest = now_ns - self.demand_timeout_ns
+        timeout = self.demand_timeout_ns
+        oldest = now_ns - timeout
+        until = _FOREVER
         for m in motors:
             v = m.demand
             t = m.demand_ns
@@ -398,15 +439,15 @@ class PalmDriver:
                     self.c["demands_expired"] += 1
                     m.demand, m.demand_ns = 0, None
                 v = 0
-            elif zero:
-                v = 0
+            else:
+                until = min(until, t + timeout)
+                if zero:
+                    v = 0
             m.demand_sent = v
             # validated demands are int16; an out-of-range word wraps on the wire as pack_command's did
             out.append(v if -0x8000 <= v <= 0x7FFF else s16(v))
-        if self.halted:
-            self.c["halt_zero_cycles"] += 1
-        kind = ToMotorDataType.DEMAND_TORQUE if self.mode == "torque" else ToMotorDataType.DEMAND_PWM
-        return kind, tuple(out)
+        self._out, self._out_until, self._out_zero = tuple(out), until, zero
+        return self._out
 
     # -- outputs --------------------------------------------------------------------------------------
     def take_can_rx(self) -> list[CanRxFrame]:
