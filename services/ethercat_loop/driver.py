@@ -264,7 +264,7 @@ class PalmDriver:
         """Sensors of the last SENSOR_DATA status (a test-mode status carries channel ids, not positions)."""
         if self._sensor_raw is None:
             return None
-        st = unpack_status(self._sensor_raw, self.protocol)
+        st = self.last if self._sensor_raw is self._last_raw else unpack_status(self._sensor_raw, self.protocol)
         return st.sensors if isinstance(st, PalmStatus) else None
 
     def _unpack(self, buf: bytes, now_ns: int) -> None:
@@ -455,6 +455,13 @@ class PalmDriver:
         out = list(self._can_rx)
         self._can_rx.clear()
         return out
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, no demand armed, initialisation done: the next cycles depend only on time and
+        on the palm's answers (the model backend steps such a palm in batches)."""
+        return (self.phase == "operation" and not self.can_direct and not self._fresh and not self._controls
+                and not self._config_steps and not self._can_tx and self._out_until >= _FOREVER)
 
     @property
     def can_tx_pending(self) -> int:

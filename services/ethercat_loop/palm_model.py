@@ -456,5 +456,11 @@ class PalmModel:
 
     # -- views for tests and the stop report ---------------------------------------------------------
     @property
+    def at_rest(self) -> bool:
+        """No motor moving or counting down, no fault or CAN reply pending."""
+        return self.drop_next == 0 and not self._rx and all(
+            m.torque == 0.0 and not m.jiggle_left and not m.eeprom_left and not m.overheat for m in self.motors)
+
+    @property
     def demands(self) -> list[int]:
         return [m.demand for m in self.motors]
