@@ -73,7 +73,17 @@ T_TORQUE = int(ToMotorDataType.DEMAND_TORQUE)
 T_PWM = int(ToMotorDataType.DEMAND_PWM)
 SERIOUS = int(SERIOUS_ERROR_FLAGS)
 _DEMAND_MODES = (T_TORQUE, T_PWM)
+# FROM_MOTOR types as plain ints (an IntEnum member lookup per motor and frame adds up)
+K_SLOW_MISC = int(FromMotorDataType.SLOW_MISC)
+K_READBACK = int(FromMotorDataType.READBACK_LAST_CONFIG)
+K_SGL, K_SGR, K_PWM, K_FLAGS = (int(FromMotorDataType.SGL), int(FromMotorDataType.SGR), int(FromMotorDataType.PWM),
+                                int(FromMotorDataType.FLAGS))
+K_CURRENT, K_VOLTAGE, K_TEMPERATURE = (int(FromMotorDataType.CURRENT), int(FromMotorDataType.VOLTAGE),
+                                       int(FromMotorDataType.TEMPERATURE))
+K_CAN_RX, K_CAN_TX = int(FromMotorDataType.CAN_NUM_RECEIVED), int(FromMotorDataType.CAN_NUM_TRANSMITTED)
+K_PTERM, K_ITERM, K_DTERM = int(FromMotorDataType.PTERM), int(FromMotorDataType.ITERM), int(FromMotorDataType.DTERM)
 _NOT_TIMED_FLAGS = ~(F_JIGGLING | F_EEPROM)
+_NOT_NO_DEMAND = ~F_NO_DEMAND
 _NO_BLOCK: tuple[int, ...] = (0,) * 24
 
 
@@ -137,33 +147,32 @@ class PalmMotorModel:
     def answer(self, kind: int) -> tuple[int, int]:
         """(torque word, misc word) for a FROM_MOTOR request."""
         t = max(-0x8000, min(0x7FFF, round(self.torque)))
-        k = FromMotorDataType
-        if kind == k.SLOW_MISC:
+        if kind == K_SLOW_MISC:
             self.slow_index = self.slow_index % int(FromMotorSlowDataType.STRAIN_GAUGE_TYPE) + 1
             return self.slow_index, self.slow_value(self.slow_index)
-        if kind == k.READBACK_LAST_CONFIG:
+        if kind == K_READBACK:
             return self.last_config[0], self.last_config[1] & 0xFFFF
-        if kind == k.SGL or kind == k.SGR:
-            misc = self.sg(kind == k.SGL)
-        elif kind == k.PWM:
-            misc = self.pwm
-        elif kind == k.FLAGS:
+        if kind == K_FLAGS:
             misc = self.flags
-        elif kind == k.CURRENT:
+        elif kind == K_SGL or kind == K_SGR:
+            misc = self.sg(kind == K_SGL)
+        elif kind == K_PWM:
+            misc = self.pwm
+        elif kind == K_CURRENT:
             misc = int(self.current * 1000)
-        elif kind == k.VOLTAGE:
+        elif kind == K_VOLTAGE:
             misc = int(self.voltage * 256)
-        elif kind == k.TEMPERATURE:
+        elif kind == K_TEMPERATURE:
             misc = int(self.temperature * 256)
-        elif kind == k.CAN_NUM_RECEIVED:
+        elif kind == K_CAN_RX:
             misc = self.can_rx
-        elif kind == k.CAN_NUM_TRANSMITTED:
+        elif kind == K_CAN_TX:
             misc = self.can_tx
-        elif kind == k.PTERM:
+        elif kind == K_PTERM:
             misc = int(self.torque * 3)
-        elif kind == k.ITERM:
+        elif kind == K_ITERM:
             misc = 0x0100
-        elif kind == k.DTERM:
+        elif kind == K_DTERM:
             misc = -0x80
         else:  # INVALID, CAN_ERROR_COUNTERS (no errors on a simulated bus)
             misc = 0
@@ -257,6 +266,14 @@ class PalmModel:
     # -- motors ---------------------------------------------------------------------------------------
     def _to_motors(self, kind: int, data: tuple[int, ...]) -> None:
         t = ToMotorDataType
+        if kind in _DEMAND_MODES:  # nearly every frame: one tight loop
+            cycle = self.cycle
+            for m in self.motors:
+                if not m.silent:
+                    m.can_rx += 1
+                    m.mode, m.demand, m.last_demand_cycle = kind, data[m.id], cycle
+                    m.flags &= _NOT_NO_DEMAND
+            return
         for m in self.motors:
             if m.silent:
                 continue
