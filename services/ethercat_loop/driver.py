@@ -39,7 +39,13 @@ from services.ethercat_loop.protocol import (
     status_head,
     unpack_status,
 )
-from services.ethercat_loop.snapshot import PalmMotorSnapshot, PalmSnapshot, calibrated_joints, status_fields
+from services.ethercat_loop.snapshot import (
+    PalmJointSnapshot,
+    PalmMotorSnapshot,
+    PalmSnapshot,
+    calibrated_joints,
+    status_fields,
+)
 
 MAX_NON_DEMAND_CYCLES = 12  # one whole config push (11 cycles) + 1; well under the motors' 20 ms timeout
 CONFIG_PUSH_CYCLES = len(CONFIG_TYPES) + 1
@@ -48,6 +54,19 @@ CAN_TX_QUEUE_MAX = 4096
 CAN_RX_KEEP = 4096
 _ZERO_WORDS = (0,) * NUM_MOTORS
 _FOREVER = 1 << 62
+
+
+_FLAG_NAMES: dict[int, tuple[str, ...]] = {}
+
+
+def _flag_names(flags: int) -> tuple[str, ...]:
+    """flag_names, memoised: a snapshot asks for 20 motors' names, and the flags rarely change."""
+    names = _FLAG_NAMES.get(flags)
+    if names is None:
+        if len(_FLAG_NAMES) > 4096:  # 16-bit words: bounded anyway, but keep it small
+            _FLAG_NAMES.clear()
+        names = _FLAG_NAMES[flags] = tuple(flag_names(flags))
+    return names
 
 
 def _per_1000(v: int) -> float:
@@ -175,6 +194,7 @@ class PalmDriver:
         self._out: tuple[int, ...] = _ZERO_WORDS  # the demand words of the last demand cycle ...
         self._out_until = -1  # ... valid until this CLOCK_MONOTONIC ns (the first deadman due) ...
         self._out_zero = False  # ... computed with this halt / nullify state
+        self._joints_cache: tuple[tuple[int, ...], tuple[PalmJointSnapshot, ...]] | None = None
         self.c: dict[str, int] = dict.fromkeys(
             ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
              "demands_expired", "configs_sent", "controls_sent", "resets_sent", "init_timeout",
@@ -474,13 +494,19 @@ class PalmDriver:
         sensor_data = self.last_sensor_data
         motors = tuple(PalmMotorSnapshot(
             id=m.id, joint=self.cal.joint_of_motor.get(m.id), torque=m.torque, demand=m.demand,
-            demand_sent=m.demand_sent, flags=m.flags, flag_names=tuple(flag_names(m.flags or 0)),
+            demand_sent=m.demand_sent, flags=m.flags, flag_names=_flag_names(m.flags or 0),
             serious=bool((m.flags or 0) & SERIOUS_ERROR_FLAGS), temperature=m.temperature, current=m.current,
             voltage=m.voltage, pwm=m.pwm, sgl=m.sgl, sgr=m.sgr, last_seen_ns=m.last_seen_ns, missed=m.missed,
             data_errors=m.data_errors, slow=dict(m.slow), last_config=m.last_config, can_received=m.can_received,
             can_transmitted=m.can_transmitted, can_errors=m.can_errors, terms=dict(m.terms)) for m in self.motors)
         # joints from the last SENSOR_DATA status (a test-mode status carries channel ids, not positions)
-        last_joints = calibrated_joints(self.cal, sensor_data) if joints and sensor_data is not None else ()
+        last_joints: tuple[PalmJointSnapshot, ...] = ()
+        if joints and sensor_data is not None:
+            # a palm at rest sends the same joint words: calibrate only when they changed
+            key = sensor_data[: self.cal.sensor_span]
+            if self._joints_cache is None or self._joints_cache[0] != key:
+                self._joints_cache = (key, calibrated_joints(self.cal, sensor_data))
+            last_joints = self._joints_cache[1]
         return PalmSnapshot(
             cycle=self.cycle_no, now_ns=self.now_ns, protocol=self.protocol, phase=self.phase, mode=self.mode,
             edc_command=int(EdcCommand.CAN_DIRECT_MODE if self.can_direct else self.edc_mode),

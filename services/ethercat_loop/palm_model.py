@@ -154,7 +154,7 @@ class PalmMotorModel:
             return self.last_config[0], self.last_config[1] & 0xFFFF
         if kind == K_FLAGS:
             misc = self.flags
-        elif kind == K_SGL or kind == K_SGR:
+        elif kind in (K_SGL, K_SGR):
             misc = self.sg(kind == K_SGL)
         elif kind == K_PWM:
             misc = self.pwm
