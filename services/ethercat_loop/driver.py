@@ -56,6 +56,9 @@ _ZERO_WORDS = (0,) * NUM_MOTORS
 _FOREVER = 1 << 62
 
 
+# types applied at once: each SLOW_MISC reply carries another slow value, READBACK is asked for and awaited
+_EAGER_KINDS = frozenset((int(FromMotorDataType.SLOW_MISC), int(FromMotorDataType.READBACK_LAST_CONFIG)))
+_HALF_MASK = (sum(1 << i for i in range(0, NUM_MOTORS, 2)), sum(1 << i for i in range(1, NUM_MOTORS, 2)))
 _FLAG_NAMES: dict[int, tuple[str, ...]] = {}
 
 
@@ -195,6 +198,8 @@ class PalmDriver:
         self._out_until = -1  # ... valid until this CLOCK_MONOTONIC ns (the first deadman due) ...
         self._out_zero = False  # ... computed with this halt / nullify state
         self._joints_cache: tuple[tuple[int, ...], tuple[PalmJointSnapshot, ...]] | None = None
+        # (which_motors, motor_data_type) -> (block, ns): motor data not yet applied to `motors`
+        self._pending_blocks: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
         self.c: dict[str, int] = dict.fromkeys(
             ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
              "demands_expired", "configs_sent", "controls_sent", "resets_sent", "init_timeout",
@@ -311,10 +316,32 @@ class PalmDriver:
         self._motor_block(block, now_ns)
 
     def _motor_block(self, block: tuple[int, ...], now_ns: int) -> None:
-        """block: motor_data_type, which_motors, arrived, had_errors, then (torque, misc) x 10."""
+        """block: motor_data_type, which_motors, arrived, had_errors, then (torque, misc) x 10.
+
+        A complete, error-free block of a type whose last value is all that counts (most of them, out of
+        initialisation) is only kept, the newest per (half, type), and applied to the motors when someone
+        looks (`_apply_pending`: snapshot): the same motor state, without a loop over motors in the cycle."""
+        kind, which = block[0], block[1]
+        if (self.phase != "init" and kind not in _EAGER_KINDS and block[2] & _HALF_MASK[which] == _HALF_MASK[which]
+                and not block[3] & 0x3FF):
+            key = (which, kind)
+            pending = self._pending_blocks
+            if key in pending:
+                del pending[key]  # re-inserted last: applied in arrival order (torque, last seen)
+            pending[key] = (block, now_ns)
+            return
+        self._apply_pending()
+        self._apply_block(block, now_ns, self.phase == "init")
+
+    def _apply_pending(self) -> None:
+        if self._pending_blocks:
+            for block, now_ns in self._pending_blocks.values():
+                self._apply_block(block, now_ns, False)
+            self._pending_blocks.clear()
+
+    def _apply_block(self, block: tuple[int, ...], now_ns: int, init: bool) -> None:
         kind, which, arrived, had_errors = block[0], block[1], block[2], block[3]
         keep_torque = kind not in (FromMotorDataType.SLOW_MISC, FromMotorDataType.READBACK_LAST_CONFIG)
-        init = self.phase == "init"
         simple = _SIMPLE_MISC.get(kind)  # one field of the motor, as _misc sets it
         c = self.c
         for m in self.motors[which::2]:
@@ -490,6 +517,7 @@ class PalmDriver:
     def snapshot(self, joints: bool = True) -> PalmSnapshot:
         """The driver's view. `joints=False` skips the calibration (40 % of the cost): the cycle process's
         lean snapshot, whose joints the MQTT process derives from the raw statuses (`status_fields`)."""
+        self._apply_pending()
         st = self.last or PalmStatus()
         sensor_data = self.last_sensor_data
         motors = tuple(PalmMotorSnapshot(
