@@ -152,8 +152,8 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
 
 def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,
          events: Connection, st: _CycleState, publish: Callable[[], None], stopping: list[str]) -> None:
-    cnt, h_wake, h_cpu, h_rtt = shm.counters, shm.hist["wake"], shm.hist["cpu"], shm.hist["rtt"]
-    h_cmd = shm.hist["command"]
+    cnt, h_wake, h_cpu, h_rtt = shm.counters_mv, shm.hist_mv["wake"], shm.hist_mv["cpu"], shm.hist_mv["rtt"]
+    h_cmd = shm.hist_mv["command"]
     # one poll object for the whole run: Connection.poll(0) builds a selector per call (~15 µs a cycle)
     ctl_poll = select.poll()
     ctl_poll.register(ctl.fileno(), select.POLLIN)
