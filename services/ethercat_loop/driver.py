@@ -54,6 +54,7 @@ CAN_TX_QUEUE_MAX = 4096
 CAN_RX_KEEP = 4096
 _ZERO_WORDS = (0,) * NUM_MOTORS
 _FOREVER = 1 << 62
+_NO_FRAMES: list[CanRxFrame] = []  # never appended to: callers only test and iterate it
 
 
 # types applied at once: each SLOW_MISC reply carries another slow value, READBACK is asked for and awaited
@@ -499,6 +500,8 @@ class PalmDriver:
     # -- outputs --------------------------------------------------------------------------------------
     def take_can_rx(self) -> list[CanRxFrame]:
         """Bridge frames received since the last call (CAN direct mode)."""
+        if not self._can_rx:
+            return _NO_FRAMES  # every cycle calls this: no new list for nothing
         out = list(self._can_rx)
         self._can_rx.clear()
         return out

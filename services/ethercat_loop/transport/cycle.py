@@ -251,7 +251,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             # every valid status goes to the MQTT side raw (a few µs); it decodes joints there, so the
             # costly full driver snapshot can run at a fraction of the rate
             statuses_seen = driver.c["statuses"]
-            shm.write_slot("raw", RAW_HEAD.pack(driver.cycle_no, wake, statuses_seen) + status)
+            shm.write_slot_parts("raw", RAW_HEAD, (driver.cycle_no, wake, statuses_seen), status)
         if halting and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:  # that many zero commands exchanged
             st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
                               "demands_sent_last": [m.demand_sent for m in driver.motors],

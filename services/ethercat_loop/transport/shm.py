@@ -118,6 +118,20 @@ class SharedBlock:
         _SEQ.pack_into(self.mm, off, seq + 2, len(payload))
         return True
 
+    def write_slot_parts(self, name: str, head: struct.Struct, fields: tuple[int, ...], body: bytes) -> bool:
+        """write_slot(name, head.pack(*fields) + body) without building the concatenation (the cycle's
+        raw status, every period)."""
+        off, size = REGIONS[name]
+        n = head.size + len(body)
+        if n > size - _SEQ.size:
+            return False
+        seq, _ = _SEQ.unpack_from(self.mm, off)
+        _SEQ.pack_into(self.mm, off, seq + 1, n)  # odd: write in progress
+        head.pack_into(self.mm, off + _SEQ.size, *fields)
+        self.mm[off + _SEQ.size + head.size : off + _SEQ.size + n] = body
+        _SEQ.pack_into(self.mm, off, seq + 2, n)
+        return True
+
     def seq(self, name: str) -> int:
         """The slot's sequence as it stands (no copy): a reader compares it with the sequence of its last
         read to skip reading a slot that has not changed."""
