@@ -122,6 +122,8 @@ class HandCalibration:
         self.motor_of_joint = dict(spec.motors)
         self.joint_of_motor = {m: j for j, m in spec.motors.items()}
         self._idx = {n: tuple(SENSOR_INDEX[s] for s in ss) for n, ss in CALIBRATED_SENSORS.items()}
+        # the sensor words the joints depend on are sensors[:sensor_span] (the IMU and analog words follow)
+        self.sensor_span = 1 + max(max(ix) for ix in self._idx.values())
 
     @classmethod
     def load(cls, path: Path | str | None = None) -> HandCalibration:

@@ -13,6 +13,7 @@ controls can never starve the motors into their 20 ms no-demand stop; queues are
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.ethercat_loop.calibration import HandCalibration
@@ -26,25 +27,68 @@ from services.ethercat_loop.protocol import (
     SERIOUS_ERROR_FLAGS,
     SLOW_DATA_LAST,
     CanBridgeFrame,
-    DecodeError,
     EdcCommand,
     FromMotorDataType,
     FromMotorSlowDataType,
-    PalmCommand,
     PalmStatus,
     ToMotorDataType,
+    command_packer,
     flag_names,
-    pack_command,
+    pack_command_fields,
     s16,
+    status_head,
     unpack_status,
 )
-from services.ethercat_loop.snapshot import PalmMotorSnapshot, PalmSnapshot, calibrated_joints, status_fields
+from services.ethercat_loop.snapshot import (
+    PalmJointSnapshot,
+    PalmMotorSnapshot,
+    PalmSnapshot,
+    calibrated_joints,
+    status_fields,
+)
 
 MAX_NON_DEMAND_CYCLES = 12  # one whole config push (11 cycles) + 1; well under the motors' 20 ms timeout
 CONFIG_PUSH_CYCLES = len(CONFIG_TYPES) + 1
 INIT_TIMEOUT_NS = 5_000_000_000  # like the original's 5 s "Motor Initialization Timeout"
 CAN_TX_QUEUE_MAX = 4096
 CAN_RX_KEEP = 4096
+_ZERO_WORDS = (0,) * NUM_MOTORS
+_FOREVER = 1 << 62
+_NO_FRAMES: list[CanRxFrame] = []  # never appended to: callers only test and iterate it
+
+
+# types applied at once: each SLOW_MISC reply carries another slow value, READBACK is asked for and awaited
+_EAGER_KINDS = frozenset((int(FromMotorDataType.SLOW_MISC), int(FromMotorDataType.READBACK_LAST_CONFIG)))
+_HALF_MASK = (sum(1 << i for i in range(0, NUM_MOTORS, 2)), sum(1 << i for i in range(1, NUM_MOTORS, 2)))
+_FLAG_NAMES: dict[int, tuple[str, ...]] = {}
+
+
+def _flag_names(flags: int) -> tuple[str, ...]:
+    """flag_names, memoised: a snapshot asks for 20 motors' names, and the flags rarely change."""
+    names = _FLAG_NAMES.get(flags)
+    if names is None:
+        if len(_FLAG_NAMES) > 4096:  # 16-bit words: bounded anyway, but keep it small
+            _FLAG_NAMES.clear()
+        names = _FLAG_NAMES[flags] = tuple(flag_names(flags))
+    return names
+
+
+def _per_1000(v: int) -> float:
+    return v / 1000.0
+
+
+def _per_256(v: int) -> float:
+    return v / 256.0
+
+
+# the FROM_MOTOR types whose misc word sets one field (attribute, conversion); the rest: PalmDriver._misc
+_SIMPLE_MISC: dict[int, tuple[str, Callable[[int], int | float] | None]] = {
+    FromMotorDataType.SGL: ("sgl", None), FromMotorDataType.SGR: ("sgr", None), FromMotorDataType.PWM: ("pwm", s16),
+    FromMotorDataType.FLAGS: ("flags", None), FromMotorDataType.CURRENT: ("current", _per_1000),
+    FromMotorDataType.VOLTAGE: ("voltage", _per_256), FromMotorDataType.TEMPERATURE: ("temperature", _per_256),
+    FromMotorDataType.CAN_NUM_RECEIVED: ("can_received", None),
+    FromMotorDataType.CAN_NUM_TRANSMITTED: ("can_transmitted", None),
+}
 
 # The current per-hand defaults (sr_hand_config/2106/rates/motor_data_polling.yaml):
 # -1 important (round robin), -2 initialisation only, >0 period in seconds.
@@ -146,8 +190,17 @@ class PalmDriver:
         self._config_steps: deque[tuple[int, dict[int, int]]] = deque(maxlen=64 * 11)
         self._can_tx: deque[CanFrame] = deque()
         self._can_rx: deque[CanRxFrame] = deque(maxlen=CAN_RX_KEEP)
-        self.last: PalmStatus | None = None
-        self.last_sensor_data: tuple[int, ...] | None = None
+        # the last valid status and the last SENSOR_DATA one, kept raw: decoded only when a snapshot asks
+        self._last_raw: bytes | None = None
+        self._last: PalmStatus | None = None
+        self._sensor_raw: bytes | None = None
+        self._packer = command_packer(protocol)
+        self._out: tuple[int, ...] = _ZERO_WORDS  # the demand words of the last demand cycle ...
+        self._out_until = -1  # ... valid until this CLOCK_MONOTONIC ns (the first deadman due) ...
+        self._out_zero = False  # ... computed with this halt / nullify state
+        self._joints_cache: tuple[tuple[int, ...], tuple[PalmJointSnapshot, ...]] | None = None
+        # (which_motors, motor_data_type) -> (block, ns): motor data not yet applied to `motors`
+        self._pending_blocks: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
         self.c: dict[str, int] = dict.fromkeys(
             ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
              "demands_expired", "configs_sent", "controls_sent", "resets_sent", "init_timeout",
@@ -199,6 +252,7 @@ class PalmDriver:
 
     def _zero_demands(self) -> None:
         self._fresh.clear()
+        self._out_until = -1  # the cached demand words are stale
         for m in self.motors:
             m.demand, m.demand_ns = 0, None
 
@@ -212,54 +266,106 @@ class PalmDriver:
     def cycle(self, status: bytes | None, now_ns: int) -> bytes:
         """Decode the previous cycle's status (None: the frame was lost) and build the next command."""
         self.cycle_no += 1
-        self.c["cycles"] += 1
+        c = self.c
+        c["cycles"] += 1
         self.now_ns = now_ns
         if self.start_ns is None:
             self.start_ns = now_ns
         if status is None:
-            self.c["lost"] += 1
+            c["lost"] += 1
         else:
             self._unpack(status, now_ns)
-        return pack_command(self._pack(now_ns), self.protocol)
+        return self._pack(now_ns)
+
+    @property
+    def last(self) -> PalmStatus | None:
+        """The last valid status, decoded (on demand: the cycle itself reads only its motor block)."""
+        if self._last is None and self._last_raw is not None:
+            st = unpack_status(self._last_raw, self.protocol)
+            self._last = st if isinstance(st, PalmStatus) else None
+        return self._last
+
+    @property
+    def last_sensor_data(self) -> tuple[int, ...] | None:
+        """Sensors of the last SENSOR_DATA status (a test-mode status carries channel ids, not positions)."""
+        if self._sensor_raw is None:
+            return None
+        st = self.last if self._sensor_raw is self._last_raw else unpack_status(self._sensor_raw, self.protocol)
+        return st.sensors if isinstance(st, PalmStatus) else None
 
     def _unpack(self, buf: bytes, now_ns: int) -> None:
-        st = unpack_status(buf, self.protocol)
-        if isinstance(st, DecodeError):
+        head = status_head(buf, self.protocol)
+        if head is None:  # the full decoder says why
+            err = unpack_status(buf, self.protocol)
             self.c["decode_errors"] += 1
-            self.last_error = str(st)
+            self.last_error = str(err)
             return
-        if st.dropped:  # empty mailbox: count and skip, like the original (no halt)
+        edc, block = head
+        if edc == EdcCommand.INVALID:  # empty mailbox: count and skip, like the original (no halt)
             self.c["dropped"] += 1
             return
         self.c["statuses"] += 1
-        self.last = st
-        if st.edc_command == EdcCommand.SENSOR_DATA:
-            self.last_sensor_data = st.sensors
-        if st.edc_command == EdcCommand.CAN_DIRECT_MODE:
-            if not st.can.empty:
+        self._last_raw, self._last = buf, None
+        if edc == EdcCommand.SENSOR_DATA:
+            self._sensor_raw = buf
+        elif edc == EdcCommand.CAN_DIRECT_MODE:
+            st = self.last
+            if st is not None and not st.can.empty:
                 self.c["can_rx"] += 1
                 self._can_rx.append(CanRxFrame(st.can.can_bus, st.can.message_id, st.can.payload, self.cycle_no))
             return
-        self._motor_block(st, now_ns)
+        self._motor_block(block, now_ns)
 
-    def _motor_block(self, st: PalmStatus, now_ns: int) -> None:
-        kind = st.motor_data_type
-        for m in self.motors[st.which_motors::2]:
-            if not st.which_motor_data_arrived & (1 << m.id):
+    def _motor_block(self, block: tuple[int, ...], now_ns: int) -> None:
+        """block: motor_data_type, which_motors, arrived, had_errors, then (torque, misc) x 10.
+
+        A complete, error-free block of a type whose last value is all that counts (most of them, out of
+        initialisation) is only kept, the newest per (half, type), and applied to the motors when someone
+        looks (`_apply_pending`: snapshot): the same motor state, without a loop over motors in the cycle."""
+        kind, which = block[0], block[1]
+        if (self.phase != "init" and kind not in _EAGER_KINDS and block[2] & _HALF_MASK[which] == _HALF_MASK[which]
+                and not block[3] & 0x3FF):
+            key = (which, kind)
+            pending = self._pending_blocks
+            if key in pending:
+                del pending[key]  # re-inserted last: applied in arrival order (torque, last seen)
+            pending[key] = (block, now_ns)
+            return
+        self._apply_pending()
+        self._apply_block(block, now_ns, self.phase == "init")
+
+    def _apply_pending(self) -> None:
+        if self._pending_blocks:
+            for block, now_ns in self._pending_blocks.values():
+                self._apply_block(block, now_ns, False)
+            self._pending_blocks.clear()
+
+    def _apply_block(self, block: tuple[int, ...], now_ns: int, init: bool) -> None:
+        kind, which, arrived, had_errors = block[0], block[1], block[2], block[3]
+        keep_torque = kind not in (FromMotorDataType.SLOW_MISC, FromMotorDataType.READBACK_LAST_CONFIG)
+        simple = _SIMPLE_MISC.get(kind)  # one field of the motor, as _misc sets it
+        c = self.c
+        for m in self.motors[which::2]:
+            mid = m.id
+            if not arrived & (1 << mid):
                 m.missed += 1
-                self.c["motor_missing"] += 1
+                c["motor_missing"] += 1
                 continue
+            half = mid >> 1
             # bit motor_id/2 of had_errors, as the original reads it (reference §2.3)
-            if st.which_motor_data_had_errors & (1 << (m.id // 2)):
+            if had_errors & (1 << half):
                 m.data_errors += 1
-                self.c["motor_data_errors"] += 1
+                c["motor_data_errors"] += 1
                 continue
-            torque, misc = st.motor_data_packet[m.id // 2]
+            torque, misc = block[4 + 2 * half], block[5 + 2 * half]
             m.last_seen_ns = now_ns
-            if kind not in (FromMotorDataType.SLOW_MISC, FromMotorDataType.READBACK_LAST_CONFIG):
-                m.torque = torque  # in those two replies `torque` holds a type, not a torque
-            self._misc(m, kind, torque, misc)
-            if self.phase == "init":
+            if keep_torque:
+                m.torque = torque  # in SLOW_MISC / READBACK replies `torque` holds a type, not a torque
+            if simple is None:
+                self._misc(m, kind, torque, misc)
+            else:
+                setattr(m, simple[0], misc if simple[1] is None else simple[1](misc))
+            if init:
                 self._note_init(m, kind, torque)
 
     def _misc(self, m: _Motor, kind: int, torque: int, misc: int) -> None:
@@ -305,7 +411,7 @@ class PalmDriver:
     def _init_pending(self) -> list[FromMotorDataType]:
         return [FromMotorDataType(t) for t, seen in self._init_seen.items() if len(seen) < NUM_MOTORS]
 
-    def _pack(self, now_ns: int) -> PalmCommand:
+    def _pack(self, now_ns: int) -> bytes:
         self.which ^= 1
         if self.phase == "init":
             pending = self._init_pending()
@@ -322,10 +428,12 @@ class PalmDriver:
                 f = self._can_tx.popleft()
                 frame = CanBridgeFrame(f.bus, len(f.data), f.sid, f.data)
                 self.c["can_tx"] += 1
-            return PalmCommand(EdcCommand.CAN_DIRECT_MODE, self.data_type, self.which, ToMotorDataType.INVALID,
-                               (0,) * NUM_MOTORS, self.tactile_data_type, 0, frame)
+            return pack_command_fields(self._packer, self.protocol, EdcCommand.CAN_DIRECT_MODE, self.data_type,
+                                       self.which, ToMotorDataType.INVALID, _ZERO_WORDS, self.tactile_data_type,
+                                       frame)
         kind, data = self._to_motors(now_ns)
-        return PalmCommand(self.edc_mode, self.data_type, self.which, kind, data, self.tactile_data_type, 0, NO_CAN)
+        return pack_command_fields(self._packer, self.protocol, self.edc_mode, self.data_type, self.which, kind, data,
+                                   self.tactile_data_type)
 
     def _to_motors(self, now_ns: int) -> tuple[int, tuple[int, ...]]:
         if self.non_demand_streak < MAX_NON_DEMAND_CYCLES:
@@ -349,32 +457,61 @@ class PalmDriver:
                     self._reset_init()
                 return kind, tuple(s16(words.get(i, 0)) for i in range(NUM_MOTORS))
         self.non_demand_streak = 0
-        for mid, v in self._fresh.items():
-            self.motors[mid].demand, self.motors[mid].demand_ns = v, now_ns
-        self._fresh.clear()
-        out = []
-        for m in self.motors:
-            v = m.demand
-            if m.demand_ns is None or now_ns - m.demand_ns > self.demand_timeout_ns:
-                if m.demand_ns is not None:
-                    self.c["demands_expired"] += 1
-                    m.demand, m.demand_ns = 0, None
-                v = 0
-            if self.halted or self.nullified:
-                v = 0
-            m.demand_sent = v
-            out.append(v)
+        zero = self.halted or self.nullified
+        # nothing new, no deadman due, same halt state: the words of the last demand cycle (most cycles)
+        if not self._fresh and now_ns <= self._out_until and zero == self._out_zero:
+            out = self._out
+        else:
+            out = self._demand_words(now_ns, zero)
         if self.halted:
             self.c["halt_zero_cycles"] += 1
         kind = ToMotorDataType.DEMAND_TORQUE if self.mode == "torque" else ToMotorDataType.DEMAND_PWM
-        return kind, tuple(out)
+        return kind, out
+
+    def _demand_words(self, now_ns: int, zero: bool) -> tuple[int, ...]:
+        """Fresh demands in, expired ones (deadman) out; the words to send, and until when they hold."""
+        motors = self.motors
+        if self._fresh:
+            for mid, v in self._fresh.items():
+                motors[mid].demand, motors[mid].demand_ns = v, now_ns
+            self._fresh.clear()
+        out = []
+        timeout = self.demand_timeout_ns
+        oldest = now_ns - timeout
+        until = _FOREVER
+        for m in motors:
+            v = m.demand
+            t = m.demand_ns
+            if t is None or t < oldest:
+                if t is not None:
+                    self.c["demands_expired"] += 1
+                    m.demand, m.demand_ns = 0, None
+                v = 0
+            else:
+                until = min(until, t + timeout)
+                if zero:
+                    v = 0
+            m.demand_sent = v
+            # validated demands are int16; an out-of-range word wraps on the wire as pack_command's did
+            out.append(v if -0x8000 <= v <= 0x7FFF else s16(v))
+        self._out, self._out_until, self._out_zero = tuple(out), until, zero
+        return self._out
 
     # -- outputs --------------------------------------------------------------------------------------
     def take_can_rx(self) -> list[CanRxFrame]:
         """Bridge frames received since the last call (CAN direct mode)."""
+        if not self._can_rx:
+            return _NO_FRAMES  # every cycle calls this: no new list for nothing
         out = list(self._can_rx)
         self._can_rx.clear()
         return out
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, no demand armed, initialisation done: the next cycles depend only on time and
+        on the palm's answers (the model backend steps such a palm in batches)."""
+        return (self.phase == "operation" and not self.can_direct and not self._fresh and not self._controls
+                and not self._config_steps and not self._can_tx and self._out_until >= _FOREVER)
 
     @property
     def can_tx_pending(self) -> int:
@@ -383,17 +520,24 @@ class PalmDriver:
     def snapshot(self, joints: bool = True) -> PalmSnapshot:
         """The driver's view. `joints=False` skips the calibration (40 % of the cost): the cycle process's
         lean snapshot, whose joints the MQTT process derives from the raw statuses (`status_fields`)."""
+        self._apply_pending()
         st = self.last or PalmStatus()
+        sensor_data = self.last_sensor_data
         motors = tuple(PalmMotorSnapshot(
             id=m.id, joint=self.cal.joint_of_motor.get(m.id), torque=m.torque, demand=m.demand,
-            demand_sent=m.demand_sent, flags=m.flags, flag_names=tuple(flag_names(m.flags or 0)),
+            demand_sent=m.demand_sent, flags=m.flags, flag_names=_flag_names(m.flags or 0),
             serious=bool((m.flags or 0) & SERIOUS_ERROR_FLAGS), temperature=m.temperature, current=m.current,
             voltage=m.voltage, pwm=m.pwm, sgl=m.sgl, sgr=m.sgr, last_seen_ns=m.last_seen_ns, missed=m.missed,
             data_errors=m.data_errors, slow=dict(m.slow), last_config=m.last_config, can_received=m.can_received,
             can_transmitted=m.can_transmitted, can_errors=m.can_errors, terms=dict(m.terms)) for m in self.motors)
         # joints from the last SENSOR_DATA status (a test-mode status carries channel ids, not positions)
-        last_joints = calibrated_joints(self.cal, self.last_sensor_data) \
-            if joints and self.last_sensor_data is not None else ()
+        last_joints: tuple[PalmJointSnapshot, ...] = ()
+        if joints and sensor_data is not None:
+            # a palm at rest sends the same joint words: calibrate only when they changed
+            key = sensor_data[: self.cal.sensor_span]
+            if self._joints_cache is None or self._joints_cache[0] != key:
+                self._joints_cache = (key, calibrated_joints(self.cal, sensor_data))
+            last_joints = self._joints_cache[1]
         return PalmSnapshot(
             cycle=self.cycle_no, now_ns=self.now_ns, protocol=self.protocol, phase=self.phase, mode=self.mode,
             edc_command=int(EdcCommand.CAN_DIRECT_MODE if self.can_direct else self.edc_mode),

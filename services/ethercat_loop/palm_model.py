@@ -32,18 +32,18 @@ from services.ethercat_loop.protocol import (
     SYSTEM_RESET_MAGIC,
     CanBridgeFrame,
     CanDirection,
-    DecodeError,
     EdcCommand,
     FromMotorDataType,
     FromMotorSlowDataType,
     MotorFlag,
-    PalmStatus,
+    PalmCommand,
     SystemControl,
     ToMotorDataType,
     channel_word,
+    command_head,
     config_crc,
     make_sid,
-    pack_status,
+    pack_status_fields,
     split_sid,
     unpack_command,
 )
@@ -72,6 +72,19 @@ F_OVER_TEMP = int(MotorFlag.OVER_TEMPERATURE)
 T_TORQUE = int(ToMotorDataType.DEMAND_TORQUE)
 T_PWM = int(ToMotorDataType.DEMAND_PWM)
 SERIOUS = int(SERIOUS_ERROR_FLAGS)
+_DEMAND_MODES = (T_TORQUE, T_PWM)
+# FROM_MOTOR types as plain ints (an IntEnum member lookup per motor and frame adds up)
+K_SLOW_MISC = int(FromMotorDataType.SLOW_MISC)
+K_READBACK = int(FromMotorDataType.READBACK_LAST_CONFIG)
+K_SGL, K_SGR, K_PWM, K_FLAGS = (int(FromMotorDataType.SGL), int(FromMotorDataType.SGR), int(FromMotorDataType.PWM),
+                                int(FromMotorDataType.FLAGS))
+K_CURRENT, K_VOLTAGE, K_TEMPERATURE = (int(FromMotorDataType.CURRENT), int(FromMotorDataType.VOLTAGE),
+                                       int(FromMotorDataType.TEMPERATURE))
+K_CAN_RX, K_CAN_TX = int(FromMotorDataType.CAN_NUM_RECEIVED), int(FromMotorDataType.CAN_NUM_TRANSMITTED)
+K_PTERM, K_ITERM, K_DTERM = int(FromMotorDataType.PTERM), int(FromMotorDataType.ITERM), int(FromMotorDataType.DTERM)
+_NOT_TIMED_FLAGS = ~(F_JIGGLING | F_EEPROM)
+_NOT_NO_DEMAND = ~F_NO_DEMAND
+_NO_BLOCK: tuple[int, ...] = (0,) * 24
 
 
 @dataclass
@@ -134,33 +147,32 @@ class PalmMotorModel:
     def answer(self, kind: int) -> tuple[int, int]:
         """(torque word, misc word) for a FROM_MOTOR request."""
         t = max(-0x8000, min(0x7FFF, round(self.torque)))
-        k = FromMotorDataType
-        if kind == k.SLOW_MISC:
+        if kind == K_SLOW_MISC:
             self.slow_index = self.slow_index % int(FromMotorSlowDataType.STRAIN_GAUGE_TYPE) + 1
             return self.slow_index, self.slow_value(self.slow_index)
-        if kind == k.READBACK_LAST_CONFIG:
+        if kind == K_READBACK:
             return self.last_config[0], self.last_config[1] & 0xFFFF
-        if kind == k.SGL or kind == k.SGR:
-            misc = self.sg(kind == k.SGL)
-        elif kind == k.PWM:
-            misc = self.pwm
-        elif kind == k.FLAGS:
+        if kind == K_FLAGS:
             misc = self.flags
-        elif kind == k.CURRENT:
+        elif kind in (K_SGL, K_SGR):
+            misc = self.sg(kind == K_SGL)
+        elif kind == K_PWM:
+            misc = self.pwm
+        elif kind == K_CURRENT:
             misc = int(self.current * 1000)
-        elif kind == k.VOLTAGE:
+        elif kind == K_VOLTAGE:
             misc = int(self.voltage * 256)
-        elif kind == k.TEMPERATURE:
+        elif kind == K_TEMPERATURE:
             misc = int(self.temperature * 256)
-        elif kind == k.CAN_NUM_RECEIVED:
+        elif kind == K_CAN_RX:
             misc = self.can_rx
-        elif kind == k.CAN_NUM_TRANSMITTED:
+        elif kind == K_CAN_TX:
             misc = self.can_tx
-        elif kind == k.PTERM:
+        elif kind == K_PTERM:
             misc = int(self.torque * 3)
-        elif kind == k.ITERM:
+        elif kind == K_ITERM:
             misc = 0x0100
-        elif kind == k.DTERM:
+        elif kind == K_DTERM:
             misc = -0x80
         else:  # INVALID, CAN_ERROR_COUNTERS (no errors on a simulated bus)
             misc = 0
@@ -194,6 +206,9 @@ class PalmModel:
         # rest most of the time; the virtual hand runs this model in every 1 ms frame)
         self._raw_cache: dict[str, tuple[float, int]] = {}
         self._tactile_cache: tuple[int, tuple[tuple[int, ...], ...]] | None = None
+        self._tactile_flat_cache: tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] | None = None
+        # (wobble, every joint angle) -> the sensor words: a palm at rest sends the same words
+        self._sensor_cache: tuple[tuple[int, tuple[float, ...]], tuple[int, ...]] | None = None
 
     # -- wiring and faults ----------------------------------------------------------------------------
     def add_can_node(self, node: CanNode) -> None:
@@ -221,41 +236,44 @@ class PalmModel:
     # -- the cycle ------------------------------------------------------------------------------------
     def exchange(self, command: bytes) -> bytes:
         self.cycle += 1
-        cmd = unpack_command(bytes(command), self.protocol)
-        if isinstance(cmd, DecodeError):
+        head = command_head(command, self.protocol)
+        if head is None:
             self.command_errors += 1
             self._physics(ToMotorDataType.INVALID)
             return bytes(self.info.status_size)
-        self.edc_command = cmd.edc_command
-        edc = cmd.edc_command
-        block: tuple[int, int, int, int, tuple[tuple[int, int], ...]] = (0, 0, 0, 0, ((0, 0),) * 10)
+        edc, from_type, which, to_type, motor_data, tactile_type, aux_type = head
+        self.edc_command = edc
+        block: tuple[int, ...] = _NO_BLOCK
         can_out = NO_CAN
         if edc == EdcCommand.CAN_DIRECT_MODE:
-            if not cmd.can.empty:
+            cmd = unpack_command(bytes(command), self.protocol)
+            if isinstance(cmd, PalmCommand) and not cmd.can.empty:
                 self._bus_send(cmd.can.can_bus, cmd.can.message_id, cmd.can.payload)
             can_out = self._bus_receive()
             self._physics(ToMotorDataType.INVALID)  # a pure bridge: no demands reach the motors
         elif edc in (EdcCommand.SENSOR_DATA, EdcCommand.SENSOR_CHANNEL_NUMBERS, EdcCommand.SENSOR_ADC_CHANNEL_CS):
-            self._to_motors(cmd.to_motor_data_type, cmd.motor_data)
-            self._physics(cmd.to_motor_data_type)
-            block = self._poll(cmd.from_motor_data_type, cmd.which_motors)
+            self._to_motors(to_type, motor_data)
+            self._physics(to_type)
+            block = self._poll(from_type, which)
         else:
             self._physics(ToMotorDataType.INVALID)
         if self.drop_next > 0 or edc == EdcCommand.INVALID:
             self.drop_next = max(0, self.drop_next - 1)
             return bytes(self.info.status_size)
-        st = PalmStatus(
-            edc_command=edc, sensors=self._sensors(edc), tactile_data_type=cmd.tactile_data_type,
-            tactile_data_valid=0x1F, tactile=self._tactile(), idle_time_us=180 + self.cycle % 40,
-            tactile_mid_prox=((0,) * 8,) * 5 if self.protocol == "0230" else (),
-            aux_spi_data_type=cmd.aux_data_type, aux_spi_sensor=(0,) * 16 if self.protocol == "0230" else (),
-            motor_data_type=block[0], which_motors=block[1], which_motor_data_arrived=block[2],
-            which_motor_data_had_errors=block[3], motor_data_packet=block[4], can=can_out)
-        return pack_status(st, self.protocol)
+        return pack_status_fields(self.protocol, edc, self._sensors(edc), block, tactile_type, 0x1F,
+                                  self._tactile_flat(), 180 + self.cycle % 40, can_out, aux_type)
 
     # -- motors ---------------------------------------------------------------------------------------
     def _to_motors(self, kind: int, data: tuple[int, ...]) -> None:
         t = ToMotorDataType
+        if kind in _DEMAND_MODES:  # nearly every frame: one tight loop
+            cycle = self.cycle
+            for m in self.motors:
+                if not m.silent:
+                    m.can_rx += 1
+                    m.mode, m.demand, m.last_demand_cycle = kind, data[m.id], cycle
+                    m.flags &= _NOT_NO_DEMAND
+            return
         for m in self.motors:
             if m.silent:
                 continue
@@ -311,9 +329,20 @@ class PalmModel:
 
     def _physics(self, kind: int) -> None:
         dt = 0.001
+        cycle = self.cycle
         for m in self.motors:
-            if self.cycle - m.last_demand_cycle > NO_DEMAND_TIMEOUT_MS:
+            if cycle - m.last_demand_cycle > NO_DEMAND_TIMEOUT_MS:
                 m.flags |= F_NO_DEMAND
+            if (m.torque == 0.0 and not m.overheat and not m.jiggle_left and not m.eeprom_left
+                    and (not m.demand or m.silent or m.flags & SERIOUS or m.mode not in _DEMAND_MODES)):
+                # at rest (no target, no torque): the general step below reduces to exactly this
+                if m.temperature > OVER_TEMPERATURE_C:
+                    m.flags |= F_OVER_TEMP
+                m.flags &= _NOT_TIMED_FLAGS
+                m.pwm, m.current = 0, 0.0
+                if m.temperature != AMBIENT_C:
+                    m.temperature += (0.0 - (m.temperature - AMBIENT_C) * 0.001) * dt * 10
+                continue
             if m.overheat:
                 m.temperature = min(m.temperature + 0.5, 70.0)
             if m.temperature > OVER_TEMPERATURE_C:
@@ -348,19 +377,21 @@ class PalmModel:
             lo, hi = self.cal.tables[n].range_rad
             self.angles[n] = max(lo, min(hi, self.angles[n] + m.torque * RAD_PER_TORQUE_S * dt / len(names)))
 
-    def _poll(self, kind: int, which: int) -> tuple[int, int, int, int, tuple[tuple[int, int], ...]]:
+    def _poll(self, kind: int, which: int) -> tuple[int, ...]:
+        """motor_data_type, which_motors, arrived, had_errors, then 10 x (torque, misc)."""
         arrived = errors = 0
-        packets = [(0, 0)] * 10
-        for m in self.motors:
-            if m.id % 2 != which or m.silent:
+        packets = [0] * 20
+        for m in self.motors[which::2]:
+            if m.silent:
                 continue
             arrived |= 1 << m.id
             m.can_tx += 1
-            packets[m.id // 2] = m.answer(kind)
+            half = m.id >> 1
+            packets[2 * half], packets[2 * half + 1] = m.answer(kind)
             if m.data_error:
                 # the driver tests bit motor_id/2 of had_errors (reference §2.3); we set that bit
-                errors |= 1 << (m.id // 2)
-        return kind, which, arrived, errors, tuple(packets)
+                errors |= 1 << half
+        return (kind, which, arrived, errors, *packets)
 
     # -- sensors --------------------------------------------------------------------------------------
     def _rest(self, name: str) -> float:
@@ -375,6 +406,10 @@ class PalmModel:
             return tuple(channel_word(*self.channel_overrides.get(n, EXPECTED_CHANNELS[n])) for n in SENSOR_NAMES)
         if edc == EdcCommand.SENSOR_ADC_CHANNEL_CS:
             return tuple(self.channel_overrides.get(n, EXPECTED_CHANNELS[n])[0] for n in SENSOR_NAMES)
+        wobble = round(20 * math.sin(self.cycle / 500))
+        key = (wobble, tuple(self.angles.values()))
+        if self._sensor_cache is not None and self._sensor_cache[0] == key:
+            return self._sensor_cache[1]
         cache = self._raw_cache
         raw: dict[str, int] = {}
         for n, angle in self.angles.items():
@@ -382,11 +417,18 @@ class PalmModel:
             if hit is None or hit[0] != angle:
                 hit = cache[n] = (angle, self.joint_raw(n))
             raw[n] = hit[1]
-        wobble = round(20 * math.sin(self.cycle / 500))
         extra = {"THJ5A": raw["THJ5"], "THJ5B": raw["THJ5"], "WRJ1A": raw["WRJ1"], "WRJ1B": raw["WRJ1"],
                  "ACCX": wobble & 0xFFFF, "ACCY": 0, "ACCZ": 16384, "GYRX": (-wobble) & 0xFFFF, "GYRY": 3,
                  "GYRZ": 0, "AN0": 1000, "AN1": 1001, "AN2": 1002, "AN3": 1003, "IGNORE": 0}
-        return tuple(raw[n] if n in raw else extra[n] for n in SENSOR_NAMES)
+        out = tuple(raw[n] if n in raw else extra[n] for n in SENSOR_NAMES)
+        self._sensor_cache = (key, out)
+        return out
+
+    def _tactile_flat(self) -> tuple[int, ...]:
+        t = self._tactile()
+        if self._tactile_flat_cache is None or self._tactile_flat_cache[0] is not t:
+            self._tactile_flat_cache = (t, tuple(w for words in t for w in words))
+        return self._tactile_flat_cache[1]
 
     def _tactile(self) -> tuple[tuple[int, ...], ...]:
         step = (self.cycle // 100) % 10  # the pattern moves every 100 cycles
@@ -430,6 +472,12 @@ class PalmModel:
         return NO_CAN
 
     # -- views for tests and the stop report ---------------------------------------------------------
+    @property
+    def at_rest(self) -> bool:
+        """No motor moving or counting down, no fault or CAN reply pending."""
+        return self.drop_next == 0 and not self._rx and all(
+            m.torque == 0.0 and not m.jiggle_left and not m.eeprom_left and not m.overheat for m in self.motors)
+
     @property
     def demands(self) -> list[int]:
         return [m.demand for m in self.motors]

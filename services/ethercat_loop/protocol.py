@@ -521,3 +521,79 @@ def unpack_status(buf: bytes, protocol: str = "0220") -> PalmStatus | DecodeErro
     if st.which_motors not in (0, 1):
         return DecodeError("status", f"which_motors {st.which_motors} is neither 0 nor 1")
     return st
+
+
+# ------------------------------------------------------------------ the cycle's fast path (no objects)
+# What the driver needs of every status (the motor data block and the EDC echo) and the whole command,
+# with precompiled structs and no PalmStatus / PalmCommand built per cycle: the 1 kHz cycle's CPU budget.
+# Same layouts as above (the offsets are computed from the same format prefixes), same validation.
+_MOTOR_BLOCK = struct.Struct("<IhII" + "hH" * 10)  # motor_data_type, which_motors, arrived, had_errors, packets
+_MOTOR_BLOCK_AT = {"0220": struct.calcsize("<I37H"), "0230": struct.calcsize("<I37H40HIH80HI16H")}
+_U32 = struct.Struct("<I")
+_CMD_FAST = {"0220": struct.Struct("<IIhI20hI" + "BBH8s"), "0230": struct.Struct("<IIhIII20h" + "BBH8s")}
+assert _ST_0220.format.endswith("hII" + "hH" * 10 + "IH40HH")  # the motor block follows sensors in 0220
+
+
+def status_head(buf: bytes, protocol: str = "0220") -> tuple[int, tuple[int, ...]] | None:
+    """(EDC echo, motor block: motor_data_type, which_motors, arrived, had_errors, 10 x (torque, misc))
+    of a status that `unpack_status` would accept; None when it would not (call it for the DecodeError)."""
+    info = PROTOCOLS.get(protocol)
+    if info is None or len(buf) != info.status_size or buf[info.status_struct_size + 1] > 8:
+        return None
+    edc = _U32.unpack_from(buf)[0]
+    block = _MOTOR_BLOCK.unpack_from(buf, _MOTOR_BLOCK_AT[protocol])
+    if edc > EdcCommand.CAN_DIRECT_MODE or block[0] > FromMotorDataType.DTERM or block[1] not in (0, 1):
+        return None
+    return edc, block
+
+
+def command_packer(protocol: str) -> struct.Struct:
+    """The precompiled command + CAN bridge struct; `pack_command_fields` fills it."""
+    return _CMD_FAST[protocol]
+
+
+def pack_command_fields(packer: struct.Struct, protocol: str, edc: int, from_type: int, which: int, to_type: int,
+                        motor_data: Sequence[int], tactile: int, can: CanBridgeFrame = NO_CAN,
+                        aux: int = 0) -> bytes:
+    """`pack_command(PalmCommand(...))` without the PalmCommand; motor_data already int16 (s16)."""
+    if protocol == "0220":
+        return packer.pack(edc, from_type, which, to_type, *motor_data, tactile,
+                           can.can_bus, can.message_length, can.message_id, can.data)
+    return packer.pack(edc, from_type, which, to_type, tactile, aux, *motor_data,
+                       can.can_bus, can.message_length, can.message_id, can.data)
+
+
+_ST_FAST = {"0220": struct.Struct(_ST_0220.format + "BBH8s"), "0230": struct.Struct(_ST_0230.format + "BBH8s")}
+
+
+def command_head(buf: bytes, protocol: str = "0220") -> tuple[int, int, int, int, tuple[int, ...], int, int] | None:
+    """(edc, from_motor_data_type, which_motors, to_motor_data_type, motor_data, tactile_data_type, aux_data_type)
+    of a command `unpack_command` would accept (None when it would not), without building it (the palm
+    model's per-frame path; the CAN bridge frame is `unpack_command`'s, for CAN direct mode)."""
+    info = PROTOCOLS.get(protocol)
+    if info is None or len(buf) != info.command_size or buf[info.command_struct_size + 1] > 8:
+        return None
+    if protocol == "0220":
+        v = _CMD_0220.unpack_from(buf)
+        return v[0], v[1], v[2], v[3], v[4:24], v[24], 0
+    v = _CMD_0230.unpack_from(buf)
+    return v[0], v[1], v[2], v[3], v[6:26], v[4], v[5]
+
+
+def pack_status_fields(protocol: str, edc: int, sensors: Sequence[int], block: Sequence[int], tactile_type: int,
+                       tactile_valid: int, tactile_flat: Sequence[int], idle_time_us: int,
+                       can: CanBridgeFrame = NO_CAN, aux_type: int = 0) -> bytes:
+    """`pack_status(PalmStatus(...))` from flat fields (the palm model's per-frame path): `block` is
+    motor_data_type, which_motors, arrived, had_errors, then 10 x (torque, misc); `tactile_flat` 40 (0220)
+    or 80 (0230) words; the 0230 mid-prox and aux SPI words are zero, as the model sends them."""
+    packer = _ST_FAST[protocol]
+    can_fields = (can.can_bus, can.message_length, can.message_id, can.data)
+    if protocol == "0220":
+        return packer.pack(edc, *sensors, *block, tactile_type, tactile_valid, *tactile_flat,
+                           idle_time_us, *can_fields)
+    return packer.pack(edc, *sensors, *_ZERO_40, tactile_type, tactile_valid, *tactile_flat, aux_type, *_ZERO_16,
+                       *block, idle_time_us, *can_fields)
+
+
+_ZERO_40 = (0,) * 40
+_ZERO_16 = (0,) * 16

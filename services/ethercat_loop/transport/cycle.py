@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 import pickle
+import select
 import signal
 import struct
 import sys
@@ -151,8 +152,11 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
 
 def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,
          events: Connection, st: _CycleState, publish: Callable[[], None], stopping: list[str]) -> None:
-    cnt, h_wake, h_cpu, h_rtt = shm.counters, shm.hist["wake"], shm.hist["cpu"], shm.hist["rtt"]
-    h_cmd = shm.hist["command"]
+    cnt, h_wake, h_cpu, h_rtt = shm.counters_mv, shm.hist_mv["wake"], shm.hist_mv["cpu"], shm.hist_mv["rtt"]
+    h_cmd = shm.hist_mv["command"]
+    # one poll object for the whole run: Connection.poll(0) builds a selector per call (~15 µs a cycle)
+    ctl_poll = select.poll()
+    ctl_poll.register(ctl.fileno(), select.POLLIN)
     submitted: list[int] = []  # submit times of the commands applied this cycle
     wc = master.counters
     period = cfg.period_ns
@@ -184,7 +188,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             cnt[C["wake_ns_max"]] = lat
         # ---- control messages, then the command: a demand that arrived before the tick goes out now ----
         n = 0
-        while n < MAX_MSGS_PER_CYCLE and ctl.poll(0):
+        while n < MAX_MSGS_PER_CYCLE and ctl_poll.poll(0):  # readable, or EOF (POLLHUP)
             n += 1
             try:
                 data = ctl.recv_bytes()
@@ -247,7 +251,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             # every valid status goes to the MQTT side raw (a few µs); it decodes joints there, so the
             # costly full driver snapshot can run at a fraction of the rate
             statuses_seen = driver.c["statuses"]
-            shm.write_slot("raw", RAW_HEAD.pack(driver.cycle_no, wake, statuses_seen) + status)
+            shm.write_slot_parts("raw", RAW_HEAD, (driver.cycle_no, wake, statuses_seen), status)
         if halting and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:  # that many zero commands exchanged
             st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
                               "demands_sent_last": [m.demand_sent for m in driver.motors],
