@@ -266,7 +266,9 @@ class DexterArm:
             latest = self._latest
             fresh = latest is not None and time.time() - latest[2] < period and \
                 latest[0].instruction_id != self._published_instr
-            if not fresh and self.link.serving and not self.link.busy:
+            # a file job holds the link for its whole run and lets a queued `g` in between two blocks (reads bring
+            # no status of their own); otherwise only an idle link is polled (commands' replies are status)
+            if not fresh and self.link.serving and (not self.link.busy or self._file_job is not None):
                 with contextlib.suppress(DexterLinkError, ProtocolError):
                     self.link.request("g", self._g_args())
                 latest = self._latest
