@@ -17,6 +17,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import Field
@@ -181,6 +182,9 @@ class DexterArm:
         self._error_value = 0  # the error word last decoded into _flags
         self._file_job: str | None = None  # r/W keep state on the robot: one file job at a time
         self._file_lock = threading.Lock()
+        # file transfers run on this one long-lived thread per arm (one hop per job, none per block): measured,
+        # a new thread per job waited ~35-40 µs longer for each block's reply than the raw client (README)
+        self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"dexter-transfer-{cfg.id}")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.dev.set_health(connection=False, operational=False, state="starting", error=False, error_message="",
@@ -198,6 +202,7 @@ class DexterArm:
     def close(self) -> None:
         self._stop.set()
         self.link.close()
+        self._transfers.shutdown(wait=False)  # a running transfer ends at its next block (the link is stopping)
         for t in self._threads:
             t.join(2)
         self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
@@ -515,9 +520,11 @@ class DexterArm:
         return CommandError(ERRNO_CODES.get(e.code, ErrorCode.DEVICE_ERROR), f"{what}: {e.message}")
 
     def job_read_file(self, req: DexterReadFile, job: JobContext) -> DexterFileContent:
-        try:
+        def run() -> DexterFileContent:
             with self._transfer(job) as hold:
                 return self._read_file(req, job, hold)
+        try:
+            return self._transfers.submit(run).result()
         finally:
             self._file_job = None
 
@@ -584,7 +591,7 @@ class DexterArm:
 
     def job_write_file(self, req: DexterWriteFile, job: JobContext) -> DexterFileWritten:
         try:
-            return self._write_file(req, job)
+            return self._transfers.submit(self._write_file, req, job).result()
         finally:
             self._file_job = None
 
