@@ -2,8 +2,9 @@
 
 One process, one `DexterArm` (device) per configured arm, each with its own `DexterLink` (transport.py).
 Command handlers run on the kit's command pool, jobs on their own threads (file transfers handed to one
-long-lived transfer thread per arm), the status poller on one thread per arm; each does its own exchange with the robot when its turn in the arm's FIFO comes (strict
-stop-and-wait), with no hand-off to another thread on the way.
+long-lived transfer thread per arm), the status poller on one thread per arm; each does its own exchange
+with the robot when its turn in the arm's FIFO comes (strict stop-and-wait), with no hand-off to another
+thread on the way.
 """
 
 from __future__ import annotations
