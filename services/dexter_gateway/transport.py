@@ -19,6 +19,9 @@ transfer runs at the robot's block round trip, not at the speed of hand-offs bet
 * **Keepalive**: DexRun closes a connection idle for 30 s (`SO_RCVTIMEO`, §1); after `keepalive_s` of
   silence the supervisor sends a `g` through the same FIFO. While idle it also peeks at the socket, so a
   close by the robot shows in health at once.
+* **Transfers own the link** (`hold()`): a file job takes its turn once and runs its blocks back to back
+  on its own thread, still one command in flight, each with its reply timeout; a command that queues
+  meanwhile goes between two blocks (the holder gives its turn to the waiters, then takes the next).
 * **Connect** with a timeout, a `g` probe (a second client is accepted by the kernel but never served
   while another holds the arm), then capped exponential backoff between attempts.
 """
@@ -26,14 +29,13 @@ transfer runs at the robot's block round trip, not at the speed of hand-offs bet
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import select
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -103,6 +105,28 @@ class LinkReply:
 class _Turn:
     granted: threading.Event = field(default_factory=threading.Event)
     abandoned: bool = False
+
+
+class LinkHold:
+    """A turn kept for a run of exchanges (a file transfer): see `DexterLink.hold`."""
+
+    def __init__(self, link: DexterLink, cancelled: Cancelled | None) -> None:
+        self.link = link
+        self.cancelled = cancelled
+        self.held = True
+
+    def exchange(self, req: Request, *, timeout_s: float | None = None) -> LinkReply:
+        """One command of the run (a validated `Request`); strict stop-and-wait as `submit`."""
+        link = self.link
+        if link._turns:  # someone queued (a command, the poller): they go now, we take the next turn (FIFO)
+            self.held = False
+            link._release()
+            link._acquire(self.cancelled)
+            self.held = True
+        link._check_up()
+        rep = link._exchange(req, link.timeout_for(req) if timeout_s is None else timeout_s)
+        link.on_reply(rep)
+        return rep
 
 
 StateHandler = Callable[[bool, str, str], None]  # connected, state, message
@@ -188,6 +212,20 @@ class DexterLink:
         self.on_reply(rep)
         return rep
 
+    @contextlib.contextmanager
+    def hold(self, cancelled: Cancelled | None = None) -> Iterator[LinkHold]:
+        """Keep the turn for a run of exchanges: a file transfer's blocks go back to back on the caller's
+        thread, with no turn taken and handed over per block (nor the status poller's `g` between them,
+        nor a keepalive: the blocks are traffic). Waiters still get the link between two blocks."""
+        self._check_up()
+        self._acquire(cancelled)
+        h = LinkHold(self, cancelled)
+        try:
+            yield h
+        finally:
+            if h.held:
+                self._release()
+
     def close(self) -> None:
         """Refuse new commands, fail the queued ones; the one in flight finishes; close the socket."""
         self._closing.set()
@@ -259,7 +297,7 @@ class DexterLink:
         if sock is None:
             raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {self.message}")
         self._instr = self._instr + 1 if self._instr < 2**31 - 1 else 1
-        req = dataclasses.replace(req, instruction_id=self._instr, job_id=self.config.job_id)
+        req = Request(req.oplet, req.args, self.config.job_id, self._instr, req.start_ms, req.end)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         try:

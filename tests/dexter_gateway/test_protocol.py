@@ -144,6 +144,29 @@ def test_escape_round_trip_and_chunks_stay_within_62(data: bytes) -> None:
         assert not c[:1] or c[:1] not in (b" ", b",")
 
 
+def _chunks_byte_by_byte(data: bytes, limit: int) -> list[bytes]:
+    """The reference: DDE's fill, one byte at a time (write_chunks does the same per chunk, in C)."""
+    chunks: list[bytes] = []
+    cur = bytearray()
+    for b in data:
+        piece = b"%%%02X" % b if b in b"\x00;%" else bytes((b,))
+        if len(cur) + len(piece) > limit:
+            chunks.append(bytes(cur))
+            cur = bytearray()
+        if not cur and b in b" ,\t\r\n":
+            piece = b"%%%02X" % b
+        cur += piece
+    if cur or not chunks:
+        chunks.append(bytes(cur))
+    return chunks
+
+
+@given(st.lists(st.sampled_from([b"a", b"%", b";", b"\x00", b" ", b",", b"\t", b"\n", b"\xff", b"z"]), max_size=300)
+       .map(b"".join), st.sampled_from([3, 4, 5, 6, 62]))
+def test_write_chunks_cut_exactly_as_the_byte_by_byte_fill(data: bytes, limit: int) -> None:
+    assert p.write_chunks(data, limit) == _chunks_byte_by_byte(data, limit)
+
+
 @given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=5, max_size=7),
        st.integers(-(2**31), 2**31 - 1), st.integers(0, 2**31 - 1))
 def test_request_encoding_round_trip(args: list[int], job: int, instr: int) -> None:

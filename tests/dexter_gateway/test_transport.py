@@ -77,6 +77,42 @@ def test_a_cancelled_caller_leaves_the_queue(sim: DexterSim) -> None:
     link.close()
 
 
+def test_a_hold_keeps_the_turn_and_lets_a_waiter_in_between_two_exchanges(sim: DexterSim) -> None:
+    link = make_link(sim)
+    served: list[Any] = []
+    with link.hold() as hold:
+        first = hold.exchange(link.prepare("h")).reply
+        assert link.busy and hold.held
+        keepalives = link.stats.keepalives
+        t = threading.Thread(target=lambda: served.append(link.request("h").reply))
+        t.start()
+        assert wait_for(lambda: link.queued == 1, 5)
+        assert not served  # the holder keeps the link between its exchanges
+        second = hold.exchange(link.prepare("h")).reply  # the waiter goes first, then the holder's next turn
+        assert served and hold.held
+        t.join(5)
+        assert first.instruction_id < served[0].instruction_id < second.instruction_id  # FIFO, one at a time
+        assert link.stats.keepalives == keepalives
+    assert not link.busy
+    assert link.request("h").reply.error == 0
+    link.close()
+
+
+def test_a_cancel_while_a_hold_waits_its_turn_gives_up_and_releases_nothing(sim: DexterSim) -> None:
+    link = make_link(sim)
+    sim.delay_replies(0.5, 1)
+    t = threading.Thread(target=lambda: link.request("h"))
+    t.start()
+    assert wait_for(lambda: link.busy, 5)
+    flag = threading.Event()
+    threading.Timer(0.1, flag.set).start()
+    with pytest.raises(DexterLinkError, match="cancelled"), link.hold(cancelled=flag.is_set):
+        pass
+    t.join(5)
+    assert not link.busy and link.request("h").reply.error == 0
+    link.close()
+
+
 def test_timeout_resets_the_link_and_it_comes_back(sim: DexterSim) -> None:
     link = make_link(sim, reply_timeout_s=0.3, reconnect_min_s=0.05)
     sim.drop_replies(1)
