@@ -207,8 +207,8 @@ class EpuckRobot:
         self._apply_stream()
         self.link: EpuckLink | EpuckSerialLink = self._make_link()
         self._flashing = False
-        self.sensors_gate = RateGate(settings.epuck_sensors_hz)
-        self.image_gate = RateGate(settings.epuck_image_fps)
+        self.sensors_gate = RateGate.for_jitter(settings.epuck_sensors_hz)
+        self.image_gate = RateGate.for_jitter(settings.epuck_image_fps)
         self.unwrap_l, self.unwrap_r = StepUnwrapper(), StepUnwrapper()
         self.sensors_seq = 0
         self.sensors_published = 0
