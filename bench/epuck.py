@@ -43,8 +43,8 @@ from shared.mqtt import MqttSession, unique_client_id  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
 
-TARGET_CPU_PCT = 60.0
-TARGET_P99_MS = 20.0
+TARGET_CPU_PCT = 30.0  # issue #16
+TARGET_P99_MS = 10.0  # issue #16
 LAG_GROWTH_LIMIT_MS = 5.0  # p50 of the last third minus p50 of the first third
 
 
