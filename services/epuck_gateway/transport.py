@@ -337,9 +337,10 @@ class EpuckLink:
 
     def _wake_on_whole_image(self) -> None:
         """Mid-image, let the kernel wake the loop only once the rest of the image is in (SO_RCVLOWAT):
-        the robot sends a frame in ten writes, and each one woke the loop for a read that completes
-        nothing (2,000 wake-ups a second for 20 robots at 10 fps). A closed or reset connection still
-        wakes it at once; between packets the mark is back at 1 byte, so a sensors packet is never held."""
+        the robot sends a frame in ten writes, and a read that completes nothing is a wasted wake-up
+        (20 simulated robots on 127.0.0.1, 50 Hz + 10 fps: 1,517 reads/s before, 1,197 with the mark,
+        for 1,200 packets/s). A closed or reset connection still wakes the loop at once; between
+        packets the mark is back at 1 byte, so a sensors packet is never held."""
         missing = self.parser.missing()
         want = min(missing, LOWAT_MAX) if missing >= LOWAT_MIN else 1
         if want != self._lowat and self._sock is not None:
