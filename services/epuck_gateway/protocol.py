@@ -299,6 +299,12 @@ class EpuckStreamParser:
         """True while part of a packet has been read (used to tell which packets follow a command)."""
         return bool(self._buf) and not self.broken
 
+    def missing(self) -> int:
+        """Bytes still to come before the packet in progress is complete (0 between packets)."""
+        if self.broken or not self._buf:
+            return 0
+        return max(0, 1 + PAYLOAD_SIZES.get(self._buf[0], 0) - len(self._buf))
+
     def reset(self) -> None:
         """A new link: forget partial input, start at an id byte."""
         self._buf.clear()

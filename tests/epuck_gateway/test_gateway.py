@@ -299,6 +299,22 @@ def test_gateway_stop_sends_stop_command(broker_session: Broker, spawn: Any, cli
         sim.close()
 
 
+def test_jpeg_on_encoder_threads_when_configured(broker_session: Broker, spawn: Any, client: RpcClient) -> None:
+    """The default encodes on the loop (the module fixture's gateway); EPUCK_ENCODE_WORKERS > 0 hands frames
+    to threads: the same JPEG stream and image_info, at the fps cap."""
+    sim = EpuckSimThread(1, EpuckSimConfig(sensors_hz=50, image_fps=10)).start()
+    try:
+        proc = spawn(GATEWAY, gateway_env(broker_session, sim, ROBOBUS_NODE="epuck-pool",
+                                          ROBOBUS_EPUCK_ENCODE_WORKERS="2")[0])
+        infos = client.collect("robobus/epuck-pool/epuck1/state/image_info", 15,
+                               until=lambda t, p: json.loads(p)["seq"] >= 5)
+        assert infos and json.loads(infos[-1][1])["seq"] >= 5, proc.text()
+        frames = client.collect("robobus/epuck-pool/epuck1/state/image", 5, until=lambda t, p: True)
+        assert frames and Image.open(io.BytesIO(frames[-1][1])).size == (160, 120)
+    finally:
+        sim.close()
+
+
 def test_gateway_retries_until_the_simulator_is_up(broker_session: Broker, spawn: Any) -> None:
     sim = EpuckSimThread(1, EpuckSimConfig())
     port = sim.robots[0].port = free_port()

@@ -311,3 +311,16 @@ def test_controller_rejects_out_of_range() -> None:
         c.play(0x03)
     c.set_stream(image=False, sensors=None)
     assert c.request == 2
+
+
+def test_parser_says_how_much_of_the_packet_in_progress_is_missing() -> None:
+    p = EpuckStreamParser()
+    assert p.missing() == 0
+    p.feed(bytes([0x01]) + bytes(1000))  # an image begun: the link waits for the rest in one wake-up
+    assert p.missing() == IMAGE_SIZE - 1000
+    p.feed(bytes(IMAGE_SIZE - 1000) + bytes([0x02]) + bytes(4))
+    assert p.missing() == SENSORS_SIZE - 4
+    p.feed(bytes(SENSORS_SIZE - 4))
+    assert p.missing() == 0
+    p.feed(bytes([0x07]))  # framing error: nothing more is awaited
+    assert p.missing() == 0
