@@ -50,7 +50,14 @@ from services.roi_modules.models import (
     RoiSetVelocity,
     RoiStatusReport,
 )
-from services.roi_modules.transport import LinkStats, RequestLost, RoiTransport, TransportConfig, check_prefix
+from services.roi_modules.transport import (
+    LinkStats,
+    RequestLost,
+    RoiTransport,
+    TransportConfig,
+    background_traffic,
+    check_prefix,
+)
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 from shared.node import NODE_DEVICE
 
@@ -266,10 +273,15 @@ class RoiModule:
             self.cfg.octet, p.SysAdminPacket(action, payload, 0, self.svc.settings.roi_host_octet), **kw)
 
     # -- maintain loop (§4.4) ------------------------------------------------------------------------------
-    async def maintain(self) -> None:
+    async def maintain(self, phase: float = 0.0) -> None:
+        """`phase` (0..1) spreads the modules' ticks over the period: started together, every module would
+        poll in the same instant, and a command arriving then would queue behind that burst of requests,
+        replies and state publishes (in this loop and in the modules' network) instead of finding it idle."""
+        background_traffic()  # what this task sends queues behind commands (transport._Slot)
         loop = asyncio.get_running_loop()
         period = self.svc.settings.roi_maintain_period_s
-        nxt = loop.time()
+        nxt = loop.time() + phase * period
+        await asyncio.sleep(phase * period)
         while True:
             try:
                 if self.status_due or self.tick_no % self.svc.settings.roi_status_every == 0:
@@ -849,7 +861,8 @@ class RoiService:
         await self.transport.open()
         log.info("serving ROI modules", extra={"host": self.transport.cfg.host_address,
                                                "modules": [f"{m.cfg.name}@{m.cfg.octet}" for m in self.modules]})
-        self._tasks = [asyncio.ensure_future(m.maintain()) for m in self.modules]
+        n = len(self.modules)
+        self._tasks = [asyncio.ensure_future(m.maintain(i / n)) for i, m in enumerate(self.modules)]
         self._tasks.append(asyncio.ensure_future(self._link_stats()))
         try:
             await asyncio.gather(*self._tasks)
