@@ -105,7 +105,7 @@ GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResul
                          doc="As go_to_position, relative to the position at the start")
 
 ENV_PREFIX = "ROBOBUS_ROI_"
-PHASE_SLOTS = 10  # maintain ticks go out in this many groups spread over the period (RoiService.serve)
+PHASE_SLOTS = 5  # maintain ticks go out in this many groups spread over the period (RoiService.serve)
 KIND_TYPES = {"gpio": p.ModuleType.GENERAL_GPIO, "odrive": p.ModuleType.O_DRIVE, "actuator": p.ModuleType.ACTUATOR}
 
 
