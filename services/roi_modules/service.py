@@ -50,7 +50,14 @@ from services.roi_modules.models import (
     RoiSetVelocity,
     RoiStatusReport,
 )
-from services.roi_modules.transport import LinkStats, RequestLost, RoiTransport, TransportConfig, check_prefix
+from services.roi_modules.transport import (
+    LinkStats,
+    RequestLost,
+    RoiTransport,
+    TransportConfig,
+    background_traffic,
+    check_prefix,
+)
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 from shared.node import NODE_DEVICE
 
@@ -98,6 +105,7 @@ GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResul
                          doc="As go_to_position, relative to the position at the start")
 
 ENV_PREFIX = "ROBOBUS_ROI_"
+PHASE_SLOTS = 5  # maintain ticks go out in this many groups spread over the period (RoiService.serve)
 KIND_TYPES = {"gpio": p.ModuleType.GENERAL_GPIO, "odrive": p.ModuleType.O_DRIVE, "actuator": p.ModuleType.ACTUATOR}
 
 
@@ -266,10 +274,15 @@ class RoiModule:
             self.cfg.octet, p.SysAdminPacket(action, payload, 0, self.svc.settings.roi_host_octet), **kw)
 
     # -- maintain loop (§4.4) ------------------------------------------------------------------------------
-    async def maintain(self) -> None:
+    async def maintain(self, phase: float = 0.0) -> None:
+        """`phase` (0..1) offsets this module's ticks in the period: started together, every module would
+        poll in the same instant, and a command arriving then would queue behind that burst of requests,
+        replies and state publishes (in this loop and in the modules' network) instead of finding it idle."""
+        background_traffic()  # what this task sends queues behind commands (transport._Slot)
         loop = asyncio.get_running_loop()
         period = self.svc.settings.roi_maintain_period_s
-        nxt = loop.time()
+        nxt = loop.time() + phase * period
+        await asyncio.sleep(phase * period)
         while True:
             try:
                 if self.status_due or self.tick_no % self.svc.settings.roi_status_every == 0:
@@ -849,7 +862,11 @@ class RoiService:
         await self.transport.open()
         log.info("serving ROI modules", extra={"host": self.transport.cfg.host_address,
                                                "modules": [f"{m.cfg.name}@{m.cfg.octet}" for m in self.modules]})
-        self._tasks = [asyncio.ensure_future(m.maintain()) for m in self.modules]
+        # ticks in PHASE_SLOTS groups spread over the period: all modules in one instant made a burst a command
+        # could queue behind for the whole tick's work; one slot per module lost the batching (each request,
+        # reply and publish woke the loop and paho's thread on its own) and doubled the CPU
+        slots = min(PHASE_SLOTS, len(self.modules))
+        self._tasks = [asyncio.ensure_future(m.maintain((i % slots) / slots)) for i, m in enumerate(self.modules)]
         self._tasks.append(asyncio.ensure_future(self._link_stats()))
         try:
             await asyncio.gather(*self._tasks)

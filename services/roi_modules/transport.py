@@ -12,16 +12,21 @@ What the original Transport Agent got wrong (§5.5), fixed here:
   on the whole address, which rewrites every matching digit);
 - a reply that matches no request is counted (per module and in total), not published as if it had.
 Requests to one module are serialised per port (one in flight: the firmware answers strictly in order and two
-requests with the same key could not be told apart); different modules are served concurrently.
+requests with the same key could not be told apart); different modules are served concurrently. In that
+per-module queue a command goes before the maintain loop's background traffic (`background_traffic()`), and
+a background request whose reply is overdue hands the module to a waiting command before it resends, so a
+command never waits out a 50 ms resend timer of maintain traffic (see `_Slot`).
 While a module is disconnected, a request is sent once (a probe) instead of being resent ten times.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ipaddress
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +106,59 @@ class _Pending:
     sent_at: float = 0.0
 
 
+_BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("roi_background", default=False)
+
+
+def background_traffic() -> None:
+    """Mark what the calling task sends from now on as background (the maintain loop): it queues behind
+    commands for its module and yields to them between resends. A task's context is its own."""
+    _BACKGROUND.set(True)
+
+
+class _Slot:
+    """One module port's single request in flight, handed over in priority order: commands first (FIFO among
+    themselves), then background requests (FIFO). Hand-over keeps the slot busy, so nobody can jump in."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.urgent: deque[tuple[asyncio.Future[None], Key, bytes]] = deque()
+        self.background: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self, urgent: bool, key: Key, data: bytes) -> None:
+        if not self.busy and not self.urgent and not self.background:
+            self.busy = True
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (fut, key, data)
+        if urgent:
+            self.urgent.append(entry)
+        else:
+            self.background.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed the slot just as we were cancelled: pass it on
+            elif urgent:
+                self.urgent.remove(entry)
+            else:
+                self.background.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self.urgent or self.background:
+            fut = self.urgent.popleft()[0] if self.urgent else self.background.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot stays busy: it is theirs now
+                return
+        self.busy = False
+
+    def command_waiting(self, key: Key, data: bytes) -> bool:
+        """A command waits that may go first. Not one with our key but other bytes: a late reply to our
+        unanswered send would match it and be taken for its own answer (identical bytes: any reply fits)."""
+        return any(k != key or d == data for _, k, d in self.urgent)
+
+
 class _Endpoint(asyncio.DatagramProtocol):
     def __init__(self, owner: RoiTransport, port: int) -> None:
         self.owner = owner
@@ -133,7 +191,7 @@ class RoiTransport:
         self.on_connection = on_connection
         self.on_decode_error = on_decode_error
         self._pending: dict[Key, _Pending] = {}
-        self._locks: dict[tuple[int, int], asyncio.Lock] = {}
+        self._slots: dict[tuple[int, int], _Slot] = {}
         self._transports: dict[int, asyncio.DatagramTransport] = {}
         self._prefix_dot = cfg.prefix + "."
 
@@ -189,31 +247,43 @@ class RoiTransport:
         tr = self._transports.get(port)
         if tr is None:
             raise RequestLost("the transport is closed")
-        lock = self._locks.get((octet, port))
-        if lock is None:
-            lock = self._locks[(octet, port)] = asyncio.Lock()
+        slot = self._slots.get((octet, port))
+        if slot is None:
+            slot = self._slots[(octet, port)] = _Slot()
         if retries is None:
             retries = self.cfg.max_retries if link.connected or link.replies == 0 else 0
         dest = (self.address(octet), port)
         loop = asyncio.get_running_loop()
-        async with lock:
-            try:
-                for attempt in range(retries + 1):
-                    fut: asyncio.Future[Any] = loop.create_future()
-                    self._pending[key] = _Pending(fut, time.monotonic())
-                    timer = loop.call_later(self.cfg.timeout_s, _expire, fut)
-                    tr.sendto(data, dest)
-                    link.sent += 1
-                    if attempt:
-                        link.resent += 1
-                    try:
-                        reply = await fut
-                    finally:
-                        timer.cancel()
-                    if reply is not None:
-                        return reply
-            finally:
+        urgent = not _BACKGROUND.get()
+        await slot.acquire(urgent, key, data)
+        held = True
+        try:
+            for attempt in range(retries + 1):
+                if attempt and not urgent and slot.command_waiting(key, data):
+                    # our reply is overdue (lost, or the module is slow): let the waiting command go first
+                    # rather than make it wait out our resends, then queue again
+                    self._pending.pop(key, None)
+                    held = False
+                    slot.release()
+                    await slot.acquire(False, key, data)
+                    held = True
+                fut: asyncio.Future[Any] = loop.create_future()
+                self._pending[key] = _Pending(fut, time.monotonic())
+                timer = loop.call_later(self.cfg.timeout_s, _expire, fut)
+                tr.sendto(data, dest)
+                link.sent += 1
+                if attempt:
+                    link.resent += 1
+                try:
+                    reply = await fut
+                finally:
+                    timer.cancel()
+                if reply is not None:
+                    return reply
+        finally:
+            if held:
                 self._pending.pop(key, None)
+                slot.release()
         if not counts:
             return None
         link.lost_since_connect += 1

@@ -196,3 +196,39 @@ def test_garbage_payloads_all_answered_and_node_survives(broker_session, spawn) 
         assert c.call(node_name, "dev1", "echo", {"text": "alive"}).ok
     finally:
         c.close()
+
+
+def test_async_handler_runs_on_the_service_loop_without_a_pool_thread(echo_node: Node, client: RpcClient) -> None:
+    """An `async def` handler goes from the network thread straight to the service's loop (one hop), with the
+    same validation, errors and reply as the pool path."""
+    import asyncio
+
+    from shared import CommandError, ErrorCode
+    from tests.kit.echo_node import WHERE, WhereReply
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, name="service-loop", daemon=True)
+    runner.start()
+    echo_node.attach_loop(loop)
+    fail = threading.Event()
+
+    async def where(r: object) -> WhereReply:
+        await asyncio.sleep(0)
+        if fail.is_set():
+            raise CommandError(ErrorCode.BUSY, "async refusal")
+        return WhereReply(thread=threading.current_thread().name)
+
+    try:
+        echo_node.devices["dev1"].bind(WHERE, where)
+        rep = client.call(echo_node.name, "dev1", "where", {})
+        assert rep.ok and rep.result["thread"] == "service-loop", rep
+        bad = client.call(echo_node.name, "dev1", "where", b"[]")
+        assert not bad.ok and bad.error and bad.error["code"] == "invalid_request"
+        fail.set()
+        refused = client.call(echo_node.name, "dev1", "where", {})
+        assert not refused.ok and refused.error and refused.error["code"] == "busy"
+        assert "async refusal" in refused.error["message"]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()

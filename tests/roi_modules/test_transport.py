@@ -10,7 +10,14 @@ import pytest
 
 from services.roi_modules import protocol as p
 from services.roi_modules.sim import RoiSim, SimModuleSpec
-from services.roi_modules.transport import LinkStats, RequestLost, RoiTransport, TransportConfig, module_address
+from services.roi_modules.transport import (
+    LinkStats,
+    RequestLost,
+    RoiTransport,
+    TransportConfig,
+    background_traffic,
+    module_address,
+)
 from tests.roi_modules.conftest import fresh_prefix
 
 OCTETS = [10, 20, 30]
@@ -169,3 +176,74 @@ def test_requests_to_one_module_are_serialised_and_modules_run_concurrently(sim:
         return events
 
     run(sim, body, timeout_s=1.0)
+
+
+def _background(make):  # type: ignore[no-untyped-def]
+    """Run `make()` as the maintain loop's traffic (its own task, marked background; tasks it makes inherit)."""
+    async def run():  # type: ignore[no-untyped-def]
+        background_traffic()
+        return await make()
+    return asyncio.ensure_future(run())
+
+
+async def _until_in_flight(tr: RoiTransport, n: int = 1) -> None:
+    while len(tr._pending) < n:
+        await asyncio.sleep(0.002)
+
+
+def test_commands_go_before_queued_maintain_traffic(sim: RoiSim) -> None:
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        sim.set_faults(10, delay_s=0.1)  # the first request stays in flight while the others queue
+        done: list[str] = []
+
+        async def read(pin: int, tag: str) -> None:
+            await tr.general(10, p.GeneralPacket(pin, p.GpioAction.READ))
+            done.append(tag)
+
+        maint = _background(lambda: asyncio.gather(read(0, "maintain 0"), read(1, "maintain 1"),
+                                                   read(2, "maintain 2")))
+        await _until_in_flight(tr)
+        await read(5, "command")
+        await maint
+        assert done == ["maintain 0", "command", "maintain 1", "maintain 2"]
+        assert tr.links[10].resent == 0
+        return events
+
+    run(sim, body, timeout_s=1.0)
+
+
+def test_command_does_not_wait_out_a_maintain_resend(sim: RoiSim) -> None:
+    """A maintain request whose reply is overdue lets a waiting command go before it resends."""
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        sim.set_faults(20, drop_next=1)  # the maintain GET_ALL is lost: it would be resent after timeout_s
+        maint = _background(lambda: tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL)))
+        await _until_in_flight(tr)
+        await tr.general(20, p.odrive_request(p.OdriveAction.GET_CONTROL_MODE))
+        assert not maint.done() and tr.links[20].resent == 0  # the command went before the resend
+        rep = await maint
+        assert rep.action == p.OdriveAction.GET_ALL and tr.links[20].resent == 1
+        assert tr.links[20].lost_total == 0
+        return events
+
+    run(sim, body, timeout_s=0.3)
+
+
+def test_command_with_the_same_key_but_other_bytes_waits_for_the_maintain_request(sim: RoiSim) -> None:
+    """A late reply to the unanswered maintain send would match it: it waits (identical bytes would not)."""
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        sim.set_faults(20, drop_next=1)
+        done: list[str] = []
+
+        async def setpos(value: float, tag: str) -> None:
+            await tr.general(20, p.odrive_request(p.OdriveAction.SET_POSITION, value))
+            done.append(tag)
+
+        maint = _background(lambda: setpos(1.0, "maintain"))
+        await _until_in_flight(tr)
+        await setpos(2.0, "command")
+        await maint
+        assert done == ["maintain", "command"]
+        assert sim.call(20, lambda fw: fw.pos_sp) == 2.0  # the command, sent last, is what the module holds
+        return events
+
+    run(sim, body, timeout_s=0.3)
