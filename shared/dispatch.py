@@ -70,7 +70,7 @@ class CommandDispatcher:
         if dev is not None and command in dev.inline:
             self.handle(topic, device_name, command, msg.payload, response_topic, correlation, qos)
             return
-        entry = dev.commands.get(command) if dev is not None else None
+        entry = dev.commands.get(command) if dev is not None and command not in dev.jobs else None
         loop = self.get_loop() if self.get_loop is not None and entry is not None else None
         if entry is not None and loop is not None and inspect.iscoroutinefunction(entry[1]) and loop.is_running():
             args = (topic, device_name, command, msg.payload, response_topic, correlation, qos)
@@ -117,7 +117,7 @@ class CommandDispatcher:
             counters.failed(err.code.value)
             body = b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
         self.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
-                             properties=reply_properties(None, correlation, "application/json"))
+                             properties=PublishProperties(None, correlation, "application/json"), now=True)
 
     def dispatch(self, device_name: str, command: str, payload: bytes | bytearray) -> bytes:
         """Validate and run one request; the reply's `result` as JSON bytes, or raise CommandError."""
