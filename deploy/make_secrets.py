@@ -103,7 +103,12 @@ def central_acl(sites: dict[str, str]) -> str:
     return "\n".join(out)
 
 
-BRIDGE_KEEPALIVE_S = 2  # the centre marks a site unreachable after 1.5 keepalives without a packet
+# The centre marks a site unreachable when nothing came from its bridge for 1.5 keepalives (MQTT), checked
+# in whole seconds. 5 s is mosquitto's floor for a bridge: any lower `keepalive_interval` is silently raised
+# to 5 ("keepalive interval too low, using 5 seconds", every 2.x), so 2 s here was 5 s in fact. A cut site is
+# seen within 1.5 x 5 + 1 = 8.5 s at most (tests/deploy/test_fleet.py asserts this bound).
+BRIDGE_KEEPALIVE_S = 5
+BRIDGE_CHECK_GRANULARITY_S = 1  # mosquitto compares keepalive deadlines in whole seconds
 
 
 def bridge_conf(site: str, root: str, address: str, username: str, password: str) -> str:
@@ -122,7 +127,7 @@ def bridge_conf(site: str, root: str, address: str, username: str, password: str
         f"remote_password {password}",
         "cleansession false",
         f"keepalive_interval {BRIDGE_KEEPALIVE_S}",
-        "restart_timeout 1 5",
+        "restart_timeout 1 5",  # reconnect 1 s after a cut, backing off to 5 s at most
         "try_private true",
         "notifications true",
         "notifications_local_only false",
