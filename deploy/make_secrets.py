@@ -2,7 +2,7 @@
 """Broker credentials and access rules for one robobus host (or a fleet's central broker).
 
 Writes into a secrets folder (default deploy/secrets/, never committed):
-    passwd          mosquitto password file: one user per service node, `operator`, `viewer` (PBKDF2-SHA512,
+    passwd          mosquitto password file: one user per service node, `operator`, `viewer`, `recorder` (PBKDF2-SHA512,
                     the `$7$` format of mosquitto_passwd), plus one `bridge-<site>` user per site at a centre
     acl             mosquitto ACL file (below)
     <user>.env      ROBOBUS_MQTT_USERNAME / ROBOBUS_MQTT_PASSWORD for that user (compose `env_file`, the CLI)
@@ -17,7 +17,9 @@ The ACL (anonymous access is off in the broker config):
   - every client reads the replies to its own requests, {root}/_client/<its client id>/reply;
   - `operator` (CLI, dashboards that command) reads every node's topics and sends any command;
   - `viewer` (read-only dashboards) reads every node's topics and writes nothing;
-  neither reads other clients' replies (observer_reads).
+  neither reads other clients' replies (observer_reads);
+  - `recorder` (compose profile `record`, `robobus record`) reads everything under {root}/# (what it
+    records: streams, commands and replies too) and writes nothing.
 Stdlib only: runs on the host before anything is installed.
     python3 deploy/make_secrets.py [--dir deploy/secrets] [--root robobus] [--node NAME[=SERVICE]]...
     python3 deploy/make_secrets.py --central --site site-a=site-a/robobus --site site-b=site-b/robobus
@@ -83,7 +85,9 @@ class Acl:
             out.append("")
         # $SYS: broker statistics for dashboards (and the broker's own healthcheck, as viewer).
         out += ["user operator", *observer_reads(r), f"topic write {r}/+/+/cmd/+", "topic read $SYS/#", "",
-                "user viewer", *observer_reads(r), "topic read $SYS/#", ""]
+                "user viewer", *observer_reads(r), "topic read $SYS/#", "",
+                # the bus recorder: read-only, but on everything it records (a replay needs the whole bus)
+                "user recorder", f"topic read {r}/#", ""]
         return "\n".join(out)
 
 
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               creds["ROBOBUS_MQTT_USERNAME"],
                                                               creds["ROBOBUS_MQTT_PASSWORD"]), owner=BROKER_UID)
         nodes = parse_pairs(args.node, "--node") or {s: s for s in SERVICES}
-        users = [*nodes, "operator", "viewer"]
+        users = [*nodes, "operator", "viewer", "recorder"]
         acl = Acl(args.root, nodes).text()
     lines = [f"{u}:{hash_password(user_password(folder, u, args.rotate))}" for u in users]
     write_private(folder / "passwd", "\n".join(lines) + "\n", owner=BROKER_UID)

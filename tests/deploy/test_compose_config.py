@@ -17,6 +17,7 @@ from services.dexter_gateway.service import DexterSettings
 from services.epuck_gateway.service import EpuckSettings
 from services.ethercat_loop.settings import EthercatSettings
 from services.roi_modules.service import RoiSettings
+from shared.recorder import RecorderSettings
 from tests.deploy.deployfiles import DEPLOY, REPO
 from tests.deploy.stack import Stack
 
@@ -95,3 +96,17 @@ def test_new_services_join_the_sim_profile_only_when_their_package_exists(compos
     assert ("roi-modules-sim" in svcs) == (REPO / "services/roi_modules/sim.py").exists()
     assert ("dexter-gateway-sim" in svcs) == (REPO / "services/dexter_gateway/sim.py").exists()
     assert {"broker", "ethercat-loop-sim", "can-bootloader-sim", "epuck-gateway-sim", "epuck-sim"} <= svcs
+
+
+def test_the_recorder_has_its_own_user_a_volume_and_rotation_from_the_environment(compose_ok, tmp_path):
+    cfg = config(tmp_path, "sim,record", ROBOBUS_RECORD_MAX_DURATION_S="600", ROBOBUS_RECORD_MAX_BYTES="50000000")
+    rec = cfg["services"]["recorder"]
+    env = rec["environment"]
+    assert env["ROBOBUS_MQTT_USERNAME"] == "recorder"  # its env_file: not another service's credentials
+    assert (env["ROBOBUS_RECORD_MAX_DURATION_S"], env["ROBOBUS_RECORD_MAX_BYTES"]) == ("600", "50000000")
+    assert env["ROBOBUS_RECORD_PATH"].startswith("/recordings/")
+    unknown = {k for k in env if k.startswith("ROBOBUS_")} - env_names(RecorderSettings) - {"ROBOBUS_LOG_JSON"}
+    assert not unknown, f"recorder: {sorted(unknown)} are not RecorderSettings"
+    assert any(v["target"] == "/recordings" for v in rec["volumes"])
+    assert rec["read_only"] and rec["user"] == "65534:65534"
+    assert "recorder" not in config(tmp_path, "sim")["services"]  # only with the profile
