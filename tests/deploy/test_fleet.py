@@ -21,12 +21,12 @@ from tests.deploy.stack import DOCKER, Stack, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-# The bound comes from the bridge's configuration (deploy/make_secrets.py): the centre's broker drops the bridge
-# 1.5 keepalives after its last packet (whole-second checks), then publishes its Will "0". The margin covers the
-# docker network disconnect taking effect and the viewer's delivery on a loaded machine, not a longer keepalive.
-KEEPALIVE_S, CHECK_S = make_secrets.BRIDGE_KEEPALIVE_S, make_secrets.BRIDGE_CHECK_GRANULARITY_S
+# The bound comes from the bridge's configuration and the broker's keepalive sweep (deploy/make_secrets.py:
+# 1.5 keepalives in whole seconds, then the next sweep, then the Will "0"). The margin covers the viewer's delivery
+# on a loaded machine, not a longer keepalive.
+KEEPALIVE_S = make_secrets.BRIDGE_KEEPALIVE_S
 UNREACHABLE_MARGIN_S = 2.0
-UNREACHABLE_WITHIN_S = 1.5 * KEEPALIVE_S + CHECK_S + UNREACHABLE_MARGIN_S
+UNREACHABLE_WITHIN_S = make_secrets.unreachable_bound_s() + UNREACHABLE_MARGIN_S
 SITES = {"site-a": ["ethercat-loop-sim"], "site-b": ["epuck-sim", "epuck-gateway-sim"]}
 NODES = {"site-a": ["ethercat-loop"], "site-b": ["epuck-gateway"]}
 
