@@ -17,6 +17,7 @@ from services.dexter_gateway.service import DexterSettings
 from services.epuck_gateway.service import EpuckSettings
 from services.ethercat_loop.settings import EthercatSettings
 from services.roi_modules.service import RoiSettings
+from shared.fleet_watch import FleetWatchSettings
 from shared.recorder import RecorderSettings
 from tests.deploy.deployfiles import DEPLOY, REPO
 from tests.deploy.stack import Stack
@@ -53,9 +54,9 @@ def env_names(cls: type[BaseSettings]) -> set[str]:
     return names
 
 
-def config(tmp_path: Path, profiles: str, **env: str) -> dict:
+def config(tmp_path: Path, profiles: str, secrets_args: tuple[str, ...] = (), **env: str) -> dict:
     st = Stack("robobus-config-check", tmp_path, profiles=profiles, extra_env=env)
-    st.make_secrets()
+    st.make_secrets(*secrets_args)
     return yaml.safe_load(st.compose("config").stdout)
 
 
@@ -82,10 +83,17 @@ def test_fleet_env_files_resolve(compose_ok, tmp_path, env_file):
             k, v = line.split("=", 1)
             env[k] = v.strip("'\"")
     profiles = env.pop("COMPOSE_PROFILES")
-    for k in ("ROBOBUS_SITE", "ROBOBUS_CENTRAL_ADDRESS", "ROBOBUS_BRIDGE_CREDENTIALS", "ROBOBUS_CENTRAL_SITES"):
+    for k in ("ROBOBUS_SITE", "ROBOBUS_CENTRAL_ADDRESS", "ROBOBUS_BRIDGE_CREDENTIALS"):
         env.pop(k, None)  # up.sh's, not compose's
-    cfg = config(tmp_path, profiles, **env)
+    sites = env.get("ROBOBUS_CENTRAL_SITES", "").split()
+    central = ("--central", *[a for s in sites for a in ("--site", s)]) if sites else ()
+    cfg = config(tmp_path, profiles, central, **env)
     assert "broker" in cfg["services"]
+    if profiles == "central":  # the watcher reads every variable it is given, and watches every site
+        given = cfg["services"]["fleet-watch"]["environment"]
+        assert {k for k in given if k.startswith("ROBOBUS_")} <= env_names(FleetWatchSettings)
+        assert FleetWatchSettings(fleet_sites=given["ROBOBUS_FLEET_SITES"]).roots() == \
+            sorted(s.split("=", 1)[1] for s in sites)
     if profiles == "hand":
         given = cfg["services"]["ethercat-loop"]["environment"]
         assert given["ROBOBUS_ETHERCAT_IFNAME"] == env["ROBOBUS_ETHERCAT_IFNAME"]
