@@ -23,6 +23,7 @@ import typer
 from paho.mqtt.enums import CallbackAPIVersion
 from pydantic import Field, field_validator
 
+from shared.logs import setup_logging
 from shared.settings import KitSettings, load_settings
 
 log = logging.getLogger("robobus.fleet_watch")
@@ -135,6 +136,9 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
         if ready:
             ready.unlink(missing_ok=True)
 
+    def on_connect_fail(c: mqtt.Client, userdata: object) -> None:
+        log.warning("fleet-watch: no broker at %s:%s, retrying", b.host, b.port)
+
     def on_message(c: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         if msg.retain:  # the broker's copy from before we subscribed: says nothing about now
             return
@@ -142,6 +146,7 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
 
     client.on_connect, client.on_subscribe = on_connect, on_subscribe
     client.on_disconnect, client.on_message = on_disconnect, on_message
+    client.on_connect_fail = on_connect_fail
     client.connect_async(b.host, b.port, keepalive=settings.mqtt_keepalive_s)
     client.loop_start()
     log.info("fleet-watch: %s, unreachable after %.1f s without a heartbeat", roots, settings.fleet_watch_timeout_s)
@@ -173,7 +178,7 @@ def fleet_watch(
     if broker is not None:
         overrides["mqtt_url"] = broker
     settings = load_settings(FleetWatchSettings, **overrides)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    setup_logging(settings.log_level, settings.log_json)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
