@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="cycle window, each side")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--quick", action="store_true", help="10 s windows, 100 calls")
+    ap.add_argument("--cycle-only", action="store_true", help="only part 3 (the cycle inside vs outside), e.g. to "
+                    "repeat that comparison several times without the sim stack")
     a = ap.parse_args()
     if a.quick:
         a.seconds, a.calls = 10.0, 100
@@ -119,6 +121,13 @@ def main() -> None:
     out: dict[str, Any] = {"bench": "deploy", "seconds": a.seconds, "calls": a.calls}
     tmp = Path(tempfile.mkdtemp(prefix="robobus-bench-deploy-"))
 
+    if not a.cycle_only:
+        up_and_round_trips(a, out, tmp)
+    cycle_inside_vs_outside(a, out, tmp)
+    print(json.dumps(out))
+
+
+def up_and_round_trips(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
     # 1 + 2 (container side): the sim profile
     sim = Stack(f"robobus-bench-{os.getpid()}", tmp / "sim")
     sim.make_secrets()
@@ -157,6 +166,8 @@ def main() -> None:
     print(f"command round trip p50/p99: container {rc:.2f}/{pct(rtt_c, .99):.2f} ms, host {rh:.2f}/"
           f"{pct(rtt_h, .99):.2f} ms, ratio {rc / rh:.2f} (target <= {RTT_RATIO_TARGET})")
 
+
+def cycle_inside_vs_outside(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
     # 3: the cycle in the realtime container, then outside
     hand = Stack(f"robobus-bench-rt-{os.getpid()}", tmp / "rt", profiles="hand",
                  extra_env={"ROBOBUS_VHAND": "1", "ROBOBUS_FIRMWARE_DIR": str(tmp / "firmware")})
@@ -189,7 +200,6 @@ def main() -> None:
               f"{t['wake_p99_us']} us (max {t['wake_max_us']}), {t['policy']}")
     print(f"lost frames container - outside: {out['lost_container_minus_outside']} (target <= 0 + noise); wake p99 "
           f"ratio {out['wake_p99_ratio_container_over_outside']} (target <= {WAKE_RATIO_TARGET})")
-    print(json.dumps(out))
 
 
 if __name__ == "__main__":

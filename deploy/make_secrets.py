@@ -2,7 +2,7 @@
 """Broker credentials and access rules for one robobus host (or a fleet's central broker).
 
 Writes into a secrets folder (default deploy/secrets/, never committed):
-    passwd          mosquitto password file: one user per service node, `operator`, `viewer` (PBKDF2-SHA512,
+    passwd          mosquitto password file: one user per service node, `operator`, `viewer`, `recorder` (PBKDF2-SHA512,
                     the `$7$` format of mosquitto_passwd), plus one `bridge-<site>` user per site at a centre
     acl             mosquitto ACL file (below)
     <user>.env      ROBOBUS_MQTT_USERNAME / ROBOBUS_MQTT_PASSWORD for that user (compose `env_file`, the CLI)
@@ -17,7 +17,9 @@ The ACL (anonymous access is off in the broker config):
   - every client reads the replies to its own requests, {root}/_client/<its client id>/reply;
   - `operator` (CLI, dashboards that command) reads every node's topics and sends any command;
   - `viewer` (read-only dashboards) reads every node's topics and writes nothing;
-  neither reads other clients' replies (observer_reads).
+  neither reads other clients' replies (observer_reads);
+  - `recorder` (compose profile `record`, `robobus record`) reads everything under {root}/# (what it
+    records: streams, commands and replies too) and writes nothing.
 Stdlib only: runs on the host before anything is installed.
     python3 deploy/make_secrets.py [--dir deploy/secrets] [--root robobus] [--node NAME[=SERVICE]]...
     python3 deploy/make_secrets.py --central --site site-a=site-a/robobus --site site-b=site-b/robobus
@@ -63,7 +65,8 @@ def observer_reads(root: str) -> list[str]:
     """What operator and viewer read under a root: every node's topics, but not other clients' replies
     ({root}/_client/<id>/reply: a reply is its requester's business), which `{root}/#` would include."""
     return [f"topic read {root}/{t}" for t in ("+/status", "+/+/health", "+/+/state/#", "+/+/event/#",
-                                               "+/+/stream/#", "+/+/cmd/#", "_bridge/state")]
+                                               "+/+/stream/#", "+/+/cmd/#", "_bridge/state",
+                                               "_bridge/reachable", "_bridge/uptime")]
 
 
 @dataclass
@@ -83,7 +86,9 @@ class Acl:
             out.append("")
         # $SYS: broker statistics for dashboards (and the broker's own healthcheck, as viewer).
         out += ["user operator", *observer_reads(r), f"topic write {r}/+/+/cmd/+", "topic read $SYS/#", "",
-                "user viewer", *observer_reads(r), "topic read $SYS/#", ""]
+                "user viewer", *observer_reads(r), "topic read $SYS/#", "",
+                # the bus recorder: read-only, but on everything it records (a replay needs the whole bus)
+                "user recorder", f"topic read {r}/#", ""]
         return "\n".join(out)
 
 
@@ -93,7 +98,11 @@ def central_acl(sites: dict[str, str]) -> str:
            "pattern read +/+/_client/%c/reply", "pattern read +/_client/%c/reply", ""]
     for site, root in sorted(sites.items()):
         out += [f"user bridge-{site}", f"topic readwrite {root}/#", ""]
-    out += ["user operator"]
+    # the centre's watcher (robobus fleet-watch): reads each site's heartbeat, says whether it is reachable
+    out += ["user fleet-watch"]
+    for root in sorted(sites.values()):
+        out += [f"topic read {root}/_bridge/uptime", f"topic write {root}/_bridge/reachable"]
+    out += ["", "user operator"]
     for root in sorted(sites.values()):
         out += [*observer_reads(root), f"topic write {root}/+/+/cmd/+"]
     out += ["topic read $SYS/#", "", "user viewer"]
@@ -103,7 +112,35 @@ def central_acl(sites: dict[str, str]) -> str:
     return "\n".join(out)
 
 
-BRIDGE_KEEPALIVE_S = 2  # the centre marks a site unreachable after 1.5 keepalives without a packet
+# The centre marks a site unreachable (publishes the bridge's Will "0") when nothing came from its bridge for
+# more than 1.5 keepalives, in whole seconds (5 * 3 // 2 = 7, so from 8 s on). 5 s is mosquitto's floor for a
+# bridge: a lower `keepalive_interval` is raised to 5 with a notice ("keepalive interval too low, using 5
+# seconds", every 2.x), so the 2 s configured before was 5 s in fact. Debian 12's mosquitto (2.0.11) checks
+# keepalives only every 6 s (`last_keepalive_check + 5 < now`), so a cut site is seen after 8 to 14 s
+# (measured: 9-12 s); tests/deploy/test_fleet.py asserts this bound.
+BRIDGE_KEEPALIVE_S = 5
+BROKER_KEEPALIVE_CHECK_S = 6  # mosquitto 2.0.11's keepalive sweep period at the centre
+
+
+# The equivalent within seconds: the edge broker's own $SYS/broker/uptime, bridged out as {root}/_bridge/uptime
+# (QoS 0: a heartbeat is worth nothing late), is the site's heartbeat; `robobus fleet-watch` at the centre
+# publishes {root}/_bridge/reachable "0" (retained) when none came for its timeout, "1" on the next one.
+# `sys_interval 1`: mosquitto 2.0.11 then publishes $SYS every 2 s (measured: uptime 0, 2, 4, 6 s).
+SYS_INTERVAL_S = 1
+HEARTBEAT_PERIOD_S = 2
+WATCH_TIMEOUT_S = 4  # two heartbeats: one late or lost heartbeat on a busy link is not a cut
+
+
+def watch_bound_s(timeout_s: float = WATCH_TIMEOUT_S) -> float:
+    """Longest time from a cut to {root}/_bridge/reachable "0": the last heartbeat came before the cut, so the
+    watcher's timeout from then, plus one heartbeat period for a heartbeat in flight as the link was cut."""
+    return timeout_s + HEARTBEAT_PERIOD_S
+
+
+def unreachable_bound_s(keepalive_s: int = BRIDGE_KEEPALIVE_S) -> int:
+    """Longest time from a site's last packet to its Will at the centre: past 1.5 keepalives (whole seconds),
+    then at the next keepalive sweep."""
+    return keepalive_s * 3 // 2 + 1 + BROKER_KEEPALIVE_CHECK_S
 
 
 def bridge_conf(site: str, root: str, address: str, username: str, password: str) -> str:
@@ -111,9 +148,13 @@ def bridge_conf(site: str, root: str, address: str, username: str, password: str
     Correlation Data cross it. Out: what a centre watches (status, health, state, events, replies); in:
     commands for this site's nodes. Streams stay local. cleansession false: the centre keeps the bridge's
     session and this broker queues QoS 1 messages for it while the link is down (max_queued_messages).
-    The bridge's Will at the centre says "0" on {root}/_bridge/state when the link drops; "1" when back."""
+    The bridge's Will at the centre says "0" on {root}/_bridge/state when the link drops; "1" when back.
+    Out too: this broker's $SYS/broker/uptime as {root}/_bridge/uptime, the heartbeat `robobus fleet-watch`
+    watches at the centre."""
     return "\n".join([
         f"# Fleet bridge of site {site!r} (generated by deploy/make_secrets.py --bridge-to).",
+        "# a global option: $SYS every 2 s, this broker's heartbeat at the centre (topic uptime, below)",
+        f"sys_interval {SYS_INTERVAL_S}",
         "connection central",
         f"address {address}",
         "bridge_protocol_version mqttv50",
@@ -122,11 +163,12 @@ def bridge_conf(site: str, root: str, address: str, username: str, password: str
         f"remote_password {password}",
         "cleansession false",
         f"keepalive_interval {BRIDGE_KEEPALIVE_S}",
-        "restart_timeout 1 5",
+        "restart_timeout 1 5",  # reconnect 1 s after a cut, backing off to 5 s at most
         "try_private true",
         "notifications true",
         "notifications_local_only false",
         f"notification_topic {root}/_bridge/state",
+        f"topic uptime out 0 $SYS/broker/ {root}/_bridge/",
         f"topic {root}/+/status out 1",
         f"topic {root}/+/+/health out 1",
         f"topic {root}/+/+/state/+ out 1",
@@ -201,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         sites = parse_pairs(args.site, "--site")
         if not sites:
             raise SystemExit("make_secrets: --central needs at least one --site SITE=ROOT")
-        users = [f"bridge-{s}" for s in sites] + ["operator", "viewer"]
+        users = [f"bridge-{s}" for s in sites] + ["fleet-watch", "operator", "viewer"]
         acl = central_acl(sites)
     else:
         if args.bridge_to:
@@ -214,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               creds["ROBOBUS_MQTT_USERNAME"],
                                                               creds["ROBOBUS_MQTT_PASSWORD"]), owner=BROKER_UID)
         nodes = parse_pairs(args.node, "--node") or {s: s for s in SERVICES}
-        users = [*nodes, "operator", "viewer"]
+        users = [*nodes, "operator", "viewer", "recorder"]
         acl = Acl(args.root, nodes).text()
     lines = [f"{u}:{hash_password(user_password(folder, u, args.rotate))}" for u in users]
     write_private(folder / "passwd", "\n".join(lines) + "\n", owner=BROKER_UID)

@@ -16,6 +16,8 @@ COPY docs/asyncapi.yaml ./docs/asyncapi.yaml
 RUN --mount=type=secret,id=ca,required=false \
     if [ -f /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     pip install --no-cache-dir ".[record]"
+# A new named volume mounted here takes this directory's owner: the recorder (nobody) can write to it.
+RUN mkdir -p /recordings && chown 65534:65534 /recordings
 USER nobody
 # SIGTERM closes the current file cleanly (summary, indexes); a SIGKILL leaves one `robobus recover` repairs.
 STOPSIGNAL SIGTERM

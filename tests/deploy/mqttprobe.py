@@ -70,11 +70,16 @@ class Probe:
         info = self.client.publish(topic, payload, qos=qos, properties=props)
         info.wait_for_publish(timeout)
 
-    def wait_for(self, pred, timeout: float) -> bool:
+    def mark(self) -> int:
+        """How many messages so far: `wait_for(..., since=mark)` looks only at later ones."""
+        with self._lock:
+            return len(self.received)
+
+    def wait_for(self, pred, timeout: float, since: int = 0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if any(pred(t, p, r) for t, p, r in self.received):
+                if any(pred(t, p, r) for t, p, r in self.received[since:]):
                     return True
             time.sleep(0.05)
         return False

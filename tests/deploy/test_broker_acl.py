@@ -142,3 +142,25 @@ def test_the_viewer_may_watch_the_whole_root(secure_broker):
     assert viewer.wait_for(lambda t, p, r: t == "robobus/ethercat-loop/rh/health", SETTLE_S), codes
     for p in (viewer, ec):
         p.close()
+
+
+def test_the_recorder_reads_the_whole_bus_and_writes_nothing(secure_broker):
+    """compose profile `record`: its user receives streams, commands and replies (what a replay needs), and
+    what it publishes, under a node or a command topic, reaches nobody."""
+    port, d = secure_broker
+    rec = probe(port, d, "recorder")
+    assert rec.subscribe("robobus/#") == [1]
+    watch = probe(port, d, "ethercat-loop")
+    watch.subscribe("robobus/ethercat-loop/#")
+    rec.publish("robobus/ethercat-loop/rh/cmd/set_demands", b'{"from": "recorder"}')
+    rec.publish("robobus/ethercat-loop/status", b'{"online": false}')
+    ec, op = probe(port, d, "ethercat-loop"), probe(port, d, "operator")
+    ec.publish("robobus/ethercat-loop/rh/stream/can_rx", b"{}")
+    ec.publish(f"robobus/_client/{op.client_id}/reply", b"{}")
+    op.publish("robobus/ethercat-loop/rh/cmd/nullify_demands", b'{"from": "operator"}')
+    assert rec.wait_for(lambda t, p, r: t.endswith("/cmd/nullify_demands"), SETTLE_S), rec.topics()
+    assert {"robobus/ethercat-loop/rh/stream/can_rx", f"robobus/_client/{op.client_id}/reply"} <= set(rec.topics())
+    assert watch.wait_for(lambda t, p, r: b"operator" in p, SETTLE_S)
+    assert not any(b"recorder" in p or t.endswith("/status") for t, p, _ in watch.received), watch.received
+    for p in (rec, watch, ec, op):
+        p.close()

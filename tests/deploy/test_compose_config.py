@@ -17,6 +17,8 @@ from services.dexter_gateway.service import DexterSettings
 from services.epuck_gateway.service import EpuckSettings
 from services.ethercat_loop.settings import EthercatSettings
 from services.roi_modules.service import RoiSettings
+from shared.fleet_watch import FleetWatchSettings
+from shared.recorder import RecorderSettings
 from tests.deploy.deployfiles import DEPLOY, REPO
 from tests.deploy.stack import Stack
 
@@ -52,9 +54,9 @@ def env_names(cls: type[BaseSettings]) -> set[str]:
     return names
 
 
-def config(tmp_path: Path, profiles: str, **env: str) -> dict:
+def config(tmp_path: Path, profiles: str, secrets_args: tuple[str, ...] = (), **env: str) -> dict:
     st = Stack("robobus-config-check", tmp_path, profiles=profiles, extra_env=env)
-    st.make_secrets()
+    st.make_secrets(*secrets_args)
     return yaml.safe_load(st.compose("config").stdout)
 
 
@@ -81,10 +83,17 @@ def test_fleet_env_files_resolve(compose_ok, tmp_path, env_file):
             k, v = line.split("=", 1)
             env[k] = v.strip("'\"")
     profiles = env.pop("COMPOSE_PROFILES")
-    for k in ("ROBOBUS_SITE", "ROBOBUS_CENTRAL_ADDRESS", "ROBOBUS_BRIDGE_CREDENTIALS", "ROBOBUS_CENTRAL_SITES"):
+    for k in ("ROBOBUS_SITE", "ROBOBUS_CENTRAL_ADDRESS", "ROBOBUS_BRIDGE_CREDENTIALS"):
         env.pop(k, None)  # up.sh's, not compose's
-    cfg = config(tmp_path, profiles, **env)
+    sites = env.get("ROBOBUS_CENTRAL_SITES", "").split()
+    central = ("--central", *[a for s in sites for a in ("--site", s)]) if sites else ()
+    cfg = config(tmp_path, profiles, central, **env)
     assert "broker" in cfg["services"]
+    if profiles == "central":  # the watcher reads every variable it is given, and watches every site
+        given = cfg["services"]["fleet-watch"]["environment"]
+        assert {k for k in given if k.startswith("ROBOBUS_")} <= env_names(FleetWatchSettings)
+        assert FleetWatchSettings(fleet_sites=given["ROBOBUS_FLEET_SITES"]).roots() == \
+            sorted(s.split("=", 1)[1] for s in sites)
     if profiles == "hand":
         given = cfg["services"]["ethercat-loop"]["environment"]
         assert given["ROBOBUS_ETHERCAT_IFNAME"] == env["ROBOBUS_ETHERCAT_IFNAME"]
@@ -95,3 +104,17 @@ def test_new_services_join_the_sim_profile_only_when_their_package_exists(compos
     assert ("roi-modules-sim" in svcs) == (REPO / "services/roi_modules/sim.py").exists()
     assert ("dexter-gateway-sim" in svcs) == (REPO / "services/dexter_gateway/sim.py").exists()
     assert {"broker", "ethercat-loop-sim", "can-bootloader-sim", "epuck-gateway-sim", "epuck-sim"} <= svcs
+
+
+def test_the_recorder_has_its_own_user_a_volume_and_rotation_from_the_environment(compose_ok, tmp_path):
+    cfg = config(tmp_path, "sim,record", ROBOBUS_RECORD_MAX_DURATION_S="600", ROBOBUS_RECORD_MAX_BYTES="50000000")
+    rec = cfg["services"]["recorder"]
+    env = rec["environment"]
+    assert env["ROBOBUS_MQTT_USERNAME"] == "recorder"  # its env_file: not another service's credentials
+    assert (env["ROBOBUS_RECORD_MAX_DURATION_S"], env["ROBOBUS_RECORD_MAX_BYTES"]) == ("600", "50000000")
+    assert env["ROBOBUS_RECORD_PATH"].startswith("/recordings/")
+    unknown = {k for k in env if k.startswith("ROBOBUS_")} - env_names(RecorderSettings) - {"ROBOBUS_LOG_JSON"}
+    assert not unknown, f"recorder: {sorted(unknown)} are not RecorderSettings"
+    assert any(v["target"] == "/recordings" for v in rec["volumes"])
+    assert rec["read_only"] and rec["user"] == "65534:65534"
+    assert "recorder" not in config(tmp_path, "sim")["services"]  # only with the profile

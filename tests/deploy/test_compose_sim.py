@@ -21,7 +21,9 @@ ONLINE_WAIT_S = 120.0
 
 @pytest.fixture(scope="module")
 def sim(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(f"robobus-test-{__import__('os').getpid()}", tmp_path_factory.mktemp("sim-secrets"))
+    # the sim profile with the bus recorder (profile record) beside it
+    stack = Stack(f"robobus-test-{__import__('os').getpid()}", tmp_path_factory.mktemp("sim-secrets"),
+                  profiles="sim,record", extra_env={"ROBOBUS_RECORD_MAX_DURATION_S": "600"})
     stack.make_secrets()
     stack.down()
     try:
@@ -57,6 +59,7 @@ def test_every_node_online_and_every_container_healthy(sim: Stack):
     for svc, c in states.items():
         assert c["State"] == "running", (svc, c)
         if svc not in ("epuck-sim", "roi-sim", "dexter-sim"):  # device simulators speak no MQTT
+            # (the recorder's healthcheck: a recording open in its volume)
             assert c.get("Health") == "healthy", (svc, c)
 
 
@@ -118,6 +121,28 @@ def test_image_sizes_are_lean(sim: Stack):
     for img in ("broker", "ethercat-loop", "can-bootloader", "epuck-gateway", "epuck-sim"):
         sizes[img] = int(run([DOCKER, "image", "inspect", "-f", "{{.Size}}", f"robobus/{img}:dev"]).stdout) / 1e6
     TIMINGS.update({f"image_{k}_MB": v for k, v in sizes.items()})
+
+
+def test_the_recorder_records_the_sim_stack_into_its_volume(sim: Stack, tmp_path: Path):
+    """Profile `record`: after a command, stopping the recorder (SIGTERM closes the MCAP file cleanly) leaves
+    in its volume a recording of every node's status and the command with its reply."""
+    with RpcClient(sim.settings("operator"), name="test-deploy-rec") as c:
+        assert c.call("epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}, timeout=30).ok
+    time.sleep(2)  # the recorder flushes every second (ROBOBUS_RECORD_FLUSH_S)
+    sim.compose("stop", "-t", "30", "recorder", timeout=120)
+    cid = sim.compose("ps", "-aq", "recorder").stdout.strip()
+    run([DOCKER, "cp", f"{cid}:/recordings", str(tmp_path)])
+    files = sorted((tmp_path / "recordings").glob("*.mcap"))
+    assert files, list((tmp_path / "recordings").iterdir())
+    from shared.replay import inspect
+    topics: set[str] = set()
+    for f in files:
+        topics |= {ch.topic for ch in inspect(f).channels}
+    for node in expected_nodes():
+        assert f"{sim.root}/{node}/status" in topics, (node, sorted(topics))
+    assert f"{sim.root}/epuck-gateway/epuck1/cmd/set_speed" in topics, sorted(topics)
+    assert any(t.startswith(f"{sim.root}/_client/") and t.endswith("/reply") for t in topics), sorted(topics)
+    sim.compose("start", "recorder", timeout=120)
 
 
 def test_stop_is_fail_safe_every_node_says_offline_on_shutdown(sim: Stack, tmp_path: Path):

@@ -1,8 +1,9 @@
 """A fleet on one host: a central broker and two sites, each its own compose project (the same compose file,
 its own env: topic root, secrets), each site's broker bridged to the centre over a shared docker network.
 One subscriber at the centre sees every site; a command sent at the centre reaches a device at a site and its
-reply comes back; a site cut off from the centre is seen as unreachable within seconds, loses nothing it
-published with QoS 1 meanwhile, and is current again when the link returns."""
+reply comes back; a site cut off from the centre is seen as unreachable within seconds (`robobus fleet-watch`:
+{root}/_bridge/reachable; the bridge's own Will on {root}/_bridge/state follows within its longer bound), loses
+nothing it published with QoS 1 meanwhile, and is reachable and current again when the link returns."""
 
 from __future__ import annotations
 
@@ -15,13 +16,22 @@ import pytest
 
 from shared.rpc import RpcClient
 from tests.deploy.conftest import TIMINGS
+from tests.deploy.deployfiles import make_secrets
 from tests.deploy.mqttprobe import Probe, creds
 from tests.deploy.stack import DOCKER, Stack, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-# The bridge's keepalive is 2 s (make_secrets.BRIDGE_KEEPALIVE_S): the centre's broker gives up after 1.5
-# keepalives; the bound below is generous for a loaded machine.
-UNREACHABLE_WITHIN_S = 15.0
+
+# The bound comes from the bridge's configuration and the broker's keepalive sweep (deploy/make_secrets.py:
+# 1.5 keepalives in whole seconds, then the next sweep, then the Will "0"). The margin covers the viewer's delivery
+# on a loaded machine, not a longer keepalive.
+KEEPALIVE_S = make_secrets.BRIDGE_KEEPALIVE_S
+UNREACHABLE_MARGIN_S = 2.0
+UNREACHABLE_WITHIN_S = make_secrets.unreachable_bound_s() + UNREACHABLE_MARGIN_S
+# The watcher's bound: its timeout (configured here, as the centre's env would) from the last heartbeat before
+# the cut, plus one heartbeat period; the same margin for delivery on a loaded machine.
+WATCH_TIMEOUT_S = make_secrets.WATCH_TIMEOUT_S
+WATCH_WITHIN_S = make_secrets.watch_bound_s(WATCH_TIMEOUT_S) + UNREACHABLE_MARGIN_S
 SITES = {"site-a": ["ethercat-loop-sim"], "site-b": ["epuck-sim", "epuck-gateway-sim"]}
 NODES = {"site-a": ["ethercat-loop"], "site-b": ["epuck-gateway"]}
 
@@ -31,7 +41,9 @@ def fleet(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     tag = f"{os.getpid()}"
     wan = f"robobus-wan-{tag}"
     central = Stack(f"robobus-central-{tag}", tmp_path_factory.mktemp("central"), profiles="central", root="robobus",
-                    extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": "central"})
+                    extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": "central",
+                               "ROBOBUS_CENTRAL_SITES": " ".join(f"{s}={s}/robobus" for s in SITES),
+                               "ROBOBUS_FLEET_WATCH_TIMEOUT_S": str(WATCH_TIMEOUT_S)})
     central.make_secrets("--central", *[a for s in SITES for a in ("--site", f"{s}={s}/robobus")])
     stacks = {"central": central}
     for site in SITES:
@@ -41,6 +53,7 @@ def fleet(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                         "--bridge-credentials", str(central.secrets / f"bridge-{site}.env"))
         stacks[site] = st
     try:
+        central.build()  # the watcher's image (the kit): cached unless shared/ changed
         central.up()
         for site, services in SITES.items():
             stacks[site].up("broker", *services)
@@ -58,6 +71,21 @@ def centre_view(central: Stack, seconds: float, until=None) -> list[tuple[str, b
         for site in SITES:  # one subscriber, every site's root
             out += c.collect(f"{site}/robobus/#", seconds / len(SITES), until)
     return out
+
+
+def test_the_edge_bridges_its_heartbeat_out_and_the_centre_lets_only_the_watcher_judge():
+    conf = make_secrets.bridge_conf("s", "s/robobus", "c:1883", "u", "p").splitlines()
+    assert "sys_interval 1" in conf and "topic uptime out 0 $SYS/broker/ s/robobus/_bridge/" in conf
+    acl = make_secrets.central_acl({"s": "s/robobus"})
+    watch = acl.split("user fleet-watch\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert watch == ["topic read s/robobus/_bridge/uptime", "topic write s/robobus/_bridge/reachable"]
+
+
+def test_the_bound_assumes_the_keepalive_mosquitto_really_uses():
+    """mosquitto raises a bridge keepalive below 5 s to 5 s: a lower figure would make the bound a lie."""
+    conf = make_secrets.bridge_conf("s", "s/robobus", "c:1883", "u", "p")
+    assert f"keepalive_interval {KEEPALIVE_S}" in conf.splitlines()
+    assert KEEPALIVE_S >= 5
 
 
 def test_one_subscriber_at_the_centre_sees_every_sites_status_health_and_state(fleet):
@@ -86,34 +114,51 @@ def test_a_command_at_the_centre_reaches_a_site_and_the_reply_comes_back(fleet):
         assert rep.ok, (site, rep)
 
 
-def test_a_cut_link_is_seen_at_the_centre_and_nothing_sent_meanwhile_is_lost(fleet):
+def test_a_cut_link_is_seen_at_the_centre_within_seconds_and_nothing_sent_meanwhile_is_lost(fleet):
     central, site = fleet["central"], fleet["site-a"]
     root = "site-a/robobus"
+    reachable, state = f"{root}/_bridge/reachable", f"{root}/_bridge/state"
     watcher = Probe("127.0.0.1", central.port, *creds(central.secrets, "viewer"))
     assert watcher.connect() == 0
     watcher.subscribe(f"{root}/#")
-    assert watcher.wait_for(lambda t, p, r: t == f"{root}/_bridge/state" and p == b"1", 30)
+    assert watcher.wait_for(lambda t, p, r: t == state and p == b"1", 30)
+    assert watcher.wait_for(lambda t, p, r: t == reachable and p == b"1", 30), watcher.topics()[-20:]
+    # the other site stays reachable throughout (checked at the end)
+    other = Probe("127.0.0.1", central.port, *creds(central.secrets, "viewer"))
+    assert other.connect() == 0
+    other.subscribe("site-b/robobus/_bridge/reachable")
     # A publisher at the site with the node's own credentials (its topics only), QoS 1, numbered.
     pub = Probe("127.0.0.1", site.port, *creds(site.secrets, "ethercat-loop"))
     assert pub.connect() == 0
     broker = site.container_id("broker")
     net = site.extra_env["ROBOBUS_WAN_NETWORK"]
-    run([DOCKER, "network", "disconnect", net, broker])
+    at_cut = watcher.mark()
+    # the clock starts before the disconnect command (the link goes somewhere inside it): the strict side
     cut_at = time.monotonic()
+    run([DOCKER, "network", "disconnect", net, broker])
+    TIMINGS["fleet_disconnect_cmd_s"] = time.monotonic() - cut_at
     try:
-        assert watcher.wait_for(lambda t, p, r: t == f"{root}/_bridge/state" and p == b"0", UNREACHABLE_WITHIN_S), \
-            "the centre did not see site-a as unreachable"
-        TIMINGS["fleet_unreachable_seen_s"] = time.monotonic() - cut_at
+        assert watcher.wait_for(lambda t, p, r: t == reachable and p == b"0", WATCH_WITHIN_S, at_cut), \
+            f"fleet-watch did not see site-a as unreachable within {WATCH_WITHIN_S} s"
+        TIMINGS["fleet_watch_unreachable_s"] = time.monotonic() - cut_at
+        # the bridge's own Will, still the authoritative "bridge down", within its (longer) bound
+        assert watcher.wait_for(lambda t, p, r: t == state and p == b"0",
+                                UNREACHABLE_WITHIN_S - (time.monotonic() - cut_at), at_cut), \
+            f"the bridge's Will did not say site-a is down within {UNREACHABLE_WITHIN_S} s"
+        TIMINGS["fleet_bridge_will_s"] = time.monotonic() - cut_at
         cut_ts = time.time()
         for i in range(50):
             pub.publish(f"{root}/ethercat-loop/rh/event/probe", json.dumps({"seq": i}).encode(), qos=1)
         time.sleep(6)  # over a health heartbeat (5 s) of the site's node, queued too
+        at_reconnect = watcher.mark()
     finally:
         run([DOCKER, "network", "connect", "--alias", "site-a-broker", net, broker])
     back_at = time.monotonic()
     seqs = lambda: [json.loads(p)["seq"] for t, p, _ in list(watcher.received) if t.endswith("/event/probe")]  # noqa: E731
-    assert watcher.wait_for(lambda t, p, r: t == f"{root}/_bridge/state" and p == b"1" and time.monotonic() > back_at,
-                            60), "the bridge did not come back"
+    assert watcher.wait_for(lambda t, p, r: t == state and p == b"1", 60, at_reconnect), "the bridge did not come back"
+    assert watcher.wait_for(lambda t, p, r: t == reachable and p == b"1", 60, at_reconnect), \
+        "fleet-watch did not see site-a reachable again"
+    TIMINGS["fleet_watch_reachable_again_s"] = time.monotonic() - back_at
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(set(seqs())) < 50:
         time.sleep(0.2)
@@ -124,5 +169,8 @@ def test_a_cut_link_is_seen_at_the_centre_and_nothing_sent_meanwhile_is_lost(fle
     assert any(ts >= cut_ts for ts in health_ts), health_ts
     fresh = f"{root}/ethercat-loop/rh/health"
     assert watcher.wait_for(lambda t, p, r: t == fresh and json.loads(p)["ts"] > time.time() - 10, 30)
-    pub.close()
-    watcher.close()
+    # site-b was never marked unreachable (a heartbeat every 2 s against a 4 s timeout does not flap)
+    assert other.wait_for(lambda t, p, r: p == b"1", 5)
+    assert not any(p == b"0" for _, p, _ in list(other.received)), other.received
+    for probe in (pub, watcher, other):
+        probe.close()

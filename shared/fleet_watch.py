@@ -1,0 +1,189 @@
+"""`robobus fleet-watch`: a fleet's centre sees a cut site within seconds.
+
+The bridge's own Will ({root}/_bridge/state "0") stays the authoritative "bridge down", but mosquitto 2.0.11
+publishes it only 8-14 s after a site's last packet (a bridge keepalive has a 5 s floor, keepalives are swept
+every 6 s; deploy/README.md "A fleet"). So each site's broker bridges its own `$SYS/broker/uptime` out as
+{root}/_bridge/uptime (`sys_interval 1`: 2.0.11 publishes it every 2 s), and this watcher, at the centre,
+publishes {root}/_bridge/reachable -- retained, "1" / "0" like the bridge's notification -- "0" when no
+heartbeat came for `fleet_watch_timeout_s`, "1" again on the next one.
+    ROBOBUS_FLEET_SITES="site-a=site-a/robobus site-b=site-b/robobus" robobus fleet-watch
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import paho.mqtt.client as mqtt
+import typer
+from paho.mqtt.enums import CallbackAPIVersion
+from pydantic import Field, field_validator
+
+from shared.logs import setup_logging
+from shared.settings import KitSettings, load_settings
+
+log = logging.getLogger("robobus.fleet_watch")
+
+HEARTBEAT = "_bridge/uptime"
+REACHABLE = "_bridge/reachable"
+HEARTBEAT_PERIOD_S = 2.0  # mosquitto 2.0.11 with `sys_interval 1` updates $SYS every 2 s (measured)
+
+
+class FleetWatchSettings(KitSettings):
+    fleet_sites: str = Field("", description="Sites watched: 'SITE=ROOT ...' (as ROBOBUS_CENTRAL_SITES) or 'ROOT ...'")
+    fleet_watch_timeout_s: float = Field(4.0, ge=2.5, le=600,
+                                         description="No heartbeat for this long: the site is unreachable")
+    fleet_watch_ready_file: Path | None = Field(None, description="Exists while connected and subscribed "
+                                                                 "(the container's healthcheck)")
+
+    @field_validator("fleet_sites")
+    @classmethod
+    def _sites(cls, v: str) -> str:
+        for item in v.split():
+            root = item.partition("=")[2] or item
+            if not root or any(c in root for c in "+#") or root.startswith("/") or root.endswith("/"):
+                raise ValueError(f"bad site {item!r}: SITE=ROOT or ROOT, a topic root without wildcards")
+        return v
+
+    def roots(self) -> list[str]:
+        return sorted({item.partition("=")[2] or item for item in self.fleet_sites.split()})
+
+
+class Watcher:
+    """Per site root: the last heartbeat's time and the state last published (None: nothing yet)."""
+
+    def __init__(self, roots: list[str], timeout_s: float, publish: Any, now: Any = time.monotonic) -> None:
+        self.timeout_s = timeout_s
+        self._publish = publish  # (topic, payload) -> None, retained, QoS 1
+        self._now = now
+        self._lock = threading.Lock()
+        self.last: dict[str, float] = {r: now() for r in roots}  # a site never heard of gets one timeout
+        self.state: dict[str, str | None] = {r: None for r in roots}
+        self.counts = {"heartbeats": 0, "unexpected": 0, "unreachable": 0, "reachable": 0}
+
+    def restart(self) -> None:
+        """After the watcher's own reconnect: it was deaf, not the sites; give each one timeout again."""
+        with self._lock:
+            t = self._now()
+            for r in self.last:
+                self.last[r] = t
+
+    def heartbeat(self, topic: str) -> None:
+        root = topic[: -len(HEARTBEAT) - 1] if topic.endswith("/" + HEARTBEAT) else ""
+        with self._lock:
+            if root not in self.last:
+                self.counts["unexpected"] += 1
+                return
+            self.counts["heartbeats"] += 1
+            self.last[root] = self._now()
+        self._set(root, "1")
+
+    def tick(self) -> None:
+        with self._lock:
+            t = self._now()
+            late = [r for r, seen in self.last.items() if t - seen > self.timeout_s]
+        for r in late:
+            self._set(r, "0")
+
+    def _set(self, root: str, value: str) -> None:
+        with self._lock:
+            if self.state[root] == value:
+                return
+            self.state[root] = value
+            self.counts["reachable" if value == "1" else "unreachable"] += 1
+        log.warning("site %s %s", root, "reachable" if value == "1" else "unreachable")
+        self._publish(f"{root}/{REACHABLE}", value)
+
+
+def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
+    roots = settings.roots()
+    if not roots:
+        raise SystemExit("fleet-watch: no sites (ROBOBUS_FLEET_SITES='site-a=site-a/robobus ...')")
+    b = settings.broker()
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fleet-watch-{os.getpid()}",
+                         protocol=mqtt.MQTTv5)
+    if b.username:
+        client.username_pw_set(b.username, b.password)
+    if b.tls:
+        client.tls_set(ca_certs=str(settings.mqtt_tls_ca) if settings.mqtt_tls_ca else None,
+                       certfile=str(settings.mqtt_tls_cert) if settings.mqtt_tls_cert else None,
+                       keyfile=str(settings.mqtt_tls_key) if settings.mqtt_tls_key else None)
+        client.tls_insecure_set(settings.mqtt_tls_insecure)
+    client.reconnect_delay_set(1, 5)
+    ready = settings.fleet_watch_ready_file
+    watcher = Watcher(roots, settings.fleet_watch_timeout_s,
+                      lambda topic, value: client.publish(topic, value, qos=1, retain=True))
+
+    def on_connect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
+        if rc.is_failure:
+            log.error("fleet-watch: broker refused the connection: %s", rc)
+            return
+        watcher.restart()
+        c.subscribe([(f"{r}/{HEARTBEAT}", 0) for r in roots])
+
+    def on_subscribe(c: mqtt.Client, userdata: object, mid: int, rcs: list[Any], props: object) -> None:
+        refused = [str(rc) for rc in rcs if rc.is_failure]
+        if refused:
+            log.error("fleet-watch: heartbeat subscriptions refused: %s", refused)
+        elif ready:
+            ready.touch()
+
+    def on_disconnect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
+        if ready:
+            ready.unlink(missing_ok=True)
+
+    def on_connect_fail(c: mqtt.Client, userdata: object) -> None:
+        log.warning("fleet-watch: no broker at %s:%s, retrying", b.host, b.port)
+
+    def on_message(c: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if msg.retain:  # the broker's copy from before we subscribed: says nothing about now
+            return
+        watcher.heartbeat(msg.topic)
+
+    client.on_connect, client.on_subscribe = on_connect, on_subscribe
+    client.on_disconnect, client.on_message = on_disconnect, on_message
+    client.on_connect_fail = on_connect_fail
+    client.connect_async(b.host, b.port, keepalive=settings.mqtt_keepalive_s)
+    client.loop_start()
+    log.info("fleet-watch: %s, unreachable after %.1f s without a heartbeat", roots, settings.fleet_watch_timeout_s)
+    try:
+        while not stop.wait(0.1):
+            if client.is_connected():
+                watcher.tick()
+    finally:
+        client.disconnect()
+        client.loop_stop()
+        if ready:
+            ready.unlink(missing_ok=True)
+        log.info("fleet-watch: stopped %s", watcher.counts)
+
+
+def fleet_watch(
+    sites: Annotated[str | None, typer.Option("--sites", help="'SITE=ROOT ...' (default ROBOBUS_FLEET_SITES)")] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds without a heartbeat")] = None,
+    broker: Annotated[str | None, typer.Option("--broker", "-b", help="Broker URL (default ROBOBUS_MQTT_URL)")] = None,
+) -> None:
+    """Mark fleet sites unreachable at the centre within seconds ({root}/_bridge/reachable, retained)."""
+    import signal
+
+    overrides: dict[str, Any] = {}
+    if sites is not None:
+        overrides["fleet_sites"] = sites
+    if timeout is not None:
+        overrides["fleet_watch_timeout_s"] = timeout
+    if broker is not None:
+        overrides["mqtt_url"] = broker
+    settings = load_settings(FleetWatchSettings, **overrides)
+    setup_logging(settings.log_level, settings.log_json)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    run(settings, stop)
+
+
+if __name__ == "__main__":
+    typer.run(fleet_watch)

@@ -1,0 +1,169 @@
+"""`robobus fleet-watch`'s logic on a fake clock: a site is unreachable once no heartbeat came for the timeout,
+reachable again on the next one, each change published once; a site never heard of is unreachable after one
+timeout; the watcher's own reconnect does not mark sites down; foreign topics are counted, not crashed on.
+Then the real path on host mosquittos (no docker): a centre with the generated central secrets and ACL, an
+edge with the generated bridge.conf, the watcher under its own user; the edge frozen (SIGSTOP: a link that
+carries nothing any more) is seen unreachable within the bound, and reachable again when it resumes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.fleet_watch import FleetWatchSettings, Watcher, run
+from tests.deploy.deployfiles import host_broker_conf, make_secrets
+from tests.deploy.mqttprobe import Probe, creds
+from tests.fixtures import free_port, mosquitto_bin
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def w() -> tuple[Watcher, Clock, list[tuple[str, str]]]:
+    clock, sent = Clock(), []
+    return Watcher(["site-a/robobus", "site-b/robobus"], 4.0, lambda t, v: sent.append((t, v)), clock), clock, sent
+
+
+def test_reachable_on_a_heartbeat_unreachable_after_the_timeout_and_back(w):
+    watcher, clock, sent = w
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")
+    watcher.heartbeat("site-b/robobus/_bridge/uptime")
+    assert sent == [("site-a/robobus/_bridge/reachable", "1"), ("site-b/robobus/_bridge/reachable", "1")]
+    for _ in range(3):  # heartbeats every 2 s from site-b only
+        clock.t += 2.0
+        watcher.heartbeat("site-b/robobus/_bridge/uptime")
+        watcher.tick()
+    assert sent[2:] == [("site-a/robobus/_bridge/reachable", "0")]  # at 6 s > 4 s, not at 4 s
+    watcher.tick()
+    assert len(sent) == 3  # published once, not at every tick
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")
+    assert sent[3:] == [("site-a/robobus/_bridge/reachable", "1")]
+    assert watcher.counts["unreachable"] == 1 and watcher.counts["reachable"] == 3
+
+
+def test_not_before_the_timeout(w):
+    watcher, clock, sent = w
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")
+    clock.t += 4.0
+    watcher.tick()
+    assert ("site-a/robobus/_bridge/reachable", "0") not in sent
+
+
+def test_a_site_never_heard_of_is_unreachable_after_one_timeout(w):
+    watcher, clock, sent = w
+    watcher.tick()
+    assert sent == []
+    clock.t += 4.5
+    watcher.tick()
+    assert sorted(sent) == [("site-a/robobus/_bridge/reachable", "0"), ("site-b/robobus/_bridge/reachable", "0")]
+
+
+def test_the_watchers_own_reconnect_gives_each_site_a_new_timeout(w):
+    watcher, clock, sent = w
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")
+    clock.t += 30  # the watcher was cut off from its broker, not the site
+    watcher.restart()
+    watcher.tick()
+    assert ("site-a/robobus/_bridge/reachable", "0") not in sent
+
+
+def test_foreign_topics_are_counted(w):
+    watcher, _, sent = w
+    watcher.heartbeat("site-c/robobus/_bridge/uptime")
+    watcher.heartbeat("site-a/robobus/status")
+    assert watcher.counts["unexpected"] == 2 and sent == []
+
+
+def test_sites_setting():
+    s = FleetWatchSettings(fleet_sites="site-a=site-a/robobus site-b/robobus")
+    assert s.roots() == ["site-a/robobus", "site-b/robobus"]
+    with pytest.raises(ValueError):
+        FleetWatchSettings(fleet_sites="site-a=site-a/#")
+    with pytest.raises(ValueError):
+        FleetWatchSettings(fleet_watch_timeout_s=1.0)  # below one heartbeat period (2 s): it would flap
+
+
+def _start(exe: str, conf: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+@pytest.fixture
+def host_fleet(tmp_path: Path) -> Iterator[tuple[int, Path, subprocess.Popen[bytes]]]:
+    """(centre's port, centre's secrets, the edge broker's process) with the bridge up."""
+    exe = mosquitto_bin()
+    if exe is None:
+        pytest.skip("mosquitto is not installed (make test installs it)")
+    central, edge = tmp_path / "central", tmp_path / "edge"
+    make_secrets.main(["--dir", str(central), "--central", "--site", "site-a=site-a/robobus"])
+    for f in central.iterdir():  # a host mosquitto (not the compose uid 1883) reads them
+        f.chmod(0o644)
+    cport, eport = free_port(), free_port()
+    (tmp_path / "central.conf").write_text(host_broker_conf(central, cport))
+    u, p = creds(central, "bridge-site-a")
+    edge.mkdir()
+    (tmp_path / "edge.conf").write_text(
+        f"user root\nallow_anonymous true\npersistence false\nlistener {eport} 127.0.0.1\n"
+        + make_secrets.bridge_conf("site-a", "site-a/robobus", f"127.0.0.1:{cport}", u, p))
+    procs = [_start(exe, tmp_path / "central.conf"), _start(exe, tmp_path / "edge.conf")]
+    try:
+        yield cport, central, procs[1]
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(5)
+
+
+def test_on_real_brokers_a_frozen_edge_is_seen_unreachable_within_the_bound_and_back(host_fleet):
+    cport, central, edge = host_fleet
+    timeout_s = float(make_secrets.WATCH_TIMEOUT_S)
+    bound_s = make_secrets.watch_bound_s(timeout_s) + 2.0  # + margin for delivery on a loaded machine
+    u, p = creds(central, "fleet-watch")
+    settings = FleetWatchSettings(mqtt_url=f"mqtt://127.0.0.1:{cport}", mqtt_username=u, mqtt_password=p,
+                                  fleet_sites="site-a=site-a/robobus", fleet_watch_timeout_s=timeout_s)
+    stop = threading.Event()
+    watch = threading.Thread(target=run, args=(settings, stop), daemon=True)
+    viewer = Probe("127.0.0.1", cport, *creds(central, "viewer"))
+    deadline = time.monotonic() + 15
+    while True:  # the centre may still be starting
+        try:
+            assert viewer.connect() == 0
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the centre's broker did not start"
+            time.sleep(0.1)
+    topic = "site-a/robobus/_bridge/reachable"
+    viewer.subscribe(topic)
+    watch.start()
+    try:
+        assert viewer.wait_for(lambda t, p, r: t == topic and p == b"1", 30), viewer.received
+        mark = viewer.mark()
+        os.kill(edge.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        assert viewer.wait_for(lambda t, p, r: t == topic and p == b"0", bound_s, mark), \
+            f"not seen unreachable within {bound_s} s"
+        seen_s = time.monotonic() - frozen_at
+        assert seen_s > timeout_s - make_secrets.HEARTBEAT_PERIOD_S - 0.5  # not before the timeout could pass
+        mark = viewer.mark()
+        os.kill(edge.pid, signal.SIGCONT)
+        assert viewer.wait_for(lambda t, p, r: t == topic and p == b"1", 30, mark), "not reachable again"
+    finally:
+        stop.set()
+        watch.join(10)
+        viewer.close()
