@@ -48,7 +48,10 @@ def test_flash_read_back_and_contract(boot_node: Any, client: RpcClient) -> None
     assert res["board"] == 8 and res["bus"] == 1 and res["bootloader_aware"] is True and res["phase"] == "done"
     assert res["image_first"] == 0x04C0 and res["image_last"] == 0x7D4B
     assert any("configuration words" in w for w in res["warnings"])
-    assert res["frames_sent"] > 8000 and res["retries"] == 0
+    # The virtual bus loses nothing, but a busy machine can hold the board model's thread past the 100 ms frame
+    # timeout; the flasher then rewinds and resends, as it would for a lost ACK (that is its job, tested in
+    # test_flasher.py). So: the image is right (below) and retries stay a handful, not zero by luck.
+    assert res["frames_sent"] > 8000 and res["retries"] <= 5
     phases = {e["phase"] for e in progress}
     assert {"magic", "erase", "write", "verify"} <= phases
     assert all("frames_per_s" in e["info"] and "retries" in e["info"] for e in progress if e["phase"] == "write")
