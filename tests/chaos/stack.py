@@ -44,6 +44,20 @@ def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
     return out
 
 
+# The Procfile's fixed ports inside the kernel's ephemeral range (32768-60999 here): any client socket of the
+# stack may be given one as its local port before the simulator binds it (seen once: "Address already in use"
+# for DexRun's 50000, every chaos check then failing on a crashed simulator). A free port replaces each.
+EPHEMERAL_FIXED_PORTS = ("50000",)
+
+
+def free_ephemeral_ports(commands: dict[str, str]) -> dict[str, str]:
+    out = dict(commands)
+    for fixed in EPHEMERAL_FIXED_PORTS:
+        port = str(free_port())
+        out = {n: re.sub(rf"\b{fixed}\b", port, c) for n, c in out.items()}
+    return out
+
+
 @dataclass
 class Proc:
     """One process of the stack, started through bash so the Procfile's `${VAR:-default}` expand; the
@@ -131,7 +145,7 @@ class SimStack:
         self.root = root
         env = {**os.environ, "ROBOBUS_MQTT_URL": self.broker.url, "ROBOBUS_TOPIC_ROOT": root,
                "PYTHONUNBUFFERED": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}:/usr/sbin"}
-        self.procs = {n: Proc(n, c, env) for n, c in procfile_commands().items()}
+        self.procs = {n: Proc(n, c, env) for n, c in free_ephemeral_ports(procfile_commands()).items()}
         self.seen = Seen()
         self.observer: RpcClient | None = None
         self.expected_nodes: set[str] = set()
