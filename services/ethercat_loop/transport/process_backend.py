@@ -320,20 +320,24 @@ class ProcessBackend(HandBackend):
         self._poll_state()
         st = self._state
         ident = st.identity
+        # the cycle flips the flag in place: read it once, so that `connected`, `state` and `no_data` of one
+        # health message agree (three reads could straddle a flip: seen once in a power-cycle test)
+        no_data = self._no_data()
         return {"vendor": ident.get("vendor"), "product": ident.get("product"), "revision": ident.get("revision"),
                 "serial": ident.get("serial"), "protocol": ident.get("protocol", self.settings.ethercat_protocol),
-                "backend": self.settings.backend, "connected": self.connected(), "state": self._link_state(),
-                "error": st.error or st.fatal, "no_data": self._no_data(), "issue": st.state_issue,
+                "backend": self.settings.backend, "connected": self.connected(no_data),
+                "state": self._link_state(no_data),
+                "error": st.error or st.fatal, "no_data": no_data, "issue": st.state_issue,
                 "recovery": dict(st.recovery) if st.recovery else None, "warnings": list(st.warnings),
                 "mapping": ident.get("mapping"), "slaves": ident.get("slaves"), "realtime_policy": st.policy}
 
-    def _link_state(self) -> str:
+    def _link_state(self, no_data: bool) -> str:
         """The cycle's state, with `no_data` for a cycle in OP that exchanges no valid process data (before
         the recovery has named an issue)."""
         st = self._state.state
         if not self._running and st in ("op", "recovering", "rescanning"):
             return "error"  # the cycle process is gone
-        return "no_data" if st == "op" and self._no_data() else st
+        return "no_data" if st == "op" and no_data else st
 
     def _no_data(self) -> bool:
         """No valid status for `error_after_lost` cycles in a row (the cycle sets the flag in place)."""
@@ -343,12 +347,14 @@ class ProcessBackend(HandBackend):
     def on_can_rx(self, handler: CanRxHandler) -> None:
         self._rx_handler = handler
 
-    def connected(self) -> bool:
+    def connected(self, no_data: bool | None = None) -> bool:
         """Valid process data are being exchanged: the cycle is in OP (by its own account, kept current by
         the monitor thread every 50 ms) and the last `error_after_lost` cycles were not all without a valid
-        status. One counter read from shared memory; no unpickling on a command's path."""
+        status. One counter read from shared memory (or the caller's); no unpickling on a command's path."""
         st = self._state
-        return self._running and st.state in ("op", "stopping") and not self._no_data()
+        if no_data is None:
+            no_data = self._no_data()
+        return self._running and st.state in ("op", "stopping") and not no_data
 
     def _pump_events(self) -> None:
         conn = self._events_r
