@@ -331,7 +331,9 @@ class PalmService:
         connected = bool(info.get("connected"))
         details = {k: info.get(k) for k in ("vendor", "product", "revision", "serial", "protocol", "backend")}
         # the link as the cycle sees it: valid process data or not, what recovery works on, its last steps
-        details["link"] = {"valid_data": not info.get("no_data"), "issue": info.get("issue") or ""}
+        # valid process data as the backend defines it for `connected` (in OP, and the last cycles not all
+        # without a valid status): one condition, so that `connection` and `valid_data` never disagree
+        details["link"] = {"valid_data": connected, "issue": info.get("issue") or ""}
         recovery = info.get("recovery")
         if recovery:
             now = time.monotonic_ns()

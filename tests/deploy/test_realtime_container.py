@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(900)]
 RT_GROUP = Path("/sys/fs/cgroup/cpu/cpu.rt_runtime_us").exists()
 # What the product itself tolerates: more lost frames than this in 1 s is a health error (backend.py).
 LOST_PER_S = EthercatSettings.model_fields["ethercat_lost_threshold"].default
+# ... and only when sustained this long (one bad second of a VM's vCPU stall is a warning, not an error)
+LOSS_SUSTAIN_S = EthercatSettings.model_fields["ethercat_loss_sustain_s"].default
 WINDOW = 8  # loop_stats messages (1 Hz) looked at
 
 
@@ -108,7 +110,14 @@ def test_sched_fifo_inside_the_container_and_frames_as_outside(vhand: Stack):
     cycles = [s["cycles"] for s in stats]
     TIMINGS["rt_lost_per_s_max"] = max(lost)
     TIMINGS["rt_lost_fraction"] = sum(lost) / max(1, sum(cycles))
-    assert max(lost) <= LOST_PER_S, (lost, cycles)
+    # The product's own error rule: over the threshold for LOSS_SUSTAIN_S seconds in a row. A single second
+    # over it (a burst of 5-12 frames when this VM stalls a vCPU, seen outside containers as well) is not.
+    longest = run_len = 0
+    for n in lost:
+        run_len = run_len + 1 if n > LOST_PER_S else 0
+        longest = max(longest, run_len)
+    assert longest < LOSS_SUSTAIN_S, (lost, cycles)
+    assert sum(lost) / max(1, sum(cycles)) < 0.01, (lost, cycles)  # the 26 % loss once seen: systematic
     assert health["operational"] is True, health
 
 
