@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 import uuid
@@ -102,3 +103,19 @@ def read_env(path) -> dict[str, str]:
 def creds(secrets_dir, user: str) -> tuple[str, str]:
     env = read_env(f"{secrets_dir}/{user}.env")
     return env["ROBOBUS_MQTT_USERNAME"], env["ROBOBUS_MQTT_PASSWORD"]
+
+
+def start_host_broker(exe: str, conf: Path, port: int, secrets_dir: Path) -> subprocess.Popen[bytes]:
+    """A host mosquitto on `conf`, returned once its plain listener on `port` accepts the viewer."""
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            p = Probe("127.0.0.1", port, *creds(secrets_dir, "viewer"))
+            if p.connect() == 0:
+                p.close()
+                return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"mosquitto did not start: {proc.stdout.read().decode(errors='replace') if proc.stdout else ''}")

@@ -5,7 +5,6 @@ ethercat-loop's bridge topics; the viewer cannot command; the operator can; repl
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.deployfiles import host_broker_conf, make_secrets
-from tests.deploy.mqttprobe import Probe, creds
+from tests.deploy.mqttprobe import Probe, creds, start_host_broker
 from tests.fixtures import free_port, mosquitto_bin
 
 SETTLE_S = 10.0  # generous: the machine is shared
@@ -29,19 +28,7 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[in
     port = free_port()
     conf = d / "mosquitto.conf"
     conf.write_text(host_broker_conf(d, port))
-    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            p = Probe("127.0.0.1", port, *creds(d, "viewer"))
-            if p.connect() == 0:
-                p.close()
-                break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        raise RuntimeError(f"mosquitto did not start: {proc.stdout.read() if proc.stdout else ''}")
+    proc = start_host_broker(exe, conf, port, d)
     yield port, d
     proc.terminate()
     proc.wait(5)

@@ -5,8 +5,6 @@ config and a throwaway CA: a client that trusts the CA connects over TLS with it
 from __future__ import annotations
 
 import ssl
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 
 from tests.deploy.certs import make_certs
 from tests.deploy.deployfiles import DEPLOY, host_broker_conf, make_secrets
-from tests.deploy.mqttprobe import Probe, creds
+from tests.deploy.mqttprobe import Probe, creds, start_host_broker
 from tests.fixtures import free_port, mosquitto_bin
 
 
@@ -36,19 +34,7 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, 
     plain, tls = free_port(), free_port()
     conf = d / "mosquitto.conf"
     conf.write_text(host_broker_conf(d, plain, "\n" + tls_listener_conf(certs, tls)))
-    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # up when the plain listener accepts the viewer
-        try:
-            p = Probe("127.0.0.1", plain, *creds(d, "viewer"))
-            if p.connect() == 0:
-                p.close()
-                break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        raise RuntimeError(f"mosquitto did not start: {proc.stdout.read() if proc.stdout else ''}")
+    proc = start_host_broker(exe, conf, plain, d)
     yield tls, d
     proc.terminate()
     proc.wait(5)
