@@ -42,7 +42,7 @@ $(NODEV)/node_modules/.installed: $(NODEV)/package.json $(NODEV)/package-lock.js
 	cd $(NODEV) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
-# The dashboard's browser libraries (mqtt.js, Ajv), served as shipped by `robobus dashboard`.
+# The dashboard's browser library (Ajv), served as shipped by `robobus dashboard` (its MQTT client is its own).
 $(DASH)/node_modules/.installed: $(DASH)/package.json $(DASH)/package-lock.json
 	cd $(DASH) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@

@@ -1,10 +1,10 @@
-"""The dashboard's HTTP side: a few static files, two browser libraries from npm, and two JSON documents.
+"""The dashboard's HTTP side: a few static files, a browser library from npm, and two JSON documents.
 
 The page itself talks MQTT over the broker's websockets listener; this process never touches the bus.
 It serves:
     /                       the page (static/index.html)
     /static/<file>          the app's ES modules and style sheet (no build step)
-    /vendor/<file>          mqtt.js and Ajv browser bundles from the node_modules `make setup` installs
+    /vendor/<file>          Ajv's browser bundle from the node_modules `make setup` installs
     /api/asyncapi.json      the contract (shared.asyncapi.build_document()): states, events, command forms
     /api/config.json        the default broker URL and topic root for the connect form
 Only names known at start are served (no paths from the request touch the file system)."""
@@ -26,9 +26,9 @@ log = logging.getLogger("robobus.dashboard")
 HERE = Path(__file__).resolve().parent
 STATIC = HERE / "static"
 NODE_MODULES = HERE / "node_modules"
-# Browser bundles of the npm packages in shared/dashboard/package.json (ES module / UMD, used as shipped).
+# Browser bundles of the npm packages in shared/dashboard/package.json (UMD, used as shipped). The MQTT client
+# is the page's own (static/mqtt5.js): mqtt.js's bundle cost more CPU per message than the page itself.
 VENDOR = {
-    "mqtt.esm.js": "mqtt/dist/mqtt.esm.js",
     "ajv2020.min.js": "ajv-dist/dist/ajv2020.min.js",
 }
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",

@@ -1,8 +1,7 @@
-// The page's MQTT 5 session over the broker's websockets listener (mqtt.js, the npm package's browser bundle).
+// The page's MQTT 5 session over the broker's websockets listener (mqtt5.js, the page's own small client).
 // Requests carry an MQTT 5 Response Topic and Correlation Data, as the kit's RpcClient does.
-import mqttModule from "/vendor/mqtt.esm.js";
+import * as mqtt from "./mqtt5.js";
 
-const mqtt = mqttModule.connect ? mqttModule : mqttModule.default;
 const utf8 = new TextDecoder();
 const encoder = new TextEncoder();
 
