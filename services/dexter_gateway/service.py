@@ -120,25 +120,35 @@ def error_info(value: int, *, errno_reply: bool = False) -> DexterErrorInfo:
     return DexterErrorInfo.model_validate(_error_dict(value, errno_reply))
 
 
+_ERRORS: dict[tuple[int, bool], dict[str, Any]] = {}  # decoded error words: a robot sends a handful (0, mostly)
+
+
 def _error_dict(value: int, errno_reply: bool = False) -> dict[str, Any]:
-    e = p.decode_error(value, errno_reply=errno_reply)
-    return {"value": e.value, "code": e.code, "flags": list(e.flags), "message": e.message}
+    d = _ERRORS.get((value, errno_reply))
+    if d is None:
+        e = p.decode_error(value, errno_reply=errno_reply)
+        d = {"value": e.value, "code": e.code, "flags": list(e.flags), "message": e.message}
+        if len(_ERRORS) >= 256:  # a garbled stream must not grow it without bound
+            _ERRORS.clear()
+        _ERRORS[(value, errno_reply)] = d
+    return d  # validated into a new model each time: the cached dict itself is never handed out
 
 
 _RAD = math.pi / 180  # what math.radians multiplies by: the same floats
 
 
-def status_model(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts: float) -> DexterStatus:
-    """The status of a reply as one dict validated in one pass (pydantic-core), straight from the 60 ints: every
-    command's reply carries it, so it is on the round trip's path. The same values as `p.decode_status` (the
-    reference decoder, §3.2; tests/dexter_gateway/test_gateway.py checks the two agree on random replies), without
-    its five frozen dataclasses, its properties and seven nested model constructors (~45 -> ~20 µs a reply)."""
+def status_dict(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts: float,
+                error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The status of a reply, straight from the 60 ints, as the dict `DexterStatus` validates in one pass
+    (pydantic-core). Every command's reply carries it, so it is on the round trip's path: the same values as
+    `p.decode_status` (the reference decoder, §3.2; tests/dexter_gateway/test_status.py checks the two agree on
+    random replies) without its five frozen dataclasses, its properties and seven nested model constructors."""
     v = reply.ints
     head: dict[str, Any] = {"ts": ts, "robot_time": reply.robot_time, "instruction_id": reply.instruction_id,
-                            "oplet": reply.oplet, "error": _error_dict(reply.error), "status_mode": mode}
+                            "oplet": reply.oplet, "error": error or _error_dict(reply.error), "status_mode": mode}
     if mode != "0":  # firmware-specific layouts (§3.3): raw
         head["raw"] = list(v)
-        return DexterStatus.model_validate(head)
+        return head
     joints = []
     for i, b in enumerate(p.JOINT_BASE):
         scale = p.ARCSEC_PER_DEG * p.DELTA_SCALE[i]
@@ -155,7 +165,11 @@ def status_model(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, t
                     "angle_rad": j6 * _RAD},
                 j7={"position_units": v[18], "load_units": v[28], "error_flags": (servo_err >> 8) & 0xFF,
                     "angle_deg": j7, "angle_rad": j7 * _RAD})
-    return DexterStatus.model_validate(head)
+    return head
+
+
+def status_model(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts: float) -> DexterStatus:
+    return DexterStatus.model_validate(status_dict(reply, mode, deg_per_unit, j6_zero, ts))
 
 
 def read_block_model(reply: p.Reply) -> DexterReadBlock:
@@ -318,26 +332,28 @@ class DexterArm:
         return self._reply_model(lr, errno_reply=errno_reply, fail_on_error=fail_on_error)
 
     def _reply_model(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> DexterCommandReply:
+        """The reply, validated in one pass from one dict (the status in it too: see `status_dict`)."""
         rep = lr.reply
         is_read = rep.oplet == "r"
-        err = error_info(rep.error, errno_reply=errno_reply or is_read)
-        if fail_on_error and err.code != 0:
-            code = ERRNO_CODES.get(err.code, ErrorCode.DEVICE_ERROR) if (errno_reply or is_read) else \
+        err = _error_dict(rep.error, errno_reply or is_read)
+        if fail_on_error and err["code"] != 0:
+            code = ERRNO_CODES.get(err["code"], ErrorCode.DEVICE_ERROR) if (errno_reply or is_read) else \
                 ErrorCode.DEVICE_ERROR
-            raise CommandError(code, f"arm {self.cfg.id}: {lr.request.oplet!r} failed: {err.message}")
-        out = DexterCommandReply(request=lr.request.text(), instruction_id=rep.instruction_id, oplet=rep.oplet,
-                                 rtt_ms=round(lr.rtt_s * 1000, 3), error=err)
+            raise CommandError(code, f"arm {self.cfg.id}: {lr.request.oplet!r} failed: {err['message']}")
+        out: dict[str, Any] = {"request": lr.request.text(), "instruction_id": rep.instruction_id, "oplet": rep.oplet,
+                               "rtt_ms": round(lr.rtt_s * 1000, 3), "error": err}
         try:
             if is_read:
-                out.read = read_block_model(rep)
+                out["read"] = read_block_model(rep)
             else:
                 mode = self._latest[1] if self._latest is not None and self._latest[0] is rep else self.status_mode
-                out.status = status_model(rep, mode, self.settings.dexter_servo_deg_per_unit,
-                                          self.settings.dexter_j6_zero_units, time.time())
+                out["status"] = status_dict(rep, mode, self.settings.dexter_servo_deg_per_unit,
+                                            self.settings.dexter_j6_zero_units, time.time(),
+                                            None if errno_reply else err)
         except ProtocolError as exc:
             self._on_decode_error(str(exc))
             raise CommandError(ErrorCode.DEVICE_ERROR, f"arm {self.cfg.id}: undecodable reply: {exc}") from None
-        return out
+        return DexterCommandReply.model_validate(out)
 
     def _servo_units(self, j6_deg: float | None, j7_deg: float | None) -> list[Any]:
         """J6/J7 degrees -> Dynamixel units; NaN skips J6 when only J7 is given (§2)."""
