@@ -31,7 +31,6 @@ from services.dexter_gateway.models import (
     DexterErrorInfo,
     DexterFileContent,
     DexterFileWritten,
-    DexterJoint,
     DexterMotionDone,
     DexterMoveAllJoints,
     DexterMoveRelative,
@@ -43,7 +42,6 @@ from services.dexter_gateway.models import (
     DexterReadFile,
     DexterRunFile,
     DexterRunFileResult,
-    DexterServo,
     DexterSetBoundaries,
     DexterSetParameter,
     DexterSleep,
@@ -119,28 +117,59 @@ class DexterSettings(KitSettings):
 # -- conversions ------------------------------------------------------------------------------------
 
 def error_info(value: int, *, errno_reply: bool = False) -> DexterErrorInfo:
-    e = p.decode_error(value, errno_reply=errno_reply)
-    return DexterErrorInfo(value=e.value, code=e.code, flags=list(e.flags), message=e.message)
+    return DexterErrorInfo.model_validate(_error_dict(value, errno_reply))
+
+
+_ERRORS: dict[tuple[int, bool], dict[str, Any]] = {}  # decoded error words: a robot sends a handful (0, mostly)
+
+
+def _error_dict(value: int, errno_reply: bool = False) -> dict[str, Any]:
+    d = _ERRORS.get((value, errno_reply))
+    if d is None:
+        e = p.decode_error(value, errno_reply=errno_reply)
+        d = {"value": e.value, "code": e.code, "flags": list(e.flags), "message": e.message}
+        if len(_ERRORS) >= 256:  # a garbled stream must not grow it without bound
+            _ERRORS.clear()
+        _ERRORS[(value, errno_reply)] = d
+    return d  # validated into a new model each time: the cached dict itself is never handed out
+
+
+_RAD = math.pi / 180  # what math.radians multiplies by: the same floats
+
+
+def status_dict(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts: float,
+                error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The status of a reply, straight from the 60 ints, as the dict `DexterStatus` validates in one pass
+    (pydantic-core). Every command's reply carries it, so it is on the round trip's path: the same values as
+    `p.decode_status` (the reference decoder, §3.2; tests/dexter_gateway/test_status.py checks the two agree on
+    random replies) without its five frozen dataclasses, its properties and seven nested model constructors."""
+    v = reply.ints
+    head: dict[str, Any] = {"ts": ts, "robot_time": reply.robot_time, "instruction_id": reply.instruction_id,
+                            "oplet": reply.oplet, "error": error or _error_dict(reply.error), "status_mode": mode}
+    if mode != "0":  # firmware-specific layouts (§3.3): raw
+        head["raw"] = list(v)
+        return head
+    joints = []
+    for i, b in enumerate(p.JOINT_BASE):
+        scale = p.ARCSEC_PER_DEG * p.DELTA_SCALE[i]
+        angle, measured = v[b] / p.ARCSEC_PER_DEG, v[b + 6] / p.ARCSEC_PER_DEG
+        joints.append({"angle_deg": angle, "angle_rad": angle * _RAD, "angle_arcsec": v[b],
+                       "delta_deg": v[b + 1] / scale, "pid_delta_deg": v[b + 2] / scale,
+                       "force_delta_deg": v[b + 3] / p.ARCSEC_PER_DEG, "measured_deg": measured,
+                       "measured_rad": measured * _RAD, "measured_arcsec": v[b + 6], "sent_raw": v[b + 7],
+                       "sin_raw": v[b + 4], "cos_raw": v[b + 5]})
+    servo_err = v[58]
+    j7, j6 = v[18] * deg_per_unit, (v[38] - j6_zero) * deg_per_unit  # 18/28 = ID 1 = J7, 38/48 = ID 3 = J6
+    head.update(joints=joints, end_effector_io=v[9], phui_button=bool(v[9] & 1),
+                j6={"position_units": v[38], "load_units": v[48], "error_flags": servo_err & 0xFF, "angle_deg": j6,
+                    "angle_rad": j6 * _RAD},
+                j7={"position_units": v[18], "load_units": v[28], "error_flags": (servo_err >> 8) & 0xFF,
+                    "angle_deg": j7, "angle_rad": j7 * _RAD})
+    return head
 
 
 def status_model(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts: float) -> DexterStatus:
-    err = error_info(reply.error)
-    head: dict[str, Any] = dict(ts=ts, robot_time=reply.robot_time, instruction_id=reply.instruction_id,
-                                oplet=reply.oplet, error=err, status_mode=mode)
-    if mode != "0":  # firmware-specific layouts (§3.3): raw
-        return DexterStatus(**head, raw=list(reply.ints))
-    s = p.decode_status(reply, deg_per_unit, j6_zero)
-    joints = [DexterJoint(angle_deg=j.angle_deg, angle_rad=math.radians(j.angle_deg), angle_arcsec=j.angle_arcsec,
-                          delta_deg=j.delta_deg, pid_delta_deg=j.pid_delta_deg, force_delta_deg=j.force_delta_deg,
-                          measured_deg=j.measured_deg, measured_rad=math.radians(j.measured_deg),
-                          measured_arcsec=j.measured_arcsec, sent_raw=j.sent_raw, sin_raw=j.sin_raw,
-                          cos_raw=j.cos_raw) for j in s.joints]
-
-    def servo(v: p.ServoStatus) -> DexterServo:
-        return DexterServo(position_units=v.position_units, load_units=v.load_units, error_flags=v.error_flags,
-                           angle_deg=v.angle_deg, angle_rad=math.radians(v.angle_deg))
-    return DexterStatus(**head, joints=joints, j6=servo(s.j6), j7=servo(s.j7), end_effector_io=s.end_effector_io,
-                        phui_button=s.phui_button)
+    return DexterStatus.model_validate(status_dict(reply, mode, deg_per_unit, j6_zero, ts))
 
 
 def read_block_model(reply: p.Reply) -> DexterReadBlock:
@@ -303,26 +332,28 @@ class DexterArm:
         return self._reply_model(lr, errno_reply=errno_reply, fail_on_error=fail_on_error)
 
     def _reply_model(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> DexterCommandReply:
+        """The reply, validated in one pass from one dict (the status in it too: see `status_dict`)."""
         rep = lr.reply
         is_read = rep.oplet == "r"
-        err = error_info(rep.error, errno_reply=errno_reply or is_read)
-        if fail_on_error and err.code != 0:
-            code = ERRNO_CODES.get(err.code, ErrorCode.DEVICE_ERROR) if (errno_reply or is_read) else \
+        err = _error_dict(rep.error, errno_reply or is_read)
+        if fail_on_error and err["code"] != 0:
+            code = ERRNO_CODES.get(err["code"], ErrorCode.DEVICE_ERROR) if (errno_reply or is_read) else \
                 ErrorCode.DEVICE_ERROR
-            raise CommandError(code, f"arm {self.cfg.id}: {lr.request.oplet!r} failed: {err.message}")
-        out = DexterCommandReply(request=lr.request.text(), instruction_id=rep.instruction_id, oplet=rep.oplet,
-                                 rtt_ms=round(lr.rtt_s * 1000, 3), error=err)
+            raise CommandError(code, f"arm {self.cfg.id}: {lr.request.oplet!r} failed: {err['message']}")
+        out: dict[str, Any] = {"request": lr.request.text(), "instruction_id": rep.instruction_id, "oplet": rep.oplet,
+                               "rtt_ms": round(lr.rtt_s * 1000, 3), "error": err}
         try:
             if is_read:
-                out.read = read_block_model(rep)
+                out["read"] = read_block_model(rep)
             else:
                 mode = self._latest[1] if self._latest is not None and self._latest[0] is rep else self.status_mode
-                out.status = status_model(rep, mode, self.settings.dexter_servo_deg_per_unit,
-                                          self.settings.dexter_j6_zero_units, time.time())
+                out["status"] = status_dict(rep, mode, self.settings.dexter_servo_deg_per_unit,
+                                            self.settings.dexter_j6_zero_units, time.time(),
+                                            None if errno_reply else err)
         except ProtocolError as exc:
             self._on_decode_error(str(exc))
             raise CommandError(ErrorCode.DEVICE_ERROR, f"arm {self.cfg.id}: undecodable reply: {exc}") from None
-        return out
+        return DexterCommandReply.model_validate(out)
 
     def _servo_units(self, j6_deg: float | None, j7_deg: float | None) -> list[Any]:
         """J6/J7 degrees -> Dynamixel units; NaN skips J6 when only J7 is given (§2)."""
