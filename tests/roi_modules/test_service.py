@@ -283,8 +283,14 @@ def test_every_published_message_matches_the_contract(rig: Rig) -> None:
         assert f"{NODE}_{name}" in seen, name
 
 
-def test_pull_state_when_started_beside_a_running_module(broker_session: Broker) -> None:
-    """§4.3: a module that is not blank when the service starts is read, not overwritten."""
+@pytest.mark.parametrize("bus_delay_s", [0.0, 0.5])
+def test_pull_state_when_started_beside_a_running_module(broker_session: Broker, bus_delay_s: float) -> None:
+    """§4.3: a module that is not blank when the service starts is read, not overwritten.
+
+    Issue #11: the pull is done within milliseconds, often before the node's command subscription is in at the
+    broker; this test then commanded a node that could not hear it yet and got no reply. The rig now waits for
+    the node's birth. `bus_delay_s` connects the node to the broker only after the pull: without that wait the
+    command is dropped every time."""
     sim = RoiSim(fresh_prefix(), [SimModuleSpec(20, "odrive")]).start()
 
     def configure(fw: Any) -> None:
@@ -292,7 +298,8 @@ def test_pull_state_when_started_beside_a_running_module(broker_session: Broker)
         fw.control_mode, fw.input_mode, fw.vel_sp, fw.pos_sp = 1, 2, 1.25, 0.0
 
     sim.call(20, configure)
-    r = make_rig(broker_session, [{"name": "wheel", "octet": 20, "type": "odrive"}], sim=sim)
+    r = make_rig(broker_session, [{"name": "wheel", "octet": 20, "type": "odrive"}], sim=sim,
+                 bus_delay_s=bus_delay_s)
     try:
         assert wait_until(lambda: r.service.svc.modules[0].cache.get("velocity") == 1.25, 15)  # type: ignore[attr-defined]
         assert r.service.svc.modules[0].cache["control_mode"] == 1  # type: ignore[attr-defined]
