@@ -272,7 +272,7 @@ def test_a_waiter_cancelled_as_the_slot_is_released_leaves_with_cancelled_error(
         slot.release()  # the request in flight ends before the waiter runs again
         try:
             await waiter
-        except BaseException as exc:  # noqa: BLE001 (what it raises is the point)
+        except BaseException as exc:  # what it raises is the point
             return exc, slot.busy
         return None, slot.busy
 
