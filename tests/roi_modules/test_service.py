@@ -488,3 +488,21 @@ def test_every_command_of_a_burst_is_answered_under_loss_and_a_reboot(broker_ses
     finally:
         r.sim.set_loss(0.0)
         r.close()
+
+
+def test_no_log_record_extra_key_collides_with_a_log_record_attribute() -> None:
+    """The static side of the logging defect above: `extra` keys that LogRecord owns raise KeyError when the
+    record is made (only when its level is enabled, so a quiet test run never sees it)."""
+    import ast
+    from pathlib import Path
+
+    import services.roi_modules as pkg
+
+    owned = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+    clashes = []
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "extra" and isinstance(node.value, ast.Dict):
+                keys = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+                clashes += [f"{path.name}:{node.value.lineno} {k}" for k in sorted(keys & owned)]
+    assert not clashes, clashes
