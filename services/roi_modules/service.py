@@ -296,9 +296,9 @@ class RoiModule:
                         raise
                 await self.poll()
             except (RequestLost, CommandError) as exc:
-                log.debug("maintain tick failed", extra={"module": self.cfg.name, "error": str(exc)})
+                log.debug("maintain tick failed", extra={"device": self.cfg.name, "error": str(exc)})
             except Exception:
-                log.exception("maintain tick crashed", extra={"module": self.cfg.name})
+                log.exception("maintain tick crashed", extra={"device": self.cfg.name})
             self.tick_no += 1
             nxt += period
             now = loop.time()
@@ -340,7 +340,7 @@ class RoiModule:
     async def push_guarded(self) -> None:
         try:
             await self.push()
-            log.info("settings pushed", extra={"module": self.cfg.name})
+            log.info("settings pushed", extra={"device": self.cfg.name})
         except CommandError as exc:
             self.fault("push_failed", f"re-sending the cached settings failed: {exc.message}")
 

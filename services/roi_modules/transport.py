@@ -22,6 +22,7 @@ While a module is disconnected, a request is sent once (a probe) instead of bein
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import ipaddress
 import logging
@@ -140,9 +141,12 @@ class _Slot:
             if fut.done() and not fut.cancelled():
                 self.release()  # handed the slot just as we were cancelled: pass it on
             elif urgent:
-                self.urgent.remove(entry)
+                # a release() between our cancellation and now has already popped (and skipped) our entry
+                with contextlib.suppress(ValueError):
+                    self.urgent.remove(entry)
             else:
-                self.background.remove(fut)
+                with contextlib.suppress(ValueError):
+                    self.background.remove(fut)
             raise
 
     def release(self) -> None:

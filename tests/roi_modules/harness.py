@@ -65,8 +65,9 @@ class BusRecorder:
 class ServiceThread:
     """Node + RoiService on an asyncio loop in a thread: what run_service does, minus the process."""
 
-    def __init__(self, settings: RoiSettings) -> None:
+    def __init__(self, settings: RoiSettings, bus_delay_s: float = 0.0) -> None:
         self.settings = settings
+        self.bus_delay_s = bus_delay_s  # connect to the broker this long after the modules are served
         self.node = Node(API, settings)
         self.svc: RoiService = build(self.node, settings)
         self.loop = asyncio.new_event_loop()
@@ -82,9 +83,13 @@ class ServiceThread:
 
         async def main() -> None:
             self._done = asyncio.Event()
-            self.node.start()
+            if not self.bus_delay_s:
+                self.node.start()
             self._task = asyncio.ensure_future(self.svc.serve())
             self._ready.set()
+            if self.bus_delay_s:  # a slow broker connection: the modules answer (and are pulled) first
+                await asyncio.sleep(self.bus_delay_s)
+                self.node.start()
             try:
                 await self._task
             except asyncio.CancelledError:
@@ -133,7 +138,13 @@ DEFAULT_MODULES = [
 
 
 def make_rig(broker: Broker, modules: list[dict[str, Any]] | None = None,
-             sim_modules: list[SimModuleSpec] | None = None, sim: RoiSim | None = None, **settings: Any) -> Rig:
+             sim_modules: list[SimModuleSpec] | None = None, sim: RoiSim | None = None, bus_delay_s: float = 0.0,
+             **settings: Any) -> Rig:
+    """The service beside simulated modules, returned once the node is online on the bus.
+
+    Online means its birth (the retained `status`) was seen: the kit publishes it only after the broker has
+    acknowledged the command subscription. Before that a command is dropped by the broker, unanswered (issue
+    #11: a test that waited only for the modules' side commanded a node whose subscription was not in yet)."""
     modules = modules or DEFAULT_MODULES
     if sim is None:
         specs = sim_modules or [SimModuleSpec(m["octet"], m["type"]) for m in modules]
@@ -145,5 +156,9 @@ def make_rig(broker: Broker, modules: list[dict[str, Any]] | None = None,
     client.connect()
     bus = BusRecorder()
     client.subscribe_before(f"robobus/{node}/#", bus.on)
-    service = ServiceThread(RoiSettings(**kw))
-    return Rig(sim, service, client, bus, node)
+    service = ServiceThread(RoiSettings(**kw), bus_delay_s)
+    rig = Rig(sim, service, client, bus, node)
+    if bus.wait("/status", lambda d: d["online"] is True, timeout=20) is None:
+        rig.close()
+        raise AssertionError(f"node {node} did not come online on the bus within 20 s")
+    return rig

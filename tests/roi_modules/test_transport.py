@@ -253,3 +253,29 @@ def test_command_with_the_same_key_but_other_bytes_waits_for_the_maintain_reques
         return events
 
     run(sim, body, timeout_s=0.3)
+
+
+def test_a_waiter_cancelled_as_the_slot_is_released_leaves_with_cancelled_error() -> None:
+    """A command cancelled while it waits for its module (shutdown, a caller's timeout) must end as cancelled
+    and leave the slot free: a release() that comes between the cancellation and the waiter's resumption pops
+    the cancelled entry itself, and the waiter's clean-up then found nothing to remove (ValueError)."""
+    from services.roi_modules.transport import _Slot
+
+    key = (20, p.GENERAL_PORT, 0, p.OdriveAction.SET_VELOCITY)
+
+    async def main() -> tuple[BaseException | None, bool]:
+        slot = _Slot()
+        await slot.acquire(True, key, b"a")  # held by a request in flight
+        waiter = asyncio.ensure_future(slot.acquire(True, key, b"b"))
+        await asyncio.sleep(0)  # queued behind it
+        waiter.cancel()
+        slot.release()  # the request in flight ends before the waiter runs again
+        try:
+            await waiter
+        except BaseException as exc:  # what it raises is the point
+            return exc, slot.busy
+        return None, slot.busy
+
+    exc, busy = asyncio.run(main())
+    assert isinstance(exc, asyncio.CancelledError), repr(exc)
+    assert not busy
