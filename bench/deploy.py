@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from loss_stats import BURST_MIN, compare  # noqa: E402
+from loss_stats import BLOCK_S, BURST_MIN, compare  # noqa: E402
 
 from shared.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
@@ -238,9 +238,9 @@ def cycle_inside_vs_outside(a: argparse.Namespace, out: dict[str, Any], tmp: Pat
               f"median {wake[side]:.0f} us")
     print(f"container - outside: {cmp['lost_per_min_diff']} lost/min, 95 % interval "
           f"{cmp['lost_per_min_diff_ci95']} (burst seconds/min {cmp['burst_seconds_per_min_diff_ci95']}, isolated/min "
-          f"{cmp['isolated_per_min_diff_ci95']}); per round {cmp['per_round_lost']}, sign test p "
-          f"{cmp['sign_test_p']}: {cmp['verdict']} (target: no higher). Wake p99 ratio "
-          f"{out['wake_p99_ratio_container_over_outside']} (target <= {WAKE_RATIO_TARGET})")
+          f"{cmp['isolated_per_min_diff_ci95']}) over {cmp['paired_blocks']} paired {BLOCK_S} s blocks, sign test p "
+          f"{cmp['sign_test_p']}; per round {cmp['per_round_lost']}: {cmp['verdict']} (target: no higher). "
+          f"Wake p99 ratio {out['wake_p99_ratio_container_over_outside']} (target <= {WAKE_RATIO_TARGET})")
 
 
 def container_window(hand: Stack, seconds: float) -> dict[str, Any]:
