@@ -106,14 +106,28 @@ def cycle_window(settings: KitSettings, seconds: float) -> dict[str, Any]:
 
     steal0 = steal_ticks()
     with RpcClient(settings, name="bench-deploy-cycle") as c:
-        c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds, until=keep)
+        c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds / 2, until=keep)
+        rt = rt_threads()  # mid-window: who else runs at realtime priority (a suspect when both sides lose)
+        c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds / 2, until=keep)
     msgs = msgs[1:]  # the first is the retained one (or a window that began before this one)
     if len(msgs) < 2:
         raise RuntimeError("no loop_stats from ethercat-loop")
     return {"lost_per_s": [int(m["frames_lost"]) for m in msgs], "cycles": sum(int(m["cycles"]) for m in msgs),
             "overruns": sum(int(m["overruns"]) for m in msgs),
             "wake_p99_us": [float(m["jitter_p99_us"]) for m in msgs],
-            "policy": (msgs[-1].get("realtime") or {}).get("policy"), "steal_ticks": steal_ticks() - steal0}
+            "policy": (msgs[-1].get("realtime") or {}).get("policy"), "steal_ticks": steal_ticks() - steal0,
+            "rt_threads": rt}
+
+
+def rt_threads() -> list[str]:
+    """User threads at SCHED_FIFO/RR on this machine, as 'comm/prio@cpu' (kernel threads left out)."""
+    ps = subprocess.run(["ps", "-eLo", "cls=,rtprio=,psr=,comm=,args="], capture_output=True, text=True).stdout
+    out = []
+    for line in ps.splitlines():
+        f = line.split(None, 4)
+        if len(f) == 5 and f[0] in ("FF", "RR") and not f[4].startswith("["):
+            out.append(f"{f[3]}/{f[1]}@{f[2]}")
+    return sorted(out)
 
 
 def steal_ticks() -> int:
@@ -223,7 +237,7 @@ def cycle_inside_vs_outside(a: argparse.Namespace, out: dict[str, Any], tmp: Pat
                 windows[side].append(w)
                 print(f"round {i + 1} {side:9s}: lost {sum(w['lost_per_s'])} {w['lost_per_s']}, overruns "
                       f"{w['overruns']}, wake p99 median {statistics.median(w['wake_p99_us']):.0f} us, "
-                      f"{w['policy']}, steal {w['steal_ticks']} ticks", flush=True)
+                      f"{w['policy']}, steal {w['steal_ticks']} ticks, realtime threads {w['rt_threads']}", flush=True)
     finally:
         hand.down()
     cmp = compare([w["lost_per_s"] for w in windows["container"]], [w["lost_per_s"] for w in windows["outside"]])
