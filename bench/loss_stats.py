@@ -94,3 +94,24 @@ def compare(container: list[list[int]], outside: list[list[int]]) -> dict[str, A
         "isolated_per_min_diff_ci95": [round(ilo, 2), round(ihi, 2)],
         "verdict": verdict,
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Pool the rounds of several bench/deploy.py runs (their last output line, saved to files):
+    python bench/loss_stats.py run1.json run2.json"""
+    import json
+    import sys
+
+    files = sys.argv[1:] if argv is None else argv
+    con: list[list[int]] = []
+    out: list[list[int]] = []
+    for f in files:
+        with open(f) as fh:
+            w = json.loads(fh.read().strip().splitlines()[-1])["cycle"]["windows"]
+        con += [x["lost_per_s"] for x in w["container"]]
+        out += [x["lost_per_s"] for x in w["outside"]]
+    print(json.dumps({"runs": len(files), "rounds": len(con), **compare(con, out)}))
+
+
+if __name__ == "__main__":
+    main()
