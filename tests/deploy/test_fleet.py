@@ -57,6 +57,8 @@ def fleet(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         # the three projects come up side by side: a site's bridge that reaches the centre before it listens
         # retries (restart_timeout 1 5), and every test waits on what it checks
         t0 = time.monotonic()
+        # the shared network first: compose.sh creates it when missing, which three at once would race
+        run([DOCKER, "network", "create", wan])
         with ThreadPoolExecutor(len(stacks)) as pool:
             ups = [pool.submit(central.up)] + [pool.submit(stacks[site].up, "broker", *services)
                                                for site, services in SITES.items()]
