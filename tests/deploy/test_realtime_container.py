@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +17,12 @@ import pytest
 import yaml
 
 from services.ethercat_loop.settings import EthercatSettings
+from shared.localbroker import Broker, NodeProcess
 from shared.rpc import RpcClient
 from tests.deploy.conftest import TIMINGS
 from tests.deploy.deployfiles import DEPLOY
 from tests.deploy.stack import DOCKER, Stack, run
-from tests.fixtures import can_netns
+from tests.fixtures import can_netns, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(900)]
 RT_GROUP = Path("/sys/fs/cgroup/cpu/cpu.rt_runtime_us").exists()
@@ -124,15 +126,62 @@ def test_sched_fifo_inside_the_container_and_frames_as_outside(granted: Stack):
     cycles = [s["cycles"] for s in stats]
     TIMINGS["rt_lost_per_s_max"] = max(lost)
     TIMINGS["rt_lost_fraction"] = sum(lost) / max(1, sum(cycles))
-    # The product's own error rule: over the threshold for LOSS_SUSTAIN_S seconds in a row. A single second
-    # over it (a burst of 5-12 frames when this VM stalls a vCPU, seen outside containers as well) is not.
+    broken = loss_rule_broken(lost, cycles)
+    if broken:
+        # The target is "no more than outside containers": when the machine itself loses frames (minutes of
+        # ~200 lost per second on both sides were seen under other sessions' load), the same cycle outside,
+        # measured right after with the same settings, breaks the rule as well. The container fails only if
+        # it breaks the rule where the cycle outside does not.
+        vhand.compose("stop", "-t", "10", "ethercat-loop", timeout=120)  # one cycle on CPU 1 at a time
+        try:
+            outside = outside_window(len(stats))
+        finally:
+            vhand.compose("start", "ethercat-loop", timeout=120)
+        TIMINGS["rt_outside_lost_per_s_max"] = max(outside[0])
+        assert loss_rule_broken(*outside), (f"container: {broken}; outside right after: within the rule",
+                                            lost, outside[0])
+    else:  # (a loss over the rule is a health error: operational says so)
+        assert health["operational"] is True, health
+
+
+def loss_rule_broken(lost: list[int], cycles: list[int]) -> str:
+    """The product's own error rule over 1 s windows: over the threshold for LOSS_SUSTAIN_S seconds in a row
+    (a single second over it, a burst of 5-12 frames when this VM stalls a vCPU, is not), or systematic loss
+    (the 26 % once seen). Empty when neither."""
     longest = run_len = 0
     for n in lost:
         run_len = run_len + 1 if n > LOST_PER_S else 0
         longest = max(longest, run_len)
-    assert longest < LOSS_SUSTAIN_S, (lost, cycles)
-    assert sum(lost) / max(1, sum(cycles)) < 0.01, (lost, cycles)  # the 26 % loss once seen: systematic
-    assert health["operational"] is True, health
+    if longest >= LOSS_SUSTAIN_S:
+        return f"over {LOST_PER_S} lost/s for {longest} s in a row"
+    if sum(lost) / max(1, sum(cycles)) >= 0.01:
+        return f"{sum(lost)} of {sum(cycles)} frames lost"
+    return ""
+
+
+def outside_window(n: int) -> tuple[list[int], list[int]]:
+    """n 1 s windows of the same cycle outside containers: backend `virtual` (its own namespace, veth pair and
+    virtual hand), cycle SCHED_FIFO 80 on CPU 1, hand SCHED_FIFO 70 on CPU 0, as in the vhand stack."""
+    with tempfile.TemporaryDirectory() as d:
+        broker = Broker(free_port(), Path(d))
+        broker.start()
+        node = NodeProcess(["-m", "services.ethercat_loop"], {
+            "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_ETHERCAT_BACKEND": "virtual", "ROBOBUS_ETHERCAT_CPUS": "[1]",
+            "ROBOBUS_ETHERCAT_RT_PRIORITY": "80", "ROBOBUS_ETHERCAT_VIRTUAL_ARGS": '["--cpus", "0"]'})
+        try:
+            stats: list[dict] = []
+            with RpcClient(broker.settings(), name="test-rt-outside") as c:
+                def until(topic: str, payload: bytes) -> bool:
+                    d = json.loads(payload)
+                    if d.get("cycles"):
+                        stats.append(d)
+                    return len(stats) > n + 2  # the first windows are the bring-up's
+                c.collect("robobus/ethercat-loop/rh/state/loop_stats", n * 4 + 60, until=until)
+        finally:
+            node.stop()
+            broker.kill()
+    stats = stats[3:]
+    return [s["frames_lost"] for s in stats], [s["cycles"] for s in stats]
 
 
 def test_without_a_realtime_budget_the_container_starts_and_says_so_in_health(vhand: Stack):
