@@ -104,7 +104,7 @@ def cycle_window(settings: KitSettings, seconds: float) -> dict[str, Any]:
             msgs.append(m)
         return False
 
-    steal0 = steal_ticks()
+    steal0, soft0 = steal_ticks(), ksoftirqd_ticks()
     with RpcClient(settings, name="bench-deploy-cycle") as c:
         c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds / 2, until=keep)
         rt = rt_threads()  # mid-window: who else runs at realtime priority (a suspect when both sides lose)
@@ -116,7 +116,23 @@ def cycle_window(settings: KitSettings, seconds: float) -> dict[str, Any]:
             "overruns": sum(int(m["overruns"]) for m in msgs),
             "wake_p99_us": [float(m["jitter_p99_us"]) for m in msgs],
             "policy": (msgs[-1].get("realtime") or {}).get("policy"), "steal_ticks": steal_ticks() - steal0,
-            "rt_threads": rt}
+            "ksoftirqd_ticks": ksoftirqd_ticks() - soft0, "rt_threads": rt}
+
+
+def ksoftirqd_ticks() -> int:
+    """CPU time of the ksoftirqd threads so far (USER_HZ ticks). Softirqs (the veth's packet delivery among
+    them) move from the sender's context to these SCHED_OTHER threads when the machine is busy with them: a
+    suspect when both sides lose frames for seconds on end."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if "(ksoftirqd/" in f[0]:
+            rest = f[1].split()
+            total += int(rest[11]) + int(rest[12])
+    return total
 
 
 def rt_threads() -> list[str]:
@@ -237,7 +253,8 @@ def cycle_inside_vs_outside(a: argparse.Namespace, out: dict[str, Any], tmp: Pat
                 windows[side].append(w)
                 print(f"round {i + 1} {side:9s}: lost {sum(w['lost_per_s'])} {w['lost_per_s']}, overruns "
                       f"{w['overruns']}, wake p99 median {statistics.median(w['wake_p99_us']):.0f} us, "
-                      f"{w['policy']}, steal {w['steal_ticks']} ticks, realtime threads {w['rt_threads']}", flush=True)
+                      f"{w['policy']}, steal {w['steal_ticks']}, ksoftirqd {w['ksoftirqd_ticks']} ticks, realtime "
+                      f"threads {w['rt_threads']}", flush=True)
     finally:
         hand.down()
     cmp = compare([w["lost_per_s"] for w in windows["container"]], [w["lost_per_s"] for w in windows["outside"]])
