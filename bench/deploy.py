@@ -297,7 +297,11 @@ def outside_window(seconds: float) -> dict[str, Any]:
         try:
             wait_online(broker.settings(), ["ethercat-loop"], 120)
             time.sleep(SETTLE_S)
-            return cycle_window(broker.settings(), seconds)
+            w = cycle_window(broker.settings(), seconds)
+            if len(w["lost_per_s"]) < 0.9 * seconds:  # the node's own account of the gap
+                print(f"outside window short (node alive: {node.alive()}); its log ends:\n{node.text()[-3000:]}",
+                      flush=True)
+            return w
         finally:
             node.stop()
             broker.kill()
