@@ -1,6 +1,6 @@
 """Deployment benchmark: the containerised system against the same code outside containers, in one run.
 
-    python bench/deploy.py [--seconds 30] [--rounds 6] [--calls 400] [--quick] [--cycle-only]
+    python bench/deploy.py [--seconds 30] [--rounds 6] [--calls 400] [--quick] [--cycle-only | --rtt-only]
 
 1. up -> every node online: `deploy/compose.sh up -d` of the sim profile (images already built; the build
    time is printed apart) until the viewer sees every node's retained status online; then until every
@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 rounds of 20 s windows, 200 calls")
     ap.add_argument("--cycle-only", action="store_true", help="only part 3 (the cycle inside vs outside), e.g. to "
                     "repeat that comparison several times without the sim stack")
+    ap.add_argument("--rtt-only", action="store_true", help="only parts 1 and 2 (up, command round trips)")
     a = ap.parse_args()
     if a.quick:
         a.seconds, a.calls, a.rounds = 20.0, 200, 3
@@ -174,7 +175,8 @@ def main() -> None:
 
     if not a.cycle_only:
         up_and_round_trips(a, out, tmp)
-    cycle_inside_vs_outside(a, out, tmp)
+    if not a.rtt_only:
+        cycle_inside_vs_outside(a, out, tmp)
     out["load_after"] = os.getloadavg()[0]
     print(json.dumps(out))
 
