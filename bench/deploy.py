@@ -1,22 +1,28 @@
 """Deployment benchmark: the containerised system against the same code outside containers, in one run.
 
-    python bench/deploy.py [--seconds 30] [--calls 300] [--quick]
+    python bench/deploy.py [--seconds 30] [--rounds 6] [--calls 400] [--quick] [--cycle-only | --rtt-only]
 
 1. up -> every node online: `deploy/compose.sh up -d` of the sim profile (images already built; the build
    time is printed apart) until the viewer sees every node's retained status online; then until every
    container reports healthy.
-2. Command round trip: `nullify_demands` on ethercat-loop (palm model backend) called N times by an operator
-   client through the containerised broker (node in its container), and the same node as a host process
-   through a host mosquitto (same config flags). Median and p99, ratio container / host.
-3. The EtherCAT cycle at 1 kHz against the virtual hand: in the realtime container (the `hand` profile
+2. Command round trip: `nullify_demands` on ethercat-loop (palm model backend) by an operator client through
+   the containerised broker (node in its container, broker reached on its published port), and the same node
+   as a host process through a host mosquitto, both up at once and called in alternating batches; a third
+   path, the container's broker at its own address, shows what the published port (docker-proxy) costs.
+   Median and p99 of each, ratio container / host.
+3. The EtherCAT cycle at 1 kHz against the virtual hand, in the realtime container (the `hand` profile
    against the virtual hand's container, deploy/vhand.sh) and outside containers (backend `virtual`: the same
-   hand in a private namespace), one after the other for --seconds each: wake-up p99, overruns, lost frames.
+   hand in a private namespace), with the same settings (cycle SCHED_FIFO 80 on CPU 1, hand SCHED_FIFO 70 on
+   CPU 0), interleaved: --rounds rounds of one --seconds window per side. Per-second lost frames, bursts
+   (>= loss_stats.BURST_MIN in one second) apart from isolated losses, and whether the container loses more:
+   a block bootstrap interval of the difference and a sign test over rounds (bench/loss_stats.py).
 Needs root and docker (deploy/dev/ensure-docker.sh installs/starts what is missing). Last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,17 +35,21 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from loss_stats import BLOCK_S, BURST_MIN, compare  # noqa: E402
 
 from shared.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
-from tests.deploy.stack import Stack, expected_nodes, run  # noqa: E402  (the tests' compose helper)
+from tests.deploy.stack import DOCKER, Stack, expected_nodes, run  # noqa: E402  (the tests' compose helper)
 
 DEPLOY = REPO / "deploy"
 # Targets (issue 13): the containerised command path within 1.5 x the host's; lost frames in the container
 # no higher than outside; wake-up p99 in the container within 1.5 x outside.
 RTT_RATIO_TARGET = 1.5
 WAKE_RATIO_TARGET = 1.5
+RTT_BATCHES = 10  # round trips alternate between the paths in this many batches
 SETTLE_S = 5.0  # both sides: the window starts this long after the node is online (bring-up, first recoveries)
 
 
@@ -48,16 +58,14 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def round_trips(settings: KitSettings, calls: int) -> list[float]:
+def round_trips(c: RpcClient, calls: int) -> list[float]:
     out: list[float] = []
-    with RpcClient(settings, name="bench-deploy") as c:
-        c.call("ethercat-loop", "rh", "nullify_demands", {}, timeout=30)  # warm up
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            rep = c.call("ethercat-loop", "rh", "nullify_demands", {}, timeout=30)
-            out.append((time.perf_counter() - t0) * 1e3)
-            if not rep.ok:
-                raise RuntimeError(f"nullify_demands failed: {rep.error}")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        rep = c.call("ethercat-loop", "rh", "nullify_demands", {}, timeout=30)
+        out.append((time.perf_counter() - t0) * 1e3)
+        if not rep.ok:
+            raise RuntimeError(f"nullify_demands failed: {rep.error}")
     return out
 
 
@@ -85,52 +93,103 @@ def wait_healthy(stack: Stack, timeout: float) -> float:
     raise RuntimeError("containers not healthy in time")
 
 
-def cycle_totals(settings: KitSettings, seconds: float) -> dict[str, Any]:
-    """loop_stats totals over `seconds`: the difference between the first and the last message."""
+def cycle_window(settings: KitSettings, seconds: float) -> dict[str, Any]:
+    """The cycle's 1 s loop_stats windows over `seconds`: per-second lost frames and wake-up p99, and the
+    realtime policy. A repeated window (the same `ts`: published before the next one closed) counts once."""
     msgs: list[dict[str, Any]] = []
+
     def keep(topic: str, payload: bytes) -> bool:
-        msgs.append(json.loads(payload))
+        m = json.loads(payload)
+        if not msgs or m.get("ts") != msgs[-1].get("ts"):
+            msgs.append(m)
         return False
 
+    steal0, soft0 = steal_ticks(), ksoftirqd_ticks()
     with RpcClient(settings, name="bench-deploy-cycle") as c:
-        c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds, until=keep)
-    msgs = msgs[1:]  # the first is the retained one
+        c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds / 2, until=keep)
+        rt = rt_threads()  # mid-window: who else runs at realtime priority (a suspect when both sides lose)
+        c.collect(f"{settings.topic_root}/ethercat-loop/rh/state/loop_stats", seconds / 2, until=keep)
+    msgs = msgs[1:]  # the first is the retained one (or a window that began before this one)
     if len(msgs) < 2:
         raise RuntimeError("no loop_stats from ethercat-loop")
-    a, b = msgs[0]["totals"], msgs[-1]["totals"]
-    return {"cycles": b["cycles"] - a["cycles"], "lost": b["lost"] - a["lost"],
-            "overruns": b["overruns"] - a["overruns"], "wake_p99_us": b["wake_us"]["p99"],
-            "wake_max_us": b["wake_us"]["max"], "policy": msgs[-1].get("realtime", {}).get("policy")
-            or b.get("policy"), "lost_per_s": [m["frames_lost"] for m in msgs]}
+    return {"lost_per_s": [int(m["frames_lost"]) for m in msgs], "cycles": sum(int(m["cycles"]) for m in msgs),
+            "overruns": sum(int(m["overruns"]) for m in msgs),
+            "wake_p99_us": [float(m["jitter_p99_us"]) for m in msgs],
+            "policy": (msgs[-1].get("realtime") or {}).get("policy"), "steal_ticks": steal_ticks() - steal0,
+            "ksoftirqd_ticks": ksoftirqd_ticks() - soft0, "rt_threads": rt}
+
+
+def ksoftirqd_ticks() -> int:
+    """CPU time of the ksoftirqd threads so far (USER_HZ ticks). Softirqs (the veth's packet delivery among
+    them) move from the sender's context to these SCHED_OTHER threads when the machine is busy with them: a
+    suspect when both sides lose frames for seconds on end."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if "(ksoftirqd/" in f[0]:
+            rest = f[1].split()
+            total += int(rest[11]) + int(rest[12])
+    return total
+
+
+def rt_threads() -> list[str]:
+    """User threads at SCHED_FIFO/RR on this machine, as 'comm/prio@cpu' (kernel threads left out)."""
+    ps = subprocess.run(["ps", "-eLo", "cls=,rtprio=,psr=,comm=,args="], capture_output=True, text=True).stdout
+    out = []
+    for line in ps.splitlines():
+        f = line.split(None, 4)
+        if len(f) == 5 and f[0] in ("FF", "RR") and not f[4].startswith("["):
+            out.append(f"{f[3]}/{f[1]}@{f[2]}")
+    return sorted(out)
+
+
+def steal_ticks() -> int:
+    """The VM's stolen time so far (both vCPUs, USER_HZ ticks): the hypervisor's share, a covariate."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=30.0, help="cycle window, each side")
-    ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--quick", action="store_true", help="10 s windows, 100 calls")
+    ap.add_argument("--seconds", type=float, default=30.0, help="cycle window, each side and round")
+    ap.add_argument("--calls", type=int, default=400, help=f"round trips per path, in {RTT_BATCHES} alternating "
+                    "batches")
+    ap.add_argument("--rounds", type=int, default=6, help="cycle: interleaved rounds (one window each side)")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 20 s windows, 200 calls")
     ap.add_argument("--cycle-only", action="store_true", help="only part 3 (the cycle inside vs outside), e.g. to "
                     "repeat that comparison several times without the sim stack")
+    ap.add_argument("--rtt-only", action="store_true", help="only parts 1 and 2 (up, command round trips)")
     a = ap.parse_args()
     if a.quick:
-        a.seconds, a.calls = 10.0, 100
+        a.seconds, a.calls, a.rounds = 20.0, 200, 3
     if os.geteuid() != 0:
         sys.exit("bench/deploy.py needs root (docker, namespaces, SCHED_FIFO)")
     base = subprocess.run([str(DEPLOY / "dev" / "ensure-docker.sh")], capture_output=True, text=True, check=True)
     os.environ["ROBOBUS_BASE_IMAGE"] = base.stdout.strip().rsplit("=", 1)[-1]
-    out: dict[str, Any] = {"bench": "deploy", "seconds": a.seconds, "calls": a.calls}
+    out: dict[str, Any] = {"bench": "deploy", "seconds": a.seconds, "rounds": a.rounds, "calls": a.calls,
+                           "load_before": os.getloadavg()[0]}
     tmp = Path(tempfile.mkdtemp(prefix="robobus-bench-deploy-"))
 
     if not a.cycle_only:
         up_and_round_trips(a, out, tmp)
-    cycle_inside_vs_outside(a, out, tmp)
+    if not a.rtt_only:
+        cycle_inside_vs_outside(a, out, tmp)
+    out["load_after"] = os.getloadavg()[0]
     print(json.dumps(out))
 
 
 def up_and_round_trips(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
-    # 1 + 2 (container side): the sim profile
+    """1: the sim profile up -> online. 2: round trips through the containerised broker and through a host
+    broker, both running at once and called in alternating batches (so both see the same machine load),
+    plus the container's broker at its own address (no docker-proxy: which part of the gap is the proxy)."""
     sim = Stack(f"robobus-bench-{os.getpid()}", tmp / "sim")
     sim.make_secrets()
+    d = tempfile.TemporaryDirectory()
+    broker = Broker(free_port(), Path(d.name))
+    node: NodeProcess | None = None
     try:
         sim.build()
         t0 = time.monotonic()
@@ -143,63 +202,111 @@ def up_and_round_trips(a: argparse.Namespace, out: dict[str, Any], tmp: Path) ->
         out["up_to_all_healthy_s"] = round(healthy_s, 1)
         print(f"up -> {len(nodes)} nodes online {online_s:.1f} s, every container healthy {healthy_s:.1f} s "
               f"(build, cached: {sim.timings['build_s']:.1f} s)")
-        rtt_c = round_trips(sim.settings("operator"), a.calls)
-    finally:
-        sim.down()
-
-    # 2 (host side): the same node and a host mosquitto
-    with tempfile.TemporaryDirectory() as d:
-        broker = Broker(free_port(), Path(d))
         broker.start()
         node = NodeProcess(["-m", "services.ethercat_loop"], {"ROBOBUS_MQTT_URL": broker.url,
                                                              "ROBOBUS_ETHERCAT_BACKEND": "model"})
-        try:
-            wait_online(broker.settings(), ["ethercat-loop"], 60)
-            rtt_h = round_trips(broker.settings(), a.calls)
-        finally:
+        wait_online(broker.settings(), ["ethercat-loop"], 60)
+        ip = run([DOCKER, "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}",
+                  sim.container_id("broker")]).stdout.split()[0]
+        direct = sim.settings("operator").model_copy(update={"mqtt_url": f"mqtt://{ip}:1883"})
+        paths = {"container": sim.settings("operator"), "host": broker.settings(), "container_direct": direct}
+        rtt: dict[str, list[float]] = {k: [] for k in paths}
+        with contextlib.ExitStack() as stack:
+            clients = {k: stack.enter_context(RpcClient(v, name=f"bench-deploy-{k}")) for k, v in paths.items()}
+            for c in clients.values():
+                round_trips(c, 5)  # warm up
+            batch = max(1, a.calls // RTT_BATCHES)
+            for i in range(RTT_BATCHES):
+                order = list(clients) if i % 2 == 0 else list(reversed(clients))
+                for k in order:
+                    rtt[k] += round_trips(clients[k], batch)
+    finally:
+        if node is not None:
             node.stop()
-            broker.kill()
-    rc, rh = statistics.median(rtt_c), statistics.median(rtt_h)
-    out["rtt_ms"] = {"container_p50": round(rc, 3), "container_p99": round(pct(rtt_c, 0.99), 3),
-                     "host_p50": round(rh, 3), "host_p99": round(pct(rtt_h, 0.99), 3)}
-    out["rtt_ratio_container_over_host"] = round(rc / rh, 2)
-    print(f"command round trip p50/p99: container {rc:.2f}/{pct(rtt_c, .99):.2f} ms, host {rh:.2f}/"
-          f"{pct(rtt_h, .99):.2f} ms, ratio {rc / rh:.2f} (target <= {RTT_RATIO_TARGET})")
+        broker.kill()
+        d.cleanup()
+        sim.down()
+    med = {k: statistics.median(v) for k, v in rtt.items()}
+    out["rtt_ms"] = {f"{k}_{q}": round(f(v), 3) for k, v in rtt.items()
+                     for q, f in (("p50", statistics.median), ("p99", lambda xs: pct(xs, 0.99)))}
+    out["rtt_ratio_container_over_host"] = round(med["container"] / med["host"], 2)
+    out["rtt_ratio_direct_over_host"] = round(med["container_direct"] / med["host"], 2)
+    for k, v in rtt.items():
+        print(f"command round trip {k:16s} p50 {statistics.median(v):.2f} ms, p99 {pct(v, .99):.2f} ms ({len(v)})")
+    print(f"ratio container / host {out['rtt_ratio_container_over_host']} (target <= {RTT_RATIO_TARGET}); "
+          f"without docker-proxy (the broker's container address) {out['rtt_ratio_direct_over_host']}")
 
 
 def cycle_inside_vs_outside(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
-    # 3: the cycle in the realtime container, then outside
+    """3: the cycle in the realtime container and outside, interleaved: each round runs one window of each
+    side (the order alternating by round), the container stack staying up while only its ethercat-loop is
+    stopped and started again. Same cycle settings both sides: SCHED_FIFO 80 on CPU 1, the virtual hand at
+    SCHED_FIFO 70 pinned to CPU 0, a veth pair, 1 kHz."""
     hand = Stack(f"robobus-bench-rt-{os.getpid()}", tmp / "rt", profiles="hand",
                  extra_env={"ROBOBUS_VHAND": "1", "ROBOBUS_FIRMWARE_DIR": str(tmp / "firmware")})
     hand.make_secrets()
+    windows: dict[str, list[dict[str, Any]]] = {"container": [], "outside": []}
     try:
-        run([str(DEPLOY / "vhand.sh"), "up", "--wait-timeout", "300", "broker", "virtual-hand", "ethercat-loop"],
-            hand.env, timeout=400)
-        time.sleep(SETTLE_S)
-        inside = cycle_totals(hand.settings("viewer"), a.seconds)
+        run([str(DEPLOY / "vhand.sh"), "up", "--wait-timeout", "300", "broker", "virtual-hand"], hand.env,
+            timeout=400)
+        for i in range(a.rounds):
+            for side in (("container", "outside") if i % 2 == 0 else ("outside", "container")):
+                w = container_window(hand, a.seconds) if side == "container" else outside_window(a.seconds)
+                windows[side].append(w)
+                if len(w["lost_per_s"]) < 0.9 * a.seconds:  # loop_stats messages missing: those seconds are not counted
+                    print(f"round {i + 1} {side}: only {len(w['lost_per_s'])} of ~{a.seconds:.0f} loop_stats windows "
+                          "arrived; the pairing uses the shorter window", flush=True)
+                print(f"round {i + 1} {side:9s}: lost {sum(w['lost_per_s'])} {w['lost_per_s']}, overruns "
+                      f"{w['overruns']}, wake p99 median {statistics.median(w['wake_p99_us']):.0f} us, "
+                      f"{w['policy']}, steal {w['steal_ticks']}, ksoftirqd {w['ksoftirqd_ticks']} ticks, realtime "
+                      f"threads {w['rt_threads']}", flush=True)
     finally:
         hand.down()
+    cmp = compare([w["lost_per_s"] for w in windows["container"]], [w["lost_per_s"] for w in windows["outside"]])
+    wake = {k: statistics.median([p for w in ws for p in w["wake_p99_us"]]) for k, ws in windows.items()}
+    out["cycle"] = {"rounds": a.rounds, "window_s": a.seconds, "burst_min": BURST_MIN, **cmp,
+                    "wake_p99_us_median": wake, "windows": windows}
+    out["wake_p99_ratio_container_over_outside"] = round(wake["container"] / max(1.0, wake["outside"]), 2)
+    for side in ("container", "outside"):
+        t = cmp[side]
+        print(f"cycle {side:9s}: {t['seconds']} s, lost {t['lost']} ({t['lost_per_min']}/min): {t['burst_seconds']} "
+              f"burst seconds (>= {BURST_MIN}) with {t['burst_lost']}, isolated {t['isolated_lost']}; wake p99 "
+              f"median {wake[side]:.0f} us")
+    print(f"container - outside: {cmp['lost_per_min_diff']} lost/min, 95 % interval "
+          f"{cmp['lost_per_min_diff_ci95']} (burst seconds/min {cmp['burst_seconds_per_min_diff_ci95']}, isolated/min "
+          f"{cmp['isolated_per_min_diff_ci95']}) over {cmp['paired_blocks']} paired {BLOCK_S} s blocks, sign test p "
+          f"{cmp['sign_test_p']}; per round {cmp['per_round_lost']}: {cmp['verdict']} (target: no higher). "
+          f"Wake p99 ratio {out['wake_p99_ratio_container_over_outside']} (target <= {WAKE_RATIO_TARGET})")
+
+
+def container_window(hand: Stack, seconds: float) -> dict[str, Any]:
+    hand.compose("up", "-d", "--no-deps", "--wait", "--wait-timeout", "300", "ethercat-loop", timeout=400)
+    try:
+        wait_online(hand.settings("viewer"), ["ethercat-loop"], 120)
+        time.sleep(SETTLE_S)
+        return cycle_window(hand.settings("viewer"), seconds)
+    finally:
+        hand.compose("stop", "-t", "10", "ethercat-loop", timeout=120)
+
+
+def outside_window(seconds: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         broker = Broker(free_port(), Path(d))
         broker.start()
         node = NodeProcess(["-m", "services.ethercat_loop"], {
-            "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_ETHERCAT_BACKEND": "virtual",
-            "ROBOBUS_ETHERCAT_NETNS": f"robobus-bd{os.getpid() % 100000}", "ROBOBUS_ETHERCAT_CPUS": "[1]"})
+            "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_ETHERCAT_BACKEND": "virtual", "ROBOBUS_ETHERCAT_CPUS": "[1]",
+            "ROBOBUS_ETHERCAT_RT_PRIORITY": "80", "ROBOBUS_ETHERCAT_VIRTUAL_ARGS": '["--cpus", "0"]'})
         try:
             wait_online(broker.settings(), ["ethercat-loop"], 120)
             time.sleep(SETTLE_S)
-            outside = cycle_totals(broker.settings(), a.seconds)
+            w = cycle_window(broker.settings(), seconds)
+            if len(w["lost_per_s"]) < 0.9 * seconds:  # the node's own account of the gap
+                print(f"outside window short (node alive: {node.alive()}); its log ends:\n{node.text()[-3000:]}",
+                      flush=True)
+            return w
         finally:
             node.stop()
             broker.kill()
-    out["cycle"] = {"container": inside, "outside": outside}
-    out["lost_container_minus_outside"] = inside["lost"] - outside["lost"]
-    out["wake_p99_ratio_container_over_outside"] = round(inside["wake_p99_us"] / max(1.0, outside["wake_p99_us"]), 2)
-    for side, t in (("container", inside), ("outside", outside)):
-        print(f"cycle {side:9s}: {t['cycles']} cycles, lost {t['lost']}, overruns {t['overruns']}, wake p99 "
-              f"{t['wake_p99_us']} us (max {t['wake_max_us']}), {t['policy']}")
-    print(f"lost frames container - outside: {out['lost_container_minus_outside']} (target <= 0 + noise); wake p99 "
-          f"ratio {out['wake_p99_ratio_container_over_outside']} (target <= {WAKE_RATIO_TARGET})")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What `make up` and the container tests need, installed or started only when missing:
 #   1. Debian's docker.io, and compose v2 (deploy/dev/install-compose.sh)
-#   2. dockerd (started here, with --cpu-rt-runtime on RT-group kernels; log /var/log/robobus-dockerd.log)
+#   2. dockerd (started here, with --cpu-rt-runtime on RT-group kernels and --userland-proxy=false; log /var/log/robobus-dockerd.log)
 #   3. a base image: ROBOBUS_BASE_IMAGE if set, else python:3.11-slim-bookworm if present or pullable, else
 #      robobus/base:bookworm made by deploy/docker/make-base-image.sh (no registry needed)
 # Progress goes to stderr; stdout is one line to eval: export ROBOBUS_BASE_IMAGE=...
@@ -23,6 +23,9 @@ fi
 if ! /usr/bin/docker info >/dev/null 2>&1; then
   args=()
   [ -e /sys/fs/cgroup/cpu/cpu.rt_runtime_us ] && args+=(--cpu-rt-runtime="${ROBOBUS_DOCKERD_RT_RUNTIME_US:-950000}")
+  # Published ports by kernel NAT, not docker-proxy: a host client of the broker on 127.0.0.1 (the CLI, the
+  # realtime container on the host network) otherwise goes through a user-space copy each way (deploy/README.md)
+  [ "${ROBOBUS_DOCKERD_USERLAND_PROXY:-false}" = false ] && args+=(--userland-proxy=false)
   say "starting dockerd ${args[*]} (log: /var/log/robobus-dockerd.log)"
   $SUDO bash -c "setsid nohup dockerd ${args[*]} >>/var/log/robobus-dockerd.log 2>&1 &"
   for _ in $(seq 60); do /usr/bin/docker info >/dev/null 2>&1 && break; sleep 0.5; done

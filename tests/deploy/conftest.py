@@ -37,6 +37,26 @@ def docker_ready() -> Iterator[str]:
     yield base
 
 
+# every profile the container tests bring up; the virtual hand runs in the ethercat-loop image
+ALL_PROFILES = "sim,record,hand,central"
+
+
+@pytest.fixture(scope="session")
+def images(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Every image the container tests use, built once per session (one `compose build`: BuildKit builds them
+    side by side; cached layers unless the code changed). Modules bring stacks up without building."""
+    from tests.deploy.stack import Stack  # late: imports the kit
+
+    secrets = tmp_path_factory.mktemp("build-secrets")
+    stack = Stack("robobus-build", secrets, profiles=ALL_PROFILES, extra_env={"ROBOBUS_VHAND": "1"})
+    stack.make_secrets()
+    # the centre's users too (fleet-watch's env file), so one config holds every profile
+    stack.make_secrets("--central", "--site", "s=s/robobus")
+    stack.build()
+    TIMINGS["build_s"] = stack.timings["build_s"]
+    return docker_ready
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if TIMINGS:
         terminalreporter.write_line("deploy timings: " + ", ".join(f"{k}={v:.1f}" for k, v in TIMINGS.items()))

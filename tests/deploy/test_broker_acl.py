@@ -102,6 +102,24 @@ def test_a_reply_reaches_only_the_client_that_asked(secure_broker):
         p.close()
 
 
+def test_a_client_may_write_its_own_reply_topic_and_no_other(secure_broker):
+    """The kit's RpcClient confirms its reply subscription by sending itself a message there before its first
+    request: the viewer (or the CLI as operator) must get it back, or every client waits out that confirmation."""
+    port, d = secure_broker
+    me = probe(port, d, "viewer")
+    other = probe(port, d, "operator")
+    mine, theirs = f"robobus/_client/{me.client_id}/reply", f"robobus/_client/{other.client_id}/reply"
+    assert me.subscribe(mine) == [1] and other.subscribe(theirs) == [1]
+    me.publish(theirs, b'{"ok": false}')  # forged into another client's replies: dropped
+    me.publish(mine, b'{"ok": true}')
+    assert me.wait_for(lambda t, p, r: t == mine, SETTLE_S)
+    other.publish(theirs, b"{}")  # the operator's own: delivered, after the forged one would have been
+    assert other.wait_for(lambda t, p, r: t == theirs, SETTLE_S)
+    assert [p for t, p, _ in other.received if t == theirs] == [b"{}"], other.received
+    for p in (me, other):
+        p.close()
+
+
 def test_password_file_uses_mosquittos_own_hash():
     entry = make_secrets.hash_password("secret", bytes.fromhex("d0708c9f2ff930e776e2662e"))
     # mosquitto_passwd -b wrote this for the same salt (0HCMny/5MOd24mYu) and password.

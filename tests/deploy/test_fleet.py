@@ -11,6 +11,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -37,7 +38,7 @@ NODES = {"site-a": ["ethercat-loop"], "site-b": ["epuck-gateway"]}
 
 
 @pytest.fixture(scope="module")
-def fleet(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def fleet(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
     tag = f"{os.getpid()}"
     wan = f"robobus-wan-{tag}"
     central = Stack(f"robobus-central-{tag}", tmp_path_factory.mktemp("central"), profiles="central", root="robobus",
@@ -53,11 +54,17 @@ def fleet(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                         "--bridge-credentials", str(central.secrets / f"bridge-{site}.env"))
         stacks[site] = st
     try:
-        central.build()  # the watcher's image (the kit): cached unless shared/ changed
-        central.up()
-        for site, services in SITES.items():
-            stacks[site].up("broker", *services)
-        TIMINGS["fleet_up_s"] = sum(s.timings["up_to_healthy_s"] for s in stacks.values())
+        # the three projects come up side by side: a site's bridge that reaches the centre before it listens
+        # retries (restart_timeout 1 5), and every test waits on what it checks
+        t0 = time.monotonic()
+        # the shared network first: compose.sh creates it when missing, which three at once would race
+        run([DOCKER, "network", "create", wan])
+        with ThreadPoolExecutor(len(stacks)) as pool:
+            ups = [pool.submit(central.up)] + [pool.submit(stacks[site].up, "broker", *services)
+                                               for site, services in SITES.items()]
+            for f in ups:
+                f.result()
+        TIMINGS["fleet_up_s"] = time.monotonic() - t0
         yield stacks
     finally:
         for st in stacks.values():
@@ -130,6 +137,10 @@ def test_a_cut_link_is_seen_at_the_centre_within_seconds_and_nothing_sent_meanwh
     # A publisher at the site with the node's own credentials (its topics only), QoS 1, numbered.
     pub = Probe("127.0.0.1", site.port, *creds(site.secrets, "ethercat-loop"))
     assert pub.connect() == 0
+    # the site's own view: its node's heartbeats while the link is cut (they must be queued and arrive too)
+    local = Probe("127.0.0.1", site.port, *creds(site.secrets, "viewer"))
+    assert local.connect() == 0
+    local.subscribe(f"{root}/ethercat-loop/rh/health")
     broker = site.container_id("broker")
     net = site.extra_env["ROBOBUS_WAN_NETWORK"]
     at_cut = watcher.mark()
@@ -149,7 +160,8 @@ def test_a_cut_link_is_seen_at_the_centre_within_seconds_and_nothing_sent_meanwh
         cut_ts = time.time()
         for i in range(50):
             pub.publish(f"{root}/ethercat-loop/rh/event/probe", json.dumps({"seq": i}).encode(), qos=1)
-        time.sleep(6)  # over a health heartbeat (5 s) of the site's node, queued too
+        # until the site's node has sent a health heartbeat (every 5 s) while cut off: queued too
+        assert local.wait_for(lambda t, p, r: not r and json.loads(p)["ts"] >= cut_ts, 30), "no heartbeat at the site"
         at_reconnect = watcher.mark()
     finally:
         run([DOCKER, "network", "connect", "--alias", "site-a-broker", net, broker])
@@ -172,5 +184,5 @@ def test_a_cut_link_is_seen_at_the_centre_within_seconds_and_nothing_sent_meanwh
     # site-b was never marked unreachable (a heartbeat every 2 s against a 4 s timeout does not flap)
     assert other.wait_for(lambda t, p, r: p == b"1", 5)
     assert not any(p == b"0" for _, p, _ in list(other.received)), other.received
-    for probe in (pub, watcher, other):
+    for probe in (pub, watcher, other, local):
         probe.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +17,12 @@ import pytest
 import yaml
 
 from services.ethercat_loop.settings import EthercatSettings
+from shared.localbroker import Broker, NodeProcess
 from shared.rpc import RpcClient
 from tests.deploy.conftest import TIMINGS
 from tests.deploy.deployfiles import DEPLOY
 from tests.deploy.stack import DOCKER, Stack, run
-from tests.fixtures import can_netns
+from tests.fixtures import can_netns, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(900)]
 RT_GROUP = Path("/sys/fs/cgroup/cpu/cpu.rt_runtime_us").exists()
@@ -36,7 +38,7 @@ def _config(stack: Stack) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vhand(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def vhand(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     why = can_netns()
     if why:
         pytest.skip(why)
@@ -46,7 +48,6 @@ def vhand(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                              "ROBOBUS_FIRMWARE_DIR": str(tmp_path_factory.mktemp("firmware"))})
     stack.make_secrets()
     try:
-        stack.build()
         t0 = time.monotonic()
         run([str(DEPLOY / "vhand.sh"), "up", "--wait-timeout", "300"], stack.env, timeout=400)
         TIMINGS["rt_up_to_healthy_s"] = time.monotonic() - t0
@@ -56,6 +57,20 @@ def vhand(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         raise
     yield stack
     stack.down()
+
+
+# services of a vhand stack whose ethercat-loop runs without its realtime budget (set by the fallback test)
+WITHOUT_BUDGET: set[str] = set()
+
+
+@pytest.fixture
+def granted(vhand: Stack) -> Stack:
+    """The vhand stack with ethercat-loop at its granted realtime budget: recreated only if a test took it
+    away (the fallback test runs last and leaves it, the stack goes down after it)."""
+    if vhand.name in WITHOUT_BUDGET:
+        run([str(DEPLOY / "vhand.sh"), "up", "--no-deps", "--force-recreate", "ethercat-loop"], vhand.env, timeout=300)
+        WITHOUT_BUDGET.discard(vhand.name)
+    return vhand
 
 
 def loop_window(stack: Stack, n: int = WINDOW) -> tuple[list[dict], dict]:
@@ -97,7 +112,8 @@ def test_the_hand_profile_is_the_realtime_container_not_privileged(docker_ready:
             assert int(svc["cpu_rt_runtime"]) > 0
 
 
-def test_sched_fifo_inside_the_container_and_frames_as_outside(vhand: Stack):
+def test_sched_fifo_inside_the_container_and_frames_as_outside(granted: Stack):
+    vhand = granted
     stats, health = loop_window(vhand)
     rt = health["details"]["realtime"]
     assert rt["policy"].startswith("SCHED_FIFO/"), rt
@@ -110,21 +126,69 @@ def test_sched_fifo_inside_the_container_and_frames_as_outside(vhand: Stack):
     cycles = [s["cycles"] for s in stats]
     TIMINGS["rt_lost_per_s_max"] = max(lost)
     TIMINGS["rt_lost_fraction"] = sum(lost) / max(1, sum(cycles))
-    # The product's own error rule: over the threshold for LOSS_SUSTAIN_S seconds in a row. A single second
-    # over it (a burst of 5-12 frames when this VM stalls a vCPU, seen outside containers as well) is not.
+    broken = loss_rule_broken(lost, cycles)
+    if broken:
+        # The target is "no more than outside containers": when the machine itself loses frames (minutes of
+        # ~200 lost per second on both sides were seen under other sessions' load), the same cycle outside,
+        # measured right after with the same settings, breaks the rule as well. The container fails only if
+        # it breaks the rule where the cycle outside does not.
+        vhand.compose("stop", "-t", "10", "ethercat-loop", timeout=120)  # one cycle on CPU 1 at a time
+        try:
+            outside = outside_window(len(stats))
+        finally:
+            vhand.compose("start", "ethercat-loop", timeout=120)
+        TIMINGS["rt_outside_lost_per_s_max"] = max(outside[0])
+        assert loss_rule_broken(*outside), (f"container: {broken}; outside right after: within the rule",
+                                            lost, outside[0])
+    else:  # (a loss over the rule is a health error: operational says so)
+        assert health["operational"] is True, health
+
+
+def loss_rule_broken(lost: list[int], cycles: list[int]) -> str:
+    """The product's own error rule over 1 s windows: over the threshold for LOSS_SUSTAIN_S seconds in a row
+    (a single second over it, a burst of 5-12 frames when this VM stalls a vCPU, is not), or systematic loss
+    (the 26 % once seen). Empty when neither."""
     longest = run_len = 0
     for n in lost:
         run_len = run_len + 1 if n > LOST_PER_S else 0
         longest = max(longest, run_len)
-    assert longest < LOSS_SUSTAIN_S, (lost, cycles)
-    assert sum(lost) / max(1, sum(cycles)) < 0.01, (lost, cycles)  # the 26 % loss once seen: systematic
-    assert health["operational"] is True, health
+    if longest >= LOSS_SUSTAIN_S:
+        return f"over {LOST_PER_S} lost/s for {longest} s in a row"
+    if sum(lost) / max(1, sum(cycles)) >= 0.01:
+        return f"{sum(lost)} of {sum(cycles)} frames lost"
+    return ""
+
+
+def outside_window(n: int) -> tuple[list[int], list[int]]:
+    """n 1 s windows of the same cycle outside containers: backend `virtual` (its own namespace, veth pair and
+    virtual hand), cycle SCHED_FIFO 80 on CPU 1, hand SCHED_FIFO 70 on CPU 0, as in the vhand stack."""
+    with tempfile.TemporaryDirectory() as d:
+        broker = Broker(free_port(), Path(d))
+        broker.start()
+        node = NodeProcess(["-m", "services.ethercat_loop"], {
+            "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_ETHERCAT_BACKEND": "virtual", "ROBOBUS_ETHERCAT_CPUS": "[1]",
+            "ROBOBUS_ETHERCAT_RT_PRIORITY": "80", "ROBOBUS_ETHERCAT_VIRTUAL_ARGS": '["--cpus", "0"]'})
+        try:
+            stats: list[dict] = []
+            with RpcClient(broker.settings(), name="test-rt-outside") as c:
+                def until(topic: str, payload: bytes) -> bool:
+                    d = json.loads(payload)
+                    if d.get("cycles"):
+                        stats.append(d)
+                    return len(stats) > n + 2  # the first windows are the bring-up's
+                c.collect("robobus/ethercat-loop/rh/state/loop_stats", n * 4 + 60, until=until)
+        finally:
+            node.stop()
+            broker.kill()
+    stats = stats[3:]
+    return [s["frames_lost"] for s in stats], [s["cycles"] for s in stats]
 
 
 def test_without_a_realtime_budget_the_container_starts_and_says_so_in_health(vhand: Stack):
     if not RT_GROUP:
         pytest.skip("kernel without RT group scheduling: a container is never denied a realtime budget here")
     env = {**vhand.env, "ROBOBUS_ETHERCAT_RT_RUNTIME_US": "0"}
+    WITHOUT_BUDGET.add(vhand.name)
     run([str(DEPLOY / "compose.sh"), "up", "-d", "--no-deps", "--force-recreate", "ethercat-loop"], env, timeout=300)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -134,5 +198,3 @@ def test_without_a_realtime_budget_the_container_starts_and_says_so_in_health(vh
             break
     assert any("SCHED_FIFO" in w and "refused" in w for w in warnings), health
     assert "SCHED_FIFO" in health["error_message"]
-    # back to the granted budget for anything after
-    run([str(DEPLOY / "vhand.sh"), "up", "--no-deps", "--force-recreate", "ethercat-loop"], vhand.env, timeout=300)
