@@ -60,7 +60,7 @@ def test_the_shortcuts_are_active_with_the_installed_paho(broker_session: Broker
     """A paho upgrade that removes what they rely on turns them off silently; this says so instead."""
     s = _session(broker_session, "shortcuts")
     try:
-        assert s.coalesced_wakes and s.direct_writes
+        assert s.coalesced_wakes and s.direct_writes and s.fast_decode
     finally:
         s.stop()
 
