@@ -106,8 +106,18 @@ def wrap_publish(c: mqtt.Client, prefix: str) -> None:
 
 
 # -- servers --------------------------------------------------------------------------------------
+def _bench_rpc() -> Any:
+    """bench/rpc.py's API and echo commands (loaded by path: bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rpc", Path(__file__).with_name("rpc.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def serve_kit(url: str) -> None:
-    import bench.rpc as rpc
     import shared.dispatch as dispatch
     from shared import Node
     from shared.mqtt import MqttSession
@@ -122,6 +132,8 @@ def serve_kit(url: str) -> None:
         S.read_stamps(corr, "s_")
         S.at(corr, "s_on_message")
         on_message(self, msg)
+        S.at(corr, "s_handed_over")
+        S.local.net_corr = corr
 
     def handle_(self: Any, topic: str, dev: str, cmd: str, payload: Any, rt: Any, corr: Any, qos: int = 1) -> None:
         S.local.corr = corr
@@ -142,6 +154,7 @@ def serve_kit(url: str) -> None:
     write_now = MqttSession.write_now
 
     def write_now_(self: MqttSession) -> None:
+        S.at(getattr(S.local, "last_corr", None), "s_queue_len", len(self.client._out_packet))
         write_now(self)
         S.at(getattr(S.local, "last_corr", None), "s_written")
 
@@ -149,13 +162,42 @@ def serve_kit(url: str) -> None:
     dispatch._validate_request, dispatch._result = validate_, result_
     MqttSession.write_now = write_now_  # type: ignore[method-assign]
 
+    rpc = _bench_rpc()
     node = Node(rpc.API, KitSettings(mqtt_url=url, node="bench"))
     S.wrap_paho_reads(node.session.client)
+    _wrap_net_thread(node.session.client)
     wrap_publish(node.session.client, "s_")
     node.device("d").bind(rpc.ECHO, lambda r: r)
     node.device("d").bind(rpc.ECHO_INLINE, lambda r: r, inline=True)
     _dump_on_signal()
     node.run()
+
+
+def _wrap_net_thread(c: mqtt.Client) -> None:
+    """What the server's network thread does after handing a request over: its PUBACK, and when it next
+    blocks in select() (until then the handler thread waits for the GIL)."""
+    import select as select_mod
+    import types
+
+    import paho.mqtt.client as paho_client
+
+    send_puback = c._send_puback
+
+    def send_puback_(mid: int) -> Any:
+        rc = send_puback(mid)
+        S.at(getattr(S.local, "net_corr", None), "s_puback_queued")
+        return rc
+
+    def select_(r: Any, w: Any, x: Any, timeout: Any = None) -> Any:
+        corr = getattr(S.local, "net_corr", None)
+        if corr is not None:
+            S.at(corr, "s_net_blocks" if not w else "s_net_select_write")
+            if not w:
+                S.local.net_corr = None
+        return select_mod.select(r, w, x, timeout)
+
+    c._send_puback = send_puback_  # type: ignore[method-assign]
+    setattr(paho_client, "select", types.SimpleNamespace(select=select_))  # noqa: B010 (this process only)
 
 
 def serve_bare(url: str, topic: str) -> None:
@@ -212,6 +254,7 @@ def kit_client(url: str, n: int, command: str) -> Stamps:
     write_now = MqttSession.write_now
 
     def write_now_(self: MqttSession) -> None:
+        S.at(getattr(S.local, "last_corr", None), "c_queue_len", len(self.client._out_packet))
         write_now(self)
         S.at(getattr(S.local, "last_corr", None), "c_written")
 
@@ -295,6 +338,11 @@ STAGES = [
     ("server: readable -> PUBLISH read (decode starts)", "s_readable", "s_decode"),
     ("server: decode (topic, properties) -> on_message", "s_decode", "s_on_message"),
     ("server: on_message -> handler thread running", "s_on_message", "s_handler_thread"),
+    ("  server net thread: on_message -> handed over (pool submit)", "s_on_message", "s_handed_over"),
+    ("  server net thread: on_message -> PUBACK queued", "s_on_message", "s_puback_queued"),
+    ("  server net thread: on_message -> select() for the PUBACK write", "s_on_message", "s_net_select_write"),
+    ("  server net thread: on_message -> blocks in select()", "s_on_message", "s_net_blocks"),
+    ("  server: net thread blocks -> handler thread running", "s_net_blocks", "s_handler_thread"),
     ("server: handler thread -> request validated", "s_handler_thread", "s_validated"),
     ("server: validated -> handler returned", "s_validated", "s_handler_done"),
     ("server: handler returned -> reply encoded", "s_handler_done", "s_encoded"),
@@ -370,9 +418,13 @@ def main() -> None:
             broker.kill()
 
     k, b = stage_table(kit), stage_table(bare)
+    for side in ("c_", "s_"):  # packets in paho's queue when the kit's thread wrote its own (PUBACKs not yet out)
+        lens = [v[side + "queue_len"] for v in kit.values() if side + "queue_len" in v]
+        if lens:
+            k[f"{side}queue_len>1 share"] = sum(n > 1 for n in lens) / len(lens)
     print(f"median per stage, us ({a.command}, {a.calls} calls each)")
     print(f"{'stage':<88} {'kit':>7} {'bare':>7}")
-    for name, _, _ in STAGES:
+    for name in [n for n, _, _ in STAGES] + ["c_queue_len>1 share", "s_queue_len>1 share"]:
         if name in k or name in b:
             kv = f"{k[name]:7.1f}" if name in k else "      -"
             bv = f"{b[name]:7.1f}" if name in b else "      -"

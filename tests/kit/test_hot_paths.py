@@ -144,3 +144,26 @@ def test_routes_follow_subscribe_and_unsubscribe(broker_session: Broker) -> None
     finally:
         c.close()
         s.stop()
+
+
+def test_a_direct_write_the_socket_cannot_take_at_once_is_finished_by_the_network_thread(
+        broker_session: Broker) -> None:
+    """A reply written at once wakes nobody; when the socket takes only part of it, the rest is left queued
+    and the network thread must be woken to finish it (else it would wait for paho's next select timeout)."""
+    topic = f"robobus/test/big/{uuid.uuid4().hex[:8]}"
+    got: list[int] = []
+    sub = _session(broker_session, "big-sub")
+    sub.subscribe(topic, lambda m: got.append(len(m.payload)), qos=1)
+    assert sub.wait_ready(10)
+    pub = _session(broker_session, "big-pub")
+    wakes = []
+    wake = pub._wake_network_thread
+    pub._wake_network_thread = lambda: (wakes.append(1), wake())  # type: ignore[method-assign]
+    try:
+        for i in range(3):
+            assert pub.publish(topic, bytes(32 << 20), qos=1, now=True)  # far more than a socket buffer
+            assert wait_for(lambda n=i + 1: len(got) == n, 30), f"message {i} did not arrive"
+        assert got == [32 << 20] * 3 and wakes, "the rest was never handed to the network thread"
+    finally:
+        pub.stop()
+        sub.stop()
