@@ -11,7 +11,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from shared.mqtt import MqttSession, PublishProperties, reply_properties, unique_client_id
-from shared.rpc import RpcClient, wait_for
+from shared.rpc import Reply, RpcClient, _Waiter, wait_for
 from tests.fixtures import Broker
 
 
@@ -167,3 +167,16 @@ def test_a_direct_write_the_socket_cannot_take_at_once_is_finished_by_the_networ
     finally:
         pub.stop()
         sub.stop()
+
+
+def test_a_reply_whose_caller_has_gone_does_not_hold_the_network_thread() -> None:
+    """The network thread waits for the woken caller to run again, but only briefly: a caller that timed out
+    a moment before its reply came never releases it."""
+    w = _Waiter()
+    t = threading.Thread(target=w.put, args=(Reply(ok=True),))
+    t.start()
+    t.join(10)
+    assert not t.is_alive()
+    w.put(Reply(ok=False))  # a QoS 1 duplicate changes nothing
+    rep = w.get(0)
+    assert rep is not None and rep.ok
