@@ -1,6 +1,7 @@
 """Command dispatch: an MQTT request in, one validated reply out, at the request's QoS.
 
-paho's network thread only routes: a request is handed to the command pool (or, for handlers bound
+paho's network thread only routes: a request is handed to the command pool (waiting up to
+`command_handoff_ms` for an idle worker to answer it, so that the handler has the GIL to itself; or, for handlers bound
 `inline`, handled on the network thread itself; or, for `async def` handlers of a service with an event
 loop, straight to that loop, where the handler runs anyway: no pool thread blocks on it and the request
 makes one thread hop instead of three), validated straight from its bytes with `model_validate_json`,
@@ -33,8 +34,10 @@ class CommandDispatcher:
 
     def __init__(self, node_name: str, base: str, devices: Mapping[str, Device], session: MqttSession,
                  counters: Counters, run_coro: Callable[[Awaitable[Any], float | None], Any], workers: int,
-                 get_loop: Callable[[], asyncio.AbstractEventLoop | None] | None = None) -> None:
+                 get_loop: Callable[[], asyncio.AbstractEventLoop | None] | None = None,
+                 handoff_s: float = 0.001) -> None:
         self.node_name = node_name
+        self.handoff_s = handoff_s  # (workers.CommandPool.handoff)
         self.get_loop = get_loop
         self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
         self.devices = devices
@@ -80,8 +83,8 @@ class CommandDispatcher:
             except RuntimeError:  # the loop closed meanwhile: the pool answers (unavailable)
                 pass
         try:
-            self._pool.submit(self.handle, topic, device_name, command, msg.payload, response_topic,
-                              correlation, qos)
+            self._pool.handoff(self.handle, topic, device_name, command, msg.payload, response_topic,
+                               correlation, qos, wait_s=self.handoff_s)
         except RuntimeError:  # pool shut down: we are stopping
             pass
 

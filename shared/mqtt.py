@@ -6,8 +6,9 @@
 - Last Will registered before CONNECT; `on_connect` hooks publish the birth.
 - Callbacks must not block: the session only dispatches, callers hand slow work to threads.
 - Hot path (docs/kit.md, "Hot paths"): handlers resolved once per topic; PUBLISH properties packed once when built
-  (paho's Properties builds its tables per object and re-packs per publish); a reply or a request is written to
-  the socket by the publishing thread itself, one writer at a time, instead of waking paho's network thread.
+  (paho's Properties builds its tables per object and re-packs per publish) and read without those tables when
+  received (mqtt_rx.py); a reply or a request is written to the socket by the publishing thread itself, one
+  writer at a time, instead of waking paho's network thread.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.reasoncodes import ReasonCode
 
+from shared import mqtt_rx
 from shared.settings import KitSettings
 
 log = logging.getLogger("robobus.mqtt")
@@ -112,10 +114,15 @@ class MqttSession:
         # write it (one thread hop per message). Here the publishing thread writes it itself. paho's packet
         # queue takes one writer at a time, so its network thread's loop_write and ours share a lock. Not over
         # TLS (an SSL object must not read and write from two threads at once), and only while no on_publish
-        # callback is set (paho would run it, under its callback lock, on the writing thread).
+        # callback is set (paho would run it, under its callback lock, on the writing thread). They rely on the
+        # coalesced wake-ups (below: a packet written at once wakes nobody), so they go without them.
         self._write_lock = threading.Lock()
+        # set while this thread queues a packet it will write itself: no wake-up of the network thread for it
+        self._writing_now = threading.local()
+        self.coalesced_wakes = _coalesce_wakes(c, self._writing_now)
+        self.fast_decode = mqtt_rx.install(c)  # received PUBLISH properties without paho's per-message tables
         packet_write = getattr(c, "_packet_write", None)
-        self.direct_writes = packet_write is not None and not broker.tls
+        self.direct_writes = packet_write is not None and not broker.tls and self.coalesced_wakes
         self._packet_write: Callable[[], Any] = packet_write or (lambda: None)
         paho_loop_write = c.loop_write
 
@@ -124,7 +131,6 @@ class MqttSession:
                 return paho_loop_write()
 
         setattr(c, "loop_write", loop_write)  # noqa: B010 (an instance attribute over paho's method)
-        self.coalesced_wakes = _coalesce_wakes(c)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,18 +198,30 @@ class MqttSession:
         thread at once; otherwise paho's network thread writes it, which overlaps the socket write with the
         caller's next message (a stream of state publishes goes faster so)."""
         client = self.client
+        if now and self.direct_writes and client.on_publish is None:
+            # queued without waking the network thread (it would wake, take the GIL from us and race us for
+            # the write lock: two thread switches per message); write_now wakes it if we cannot write it all
+            mark = self._writing_now
+            mark.on = True
+            try:
+                info = client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+            finally:
+                mark.on = False
+            if info.rc != mqtt.MQTT_ERR_SUCCESS:
+                self.dropped += 1
+                return False
+            self.write_now()
+            return True
         info = client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             self.dropped += 1
             return False
-        if now and self.direct_writes and client.on_publish is None:
-            self.write_now()
         return True
 
     def write_now(self) -> None:
-        """Write queued packets on this thread, if no other thread is writing (that one, or paho's network
-        thread woken by the publish, writes ours too). A packet the socket cannot take yet stays queued for
-        the network thread, and so does any error: paho's own loop sees a broken socket and reconnects."""
+        """Write queued packets on this thread, if no other thread is writing. What is left queued (another
+        thread holds the write lock and may have looked at the queue already; the socket took only part; an
+        error: paho's own loop sees a broken socket and reconnects) is left to the network thread, woken."""
         if self._write_lock.acquire(blocking=False):
             try:
                 self._packet_write()
@@ -211,6 +229,18 @@ class MqttSession:
                 pass
             finally:
                 self._write_lock.release()
+            if not self.client._out_packet:
+                return
+        self._wake_network_thread()
+
+    def _wake_network_thread(self) -> None:
+        pair = self.client._sockpairW
+        net = self.client._thread
+        if pair is not None and (net is None or net.ident != get_ident()):  # paho's loop looks before select()
+            try:
+                pair.send(mqtt.sockpair_data)
+            except (BlockingIOError, OSError):
+                pass
 
     def publish_wait(self, topic: str, payload: bytes | str, *, qos: int = 1, retain: bool = False,
                      timeout: float = 2.0) -> bool:
@@ -311,7 +341,7 @@ class MqttSession:
 _ROUTES_MAX = 4096
 
 
-def _coalesce_wakes(c: mqtt.Client) -> bool:
+def _coalesce_wakes(c: mqtt.Client, writing_now: threading.local) -> bool:
     """One wake-up of paho's network thread per burst, not per packet.
 
     paho's `_packet_queue` writes a byte to its socketpair for every packet queued from another thread, to
@@ -321,6 +351,8 @@ def _coalesce_wakes(c: mqtt.Client) -> bool:
     others is written by whoever drains them (paho's loop, or a direct write, both pop until the queue is
     empty); a write the socket refused leaves the queue non-empty and paho's loop selects for writable. And the
     network thread never wakes itself (a PUBACK, an inline reply): its loop looks at the queue before select().
+    Nor is it woken for a packet whose publishing thread writes it at once (`writing_now.on`, set by
+    `MqttSession.publish(now=True)`): `write_now` wakes it only when something is left queued.
     Returns False (paho's own routine kept) when this paho lacks what the routine relies on."""
     needed = ("_out_packet", "_sockpairW", "_thread", "_on_socket_register_write", "_in_callback_mutex",
               "_call_socket_register_write", "_packet_queue")
@@ -335,7 +367,8 @@ def _coalesce_wakes(c: mqtt.Client) -> bool:
         pair = c._sockpairW
         net = c._thread
         if (pair is not None and len(out) == 1  # counted after the append: no lost wake-up (see above)
-                and (net is None or net.ident != get_ident())):  # paho's loop checks its queue before select()
+                and (net is None or net.ident != get_ident())  # paho's loop checks its queue before select()
+                and not getattr(writing_now, "on", False)):  # the publishing thread writes it (write_now)
             try:
                 pair.send(wake_byte)
             except BlockingIOError:

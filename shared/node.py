@@ -70,7 +70,8 @@ class Node:
         self.session = MqttSession(settings, unique_client_id(f"{api.service}-{self.name}"), will)
         self.session.on_connect(self._on_connected)
         self.dispatcher = CommandDispatcher(self.name, self.base, self.devices, self.session, self.counters,
-                                            self.run_coro, settings.command_workers, lambda: self.loop)
+                                            self.run_coro, settings.command_workers, lambda: self.loop,
+                                            handoff_s=settings.command_handoff_ms / 1000)
         self.session.subscribe(f"{self.base}/+/cmd/+", self.dispatcher.on_message, qos=1)
         self._house = threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True)
 

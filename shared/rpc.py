@@ -41,24 +41,37 @@ class Reply:
         return self.result
 
 
+_HANDOFF_S = 0.001  # how long the network thread waits for the woken caller to run again (see _Waiter.put)
+
+
 class _Waiter:
     """One call's rendezvous: a lock the caller blocks on until the network thread drops the reply in
-    (cheaper than a Queue or an Event per call: no Condition, one acquire each side)."""
+    (cheaper than a Queue or an Event per call: no Condition, one acquire each side), and a second one the
+    caller releases once it runs again."""
 
-    __slots__ = ("lock", "reply")
+    __slots__ = ("lock", "reply", "running")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.lock.acquire()
+        self.running = threading.Lock()
+        self.running.acquire()
         self.reply: Reply | None = None
 
     def put(self, rep: Reply) -> None:
+        """Network thread. After waking the caller it waits (briefly) until the caller runs: going on at once to
+        its PUBACK and loop, it would hold the GIL when the caller wakes, and the caller would sleep again until
+        the GIL is dropped (a second wake-up on the round trip's path, bench/rpc_stages.py)."""
         if self.reply is None:  # a duplicate (QoS 1 redelivery) changes nothing
             self.reply = rep
             self.lock.release()
+            self.running.acquire(timeout=_HANDOFF_S)
 
     def get(self, timeout: float) -> Reply | None:
-        return self.reply if self.lock.acquire(timeout=timeout) else None
+        if not self.lock.acquire(timeout=timeout):
+            return None
+        self.running.release()
+        return self.reply
 
 
 class RpcClient:

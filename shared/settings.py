@@ -62,6 +62,10 @@ class KitSettings(BaseSettings):
     node: str | None = Field(None, description="Node name (topic level 2); defaults to the service name")
     health_interval_s: float = Field(5.0, gt=0, le=3600, description="Health heartbeat period")
     command_workers: int = Field(16, ge=1, le=256, description="Threads running command handlers")
+    command_handoff_ms: float = Field(
+        1.0, ge=0, le=100,
+        description="How long paho's network thread waits for a command it handed to an idle worker to finish "
+                    "before it reads on (the GIL stays with the handler; 0: never waits)")
     state_rates: dict[str, float] = Field(
         default_factory=dict, description="Per-state rate caps in Hz, e.g. {\"joints\": 200}"
     )

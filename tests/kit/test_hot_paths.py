@@ -11,7 +11,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from shared.mqtt import MqttSession, PublishProperties, reply_properties, unique_client_id
-from shared.rpc import RpcClient, wait_for
+from shared.rpc import Reply, RpcClient, _Waiter, wait_for
 from tests.fixtures import Broker
 
 
@@ -60,7 +60,7 @@ def test_the_shortcuts_are_active_with_the_installed_paho(broker_session: Broker
     """A paho upgrade that removes what they rely on turns them off silently; this says so instead."""
     s = _session(broker_session, "shortcuts")
     try:
-        assert s.coalesced_wakes and s.direct_writes
+        assert s.coalesced_wakes and s.direct_writes and s.fast_decode
     finally:
         s.stop()
 
@@ -144,3 +144,39 @@ def test_routes_follow_subscribe_and_unsubscribe(broker_session: Broker) -> None
     finally:
         c.close()
         s.stop()
+
+
+def test_a_direct_write_the_socket_cannot_take_at_once_is_finished_by_the_network_thread(
+        broker_session: Broker) -> None:
+    """A reply written at once wakes nobody; when the socket takes only part of it, the rest is left queued
+    and the network thread must be woken to finish it (else it would wait for paho's next select timeout)."""
+    topic = f"robobus/test/big/{uuid.uuid4().hex[:8]}"
+    got: list[int] = []
+    sub = _session(broker_session, "big-sub")
+    sub.subscribe(topic, lambda m: got.append(len(m.payload)), qos=1)
+    assert sub.wait_ready(10)
+    pub = _session(broker_session, "big-pub")
+    wakes = []
+    wake = pub._wake_network_thread
+    pub._wake_network_thread = lambda: (wakes.append(1), wake())  # type: ignore[method-assign]
+    try:
+        for i in range(3):
+            assert pub.publish(topic, bytes(32 << 20), qos=1, now=True)  # far more than a socket buffer
+            assert wait_for(lambda n=i + 1: len(got) == n, 30), f"message {i} did not arrive"
+        assert got == [32 << 20] * 3 and wakes, "the rest was never handed to the network thread"
+    finally:
+        pub.stop()
+        sub.stop()
+
+
+def test_a_reply_whose_caller_has_gone_does_not_hold_the_network_thread() -> None:
+    """The network thread waits for the woken caller to run again, but only briefly: a caller that timed out
+    a moment before its reply came never releases it."""
+    w = _Waiter()
+    t = threading.Thread(target=w.put, args=(Reply(ok=True),))
+    t.start()
+    t.join(10)
+    assert not t.is_alive()
+    w.put(Reply(ok=False))  # a QoS 1 duplicate changes nothing
+    rep = w.get(0)
+    assert rep is not None and rep.ok

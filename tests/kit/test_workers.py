@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from shared.rpc import wait_for
 from shared.workers import CommandPool
 
 
@@ -47,3 +48,20 @@ def test_shutdown_drops_queued_work_and_refuses_more() -> None:
     with pytest.raises(RuntimeError):
         pool.submit(ran.append, 2)
     assert 1 not in ran and 2 not in ran
+
+
+def test_handoff_waits_for_a_quick_command_but_never_for_a_slow_one() -> None:
+    """The network thread's hand-over: it may wait a moment for the handler, never longer than asked."""
+    pool = CommandPool(2)
+    release = threading.Event()
+    started = threading.Event()
+    pool.handoff(lambda: (started.set(), release.wait(30)), wait_s=0.01)  # returns while the handler blocks
+    assert started.wait(10) and not release.is_set()
+    ran: list[int] = []
+    for i in range(50):  # the other worker (or a new one) takes each; every one runs, in order of hand-over
+        pool.handoff(ran.append, i, wait_s=0.01)
+    assert wait_for(lambda: len(ran) == 50, 10) and ran == list(range(50))
+    pool.handoff(ran.append, 50, wait_s=0)  # 0: a plain submit
+    assert wait_for(lambda: len(ran) == 51, 10)
+    release.set()
+    pool.shutdown()
