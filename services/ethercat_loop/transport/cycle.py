@@ -9,9 +9,10 @@ MQTT process by shared memory and pipes, so MQTT, JSON and logging never hold th
     on_can_rx  <-- event pipe (non-blocking) <--  driver.take_can_rx()
 
 One cycle: sleep until the absolute deadline (CLOCK_MONOTONIC) -> record the wake-up latency ->
-apply control messages -> driver.cycle(last status) builds the command -> exchange it (sleeping in
-select() for the reply, never past the next tick) -> WKC / loss bookkeeping -> AL state check and
-snapshot only in the slack the period leaves -> next release (`realtime.next_deadline`): a cycle
+read the reply to the frame sent at the last release (queued by then: one sleep and one wake-up per
+period, not two) -> WKC / loss bookkeeping -> apply control messages -> driver.cycle(that status)
+builds the command -> send it -> AL state check and snapshot only in the slack the period leaves ->
+next release (`realtime.next_deadline`): a cycle
 that ran past the next release starts that one late; an overrun (a release that could not start
 within its period) skips to the next period boundary (counted, never a burst).
 """
@@ -39,7 +40,7 @@ from services.ethercat_loop.control import CanRxFrame, Halt
 from services.ethercat_loop.driver import PalmDriver
 from services.ethercat_loop.loop_stats import HIST_US
 from services.ethercat_loop.settings import EthercatSettings
-from services.ethercat_loop.transport.master import EthercatMaster, MasterConfig, MasterError
+from services.ethercat_loop.transport.master import EthercatMaster, Exchange, MasterConfig, MasterError
 from services.ethercat_loop.transport.realtime import (
     AbsoluteSleeper,
     RtSettings,
@@ -54,7 +55,6 @@ log = logging.getLogger("robobus.ethercat.cycle")
 MAX_MSGS_PER_CYCLE = 64
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
 SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submit time (CLOCK_MONOTONIC ns)
-POST_EXCHANGE_NS = 250_000  # bookkeeping after the exchange, with margin
 SLACK_SNAPSHOT_NS = 300_000  # the least slack a snapshot may start in; more if recent ones took longer
 SLACK_STATE_CHECK_NS = 400_000  # an AL state read is one round trip per slave (bounded: see below)
 CHECK_RESERVE_NS = 100_000  # what the cycle still does after the state check, with margin
@@ -178,6 +178,8 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     deadline = (mono() // period + 2) * period
     cnt[C["started_ns"]] = deadline
     cycle = 0
+    quarter = period // 4
+    no_exchange = Exchange(None, -1, 0, lost=False)
     while True:
         sleeper.sleep_until(deadline)
         wake = mono()
@@ -186,6 +188,39 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         h_wake[min(lat // 1000, HIST_US)] += 1
         if lat > cnt[C["wake_ns_max"]]:
             cnt[C["wake_ns_max"]] = lat
+        # ---- the reply to the frame sent at the last release: in the socket's queue long since (the
+        # cycle does not sleep a second time per period waiting for it); its round trip is the kernel's
+        # receive time. A reply not back yet is waited for at most a quarter period into this one.
+        if master.pending:
+            ex = master.receive(deadline + quarter)
+            t_ex = mono()
+            status = ex.status
+            h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
+            cnt[C["lost"]] = wc.lost
+            cnt[C["late"]] = wc.late
+            cnt[C["wkc_errors"]] = wc.wkc_errors
+            cnt[C["rtt_ns_max"]] = wc.rtt_max_ns
+            if status is None:
+                cnt[C["no_status"]] += 1
+                run = cnt[C["consecutive_no_status"]] + 1
+                cnt[C["consecutive_no_status"]] = run
+                if run > cnt[C["max_consecutive_no_status"]]:
+                    cnt[C["max_consecutive_no_status"]] = run
+                if run == cfg.error_after:
+                    cnt[C["health_error"]] = 1
+                    cnt[C["outages"]] += 1
+                    st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
+                    publish()
+            elif cnt[C["consecutive_no_status"]]:
+                cnt[C["consecutive_no_status"]] = 0
+                if cnt[C["health_error"]]:
+                    cnt[C["health_error"]] = 0
+                    st.error = ""
+                    publish()
+        else:  # nothing in flight (the first cycle, or after a re-scan)
+            ex = no_exchange
+            t_ex = wake
+            status = None
         # ---- control messages, then the command: a demand that arrived before the tick goes out now ----
         n = 0
         while n < MAX_MSGS_PER_CYCLE and ctl_poll.poll(0):  # readable, or EOF (POLLHUP)
@@ -210,49 +245,24 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         # the status of the last exchange answers the command before it (the palm loads it after the
         # command arrived), so building the command here loses nothing and saves a period of latency
         command = driver.cycle(status, wake)
-        # ---- the wire ----
-        # a reply that would end this cycle after the next tick is not worth waiting for: the next
-        # frame on time is what the palm needs (the late one is counted as lost, not as an overrun)
-        ex = master.exchange(command, deadline + period - POST_EXCHANGE_NS)
-        t_ex = mono()
-        status = ex.status
+        # ---- the wire: the command goes out now; its reply is read at the next release ----
+        sent_ns = master.send(command)
         if submitted:  # how long the applied commands waited for their frame (the cycle's share of the latency)
             for t_sub in submitted:
-                h_cmd[min((ex.sent_ns - t_sub) // 1000, HIST_US)] += 1
+                h_cmd[min((sent_ns - t_sub) // 1000, HIST_US)] += 1
             submitted.clear()
-        h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
         cycle += 1
         cnt[C["cycles"]] = cycle
         cnt[C["frames"]] = wc.frames
-        cnt[C["lost"]] = wc.lost
-        cnt[C["late"]] = wc.late
         cnt[C["dropped"]] = driver.c["dropped"]
         cnt[C["decode_errors"]] = driver.c["decode_errors"]
-        cnt[C["wkc_errors"]] = wc.wkc_errors
-        cnt[C["rtt_ns_max"]] = wc.rtt_max_ns
-        if status is None:
-            cnt[C["no_status"]] += 1
-            run = cnt[C["consecutive_no_status"]] + 1
-            cnt[C["consecutive_no_status"]] = run
-            if run > cnt[C["max_consecutive_no_status"]]:
-                cnt[C["max_consecutive_no_status"]] = run
-            if run == cfg.error_after:
-                cnt[C["health_error"]] = 1
-                cnt[C["outages"]] += 1
-                st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
-                publish()
-        elif cnt[C["consecutive_no_status"]]:
-            cnt[C["consecutive_no_status"]] = 0
-            if cnt[C["health_error"]]:
-                cnt[C["health_error"]] = 0
-                st.error = ""
-                publish()
         if status is not None and driver.c["statuses"] != statuses_seen:
             # every valid status goes to the MQTT side raw (a few µs); it decodes joints there, so the
             # costly full driver snapshot can run at a fraction of the rate
             statuses_seen = driver.c["statuses"]
             shm.write_slot_parts("raw", RAW_HEAD, (driver.cycle_no, wake, statuses_seen), status)
         if halting and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:  # that many zero commands exchanged
+            master.settle(mono() + period)  # the last of them answered (or lost) before leaving OP
             st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
                               "demands_sent_last": [m.demand_sent for m in driver.motors],
                               "reason": stopping[0]}
@@ -283,6 +293,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             # never past the period: a slave that stopped answering must not stall the cycle for SOEM's
             # 2 ms per datagram (the reads that do not fit count as no evidence, not as a problem)
             issue = master.check_states(deadline + period - CHECK_RESERVE_NS)
+            master.refresh_clock_offset()
             cnt[C["recoveries"]] = wc.recoveries
             cnt[C["left_op"]] = wc.left_op
             cnt[C["escalations"]] = wc.escalations
@@ -316,7 +327,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         deadline, skipped = next_deadline(deadline, wake, now, period)
         if skipped:
             # what the cycle was doing, µs after its release (a fixed-size record written in place)
-            shm.put_overrun(int(cnt[C["overruns"]]), release, lat // 1000, (ex.sent_ns - release) // 1000,
+            shm.put_overrun(int(cnt[C["overruns"]]), release, lat // 1000, (sent_ns - release) // 1000,
                             (t_ex - release) // 1000, (now - release) // 1000, skipped, ex.lost, slack_work)
             cnt[C["overruns"]] += 1
             cnt[C["skipped_cycles"]] += skipped

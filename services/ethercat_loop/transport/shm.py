@@ -41,6 +41,7 @@ _SEQ = struct.Struct("<QI")  # sequence, payload length
 # a ring of fixed-size overrun records, written in place by the cycle (no serialising on its path): the
 # record of overrun n (0-based) is at n % OVERRUN_RING; the "overruns" counter says how many there were
 OVERRUN_RING = 256
+# exchanged_us: the reply to the previous release's frame read; sent_us: this release's command sent (after it)
 OVERRUN_FIELDS = ("release_ns", "wake_us", "sent_us", "exchanged_us", "end_us", "skipped", "lost", "slack_work")
 OVERRUN_REC = struct.Struct("<qqqqqq??")
 
