@@ -53,6 +53,7 @@ from shared.logs import setup_logging
 
 log = logging.getLogger("robobus.ethercat.cycle")
 MAX_MSGS_PER_CYCLE = 64
+EOF_CHECK_EVERY = 50  # cycles between two polls of the control pipe for EOF when no message was announced
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
 SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submit time (CLOCK_MONOTONIC ns)
 SLACK_SNAPSHOT_NS = 300_000  # the least slack a snapshot may start in; more if recent ones took longer
@@ -179,6 +180,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     cnt[C["started_ns"]] = deadline
     cycle = 0
     quarter = period // 4
+    submits_at, drained = C["submits"], 0
     no_exchange = Exchange(None, -1, 0, lost=False)
     while True:
         sleeper.sleep_until(deadline)
@@ -222,21 +224,27 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             t_ex = wake
             status = None
         # ---- control messages, then the command: a demand that arrived before the tick goes out now ----
-        n = 0
-        while n < MAX_MSGS_PER_CYCLE and ctl_poll.poll(0):  # readable, or EOF (POLLHUP)
-            n += 1
-            try:
-                data = ctl.recv_bytes()
-                msg = loads(memoryview(data)[SUBMIT_STAMP.size :])
-            except (EOFError, OSError):
-                stopping.append("parent gone")
-                break
-            if isinstance(msg, _Stop):
-                stopping.append(msg.reason)
-            else:  # validated once, by the service, before it was submitted
-                msg.apply(driver)
-                cnt[C["commands_applied"]] += 1
-                submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
+        # read the pipe only when the MQTT side's count of messages written moved (no poll syscall in most
+        # periods), and every EOF_CHECK_EVERY cycles anyway, for its EOF (the MQTT process gone)
+        announced = cnt[submits_at] - drained
+        if announced > 0 or cycle % EOF_CHECK_EVERY == 0:
+            limit = min(max(announced, 1), MAX_MSGS_PER_CYCLE)
+            n = 0
+            while n < limit and ctl_poll.poll(0):  # readable, or EOF (POLLHUP)
+                n += 1
+                drained += 1
+                try:
+                    data = ctl.recv_bytes()
+                    msg = loads(memoryview(data)[SUBMIT_STAMP.size :])
+                except (EOFError, OSError):
+                    stopping.append("parent gone")
+                    break
+                if isinstance(msg, _Stop):
+                    stopping.append(msg.reason)
+                else:  # validated once, by the service, before it was submitted
+                    msg.apply(driver)
+                    cnt[C["commands_applied"]] += 1
+                    submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
         if stopping and not halting:
             Halt(True).apply(driver)
             halting = True
