@@ -92,6 +92,10 @@ class RecoveryPolicy:
     backoff_ns: int = 50_000_000  # before attempt n > 1: backoff * 2**(n-2), capped
     backoff_cap_ns: int = 1_000_000_000
     recover_timeout_us: int = 500  # SOEM's recover (station address + identity check) per try
+    # a slave not answering at its address is acted on only after this long (and 3 reads): this VM stalls
+    # the hand's vCPU for up to tens of ms, and SOEM's recover sent to a slave that is only slow can leave
+    # it without its station address
+    silent_confirm_ns: int = 150_000_000
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class EthercatMaster:
         self._bus: _Bus | None = None
         self._output = b""
         self._sightings: dict[int, int] = {}  # slave index -> consecutive checks found out of OP
+        self._silent_since: dict[int, int] = {}  # slave index -> first of its consecutive "not answering" reads
         self.socket_fds: list[int] = []  # SOEM's raw socket(s), made non-blocking and waited on with select
         self._stamp_fd = -1  # the primary socket, asked for the receive time of each reply
         self._real_minus_mono = 0
@@ -515,9 +520,24 @@ class EthercatMaster:
             st, code = got
             if st == pysoem.OP_STATE:
                 self._sightings.pop(i, None)
+                self._silent_since.pop(i, None)
+                continue
+            if st == pysoem.NONE_STATE and self.counters.bad_run == 0:
+                # the last frame came back with the full working counter: every slave processed it, so
+                # a read at its address that got no answer in time is a slow answer (a stalled host: the
+                # hand's answers reach 20 ms on this VM), not a slave gone. Counting it sent SOEM's recover
+                # (temporary station address, identity check) to a healthy slave, which, cut short by the
+                # same stall, left it without its address: seconds of "not in OP" (issue 16's 4 s outage)
                 continue
             n = self._sightings[i] = self._sightings.get(i, 0) + 1
             silent = silent or st == pysoem.NONE_STATE
+            if st == pysoem.NONE_STATE:
+                # and silent for silent_confirm_ns: three reads 10 cycles apart fit in one host stall
+                since = self._silent_since.setdefault(i, time.monotonic_ns())
+                if time.monotonic_ns() - since < self.policy.silent_confirm_ns:
+                    continue
+            else:
+                self._silent_since.pop(i, None)
             if n >= (3 if st == pysoem.NONE_STATE else 2) and (
                     confirmed is None or (st == pysoem.NONE_STATE and confirmed[2] != pysoem.NONE_STATE)):
                 confirmed = (i, s, st, code)
@@ -627,6 +647,7 @@ class EthercatMaster:
                 self._esc = None
                 self._quick = ("", 0)
                 self._sightings.clear()
+                self._silent_since.clear()
                 c.state_issue = ""
                 return ""
         elif not e.requested:
@@ -643,6 +664,7 @@ class EthercatMaster:
             except pysoem.WkcError:  # a slave stopped answering (power lost again?): find it first
                 self._esc = None
                 self._sightings.clear()
+                self._silent_since.clear()
                 self._note(f"step {e.step}: a slave did not take the write; looking for it again")
                 return c.state_issue
             e.requested, e.step_ns = True, now
@@ -700,6 +722,7 @@ class EthercatMaster:
                 old.master.close()
         self._esc, self._quick, self._recover_after_ns = None, ("", 0), 0
         self._sightings.clear()
+        self._silent_since.clear()
         netns, self.cfg.netns = self.cfg.netns, None  # this thread is in the namespace already
         try:
             ident = self.open()
