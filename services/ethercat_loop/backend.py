@@ -49,8 +49,9 @@ class HandBackend(ABC):
         """Hand a control message to the driver; never blocks on the cycle."""
 
     @abstractmethod
-    def snapshot(self) -> PalmSnapshot | None:
-        """The latest driver snapshot (None before the first cycle)."""
+    def snapshot(self, motors: bool = True) -> PalmSnapshot | None:
+        """The latest driver snapshot (None before the first cycle). `motors=False`: the caller needs no
+        motor (its `motors` may be empty): the joints state at 100 Hz, which a backend may serve cheaper."""
 
     @abstractmethod
     def stats(self) -> EthercatLoopStats:

@@ -99,12 +99,12 @@ class ModelBackend(HandBackend):
         self._inbox.put(msg)
         self._wakeup.set()
 
-    def snapshot(self) -> PalmSnapshot | None:
+    def snapshot(self, motors: bool = True) -> PalmSnapshot | None:
         with self._lock:
             self._catch_up(time.monotonic_ns())  # compute the state when asked, not at every release
             if self.driver.cycle_no == 0:
                 return None
-            return self.driver.snapshot()
+            return self.driver.snapshot(motors=motors)
 
     def stats(self) -> EthercatLoopStats:
         with self._lock:

@@ -197,7 +197,10 @@ class PalmService:
                 # comes early); after a stall, on from now rather than a burst to catch up
                 nxt = due[n] + interval[n]
                 due[n] = nxt if nxt > now else now + interval[n]
-            snap = self.backend.snapshot() if names or now >= next_health else None
+            # the motors only for the states and the health check that read them (joints, tactile and palm
+            # extras, most of the ticks, do not)
+            wants_motors = "motors" in names or now >= next_health
+            snap = self.backend.snapshot(motors=wants_motors) if names or now >= next_health else None
             if snap is not None:
                 self._publish(names, snap)
             if now >= next_health:

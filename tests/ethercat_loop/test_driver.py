@@ -311,6 +311,19 @@ def test_joint_calibration_matches_the_model(rig):
     assert len(s.joints) == 28 and len(s.sensors_raw) == 37
 
 
+def test_a_snapshot_without_motors_has_the_same_joints_and_counters(rig):
+    """What the joints state (100 Hz) takes: no motor views, and nothing else differs; the motor blocks
+    kept for later are applied by the next full snapshot, as if it had been taken all along."""
+    apply(rig.driver, SetControlMode("torque"))
+    apply(rig.driver, SetDemands({0: 900}))
+    rig.run(80)
+    lean = rig.driver.snapshot(motors=False)
+    full = rig.snap()
+    assert lean.motors == () and len(full.motors) == 20
+    assert lean.joints == full.joints and lean.sensors_raw == full.sensors_raw and lean.counters == full.counters
+    assert full.motors[0].demand == 900 and all(m.last_seen_ns is not None for m in full.motors)
+
+
 def test_piecewise_linear_extrapolates_and_inverts():
     f = PiecewiseLinear.from_degrees([(1000, 0.0), (2000, 90.0), (3000, 100.0)])
     assert f(1500) == pytest.approx(0.785398, abs=1e-5)

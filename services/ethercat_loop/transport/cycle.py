@@ -9,9 +9,10 @@ MQTT process by shared memory and pipes, so MQTT, JSON and logging never hold th
     on_can_rx  <-- event pipe (non-blocking) <--  driver.take_can_rx()
 
 One cycle: sleep until the absolute deadline (CLOCK_MONOTONIC) -> record the wake-up latency ->
-apply control messages -> driver.cycle(last status) builds the command -> exchange it (sleeping in
-select() for the reply, never past the next tick) -> WKC / loss bookkeeping -> AL state check and
-snapshot only in the slack the period leaves -> next release (`realtime.next_deadline`): a cycle
+read the reply to the frame sent at the last release (queued by then: one sleep and one wake-up per
+period, not two) -> WKC / loss bookkeeping -> apply control messages -> driver.cycle(that status)
+builds the command -> send it -> AL state check and snapshot only in the slack the period leaves ->
+next release (`realtime.next_deadline`): a cycle
 that ran past the next release starts that one late; an overrun (a release that could not start
 within its period) skips to the next period boundary (counted, never a burst).
 """
@@ -39,7 +40,7 @@ from services.ethercat_loop.control import CanRxFrame, Halt
 from services.ethercat_loop.driver import PalmDriver
 from services.ethercat_loop.loop_stats import HIST_US
 from services.ethercat_loop.settings import EthercatSettings
-from services.ethercat_loop.transport.master import EthercatMaster, MasterConfig, MasterError
+from services.ethercat_loop.transport.master import EthercatMaster, Exchange, MasterConfig, MasterError
 from services.ethercat_loop.transport.realtime import (
     AbsoluteSleeper,
     RtSettings,
@@ -47,14 +48,14 @@ from services.ethercat_loop.transport.realtime import (
     current_policy,
     next_deadline,
 )
-from services.ethercat_loop.transport.shm import RAW_HEAD, C, SharedBlock
+from services.ethercat_loop.transport.shm import C, SharedBlock
 from shared.logs import setup_logging
 
 log = logging.getLogger("robobus.ethercat.cycle")
 MAX_MSGS_PER_CYCLE = 64
+EOF_CHECK_EVERY = 50  # cycles between two polls of the control pipe for EOF when no message was announced
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
 SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submit time (CLOCK_MONOTONIC ns)
-POST_EXCHANGE_NS = 250_000  # bookkeeping after the exchange, with margin
 SLACK_SNAPSHOT_NS = 300_000  # the least slack a snapshot may start in; more if recent ones took longer
 SLACK_STATE_CHECK_NS = 400_000  # an AL state read is one round trip per slave (bounded: see below)
 CHECK_RESERVE_NS = 100_000  # what the cycle still does after the state check, with margin
@@ -152,6 +153,41 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
 
 def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,
          events: Connection, st: _CycleState, publish: Callable[[], None], stopping: list[str]) -> None:
+    # counter indices as locals: the loop writes a dozen counters a period
+    k_commands_applied = C["commands_applied"]
+    k_consecutive_no_status = C["consecutive_no_status"]
+    k_cpu_ns_max = C["cpu_ns_max"]
+    k_cpu_ns_sum = C["cpu_ns_sum"]
+    k_cycles = C["cycles"]
+    k_decode_errors = C["decode_errors"]
+    k_dropped = C["dropped"]
+    k_escalations = C["escalations"]
+    k_frames = C["frames"]
+    k_health_error = C["health_error"]
+    k_heartbeat_ns = C["heartbeat_ns"]
+    k_in_op = C["in_op"]
+    k_late = C["late"]
+    k_late_starts = C["late_starts"]
+    k_left_op = C["left_op"]
+    k_lost = C["lost"]
+    k_max_consecutive_no_status = C["max_consecutive_no_status"]
+    k_no_status = C["no_status"]
+    k_outages = C["outages"]
+    k_overrun_late_wake = C["overrun_late_wake"]
+    k_overrun_lost_frame = C["overrun_lost_frame"]
+    k_overrun_slack_work = C["overrun_slack_work"]
+    k_overrun_slow_exchange = C["overrun_slow_exchange"]
+    k_overruns = C["overruns"]
+    k_period_ns = C["period_ns"]
+    k_recoveries = C["recoveries"]
+    k_rescans = C["rescans"]
+    k_rtt_ns_max = C["rtt_ns_max"]
+    k_skipped_cycles = C["skipped_cycles"]
+    k_snapshots = C["snapshots"]
+    k_started_ns = C["started_ns"]
+    k_state_checks = C["state_checks"]
+    k_wake_ns_max = C["wake_ns_max"]
+    k_wkc_errors = C["wkc_errors"]
     cnt, h_wake, h_cpu, h_rtt = shm.counters_mv, shm.hist_mv["wake"], shm.hist_mv["cpu"], shm.hist_mv["rtt"]
     h_cmd = shm.hist_mv["command"]
     # one poll object for the whole run: Connection.poll(0) builds a selector per call (~15 µs a cycle)
@@ -162,7 +198,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     period = cfg.period_ns
     sleeper = AbsoluteSleeper()
     mono, cpu_clock, loads, dumps = time.monotonic_ns, time.thread_time_ns, pickle.loads, pickle.dumps
-    cnt[C["period_ns"]] = period
+    cnt[k_period_ns] = period
     slack_check = min(SLACK_STATE_CHECK_NS, period * 2 // 5)
     snap_cost = SLACK_SNAPSHOT_NS  # decaying maximum of what a snapshot took
     status: bytes | None = None
@@ -176,32 +212,75 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     # releases on the CLOCK_MONOTONIC grid of the period (multiples of it; for a period dividing 1 s, on
     # the full second): a phase other processes can know, e.g. a latency probe woken just before it
     deadline = (mono() // period + 2) * period
-    cnt[C["started_ns"]] = deadline
+    cnt[k_started_ns] = deadline
     cycle = 0
+    quarter = period // 4
+    submits_at, drained = C["submits"], 0
+    write_raw = shm.raw_writer()
+    no_exchange = Exchange(None, -1, 0, lost=False)
     while True:
         sleeper.sleep_until(deadline)
         wake = mono()
         cpu0 = cpu_clock()
         lat = wake - deadline
         h_wake[min(lat // 1000, HIST_US)] += 1
-        if lat > cnt[C["wake_ns_max"]]:
-            cnt[C["wake_ns_max"]] = lat
+        if lat > cnt[k_wake_ns_max]:
+            cnt[k_wake_ns_max] = lat
+        # ---- the reply to the frame sent at the last release: in the socket's queue long since (the
+        # cycle does not sleep a second time per period waiting for it); its round trip is the kernel's
+        # receive time. A reply not back yet is waited for at most a quarter period into this one.
+        if master.pending:
+            ex = master.receive(deadline + quarter)
+            t_ex = mono()
+            status = ex.status
+            h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
+            cnt[k_lost] = wc.lost
+            cnt[k_late] = wc.late
+            cnt[k_wkc_errors] = wc.wkc_errors
+            cnt[k_rtt_ns_max] = wc.rtt_max_ns
+            if status is None:
+                cnt[k_no_status] += 1
+                run = cnt[k_consecutive_no_status] + 1
+                cnt[k_consecutive_no_status] = run
+                if run > cnt[k_max_consecutive_no_status]:
+                    cnt[k_max_consecutive_no_status] = run
+                if run == cfg.error_after:
+                    cnt[k_health_error] = 1
+                    cnt[k_outages] += 1
+                    st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
+                    publish()
+            elif cnt[k_consecutive_no_status]:
+                cnt[k_consecutive_no_status] = 0
+                if cnt[k_health_error]:
+                    cnt[k_health_error] = 0
+                    st.error = ""
+                    publish()
+        else:  # nothing in flight (the first cycle, or after a re-scan)
+            ex = no_exchange
+            t_ex = wake
+            status = None
         # ---- control messages, then the command: a demand that arrived before the tick goes out now ----
-        n = 0
-        while n < MAX_MSGS_PER_CYCLE and ctl_poll.poll(0):  # readable, or EOF (POLLHUP)
-            n += 1
-            try:
-                data = ctl.recv_bytes()
-                msg = loads(memoryview(data)[SUBMIT_STAMP.size :])
-            except (EOFError, OSError):
-                stopping.append("parent gone")
-                break
-            if isinstance(msg, _Stop):
-                stopping.append(msg.reason)
-            else:  # validated once, by the service, before it was submitted
-                msg.apply(driver)
-                cnt[C["commands_applied"]] += 1
-                submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
+        # read the pipe only when the MQTT side's count of messages written moved (no poll syscall in most
+        # periods), and every EOF_CHECK_EVERY cycles anyway, for its EOF (the MQTT process gone)
+        announced = cnt[submits_at] - drained
+        if announced > 0 or cycle % EOF_CHECK_EVERY == 0:
+            limit = min(max(announced, 1), MAX_MSGS_PER_CYCLE)
+            n = 0
+            while n < limit and ctl_poll.poll(0):  # readable, or EOF (POLLHUP)
+                n += 1
+                drained += 1
+                try:
+                    data = ctl.recv_bytes()
+                    msg = loads(memoryview(data)[SUBMIT_STAMP.size :])
+                except (EOFError, OSError):
+                    stopping.append("parent gone")
+                    break
+                if isinstance(msg, _Stop):
+                    stopping.append(msg.reason)
+                else:  # validated once, by the service, before it was submitted
+                    msg.apply(driver)
+                    cnt[k_commands_applied] += 1
+                    submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
         if stopping and not halting:
             Halt(True).apply(driver)
             halting = True
@@ -210,49 +289,24 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
         # the status of the last exchange answers the command before it (the palm loads it after the
         # command arrived), so building the command here loses nothing and saves a period of latency
         command = driver.cycle(status, wake)
-        # ---- the wire ----
-        # a reply that would end this cycle after the next tick is not worth waiting for: the next
-        # frame on time is what the palm needs (the late one is counted as lost, not as an overrun)
-        ex = master.exchange(command, deadline + period - POST_EXCHANGE_NS)
-        t_ex = mono()
-        status = ex.status
+        # ---- the wire: the command goes out now; its reply is read at the next release ----
+        sent_ns = master.send(command)
         if submitted:  # how long the applied commands waited for their frame (the cycle's share of the latency)
             for t_sub in submitted:
-                h_cmd[min((ex.sent_ns - t_sub) // 1000, HIST_US)] += 1
+                h_cmd[min((sent_ns - t_sub) // 1000, HIST_US)] += 1
             submitted.clear()
-        h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
         cycle += 1
-        cnt[C["cycles"]] = cycle
-        cnt[C["frames"]] = wc.frames
-        cnt[C["lost"]] = wc.lost
-        cnt[C["late"]] = wc.late
-        cnt[C["dropped"]] = driver.c["dropped"]
-        cnt[C["decode_errors"]] = driver.c["decode_errors"]
-        cnt[C["wkc_errors"]] = wc.wkc_errors
-        cnt[C["rtt_ns_max"]] = wc.rtt_max_ns
-        if status is None:
-            cnt[C["no_status"]] += 1
-            run = cnt[C["consecutive_no_status"]] + 1
-            cnt[C["consecutive_no_status"]] = run
-            if run > cnt[C["max_consecutive_no_status"]]:
-                cnt[C["max_consecutive_no_status"]] = run
-            if run == cfg.error_after:
-                cnt[C["health_error"]] = 1
-                cnt[C["outages"]] += 1
-                st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
-                publish()
-        elif cnt[C["consecutive_no_status"]]:
-            cnt[C["consecutive_no_status"]] = 0
-            if cnt[C["health_error"]]:
-                cnt[C["health_error"]] = 0
-                st.error = ""
-                publish()
+        cnt[k_cycles] = cycle
+        cnt[k_frames] = wc.frames
+        cnt[k_dropped] = driver.c["dropped"]
+        cnt[k_decode_errors] = driver.c["decode_errors"]
         if status is not None and driver.c["statuses"] != statuses_seen:
             # every valid status goes to the MQTT side raw (a few µs); it decodes joints there, so the
             # costly full driver snapshot can run at a fraction of the rate
             statuses_seen = driver.c["statuses"]
-            shm.write_slot_parts("raw", RAW_HEAD, (driver.cycle_no, wake, statuses_seen), status)
+            write_raw(driver.cycle_no, wake, statuses_seen, status)
         if halting and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:  # that many zero commands exchanged
+            master.settle(mono() + period)  # the last of them answered (or lost) before leaving OP
             st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
                               "demands_sent_last": [m.demand_sent for m in driver.motors],
                               "reason": stopping[0]}
@@ -275,18 +329,19 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
                                                                                        100_000_000))
             deadline = mono() // period * period  # back on the grid: the stop is a re-scan, not an overrun
             wake = deadline
-            cnt[C["rescans"]] = wc.rescans
+            cnt[k_rescans] = wc.rescans
         elif (check_due <= 0 or recheck) and master.is_open and deadline + period - mono() > slack_check:
             check_due = cfg.state_check_every
             slack_work = True
-            cnt[C["state_checks"]] += 1
+            cnt[k_state_checks] += 1
             # never past the period: a slave that stopped answering must not stall the cycle for SOEM's
             # 2 ms per datagram (the reads that do not fit count as no evidence, not as a problem)
             issue = master.check_states(deadline + period - CHECK_RESERVE_NS)
-            cnt[C["recoveries"]] = wc.recoveries
-            cnt[C["left_op"]] = wc.left_op
-            cnt[C["escalations"]] = wc.escalations
-            cnt[C["in_op"]] = 0 if issue else 1
+            master.refresh_clock_offset()
+            cnt[k_recoveries] = wc.recoveries
+            cnt[k_left_op] = wc.left_op
+            cnt[k_escalations] = wc.escalations
+            cnt[k_in_op] = 0 if issue else 1
             changed = issue != st.state_issue or master.recovery_seq != recovery_seen
             if changed:
                 recovery_seen = master.recovery_seq
@@ -304,32 +359,32 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             t_snap = mono()
             shm.write_slot("snapshot", dumps(driver.snapshot(joints=False), 5))
             snap_cost = max(snap_cost * 31 // 32, mono() - t_snap, SLACK_SNAPSHOT_NS // 2)
-            cnt[C["snapshots"]] += 1
+            cnt[k_snapshots] += 1
         cpu = cpu_clock() - cpu0
         h_cpu[min(cpu // 1000, HIST_US)] += 1
-        cnt[C["cpu_ns_sum"]] += cpu
-        if cpu > cnt[C["cpu_ns_max"]]:
-            cnt[C["cpu_ns_max"]] = cpu
+        cnt[k_cpu_ns_sum] += cpu
+        if cpu > cnt[k_cpu_ns_max]:
+            cnt[k_cpu_ns_max] = cpu
         now = mono()
-        cnt[C["heartbeat_ns"]] = now
+        cnt[k_heartbeat_ns] = now
         release = deadline
         deadline, skipped = next_deadline(deadline, wake, now, period)
         if skipped:
             # what the cycle was doing, µs after its release (a fixed-size record written in place)
-            shm.put_overrun(int(cnt[C["overruns"]]), release, lat // 1000, (ex.sent_ns - release) // 1000,
+            shm.put_overrun(int(cnt[k_overruns]), release, lat // 1000, (sent_ns - release) // 1000,
                             (t_ex - release) // 1000, (now - release) // 1000, skipped, ex.lost, slack_work)
-            cnt[C["overruns"]] += 1
-            cnt[C["skipped_cycles"]] += skipped
+            cnt[k_overruns] += 1
+            cnt[k_skipped_cycles] += skipped
             if lat >= period:
-                cnt[C["overrun_late_wake"]] += 1
+                cnt[k_overrun_late_wake] += 1
             if ex.lost:
-                cnt[C["overrun_lost_frame"]] += 1
+                cnt[k_overrun_lost_frame] += 1
             elif ex.rtt_ns > period // 2:
-                cnt[C["overrun_slow_exchange"]] += 1
+                cnt[k_overrun_slow_exchange] += 1
             if slack_work:
-                cnt[C["overrun_slack_work"]] += 1
+                cnt[k_overrun_slack_work] += 1
         elif now > deadline:
-            cnt[C["late_starts"]] += 1  # ran past the next release: it starts now, late (its latency is in "wake")
+            cnt[k_late_starts] += 1  # ran past the next release: it starts now, late (its latency is in "wake")
         elif cycle % 1000 == 0 and deadline - mono() > period // 2:
             gc.collect(0)  # young objects only, and only with half a period of slack left
 

@@ -3,13 +3,15 @@ process data (from the SII, or by programming the four mailbox SyncManagers and 
 the original EML driver did, reference §2.2), bring the bus to OP and back, and exchange one frame
 per cycle with a working-counter check and a receive timeout well under the period.
 
-Blocking calls only; the realtime cycle (transport/cycle.py) owns the timing and calls `exchange` once per
-period from its own process.
+Blocking calls only; the realtime cycle (transport/cycle.py) owns the timing: once per period it
+`receive`s the reply to the frame it sent at the release before (queued by then) and `send`s the next,
+from its own process. `exchange` (send + wait for the reply) is the same two halves back to back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import select
@@ -43,6 +45,9 @@ LADDER = ("init", "preop", "safeop", "op", "verify")  # the escalation's steps, 
 LADDER_STATE = {"init": 0x01, "preop": 0x02, "safeop": 0x04, "op": 0x08}
 MIN_WAIT_NS = 20_000  # even a late cycle waits this long for its frame
 LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (reference §2.2)
+SIOCGSTAMPNS = 0x8907  # the receive time of the last frame read from a socket (CLOCK_REALTIME)
+_TIMESPEC = struct.Struct("<qq")
+_TIMESPEC_ZERO = bytes(_TIMESPEC.size)
 STATE_NAMES = {0: "NONE", 1: "INIT", 2: "PRE-OP", 3: "BOOT", 4: "SAFE-OP", 8: "OP"}
 
 
@@ -87,6 +92,10 @@ class RecoveryPolicy:
     backoff_ns: int = 50_000_000  # before attempt n > 1: backoff * 2**(n-2), capped
     backoff_cap_ns: int = 1_000_000_000
     recover_timeout_us: int = 500  # SOEM's recover (station address + identity check) per try
+    # a slave not answering at its address is acted on only after this long (and 3 reads): this VM stalls
+    # the hand's vCPU for up to tens of ms, and SOEM's recover sent to a slave that is only slow can leave
+    # it without its station address
+    silent_confirm_ns: int = 150_000_000
 
 
 @dataclass(frozen=True)
@@ -184,7 +193,12 @@ class EthercatMaster:
         self._bus: _Bus | None = None
         self._output = b""
         self._sightings: dict[int, int] = {}  # slave index -> consecutive checks found out of OP
+        self._silent_since: dict[int, int] = {}  # slave index -> first of its consecutive "not answering" reads
         self.socket_fds: list[int] = []  # SOEM's raw socket(s), made non-blocking and waited on with select
+        self._stamp_fd = -1  # the primary socket, asked for the receive time of each reply
+        self._real_minus_mono = 0
+        self._sent_ns: int | None = None  # a process-data frame in flight (sent, not yet received)
+        self._result: Exchange | None = None  # a reply read early (settle) or a synchronous exchange
         self.policy = cfg.recovery
         self._quick: tuple[str, int] = ("", 0)  # the issue the cheap steps work on, and how many were sent
         self._esc: _Escalation | None = None
@@ -215,6 +229,12 @@ class EthercatMaster:
         self.socket_fds = _make_packet_sockets_nonblocking({fd for fd, target in _open_fds().items()
                                                             if target.startswith("socket:")
                                                             and target not in before.values()})
+        self._sent_ns, self._result = None, None
+        self._stamp_fd = min(self.socket_fds) if self.socket_fds else -1  # SOEM opens the primary first
+        if self._stamp_fd >= 0:
+            with contextlib.suppress(OSError):  # the first call turns the socket's receive timestamps on
+                fcntl.ioctl(self._stamp_fd, SIOCGSTAMPNS, _TIMESPEC_ZERO)
+        self.refresh_clock_offset()
         try:
             bus = self._configure(m)
         except BaseException:
@@ -307,6 +327,7 @@ class EthercatMaster:
     def leave_op(self, state: int = pysoem.INIT_STATE) -> None:
         """OP -> SAFE-OP -> `state` (INIT by default), the way down for shutdown."""
         bus = self._need()
+        self.settle()
         m = bus.master
         for st in (pysoem.SAFEOP_STATE, state):
             m.state = st
@@ -315,6 +336,8 @@ class EthercatMaster:
 
     def close(self) -> None:
         if self._bus is not None:
+            with contextlib.suppress(Exception):
+                self.settle()
             self._bus.master.close()
             self._bus = None
 
@@ -331,28 +354,91 @@ class EthercatMaster:
     def exchange(self, command: bytes, give_up_ns: int | None = None) -> Exchange:
         """Send this cycle's command, wait at most recv_timeout_us for the frame (and never past the
         CLOCK_MONOTONIC time `give_up_ns`), check the WKC. Without a bus (a re-scan that failed) nothing
-        is sent: a lost exchange."""
+        is sent: a lost exchange. (`send` then `receive`.)"""
+        self.send(command)
+        return self.receive(give_up_ns)
+
+    def send(self, command: bytes) -> int:
+        """Hand this cycle's command to the wire and return at once (CLOCK_MONOTONIC ns of the send); the
+        reply is read by `receive` (the cycle: at its next release, when the reply has long been in the
+        socket's queue, so the cycle never sleeps and wakes a second time per period for it). The
+        programmed mapping's exchange is two blocking pysoem datagrams: it runs here, whole."""
+        self.settle()  # one frame in flight at a time: every send is paired with one receive
         bus = self._bus
         c = self.counters
+        t0 = time.monotonic_ns()
         if bus is None:
             c.lost += 1
             c.bad_run += 1
-            return Exchange(None, -1, 0, lost=True, sent_ns=time.monotonic_ns())
+            self._result = Exchange(None, -1, 0, lost=True, sent_ns=t0)
+            return t0
         c.frames += 1
         if len(command) != bus.info.command_size:
             raise ValueError(f"command is {len(command)} B, protocol {bus.info.name} needs {bus.info.command_size}")
         self._output = command
-        t0 = time.monotonic_ns()
         if bus.ident.mapping == "sii":
             bus.palm.output = command
             bus.master.send_processdata()
-            wkc = int(bus.master.receive_processdata(self._wait_frame(t0, give_up_ns)))
-            status = bus.palm.input if wkc == bus.ident.expected_wkc else None
+            self._sent_ns = t0
         else:
-            wkc, status = self._exchange_physical(bus, command, give_up_ns)
-        rtt = time.monotonic_ns() - t0
+            wkc, status = self._exchange_physical(bus, command, None)
+            self._result = self._account(bus, wkc, status, time.monotonic_ns() - t0, t0)
+        return t0
+
+    def receive(self, give_up_ns: int | None = None) -> Exchange:
+        """The reply to the last `send`: already in the socket's queue, or waited for in select() at most
+        recv_timeout_us after the send and never past `give_up_ns`. A frame not back by then is lost (SOEM
+        frees its slot); one back later than late_us after its send is late. The round trip is the
+        kernel's receive time of the reply (SIOCGSTAMPNS) minus the send, so a reply read at the next
+        release still has its own round trip."""
+        ex = self._result
+        if ex is not None:
+            self._result = None
+            return ex
+        bus = self._bus
+        t0 = self._sent_ns
+        if bus is None or t0 is None:
+            raise MasterError("receive() without a frame in flight")
+        self._sent_ns = None
+        # SOEM frees the frame's slot after one receive_processdata, found or not: wait first (select, no
+        # spinning) while the reply may still come, then read once
+        end = t0 + self.cfg.recv_timeout_us * 1000
+        if give_up_ns is not None:
+            end = min(end, give_up_ns)
+        now = time.monotonic_ns()
+        if end > now and self.socket_fds:
+            select.select(self.socket_fds, [], [], (end - now) / 1e9)
+        wkc = int(bus.master.receive_processdata(1))
+        t_rx = time.monotonic_ns()
+        if wkc >= 0 and self._stamp_fd >= 0:
+            try:
+                sec, nsec = _TIMESPEC.unpack(fcntl.ioctl(self._stamp_fd, SIOCGSTAMPNS, _TIMESPEC_ZERO))
+                t_rx = min(t_rx, sec * 1_000_000_000 + nsec - self._real_minus_mono)
+            except OSError:  # no timestamp yet (the first frame after enabling them): when we read it
+                pass
+        return self._account(bus, wkc, bus.palm.input if wkc == bus.ident.expected_wkc else None, t_rx - t0, t0)
+
+    @property
+    def pending(self) -> bool:
+        """A reply is owed to the caller: a frame in flight, or its reply read early."""
+        return self._sent_ns is not None or self._result is not None
+
+    def settle(self, give_up_ns: int | None = None) -> None:
+        """Read a reply still in flight now (and keep it for the next `receive`): before any other
+        datagram goes on the socket, whose replies would take its place in the receive timestamp."""
+        if self._sent_ns is not None and self._result is None:
+            self._result = self.receive(give_up_ns)
+
+    def refresh_clock_offset(self) -> None:
+        """CLOCK_REALTIME - CLOCK_MONOTONIC, for the kernel's (realtime) receive timestamps; NTP moves it
+        slowly, so the cycle refreshes it in its slack now and then."""
+        self._real_minus_mono = time.clock_gettime_ns(time.CLOCK_REALTIME) - time.monotonic_ns()
+
+    def _account(self, bus: _Bus, wkc: int, status: bytes | None, rtt: int, t0: int) -> Exchange:
+        c = self.counters
         c.last_wkc = wkc
-        c.rtt_max_ns = max(c.rtt_max_ns, rtt)
+        if rtt > c.rtt_max_ns:
+            c.rtt_max_ns = rtt
         ex = Exchange(status, wkc, rtt, sent_ns=t0)
         if wkc < 0:
             c.lost += 1
@@ -365,20 +451,6 @@ class EthercatMaster:
             ex.late = True
         c.bad_run = 0 if status is not None else c.bad_run + 1
         return ex
-
-    def _wait_frame(self, t0: int, give_up_ns: int | None) -> int:
-        """Sleep (not spin) until the reply is readable or the timeout passes; return the receive timeout
-        left for SOEM: the rest of it if something arrived, 1 µs if nothing did (SOEM then counts the
-        frame as lost and frees its slot)."""
-        timeout_ns = self.cfg.recv_timeout_us * 1000
-        if give_up_ns is not None:
-            timeout_ns = max(MIN_WAIT_NS, min(timeout_ns, give_up_ns - t0))
-        if not self.socket_fds:
-            return self.cfg.recv_timeout_us
-        ready, _, _ = select.select(self.socket_fds, [], [], timeout_ns / 1e9)
-        if not ready:
-            return 1
-        return max(1, (timeout_ns - (time.monotonic_ns() - t0)) // 1000)
 
     def _exchange_physical(self, bus: _Bus, command: bytes, give_up_ns: int | None) -> tuple[int, bytes | None]:
         """Programmed mapping: FPWR the command area, FPRD the status area (pysoem has no raw LRW), each
@@ -435,6 +507,7 @@ class EthercatMaster:
         recovery of a healthy slave. No logging here (this runs in the realtime process): steps go to
         `recovery_log`, which the MQTT side logs."""
         bus = self._need()
+        self.settle(give_up_ns)  # the reply in flight first: the state reads must not take its timestamp
         if self._esc is not None:
             return self._escalate(bus, give_up_ns)
         states = self._read_states(bus, give_up_ns)
@@ -447,9 +520,24 @@ class EthercatMaster:
             st, code = got
             if st == pysoem.OP_STATE:
                 self._sightings.pop(i, None)
+                self._silent_since.pop(i, None)
+                continue
+            if st == pysoem.NONE_STATE and self.counters.bad_run == 0:
+                # the last frame came back with the full working counter: every slave processed it, so
+                # a read at its address that got no answer in time is a slow answer (a stalled host: the
+                # hand's answers reach 20 ms on this VM), not a slave gone. Counting it sent SOEM's recover
+                # (temporary station address, identity check) to a healthy slave, which, cut short by the
+                # same stall, left it without its address: seconds of "not in OP" (issue 16's 4 s outage)
                 continue
             n = self._sightings[i] = self._sightings.get(i, 0) + 1
             silent = silent or st == pysoem.NONE_STATE
+            if st == pysoem.NONE_STATE:
+                # and silent for silent_confirm_ns: three reads 10 cycles apart fit in one host stall
+                since = self._silent_since.setdefault(i, time.monotonic_ns())
+                if time.monotonic_ns() - since < self.policy.silent_confirm_ns:
+                    continue
+            else:
+                self._silent_since.pop(i, None)
             if n >= (3 if st == pysoem.NONE_STATE else 2) and (
                     confirmed is None or (st == pysoem.NONE_STATE and confirmed[2] != pysoem.NONE_STATE)):
                 confirmed = (i, s, st, code)
@@ -559,6 +647,7 @@ class EthercatMaster:
                 self._esc = None
                 self._quick = ("", 0)
                 self._sightings.clear()
+                self._silent_since.clear()
                 c.state_issue = ""
                 return ""
         elif not e.requested:
@@ -575,6 +664,7 @@ class EthercatMaster:
             except pysoem.WkcError:  # a slave stopped answering (power lost again?): find it first
                 self._esc = None
                 self._sightings.clear()
+                self._silent_since.clear()
                 self._note(f"step {e.step}: a slave did not take the write; looking for it again")
                 return c.state_issue
             e.requested, e.step_ns = True, now
@@ -622,6 +712,8 @@ class EthercatMaster:
         of ms or more); the cycle calls it only while no valid process data flow anyway. Raises MasterError
         when the bus cannot be brought up (the cycle then tries again later)."""
         why, self.rescan_needed = self.rescan_needed, ""
+        self.settle()
+        self._result = None  # the old bus's last reply: not news about the new one
         self.counters.rescans += 1
         old = self._bus
         self._bus = None
@@ -630,6 +722,7 @@ class EthercatMaster:
                 old.master.close()
         self._esc, self._quick, self._recover_after_ns = None, ("", 0), 0
         self._sightings.clear()
+        self._silent_since.clear()
         netns, self.cfg.netns = self.cfg.netns, None  # this thread is in the namespace already
         try:
             ident = self.open()

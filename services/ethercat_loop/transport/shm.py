@@ -14,6 +14,7 @@ import mmap
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +32,7 @@ COUNTERS = (
     "escalations", "rescans",  # recovery: INIT -> OP ladders started, full re-scans
     "late_starts",  # cycles started late (by less than a period) because the one before ran past their release
     "outages",  # runs of error_after_lost cycles without a valid status (motors cut out), counted as they begin
+    "submits",  # by the MQTT side: control messages written whole to the pipe (the cycle reads it when this moved)
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64
@@ -41,6 +43,7 @@ _SEQ = struct.Struct("<QI")  # sequence, payload length
 # a ring of fixed-size overrun records, written in place by the cycle (no serialising on its path): the
 # record of overrun n (0-based) is at n % OVERRUN_RING; the "overruns" counter says how many there were
 OVERRUN_RING = 256
+# exchanged_us: the reply to the previous release's frame read; sent_us: this release's command sent (after it)
 OVERRUN_FIELDS = ("release_ns", "wake_us", "sent_us", "exchanged_us", "end_us", "skipped", "lost", "slack_work")
 OVERRUN_REC = struct.Struct("<qqqqqq??")
 
@@ -118,19 +121,25 @@ class SharedBlock:
         _SEQ.pack_into(self.mm, off, seq + 2, len(payload))
         return True
 
-    def write_slot_parts(self, name: str, head: struct.Struct, fields: tuple[int, ...], body: bytes) -> bool:
-        """write_slot(name, head.pack(*fields) + body) without building the concatenation (the cycle's
-        raw status, every period)."""
-        off, size = REGIONS[name]
-        n = head.size + len(body)
-        if n > size - _SEQ.size:
-            return False
-        seq, _ = _SEQ.unpack_from(self.mm, off)
-        _SEQ.pack_into(self.mm, off, seq + 1, n)  # odd: write in progress
-        head.pack_into(self.mm, off + _SEQ.size, *fields)
-        self.mm[off + _SEQ.size + head.size : off + _SEQ.size + n] = body
-        _SEQ.pack_into(self.mm, off, seq + 2, n)
-        return True
+    def raw_writer(self) -> Callable[[int, int, int, bytes], bool]:
+        """`write_slot_parts("raw", RAW_HEAD, (cycle, now_ns, statuses), status)` with the slot's offsets
+        bound once (the cycle's raw status, every period)."""
+        off, size = REGIONS["raw"]
+        mm, seq_pack, seq_unpack, head_pack = self.mm, _SEQ.pack_into, _SEQ.unpack_from, RAW_HEAD.pack_into
+        at_head, at_body, room = off + _SEQ.size, off + _SEQ.size + RAW_HEAD.size, size - _SEQ.size - RAW_HEAD.size
+
+        def write(cycle: int, now_ns: int, statuses: int, body: bytes) -> bool:
+            n = len(body)
+            if n > room:
+                return False
+            seq = seq_unpack(mm, off)[0]
+            seq_pack(mm, off, seq + 1, RAW_HEAD.size + n)  # odd: write in progress
+            head_pack(mm, at_head, cycle, now_ns, statuses)
+            mm[at_body : at_body + n] = body
+            seq_pack(mm, off, seq + 2, RAW_HEAD.size + n)
+            return True
+
+        return write
 
     def seq(self, name: str) -> int:
         """The slot's sequence as it stands (no copy): a reader compares it with the sequence of its last
