@@ -32,7 +32,6 @@ import contextlib
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -155,7 +154,6 @@ class DexterLink:
         self._sock: socket.socket | None = None
         self._asm = ReplyAssembler()
         self._instr = 0
-        self._rcvtimeo = -1.0  # the SO_RCVTIMEO last set on the socket (s)
         self._last_tx = 0.0
         self._closing = threading.Event()
         self._lost = threading.Event()
@@ -310,7 +308,6 @@ class DexterLink:
         self._last_tx = t0
         self.stats.commands += 1
         pending: list[bytes] = []
-        first = True
         while True:
             while pending:
                 raw = pending.pop(0)
@@ -329,13 +326,9 @@ class DexterLink:
                 self.reset(msg)
                 raise DexterLinkError("timeout", f"arm {self.name}: {msg}")
             try:
-                if first:  # the usual case: the whole reply comes in one read, within the command's timeout
-                    first = False
-                    self._set_rcvtimeo(sock, timeout_s)
-                else:  # a reply in pieces (or EINTR): the rest within what is left, no more
-                    self._set_rcvtimeo(sock, left)
+                sock.settimeout(left)
                 data = sock.recv(4096)
-            except (BlockingIOError, TimeoutError, InterruptedError):  # SO_RCVTIMEO elapsed: EAGAIN
+            except TimeoutError:
                 continue
             except OSError as exc:
                 self._lose(f"connection lost: {exc}")
@@ -346,16 +339,6 @@ class DexterLink:
                 raise DexterLinkError("unavailable", f"link to arm {self.name} closed by the robot before the "
                                       f"reply to {req.oplet!r}")
             pending += self._asm.feed(data)
-
-    def _set_rcvtimeo(self, sock: socket.socket, timeout_s: float) -> None:
-        """The reply timeout as the kernel's own SO_RCVTIMEO on a blocking socket: `recv` is one system call that
-        sleeps until the reply (Python's settimeout would poll() first, then recv: two calls, the GIL dropped and
-        taken back twice per reply, each a wake-up in a busy process). Set only when it changes."""
-        if timeout_s == self._rcvtimeo:
-            return
-        self._rcvtimeo = timeout_s
-        us = max(int(timeout_s * 1e6), 1000)  # 0 would mean "never time out"
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", us // 1_000_000, us % 1_000_000))
 
     def _match(self, req: Request, raw: bytes) -> Reply | None:
         try:
@@ -411,12 +394,6 @@ class DexterLink:
                 delay = min(delay * 2, cfg.reconnect_max_s)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # blocking, timeouts kept by the kernel (_set_rcvtimeo); a send that cannot go out (the robot's window
-            # full) fails after the reply timeout instead of blocking the link for ever
-            sock.settimeout(None)
-            snd = max(int(cfg.reply_timeout_s * 1e6), 1000)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", snd // 1_000_000, snd % 1_000_000))
-            self._rcvtimeo = -1.0
             self._sock = sock
             self._asm.reset()
             self._lost.clear()
