@@ -231,16 +231,12 @@ def main() -> None:
             gws = GatewaySide(client)
             # Interleaved rounds: this machine is shared, and its load moves within seconds; raw, broker hop
             # and gateway are measured side by side in every round, so they see the same load.
-            # The round trips' rounds first, then the file pairs': a round trip's figure must not depend on the
-            # file's size (with a 64 KiB job's aftermath between batches, two runs gave 1.17 / 1.26 x the bound
-            # against 1.01 / 1.24 with 16 KiB: not conclusive, but not what the p50 target is about).
             per = max(calls // rounds, 1)
-            for _ in range(rounds):
+            for r in range(rounds):
                 raw_rt += raw.round_trips(per)
                 link_rt += links.round_trips(per)
                 hop += bare_round_trips(broker.url, "bench/bare/echo", per)
                 mqtt_rt += gws.round_trips(per)
-            for r in range(rounds):
                 rw = raw.write(f"/srv/samba/share/r{r}.bin", data)
                 gw_w = gws.write(f"/srv/samba/share/g{r}.bin", data)
                 rr = raw.read(f"/srv/samba/share/r{r}.bin", data)
