@@ -167,6 +167,19 @@ def test_split_and_coalesced_replies(sim: DexterSim) -> None:
     link.close()
 
 
+def test_a_reply_trickling_past_its_deadline_times_out(sim: DexterSim) -> None:
+    # the kernel's receive timeout is re-armed for each piece with what is left of the command's own: pieces
+    # each within the reply timeout but together past it are a timeout, not a late success
+    link = make_link(sim, reply_timeout_s=0.3, reconnect_min_s=0.05)
+    sim.split_replies(1, pieces=6, gap_s=0.1)
+    with pytest.raises(DexterLinkError) as ei:
+        link.request("h")
+    assert ei.value.code == "timeout" and link.stats.timeouts == 1
+    assert wait_for(lambda: link.serving and link.stats.reconnects == 1, 10)
+    assert link.request("h").reply.error == 0
+    link.close()
+
+
 def test_garbage_puts_the_stream_out_of_step_and_the_link_resets(sim: DexterSim) -> None:
     errors: list[str] = []
     link = make_link(sim, reply_timeout_s=0.5, reconnect_min_s=0.05)
