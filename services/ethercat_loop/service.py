@@ -155,6 +155,8 @@ class PalmService:
         self._known_faults: dict[int, int] = {}
         self._mode: Literal["torque", "pwm"] = settings.ethercat_control_mode
         self._stopped = False
+        self._joints_src: tuple[Any, ...] | None = None  # the snapshot joints the rows below were built from
+        self._joints_rows: list[PalmJoint] = []
         backend.on_can_rx(self._on_can_rx)
         d = self.dev
         d.bind(SET_MODE, self.set_control_mode)
@@ -230,9 +232,12 @@ class PalmService:
     def _publish(self, names: list[str], s: PalmSnapshot, at: dict[str, float]) -> None:
         ts = time.time()
         if "joints" in names and s.joints:
+            if s.joints is not self._joints_src:  # the driver keeps the same tuple while the words are unchanged
+                self._joints_src = s.joints
+                self._joints_rows = [PalmJoint(name=j.name, position=j.position, raw=list(j.raw)) for j in s.joints]
+            # validated PalmJoint instances are taken as they are (pydantic does not revalidate them)
             self.dev.publish(JOINTS, PalmJoints(
-                ts=ts, cycle=s.cycle, joints=[PalmJoint(name=j.name, position=j.position, raw=list(j.raw))
-                                              for j in s.joints],
+                ts=ts, cycle=s.cycle, joints=self._joints_rows,
                 sensors_raw=dict(zip(SENSOR_NAMES, s.sensors_raw, strict=True))), at=at["joints"])
         if "motors" in names:
             self.dev.publish(MOTORS, PalmMotors(ts=ts, mode=s.mode, phase=s.phase, motors=[PalmMotor(
