@@ -132,11 +132,15 @@ class Device:
             self.slots[spec.name] = slot
         return slot
 
-    def publish(self, spec: StateSpec | BinarySpec, value: BaseModel | dict[str, Any] | bytes) -> None:
+    def publish(self, spec: StateSpec | BinarySpec, value: BaseModel | dict[str, Any] | bytes, *,
+                at: float | None = None) -> None:
         """Publish state under its rate cap: too soon, and only the newest value is kept for later.
-        Serialisation happens only for values that are actually sent."""
+        Serialisation happens only for values that are actually sent. `at` (time.monotonic) is the time a
+        publisher on its own fixed schedule at the configured rate meant this value for: the cap counts that,
+        not when the thread got there, so its wake-up jitter is not held back for the housekeeping thread
+        (each later value would otherwise be judged against the latest wake-up so far, and deferred)."""
         slot = self._slot(spec)
-        if slot.offer(value, time.monotonic()):
+        if slot.offer(value, time.monotonic() if at is None else at):
             self.node.send_slot(slot, value)
         else:
             self.node.flush_schedule.schedule(slot, slot.due())

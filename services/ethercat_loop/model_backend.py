@@ -26,7 +26,7 @@ from services.ethercat_loop.snapshot import PalmSnapshot
 from services.ethercat_loop.transport.realtime import next_deadline
 
 log = logging.getLogger("robobus.ethercat.model")
-IDLE_BATCH_NS = 10_000_000  # a quiescent palm is stepped every 10 ms (the joints state rate), in a batch
+IDLE_BATCH_NS = 100_000_000  # a quiescent palm is stepped every 100 ms in a batch (snapshots, 100 Hz, catch up first)
 
 
 class ModelBackend(HandBackend):

@@ -155,6 +155,8 @@ class PalmService:
         self._known_faults: dict[int, int] = {}
         self._mode: Literal["torque", "pwm"] = settings.ethercat_control_mode
         self._stopped = False
+        self._joints_src: tuple[Any, ...] | None = None  # the snapshot joints the rows below were built from
+        self._joints_rows: list[PalmJoint] = []
         backend.on_can_rx(self._on_can_rx)
         d = self.dev
         d.bind(SET_MODE, self.set_control_mode)
@@ -192,6 +194,7 @@ class PalmService:
             now = time.monotonic()
             self._check_lease(now)
             names = [n for n, t in due.items() if now >= t]
+            at = {n: due[n] for n in names}  # when each was meant to go: the kit's rate cap counts that
             for n in names:
                 # a fixed schedule, so the rate is the configured one (the kit's rate cap holds back what
                 # comes early); after a stall, on from now rather than a burst to catch up
@@ -201,11 +204,14 @@ class PalmService:
             # extras, most of the ticks, do not)
             wants_motors = "motors" in names or now >= next_health
             snap = self.backend.snapshot(motors=wants_motors) if names or now >= next_health else None
-            if snap is not None:
-                self._publish(names, snap)
-            if now >= next_health:
-                next_health = now + 0.25
-                self._health(snap)
+            # one socket write for the tick's messages, on this thread: no wake-up of paho's network thread
+            with self.node.session.batch():
+                if snap is not None:
+                    self._publish(names, snap, at)
+                if now >= next_health:
+                    # on the states' 10 ms grid when it is a tick anyway: no wake-up of its own
+                    next_health = (min(at.values()) if at else now) + 0.25
+                    self._health(snap)
             self._stop.wait(max(0.0005, min(*due.values(), next_health) - time.monotonic()))
 
     def shutdown(self) -> None:
@@ -223,13 +229,16 @@ class PalmService:
                             error_message="stopped: demands zeroed")
 
     # -- state and health -----------------------------------------------------------------------------
-    def _publish(self, names: list[str], s: PalmSnapshot) -> None:
+    def _publish(self, names: list[str], s: PalmSnapshot, at: dict[str, float]) -> None:
         ts = time.time()
         if "joints" in names and s.joints:
+            if s.joints is not self._joints_src:  # the driver keeps the same tuple while the words are unchanged
+                self._joints_src = s.joints
+                self._joints_rows = [PalmJoint(name=j.name, position=j.position, raw=list(j.raw)) for j in s.joints]
+            # validated PalmJoint instances are taken as they are (pydantic does not revalidate them)
             self.dev.publish(JOINTS, PalmJoints(
-                ts=ts, cycle=s.cycle, joints=[PalmJoint(name=j.name, position=j.position, raw=list(j.raw))
-                                              for j in s.joints],
-                sensors_raw=dict(zip(SENSOR_NAMES, s.sensors_raw, strict=True))))
+                ts=ts, cycle=s.cycle, joints=self._joints_rows,
+                sensors_raw=dict(zip(SENSOR_NAMES, s.sensors_raw, strict=True))), at=at["joints"])
         if "motors" in names:
             self.dev.publish(MOTORS, PalmMotors(ts=ts, mode=s.mode, phase=s.phase, motors=[PalmMotor(
                 id=m.id, joint=m.joint, torque=m.torque, demand=m.demand, demand_sent=m.demand_sent, flags=m.flags,
@@ -238,17 +247,20 @@ class PalmService:
                 last_seen_s=None if m.last_seen_ns is None else round((s.now_ns - m.last_seen_ns) / 1e9, 4),
                 missed=m.missed, data_errors=m.data_errors, slow=m.slow, can_received=m.can_received,
                 can_transmitted=m.can_transmitted, can_errors=list(m.can_errors) if m.can_errors else None,
-                terms=m.terms) for m in s.motors]))
+                terms=m.terms) for m in s.motors]), at=at["motors"])
         if "tactile" in names:
             self.dev.publish(TACTILE, PalmTactile(ts=ts, type=s.tactile_type, valid=s.tactile_valid,
                                                   sensors=[list(t) for t in s.tactile],
                                                   mid_prox=[list(t) for t in s.tactile_mid_prox],
-                                                  aux_spi_type=s.aux_spi_type, aux_spi=list(s.aux_spi)))
+                                                  aux_spi_type=s.aux_spi_type, aux_spi=list(s.aux_spi)),
+                             at=at["tactile"])
         if "palm_extras" in names:
             self.dev.publish(EXTRAS, PalmExtras(ts=ts, accel=list(s.imu[:3]), gyro=list(s.imu[3:]),
-                                                analog=list(s.analog), idle_time_us=s.idle_time_us))
+                                                analog=list(s.analog), idle_time_us=s.idle_time_us),
+                             at=at["palm_extras"])
         if "loop_stats" in names:
-            self.dev.publish(LOOP, self.backend.stats().model_copy(update={"ts": ts, "counters": dict(s.counters)}))
+            self.dev.publish(LOOP, self.backend.stats().model_copy(update={"ts": ts, "counters": dict(s.counters)}),
+                             at=at["loop_stats"])
 
     def _loss_problems(self, info: dict[str, Any], stats: EthercatLoopStats) -> tuple[list[str], list[str]]:
         """(errors, warnings) of the link. An outage is an error at once: the backend's own error, or a run of

@@ -180,3 +180,38 @@ def test_a_reply_whose_caller_has_gone_does_not_hold_the_network_thread() -> Non
     w.put(Reply(ok=False))  # a QoS 1 duplicate changes nothing
     rep = w.get(0)
     assert rep is not None and rep.ok
+
+
+def test_a_batch_is_written_by_its_thread_without_waking_the_network_thread(broker_session: Broker) -> None:
+    """`MqttSession.batch()`: what a tick publishes (QoS 0 and 1) arrives, in order, and paho's network thread
+    is not woken for it (no byte on its socketpair): the publishing thread writes the batch at its end."""
+    topic = f"robobus/test/batch/{uuid.uuid4().hex[:8]}"
+    got: list[bytes] = []
+    sub = _session(broker_session, "batch-sub")
+    sub.subscribe(topic, lambda m: got.append(bytes(m.payload)), qos=1)
+    assert sub.wait_ready(10)
+    pub = _session(broker_session, "batch-pub")
+    wakes = [0]
+
+    class CountingPair:
+        def __init__(self, sock: object) -> None:
+            self.sock = sock
+
+        def send(self, data: bytes) -> int:
+            wakes[0] += 1
+            return self.sock.send(data)  # type: ignore[attr-defined, no-any-return]
+
+    real = pub.client._sockpairW
+    pub.client._sockpairW = CountingPair(real)
+    try:
+        for tick in range(50):
+            with pub.batch():
+                for i in range(5):
+                    assert pub.publish(topic, f"{tick}:{i}".encode(), qos=i % 2)
+            assert wait_for(lambda t=tick: f"{t}:4".encode() in got, 5), f"tick {tick} not written"
+        assert wakes[0] == 0, f"the network thread was woken {wakes[0]} times"
+        assert [g for g in got if g.endswith(b":0")] == [f"{t}:0".encode() for t in range(50)]
+    finally:
+        pub.client._sockpairW = real
+        pub.stop()
+        sub.stop()

@@ -124,3 +124,34 @@ def test_rate_cap_keeps_its_cadence(broker_session: Broker, monkeypatch) -> None
     dev.publish(READING, Reading(value=0))
     assert slot.has_pending
     node.stop()
+
+
+def test_a_fixed_schedule_publisher_is_not_held_back_for_its_jitter(broker_session: Broker,
+                                                                     monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`publish(at=)`: the slot counts the time the value was meant for, so wake-ups late by up to most of an
+    interval (a loaded host) still go at once instead of through the housekeeping thread; without `at`, the
+    same jitter is judged against the latest wake-up so far and values are held back."""
+    import shared.ratecap as ratecap_mod
+
+    clock = [2000.0]
+    monkeypatch.setattr(ratecap_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    node = Node(RATE_API, broker_session.settings(node="rate4"))  # not started: publishes are just counted
+    dev = node.device("d")
+    slot = dev._slot(READING)  # 10 Hz cap
+    late = [0.0, 0.06, 0.0, 0.03, 0.07, 0.0, 0.05]  # seconds after each scheduled time
+    held = 0
+    for k, d in enumerate(late * 10):
+        clock[0] = 2000.0 + 0.1 * k + d
+        dev.publish(READING, Reading(value=k), at=2000.0 + 0.1 * k)
+        assert not slot.has_pending, f"value {k} held back"
+    sent_before = slot.last_sent
+    for k, d in enumerate(late * 10, start=len(late) * 10):
+        clock[0] = 2000.0 + 0.1 * k + d
+        dev.publish(READING, Reading(value=k))
+        held += slot.has_pending
+        node.flush_schedule.flush(node.send_slot)
+    assert held > 0 and sent_before < slot.last_sent
+    # the cap still holds: a value meant for less than an interval after the last is held back
+    dev.publish(READING, Reading(value=-1), at=slot.last_sent + 0.05)
+    assert slot.has_pending
