@@ -209,7 +209,10 @@ def test_a_batch_is_written_by_its_thread_without_waking_the_network_thread(brok
                 for i in range(5):
                     assert pub.publish(topic, f"{tick}:{i}".encode(), qos=i % 2)
             assert wait_for(lambda t=tick: f"{t}:4".encode() in got, 5), f"tick {tick} not written"
-        assert wakes[0] == 0, f"the network thread was woken {wakes[0]} times"
+        # The batch's own thread writes it; the network thread is woken only when that thread cannot (the write
+        # lock held by the network thread at that instant, or the socket taking part of it), which a busy machine
+        # makes happen now and then (a proof run beside stress-ng saw 1 of 50). Without the batch: >= 50 wake-ups.
+        assert wakes[0] <= 5, f"the network thread was woken {wakes[0]} times for 50 ticks"
         assert [g for g in got if g.endswith(b":0")] == [f"{t}:0".encode() for t in range(50)]
     finally:
         pub.client._sockpairW = real
