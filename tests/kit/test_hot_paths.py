@@ -211,7 +211,7 @@ def test_a_batch_is_written_by_its_thread_without_waking_the_network_thread(brok
             assert wait_for(lambda t=tick: f"{t}:4".encode() in got, 5), f"tick {tick} not written"
         # The batch's own thread writes it; the network thread is woken only when that thread cannot (the write
         # lock held by the network thread at that instant, or the socket taking part of it), which a busy machine
-        # makes happen now and then (a proof run beside stress-ng saw 1 of 50). Without the batch: >= 50 wake-ups.
+        # makes happen now and then (a proof run beside stress-ng saw 1 of 50).
         assert wakes[0] <= 5, f"the network thread was woken {wakes[0]} times for 50 ticks"
         assert [g for g in got if g.endswith(b":0")] == [f"{t}:0".encode() for t in range(50)]
     finally:
