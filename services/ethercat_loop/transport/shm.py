@@ -122,8 +122,8 @@ class SharedBlock:
         return True
 
     def raw_writer(self) -> Callable[[int, int, int, bytes], bool]:
-        """`write_slot_parts("raw", RAW_HEAD, (cycle, now_ns, statuses), status)` with the slot's offsets
-        bound once (the cycle's raw status, every period)."""
+        """The raw slot's writer: RAW_HEAD (cycle, now_ns, statuses) and the status bytes under the seqlock, with
+        the slot's offsets bound once (the cycle's raw status, every period)."""
         off, size = REGIONS["raw"]
         mm, seq_pack, seq_unpack, head_pack = self.mm, _SEQ.pack_into, _SEQ.unpack_from, RAW_HEAD.pack_into
         at_head, at_body, room = off + _SEQ.size, off + _SEQ.size + RAW_HEAD.size, size - _SEQ.size - RAW_HEAD.size
