@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -27,6 +28,16 @@ from shared.workers import CommandPool
 
 OK_PREFIX = b'{"ok":true,"result":'
 _TOPICS_MAX = 4096  # parsed command topics kept (a node has a few dozen; garbage topics are not kept forever)
+
+
+class Deferred(Exception):
+    """Raised by an `inline` handler that cannot finish at once on the network thread (it must never block it
+    long): `finish()` completes the command on the command pool and returns what the handler would have
+    returned; its reply (or error) is published there, as for any pooled handler."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        super().__init__("deferred to the command pool")
+        self.finish = finish
 
 
 class CommandDispatcher:
@@ -93,6 +104,26 @@ class CommandDispatcher:
         """Validate, run, answer; the reply is packed once and written by this thread (shared/mqtt.py)."""
         try:
             body = OK_PREFIX + self.dispatch(device_name, command, payload) + b"}"
+            self.counters.ok()
+        except Deferred as d:
+            args = (topic, device_name, command, d.finish, response_topic, correlation, qos)
+            try:
+                self._pool.submit(self._finish, *args)
+            except RuntimeError:  # the pool is shut down (stopping): finish anyway, so the handler can clean up
+                threading.Thread(target=self._finish, args=args, daemon=True).start()
+            return
+        except Exception as exc:
+            err = error_info(exc, f"{device_name}/{command}")
+            self.counters.failed(err.code.value)
+            body = b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
+        self.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
+                             properties=PublishProperties(None, correlation, "application/json"), now=True)
+
+    def _finish(self, topic: str, device_name: str, command: str, finish: Callable[[], Any],
+                response_topic: str | None, correlation: bytes | None, qos: int) -> None:
+        """A `Deferred` inline handler's rest, on the pool: same result check, errors and reply as `handle`."""
+        try:
+            body = OK_PREFIX + _result(self.devices[device_name].commands[command][0].reply, finish()) + b"}"
             self.counters.ok()
         except Exception as exc:
             err = error_info(exc, f"{device_name}/{command}")
