@@ -51,9 +51,17 @@ from services.dexter_gateway.models import (
     DexterWriteFile,
     DexterWriteFpga,
 )
-from services.dexter_gateway.protocol import Firmware, ProtocolError
-from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError, LinkHold, LinkReply
+from services.dexter_gateway.protocol import Firmware, ProtocolError, Request
+from services.dexter_gateway.transport import (
+    DexterLink,
+    DexterLinkConfig,
+    DexterLinkError,
+    LinkHold,
+    LinkReply,
+    PendingExchange,
+)
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
+from shared.dispatch import Deferred
 
 log = logging.getLogger("robobus.dexter")
 
@@ -99,6 +107,14 @@ WRITE_FILE = API.job("write_file", DexterWriteFile, DexterFileWritten, errors=_F
                      doc="`W f/m/e`: escaped, 62 characters a block; optional read-back verification")
 RUN_FILE = API.job("run_file", DexterRunFile, DexterRunFileResult, errors=_FILES,
                    doc="`S RunFile <path>`: run a file of oplets")
+
+
+# The inline path (issue #12): the short commands run on paho's network thread, which sends the request itself
+# when the arm's link is idle and waits at most this long for the reply (a DexRun `h` answers in ~50-100 µs on
+# loopback); past it, the wait goes to the command pool (`Deferred`) with the link's turn, so a silent robot holds
+# the node's MQTT no longer than this. Capped by the kit's own hand-over wait (`command_handoff_ms`: how long
+# paho's thread already waits for a pooled handler; 0 turns the inline path off).
+INLINE_WAIT_MAX_S = 0.001
 
 
 class DexterSettings(KitSettings):
@@ -214,6 +230,7 @@ class DexterArm:
         self._file_lock = threading.Lock()
         # file transfers run on this one long-lived thread per arm (one hop per job, none per block): measured,
         # a new thread per job waited ~35-40 µs longer for each block's reply than the raw client (README)
+        self._inline_wait_s = min(INLINE_WAIT_MAX_S, settings.command_handoff_ms / 1000)
         self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"dexter-transfer-{cfg.id}")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -321,15 +338,49 @@ class DexterArm:
              ) -> DexterCommandReply:
         """One command, on the caller's thread; a job's cancel stops it waiting for its turn (a command
         already sent completes on the robot)."""
-        try:
-            req = self.link.prepare(oplet, args)
-        except ProtocolError as exc:
-            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        req = self._prepare(oplet, args)
         try:
             lr = self.link.submit(req, timeout_s=timeout_s, cancelled=None if job is None else lambda: job.cancelled)
         except DexterLinkError as exc:
             raise link_error(exc) from None
         return self._reply_model(lr, errno_reply=errno_reply, fail_on_error=fail_on_error)
+
+    def _prepare(self, oplet: str, args: Sequence[Any]) -> Request:
+        try:
+            return self.link.prepare(oplet, args)
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    def command(self, oplet: str, args: Sequence[Any] = ()) -> DexterCommandReply:
+        """A bound command's one exchange: on paho's thread (the inline path, `INLINE_WAIT_MAX_S`) when the
+        link is idle and its reply comes in time; otherwise raises `Deferred`, and the kit's pool finishes it:
+        the reply's wait (the turn kept: nothing overtakes it), or, with the link busy, the ordinary `send`."""
+        if self._inline_wait_s <= 0:
+            return self.send(oplet, args)
+        req = self._prepare(oplet, args)
+        try:
+            out = self.link.try_inline(req, self._inline_wait_s)
+        except DexterLinkError as exc:
+            raise link_error(exc) from None
+        if out is None:  # in use or queued: take a turn like everyone else, on the pool
+            raise Deferred(lambda: self._submit_prepared(req))
+        if isinstance(out, PendingExchange):
+            raise Deferred(lambda: self._finish_pending(out))
+        return self._reply_model(out, errno_reply=False, fail_on_error=True)
+
+    def _submit_prepared(self, req: Request) -> DexterCommandReply:
+        try:
+            lr = self.link.submit(req)
+        except DexterLinkError as exc:
+            raise link_error(exc) from None
+        return self._reply_model(lr, errno_reply=False, fail_on_error=True)
+
+    def _finish_pending(self, pending: PendingExchange) -> DexterCommandReply:
+        try:
+            lr = pending.finish()
+        except DexterLinkError as exc:
+            raise link_error(exc) from None
+        return self._reply_model(lr, errno_reply=False, fail_on_error=True)
 
     def _reply_model(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> DexterCommandReply:
         """The reply, validated in one pass from one dict (the status in it too: see `status_dict`)."""
@@ -366,15 +417,18 @@ class DexterArm:
     # -- commands --------------------------------------------------------------------------------------
     def _bind(self) -> None:
         d = self.dev
-        d.bind(MOVE_ALL, self.cmd_move_all)
-        d.bind(MOVE_REL, self.cmd_move_relative)
-        d.bind(PID_MOVE, self.cmd_pid_move)
-        d.bind(MOVE_TO, self.cmd_move_to)
-        d.bind(MOVE_STRAIGHT, self.cmd_move_to_straight)
-        d.bind(SET_PARAM, self.cmd_set_parameter)
-        d.bind(SET_BOUNDS, self.cmd_set_boundaries)
+        # inline: one `command` and nothing after it. Not inline: `z` sleeps and `w` drains the motion FIFO by
+        # design (they would always wait the bound), status_mode and raw change state around their `send`
+        inline = self._inline_wait_s > 0
+        d.bind(MOVE_ALL, self.cmd_move_all, inline=inline)
+        d.bind(MOVE_REL, self.cmd_move_relative, inline=inline)
+        d.bind(PID_MOVE, self.cmd_pid_move, inline=inline)
+        d.bind(MOVE_TO, self.cmd_move_to, inline=inline)
+        d.bind(MOVE_STRAIGHT, self.cmd_move_to_straight, inline=inline)
+        d.bind(SET_PARAM, self.cmd_set_parameter, inline=inline)
+        d.bind(SET_BOUNDS, self.cmd_set_boundaries, inline=inline)
         d.bind(SLEEP, self.cmd_sleep)
-        d.bind(HEARTBEAT, self.cmd_heartbeat)
+        d.bind(HEARTBEAT, self.cmd_heartbeat, inline=inline)
         d.bind(WRITE_FPGA, self.cmd_write_fpga)
         d.bind(STATUS_MODE, self.cmd_status_mode)
         d.bind(RAW, self.cmd_raw)
@@ -385,14 +439,14 @@ class DexterArm:
 
     def cmd_move_all(self, req: DexterMoveAllJoints) -> DexterCommandReply:
         args = [p.arcsec(a) for a in req.joints_deg] + self._servo_units(req.j6_deg, req.j7_deg)
-        return self.send("a", args)
+        return self.command("a", args)
 
     def cmd_move_relative(self, req: DexterMoveRelative) -> DexterCommandReply:
-        return self.send("R", [p.arcsec(a) for a in req.joints_deg])
+        return self.command("R", [p.arcsec(a) for a in req.joints_deg])
 
     def cmd_pid_move(self, req: DexterPidMove) -> DexterCommandReply:
         args = [p.arcsec(a) for a in req.offsets_deg] + self._servo_units(req.j6_deg, req.j7_deg)
-        return self.send("P", args)
+        return self.command("P", args)
 
     def _cartesian(self, req: DexterMoveTo) -> list[Any]:
         scale = p.UM_PER_M if req.units == "m" else 1.0
@@ -401,14 +455,14 @@ class DexterArm:
         return [*xyz, *req.direction, int(c.right_arm), int(c.elbow_up), int(c.wrist_out)]
 
     def cmd_move_to(self, req: DexterMoveTo) -> DexterCommandReply:
-        return self.send("M", self._cartesian(req))
+        return self.command("M", self._cartesian(req))
 
     def cmd_move_to_straight(self, req: DexterMoveToStraight) -> DexterCommandReply:
         args = self._cartesian(req)
         extras: list[Any] = [x for x in (req.tool_speed_um_s, req.resolution_um) if x is not None]
         if req.j6_deg is not None:
             extras += self._servo_units(req.j6_deg, req.j7_deg)
-        return self.send("T", args + extras)
+        return self.command("T", args + extras)
 
     def cmd_set_parameter(self, req: DexterSetParameter) -> DexterCommandReply:
         try:
@@ -424,19 +478,19 @@ class DexterArm:
         # DexRun reads the first value with atof and the rest with atoi
         wire: list[Any] = [round(v) if unit in (p.ParamUnit.ARCSEC, p.ParamUnit.MICRONS) else v for v in vals[:1]]
         wire += [round(v) for v in vals[1:]]
-        return self.send("S", [req.name if req.name.isdigit() else name, *wire])
+        return self.command("S", [req.name if req.name.isdigit() else name, *wire])
 
     def cmd_set_boundaries(self, req: DexterSetBoundaries) -> DexterCommandReply:
         args: list[int] = []
         for hi, lo in zip(req.high_deg, req.low_deg, strict=True):
             args += [p.arcsec(hi), p.arcsec(lo)]
-        return self.send("B", args)
+        return self.command("B", args)
 
     def cmd_sleep(self, req: DexterSleep) -> DexterCommandReply:
         return self.send("z", [round(req.seconds * 1e6)])
 
     def cmd_heartbeat(self, req: DexterEmpty) -> DexterCommandReply:
-        return self.send("h")
+        return self.command("h")
 
     def cmd_write_fpga(self, req: DexterWriteFpga) -> DexterCommandReply:
         return self.send("w", [req.address, req.value])

@@ -107,6 +107,40 @@ class _Turn:
     abandoned: bool = False
 
 
+@dataclass
+class _Sent:
+    """A command written to the robot, its reply not yet read."""
+    req: Request
+    sock: socket.socket
+    t0: float
+    deadline: float
+    timeout_s: float
+
+
+class PendingExchange:
+    """A command sent by `DexterLink.try_inline` whose reply did not come within the inline wait. It keeps the
+    link's turn (stop-and-wait: queued commands stay behind it, in order) until `finish()` has its reply."""
+
+    def __init__(self, link: DexterLink, sent: _Sent) -> None:
+        self.link = link
+        self.sent = sent
+        self._done = False
+
+    def finish(self) -> LinkReply:
+        """Wait for the reply until the command's own deadline (from when it was sent); hand the turn on.
+        Once only (the turn is released at the first call)."""
+        if self._done:
+            raise RuntimeError("this exchange has already finished")
+        self._done = True
+        try:
+            rep = self.link._await(self.sent, None)
+        finally:
+            self.link._release()
+        assert rep is not None  # no early return without a bound
+        self.link.on_reply(rep)
+        return rep
+
+
 class LinkHold:
     """A turn kept for a run of exchanges (a file transfer): see `DexterLink.hold`."""
 
@@ -291,15 +325,47 @@ class DexterLink:
             raise DexterLinkError("unavailable", f"arm {self.name} ({self.config.host}:{self.config.port}) is not "
                                   "connected" + (f": {self.message}" if self.message else ""))
 
+    # -- the inline path: a short wait on the dispatching thread ------------------------------------------
+    def try_inline(self, req: Request, wait_s: float) -> LinkReply | PendingExchange | None:
+        """When the link is idle (nothing in flight, no hold, nobody queued), send `req` on this thread and wait
+        up to `wait_s` for its reply: the `LinkReply`, or a `PendingExchange` that still holds the turn (its
+        `finish()`, on another thread, waits out the rest of the command's timeout exactly as `submit` would).
+        None when the link is not idle: the caller goes the ordinary way (`submit`), and nothing was sent.
+        Raises DexterLinkError as `submit` (unavailable, timeout, device_error)."""
+        self._check_up()
+        with self._lock:
+            if self._held or self._turns:
+                return None
+            self._held = True
+        done = False
+        try:
+            self._check_up()
+            timeout_s = self.timeout_for(req)
+            sent = self._send(req, timeout_s)
+            rep = self._await(sent, time.monotonic() + wait_s)
+            if rep is None:
+                done = True  # the turn goes with the pending exchange
+                return PendingExchange(self, sent)
+        finally:
+            if not done:
+                self._release()
+        self.on_reply(rep)
+        return rep
+
     # -- one exchange (the caller holds the turn) ------------------------------------------------------
     def _exchange(self, req: Request, timeout_s: float) -> LinkReply:
+        rep = self._await(self._send(req, timeout_s), None)
+        assert rep is not None  # no early return without a bound
+        return rep
+
+    def _send(self, req: Request, timeout_s: float) -> _Sent:
+        """Write the command (numbered with our next instruction id) in one write."""
         sock = self._sock
         if sock is None:
             raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {self.message}")
         self._instr = self._instr + 1 if self._instr < 2**31 - 1 else 1
         req = Request(req.oplet, req.args, self.config.job_id, self._instr, req.start_ms, req.end)
         t0 = time.monotonic()
-        deadline = t0 + timeout_s
         try:
             sock.sendall(req.encode())  # the whole command in one write (TCP_NODELAY: one segment)
         except OSError as exc:
@@ -307,24 +373,35 @@ class DexterLink:
             raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {exc}") from None
         self._last_tx = t0
         self.stats.commands += 1
+        return _Sent(req, sock, t0, t0 + timeout_s, timeout_s)
+
+    def _await(self, sent: _Sent, until: float | None) -> LinkReply | None:
+        """Read until the reply to `sent` is in (decoded, matched); None if `until` (monotonic) comes first
+        (nothing is lost: the bytes read so far stay in the assembler, the turn stays with the caller)."""
+        req, sock = sent.req, sent.sock
         pending: list[bytes] = []
         while True:
             while pending:
                 raw = pending.pop(0)
                 rep = self._match(req, raw)
                 if rep is not None:
-                    rtt = time.monotonic() - t0
+                    rtt = time.monotonic() - sent.t0
                     self._note_rtt(rtt)
                     if pending:  # more replies in the same segment: copies nobody asked for
                         self.stats.stale_replies += len(pending)
                         self.on_decode_error(f"{len(pending)} unsolicited replies after {req.oplet!r} dropped")
                     return LinkReply(req, rep, rtt)
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = sent.deadline - now
             if left <= 0:
                 self.stats.timeouts += 1
-                msg = f"no reply to {req.oplet!r} within {timeout_s:g} s; link reset"
+                msg = f"no reply to {req.oplet!r} within {sent.timeout_s:g} s; link reset"
                 self.reset(msg)
                 raise DexterLinkError("timeout", f"arm {self.name}: {msg}")
+            if until is not None:
+                if now >= until:
+                    return None
+                left = min(left, until - now)
             try:
                 sock.settimeout(left)
                 data = sock.recv(4096)
