@@ -374,3 +374,33 @@ def test_keepalive_outlives_the_idle_close(shell_gateway: Gateway) -> None:
     h = shell_gateway.bus.wait_json("/arm1/health", lambda d: d["details"]["keepalives"] >= 5, mark)
     assert h is not None and h["connection"] and h["details"]["reconnects"] == 0
     assert wait_until(lambda: shell_gateway.call("heartbeat").ok, 5)
+
+
+def test_a_reply_past_the_inline_wait_reaches_its_caller_and_the_next_command_stays_behind(broker_session: Broker
+                                                                                          ) -> None:
+    """`heartbeat` and the moves run inline on paho's thread while the link is idle; a reply later than the inline
+    wait (0.3 s here) is waited for on the pool, and a command arriving meanwhile (inline, link busy) queues
+    behind it and goes after it, in order. No status poller here: the delayed reply must be the heartbeat's."""
+    sim = DexterSim(DexterSimConfig(port=0, max_speed_deg_s=360, acceleration_deg_s2=7200)).start()
+    # its own node name: the module's gateway (with its poller) serves NODE on the same broker
+    gw = start_gateway(broker_session, sim, node="dexter-inline", ROBOBUS_DEXTER_STATUS_HZ="0")
+    other = RpcClient(broker_session.settings(), name="dexter-inline-2")
+    other.connect()
+    try:
+        n0 = sim.stats.commands
+        sim.delay_replies(0.3, 1)
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.setdefault("hb", gw.call("heartbeat")))
+        t.start()
+        assert wait_until(lambda: sim.stats.commands > n0, 10)  # the heartbeat is on the robot, its reply held
+        move = other.call(gw.node, "arm1", "move_all_joints", {"joints_deg": [1, 2, 3, 4, 5]}, timeout=15)
+        t.join(15)
+        hb = out["hb"]
+        assert hb.ok and move.ok, (hb.error, move.error)
+        assert move.result["instruction_id"] > hb.result["instruction_id"]  # type: ignore[index]
+        assert hb.result["rtt_ms"] >= 250  # type: ignore[index]  # it did wait for the delayed reply
+        assert gw.call("heartbeat").ok  # and the link is free again
+    finally:
+        other.close()
+        stop_gateway(gw)
+        sim.close()

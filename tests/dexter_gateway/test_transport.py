@@ -13,7 +13,7 @@ import pytest
 
 from services.dexter_gateway import protocol as p
 from services.dexter_gateway.sim import DexterSim, DexterSimConfig
-from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError
+from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError, PendingExchange
 from shared.rpc import wait_for
 
 
@@ -218,4 +218,63 @@ def test_invalid_requests_never_reach_the_queue(sim: DexterSim) -> None:
     with pytest.raises(p.ProtocolError):
         link.request("a", [1, 2, 3])
     assert sim.stats.commands == n0
+    link.close()
+
+
+# -- the inline path (`try_inline`): the dispatching thread sends and waits a bounded time --------------------
+
+def test_try_inline_answers_when_the_reply_is_quick_and_leaves_the_link_free(sim: DexterSim) -> None:
+    link = make_link(sim)
+    # a generous wait (this test is not about speed): the reply comes within it on any machine
+    out = link.try_inline(link.prepare("h"), 5.0)
+    assert not isinstance(out, PendingExchange) and out is not None
+    assert out.reply.oplet == "h" and out.reply.error == 0 and out.reply.instruction_id == out.request.instruction_id
+    assert not link.busy and link.request("h").reply.error == 0
+    link.close()
+
+
+def test_try_inline_sends_nothing_while_the_link_is_in_use(sim: DexterSim) -> None:
+    link = make_link(sim)
+    n0 = sim.stats.commands
+    with link.hold():
+        assert link.try_inline(link.prepare("h"), 5.0) is None
+    assert sim.stats.commands == n0
+    link.close()
+
+
+def test_a_reply_after_the_inline_wait_reaches_its_caller_and_a_queued_command_keeps_its_order(sim: DexterSim
+                                                                                               ) -> None:
+    link = make_link(sim)
+    sim.delay_replies(0.3, 1)
+    pending = link.try_inline(link.prepare("h"), 0.001)
+    assert isinstance(pending, PendingExchange)
+    assert link.busy  # the turn stays with the pending exchange: nothing overtakes it
+    later: list[Any] = []
+    t = threading.Thread(target=lambda: later.append(link.request("g")))
+    t.start()
+    assert wait_for(lambda: link.queued == 1, 5)
+    assert not later  # still queued behind the command in flight
+    rep = pending.finish()  # on another thread in the gateway (the kit's pool): here, this one
+    assert rep.reply.oplet == "h" and rep.reply.instruction_id == rep.request.instruction_id
+    t.join(10)
+    assert later and later[0].reply.oplet == "g" and later[0].reply.instruction_id > rep.reply.instruction_id
+    assert link.stats.timeouts == 0 and link.stats.out_of_step == 0 and not link.busy
+    with pytest.raises(RuntimeError):
+        pending.finish()
+    link.close()
+
+
+def test_a_pending_inline_exchange_still_times_out_at_the_commands_deadline(sim: DexterSim) -> None:
+    link = make_link(sim, reply_timeout_s=0.3, reconnect_min_s=0.05)
+    sim.drop_replies(1)
+    t0 = time.monotonic()
+    pending = link.try_inline(link.prepare("h"), 0.001)
+    assert isinstance(pending, PendingExchange)
+    with pytest.raises(DexterLinkError) as ei:
+        pending.finish()
+    # the deadline counts from the send, not from the hand-over
+    assert ei.value.code == "timeout" and time.monotonic() - t0 >= 0.25 and link.stats.timeouts == 1
+    assert not link.busy
+    assert wait_for(lambda: link.serving and link.stats.reconnects == 1, 10)
+    assert link.request("h").reply.error == 0
     link.close()
