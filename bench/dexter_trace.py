@@ -13,6 +13,8 @@ host), keyed by the request's Correlation Data:
            sent -> recv (reply bytes) -> ex1 (decoded, matched) -> model (reply model built) -> pub0 (publish)
            -> pub_done
 
+With the inline path (heartbeat on paho's thread while the link is idle), `pool` is where the dispatcher's
+`handle` starts on paho's thread: `gw_rx -> pool` is then the kit's routing, with no thread hop.
 `c_pub -> gw_rx` is the broker's forward plus the gateway's read; `pub0 -> c_rx` the reply's way back. Each row is
 the p50 of that segment over every call (no call dropped); the rows' p50s need not add up to the total's.
 In the same interleaved rounds: the raw socket `h` round trip, the bare paho echo (bench/dexter.py's broker hop)
@@ -120,6 +122,7 @@ def install_tracer(out: str) -> None:
     setattr(socket, "create_connection", traced_connect)  # noqa: B010 (arms' sockets only, above)
     wrap(svc.DexterArm, "cmd_heartbeat", "handler", "model")
     wrap(tr.DexterLink, "_exchange", "ex0", "ex1")
+    wrap(tr.DexterLink, "try_inline", "ex0", "ex1")  # the inline path (paho's thread sends and waits, bounded)
     wrap(protocol.ReplyAssembler, "feed", "recv", None)
     wrap(mqtt.MqttSession, "publish", "pub0", None)
 
