@@ -52,6 +52,7 @@ from services.dexter_gateway.models import (
     DexterWriteFpga,
 )
 from services.dexter_gateway.protocol import Firmware, ProtocolError, Request
+from services.dexter_gateway.reply_json import command_reply_json, fits
 from services.dexter_gateway.transport import (
     DexterLink,
     DexterLinkConfig,
@@ -62,6 +63,7 @@ from services.dexter_gateway.transport import (
 )
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 from shared.dispatch import Deferred
+from shared.payloads import PreparedJson
 
 log = logging.getLogger("robobus.dexter")
 
@@ -186,6 +188,18 @@ def status_dict(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts
 
 def status_model(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts: float) -> DexterStatus:
     return DexterStatus.model_validate(status_dict(reply, mode, deg_per_unit, j6_zero, ts))
+
+
+def command_reply_dict(request: str, reply: p.Reply, rtt_ms: float, error: dict[str, Any],
+                       status: dict[str, Any] | None = None, read: DexterReadBlock | None = None) -> dict[str, Any]:
+    """What `DexterCommandReply` validates (and reply_json.py writes): the status or the read block."""
+    out: dict[str, Any] = {"request": request, "instruction_id": reply.instruction_id, "oplet": reply.oplet,
+                           "rtt_ms": rtt_ms, "error": error}
+    if read is not None:
+        out["read"] = read
+    else:
+        out["status"] = status
+    return out
 
 
 def read_block_model(reply: p.Reply) -> DexterReadBlock:
@@ -351,13 +365,13 @@ class DexterArm:
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
 
-    def command(self, oplet: str, args: Sequence[Any] = ()) -> DexterCommandReply:
+    def command(self, oplet: str, args: Sequence[Any] = ()) -> DexterCommandReply | PreparedJson:
         """A bound command's one exchange: on paho's thread (the inline path, `INLINE_WAIT_MAX_S`) when the
         link is idle and its reply comes in time; otherwise raises `Deferred`, and the kit's pool finishes it:
         the reply's wait (the turn kept: nothing overtakes it), or, with the link busy, the ordinary `send`."""
-        if self._inline_wait_s <= 0:
-            return self.send(oplet, args)
         req = self._prepare(oplet, args)
+        if self._inline_wait_s <= 0:
+            return self._submit_prepared(req)
         try:
             out = self.link.try_inline(req, self._inline_wait_s)
         except DexterLinkError as exc:
@@ -366,24 +380,24 @@ class DexterArm:
             raise Deferred(lambda: self._submit_prepared(req))
         if isinstance(out, PendingExchange):
             raise Deferred(lambda: self._finish_pending(out))
-        return self._reply_model(out, errno_reply=False, fail_on_error=True)
+        return self._reply_json(out)
 
-    def _submit_prepared(self, req: Request) -> DexterCommandReply:
+    def _submit_prepared(self, req: Request) -> DexterCommandReply | PreparedJson:
         try:
             lr = self.link.submit(req)
         except DexterLinkError as exc:
             raise link_error(exc) from None
-        return self._reply_model(lr, errno_reply=False, fail_on_error=True)
+        return self._reply_json(lr)
 
-    def _finish_pending(self, pending: PendingExchange) -> DexterCommandReply:
+    def _finish_pending(self, pending: PendingExchange) -> DexterCommandReply | PreparedJson:
         try:
             lr = pending.finish()
         except DexterLinkError as exc:
             raise link_error(exc) from None
-        return self._reply_model(lr, errno_reply=False, fail_on_error=True)
+        return self._reply_json(lr)
 
-    def _reply_model(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> DexterCommandReply:
-        """The reply, validated in one pass from one dict (the status in it too: see `status_dict`)."""
+    def _reply_dict(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> dict[str, Any]:
+        """The reply as the dict `DexterCommandReply` validates in one pass (the status in it too)."""
         rep = lr.reply
         is_read = rep.oplet == "r"
         err = _error_dict(rep.error, errno_reply or is_read)
@@ -391,20 +405,28 @@ class DexterArm:
             code = ERRNO_CODES.get(err["code"], ErrorCode.DEVICE_ERROR) if (errno_reply or is_read) else \
                 ErrorCode.DEVICE_ERROR
             raise CommandError(code, f"arm {self.cfg.id}: {lr.request.oplet!r} failed: {err['message']}")
-        out: dict[str, Any] = {"request": lr.request.text(), "instruction_id": rep.instruction_id, "oplet": rep.oplet,
-                               "rtt_ms": round(lr.rtt_s * 1000, 3), "error": err}
+        rtt_ms = round(lr.rtt_s * 1000, 3)
         try:
             if is_read:
-                out["read"] = read_block_model(rep)
-            else:
-                mode = self._latest[1] if self._latest is not None and self._latest[0] is rep else self.status_mode
-                out["status"] = status_dict(rep, mode, self.settings.dexter_servo_deg_per_unit,
-                                            self.settings.dexter_j6_zero_units, time.time(),
-                                            None if errno_reply else err)
+                return command_reply_dict(lr.request.text(), rep, rtt_ms, err, read=read_block_model(rep))
+            mode = self._latest[1] if self._latest is not None and self._latest[0] is rep else self.status_mode
+            return command_reply_dict(lr.request.text(), rep, rtt_ms, err, status_dict(
+                rep, mode, self.settings.dexter_servo_deg_per_unit, self.settings.dexter_j6_zero_units, time.time(),
+                None if errno_reply else err))
         except ProtocolError as exc:
             self._on_decode_error(str(exc))
             raise CommandError(ErrorCode.DEVICE_ERROR, f"arm {self.cfg.id}: undecodable reply: {exc}") from None
-        return DexterCommandReply.model_validate(out)
+
+    def _reply_model(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> DexterCommandReply:
+        """The reply, validated in one pass from one dict (the status in it too: see `status_dict`)."""
+        return DexterCommandReply.model_validate(self._reply_dict(lr, errno_reply=errno_reply,
+                                                                  fail_on_error=fail_on_error))
+
+    def _reply_json(self, lr: LinkReply) -> DexterCommandReply | PreparedJson:
+        """A bound command's reply for the bus: its JSON written straight from the dict for the standard layout
+        (reply_json.py, byte-identical to the model's, tested), the model otherwise."""
+        out = self._reply_dict(lr, errno_reply=False, fail_on_error=True)
+        return PreparedJson(command_reply_json(out)) if fits(out) else DexterCommandReply.model_validate(out)
 
     def _servo_units(self, j6_deg: float | None, j7_deg: float | None) -> list[Any]:
         """J6/J7 degrees -> Dynamixel units; NaN skips J6 when only J7 is given (§2)."""
@@ -437,14 +459,14 @@ class DexterArm:
         d.bind_job(WRITE_FILE, self.job_write_file, self.admit_file)
         d.bind_job(RUN_FILE, self.job_run_file)
 
-    def cmd_move_all(self, req: DexterMoveAllJoints) -> DexterCommandReply:
+    def cmd_move_all(self, req: DexterMoveAllJoints) -> DexterCommandReply | PreparedJson:
         args = [p.arcsec(a) for a in req.joints_deg] + self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("a", args)
 
-    def cmd_move_relative(self, req: DexterMoveRelative) -> DexterCommandReply:
+    def cmd_move_relative(self, req: DexterMoveRelative) -> DexterCommandReply | PreparedJson:
         return self.command("R", [p.arcsec(a) for a in req.joints_deg])
 
-    def cmd_pid_move(self, req: DexterPidMove) -> DexterCommandReply:
+    def cmd_pid_move(self, req: DexterPidMove) -> DexterCommandReply | PreparedJson:
         args = [p.arcsec(a) for a in req.offsets_deg] + self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("P", args)
 
@@ -454,17 +476,17 @@ class DexterArm:
         c = req.config
         return [*xyz, *req.direction, int(c.right_arm), int(c.elbow_up), int(c.wrist_out)]
 
-    def cmd_move_to(self, req: DexterMoveTo) -> DexterCommandReply:
+    def cmd_move_to(self, req: DexterMoveTo) -> DexterCommandReply | PreparedJson:
         return self.command("M", self._cartesian(req))
 
-    def cmd_move_to_straight(self, req: DexterMoveToStraight) -> DexterCommandReply:
+    def cmd_move_to_straight(self, req: DexterMoveToStraight) -> DexterCommandReply | PreparedJson:
         args = self._cartesian(req)
         extras: list[Any] = [x for x in (req.tool_speed_um_s, req.resolution_um) if x is not None]
         if req.j6_deg is not None:
             extras += self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("T", args + extras)
 
-    def cmd_set_parameter(self, req: DexterSetParameter) -> DexterCommandReply:
+    def cmd_set_parameter(self, req: DexterSetParameter) -> DexterCommandReply | PreparedJson:
         try:
             name = p.resolve_param(req.name)
         except ProtocolError as exc:
@@ -480,7 +502,7 @@ class DexterArm:
         wire += [round(v) for v in vals[1:]]
         return self.command("S", [req.name if req.name.isdigit() else name, *wire])
 
-    def cmd_set_boundaries(self, req: DexterSetBoundaries) -> DexterCommandReply:
+    def cmd_set_boundaries(self, req: DexterSetBoundaries) -> DexterCommandReply | PreparedJson:
         args: list[int] = []
         for hi, lo in zip(req.high_deg, req.low_deg, strict=True):
             args += [p.arcsec(hi), p.arcsec(lo)]
@@ -489,7 +511,7 @@ class DexterArm:
     def cmd_sleep(self, req: DexterSleep) -> DexterCommandReply:
         return self.send("z", [round(req.seconds * 1e6)])
 
-    def cmd_heartbeat(self, req: DexterEmpty) -> DexterCommandReply:
+    def cmd_heartbeat(self, req: DexterEmpty) -> DexterCommandReply | PreparedJson:
         return self.command("h")
 
     def cmd_write_fpga(self, req: DexterWriteFpga) -> DexterCommandReply:
