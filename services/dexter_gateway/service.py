@@ -1,7 +1,8 @@
 """dexter-gateway's MQTT surface: per arm health, decoded status, every DexRun command, and file jobs.
 
 One process, one `DexterArm` (device) per configured arm, each with its own `DexterLink` (transport.py).
-Command handlers run on the kit's command pool, jobs on their own threads (file transfers handed to one
+Command handlers run on the kit's command pool (the short ones start on paho's thread and send there
+when the link is idle, waiting a bounded time: `command`), jobs on their own threads (file transfers handed to one
 long-lived transfer thread per arm), the status poller on one thread per arm; each does its own exchange
 with the robot when its turn in the arm's FIFO comes (strict stop-and-wait), with no hand-off to another
 thread on the way.

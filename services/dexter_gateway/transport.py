@@ -19,6 +19,8 @@ transfer runs at the robot's block round trip, not at the speed of hand-offs bet
 * **Keepalive**: DexRun closes a connection idle for 30 s (`SO_RCVTIMEO`, §1); after `keepalive_s` of
   silence the supervisor sends a `g` through the same FIFO. While idle it also peeks at the socket, so a
   close by the robot shows in health at once.
+* **Inline** (`try_inline`): with the link idle, the dispatching thread (paho's) sends and waits a bounded
+  time; a later reply is left to a `PendingExchange`, which keeps the turn until another thread has it.
 * **Transfers own the link** (`hold()`): a file job takes its turn once and runs its blocks back to back
   on its own thread, still one command in flight, each with its reply timeout; a command that queues
   meanwhile goes between two blocks (the holder gives its turn to the waiters, then takes the next).
