@@ -232,3 +232,42 @@ def test_async_handler_runs_on_the_service_loop_without_a_pool_thread(echo_node:
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         loop.close()
+
+
+def test_an_inline_handler_can_defer_the_rest_to_the_pool(echo_node: Node, client: RpcClient) -> None:
+    """`Deferred(finish)` from an inline handler: `finish()` runs on a pool thread and its result (or error) is the
+    reply, validated against the reply model as any handler's; `PreparedJson` is published as it is."""
+    from shared import CommandError, ErrorCode
+    from shared.dispatch import Deferred
+    from shared.payloads import PreparedJson
+    from tests.kit.echo_node import WHERE, WhereReply
+
+    mode = {"m": "defer"}
+
+    def where(r: object) -> WhereReply:
+        if mode["m"] == "defer":
+            raise Deferred(lambda: WhereReply(thread=threading.current_thread().name))
+        if mode["m"] == "fail":
+            def finish() -> WhereReply:
+                raise CommandError(ErrorCode.TIMEOUT, "late")
+            raise Deferred(finish)
+        if mode["m"] == "bad":
+            raise Deferred(lambda: {"thread": 3})  # fails its own reply schema
+        raise Deferred(lambda: PreparedJson(b'{"thread":"prepared"}'))
+
+    try:
+        echo_node.devices["dev1"].bind(WHERE, where, inline=True)
+        rep = client.call(echo_node.name, "dev1", "where", {})
+        assert rep.ok and rep.result["thread"].startswith("cmd"), rep  # finished on a pool thread
+        mode["m"] = "fail"
+        rep = client.call(echo_node.name, "dev1", "where", {})
+        assert not rep.ok and rep.error and rep.error["code"] == "timeout" and rep.error["message"] == "late"
+        mode["m"] = "bad"
+        rep = client.call(echo_node.name, "dev1", "where", {})
+        assert not rep.ok and rep.error and rep.error["code"] == "internal"
+        mode["m"] = "prepared"
+        rep = client.call(echo_node.name, "dev1", "where", {})
+        assert rep.ok and rep.result == {"thread": "prepared"}, rep
+    finally:
+        echo_node.devices["dev1"].bind(WHERE, lambda r: WhereReply(thread=threading.current_thread().name),
+                                       inline=True)
