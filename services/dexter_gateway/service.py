@@ -53,7 +53,6 @@ from services.dexter_gateway.models import (
     DexterWriteFpga,
 )
 from services.dexter_gateway.protocol import Firmware, ProtocolError, Request
-from services.dexter_gateway.reply_json import command_reply_json, fits
 from services.dexter_gateway.transport import (
     DexterLink,
     DexterLinkConfig,
@@ -64,7 +63,6 @@ from services.dexter_gateway.transport import (
 )
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 from shared.dispatch import Deferred
-from shared.payloads import PreparedJson
 
 log = logging.getLogger("robobus.dexter")
 
@@ -189,18 +187,6 @@ def status_dict(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts
 
 def status_model(reply: p.Reply, mode: str, deg_per_unit: float, j6_zero: int, ts: float) -> DexterStatus:
     return DexterStatus.model_validate(status_dict(reply, mode, deg_per_unit, j6_zero, ts))
-
-
-def command_reply_dict(request: str, reply: p.Reply, rtt_ms: float, error: dict[str, Any],
-                       status: dict[str, Any] | None = None, read: DexterReadBlock | None = None) -> dict[str, Any]:
-    """What `DexterCommandReply` validates (and reply_json.py writes): the status or the read block."""
-    out: dict[str, Any] = {"request": request, "instruction_id": reply.instruction_id, "oplet": reply.oplet,
-                           "rtt_ms": rtt_ms, "error": error}
-    if read is not None:
-        out["read"] = read
-    else:
-        out["status"] = status
-    return out
 
 
 def read_block_model(reply: p.Reply) -> DexterReadBlock:
@@ -366,13 +352,13 @@ class DexterArm:
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
 
-    def command(self, oplet: str, args: Sequence[Any] = ()) -> DexterCommandReply | PreparedJson:
+    def command(self, oplet: str, args: Sequence[Any] = ()) -> DexterCommandReply:
         """A bound command's one exchange: on paho's thread (the inline path, `INLINE_WAIT_MAX_S`) when the
         link is idle and its reply comes in time; otherwise raises `Deferred`, and the kit's pool finishes it:
         the reply's wait (the turn kept: nothing overtakes it), or, with the link busy, the ordinary `send`."""
-        req = self._prepare(oplet, args)
         if self._inline_wait_s <= 0:
-            return self._submit_prepared(req)
+            return self.send(oplet, args)
+        req = self._prepare(oplet, args)
         try:
             out = self.link.try_inline(req, self._inline_wait_s)
         except DexterLinkError as exc:
@@ -381,24 +367,24 @@ class DexterArm:
             raise Deferred(lambda: self._submit_prepared(req))
         if isinstance(out, PendingExchange):
             raise Deferred(lambda: self._finish_pending(out))
-        return self._reply_json(out)
+        return self._reply_model(out, errno_reply=False, fail_on_error=True)
 
-    def _submit_prepared(self, req: Request) -> DexterCommandReply | PreparedJson:
+    def _submit_prepared(self, req: Request) -> DexterCommandReply:
         try:
             lr = self.link.submit(req)
         except DexterLinkError as exc:
             raise link_error(exc) from None
-        return self._reply_json(lr)
+        return self._reply_model(lr, errno_reply=False, fail_on_error=True)
 
-    def _finish_pending(self, pending: PendingExchange) -> DexterCommandReply | PreparedJson:
+    def _finish_pending(self, pending: PendingExchange) -> DexterCommandReply:
         try:
             lr = pending.finish()
         except DexterLinkError as exc:
             raise link_error(exc) from None
-        return self._reply_json(lr)
+        return self._reply_model(lr, errno_reply=False, fail_on_error=True)
 
-    def _reply_dict(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> dict[str, Any]:
-        """The reply as the dict `DexterCommandReply` validates in one pass (the status in it too)."""
+    def _reply_model(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> DexterCommandReply:
+        """The reply, validated in one pass from one dict (the status in it too: see `status_dict`)."""
         rep = lr.reply
         is_read = rep.oplet == "r"
         err = _error_dict(rep.error, errno_reply or is_read)
@@ -406,28 +392,20 @@ class DexterArm:
             code = ERRNO_CODES.get(err["code"], ErrorCode.DEVICE_ERROR) if (errno_reply or is_read) else \
                 ErrorCode.DEVICE_ERROR
             raise CommandError(code, f"arm {self.cfg.id}: {lr.request.oplet!r} failed: {err['message']}")
-        rtt_ms = round(lr.rtt_s * 1000, 3)
+        out: dict[str, Any] = {"request": lr.request.text(), "instruction_id": rep.instruction_id, "oplet": rep.oplet,
+                               "rtt_ms": round(lr.rtt_s * 1000, 3), "error": err}
         try:
             if is_read:
-                return command_reply_dict(lr.request.text(), rep, rtt_ms, err, read=read_block_model(rep))
-            mode = self._latest[1] if self._latest is not None and self._latest[0] is rep else self.status_mode
-            return command_reply_dict(lr.request.text(), rep, rtt_ms, err, status_dict(
-                rep, mode, self.settings.dexter_servo_deg_per_unit, self.settings.dexter_j6_zero_units, time.time(),
-                None if errno_reply else err))
+                out["read"] = read_block_model(rep)
+            else:
+                mode = self._latest[1] if self._latest is not None and self._latest[0] is rep else self.status_mode
+                out["status"] = status_dict(rep, mode, self.settings.dexter_servo_deg_per_unit,
+                                            self.settings.dexter_j6_zero_units, time.time(),
+                                            None if errno_reply else err)
         except ProtocolError as exc:
             self._on_decode_error(str(exc))
             raise CommandError(ErrorCode.DEVICE_ERROR, f"arm {self.cfg.id}: undecodable reply: {exc}") from None
-
-    def _reply_model(self, lr: LinkReply, *, errno_reply: bool, fail_on_error: bool) -> DexterCommandReply:
-        """The reply, validated in one pass from one dict (the status in it too: see `status_dict`)."""
-        return DexterCommandReply.model_validate(self._reply_dict(lr, errno_reply=errno_reply,
-                                                                  fail_on_error=fail_on_error))
-
-    def _reply_json(self, lr: LinkReply) -> DexterCommandReply | PreparedJson:
-        """A bound command's reply for the bus: its JSON written straight from the dict for the standard layout
-        (reply_json.py, byte-identical to the model's, tested), the model otherwise."""
-        out = self._reply_dict(lr, errno_reply=False, fail_on_error=True)
-        return PreparedJson(command_reply_json(out)) if fits(out) else DexterCommandReply.model_validate(out)
+        return DexterCommandReply.model_validate(out)
 
     def _servo_units(self, j6_deg: float | None, j7_deg: float | None) -> list[Any]:
         """J6/J7 degrees -> Dynamixel units; NaN skips J6 when only J7 is given (§2)."""
@@ -460,14 +438,14 @@ class DexterArm:
         d.bind_job(WRITE_FILE, self.job_write_file, self.admit_file)
         d.bind_job(RUN_FILE, self.job_run_file)
 
-    def cmd_move_all(self, req: DexterMoveAllJoints) -> DexterCommandReply | PreparedJson:
+    def cmd_move_all(self, req: DexterMoveAllJoints) -> DexterCommandReply:
         args = [p.arcsec(a) for a in req.joints_deg] + self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("a", args)
 
-    def cmd_move_relative(self, req: DexterMoveRelative) -> DexterCommandReply | PreparedJson:
+    def cmd_move_relative(self, req: DexterMoveRelative) -> DexterCommandReply:
         return self.command("R", [p.arcsec(a) for a in req.joints_deg])
 
-    def cmd_pid_move(self, req: DexterPidMove) -> DexterCommandReply | PreparedJson:
+    def cmd_pid_move(self, req: DexterPidMove) -> DexterCommandReply:
         args = [p.arcsec(a) for a in req.offsets_deg] + self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("P", args)
 
@@ -477,17 +455,17 @@ class DexterArm:
         c = req.config
         return [*xyz, *req.direction, int(c.right_arm), int(c.elbow_up), int(c.wrist_out)]
 
-    def cmd_move_to(self, req: DexterMoveTo) -> DexterCommandReply | PreparedJson:
+    def cmd_move_to(self, req: DexterMoveTo) -> DexterCommandReply:
         return self.command("M", self._cartesian(req))
 
-    def cmd_move_to_straight(self, req: DexterMoveToStraight) -> DexterCommandReply | PreparedJson:
+    def cmd_move_to_straight(self, req: DexterMoveToStraight) -> DexterCommandReply:
         args = self._cartesian(req)
         extras: list[Any] = [x for x in (req.tool_speed_um_s, req.resolution_um) if x is not None]
         if req.j6_deg is not None:
             extras += self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("T", args + extras)
 
-    def cmd_set_parameter(self, req: DexterSetParameter) -> DexterCommandReply | PreparedJson:
+    def cmd_set_parameter(self, req: DexterSetParameter) -> DexterCommandReply:
         try:
             name = p.resolve_param(req.name)
         except ProtocolError as exc:
@@ -503,7 +481,7 @@ class DexterArm:
         wire += [round(v) for v in vals[1:]]
         return self.command("S", [req.name if req.name.isdigit() else name, *wire])
 
-    def cmd_set_boundaries(self, req: DexterSetBoundaries) -> DexterCommandReply | PreparedJson:
+    def cmd_set_boundaries(self, req: DexterSetBoundaries) -> DexterCommandReply:
         args: list[int] = []
         for hi, lo in zip(req.high_deg, req.low_deg, strict=True):
             args += [p.arcsec(hi), p.arcsec(lo)]
@@ -512,7 +490,7 @@ class DexterArm:
     def cmd_sleep(self, req: DexterSleep) -> DexterCommandReply:
         return self.send("z", [round(req.seconds * 1e6)])
 
-    def cmd_heartbeat(self, req: DexterEmpty) -> DexterCommandReply | PreparedJson:
+    def cmd_heartbeat(self, req: DexterEmpty) -> DexterCommandReply:
         return self.command("h")
 
     def cmd_write_fpga(self, req: DexterWriteFpga) -> DexterCommandReply:

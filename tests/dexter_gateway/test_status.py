@@ -9,10 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.dexter_gateway import protocol as p
-from services.dexter_gateway.models import DexterCommandReply, DexterJoint, DexterServo, DexterStatus
-from services.dexter_gateway.reply_json import command_reply_json, fits
-from services.dexter_gateway.service import _error_dict, command_reply_dict, error_info, status_dict, status_model
-from shared.payloads import dump
+from services.dexter_gateway.models import DexterJoint, DexterServo, DexterStatus
+from services.dexter_gateway.service import error_info, status_model
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
 
@@ -68,29 +66,3 @@ def test_status_model_decodes_known_values() -> None:
     assert (st_.j6.error_flags, st_.j7.error_flags) == (1, 2)
     assert st_.phui_button is True and st_.end_effector_io == 1
     assert st_.error.code == 3 and st_.error.flags == ["monitor"]
-
-
-# -- the reply's JSON written straight from its dict (reply_json.py): the same bytes as the model's ----------
-
-@settings(max_examples=400, deadline=None)
-@given(st.lists(INT32, min_size=60, max_size=60), st.integers(0, 999_999), st.integers(33, 126),
-       st.sampled_from([p.XL320_DEG_PER_UNIT, 360 / 4096]), st.integers(0, 1023),
-       st.floats(0, 4e9) | st.sampled_from([0.0, 1e-5, 1.5e-7, 1e16, 1234567.0]),
-       st.floats(0, 1e6, allow_subnormal=True) | st.sampled_from([0.0, 0.00001, 1e-7, 3.0, 1e17]),
-       st.text(max_size=40), st.booleans())
-def test_reply_json_is_the_models_json_byte_for_byte(ints: list[int], us: int, oplet: int, dpu: float, j6_zero: int,
-                                                    ts: float, rtt_ms: float, text: str, cached_err: bool) -> None:
-    ints[3], ints[4] = us, oplet
-    reply = p.decode_reply(struct.pack("<60i", *ints))
-    err = _error_dict(reply.error)
-    out = command_reply_dict(text, reply, rtt_ms, err, status_dict(reply, "0", dpu, j6_zero, ts,
-                                                                     err if cached_err else None))
-    assert fits(out)
-    assert command_reply_json(out) == DexterCommandReply.model_validate(out).model_dump_json().encode()
-    assert command_reply_json(out) == dump(DexterCommandReply, out)  # what the kit would have published
-
-
-def test_reply_json_leaves_other_layouts_to_the_model() -> None:
-    reply = p.decode_reply(struct.pack("<60i", *([0] * 3 + [1, ord("g")] + [0] * 55)))
-    out = command_reply_dict("g 1", reply, 0.1, _error_dict(0), status_dict(reply, "1", 0.29, 512, 1.0))
-    assert not fits(out)  # a g≠0 layout: raw ints, through the model
