@@ -26,16 +26,9 @@ def describe_validation_error(exc: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts)
 
 
-class PreparedJson(bytes):
-    """A payload a service has already serialised for `spec_model`, published as it is: for a hot path whose own
-    tests prove the bytes identical to the model's JSON (the model stays the contract)."""
-
-
-def dump(spec_model: type[BaseModel], value: BaseModel | dict[str, Any] | PreparedJson) -> bytes:
+def dump(spec_model: type[BaseModel], value: BaseModel | dict[str, Any]) -> bytes:
     """Validate (dicts) and serialise. A model instance of the right class is already valid.
     Straight to bytes with the model's own serializer (what `model_dump_json` runs, without its str round trip)."""
-    if isinstance(value, PreparedJson):
-        return bytes(value)
     if isinstance(value, spec_model):
         return value.__pydantic_serializer__.to_json(value)
     if isinstance(value, dict):
