@@ -685,7 +685,9 @@ async function main() {
   const form = $("#connect");
   const saved = JSON.parse(localStorage.getItem("robobus.dashboard") || "{}");
   const q = new URLSearchParams(location.search);
-  form.url.value = q.get("broker") || saved.url || cfg.ws_url || `ws://${location.hostname || "127.0.0.1"}:9001`;
+  // the server's relay (fewer websocket frames, see relay.py) when it has one, else the broker's own listener
+  const relay = cfg.relay ? `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}${cfg.relay}` : "";
+  form.url.value = q.get("broker") || saved.url || cfg.ws_url || relay || `ws://${location.hostname || "127.0.0.1"}:9001`;
   form.root.value = q.get("root") || saved.root || cfg.topic_root || "robobus";
   form.username.value = q.get("username") ?? saved.username ?? cfg.username ?? "";
   form.addEventListener("submit", (ev) => { ev.preventDefault(); connect(form); });
