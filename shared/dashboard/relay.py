@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Protocol
 
 log = logging.getLogger("robobus.dashboard.relay")
 
@@ -32,6 +32,12 @@ WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455, 1.3
 OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 MAX_FRAME = 64 * 1024 * 1024  # a page's largest request (an Intel HEX file) is far below
 FLUSH_BYTES = 256 * 1024      # a burst this large goes at once (camera frames)
+
+
+class Readable(Protocol):
+    """What the relay reads a page's frames from (the HTTP handler's buffered rfile)."""
+
+    def read(self, n: int, /) -> bytes: ...
 
 
 def accept_key(key: str) -> str:
@@ -59,14 +65,14 @@ class ProtocolError(Exception):
         self.code = code
 
 
-def _exact(f: BinaryIO, n: int) -> bytes:
+def _exact(f: Readable, n: int) -> bytes:
     b = f.read(n)
     if len(b) != n:
         raise EOFError
     return b
 
 
-def read_frame(f: BinaryIO) -> tuple[int, bytes]:
+def read_frame(f: Readable) -> tuple[int, bytes]:
     """One client frame: (opcode, unmasked payload). Client frames must be masked (RFC 6455, 5.1)."""
     b0, b1 = _exact(f, 2)
     if b0 & 0x70:
@@ -130,7 +136,7 @@ class RelayStats:
 class Session:
     """One page's websocket (already upgraded: `rfile`/`page`) and its broker connection."""
 
-    def __init__(self, page: socket.socket, rfile: BinaryIO, broker: socket.socket, flush_s: float,
+    def __init__(self, page: socket.socket, rfile: Readable, broker: socket.socket, flush_s: float,
                  stats: RelayStats) -> None:
         self.page, self.rfile, self.broker = page, rfile, broker
         self.flush_s = flush_s

@@ -46,7 +46,8 @@ let contract = null;
 let bus = null;
 let root = "robobus";
 const nodes = new Map();
-window.__robobus = { nodes, watched: () => (bus ? [...bus.watched] : []) };
+window.__robobus = { nodes, watched: () => (bus ? [...bus.watched] : []),
+                     wsFrames: () => (bus && bus.client ? bus.client.frames : 0) };
 
 function since(ms) {
   const s = Math.max(0, (Date.now() - ms) / 1000);
