@@ -127,7 +127,8 @@ def main() -> None:
     worst_cpu = max(v["browser_cpu_pct_all_processes"] for v in plain.values())
     for name, v in views.items():
         fps = f"{v['fps']:.1f} fps" if v["fps"] is not None else f"{v['draws_per_s']:.1f} draws/s"
-        print(f"{name}: {fps}, {v['msgs_per_s']:.0f} msg/s in {v['ws_frames_per_s']} ws frames/s, handling {v['handling_pct_of_core']:.1f} % "
+        print(f"{name}: {fps}, {v['msgs_per_s']:.0f} msg/s in {v['ws_frames_per_s']} websocket frames/s, "
+              f"handling {v['handling_pct_of_core']:.1f} % "
               f"+ drawing {v['drawing_pct_of_core']:.1f} % of a core (page counters), renderer main thread "
               f"{v['renderer_main_thread_pct']:.1f} %, all chromium processes "
               f"{v['browser_cpu_pct_all_processes']:.1f} % of one core "
