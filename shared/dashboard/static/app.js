@@ -49,6 +49,14 @@ const nodes = new Map();
 window.__robobus = { nodes, watched: () => (bus ? [...bus.watched] : []),
                      wsFrames: () => (bus && bus.client ? bus.client.frames : 0) };
 
+// Text only written when it changed: writing the same string still replaces the text node, and the
+// element's box is laid out and painted again.
+function setText(e, text) {
+  if (e.__text === text) return;
+  e.__text = text;
+  e.textContent = text;
+}
+
 function since(ms) {
   const s = Math.max(0, (Date.now() - ms) / 1000);
   if (s < 90) return `${s.toFixed(0)} s`;
@@ -116,21 +124,30 @@ class NodeView {
     const st = this.status;
     const state = st ? (st.online ? "online" : "offline") : "unknown";
     this.row.dataset.status = state;
-    this.cells[1].textContent = this.service;
-    const badge = el("span", { class: `badge ${state === "online" ? "ok" : state === "offline" ? "bad" : "off"}`,
-                               text: state === "online" ? "online" : state === "offline" ? "OFFLINE" : "?" });
+    setText(this.cells[1], this.service);
+    // the once-a-second pass changes the "since" text only; badges and chips are rebuilt when they change
+    if (this.badgeState !== state) {
+      this.badgeState = state;
+      this.badge = el("span", { class: `badge ${state === "online" ? "ok" : state === "offline" ? "bad" : "off"}`,
+                                text: state === "online" ? "online" : state === "offline" ? "OFFLINE" : "?" });
+      this.sinceSpan = el("span", { class: "since" });
+      this.cells[2].replaceChildren(this.badge, this.sinceSpan);
+    }
     const sinceText = st ? (st.online ? `for ${since(this.statusAt)}` : `for ${since(this.statusAt)}${st.reason ? ` — ${st.reason}` : ""}`) : "";
-    this.cells[2].replaceChildren(badge, el("span", { class: "since", text: sinceText }));
-    this.cells[3].replaceChildren(...[...this.devices.values()].map((d) => {
-      const [cls, text, color] = d.healthClass();
-      return el("span", { class: "chip", "data-device": d.name, "data-health": cls },
-                el("span", { class: `badge ${color}`, text }), ` ${d.name}`);
-    }));
+    setText(this.sinceSpan, sinceText);
+    const chips = [...this.devices.values()].map((d) => [d.name, ...d.healthClass()]);
+    const chipsKey = JSON.stringify(chips);
+    if (this.chipsKey !== chipsKey) {
+      this.chipsKey = chipsKey;
+      this.cells[3].replaceChildren(...chips.map(([name, cls, text, color]) =>
+        el("span", { class: "chip", "data-device": name, "data-health": cls },
+           el("span", { class: `badge ${color}`, text }), ` ${name}`)));
+    }
     const s = this.stats;
     if (s) {
       const failed = Object.values(s.commands_failed || {}).reduce((a, b) => a + b, 0);
-      this.cells[4].textContent = `commands ok ${s.commands_ok}, failed ${failed} · decode errors ${s.decode_errors}` +
-        ` · jobs ${s.jobs_running} · reconnects ${s.reconnects}`;
+      setText(this.cells[4], `commands ok ${s.commands_ok}, failed ${failed} · decode errors ${s.decode_errors}` +
+        ` · jobs ${s.jobs_running} · reconnects ${s.reconnects}`);
     }
     this.dirty = false;
   }
@@ -388,16 +405,16 @@ class StateView {
 
   renderText() {
     if (!this.textDirty) return;
-    for (const [path, c] of this.charts) c.value.textContent = formatValue(this.series.get(path).last);
+    for (const [path, c] of this.charts) setText(c.value, formatValue(this.series.get(path).last));
     for (const dd of this.values.values()) {
       if (dd && dd.pending !== undefined) {
         const v = dd.pending;
-        dd.textContent = TIME_FIELD.test(dd.dataset.path) && typeof v === "number" && v > 1e9 ? clock(v * 1000) : formatValue(v);
+        setText(dd, TIME_FIELD.test(dd.dataset.path) && typeof v === "number" && v > 1e9 ? clock(v * 1000) : formatValue(v));
         dd.pending = undefined;
       }
     }
-    this.more.textContent = this.hiddenValues ? `+${this.hiddenValues} more fields (see message)` : "";
-    this.valuesTitle.textContent = this.charts.size ? `other fields (${this.values.size})` : "values";
+    setText(this.more, this.hiddenValues ? `+${this.hiddenValues} more fields (see message)` : "");
+    setText(this.valuesTitle, this.charts.size ? `other fields (${this.values.size})` : "values");
     if (this.rawBox.open) this.raw.textContent = JSON.stringify(this.latest, null, 1);
     this.textDirty = false;
   }
