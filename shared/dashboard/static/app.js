@@ -325,6 +325,12 @@ class StateView {
       this.frames = 0;
     } else {
       this.chartsBox = el("div", { class: "charts" });
+      // every chart of the state is drawn on this one canvas over the box, at its plot's place: one layer for
+      // the compositor instead of one per chart (a canvas is a layer of its own)
+      this.plotCanvas = el("canvas", { class: "plots", width: "0", height: "0", "aria-hidden": "true" });
+      this.chartsBox.append(this.plotCanvas);
+      this.plotsPlaced = false;
+      new ResizeObserver(() => { this.plotsPlaced = false; }).observe(this.chartsBox);
       this.valuesBox = el("dl", { class: "values" });
       this.valuesTitle = el("summary", { text: "values" });
       // open while the state has no charts; beside charts, the other fields fold away
@@ -379,16 +385,17 @@ class StateView {
   }
 
   addChart(path) {
-    const canvas = el("canvas", { width: "130", height: "30" });
+    const plot = el("div", { class: "plot" });
     const value = el("b");
     const label = path.startsWith(`${this.name}.`) ? path.slice(this.name.length + 1) : path;
     const fig = el("figure", { class: "spark", "data-path": path, "data-samples": "0" },
-      el("figcaption", {}, el("span", { text: label, title: path }), value), canvas);
+      el("figcaption", {}, el("span", { text: label, title: path }), value), plot);
+    this.plotsPlaced = false;
     if (this.charts.size === 0) this.valuesFold.open = false;
     this.chartsBox.append(fig);
     const dd = this.values.get(path);
     if (dd) { dd.previousElementSibling.remove(); dd.remove(); this.values.delete(path); }
-    this.charts.set(path, { fig, canvas, value });
+    this.charts.set(path, { fig, plot, value, x: 0, y: 0, w: 0, h: 0 });
   }
 
   addValue(path) {
@@ -419,10 +426,34 @@ class StateView {
     this.textDirty = false;
   }
 
+  // where each chart's plot is in the box (read from layout only when the box or its charts changed)
+  placePlots() {
+    const box = this.chartsBox.getBoundingClientRect();
+    const w = Math.round(box.width), h = Math.round(box.height);
+    if (this.plotCanvas.width !== w || this.plotCanvas.height !== h) {
+      this.plotCanvas.width = w;
+      this.plotCanvas.height = h;
+    }
+    for (const c of this.charts.values()) {
+      const r = c.plot.getBoundingClientRect();
+      // inside the plot's 1 px border
+      c.x = Math.round(r.left - box.left) + 1;
+      c.y = Math.round(r.top - box.top) + 1;
+      c.w = Math.round(r.width) - 2;
+      c.h = Math.round(r.height) - 2;
+    }
+    this.plotsPlaced = true;
+  }
+
   renderCharts(nowMs) {
+    if (!this.plotsPlaced) this.placePlots();
+    const ctx = this.plotCanvas.getContext("2d");
+    ctx.clearRect(0, 0, this.plotCanvas.width, this.plotCanvas.height);
+    ctx.strokeStyle = "#2458b8";
+    ctx.lineWidth = 1;
     for (const [path, c] of this.charts) {
       const s = this.series.get(path);
-      drawSparkline(c.canvas, s, nowMs);
+      if (c.w > 0 && c.h > 0) drawSparkline(ctx, c.x, c.y, c.w, c.h, s, nowMs);
       c.fig.dataset.samples = String(s.count);
     }
   }
