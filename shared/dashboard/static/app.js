@@ -8,7 +8,7 @@ import { buildCommandForm } from "./forms.js";
 import { Series, drawSparkline, formatValue } from "./charts.js";
 
 // The page draws on a timer, not on every display frame: nothing on it needs more than the camera's 10 fps,
-// and a chart moves one pixel per 0.46 s (60 s over 130 px). Values and charts alternate between frames.
+// and a chart moves one pixel per 0.47 s (60 s over its 128 px plot). Values and charts alternate between frames.
 const TICK_MS = 100;         // camera frames, health and status changes
 const TEXT_EVERY_MS = 500;   // values, captions
 const CHART_EVERY_MS = 500;  // sparklines
