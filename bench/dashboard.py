@@ -17,6 +17,12 @@ Targets (issue #15): >= 30 fps and <= 25 % of one core in the browser. Last line
     python bench/dashboard.py            # 30 s per view
     python bench/dashboard.py --quick    # 10 s per view
     python bench/dashboard.py --quick --stack three
+    python bench/dashboard.py --quick --direct   # the page on the broker's websockets listener, not the relay
+
+The page connects as `robobus dashboard` serves it by default: through the dashboard server's relay (/mqtt,
+one websocket frame per 50 ms at most, shared/dashboard/relay.py); `--direct` puts it on mosquitto's
+websockets listener (one frame per MQTT packet), the path of the figures before the relay. The relay's own
+CPU (the `robobus dashboard` process) is reported beside the browser's, not in it: it runs on the server.
 
 The page receives the states on screen only, so a view's figures depend on what is in it: the JSON result
 lists, per view, the state topics the page had subscribed (`states_received`).
@@ -56,6 +62,12 @@ def host_busy_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of one process (user + system, /proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="measured window per view")
@@ -64,6 +76,8 @@ def main() -> None:
     ap.add_argument("--stack", choices=["make-run", "three"], default="make-run",
                     help="make-run: all five services as `make run` starts them (default); three: the hand, two "
                          "e-pucks and the CAN boards, the stack of the first figures (to compare with them)")
+    ap.add_argument("--direct", action="store_true",
+                    help="the page on the broker's websockets listener instead of the dashboard server's relay")
     a = ap.parse_args()
     nodes = NODES if a.stack == "make-run" else NODES_EARLIER
     seconds = 10.0 if a.quick else a.seconds
@@ -75,7 +89,9 @@ def main() -> None:
     views: dict[str, dict[str, Any]] = {}
     with sim_stack(nodes=nodes) as (stack, _client), browser(1920, 1080) as ctx:
         page = ctx.new_page()
-        page.goto(f"{stack.dashboard_url}?broker={stack.broker.ws_url}")
+        broker_url = stack.broker.ws_url if a.direct else stack.dashboard_url.replace("http://", "ws://") + "mqtt"
+        page.goto(f"{stack.dashboard_url}?broker={broker_url}")
+        dash_pid = stack.procs["dashboard"].popen.pid
         page.wait_for_selector("#conn[data-state=connected]", timeout=30_000)
         for node in nodes:
             page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=60_000)
@@ -93,9 +109,10 @@ def main() -> None:
                 page.evaluate("() => document.querySelector('main').scrollTo(0, 0)")
             time.sleep(1.0)
             for probe in (False, True):
-                h0, w0 = host_busy_s(), time.monotonic()
+                h0, w0, r0 = host_busy_s(), time.monotonic(), proc_cpu_s(dash_pid)
                 fig = measure_page(page, seconds, fps_probe=probe)
                 host = (host_busy_s() - h0) / (time.monotonic() - w0)
+                fig["dashboard_server_cpu_pct"] = round((proc_cpu_s(dash_pid) - r0) / (time.monotonic() - w0) * 100, 1)
                 fig["host_busy_cores_incl_browser"] = round(host, 2)
                 fig["host_loadavg_1m"] = round(os.getloadavg()[0], 2)
                 fig["charts_on_page"] = page.evaluate("() => document.querySelectorAll('figure.spark').length")
@@ -110,15 +127,19 @@ def main() -> None:
     worst_cpu = max(v["browser_cpu_pct_all_processes"] for v in plain.values())
     for name, v in views.items():
         fps = f"{v['fps']:.1f} fps" if v["fps"] is not None else f"{v['draws_per_s']:.1f} draws/s"
-        print(f"{name}: {fps}, {v['msgs_per_s']:.0f} msg/s, handling {v['handling_pct_of_core']:.1f} % "
+        print(f"{name}: {fps}, {v['msgs_per_s']:.0f} msg/s in {v['ws_frames_per_s']} websocket frames/s, "
+              f"handling {v['handling_pct_of_core']:.1f} % "
               f"+ drawing {v['drawing_pct_of_core']:.1f} % of a core (page counters), renderer main thread "
               f"{v['renderer_main_thread_pct']:.1f} %, all chromium processes "
-              f"{v['browser_cpu_pct_all_processes']:.1f} % of one core; host busy "
+              f"{v['browser_cpu_pct_all_processes']:.1f} % of one core "
+              f"({', '.join(f'{k} {x:.1f}' for k, x in v['browser_cpu_pct_by_process'].items() if x)}); "
+              f"dashboard server (relay) {v['dashboard_server_cpu_pct']:.1f} %; host busy "
               f"{v['host_busy_cores_incl_browser']:.2f} cores")
     print(f"worst fps {worst_fps:.1f} (target >= {TARGET_FPS:.0f}: ratio {worst_fps / TARGET_FPS:.2f}); "
           f"worst browser CPU {worst_cpu:.1f} % (target <= {TARGET_BROWSER_CPU_PCT:.0f} %: ratio "
           f"{worst_cpu / TARGET_BROWSER_CPU_PCT:.2f})")
-    result = {"stack": a.stack, "nodes": nodes, "views": views, "seconds_per_view": seconds,
+    via = "broker websockets listener" if a.direct else "dashboard relay"
+    result = {"stack": a.stack, "via": via, "nodes": nodes, "views": views, "seconds_per_view": seconds,
               "fps_ratio_to_target": round(worst_fps / TARGET_FPS, 2),
               "browser_cpu_ratio_to_target": round(worst_cpu / TARGET_BROWSER_CPU_PCT, 2),
               "targets": {"fps_ge_30": worst_fps >= TARGET_FPS,

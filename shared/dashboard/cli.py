@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import signal
+import ssl
 import sys
 import threading
 from typing import Annotated, Any
@@ -14,7 +15,8 @@ from typing import Annotated, Any
 import typer
 from pydantic import Field
 
-from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig
+from shared.dashboard.relay import Upstream
+from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
 from shared.settings import KitSettings, load_settings
 
 
@@ -26,6 +28,22 @@ class DashboardSettings(KitSettings):
     dashboard_ws_url: str = Field("", description="Broker websockets URL the page starts with; "
                                                   "empty = ws://<the page's host>:9001")
     dashboard_username: str = Field("", description="User name the connect form starts with (never a password)")
+    dashboard_relay: bool = Field(True, description="Serve /mqtt, relaying the page's MQTT to ROBOBUS_MQTT_URL's "
+                                                    "broker in fewer websocket frames; the page's default broker "
+                                                    "when no websockets URL is set")
+    dashboard_relay_flush_ms: float = Field(50.0, gt=0, le=1000, description="The relay sends the page at most "
+                                                                              "one websocket frame per this")
+
+
+def _tls_context(s: DashboardSettings) -> ssl.SSLContext:
+    """The kit's TLS settings, for the relay's connection to an mqtts:// broker."""
+    ctx = ssl.create_default_context(cafile=str(s.mqtt_tls_ca) if s.mqtt_tls_ca else None)
+    if s.mqtt_tls_cert:
+        ctx.load_cert_chain(str(s.mqtt_tls_cert), str(s.mqtt_tls_key) if s.mqtt_tls_key else None)
+    if s.mqtt_tls_insecure:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 def dashboard(
@@ -42,19 +60,24 @@ def dashboard(
                                                    ("dashboard_ws_url", ws_url), ("topic_root", root))
                                  if v is not None}
     s = load_settings(DashboardSettings, **overrides)
+    relay = None
+    if s.dashboard_relay:
+        b = s.broker()
+        relay = Relay(Upstream(b.host, b.port, _tls_context(s) if b.tls else None), s.dashboard_relay_flush_ms / 1000)
     try:
         server = DashboardServer(build_document(),
                                  PageConfig(ws_url=s.dashboard_ws_url, topic_root=s.topic_root,
-                                            username=s.dashboard_username),
-                                 s.dashboard_host, s.dashboard_port)
+                                            username=s.dashboard_username, relay=relay is not None),
+                                 s.dashboard_host, s.dashboard_port, relay=relay)
     except MissingAssets as exc:
         print(f"robobus: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
     except OSError as exc:
         print(f"robobus: cannot serve on {s.dashboard_host}:{s.dashboard_port}: {exc.strerror}", file=sys.stderr)
         raise typer.Exit(2) from None
-    print(f"robobus dashboard: {server.url} (broker {s.dashboard_ws_url or 'ws://<this host>:9001'}, "
-          f"root {s.topic_root})", flush=True)
+    default = s.dashboard_ws_url or (f"relay {server.url}mqtt -> {s.broker().host}:{s.broker().port}" if relay
+                                     else "ws://<this host>:9001")
+    print(f"robobus dashboard: {server.url} (broker {default}, root {s.topic_root})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,18 +1,22 @@
 """The dashboard's HTTP side: a few static files, a browser library from npm, and two JSON documents.
 
-The page itself talks MQTT over the broker's websockets listener; this process never touches the bus.
+The page itself talks MQTT over websockets: to the broker's websockets listener, or (the default of
+`robobus dashboard`) through this process's relay at /mqtt, which carries its bytes unchanged to the broker's
+MQTT listener in fewer websocket frames (relay.py). This process never reads or publishes a message.
 It serves:
     /                       the page (static/index.html)
     /static/<file>          the app's ES modules and style sheet (no build step)
     /vendor/<file>          Ajv's browser bundle from the node_modules `make setup` installs
     /api/asyncapi.json      the contract (shared.asyncapi.build_document()): states, events, command forms
     /api/config.json        the default broker URL and topic root for the connect form
+    /mqtt                   the relay (websocket upgrade, subprotocol mqtt), when a relay upstream is given
 Only names known at start are served (no paths from the request touch the file system)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -20,6 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from shared.dashboard.relay import RelayStats, Session, Upstream, accept_key
 
 log = logging.getLogger("robobus.dashboard")
 
@@ -42,16 +48,18 @@ class MissingAssets(RuntimeError):
 
 @dataclass(frozen=True)
 class PageConfig:
-    """What the connect form starts with. An empty ws_url means ws://<the page's host>:9001."""
+    """What the connect form starts with. An empty ws_url means the relay (ws://<the page's host:port>/mqtt)
+    when `relay`, else ws://<the page's host>:9001."""
 
     ws_url: str = ""
     topic_root: str = "robobus"
     username: str = ""
     title: str = "robobus"
+    relay: bool = False
 
     def as_json(self) -> bytes:
         return json.dumps({"ws_url": self.ws_url, "topic_root": self.topic_root, "username": self.username,
-                           "title": self.title}).encode()
+                           "title": self.title, "relay": "/mqtt" if self.relay else ""}).encode()
 
 
 def vendor_files(node_modules: Path = NODE_MODULES) -> dict[str, Path]:
@@ -88,12 +96,44 @@ class DashboardApp:
         return ctype, body.read_bytes() if isinstance(body, Path) else body
 
 
-def _handler(app: DashboardApp) -> type[BaseHTTPRequestHandler]:
+@dataclass
+class Relay:
+    """Where /mqtt relays to, and how often it may send the page a frame."""
+
+    upstream: Upstream
+    flush_s: float = 0.05
+    stats: RelayStats | None = None
+
+
+def _handler(app: DashboardApp, relay: Relay | None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "robobus-dashboard"
 
         def do_GET(self) -> None:
+            if relay is not None and urlsplit(self.path).path == "/mqtt":
+                self._relay(relay)
+                return
             self._answer(body=True)
+
+        def _relay(self, r: Relay) -> None:
+            key = self.headers.get("Sec-WebSocket-Key", "")
+            protocols = [p.strip() for p in self.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+            if self.headers.get("Upgrade", "").lower() != "websocket" or not key or "mqtt" not in protocols:
+                self.send_error(HTTPStatus.BAD_REQUEST, "a websocket with subprotocol mqtt")
+                return
+            try:
+                broker = r.upstream.connect()
+            except OSError as exc:
+                log.warning("relay: broker %s:%s unreachable: %s", r.upstream.host, r.upstream.port, exc)
+                self.send_error(HTTPStatus.BAD_GATEWAY, "broker unreachable")
+                return
+            self.close_connection = True
+            self.wfile.write(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                              f"Sec-WebSocket-Accept: {accept_key(key)}\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n")
+                             .encode())
+            self.wfile.flush()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            Session(self.connection, self.rfile, broker, r.flush_s, r.stats or RelayStats()).run()
 
         def do_HEAD(self) -> None:
             self._answer(body=False)
@@ -120,12 +160,16 @@ def _handler(app: DashboardApp) -> type[BaseHTTPRequestHandler]:
 
 
 class DashboardServer:
-    """ThreadingHTTPServer on host:port (port 0 picks a free one); `url` once started."""
+    """ThreadingHTTPServer on host:port (port 0 picks a free one); `url` once started. With `relay`, /mqtt
+    relays the page's MQTT to the broker (relay.py)."""
 
     def __init__(self, document: dict[str, Any], config: PageConfig, host: str = "127.0.0.1", port: int = 8080,
-                 node_modules: Path = NODE_MODULES) -> None:
+                 node_modules: Path = NODE_MODULES, relay: Relay | None = None) -> None:
         self.app = DashboardApp(document, config, node_modules)
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self.app))
+        if relay is not None and relay.stats is None:
+            relay.stats = RelayStats()
+        self.relay = relay
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self.app, relay))
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 

@@ -362,7 +362,8 @@ def browser_cpu_by_kind(ancestor: int | None = None) -> dict[str, float]:
     return kinds
 
 
-PERF_JS = "() => ({...window.__robobusPerf, now: performance.now()})"
+PERF_JS = ("() => ({...window.__robobusPerf, now: performance.now(), "
+           "wsFrames: window.__robobus.wsFrames ? window.__robobus.wsFrames() : null})")
 
 
 def measure_page(page: Any, seconds: float, fps_probe: bool = True) -> dict[str, Any]:
@@ -394,6 +395,8 @@ def measure_page(page: Any, seconds: float, fps_probe: bool = True) -> dict[str,
         "fps": round((b["frames"] - a["frames"]) / dt, 1) if fps_probe else None,
         "draws_per_s": round((b["draws"] - a["draws"]) / dt, 1),
         "msgs_per_s": round((b["msgs"] - a["msgs"]) / dt, 1),
+        # websocket frames the page received (null on a page without the counter)
+        "ws_frames_per_s": round((b["wsFrames"] - a["wsFrames"]) / dt, 1) if b.get("wsFrames") is not None else None,
         "handling_pct_of_core": round((b["msgMs"] - a["msgMs"]) / dt / 10, 2),
         "drawing_pct_of_core": round((b["renderMs"] - a["renderMs"]) / dt / 10, 2),
         "renderer_main_thread_pct": round((tb - ta) / wall * 100, 1),

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from shared.asyncapi import build_document
-from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig
+from shared.dashboard.relay import Upstream
+from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
 from tests.dashboard.stack import WsBroker, browser, browser_missing, free_ports
 
 
@@ -42,7 +43,8 @@ def test_serves_the_page_contract_config_and_bundles(server: DashboardServer) ->
     status, ctype, body = _get(server.url + "api/asyncapi.json")
     assert status == 200 and json.loads(body) == json.loads(json.dumps(build_document()))
     assert json.loads(_get(server.url + "api/config.json")[2]) == {
-        "ws_url": "ws://127.0.0.1:1", "topic_root": "site1/robobus", "username": "", "title": "robobus"}
+        "ws_url": "ws://127.0.0.1:1", "topic_root": "site1/robobus", "username": "", "title": "robobus",
+        "relay": ""}
     for name in ("app.js", "bus.js", "mqtt5.js", "contract.js", "forms.js", "charts.js", "style.css"):
         status, ctype, _ = _get(server.url + f"static/{name}")
         assert status == 200, name
@@ -62,20 +64,31 @@ def test_missing_bundles_name_the_fix() -> None:
         DashboardServer(build_document(), PageConfig(), port=0, node_modules=Path(d))
 
 
-def test_broker_with_user_and_password(spawn: Any) -> None:
+@pytest.mark.parametrize("via", ["broker", "relay"])
+def test_broker_with_user_and_password(spawn: Any, via: str) -> None:
+    """The page on the broker's websockets listener, or on the server's relay (its default when the server
+    has one and no websockets URL is set): the broker's refusal and the login reach the page either way."""
     why = browser_missing()
     if why:
         pytest.skip(why)
     with tempfile.TemporaryDirectory(prefix="robobus-auth-") as d:
         broker = WsBroker(Path(d), users={"lab": "s3cret"})
         broker.start()
-        server = DashboardServer(build_document(), PageConfig(ws_url=broker.ws_url), port=free_ports(1)[0]).start()
+        if via == "relay":
+            relay = Relay(Upstream("127.0.0.1", broker.port))
+            server = DashboardServer(build_document(), PageConfig(relay=True), port=free_ports(1)[0],
+                                     relay=relay).start()
+        else:
+            server = DashboardServer(build_document(), PageConfig(ws_url=broker.ws_url),
+                                     port=free_ports(1)[0]).start()
         node = spawn(["-m", "services.can_bootloader"],
                      {"ROBOBUS_MQTT_URL": broker.url("lab"), "ROBOBUS_CAN_SIM": "true"})
         try:
             with browser() as ctx:
                 page = ctx.new_page()
                 page.goto(f"{server.url}?username=lab")
+                expected = server.url.replace("http://", "ws://") + "mqtt" if via == "relay" else broker.ws_url
+                assert page.input_value("#connect input[name=url]") == expected
                 # with a user name the page waits for the password instead of connecting anonymously
                 assert page.locator("#conn").get_attribute("data-state") == "disconnected"
                 page.fill("#connect input[name=password]", "wrong")
@@ -91,6 +104,8 @@ def test_broker_with_user_and_password(spawn: Any) -> None:
                 # the password is never stored by the page
                 saved = page.evaluate("() => localStorage.getItem('robobus.dashboard')")
                 assert "s3cret" not in saved and json.loads(saved)["username"] == "lab"
+                if via == "relay":
+                    assert relay.stats and relay.stats.sessions >= 2 and relay.stats.frames_to_page > 0
         finally:
             node.stop()
             server.stop()

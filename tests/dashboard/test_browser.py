@@ -326,6 +326,43 @@ def test_browser_side_load_figures(page: Any) -> None:
     assert fig["browser_cpu_pct_all_processes"] > 0 and fig["bad_messages"] == 0, fig
 
 
+def test_the_page_through_the_dashboards_relay(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """The same page on the dashboard server's relay (/mqtt, what `robobus dashboard` gives it by default):
+    every node online, the hand's joints charted, the camera drawn, a command's reply shown, and the messages
+    arriving in fewer websocket frames than messages (several MQTT packets per frame)."""
+    st, _ = stack
+    relay = st.dashboard_url.replace("http://", "ws://") + "mqtt"
+    pg = page.context.new_page()  # a second tab of the same browser
+    try:
+        errors: list[str] = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.goto(f"{st.dashboard_url}?broker={relay}")
+        pg.wait_for_selector("#conn[data-state=connected]", timeout=2 * T)
+        for node in NODES:
+            pg.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
+        hand = ["ethercat-loop", "rh", "joints", "joints.FFJ3.position"]
+        on_screen(pg, "ethercat-loop", "rh")
+        pg.wait_for_function(f"() => ({SAMPLES_JS})({json.dumps(hand)}) > 0", timeout=T)
+        perf = "() => ({msgs: window.__robobusPerf.msgs, frames: window.__robobus.wsFrames()})"
+        a = pg.evaluate(perf)
+        first = _samples(pg, hand)
+        pg.wait_for_function(f"n => ({SAMPLES_JS})({json.dumps(hand)}) > n + 20", arg=first, timeout=T)
+        b = pg.evaluate(perf)
+        msgs, frames = b["msgs"] - a["msgs"], b["frames"] - a["frames"]
+        assert msgs > 0 and frames < msgs, (msgs, frames)
+        on_screen(pg, "epuck-gateway", "epuck2")
+        img = "article[data-device='epuck2'] details[data-state='image'] canvas"
+        pg.wait_for_function(f"() => +document.querySelector(\"{img}\").dataset.frames >= 5", timeout=T)
+        cmd = open_command(pg, "epuck-gateway", "epuck1", "set_speed")
+        cmd.locator("input[name=left]").fill("100")
+        cmd.locator("input[name=right]").fill("100")
+        cmd.locator("button[type=submit]").click()
+        cmd.locator("pre.reply[data-ok=true]").wait_for(timeout=T)
+        assert not errors, errors
+    finally:
+        pg.close()
+
+
 def test_killing_a_node_turns_it_offline_within_3_s(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
     st, _ = stack
     page.wait_for_selector("tr.node[data-node='epuck-gateway'][data-status=online]", timeout=T)

@@ -8,7 +8,7 @@ import { buildCommandForm } from "./forms.js";
 import { Series, drawSparkline, formatValue } from "./charts.js";
 
 // The page draws on a timer, not on every display frame: nothing on it needs more than the camera's 10 fps,
-// and a chart moves one pixel per 0.46 s (60 s over 130 px). Values and charts alternate between frames.
+// and a chart moves one pixel per 0.47 s (60 s over its 128 px plot). Values and charts alternate between frames.
 const TICK_MS = 100;         // camera frames, health and status changes
 const TEXT_EVERY_MS = 500;   // values, captions
 const CHART_EVERY_MS = 500;  // sparklines
@@ -46,7 +46,16 @@ let contract = null;
 let bus = null;
 let root = "robobus";
 const nodes = new Map();
-window.__robobus = { nodes, watched: () => (bus ? [...bus.watched] : []) };
+window.__robobus = { nodes, watched: () => (bus ? [...bus.watched] : []),
+                     wsFrames: () => (bus && bus.client ? bus.client.frames : 0) };
+
+// Text only written when it changed: writing the same string still replaces the text node, and the
+// element's box is laid out and painted again.
+function setText(e, text) {
+  if (e.__text === text) return;
+  e.__text = text;
+  e.textContent = text;
+}
 
 function since(ms) {
   const s = Math.max(0, (Date.now() - ms) / 1000);
@@ -115,21 +124,30 @@ class NodeView {
     const st = this.status;
     const state = st ? (st.online ? "online" : "offline") : "unknown";
     this.row.dataset.status = state;
-    this.cells[1].textContent = this.service;
-    const badge = el("span", { class: `badge ${state === "online" ? "ok" : state === "offline" ? "bad" : "off"}`,
-                               text: state === "online" ? "online" : state === "offline" ? "OFFLINE" : "?" });
+    setText(this.cells[1], this.service);
+    // the once-a-second pass changes the "since" text only; badges and chips are rebuilt when they change
+    if (this.badgeState !== state) {
+      this.badgeState = state;
+      this.badge = el("span", { class: `badge ${state === "online" ? "ok" : state === "offline" ? "bad" : "off"}`,
+                                text: state === "online" ? "online" : state === "offline" ? "OFFLINE" : "?" });
+      this.sinceSpan = el("span", { class: "since" });
+      this.cells[2].replaceChildren(this.badge, this.sinceSpan);
+    }
     const sinceText = st ? (st.online ? `for ${since(this.statusAt)}` : `for ${since(this.statusAt)}${st.reason ? ` — ${st.reason}` : ""}`) : "";
-    this.cells[2].replaceChildren(badge, el("span", { class: "since", text: sinceText }));
-    this.cells[3].replaceChildren(...[...this.devices.values()].map((d) => {
-      const [cls, text, color] = d.healthClass();
-      return el("span", { class: "chip", "data-device": d.name, "data-health": cls },
-                el("span", { class: `badge ${color}`, text }), ` ${d.name}`);
-    }));
+    setText(this.sinceSpan, sinceText);
+    const chips = [...this.devices.values()].map((d) => [d.name, ...d.healthClass()]);
+    const chipsKey = JSON.stringify(chips);
+    if (this.chipsKey !== chipsKey) {
+      this.chipsKey = chipsKey;
+      this.cells[3].replaceChildren(...chips.map(([name, cls, text, color]) =>
+        el("span", { class: "chip", "data-device": name, "data-health": cls },
+           el("span", { class: `badge ${color}`, text }), ` ${name}`)));
+    }
     const s = this.stats;
     if (s) {
       const failed = Object.values(s.commands_failed || {}).reduce((a, b) => a + b, 0);
-      this.cells[4].textContent = `commands ok ${s.commands_ok}, failed ${failed} · decode errors ${s.decode_errors}` +
-        ` · jobs ${s.jobs_running} · reconnects ${s.reconnects}`;
+      setText(this.cells[4], `commands ok ${s.commands_ok}, failed ${failed} · decode errors ${s.decode_errors}` +
+        ` · jobs ${s.jobs_running} · reconnects ${s.reconnects}`);
     }
     this.dirty = false;
   }
@@ -307,6 +325,12 @@ class StateView {
       this.frames = 0;
     } else {
       this.chartsBox = el("div", { class: "charts" });
+      // every chart of the state is drawn on this one canvas over the box, at its plot's place: one layer for
+      // the compositor instead of one per chart (a canvas is a layer of its own)
+      this.plotCanvas = el("canvas", { class: "plots", width: "0", height: "0", "aria-hidden": "true" });
+      this.chartsBox.append(this.plotCanvas);
+      this.plotsPlaced = false;
+      new ResizeObserver(() => { this.plotsPlaced = false; }).observe(this.chartsBox);
       this.valuesBox = el("dl", { class: "values" });
       this.valuesTitle = el("summary", { text: "values" });
       // open while the state has no charts; beside charts, the other fields fold away
@@ -361,16 +385,17 @@ class StateView {
   }
 
   addChart(path) {
-    const canvas = el("canvas", { width: "130", height: "30" });
+    const plot = el("div", { class: "plot" });
     const value = el("b");
     const label = path.startsWith(`${this.name}.`) ? path.slice(this.name.length + 1) : path;
     const fig = el("figure", { class: "spark", "data-path": path, "data-samples": "0" },
-      el("figcaption", {}, el("span", { text: label, title: path }), value), canvas);
+      el("figcaption", {}, el("span", { text: label, title: path }), value), plot);
+    this.plotsPlaced = false;
     if (this.charts.size === 0) this.valuesFold.open = false;
     this.chartsBox.append(fig);
     const dd = this.values.get(path);
     if (dd) { dd.previousElementSibling.remove(); dd.remove(); this.values.delete(path); }
-    this.charts.set(path, { fig, canvas, value });
+    this.charts.set(path, { fig, plot, value, x: 0, y: 0, w: 0, h: 0 });
   }
 
   addValue(path) {
@@ -387,24 +412,48 @@ class StateView {
 
   renderText() {
     if (!this.textDirty) return;
-    for (const [path, c] of this.charts) c.value.textContent = formatValue(this.series.get(path).last);
+    for (const [path, c] of this.charts) setText(c.value, formatValue(this.series.get(path).last));
     for (const dd of this.values.values()) {
       if (dd && dd.pending !== undefined) {
         const v = dd.pending;
-        dd.textContent = TIME_FIELD.test(dd.dataset.path) && typeof v === "number" && v > 1e9 ? clock(v * 1000) : formatValue(v);
+        setText(dd, TIME_FIELD.test(dd.dataset.path) && typeof v === "number" && v > 1e9 ? clock(v * 1000) : formatValue(v));
         dd.pending = undefined;
       }
     }
-    this.more.textContent = this.hiddenValues ? `+${this.hiddenValues} more fields (see message)` : "";
-    this.valuesTitle.textContent = this.charts.size ? `other fields (${this.values.size})` : "values";
+    setText(this.more, this.hiddenValues ? `+${this.hiddenValues} more fields (see message)` : "");
+    setText(this.valuesTitle, this.charts.size ? `other fields (${this.values.size})` : "values");
     if (this.rawBox.open) this.raw.textContent = JSON.stringify(this.latest, null, 1);
     this.textDirty = false;
   }
 
+  // where each chart's plot is in the box (read from layout only when the box or its charts changed)
+  placePlots() {
+    const box = this.chartsBox.getBoundingClientRect();
+    const w = Math.round(box.width), h = Math.round(box.height);
+    if (this.plotCanvas.width !== w || this.plotCanvas.height !== h) {
+      this.plotCanvas.width = w;
+      this.plotCanvas.height = h;
+    }
+    for (const c of this.charts.values()) {
+      const r = c.plot.getBoundingClientRect();
+      // inside the plot's 1 px border
+      c.x = Math.round(r.left - box.left) + 1;
+      c.y = Math.round(r.top - box.top) + 1;
+      c.w = Math.round(r.width) - 2;
+      c.h = Math.round(r.height) - 2;
+    }
+    this.plotsPlaced = true;
+  }
+
   renderCharts(nowMs) {
+    if (!this.plotsPlaced) this.placePlots();
+    const ctx = this.plotCanvas.getContext("2d");
+    ctx.clearRect(0, 0, this.plotCanvas.width, this.plotCanvas.height);
+    ctx.strokeStyle = "#2458b8";
+    ctx.lineWidth = 1;
     for (const [path, c] of this.charts) {
       const s = this.series.get(path);
-      drawSparkline(c.canvas, s, nowMs);
+      if (c.w > 0 && c.h > 0) drawSparkline(ctx, c.x, c.y, c.w, c.h, s, nowMs);
       c.fig.dataset.samples = String(s.count);
     }
   }
@@ -685,7 +734,9 @@ async function main() {
   const form = $("#connect");
   const saved = JSON.parse(localStorage.getItem("robobus.dashboard") || "{}");
   const q = new URLSearchParams(location.search);
-  form.url.value = q.get("broker") || saved.url || cfg.ws_url || `ws://${location.hostname || "127.0.0.1"}:9001`;
+  // the server's relay (fewer websocket frames, see relay.py) when it has one, else the broker's own listener
+  const relay = cfg.relay ? `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}${cfg.relay}` : "";
+  form.url.value = q.get("broker") || saved.url || cfg.ws_url || relay || `ws://${location.hostname || "127.0.0.1"}:9001`;
   form.root.value = q.get("root") || saved.root || cfg.topic_root || "robobus";
   form.username.value = q.get("username") ?? saved.username ?? cfg.username ?? "";
   form.addEventListener("submit", (ev) => { ev.preventDefault(); connect(form); });

@@ -43,10 +43,9 @@ export function formatValue(v) {
   return a !== 0 && (a < 0.01 || a >= 1e5) ? v.toExponential(2) : v.toFixed(a < 10 ? 3 : 1);
 }
 
-export function drawSparkline(canvas, series, nowMs) {
-  const w = canvas.width, h = canvas.height;
-  const ctx = canvas.getContext("2d");
-  ctx.clearRect(0, 0, w, h);
+// One sparkline into a w x h area at (x0, y0) of a shared 2D context: the charts of a state share one canvas
+// (one compositor layer instead of one per chart).
+export function drawSparkline(ctx, x0, y0, w, h, series, nowMs) {
   series.trim(nowMs);
   if (series.n === 0) return;
   let lo = Infinity, hi = -Infinity;
@@ -57,14 +56,13 @@ export function drawSparkline(canvas, series, nowMs) {
   }
   if (hi === lo) { hi += 1; lo -= 1; }
   const sx = w / WINDOW_MS, sy = (h - 4) / (hi - lo), t0 = nowMs - WINDOW_MS;
-  ctx.strokeStyle = "#2458b8";
-  ctx.lineWidth = 1;
+  const base = y0 + h - 2;
   ctx.beginPath();
   let col = -1, cmin = 0, cmax = 0, started = false;
   const flush = () => {
-    const y1 = h - 2 - (cmin - lo) * sy, y2 = h - 2 - (cmax - lo) * sy;
-    if (!started) { ctx.moveTo(col, y1); started = true; } else ctx.lineTo(col, y1);
-    if (y2 !== y1) ctx.lineTo(col, y2);
+    const y1 = base - (cmin - lo) * sy, y2 = base - (cmax - lo) * sy;
+    if (!started) { ctx.moveTo(x0 + col, y1); started = true; } else ctx.lineTo(x0 + col, y1);
+    if (y2 !== y1) ctx.lineTo(x0 + col, y2);
   };
   for (let k = 0; k < series.n; k++) {
     const i = (series.start + k) % CAP;
