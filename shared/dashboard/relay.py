@@ -25,8 +25,7 @@ from typing import Protocol
 
 from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
-from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Event, Ping, Request,
-                            TextMessage)
+from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Event, Ping, Request, TextMessage
 from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 

@@ -117,9 +117,9 @@ def _handler(app: DashboardApp, relay: Relay | None) -> type[BaseHTTPRequestHand
 
         def _relay(self, r: Relay) -> None:
             # wsproto reads the upgrade request as it came (the request line and headers the handler parsed)
-            head = b"".join(f"{k}: {v}\r\n".encode("latin-1", "replace") for k, v in self.headers.items())
+            head = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
             try:
-                ws = handshake(self.raw_requestline + head + b"\r\n")
+                ws = handshake(f"{self.requestline}\r\n{head}\r\n".encode("latin-1", "replace"))
             except Refused as exc:
                 self.send_error(HTTPStatus.BAD_REQUEST, str(exc))
                 return
