@@ -16,6 +16,7 @@ import pytest
 from wsproto.utilities import generate_accept_token
 
 from shared.asyncapi import build_document
+from shared.dashboard import relay
 from shared.dashboard.relay import Upstream
 from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
 from shared.localbroker import mosquitto_bin
@@ -198,6 +199,17 @@ def test_a_bad_frame_is_closed_with_its_status(relayed: tuple[WsBroker, Dashboar
     ws.send(connect_packet("relay-bad"), opcode=opcode, masked=masked)
     op, data = ws.frame()
     assert op == 8 and struct.unpack("!H", data[:2])[0] == code, data
+    assert server.relay and server.relay.stats and server.relay.stats.errors >= 1
+
+
+def test_an_oversized_message_is_closed_with_1009(relayed: tuple[WsBroker, DashboardServer],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _, server = relayed
+    monkeypatch.setattr(relay, "MAX_MESSAGE", 64)  # the real limit (64 MiB) is too much to mask in Python here
+    ws = WsClient(_port(server))
+    ws.send(b"\x00" * 65)
+    op, data = ws.frame()
+    assert op == 8 and struct.unpack("!H", data[:2])[0] == 1009, data
     assert server.relay and server.relay.stats and server.relay.stats.errors >= 1
 
 
