@@ -14,83 +14,68 @@ directly. The page works against any broker's websockets URL without it."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 import select
 import socket
 import ssl
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
+from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Event, Ping, Request, TextMessage
+from wsproto.frame_protocol import CloseReason
+from wsproto.utilities import LocalProtocolError, RemoteProtocolError
+
 log = logging.getLogger("robobus.dashboard.relay")
 
-WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455, 1.3
-OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
-MAX_FRAME = 64 * 1024 * 1024  # a page's largest request (an Intel HEX file) is far below
-FLUSH_BYTES = 256 * 1024      # a burst this large goes at once (camera frames)
+SUBPROTOCOL = "mqtt"
+MAX_MESSAGE = 64 * 1024 * 1024  # a page's largest request (an Intel HEX file) is far below
+FLUSH_BYTES = 256 * 1024        # a burst this large goes at once (camera frames)
+READ_BYTES = 65536
 
 
 class Readable(Protocol):
-    """What the relay reads a page's frames from (the HTTP handler's buffered rfile)."""
+    """What the relay reads a page's frames from (the HTTP handler's buffered rfile, which may already hold
+    bytes the page sent right after its upgrade request)."""
 
-    def read(self, n: int, /) -> bytes: ...
-
-
-def accept_key(key: str) -> str:
-    """Sec-WebSocket-Accept for a client's Sec-WebSocket-Key (RFC 6455, 4.2.2)."""
-    return base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
+    def read1(self, n: int, /) -> bytes: ...
 
 
-def frame(opcode: int, payload: bytes = b"") -> bytes:
-    """One unmasked, final server frame."""
-    n = len(payload)
-    if n < 126:
-        head = struct.pack("!BB", 0x80 | opcode, n)
-    elif n < 65536:
-        head = struct.pack("!BBH", 0x80 | opcode, 126, n)
-    else:
-        head = struct.pack("!BBQ", 0x80 | opcode, 127, n)
-    return head + payload
+class Refused(Exception):
+    """The upgrade request is not a websocket offering subprotocol mqtt; the message says why."""
 
 
 class ProtocolError(Exception):
-    """The page broke RFC 6455; `code` is the close status to send."""
+    """The page broke RFC 6455 (or sent what MQTT over websockets forbids); `code` is the close status."""
 
-    def __init__(self, message: str, code: int = 1002) -> None:
+    def __init__(self, message: str, code: int = CloseReason.PROTOCOL_ERROR) -> None:
         super().__init__(message)
         self.code = code
 
 
-def _exact(f: Readable, n: int) -> bytes:
-    b = f.read(n)
-    if len(b) != n:
-        raise EOFError
-    return b
+def handshake(request: bytes) -> WSConnection:
+    """A server-side wsproto connection that has read the upgrade `request` (its request line and headers)
+    and found a websocket offering subprotocol mqtt, or Refused. Nothing is answered yet: the caller first
+    connects to the broker, then sends accept(ws) (or an HTTP error)."""
+    ws = WSConnection(ConnectionType.SERVER)
+    try:
+        ws.receive_data(request)
+        requests = [e for e in ws.events() if isinstance(e, Request)]
+    except RemoteProtocolError as exc:
+        raise Refused(str(exc)) from None
+    if not requests:
+        raise Refused("an incomplete upgrade request")
+    if SUBPROTOCOL not in requests[0].subprotocols:
+        raise Refused("a websocket with subprotocol mqtt")
+    return ws
 
 
-def read_frame(f: Readable) -> tuple[int, bytes]:
-    """One client frame: (opcode, unmasked payload). Client frames must be masked (RFC 6455, 5.1)."""
-    b0, b1 = _exact(f, 2)
-    if b0 & 0x70:
-        raise ProtocolError("reserved bits set")
-    n = b1 & 0x7F
-    if n == 126:
-        n = struct.unpack("!H", _exact(f, 2))[0]
-    elif n == 127:
-        n = struct.unpack("!Q", _exact(f, 8))[0]
-    if not b1 & 0x80:
-        raise ProtocolError("client frame not masked")
-    if n > MAX_FRAME:
-        raise ProtocolError(f"frame of {n} bytes", 1009)
-    mask = _exact(f, 4)
-    data = _exact(f, n)
-    # XOR by the 4-byte mask as one big integer: no per-byte Python loop
-    m = int.from_bytes((mask * (n // 4 + 1))[:n], "big")
-    return b0 & 0x0F, (int.from_bytes(data, "big") ^ m).to_bytes(n, "big") if n else b""
+def accept(ws: WSConnection) -> bytes:
+    """The 101 response to the request handshake() read (no extensions: frames stay as the broker's bytes)."""
+    return ws.send(AcceptConnection(subprotocol=SUBPROTOCOL))
 
 
 @dataclass
@@ -134,19 +119,27 @@ class RelayStats:
 
 
 class Session:
-    """One page's websocket (already upgraded: `rfile`/`page`) and its broker connection."""
+    """One page's websocket (accepted: `ws` in state OPEN, `page`/`rfile` its socket) and its broker connection.
+    `ws` is used under `send_lock` only: the page's frames are parsed on this thread, the broker's bytes are
+    framed on another."""
 
-    def __init__(self, page: socket.socket, rfile: Readable, broker: socket.socket, flush_s: float,
-                 stats: RelayStats) -> None:
-        self.page, self.rfile, self.broker = page, rfile, broker
+    def __init__(self, page: socket.socket, rfile: Readable, ws: WSConnection, broker: socket.socket,
+                 flush_s: float, stats: RelayStats) -> None:
+        self.page, self.rfile, self.ws, self.broker = page, rfile, ws, broker
         self.flush_s = flush_s
         self.stats = stats
         self.send_lock = threading.Lock()
         self.closed = threading.Event()
 
-    def _send_page(self, data: bytes) -> None:
+    def _send_page(self, event: Event) -> None:
         with self.send_lock:
-            self.page.sendall(data)
+            self.page.sendall(self.ws.send(event))
+
+    def _try_send(self, event: Event) -> None:
+        try:
+            self._send_page(event)
+        except (OSError, LocalProtocolError):  # the page is gone, or the websocket already closing
+            pass
 
     def run(self) -> None:
         self.stats.add(sessions=1)
@@ -169,33 +162,46 @@ class Session:
                 pass
         self.broker.close()
 
+    def _page_events(self) -> list[Event] | None:
+        """The events in the page's next bytes; None once it has gone (end of stream)."""
+        data = self.rfile.read1(READ_BYTES)
+        if not data:
+            return None
+        with self.send_lock:
+            self.ws.receive_data(data)
+            return list(self.ws.events())
+
     def _page_to_broker(self) -> None:
+        message = 0  # bytes of the page's current message so far
         try:
-            while not self.closed.is_set():
-                op, data = read_frame(self.rfile)
-                if op in (OP_BINARY, OP_CONT):
-                    self.stats.add(frames_from_page=1)
-                    self.broker.sendall(data)  # MQTT is a byte stream: frame boundaries do not matter
-                elif op == OP_PING:
-                    self._send_page(frame(OP_PONG, data))
-                elif op == OP_CLOSE:
-                    self._send_page(frame(OP_CLOSE, data[:2]))
-                    return
-                elif op == OP_TEXT:
-                    raise ProtocolError("MQTT over websockets is binary (MQTT 5.0, 6.0)", 1003)
-                elif op != OP_PONG:
-                    raise ProtocolError(f"unknown opcode {op}")
+            while not self.closed.is_set() and (events := self._page_events()) is not None:
+                for event in events:
+                    if isinstance(event, BytesMessage):
+                        message += len(event.data)
+                        if message > MAX_MESSAGE:
+                            raise ProtocolError(f"a message over {MAX_MESSAGE} bytes", CloseReason.MESSAGE_TOO_BIG)
+                        if event.message_finished:
+                            message = 0
+                        if event.frame_finished:
+                            self.stats.add(frames_from_page=1)
+                        self.broker.sendall(event.data)  # MQTT is a byte stream: frame boundaries do not matter
+                    elif isinstance(event, Ping):
+                        self._send_page(event.response())
+                    elif isinstance(event, TextMessage):
+                        raise ProtocolError("MQTT over websockets is binary (MQTT 5.0, 6.0)",
+                                            CloseReason.UNSUPPORTED_DATA)
+                    elif isinstance(event, CloseConnection):
+                        if self.ws.state is ConnectionState.REMOTE_CLOSING:  # the page closes: answer
+                            self._send_page(event.response())
+                            return
+                        if self.ws.state is ConnectionState.CLOSED:  # the page's answer to our close
+                            return
+                        raise ProtocolError(event.reason or "malformed frame", event.code)  # wsproto's ParseFailed
         except ProtocolError as exc:
             self.stats.add(errors=1)
             log.warning("relay: closing a page's websocket: %s", exc)
-            self._try_send(frame(OP_CLOSE, struct.pack("!H", exc.code) + str(exc).encode()[:120]))
-        except (EOFError, OSError):
-            pass
-
-    def _try_send(self, data: bytes) -> None:
-        try:
-            self._send_page(data)
-        except OSError:
+            self._try_send(CloseConnection(code=exc.code, reason=str(exc)))
+        except (OSError, LocalProtocolError):
             pass
 
     def _broker_to_page(self) -> None:
@@ -206,7 +212,7 @@ class Session:
             while not self.closed.is_set():
                 now = time.monotonic()
                 if buf and (now >= next_send or len(buf) >= FLUSH_BYTES):
-                    self._send_page(frame(OP_BINARY, bytes(buf)))
+                    self._send_page(BytesMessage(data=bytes(buf)))
                     self.stats.add(frames_to_page=1, bytes_to_page=len(buf))
                     buf.clear()
                     next_send = now + self.flush_s
@@ -220,11 +226,11 @@ class Session:
                 data = self.broker.recv(65536)
                 if not data:  # the broker closed (e.g. refused the CONNECT after its CONNACK)
                     if buf:
-                        self._send_page(frame(OP_BINARY, bytes(buf)))
-                    self._send_page(frame(OP_CLOSE, struct.pack("!H", 1000)))
+                        self._send_page(BytesMessage(data=bytes(buf)))
+                    self._send_page(CloseConnection(code=CloseReason.NORMAL_CLOSURE))
                     break
                 buf += data
-        except (OSError, ValueError):
+        except (OSError, ValueError, LocalProtocolError):  # the page or the broker has gone; the page closed
             pass
         finally:
             self.close()

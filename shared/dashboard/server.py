@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from shared.dashboard.relay import RelayStats, Session, Upstream, accept_key
+from shared.dashboard.relay import Refused, RelayStats, Session, Upstream, accept, handshake
 
 log = logging.getLogger("robobus.dashboard")
 
@@ -116,10 +116,12 @@ def _handler(app: DashboardApp, relay: Relay | None) -> type[BaseHTTPRequestHand
             self._answer(body=True)
 
         def _relay(self, r: Relay) -> None:
-            key = self.headers.get("Sec-WebSocket-Key", "")
-            protocols = [p.strip() for p in self.headers.get("Sec-WebSocket-Protocol", "").split(",")]
-            if self.headers.get("Upgrade", "").lower() != "websocket" or not key or "mqtt" not in protocols:
-                self.send_error(HTTPStatus.BAD_REQUEST, "a websocket with subprotocol mqtt")
+            # wsproto reads the upgrade request as it came (the request line and headers the handler parsed)
+            head = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+            try:
+                ws = handshake(f"{self.requestline}\r\n{head}\r\n".encode("latin-1", "replace"))
+            except Refused as exc:
+                self.send_error(HTTPStatus.BAD_REQUEST, str(exc))
                 return
             try:
                 broker = r.upstream.connect()
@@ -128,12 +130,10 @@ def _handler(app: DashboardApp, relay: Relay | None) -> type[BaseHTTPRequestHand
                 self.send_error(HTTPStatus.BAD_GATEWAY, "broker unreachable")
                 return
             self.close_connection = True
-            self.wfile.write(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                              f"Sec-WebSocket-Accept: {accept_key(key)}\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n")
-                             .encode())
+            self.wfile.write(accept(ws))
             self.wfile.flush()
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            Session(self.connection, self.rfile, broker, r.flush_s, r.stats or RelayStats()).run()
+            Session(self.connection, self.rfile, ws, broker, r.flush_s, r.stats or RelayStats()).run()
 
         def do_HEAD(self) -> None:
             self._answer(body=False)

@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from wsproto.utilities import generate_accept_token
 
 from shared.asyncapi import build_document
-from shared.dashboard.relay import Upstream, accept_key
+from shared.dashboard import relay
+from shared.dashboard.relay import Upstream
 from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
 from shared.localbroker import mosquitto_bin
 from shared.rpc import wait_for
@@ -146,7 +148,7 @@ def test_handshake_and_config(relayed: tuple[WsBroker, DashboardServer]) -> None
     _, server = relayed
     ws = WsClient(_port(server))
     assert ws.status == "HTTP/1.1 101 Switching Protocols", ws.headers
-    assert f"Sec-WebSocket-Accept: {accept_key(ws.key)}" in ws.headers
+    assert f"Sec-WebSocket-Accept: {generate_accept_token(ws.key.encode()).decode()}" in ws.headers
     assert "Sec-WebSocket-Protocol: mqtt" in ws.headers
     bad = WsClient(_port(server), protocol="chat")
     assert " 400 " in bad.status
@@ -198,6 +200,30 @@ def test_a_bad_frame_is_closed_with_its_status(relayed: tuple[WsBroker, Dashboar
     op, data = ws.frame()
     assert op == 8 and struct.unpack("!H", data[:2])[0] == code, data
     assert server.relay and server.relay.stats and server.relay.stats.errors >= 1
+
+
+def test_an_oversized_message_is_closed_with_1009(relayed: tuple[WsBroker, DashboardServer],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _, server = relayed
+    monkeypatch.setattr(relay, "MAX_MESSAGE", 64)  # the real limit (64 MiB) is too much to mask in Python here
+    ws = WsClient(_port(server))
+    ws.send(b"\x00" * 65)
+    op, data = ws.frame()
+    assert op == 8 and struct.unpack("!H", data[:2])[0] == 1009, data
+    assert server.relay and server.relay.stats and server.relay.stats.errors >= 1
+
+
+def test_ping_is_answered_and_a_close_is_echoed(relayed: tuple[WsBroker, DashboardServer]) -> None:
+    _, server = relayed
+    ws = WsClient(_port(server))
+    ws.send(b"are you there", opcode=9)
+    assert ws.frame() == (10, b"are you there")  # the pong carries the ping's payload (RFC 6455, 5.5.3)
+    ws.send(struct.pack("!H", 1000) + b"bye", opcode=8)
+    op, data = ws.frame()
+    assert op == 8 and struct.unpack("!H", data[:2])[0] == 1000
+    with pytest.raises(EOFError):  # and the server ends the connection
+        ws.frame()
+    assert server.relay and server.relay.stats and server.relay.stats.errors == 0
 
 
 def test_broker_unreachable_is_a_bad_gateway() -> None:
