@@ -204,7 +204,7 @@ class DexterSim:
         self._split: tuple[int, int, float] = (0, 0, 0.0)
         self._coalesce = 0
         self._garbage = b""
-        self._errors: deque[int] = deque()
+        self._errors: deque[tuple[int, int]] = deque()  # (error bits, oplet's code or 0 for any reply)
         # sockets
         self._lsock: socket.socket | None = None
         self._conn: socket.socket | None = None
@@ -268,9 +268,12 @@ class DexterSim:
         with self.lock:
             self._garbage = data
 
-    def error_next(self, value: int, n: int = 1) -> None:
+    def error_next(self, value: int, n: int = 1, oplet: str | None = None) -> None:
+        """OR `value` into the error word of the next `n` replies, or, with `oplet`, of the next `n` replies to
+        that oplet (a client that polls `g` in the background would otherwise take the injection meant for a
+        command); injections apply in the order given."""
         with self.lock:
-            self._errors.extend([value] * n)
+            self._errors.extend([(value, ord(oplet) if oplet else 0)] * n)
 
     def disconnect(self) -> None:
         conn = self._conn
@@ -411,8 +414,8 @@ class DexterSim:
     def _stamp(self, base: list[int], error: int) -> None:
         base[2], base[3] = self._clock()
         with self.lock:
-            if self._errors:
-                error |= self._errors.popleft()
+            if self._errors and self._errors[0][1] in (0, base[4]):
+                error |= self._errors.popleft()[0]
         if self.config.firmware_mismatch:
             error |= p.ERR_FIRMWARE_MISMATCH
         base[5] = error

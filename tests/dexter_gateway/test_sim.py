@@ -220,6 +220,8 @@ def test_faults_split_coalesce_garbage_errors(sim: DexterSim) -> None:
     sim.error_next(p.ERR_MONITOR | 1)
     e = p.decode_error(c.cmd("h").error)
     assert e.code == 1 and "monitor" in e.flags
+    sim.error_next(1, oplet="h")  # aimed at one oplet: other replies pass it by
+    assert c.cmd("g").error == 0 and c.cmd("h").error == 1 and c.cmd("h").error == 0
     sim.garbage(b"xyz")
     c.send("h")
     with pytest.raises(p.ProtocolError):
