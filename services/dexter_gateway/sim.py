@@ -201,6 +201,7 @@ class DexterSim:
         # faults
         self._drop = 0
         self._delay: tuple[float, int] = (0.0, 0)
+        self._drop_oplet = self._delay_oplet = 0  # aimed at one oplet's code, 0 for any command (error_next)
         self._split: tuple[int, int, float] = (0, 0, 0.0)
         self._coalesce = 0
         self._garbage = b""
@@ -244,14 +245,16 @@ class DexterSim:
         self.close()
 
     # -- faults ------------------------------------------------------------------------------------
-    def drop_replies(self, n: int = 1) -> None:
-        """The next n commands get no reply (as DexRun without a ';', or a lost robot)."""
+    def drop_replies(self, n: int = 1, oplet: str | None = None) -> None:
+        """The next n commands (to `oplet` only, if given) get no reply (as DexRun without a ';', or a lost
+        robot)."""
         with self.lock:
-            self._drop = n
+            self._drop, self._drop_oplet = n, ord(oplet) if oplet else 0
 
-    def delay_replies(self, seconds: float, n: int = 1) -> None:
+    def delay_replies(self, seconds: float, n: int = 1, oplet: str | None = None) -> None:
+        """The next n replies (to `oplet` only, if given) leave `seconds` late."""
         with self.lock:
-            self._delay = (seconds, n)
+            self._delay, self._delay_oplet = (seconds, n), ord(oplet) if oplet else 0
 
     def split_replies(self, n: int = 1, pieces: int = 3, gap_s: float = 0.005) -> None:
         """The next n replies leave in `pieces` TCP segments with gaps between them."""
@@ -342,7 +345,7 @@ class DexterSim:
     def _send(self, conn: socket.socket, reply: bytes) -> bool:
         with self.lock:
             delay = 0.0
-            if self._delay[1] > 0:
+            if self._delay[1] > 0 and self._delay_oplet in (0, reply[16]):  # int 4: the oplet
                 delay = self._delay[0]
                 self._delay = (self._delay[0], self._delay[1] - 1)
             split = 0
@@ -387,7 +390,7 @@ class DexterSim:
             parts.append("")
         job, instr, start, _end, cmd = parts
         with self.lock:
-            if self._drop > 0:
+            if self._drop > 0 and self._drop_oplet in (0, ord(cmd[:1] or "\x00")):
                 self._drop -= 1
                 return None
         self._maybe_set_clock(start)

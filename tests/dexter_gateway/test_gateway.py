@@ -140,7 +140,7 @@ def test_timeout_resets_the_link_and_health_shows_the_reconnect(gateway: Gateway
     mark = gateway.bus.mark()
     before = gateway.bus.wait_json("/arm1/health", lambda d: "reconnects" in d["details"], 0)
     assert before is not None
-    gateway.sim.drop_replies(1)
+    gateway.sim.drop_replies(1, oplet="h")  # not a status poll's `g` (this gateway polls when idle)
     rep = gateway.call("heartbeat")
     assert not rep.ok and rep.error["code"] == "timeout", rep.error  # type: ignore[index]
     h = gateway.bus.wait_json("/arm1/health", lambda d: d["connection"] and d["details"]["reconnects"]
@@ -230,7 +230,7 @@ def test_file_jobs_cancel_between_blocks(gateway: Gateway) -> None:
     def run() -> None:
         out["acc"], out["res"] = gateway.job("write_file", {"path": "big.bin", "text": data.decode()}, on_progress)
 
-    gateway.sim.delay_replies(0.02, 300)  # ~6 s of blocks: the cancel lands mid-transfer
+    gateway.sim.delay_replies(0.02, 300, oplet="W")  # ~6 s of blocks: the cancel lands mid-transfer
     t = threading.Thread(target=run)
     t.start()
     assert started.wait(20)
@@ -254,7 +254,7 @@ def test_file_jobs_cancel_between_blocks(gateway: Gateway) -> None:
     def run_read() -> None:
         out["acc"], out["res"] = gateway.job("read_file", {"path": "big.bin"}, on_progress)
 
-    gateway.sim.delay_replies(0.02, 300)
+    gateway.sim.delay_replies(0.02, 300, oplet="r")
     t = threading.Thread(target=run_read)
     t.start()
     assert started.wait(20)
@@ -293,7 +293,7 @@ def test_wait_motion_done_cancels_at_once(gateway: Gateway) -> None:
 
 
 def test_second_file_job_is_busy(gateway: Gateway) -> None:
-    gateway.sim.delay_replies(0.5, 2)
+    gateway.sim.delay_replies(0.5, 2, oplet="W")  # the first job's, not a status poll's
     results: list[Any] = []
     t = threading.Thread(target=lambda: results.append(gateway.job("write_file", {"path": "a.txt", "text": "a"})))
     t.start()
