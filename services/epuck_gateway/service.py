@@ -683,10 +683,8 @@ def sensors_model(s: EpuckRawSensors, ts: float, seq: int, unwrap_l: StepUnwrapp
     return EpuckSensors.model_validate(sensors_fields(s, ts, seq, unwrap_l, unwrap_r))
 
 
-async def serve(node: Node, settings: EpuckSettings) -> None:
+async def serve(robots: list[EpuckRobot], pool: ThreadPoolExecutor) -> None:
     """Run every robot until cancelled; then stop each robot (stop command, drain to 0x03), close."""
-    pool = ThreadPoolExecutor(max_workers=max(1, settings.epuck_encode_workers), thread_name_prefix="epuck-encode")
-    robots = [EpuckRobot(node, cfg, settings, pool) for cfg in settings.epuck_robots]
     stats_tasks = []
     for r in robots:
         r.start()
@@ -712,9 +710,15 @@ class EpuckGateway:
     def __init__(self, node: Node, settings: EpuckSettings) -> None:
         self.node = node
         self.settings = settings
+        # Every robot's device exists before the node connects, so a node seen online answers for each of them.
+        # (Built in serve(), they appeared only once the loop ran it, and a command in between got `not_found`:
+        # a busy machine delayed the loop past the online status, CONNACK and SUBACK on paho's thread.)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, settings.epuck_encode_workers),
+                                       thread_name_prefix="epuck-encode")
+        self.robots = [EpuckRobot(node, cfg, settings, self.pool) for cfg in settings.epuck_robots]
 
     async def serve(self) -> None:
-        await serve(self.node, self.settings)
+        await serve(self.robots, self.pool)
 
 
 def build(node: Node, settings: EpuckSettings) -> EpuckGateway:

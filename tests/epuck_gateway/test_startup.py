@@ -1,0 +1,27 @@
+"""A node seen online answers for every configured robot: the robots' devices exist before the node connects.
+
+They were made in the service's asyncio main, which a busy machine ran only after paho's thread had connected,
+subscribed and published the node online; a command in that gap was answered `not_found` (seen in a proof run of
+the suite beside `stress-ng --cpu 1`)."""
+
+from __future__ import annotations
+
+import sys
+
+from services.epuck_gateway.service import API, EpuckSettings, build
+from shared import Node
+
+
+def test_every_configured_robot_is_a_device_once_built_before_any_connection() -> None:
+    settings = EpuckSettings(mqtt_url="mqtt://127.0.0.1:9", epuck_robots=[
+        {"id": "left", "host": "127.0.0.1", "port": 9}, {"id": "right", "host": "127.0.0.1", "port": 10}])
+    node = Node(API, settings)
+    interval = sys.getswitchinterval()
+    try:
+        gateway = build(node, settings)  # what run_service does before it starts the node
+        assert not node.session.connected.is_set()
+        assert set(node.devices) == {"left", "right"}
+        assert all(node.devices[r].commands for r in ("left", "right"))  # commands bound: dispatchable
+    finally:
+        sys.setswitchinterval(interval)
+        gateway.pool.shutdown(wait=False)
