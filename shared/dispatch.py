@@ -113,11 +113,8 @@ class CommandDispatcher:
                 threading.Thread(target=self._finish, args=args, daemon=True).start()
             return
         except Exception as exc:
-            err = error_info(exc, f"{device_name}/{command}")
-            self.counters.failed(err.code.value)
-            body = b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
-        self.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
-                             properties=PublishProperties(None, correlation, "application/json"), now=True)
+            body = self._failure(exc, device_name, command)
+        self._answer(topic, response_topic, correlation, qos, body)
 
     def _finish(self, topic: str, device_name: str, command: str, finish: Callable[[], Any],
                 response_topic: str | None, correlation: bytes | None, qos: int) -> None:
@@ -126,9 +123,18 @@ class CommandDispatcher:
             body = OK_PREFIX + _result(self.devices[device_name].commands[command][0].reply, finish()) + b"}"
             self.counters.ok()
         except Exception as exc:
-            err = error_info(exc, f"{device_name}/{command}")
-            self.counters.failed(err.code.value)
-            body = b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
+            body = self._failure(exc, device_name, command)
+        self._answer(topic, response_topic, correlation, qos, body)
+
+    def _failure(self, exc: Exception, device_name: str, command: str) -> bytes:
+        """A failed command's reply body (the error counted by its stable code)."""
+        err = error_info(exc, f"{device_name}/{command}")
+        self.counters.failed(err.code.value)
+        return b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
+
+    def _answer(self, topic: str, response_topic: str | None, correlation: bytes | None, qos: int,
+                body: bytes) -> None:
+        """Publish a reply where the request asked (its Response Topic, else `<topic>/reply`), written now."""
         self.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
                              properties=PublishProperties(None, correlation, "application/json"), now=True)
 
@@ -140,18 +146,14 @@ class CommandDispatcher:
     async def handle_async(self, topic: str, device_name: str, command: str, payload: bytes | bytearray,
                            response_topic: str | None, correlation: bytes | None, qos: int) -> None:
         """`handle` for an `async def` handler, on the service's loop: same validation, errors and reply."""
-        counters = self.counters
         try:
             cspec, handler = self.devices[device_name].commands[command]
             out = await handler(_validate_request(cspec.request, payload))
             body = OK_PREFIX + _result(cspec.reply, out) + b"}"
-            counters.ok()
+            self.counters.ok()
         except Exception as exc:
-            err = error_info(exc, f"{device_name}/{command}")
-            counters.failed(err.code.value)
-            body = b'{"ok":false,"error":' + err.model_dump_json().encode() + b"}"
-        self.session.publish(response_topic or f"{topic}/reply", body, qos=qos,
-                             properties=PublishProperties(None, correlation, "application/json"), now=True)
+            body = self._failure(exc, device_name, command)
+        self._answer(topic, response_topic, correlation, qos, body)
 
     def dispatch(self, device_name: str, command: str, payload: bytes | bytearray) -> bytes:
         """Validate and run one request; the reply's `result` as JSON bytes, or raise CommandError."""
