@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -364,21 +364,16 @@ class DexterArm:
         except DexterLinkError as exc:
             raise link_error(exc) from None
         if out is None:  # in use or queued: take a turn like everyone else, on the pool
-            raise Deferred(lambda: self._submit_prepared(req))
+            raise Deferred(lambda: self._on_pool(lambda: self.link.submit(req)))
         if isinstance(out, PendingExchange):
-            raise Deferred(lambda: self._finish_pending(out))
+            pending = out
+            raise Deferred(lambda: self._on_pool(pending.finish))
         return self._reply_model(out, errno_reply=False, fail_on_error=True)
 
-    def _submit_prepared(self, req: Request) -> DexterCommandReply:
+    def _on_pool(self, exchange: Callable[[], LinkReply]) -> DexterCommandReply:
+        """The rest of an inline command on the kit's pool: its exchange (a turn, or the pending reply's wait)."""
         try:
-            lr = self.link.submit(req)
-        except DexterLinkError as exc:
-            raise link_error(exc) from None
-        return self._reply_model(lr, errno_reply=False, fail_on_error=True)
-
-    def _finish_pending(self, pending: PendingExchange) -> DexterCommandReply:
-        try:
-            lr = pending.finish()
+            lr = exchange()
         except DexterLinkError as exc:
             raise link_error(exc) from None
         return self._reply_model(lr, errno_reply=False, fail_on_error=True)
