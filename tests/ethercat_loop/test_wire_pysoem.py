@@ -141,6 +141,22 @@ def test_master_programs_sms_when_sii_lacks_them() -> None:
     assert stats["palm_state"] == 8 and stats["palm_cycles"] >= 9
 
 
+def test_a_lost_configuration_reply_is_resent_not_fatal() -> None:
+    # the palm writes both FMMUs but the first reply to each is lost (a flaky link; or, on a busy machine, a
+    # reply later than one send's wait): the master resends within config_write_timeout_us, as SOEM does
+    with hand("0230", [*ECHO, "--no-sii-pd", "--lose-fmmu-replies", "2"]) as (ns, ctl):
+        got = _run_master(ns, MasterConfig(ns.master_if, netns=ns.name, recv_timeout_us=5000),
+                          lambda m: m.identity)
+        stats = ctl.call("stats")
+    assert getattr(got, "mapping", None) == "programmed" and stats["dropped"] == 2
+
+
+def test_master_says_which_configuration_write_went_unanswered() -> None:
+    with hand("0230", [*ECHO, "--no-sii-pd", "--lose-fmmu-replies", "1000"]) as (ns, _ctl), \
+            pytest.raises(MasterError, match=r"did not acknowledge the write of FMMU0 \(register 0x0600\) within 6 ms"):
+        _run_master(ns, MasterConfig(ns.master_if, netns=ns.name, config_write_timeout_us=6000), lambda m: None)
+
+
 def test_master_refuses_mismatched_sizes() -> None:
     pattern = r"maps 70 B of command and 234 B of status.*needs 70 B \+ 232 B"
     with hand("0220", [*ECHO, "--status-size-delta", "2"]) as (ns, _ctl), pytest.raises(SizeMismatch, match=pattern):

@@ -41,6 +41,7 @@ from services.ethercat_loop.sim.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc,
 from services.ethercat_loop.sim.esc_frames import (
     ETH_HEADER_LEN,
     ETHERTYPE_ECAT,
+    Cmd,
     FrameError,
     build_datagrams,
     parse_datagrams,
@@ -77,6 +78,7 @@ class HandOptions:
     delay_us: int = 3000
     watch: tuple[int, int] | None = None  # (offset, length) of the command bytes whose changes are logged
     fmmus_on_safeop: bool = False  # FMMUs take effect only on PRE-OP -> SAFE-OP (both slaves)
+    lose_fmmu_replies: int = 0  # the replies to the first N FPWR frames to FMMU registers are lost
 
 
 def palm_product(opts: HandOptions) -> int:
@@ -129,6 +131,7 @@ class Faults:
     corrupt_wkc: int = 0
     drop_every: int = 0
     delay_every: int = 0
+    lose_fmmu_replies: int = 0  # configuration: FPWR to 0x0600-0x06FF written, the reply lost (the master resends)
 
 
 @dataclass
@@ -195,7 +198,8 @@ class VirtualHand:
         self.info = PROTOCOLS[opts.protocol]
         self.chain, self.bridge, self.palm = build_chain(opts)
         self.stats = HandStats()
-        self.faults = Faults(delay_us=opts.delay_us, drop_every=opts.drop_every, delay_every=opts.delay_every)
+        self.faults = Faults(delay_us=opts.delay_us, drop_every=opts.drop_every, delay_every=opts.delay_every,
+                             lose_fmmu_replies=opts.lose_fmmu_replies)
         self.firmware = PalmFirmware(self.palm, self.info, model, self.stats, opts.watch)
         self._palm_state = self.palm.al_state
         self.off_until_ns: int | None = None  # powered off until then (a power cycle in progress)
@@ -233,6 +237,10 @@ class VirtualHand:
         self.chain.process(dgs)
         self._watch_state()
         delay = 0
+        if self.faults.lose_fmmu_replies > 0 and any(d.cmd == Cmd.FPWR and 0x0600 <= d.ado < 0x0700 for d in dgs):
+            self.faults.lose_fmmu_replies -= 1
+            self.stats.dropped += 1
+            return None, 0  # written (an ESC acts on the frame as it passes), only the way back is lost
         if any(d.cmd in (10, 11, 12) for d in dgs):  # process data: the faults apply to these frames
             self.stats.pd_frames += 1
             n = self.stats.pd_frames
@@ -490,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rt-priority", type=int, default=0, help="SCHED_FIFO priority for the hand (0: normal)")
     p.add_argument("--cpus", default="", help="CPU affinity of the hand, e.g. 1 or 0,1 (default: any)")
     p.add_argument("--watch", help="OFFSET:LENGTH of the command bytes whose changes are logged (default: all)")
+    p.add_argument("--lose-fmmu-replies", type=int, default=0,
+                   help="lose the replies to the first N FMMU register writes (FPWR), as a flaky link would")
     p.add_argument("--fmmus-on-safeop", action="store_true",
                    help="FMMUs take effect only on the PRE-OP -> SAFE-OP transition (as some slaves do)")
     a = p.parse_args(argv)
@@ -498,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         off, _, length = a.watch.partition(":")
         watch = (int(off, 0), int(length, 0))
     opts = HandOptions(a.protocol, a.serial, a.vendor, a.revision, a.left, not a.no_sii_pd, a.status_size_delta,
-                       a.drop_every, a.delay_every, a.delay_us, watch, a.fmmus_on_safeop)
+                       a.drop_every, a.delay_every, a.delay_us, watch, a.fmmus_on_safeop,
+                       a.lose_fmmu_replies)
     hand = VirtualHand(opts, load_model(a.model, a.protocol))
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})

@@ -73,6 +73,10 @@ class MasterConfig:
     late_us: int = 300  # a reply later than this (but in time) counts as a late frame
     program_sms: str = "auto"  # auto: program SMs/FMMUs when the SII lacks them; always; never
     state_timeout_us: int = 3_000_000
+    # SM/FMMU/AL-control writes while configuring: SOEM's config_map gives its own EC_TIMEOUTRET3 (6 ms), and its
+    # srconfirm resends the frame every EC_TIMEOUTRET (2 ms) within the budget, so a lost frame or a slave slow to
+    # answer is retried. Nothing waits on configuration: allow EC_TIMEOUTSAFE (20 ms), i.e. up to 10 sends.
+    config_write_timeout_us: int = 20_000
     recovery: RecoveryPolicy = field(default_factory=lambda: RecoveryPolicy())
 
 
@@ -301,13 +305,24 @@ class EthercatMaster:
         """EML's configuration (reference §2.2): 4 mailbox SMs, FMMU0 writes the command + CAN bridge,
         FMMU1 reads the status + CAN bridge, at logical 0x10000. Done in PRE-OP, then SAFE-OP again."""
         for n, (start, length, control) in enumerate(info.sync_managers):
-            palm._fpwr(REG_SM0 + 8 * n, sm_register_block(start, length, control))
+            self._config_write(palm, REG_SM0 + 8 * n, sm_register_block(start, length, control), f"SM{n}")
         cmd_at, status_at = info.sync_managers[0][0], info.sync_managers[2][0]
-        palm._fpwr(REG_FMMU0, fmmu_register_block(LOGICAL_BASE, info.command_size, cmd_at, True))
-        palm._fpwr(REG_FMMU0 + 16, fmmu_register_block(LOGICAL_BASE + info.command_size, info.status_size,
-                                                         status_at, False))
+        self._config_write(palm, REG_FMMU0, fmmu_register_block(LOGICAL_BASE, info.command_size, cmd_at, True),
+                           "FMMU0")
+        self._config_write(palm, REG_FMMU0 + 16, fmmu_register_block(LOGICAL_BASE + info.command_size,
+                                                                     info.status_size, status_at, False), "FMMU1")
         # config_map asked for SAFE-OP before the SMs existed: acknowledge that refusal and ask again.
-        palm._fpwr(REG_ALCTL, struct.pack("<H", pysoem.SAFEOP_STATE | pysoem.STATE_ACK))
+        self._config_write(palm, REG_ALCTL, struct.pack("<H", pysoem.SAFEOP_STATE | pysoem.STATE_ACK),
+                           "AL control (SAFE-OP + ack)")
+
+    def _config_write(self, slave: Any, register: int, data: bytes, what: str) -> None:
+        """One configuration register write, resent by SOEM within `config_write_timeout_us` (see MasterConfig)."""
+        timeout = self.cfg.config_write_timeout_us
+        try:
+            slave._fpwr(register, data, timeout)
+        except pysoem.WkcError:
+            raise MasterError(f"{slave.name} did not acknowledge the write of {what} (register {register:#06x}) "
+                              f"within {timeout / 1000:g} ms, resent every 2 ms") from None
 
     def to_op(self) -> None:
         bus = self._need()
