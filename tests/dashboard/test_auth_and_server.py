@@ -71,6 +71,7 @@ def test_broker_with_user_and_password(spawn: Any, via: str) -> None:
     why = browser_missing()
     if why:
         pytest.skip(why)
+    from playwright.sync_api import expect  # (with the browser: present whenever the test is not skipped)
     with tempfile.TemporaryDirectory(prefix="robobus-auth-") as d:
         broker = WsBroker(Path(d), users={"lab": "s3cret"})
         broker.start()
@@ -88,9 +89,12 @@ def test_broker_with_user_and_password(spawn: Any, via: str) -> None:
                 page = ctx.new_page()
                 page.goto(f"{server.url}?username=lab")
                 expected = server.url.replace("http://", "ws://") + "mqtt" if via == "relay" else broker.ws_url
-                assert page.input_value("#connect input[name=url]") == expected
-                # with a user name the page waits for the password instead of connecting anonymously
-                assert page.locator("#conn").get_attribute("data-state") == "disconnected"
+                # the page fills its form once its two fetches (contract, config) are in, after the load event:
+                # wait for that, do not read it at once (a busy moment made it '' once)
+                expect(page.locator("#connect input[name=url]")).to_have_value(expected, timeout=20_000)
+                # with a user name the page waits for the password instead of connecting anonymously (the form
+                # is filled and the decision taken in the same turn of the page's event loop)
+                expect(page.locator("#conn")).to_have_attribute("data-state", "disconnected")
                 page.fill("#connect input[name=password]", "wrong")
                 page.click("#connect button")
                 page.wait_for_selector("#conn[data-state=error]", timeout=20_000)
