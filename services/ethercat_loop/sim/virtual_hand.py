@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from services.ethercat_loop.loop_stats import percentiles
 from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, PalmCommand, ProtocolInfo, unpack_command
-from services.ethercat_loop.sim.esc import AL_CODE_SM_WATCHDOG, OP, SAFEOP, Esc, EscChain, ExpectedSm
+from services.ethercat_loop.sim.esc import AL_CODE_SM_WATCHDOG, OP, REG_FMMU0, SAFEOP, Esc, EscChain, ExpectedSm
 from services.ethercat_loop.sim.esc_frames import (
     ETH_HEADER_LEN,
     ETHERTYPE_ECAT,
@@ -237,7 +237,8 @@ class VirtualHand:
         self.chain.process(dgs)
         self._watch_state()
         delay = 0
-        if self.faults.lose_fmmu_replies > 0 and any(d.cmd == Cmd.FPWR and 0x0600 <= d.ado < 0x0700 for d in dgs):
+        if self.faults.lose_fmmu_replies > 0 and any(d.cmd == Cmd.FPWR and REG_FMMU0 <= d.ado < REG_FMMU0 + 0x100
+                                                    for d in dgs):
             self.faults.lose_fmmu_replies -= 1
             self.stats.dropped += 1
             return None, 0  # written (an ESC acts on the frame as it passes), only the way back is lost
