@@ -23,7 +23,7 @@ from shared.device import Device
 from shared.errors import CommandError, ErrorCode
 from shared.messages import JobAccepted
 from shared.mqtt import MqttSession, PublishProperties
-from shared.payloads import describe_validation_error, dump, error_info
+from shared.payloads import Serialized, describe_validation_error, dump, error_info
 from shared.workers import CommandPool
 
 OK_PREFIX = b'{"ok":true,"result":'
@@ -183,6 +183,8 @@ class CommandDispatcher:
 
 
 def _result(model: type[BaseModel], out: Any) -> bytes:
+    if type(out) is Serialized:  # already the reply model's bytes (shared/payloads.py)
+        return out
     try:
         return dump(model, {} if out is None else out)
     except ValidationError as exc:

@@ -1,16 +1,20 @@
-"""The status every reply carries: `status_model` (one pass from the 60 ints) against the reference decoder."""
+"""The status every reply carries: `status_model` (one pass from the 60 ints) against the reference decoder; and a
+command's reply as published (`reply_dict` through pydantic-core's `to_json`, no model) against the model's JSON."""
 
 from __future__ import annotations
 
 import math
 import struct
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
+from pydantic_core import to_json
 from hypothesis import strategies as st
 
 from services.dexter_gateway import protocol as p
-from services.dexter_gateway.models import DexterJoint, DexterServo, DexterStatus
-from services.dexter_gateway.service import error_info, status_model
+from services.dexter_gateway.models import DexterCommandReply, DexterJoint, DexterServo, DexterStatus
+from services.dexter_gateway.service import error_info, reply_dict, status_model
+from services.dexter_gateway.transport import LinkReply
+from shared.payloads import dump
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
 
@@ -66,3 +70,46 @@ def test_status_model_decodes_known_values() -> None:
     assert (st_.j6.error_flags, st_.j7.error_flags) == (1, 2)
     assert st_.phui_button is True and st_.end_effector_io == 1
     assert st_.error.code == 3 and st_.error.flags == ["monitor"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(INT32, min_size=60, max_size=60), st.integers(0, 999_999),
+       st.sampled_from("hgaRPMTSBzwF" + "r" * 4 + "?~!"), st.sampled_from(["0", "0", "1", "a"]),
+       st.sampled_from([p.XL320_DEG_PER_UNIT, 360 / 4096, 1.0]), st.integers(0, 1023), st.booleans(),
+       st.floats(0, 2000, allow_nan=False), st.binary(max_size=62), st.sampled_from([0, 2, 10, 16, 29, 1 << 30]))
+def test_the_published_reply_is_the_models_json(ints: list[int], us: int, oplet: str, mode: str, dpu: float,
+                                                j6_zero: int, errno_reply: bool, rtt_ms: float, payload: bytes,
+                                                error: int) -> None:
+    """Commands publish `to_json(reply_dict(...))` without a model (kit `Serialized`): it must be, byte for byte,
+    what validating that dict into `DexterCommandReply` and dumping the model gives, for every layout (the
+    standard status, raw g≠0 modes, `r` blocks: text, binary, empty) and error word."""
+    ints[3], ints[4] = us, ord(oplet)
+    if oplet == "r":
+        ints[5], ints[6] = error, len(payload)
+        raw = bytearray(struct.pack("<60i", *ints))
+        raw[p.PAYLOAD_START:p.PAYLOAD_START + len(payload)] = payload
+        reply = p.decode_reply(bytes(raw))
+    else:
+        reply = p.decode_reply(struct.pack("<60i", *ints))
+    req = p.build_request("r", ("0", "/srv/samba/share/x")) if oplet == "r" else p.Request(oplet)
+    lr = LinkReply(req, reply, rtt_ms / 1000)
+    try:
+        d = reply_dict(lr, mode, dpu, j6_zero, 1795717385.371373, errno_reply=errno_reply)
+    except p.ProtocolError:
+        assume(False)
+    published = to_json(d)
+    assert published == dump(DexterCommandReply, d)
+    assert DexterCommandReply.model_validate_json(published).model_dump() == DexterCommandReply.model_validate(d).model_dump()
+
+
+def test_the_unit_settings_reach_the_reply_as_floats() -> None:
+    """A float field must get a float: an int 1 would be written `1` where the model writes `1.0`, so the settings
+    that scale the servo angles are floats even when given as integers."""
+    from services.dexter_gateway.service import DexterSettings
+
+    s = DexterSettings(dexter_servo_deg_per_unit=1)
+    assert type(s.dexter_servo_deg_per_unit) is float
+    reply = p.decode_reply(struct.pack("<60i", 5, 9, 1700000000, 0, ord("h"), 0, *range(54)))
+    d = reply_dict(LinkReply(p.Request("h"), reply, 0.0), "0", s.dexter_servo_deg_per_unit, 512, 1.0)
+    assert to_json(d) == dump(DexterCommandReply, d)
+    assert to_json(reply_dict(LinkReply(p.Request("h"), reply, 0.0), "0", 1, 512, 1.0)) != to_json(d)  # (why)

@@ -265,3 +265,31 @@ def test_an_inline_handler_can_defer_the_rest_to_the_pool(echo_node: Node, clien
     finally:
         echo_node.devices["dev1"].bind(WHERE, lambda r: WhereReply(thread=threading.current_thread().name),
                                        inline=True)
+
+
+def test_a_serialized_result_is_published_as_it_is(echo_node: Node, client: RpcClient) -> None:
+    """A handler may return `Serialized` (its reply model's bytes, made by its own tested code): the kit publishes
+    those bytes unchanged, inline, from the pool and from a `Deferred`'s rest, with no second validation (so a
+    deliberately off-schema `Serialized` goes out as it is: proving the equality is the handler's job)."""
+    from shared.dispatch import Deferred
+    from shared.payloads import Serialized
+    from tests.kit.echo_node import WHERE, WhereReply
+
+    body = Serialized(b'{"thread":"made by hand"}')
+    dev = echo_node.devices["dev1"]
+    try:
+        dev.bind(WHERE, lambda r: body, inline=True)
+        rep = client.call(echo_node.name, "dev1", "where", {})
+        assert rep.ok and rep.result == {"thread": "made by hand"}, rep
+        dev.bind(WHERE, lambda r: body)  # on the pool
+        assert client.call(echo_node.name, "dev1", "where", {}).result == {"thread": "made by hand"}
+
+        def deferred(r: object) -> WhereReply:
+            raise Deferred(lambda: body)
+        dev.bind(WHERE, deferred, inline=True)
+        assert client.call(echo_node.name, "dev1", "where", {}).result == {"thread": "made by hand"}
+        dev.bind(WHERE, lambda r: Serialized(b'{"thread":3}'))  # not checked: the handler vouches for it
+        rep = client.call(echo_node.name, "dev1", "where", {})
+        assert rep.ok and rep.result == {"thread": 3}, rep
+    finally:
+        dev.bind(WHERE, lambda r: WhereReply(thread=threading.current_thread().name), inline=True)
