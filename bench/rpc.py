@@ -110,31 +110,46 @@ def kit_round_trips(c: RpcClient, n: int, command: str = "echo") -> list[float]:
     return out
 
 
+class BareClient:
+    """A bare paho requester (QoS 1, Response Topic + Correlation Data) on one connection: `call()` is one
+    round trip through the bare echo, in ms."""
+
+    def __init__(self, url: str, topic: str) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        self.topic = topic
+        self.replies: queue.Queue[bytes] = queue.Queue()
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"barec-{uuid.uuid4().hex[:8]}", protocol=mqtt.MQTTv5)
+        c.on_socket_open = _nodelay
+        self.rt = f"bench/_bare/{uuid.uuid4().hex[:8]}"
+        c.on_message = lambda cl, ud, msg: self.replies.put(msg.properties.CorrelationData)  # type: ignore[union-attr]
+        c.connect("127.0.0.1", port)
+        c.loop_start()
+        c.subscribe(self.rt, qos=1)
+        time.sleep(0.3)
+        self.c = c
+        self.seq = 0
+
+    def call(self) -> float:
+        corr = uuid.uuid4().bytes
+        payload = json.dumps({"seq": self.seq, "text": "x"})
+        self.seq += 1
+        t0 = time.perf_counter()
+        self.c.publish(self.topic, payload, qos=1, properties=reply_properties(self.rt, corr, "application/json"))
+        while self.replies.get(timeout=5) != corr:
+            pass
+        return (time.perf_counter() - t0) * 1000
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
 def bare_round_trips(url: str, topic: str, n: int) -> list[float]:
-    port = int(url.rsplit(":", 1)[1])
-    replies: queue.Queue[bytes] = queue.Queue()
-    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"barec-{uuid.uuid4().hex[:8]}", protocol=mqtt.MQTTv5)
-    c.on_socket_open = _nodelay
-    rt = f"bench/_bare/{uuid.uuid4().hex[:8]}"
-    c.on_message = lambda cl, ud, msg: replies.put(msg.properties.CorrelationData)  # type: ignore[union-attr]
-    c.connect("127.0.0.1", port)
-    c.loop_start()
-    c.subscribe(rt, qos=1)
-    time.sleep(0.3)
-    out = []
+    c = BareClient(url, topic)
     try:
-        for i in range(n):
-            corr = uuid.uuid4().bytes
-            payload = json.dumps({"seq": i, "text": "x"})
-            t0 = time.perf_counter()
-            c.publish(topic, payload, qos=1, properties=reply_properties(rt, corr, "application/json"))
-            while replies.get(timeout=5) != corr:
-                pass
-            out.append((time.perf_counter() - t0) * 1000)
+        return [c.call() for _ in range(n)]
     finally:
-        c.loop_stop()
-        c.disconnect()
-    return out
+        c.close()
 
 
 def publish_throughput(url: str, n: int) -> dict[str, float]:
