@@ -171,6 +171,37 @@ class GatewaySide:
         return float(res["result"]["blocks"]) / float(res["duration_s"])
 
 
+def serve_bridge(url: str, topic: str, sim_port: int) -> None:
+    """The least an MQTT-to-DexRun bridge can do: bench/rpc.py's bare paho echo, whose `on_message` makes one raw
+    `h` exchange (`Raw`) with its own simulator and publishes the 240 reply bytes as they are (no validation,
+    no decoding beyond the reply's header, no JSON, no health). What any bridge pays for the two hops."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from shared.mqtt import reply_properties
+
+    def nodelay(cl: Any, ud: Any, sock: Any) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    raw = Raw(sim_port)
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bridge-{os.getpid()}", protocol=mqtt.MQTTv5)
+    c.on_socket_open = nodelay
+
+    def on_connect(cl, ud, fl, rc, pr=None):  # type: ignore[no-untyped-def]
+        cl.subscribe(topic, qos=1)
+
+    def on_message(cl, ud, msg):  # type: ignore[no-untyped-def]
+        props = msg.properties
+        rep = raw.cmd("h")
+        cl.publish(props.ResponseTopic, rep.data, qos=1,
+                   properties=reply_properties(None, props.CorrelationData, "application/octet-stream"))
+
+    c.on_connect = on_connect
+    c.on_message = on_message
+    c.connect("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    c.loop_forever()
+
+
 def start_sim(port: int, root: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "services.dexter_gateway.sim", "--port", str(port), "--root",
                              str(root)], env=env, cwd=REPO, stdout=subprocess.DEVNULL)
@@ -189,7 +220,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--calls", type=int, default=0)
     ap.add_argument("--file-kib", type=int, default=0)
+    ap.add_argument("--serve-bridge", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.serve_bridge:
+        return serve_bridge(a.serve_bridge[0], a.serve_bridge[1], int(a.serve_bridge[2]))
     calls = a.calls or (500 if a.quick else 2000)
     rounds = 5 if a.quick else 9  # file pairs: the median of 5 (9) per-pair ratios, not of 3, on a shared machine
     size = (a.file_kib or (64 if a.quick else 128)) * 1024
@@ -202,21 +236,26 @@ def main() -> None:
     turn_raw: list[float] = []  # the same three, call by call in turn
     turn_hop: list[float] = []
     turn_mqtt: list[float] = []
+    bridge_rt: list[float] = []  # the bare bridge (serve_bridge): the floor for any MQTT-to-DexRun bridge
+    turn_bridge: list[float] = []
     ratios: dict[str, list[float]] = {"raw_write": [], "gw_write": [], "raw_read": [], "gw_read": [],
                                       "write": [], "read": []}
     with tempfile.TemporaryDirectory(prefix="dexter-bench-") as d:
         broker = Broker(free_port(), Path(d))
         broker.start()
-        raw_port, gw_port, link_port = free_port(), free_port(), free_port()
+        raw_port, gw_port, link_port, bridge_port = free_port(), free_port(), free_port(), free_port()
         sims = [start_sim(raw_port, Path(d) / "raw", env), start_sim(gw_port, Path(d) / "gw", env),
-                start_sim(link_port, Path(d) / "link", env)]
+                start_sim(link_port, Path(d) / "link", env), start_sim(bridge_port, Path(d) / "bridge", env)]
         bare = subprocess.Popen([sys.executable, str(REPO / "bench/rpc.py"), "--serve-bare", broker.url,
                                  "bench/bare/echo"], env=env, cwd=REPO)
+        bridge: subprocess.Popen[bytes] | None = None
         gw: NodeProcess | None = None
         try:
-            assert wait_for(lambda: all(listening(x) for x in (raw_port, gw_port, link_port)), 30), \
+            assert wait_for(lambda: all(listening(x) for x in (raw_port, gw_port, link_port, bridge_port)), 30), \
                 "simulators did not listen"
             time.sleep(0.3)  # the probe connections must have left the simulators' accept loops
+            bridge = subprocess.Popen([sys.executable, str(REPO / "bench/dexter.py"), "--serve-bridge", broker.url,
+                                       "bench/bridge/h", str(bridge_port)], env=env, cwd=REPO)
             arms = [{"id": "arm1", "host": "127.0.0.1", "port": gw_port}]
             gw = NodeProcess(["-m", "services.dexter_gateway"],
                              {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_DEXTER_ARMS": json.dumps(arms), **env})
@@ -236,6 +275,14 @@ def main() -> None:
                     return False
             assert wait_for(up, 60), "gateway did not come up:\n" + gw.text()
             assert wait_for(bare_up, 60), "bare echo did not come up"
+
+            def bridge_up() -> bool:
+                try:
+                    return bool(bare_round_trips(broker.url, "bench/bridge/h", 1))
+                except queue.Empty:
+                    return False
+            assert wait_for(bridge_up, 60), "bare bridge did not come up"
+            bridge_c = BareClient(broker.url, "bench/bridge/h")
             raw = RawSide(raw_port)
             links = LinkSide(link_port)
             gws = GatewaySide(client)
@@ -246,6 +293,7 @@ def main() -> None:
                 raw_rt += raw.round_trips(per)
                 link_rt += links.round_trips(per)
                 hop += bare_round_trips(broker.url, "bench/bare/echo", per)
+                bridge_rt += [bridge_c.call() for _ in range(per)]
                 mqtt_rt += gws.round_trips(per)
                 rw = raw.write(f"/srv/samba/share/r{r}.bin", data)
                 gw_w = gws.write(f"/srv/samba/share/g{r}.bin", data)
@@ -260,20 +308,21 @@ def main() -> None:
             # loop keeps its simulator on its own CPU, hot: no command arriving over a bus finds it so).
             bare_c = BareClient(broker.url, "bench/bare/echo")
             sides: list[tuple[list[float], Any]] = [
-                (turn_raw, lambda: raw.round_trips(1)[0]), (turn_hop, bare_c.call),
+                (turn_raw, lambda: raw.round_trips(1)[0]), (turn_hop, bare_c.call), (turn_bridge, bridge_c.call),
                 (turn_mqtt, lambda: gws.round_trips(1)[0])]
             for i in range(calls):
-                turn = i % 3
+                turn = i % len(sides)
                 for out, fn in sides[turn:] + sides[:turn]:
                     out.append(fn())
             bare_c.close()
+            bridge_c.close()
             raw.c.close()
             links.link.close()
             client.close()
         finally:
             if gw is not None:
                 gw.stop()
-            for proc in (*sims, bare):
+            for proc in (*sims, bare, *([bridge] if bridge is not None else [])):
                 proc.terminate()
                 proc.wait(10)
             broker.kill()
@@ -295,6 +344,9 @@ def main() -> None:
         "write_ratio": round(pct(ratios["write"], 50), 3),  # median over the rounds of gateway / raw
         "read_ratio": round(pct(ratios["read"], 50), 3),
         "turn_raw_p50_ms": round(pct(turn_raw, 50), 3), "turn_hop_p50_ms": round(pct(turn_hop, 50), 3),
+        "bridge_p50_ms": round(pct(bridge_rt, 50), 3), "bridge_p99_ms": round(pct(bridge_rt, 99), 3),
+        "bridge_p50_over_bound": round(pct(bridge_rt, 50) / bound, 3),
+        "turn_bridge_p50_ms": round(pct(turn_bridge, 50), 3),
         "turn_mqtt_p50_ms": round(pct(turn_mqtt, 50), 3), "turn_mqtt_p99_ms": round(pct(turn_mqtt, 99), 3),
         "turn_mqtt_p50_over_bound": round(pct(turn_mqtt, 50) / (TARGET_RATIO * pct(turn_raw, 50)
                                                                  + pct(turn_hop, 50)), 3),
@@ -314,11 +366,15 @@ def main() -> None:
     print(f"  DexterLink   h round trip  p50 {res['link_p50_ms']:.3f} ms  p99 {res['link_p99_ms']:.3f} ms "
           "(the gateway's transport alone)")
     print(f"  broker hop   bare echo     p50 {res['broker_hop_p50_ms']:.3f} ms  p99 {res['broker_hop_p99_ms']:.3f} ms")
+    print(f"  bare bridge  h via MQTT    p50 {res['bridge_p50_ms']:.3f} ms  p99 {res['bridge_p99_ms']:.3f} ms "
+          f"(p50 bound: {res['bridge_p50_over_bound']:.2f} x)")
     print(f"  MQTT         heartbeat     p50 {res['mqtt_p50_ms']:.3f} ms  p99 {res['mqtt_p99_ms']:.3f} ms "
           f"(p50 bound {res['mqtt_p50_bound_ms']:.3f} ms: {res['mqtt_p50_over_bound']:.2f} x)")
     print("call by call (raw, hop, gateway in turn: the verdict):")
     print(f"  raw socket   h round trip  p50 {res['turn_raw_p50_ms']:.3f} ms")
     print(f"  broker hop   bare echo     p50 {res['turn_hop_p50_ms']:.3f} ms")
+    print(f"  bare bridge  h via MQTT    p50 {res['turn_bridge_p50_ms']:.3f} ms "
+          f"(p50 bound: {res['turn_bridge_p50_ms'] / turn_bound:.2f} x)")
     print(f"  MQTT         heartbeat     p50 {res['turn_mqtt_p50_ms']:.3f} ms  p99 {res['turn_mqtt_p99_ms']:.3f} ms "
           f"(p99 target {TARGET_P99_MS} ms: {res['turn_mqtt_p99_ms'] / TARGET_P99_MS:.2f} x; p50 bound "
           f"{res['turn_mqtt_p50_bound_ms']:.3f} ms: {res['turn_mqtt_p50_over_bound']:.2f} x)")

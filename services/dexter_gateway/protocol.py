@@ -270,9 +270,10 @@ def check_write_args(args: Sequence[str]) -> None:
         raise ProtocolError(f"W {sub}: {exc}") from None
 
 
-@dataclass(frozen=True)
-class Request:
-    """One DexRun command. `encode()` gives the 256-byte zero-padded buffer that goes in one write."""
+class Request(NamedTuple):
+    """One DexRun command. `encode()` gives the 256-byte zero-padded buffer that goes in one write. (A named
+    tuple, as `Reply`: the link numbers each command it sends with a new one, and a block of a file transfer
+    is one.)"""
 
     oplet: str
     args: tuple[str, ...] = ()
