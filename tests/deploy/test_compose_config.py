@@ -34,7 +34,9 @@ NOT_SETTINGS = {"ROBOBUS_HEALTHCHECK_WAIT_S"}
 
 
 @pytest.fixture(scope="module")
-def compose_ok() -> None:
+def compose_ok(docker_ready: str) -> None:
+    """docker's client and compose, installed when missing (`docker_ready`, as for every container test: on a
+    fresh machine these tests run first, before any other container test has installed them)."""
     if not (Path("/usr/bin/docker").exists() and (shutil.which("docker") or True)):
         pytest.skip("no docker client: deploy/dev/ensure-docker.sh installs it")
     if not any(Path(p, "docker-compose").exists() for p in
