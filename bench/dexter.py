@@ -1,25 +1,26 @@
 """Benchmark: dexter-gateway against the simulated DexRun, side by side with a raw socket client.
 
-One simulated arm (its own process), a private mosquitto, then:
+A private mosquitto and one simulated arm per client (its own process: a simulator serves one client at a
+time, as DexRun does), then, in interleaved rounds (the machine is shared: all sides see the same load):
 1. a raw TCP client on its own simulator: `h` round trips (p50/p99), and a file written with `W` and read
    back with `r`, 62 bytes a block (blocks per second); the gateway's `DexterLink` alone on a third one;
-2. one broker hop: a bare paho request/reply echo (bench/rpc.py's) through the same broker;
+2. one broker hop: a bare paho request/reply echo (bench/rpc.py's) through the same broker; and a bare bridge
+   (`serve_bridge`: that echo making one raw `h` exchange with a fourth simulator, no validation, no decoding:
+   the floor for any MQTT-to-DexRun bridge in Python);
 3. the gateway process on another simulator: `heartbeat` through MQTT (p50/p99) and the same file through
-   the `write_file` / `read_file` jobs (blocks per second over the job's own duration).
-A simulator serves one client at a time, as DexRun does, hence one each. The machine is shared: the sides are
-measured in interleaved rounds, so that they see the same load.
-
-4. the three round trips again, call by call: raw, broker hop, gateway in turn (the order rotating), one call
-   each, so that every call of every side meets the same moment of the machine and comes after other traffic,
-   as a command from a bus does.
+   the `write_file` / `read_file` jobs (blocks per second over the job's own duration);
+4. the round trips of 1-3 again, call by call: raw, broker hop, bare bridge, gateway in turn (the order
+   rotating), one call each, so that every call of every side meets the same moment of the machine and comes
+   after other traffic, as a command from a bus does.
 
 Targets (issue 12): MQTT round trip p99 <= 3 ms, and p50 <= 1.5 x raw p50 + one broker hop (the bare echo's
 p50), judged call by call (4); file transfer >= 0.8 x the raw client's blocks per second. The back-to-back
 ratio (1-3) is printed as well: there the raw client's tight loop keeps its simulator hot on one CPU, and its
 p50 is a third to a quarter of its call-by-call p50 on a 2-vCPU VM, where waking a task on the other, idle
-vCPU costs ~35-55 us (perf sched: services/dexter_gateway/README.md, session 8). Last line: one JSON object.
+vCPU costs tens of us (bench/dexter_wakeups.py; services/dexter_gateway/README.md, session 8); the bare bridge
+misses that back-to-back bound too. Last line: one JSON object.
 
-    python bench/dexter.py            # 2000 round trips, a 128 KiB file (2115 blocks)
+    python bench/dexter.py            # 2000 round trips a side and phase, a 128 KiB file (2115 blocks)
     python bench/dexter.py --quick    # 500 round trips, a 64 KiB file (1057 blocks)
 
 The file is long enough to be measured: at ~10 K blocks/s, 16 KiB (265 blocks) took ~25 ms a side, where one
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from rpc import BareClient, bare_round_trips  # noqa: E402  (bench/rpc.py: the kit's own bare paho echo)
+from rpc import BareClient, bare_round_trips, serve_bare_loop  # noqa: E402  (bench/rpc.py: the bare paho echo)
 
 from services.dexter_gateway import protocol as p  # noqa: E402
 from services.dexter_gateway.transport import DexterLink, DexterLinkConfig  # noqa: E402
@@ -175,31 +176,32 @@ def serve_bridge(url: str, topic: str, sim_port: int) -> None:
     """The least an MQTT-to-DexRun bridge can do: bench/rpc.py's bare paho echo, whose `on_message` makes one raw
     `h` exchange (`Raw`) with its own simulator and publishes the 240 reply bytes as they are (no validation,
     no decoding beyond the reply's header, no JSON, no health). What any bridge pays for the two hops."""
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
-
-    from shared.mqtt import reply_properties
-
-    def nodelay(cl: Any, ud: Any, sock: Any) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
     raw = Raw(sim_port)
-    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bridge-{os.getpid()}", protocol=mqtt.MQTTv5)
-    c.on_socket_open = nodelay
+    serve_bare_loop(url, topic, lambda payload: (raw.cmd("h").data, "application/octet-stream"))
 
-    def on_connect(cl, ud, fl, rc, pr=None):  # type: ignore[no-untyped-def]
-        cl.subscribe(topic, qos=1)
 
-    def on_message(cl, ud, msg):  # type: ignore[no-untyped-def]
-        props = msg.properties
-        rep = raw.cmd("h")
-        cl.publish(props.ResponseTopic, rep.data, qos=1,
-                   properties=reply_properties(None, props.CorrelationData, "application/octet-stream"))
+def start_gateway(broker: Broker, arm_port: int, env: dict[str, str], name: str,
+                  args: list[str] | None = None, extra_env: dict[str, str] | None = None
+                  ) -> tuple[NodeProcess, RpcClient]:
+    """dexter-gateway in its own process (`args`: another entry point, e.g. a traced one) serving arm1 on
+    `arm_port`, and a connected client; returns once a `heartbeat` is answered."""
+    arms = [{"id": "arm1", "host": "127.0.0.1", "port": arm_port}]
+    gw = NodeProcess(args or ["-m", "services.dexter_gateway"],
+                     {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_DEXTER_ARMS": json.dumps(arms), **env,
+                      **(extra_env or {})})
+    client = RpcClient(broker.settings(), name=name)
+    client.connect()
 
-    c.on_connect = on_connect
-    c.on_message = on_message
-    c.connect("127.0.0.1", int(url.rsplit(":", 1)[1]))
-    c.loop_forever()
+    def up() -> bool:
+        try:
+            return client.call(NODE, "arm1", "heartbeat", {}, timeout=0.5).ok
+        except TimeoutError:
+            return False
+    if not wait_for(up, 60):
+        client.close()
+        gw.stop()
+        raise AssertionError("gateway did not come up:\n" + gw.text())
+    return gw, client
 
 
 def start_sim(port: int, root: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -256,32 +258,15 @@ def main() -> None:
             time.sleep(0.3)  # the probe connections must have left the simulators' accept loops
             bridge = subprocess.Popen([sys.executable, str(REPO / "bench/dexter.py"), "--serve-bridge", broker.url,
                                        "bench/bridge/h", str(bridge_port)], env=env, cwd=REPO)
-            arms = [{"id": "arm1", "host": "127.0.0.1", "port": gw_port}]
-            gw = NodeProcess(["-m", "services.dexter_gateway"],
-                             {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_DEXTER_ARMS": json.dumps(arms), **env})
-            client = RpcClient(broker.settings(), name="dexter-bench")
-            client.connect()
+            gw, client = start_gateway(broker, gw_port, env, "dexter-bench")
 
-            def up() -> bool:
+            def answers(topic: str) -> bool:
                 try:
-                    return client.call(NODE, "arm1", "heartbeat", {}, timeout=0.5).ok
-                except TimeoutError:
-                    return False
-
-            def bare_up() -> bool:
-                try:
-                    return bool(bare_round_trips(broker.url, "bench/bare/echo", 1))
+                    return bool(bare_round_trips(broker.url, topic, 1))
                 except queue.Empty:
                     return False
-            assert wait_for(up, 60), "gateway did not come up:\n" + gw.text()
-            assert wait_for(bare_up, 60), "bare echo did not come up"
-
-            def bridge_up() -> bool:
-                try:
-                    return bool(bare_round_trips(broker.url, "bench/bridge/h", 1))
-                except queue.Empty:
-                    return False
-            assert wait_for(bridge_up, 60), "bare bridge did not come up"
+            assert wait_for(lambda: answers("bench/bare/echo"), 60), "bare echo did not come up"
+            assert wait_for(lambda: answers("bench/bridge/h"), 60), "bare bridge did not come up"
             bridge_c = BareClient(broker.url, "bench/bridge/h")
             raw = RawSide(raw_port)
             links = LinkSide(link_port)
@@ -370,7 +355,7 @@ def main() -> None:
           f"(p50 bound: {res['bridge_p50_over_bound']:.2f} x)")
     print(f"  MQTT         heartbeat     p50 {res['mqtt_p50_ms']:.3f} ms  p99 {res['mqtt_p99_ms']:.3f} ms "
           f"(p50 bound {res['mqtt_p50_bound_ms']:.3f} ms: {res['mqtt_p50_over_bound']:.2f} x)")
-    print("call by call (raw, hop, gateway in turn: the verdict):")
+    print("call by call (raw, hop, bridge, gateway in turn: the verdict):")
     print(f"  raw socket   h round trip  p50 {res['turn_raw_p50_ms']:.3f} ms")
     print(f"  broker hop   bare echo     p50 {res['turn_hop_p50_ms']:.3f} ms")
     print(f"  bare bridge  h via MQTT    p50 {res['turn_bridge_p50_ms']:.3f} ms "

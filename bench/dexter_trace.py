@@ -158,9 +158,9 @@ def main() -> None:
     import dexter as bd
     from rpc import bare_round_trips
 
-    from shared.localbroker import Broker, NodeProcess, free_port
+    from shared.localbroker import Broker, free_port
     from shared.mqtt import reply_properties
-    from shared.rpc import RpcClient, _Waiter, wait_for
+    from shared.rpc import _Waiter, wait_for
 
     ns = time.monotonic_ns
     rounds, per = 4, max(a.calls // 4, 1)
@@ -181,19 +181,9 @@ def main() -> None:
         try:
             assert wait_for(lambda: bd.listening(gw_port) and bd.listening(raw_port), 30), "simulators down"
             time.sleep(0.3)  # the probe connections must have left the simulators' accept loops
-            arms = [{"id": "arm1", "host": "127.0.0.1", "port": gw_port}]
-            gw = NodeProcess([str(REPO / "bench/dexter_trace.py"), "--serve-gateway", str(out)],
-                             {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_DEXTER_ARMS": json.dumps(arms), **env,
-                              **({"DEXTER_TRACE_INLINE": "1"} if a.inline else {})})
-            client = RpcClient(broker.settings(), name="dexter-trace")
-            client.connect()
-
-            def up() -> bool:
-                try:
-                    return client.call(bd.NODE, "arm1", "heartbeat", {}, timeout=0.5).ok
-                except TimeoutError:
-                    return False
-            assert wait_for(up, 60), "gateway did not come up:\n" + gw.text()
+            gw, client = bd.start_gateway(broker, gw_port, env, "dexter-trace",
+                                          [str(REPO / "bench/dexter_trace.py"), "--serve-gateway", str(out)],
+                                          {"DEXTER_TRACE_INLINE": "1"} if a.inline else None)
             assert wait_for(lambda: bool(bare_round_trips(broker.url, "bench/bare/echo", 1)), 60), "no bare echo"
             on_reply = client._on_reply
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import dexter as bd  # noqa: E402  (bench/dexter.py: the same simulators, clients and gateway)
 
 from shared.localbroker import Broker, NodeProcess, free_port  # noqa: E402
-from shared.rpc import RpcClient, wait_for  # noqa: E402
+from shared.rpc import wait_for  # noqa: E402
 
 EVENT = re.compile(r"\s*\S+\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+(\S+):\s+(.*)")
 
@@ -130,18 +130,7 @@ def main() -> None:
         try:
             assert wait_for(lambda: bd.listening(gw_port) and bd.listening(raw_port), 30), "simulators down"
             time.sleep(0.3)
-            arms = [{"id": "arm1", "host": "127.0.0.1", "port": gw_port}]
-            gw = NodeProcess(["-m", "services.dexter_gateway"],
-                             {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_DEXTER_ARMS": json.dumps(arms), **env})
-            client = RpcClient(broker.settings(), name="dexter-wakeups")
-            client.connect()
-
-            def up() -> bool:
-                try:
-                    return client.call(bd.NODE, "arm1", "heartbeat", {}, timeout=0.5).ok
-                except TimeoutError:
-                    return False
-            assert wait_for(up, 60), "gateway did not come up:\n" + gw.text()
+            gw, client = bd.start_gateway(broker, gw_port, env, "dexter-wakeups")
             raw = bd.RawSide(raw_port)
             gws = bd.GatewaySide(client)
             assert broker.proc is not None

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,9 @@ def serve_kit(url: str) -> None:
     node.run()
 
 
-def serve_bare(url: str, topic: str) -> None:
-    """A bare paho echo: the least a correct MQTT 5 request/reply server can do."""
+def serve_bare_loop(url: str, topic: str, respond: Callable[[bytes], tuple[bytes, str]]) -> None:
+    """A bare paho request/reply server: `respond(request payload) -> (reply payload, content type)`, answered on
+    the request's Response Topic with its Correlation Data at QoS 1, from paho's network thread."""
     port = int(url.rsplit(":", 1)[1])
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bare-{uuid.uuid4().hex[:8]}", protocol=mqtt.MQTTv5)
     c.on_socket_open = _nodelay
@@ -85,13 +87,18 @@ def serve_bare(url: str, topic: str) -> None:
 
     def on_message(cl, ud, msg):  # type: ignore[no-untyped-def]
         p = msg.properties
-        cl.publish(p.ResponseTopic, msg.payload, qos=1,
-                   properties=reply_properties(None, p.CorrelationData, "application/json"))
+        payload, content_type = respond(msg.payload)
+        cl.publish(p.ResponseTopic, payload, qos=1, properties=reply_properties(None, p.CorrelationData, content_type))
 
     c.on_connect = on_connect
     c.on_message = on_message
     c.connect("127.0.0.1", port)
     c.loop_forever()
+
+
+def serve_bare(url: str, topic: str) -> None:
+    """A bare paho echo: the least a correct MQTT 5 request/reply server can do."""
+    serve_bare_loop(url, topic, lambda payload: (payload, "application/json"))
 
 
 # -- clients -----------------------------------------------------------------------------------
