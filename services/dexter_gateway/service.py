@@ -40,7 +40,6 @@ from services.dexter_gateway.models import (
     DexterMoveToStraight,
     DexterPidMove,
     DexterRawCommand,
-    DexterReadBlock,
     DexterReadFile,
     DexterRunFile,
     DexterRunFileResult,
@@ -208,10 +207,6 @@ def read_block_dict(reply: p.Reply) -> dict[str, Any]:
     except UnicodeDecodeError:
         text, b64 = None, base64.b64encode(blk.payload).decode()
     return {"error": _error_dict(reply.error, True), "length": blk.length, "text": text, "base64": b64}
-
-
-def read_block_model(reply: p.Reply) -> DexterReadBlock:
-    return DexterReadBlock.model_validate(read_block_dict(reply))
 
 
 def reply_dict(lr: LinkReply, mode: str, deg_per_unit: float, j6_zero: int, ts: float, *,
@@ -388,14 +383,15 @@ class DexterArm:
             req = self.link.prepare(oplet, args)
         except ProtocolError as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
-        if not args and len(self._argless) < 64:
+        if not args:  # keyed by oplet: at most one per oplet DexRun knows (the rest fail validation above)
             self._argless[oplet] = req
         return req
 
     def command(self, oplet: str, args: Sequence[Any] = ()) -> Serialized:
         """A bound command's one exchange: on paho's thread (the inline path, `INLINE_WAIT_MAX_S`) when the
         link is idle and its reply comes in time; otherwise raises `Deferred`, and the kit's pool finishes it:
-        the reply's wait (the turn kept: nothing overtakes it), or, with the link busy, the ordinary `send`."""
+        the reply's wait (the turn kept: nothing overtakes it), or, with the link busy, a turn like everyone's.
+        Either way the reply goes out as `Serialized` (`_reply_json`)."""
         req = self._prepare(oplet, args)
         if self._inline_wait_s <= 0:
             return self._on_pool(lambda: self.link.submit(req))

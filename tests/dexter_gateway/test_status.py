@@ -112,4 +112,5 @@ def test_the_unit_settings_reach_the_reply_as_floats() -> None:
     reply = p.decode_reply(struct.pack("<60i", 5, 9, 1700000000, 0, ord("h"), 0, *range(54)))
     d = reply_dict(LinkReply(p.Request("h"), reply, 0.0), "0", s.dexter_servo_deg_per_unit, 512, 1.0)
     assert to_json(d) == dump(DexterCommandReply, d)
-    assert to_json(reply_dict(LinkReply(p.Request("h"), reply, 0.0), "0", 1, 512, 1.0)) != to_json(d)  # (why)
+    # what the float setting guards against: an int scale writes J6/J7 angles as `29` where the model has `29.0`
+    assert to_json(reply_dict(LinkReply(p.Request("h"), reply, 0.0), "0", 1, 512, 1.0)) != to_json(d)
