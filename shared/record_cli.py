@@ -89,7 +89,7 @@ def record(
         inspect_cmd(info)
         return
     if if_enabled and os.environ.get("ROBOBUS_RECORD", "0").strip().lower() not in ("1", "true", "yes", "on"):
-        # a supervisor (honcho) stops everything when one process exits: stay, quietly, until stopped
+        # make run's supervisor starts a process that exits again: stay, quietly, until stopped
         err.print("robobus record: bus recording off (ROBOBUS_RECORD=1 records the bus into "
                   f"{os.environ.get('ROBOBUS_RECORD_PATH', 'recordings/')})", highlight=False)
         _stop_on_signals().wait()

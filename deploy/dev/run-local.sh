@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make run`: a local mosquitto (unless ROBOBUS_MQTT_URL names another broker) and every service on
-# its simulator, under honcho (deploy/Procfile.sim). Ctrl-C stops everything cleanly.
+# its simulator, under supervisord (deploy/dev/supervise.py reads deploy/Procfile.sim): what dies is started
+# again, the broker included; Ctrl-C stops the nodes first, then the broker.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH:/usr/sbin"
@@ -18,4 +19,4 @@ else
 fi
 # Home Assistant discovery only on request: it publishes retained configs other tools would see.
 [ "${ROBOBUS_HOMEASSISTANT:-false}" = true ] || procs=$(echo "$procs" | grep -vx homeassistant)
-exec honcho -f "$procfile" -d . start $(echo $procs)
+exec python deploy/dev/supervise.py --procfile "$procfile" $(echo $procs)

@@ -140,8 +140,8 @@ def test_no_broker_exits_3_with_one_clear_line(spawn: Any, tmp_path: Path) -> No
 
 
 def test_if_enabled_idles_until_stopped_when_recording_is_off(spawn: Any, tmp_path: Path) -> None:
-    """make run's `recorder` process: off unless ROBOBUS_RECORD=1, and then it must stay up (honcho stops
-    every process when one exits) and stop cleanly."""
+    """make run's `recorder` process: off unless ROBOBUS_RECORD=1, and then it must stay up (make run's
+    supervisor starts a process that exits again) and stop cleanly."""
     proc = spawn([*RECORD, "--if-enabled", "-o", str(tmp_path / "x.mcap")], {"ROBOBUS_RECORD": "0"})
     assert wait_for(lambda: any("recording off" in line for line in proc.output), 60), proc.text()
     time.sleep(0.5)
