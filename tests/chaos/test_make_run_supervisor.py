@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from shared.localbroker import REPO, free_port
 from tests.fixtures import mosquitto_bin
