@@ -30,6 +30,7 @@ from shared.contract import (
 from shared.counters import Counters
 from shared.errors import CommandError, ErrorCode
 from shared.jobs import JobCancelled, JobContext
+from shared.link import LinkPolicy, SupervisedLink
 from shared.messages import CancelReply, CancelRequest, ErrorInfo, Health, JobAccepted, JobResult
 from shared.mqtt import MqttSession
 from shared.payloads import describe_validation_error, dump, error_info
@@ -78,6 +79,7 @@ class Device:
             "error": False, "error_message": "", "details": {},
         }
         self._health_lock = threading.Lock()
+        self.link: SupervisedLink | None = None
         self.commands: dict[str, tuple[CommandSpec, Handler]] = {}
         self.inline: set[str] = set()
         self.jobs: dict[str, tuple[JobSpec, Handler, Handler | None]] = {}
@@ -101,9 +103,19 @@ class Device:
         if changed:
             self.publish_health()
 
+    def supervise_link(self, policy: LinkPolicy) -> SupervisedLink:
+        """Hand this device's link to the kit's supervisor (shared/link.py): its health is driven from the link's
+        state, the same table in every service (docs/kit.md), and `details.link` counts attempts, failures and
+        time in each state. The node's housekeeping applies the deadlines."""
+        self.link = SupervisedLink(policy, lambda fields: self.set_health(**fields))
+        self.node.flush_schedule.wake.set()  # the housekeeping loop picks up the new deadline
+        return self.link
+
     def health_message(self) -> Health:
         with self._health_lock:
             h = dict(self._health)
+        if self.link is not None:
+            h["details"] = {**h.get("details", {}), "link": self.link.details()}
         return Health(service=self.node.api.service, node=self.node.name, device=self.name,
                       version=self.node.version, ts=time.time(), **h)
 

@@ -240,6 +240,11 @@ class Node:
         next_beat = time.monotonic() + self.settings.health_interval_s
         while not self._stopped:
             wait = self.flush_schedule.flush(self.send_slot)
+            for dev in list(self.devices.values()):  # supervised links: silent / unreachable when due
+                if dev.link is not None:
+                    due = dev.link.tick()
+                    if due is not None:
+                        wait = min(wait, due + 0.001)
             t = time.monotonic()
             if t >= next_beat:
                 next_beat = t + self.settings.health_interval_s

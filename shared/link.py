@@ -1,0 +1,392 @@
+"""Link supervision: one state machine per device link, and the one meaning of the health fields.
+
+Pure (h11 style): the transport reports what happened (`attempt`, `opened`, `failed`, `data`, `closed`,
+`fault`, ...) with the time it happened, and asks `tick(now)` when a deadline may have passed; the machine
+answers with its state, the health fields that state means, and when to try connecting again. No I/O, no
+clock, no thread: the same machine runs inside an asyncio gateway, a thread, or a test with made-up times.
+
+States (docs/kit.md, "Health: one meaning in every service"):
+
+    connecting   -> trying to reach a device not heard from yet; budget not yet passed
+    unreachable  -> never heard from within the budget: one probe per probe period from then on
+    connected    -> the link is open; no valid data yet (connection stays false until data comes)
+    operational  -> valid data within the liveness budget
+    silent       -> the link is open but no valid data within the budget (a hung or muted device)
+    lost         -> the link closed or failed after the device had been heard from; reconnecting
+    error        -> the device reports a fault, or is not the kind configured (an overlay: see `fault`)
+    recovering   -> a helper process of the link is being restarted
+    stopped      -> the service has stopped the link for good
+
+`connection` is true only in `operational` (valid data within the budget); a failed reconnect attempt is
+counted in `details`, never an `error`; `error` is true only while a fault is reported, and says how.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class LinkState(enum.StrEnum):
+    CONNECTING = "connecting"
+    UNREACHABLE = "unreachable"
+    CONNECTED = "connected"
+    OPERATIONAL = "operational"
+    SILENT = "silent"
+    LOST = "lost"
+    ERROR = "error"
+    RECOVERING = "recovering"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class LinkPolicy:
+    """A device's liveness budget and its reconnect rhythm."""
+
+    liveness_s: float                  # valid data must arrive within this, or the device is silent/unreachable
+    backoff_min_s: float = 0.2         # first wait after a failed attempt or a lost link
+    backoff_max_s: float = 5.0         # cap of the doubling waits
+    probe_period_s: float = 5.0        # an unreachable device: one attempt per period (never the full ladder)
+    good_session_s: float | None = None  # a session operational this long resets the backoff (None: budget)
+
+    def __post_init__(self) -> None:
+        if self.liveness_s <= 0 or self.backoff_min_s <= 0 or self.backoff_max_s < self.backoff_min_s:
+            raise ValueError(f"invalid link policy {self}")
+        if self.probe_period_s <= 0:
+            raise ValueError("probe_period_s must be > 0")
+
+
+@dataclass
+class LinkCounters:
+    attempts: int = 0
+    failures: int = 0          # attempts that failed, and sessions that ended
+    sessions: int = 0          # times the link opened
+    silences: int = 0          # times the device went silent with the link open
+    garbage: int = 0           # invalid data received (counted, never refreshes liveness)
+    restarts: int = 0          # helper process restarts (`recovering`)
+    last_failure: str = ""
+
+
+@dataclass
+class LinkSupervisor:
+    """The state of one device link. Every method takes `now` (monotonic seconds)."""
+
+    policy: LinkPolicy
+    now: float
+    state: LinkState = LinkState.CONNECTING
+    counters: LinkCounters = field(default_factory=LinkCounters)
+    _since: float = 0.0                 # entered the current state
+    _absent_since: float | None = None  # no link and no valid data since (the first attempt, or the loss)
+    _heard: bool = False                # valid data ever seen (lost vs unreachable)
+    _last_data: float | None = None
+    _opened_at: float | None = None
+    _operational_at: float | None = None
+    _backoff: float = 0.0
+    _next_attempt: float = 0.0
+    _fault: str = ""
+    _message: str = ""
+    _time_in: dict[str, float] = field(default_factory=dict)
+    _device_state: str | None = None     # the service's finer name while operational ("streaming")
+    _device_operational: bool = True     # the service may say a reachable device cannot work (blank state)
+    _device_message: str = ""
+
+    def __post_init__(self) -> None:
+        self._since = self.now
+        self._next_attempt = self.now
+        self._backoff = self.policy.backoff_min_s
+
+    # -- what the transport reports ------------------------------------------------------------
+    def attempt(self, now: float) -> None:
+        """A connect (or probe) attempt starts."""
+        self.counters.attempts += 1
+        if self._absent_since is None and self.state is not LinkState.CONNECTED:
+            self._absent_since = now
+        self.tick(now)
+
+    def opened(self, now: float) -> None:
+        """The link is open (TCP connected, socket bound, port open); data has not been seen yet."""
+        self.counters.sessions += 1
+        self._opened_at = now
+        if self.state not in (LinkState.STOPPED,):
+            self._enter(LinkState.CONNECTED, now, "link open; waiting for the device's first valid data")
+        self.tick(now)
+
+    def failed(self, now: float, reason: str) -> None:
+        """An attempt failed (refused, timed out, no answer to the probe). Counted, never an error."""
+        self.counters.failures += 1
+        self.counters.last_failure = reason
+        self._schedule_retry(now)
+        if self.state in (LinkState.STOPPED, LinkState.RECOVERING):
+            return
+        if self._absent_since is None:
+            self._absent_since = now
+        if self.state is LinkState.UNREACHABLE:
+            self._message = self._unreachable_message(now)
+        elif self._heard:
+            self._enter(LinkState.LOST, now, f"link lost: {reason}; reconnecting")
+        else:
+            self._enter(LinkState.CONNECTING, now, f"not reached yet: {reason}")
+        self.tick(now)
+
+    def closed(self, now: float, reason: str) -> None:
+        """An open link closed (peer closed, reset, read error)."""
+        self._opened_at = None
+        self._last_data = None
+        self.failed(now, reason)
+
+    def data(self, now: float) -> None:
+        """Valid data arrived from the device."""
+        if self.state in (LinkState.STOPPED, LinkState.RECOVERING):
+            self._last_data = now
+            self._heard = True
+            return
+        self._last_data = now
+        self._heard = True
+        self._absent_since = None
+        if self.state is not LinkState.OPERATIONAL:
+            self._operational_at = now
+            self._enter(LinkState.OPERATIONAL, now, "")
+        good = self.policy.good_session_s if self.policy.good_session_s is not None else self.policy.liveness_s
+        if self._operational_at is not None and now - self._operational_at >= good:
+            self._backoff = self.policy.backoff_min_s  # a good session: the next loss retries quickly
+
+    def garbage(self, now: float, what: str) -> None:
+        """Invalid data: counted; it does not prove the device alive."""
+        self.counters.garbage += 1
+        self.tick(now)
+
+    def fault(self, message: str) -> None:
+        """The device reports a fault, or is not the kind configured: `error` until `clear_fault`."""
+        self._fault = message
+
+    def clear_fault(self) -> None:
+        self._fault = ""
+
+    def device_state(self, name: str | None, *, operational: bool = True, message: str = "") -> None:
+        """The service's own view while the link is operational: a finer state name, and whether the device
+        can do its job (a reachable ROI module in blank state cannot)."""
+        self._device_state = name
+        self._device_operational = operational
+        self._device_message = message
+
+    def recovering(self, now: float, reason: str) -> None:
+        """A helper process of the link died and is being restarted."""
+        self.counters.restarts += 1
+        self._last_data = None
+        self._enter(LinkState.RECOVERING, now, f"restarting: {reason}")
+
+    def recovered(self, now: float) -> None:
+        """The helper process runs again: back to waiting for valid data."""
+        if self.state is LinkState.RECOVERING:
+            self._enter(LinkState.CONNECTED, now, "restarted; waiting for valid data")
+
+    def stop(self, now: float, reason: str = "stopped") -> None:
+        self._last_data = None
+        self._opened_at = None
+        self._enter(LinkState.STOPPED, now, reason)
+
+    # -- deadlines ---------------------------------------------------------------------------------
+    def tick(self, now: float) -> LinkState:
+        """Apply the deadlines that have passed by `now`; returns the state."""
+        budget = self.policy.liveness_s
+        st = self.state
+        if st is LinkState.OPERATIONAL and self._last_data is not None and now - self._last_data > budget:
+            self.counters.silences += 1
+            self._enter(LinkState.SILENT, now, f"no valid data for {now - self._last_data:.1f} s "
+                                                f"(allowed {budget:.1f} s)")
+        elif st is LinkState.CONNECTED and self._opened_at is not None and now - self._opened_at > budget:
+            if self._heard:
+                self._enter(LinkState.SILENT, now, f"link open but no valid data since it opened "
+                                                    f"{now - self._opened_at:.1f} s ago (allowed {budget:.1f} s)")
+            else:
+                self._enter(LinkState.UNREACHABLE, now, f"link open but the device never sent valid data "
+                                                         f"in {now - self._opened_at:.1f} s (allowed {budget:.1f} s)")
+        elif (st in (LinkState.CONNECTING, LinkState.LOST) and self._absent_since is not None
+              and now - self._absent_since > budget):
+            self._enter(LinkState.UNREACHABLE, now, self._unreachable_message(now))
+        return self.state
+
+    def next_attempt_in(self, now: float) -> float:
+        """Seconds until the transport should try (or probe) again; 0: now."""
+        return max(0.0, self._next_attempt - now)
+
+    def next_deadline(self, now: float) -> float | None:
+        """Seconds until `tick` may change the state (None: no deadline pending)."""
+        budget = self.policy.liveness_s
+        st = self.state
+        if st is LinkState.OPERATIONAL and self._last_data is not None:
+            return max(0.0, self._last_data + budget - now)
+        if st is LinkState.CONNECTED and self._opened_at is not None:
+            return max(0.0, self._opened_at + budget - now)
+        if st in (LinkState.CONNECTING, LinkState.LOST) and self._absent_since is not None:
+            return max(0.0, self._absent_since + budget - now)
+        return None
+
+    @property
+    def unreachable(self) -> bool:
+        """Never heard from within the budget: the transport probes once per probe period."""
+        return self.state is LinkState.UNREACHABLE
+
+    @property
+    def valid_data(self) -> bool:
+        return self.state is LinkState.OPERATIONAL
+
+    # -- health ------------------------------------------------------------------------------------
+    def health(self, now: float) -> dict[str, Any]:
+        """The health fields this state means (the same table in every service)."""
+        self.tick(now)
+        st = self.state
+        connection = st is LinkState.OPERATIONAL
+        operational = connection and self._device_operational and not self._fault
+        if self._fault:
+            state, message = LinkState.ERROR.value, self._fault
+        elif connection:
+            state, message = (self._device_state or st.value), self._device_message
+        else:
+            state, message = st.value, self._message
+        return {"connection": connection, "operational": operational, "state": state,
+                "error": bool(self._fault), "error_message": message, "details": {"link": self.details(now)}}
+
+    def details(self, now: float) -> dict[str, Any]:
+        c = self.counters
+        time_in = dict(self._time_in)
+        time_in[self.state.value] = time_in.get(self.state.value, 0.0) + (now - self._since)
+        out: dict[str, Any] = {
+            "state": self.state.value, "since_s": round(now - self._since, 3),
+            "valid_data": self.state is LinkState.OPERATIONAL,
+            "last_data_age_s": None if self._last_data is None else round(now - self._last_data, 3),
+            "liveness_s": self.policy.liveness_s,
+            "attempts": c.attempts, "failures": c.failures, "sessions": c.sessions, "silences": c.silences,
+            "garbage": c.garbage, "restarts": c.restarts,
+            "next_attempt_s": round(self.next_attempt_in(now), 3),
+            "time_in_s": {k: round(v, 3) for k, v in time_in.items()},
+        }
+        if c.last_failure:
+            out["last_failure"] = c.last_failure
+        return out
+
+    # -- inside ------------------------------------------------------------------------------------
+    def _enter(self, state: LinkState, now: float, message: str) -> None:
+        if state is not self.state:
+            self._time_in[self.state.value] = self._time_in.get(self.state.value, 0.0) + (now - self._since)
+            self._since = now
+            self.state = state
+        self._message = message
+
+    def _schedule_retry(self, now: float) -> None:
+        absent_long = self._absent_since is not None and now - self._absent_since > self.policy.liveness_s
+        if self.state is LinkState.UNREACHABLE or absent_long:
+            wait = max(self.policy.probe_period_s, self._backoff)
+        else:
+            wait = self._backoff
+            self._backoff = min(self._backoff * 2, self.policy.backoff_max_s)
+        self._next_attempt = now + wait
+
+    def _unreachable_message(self, now: float) -> str:
+        since = self._absent_since if self._absent_since is not None else now
+        why = f"; last: {self.counters.last_failure}" if self.counters.last_failure else ""
+        return (f"no valid data from the device for {now - since:.1f} s "
+                f"({self.counters.attempts} attempts{why}); probing every {self.policy.probe_period_s:g} s")
+
+
+class SupervisedLink:
+    """A `LinkSupervisor` bound to a device's health, safe from any thread, on the monotonic clock.
+
+    Made by `Device.supervise_link(policy)`. The transport reports events; health is set from the state at
+    once on every transition (so `lost` is published when the link closes, not at the next heartbeat), and the
+    node's housekeeping thread calls `tick()` at the nearest deadline (so `silent` and `unreachable` are
+    published when the budget passes, without the transport's help). `details.link` is filled at every publish.
+    """
+
+    def __init__(self, policy: LinkPolicy, on_health: Callable[[dict[str, Any]], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.sup = LinkSupervisor(policy, self._clock())
+        # reentrant: setting health publishes it, and the publish reads details() back
+        self._lock = threading.RLock()
+        self._on_health = on_health     # the device's set_health
+        self._shown: tuple[Any, ...] = ()
+        self._push_locked(self._clock())
+
+    # every event: under the lock, then health if what it shows changed
+    def attempt(self) -> None:
+        self._event(lambda now: self.sup.attempt(now))
+
+    def opened(self) -> None:
+        self._event(lambda now: self.sup.opened(now))
+
+    def failed(self, reason: str) -> None:
+        self._event(lambda now: self.sup.failed(now, reason))
+
+    def closed(self, reason: str) -> None:
+        self._event(lambda now: self.sup.closed(now, reason))
+
+    def data(self) -> None:
+        now = self._clock()
+        with self._lock:
+            if self.sup.state is LinkState.OPERATIONAL:
+                self.sup.data(now)   # the hot path: no health work while nothing changes
+                return
+            self.sup.data(now)
+            self._push_locked(now)
+
+    def garbage(self, what: str) -> None:
+        self._event(lambda now: self.sup.garbage(now, what))
+
+    def fault(self, message: str) -> None:
+        self._event(lambda now: self.sup.fault(message))
+
+    def clear_fault(self) -> None:
+        self._event(lambda now: self.sup.clear_fault())
+
+    def device_state(self, name: str | None, *, operational: bool = True, message: str = "") -> None:
+        self._event(lambda now: self.sup.device_state(name, operational=operational, message=message))
+
+    def recovering(self, reason: str) -> None:
+        self._event(lambda now: self.sup.recovering(now, reason))
+
+    def recovered(self) -> None:
+        self._event(lambda now: self.sup.recovered(now))
+
+    def stop(self, reason: str = "stopped") -> None:
+        self._event(lambda now: self.sup.stop(now, reason))
+
+    def tick(self) -> float | None:
+        """Apply deadlines; returns seconds to the next one (None: none pending)."""
+        now = self._clock()
+        with self._lock:
+            self.sup.tick(now)
+            self._push_locked(now)
+            return self.sup.next_deadline(now)
+
+    # reads
+    @property
+    def state(self) -> LinkState:
+        return self.sup.state
+
+    def next_attempt_in(self) -> float:
+        with self._lock:
+            return self.sup.next_attempt_in(self._clock())
+
+    def details(self) -> dict[str, Any]:
+        with self._lock:
+            return self.sup.details(self._clock())
+
+    def _event(self, fn: Callable[[float], None]) -> None:
+        now = self._clock()
+        with self._lock:
+            fn(now)
+            self._push_locked(now)
+
+    def _push_locked(self, now: float) -> None:
+        fields = self.sup.health(now)
+        shown = (fields["connection"], fields["operational"], fields["state"], fields["error"],
+                 fields["error_message"])
+        if shown != self._shown:
+            self._shown = shown
+            del fields["details"]   # filled at publish time (Device.health_message), always fresh
+            self._on_health(fields)

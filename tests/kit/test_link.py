@@ -1,0 +1,206 @@
+"""The kit's link supervisor (shared/link.py): the one meaning of the health fields, with made-up times, and
+bound to a device on a real broker (the node's housekeeping applies the deadlines by itself)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared import Node
+from shared.link import LinkPolicy, LinkState, LinkSupervisor
+from shared.rpc import RpcClient, wait_for
+
+POLICY = LinkPolicy(liveness_s=1.0, backoff_min_s=0.2, backoff_max_s=2.0, probe_period_s=5.0)
+
+
+def test_a_device_never_heard_from_is_unreachable_once_its_budget_has_passed() -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    t = 0.0
+    errors = set()
+    while t < 3.0:
+        s.attempt(t)
+        s.failed(t, "connection refused")
+        h = s.health(t)
+        errors.add(h["error"])
+        assert h["connection"] is False and h["operational"] is False
+        t += s.next_attempt_in(t) or 0.01
+    assert errors == {False}, "a failed attempt is counted, never an error"
+    assert s.state is LinkState.UNREACHABLE
+    d = s.details(t)
+    assert d["attempts"] == d["failures"] >= 3 and d["last_failure"] == "connection refused"
+    # absent: one probe per probe period from now on, not the backoff ladder
+    s.attempt(t)
+    s.failed(t, "connection refused")
+    assert s.next_attempt_in(t) == pytest.approx(POLICY.probe_period_s)
+    assert "probing every 5 s" in s.health(t)["error_message"]
+
+
+def test_connecting_before_the_budget_and_connection_only_with_valid_data() -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    s.attempt(0.0)
+    assert s.health(0.5)["state"] == "connecting"
+    s.opened(0.6)
+    h = s.health(0.7)
+    assert h["state"] == "connected" and h["connection"] is False, "an open link is not valid data"
+    s.data(0.8)
+    h = s.health(0.9)
+    assert (h["state"], h["connection"], h["operational"], h["error"]) == ("operational", True, True, False)
+    assert s.tick(1.79) is LinkState.OPERATIONAL
+    assert s.tick(1.81) is LinkState.SILENT  # muted: the link stays open, data stopped
+    h = s.health(1.81)
+    assert h["connection"] is False and h["error"] is False and "allowed 1.0 s" in h["error_message"]
+    s.data(2.0)
+    assert s.health(2.0)["state"] == "operational", "operational again at its first valid data"
+
+
+def test_an_open_link_that_never_brings_valid_data_is_unreachable_not_connected_forever() -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    s.attempt(0.0)
+    s.opened(0.0)
+    for t in (0.5, 1.0):
+        s.garbage(t, "bad frame")
+    assert s.tick(1.01) is LinkState.UNREACHABLE
+    assert s.details(1.01)["garbage"] == 2
+
+
+def test_lost_at_once_then_unreachable_after_the_budget_then_back() -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    s.attempt(0.0)
+    s.opened(0.0)
+    s.data(0.1)
+    s.closed(0.5, "peer closed")
+    assert s.health(0.5)["state"] == "lost"
+    waits = []
+    t = 0.5
+    for _ in range(4):
+        waits.append(s.next_attempt_in(t))
+        t += waits[-1]
+        s.attempt(t)
+        s.failed(t, "refused")
+    assert waits[:3] == pytest.approx([0.2, 0.4, 0.8]), "capped doubling back-off while lost"
+    assert s.tick(t) is LinkState.UNREACHABLE
+    s.attempt(t + 5)
+    s.opened(t + 5)
+    s.data(t + 5.01)
+    assert s.health(t + 5.02)["state"] == "operational"
+
+
+def test_a_good_session_resets_the_backoff() -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    for t in (0.0, 0.2, 0.6):
+        s.attempt(t)
+        s.failed(t, "refused")
+    assert s.next_attempt_in(0.6) == pytest.approx(0.8)
+    s.attempt(1.4)
+    s.opened(1.4)
+    for k in range(30):
+        s.data(1.5 + k * 0.1)
+    s.closed(4.5, "reset")
+    assert s.next_attempt_in(4.5) == pytest.approx(POLICY.backoff_min_s)
+
+
+def test_error_is_a_fault_of_the_device_and_says_how() -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    s.attempt(0.0)
+    s.opened(0.0)
+    s.data(0.1)
+    s.fault("module type mismatch: configured odrive, answering gpio")
+    h = s.health(0.2)
+    assert (h["state"], h["error"], h["operational"]) == ("error", True, False)
+    assert "mismatch" in h["error_message"]
+    s.clear_fault()
+    assert s.health(0.3)["error"] is False
+
+
+def test_the_service_names_its_finer_state_while_operational() -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    s.attempt(0.0)
+    s.opened(0.0)
+    s.data(0.0)
+    s.device_state("blank_state", operational=False, message="module not configured")
+    h = s.health(0.1)
+    assert (h["state"], h["connection"], h["operational"]) == ("blank_state", True, False)
+    s.tick(2.0)
+    assert s.health(2.0)["state"] == "silent", "the link's truth wins over the service's name"
+
+
+def test_recovering_then_stopped_never_claims_valid_data() -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    s.attempt(0.0)
+    s.opened(0.0)
+    s.data(0.0)
+    s.recovering(0.5, "cycle process died")
+    h = s.health(0.5)
+    assert (h["state"], h["connection"]) == ("recovering", False)
+    assert h["details"]["link"]["restarts"] == 1
+    s.recovered(0.7)
+    s.data(0.8)
+    assert s.health(0.8)["state"] == "operational"
+    s.stop(1.0, "shutdown")
+    h = s.health(1.0)
+    assert (h["state"], h["connection"], h["details"]["link"]["valid_data"]) == ("stopped", False, False)
+
+
+EVENTS = st.lists(st.tuples(st.sampled_from(["attempt", "opened", "failed", "closed", "data", "garbage",
+                                             "fault", "clear", "tick"]),
+                            st.floats(min_value=0.0, max_value=2.0)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(EVENTS)
+def test_invariants_over_any_sequence_of_events(events: list[tuple[str, float]]) -> None:
+    s = LinkSupervisor(POLICY, now=0.0)
+    t = 0.0
+    last_data: float | None = None
+    faulted = False
+    for name, dt in events:
+        t += dt
+        if name in ("failed", "closed"):
+            getattr(s, name)(t, "x")
+            if name == "closed":
+                last_data = None
+        elif name == "data":
+            s.data(t)
+            last_data = t
+        elif name == "garbage":
+            s.garbage(t, "x")
+        elif name == "fault":
+            s.fault("bad")
+            faulted = True
+        elif name == "clear":
+            s.clear_fault()
+            faulted = False
+        else:
+            getattr(s, name)(t)
+        h = s.health(t)
+        if h["connection"]:
+            assert last_data is not None and t - last_data <= POLICY.liveness_s
+        assert h["error"] is faulted, "error means a fault, nothing else"
+        assert not (h["operational"] and not h["connection"])
+        assert s.next_attempt_in(t) <= max(POLICY.probe_period_s, POLICY.backoff_max_s) + 1e-9
+
+
+def test_bound_to_a_device_health_follows_the_link_without_the_transport(echo_node: Node,
+                                                                        client: RpcClient) -> None:
+    """A supervised device nobody reports for: the node's housekeeping publishes `unreachable` when the budget
+    passes; a transition is published at once, not at the next heartbeat; `details.link` is filled."""
+    dev = echo_node.device(f"linked{time.monotonic_ns()}")
+    seen: list[dict[str, Any]] = []
+    client.subscribe_before(f"{dev.base}/health", lambda m: seen.append(json.loads(m.payload)))
+    link = dev.supervise_link(LinkPolicy(liveness_s=0.6, probe_period_s=2.0))
+    link.attempt()
+    link.failed("refused")
+    assert wait_for(lambda: bool(seen) and seen[-1]["state"] == "unreachable", 10), seen[-3:]
+    h = seen[-1]
+    assert h["connection"] is False and h["error"] is False
+    assert h["details"]["link"]["attempts"] == 1 and h["details"]["link"]["failures"] == 1
+    link.attempt()
+    link.opened()
+    link.data()
+    assert wait_for(lambda: seen[-1]["state"] == "operational" and seen[-1]["connection"] is True, 10)
+    assert wait_for(lambda: seen[-1]["state"] == "silent", 10), "no data: silent once the budget passed"
