@@ -298,20 +298,34 @@ ARG_SIZES = {0x09: ACTUATORS_SIZE, 0x0A: RGB_SIZE, 0x0F: 1, 0x10: 1, 0x11: 1, or
 class AsercomChainParser:
     """Host bytes in any segmentation -> complete chains (lists of AsercomCommand, without the 0x00).
 
-    A positive byte outside a chain starts an ASCII line, returned as `str` once its `\\r`/`\\n` is in.
+    As Asercom2.c reads its input: outside a chain a 0x00 is ignored, and any other positive byte starts
+    an ASCII line, returned as `str` once its `\\r`/`\\n` is in; every byte up to that end is part of the
+    line, binary ones too (a robot that got half a line waits for its end and swallows the chains that
+    follow). A `\\r`/`\\n` outside a line is skipped, and the byte after it starts a line whatever it is
+    (the firmware's `while (c == '\\n' || c == '\\r') getchar(&c)` before `buffer[0] = c`).
     Unknown binary codes are kept in the chain with no arguments (the firmware silently ignores them)."""
 
     _buf: bytearray = field(default_factory=bytearray)
     _chain: list[AsercomCommand] = field(default_factory=list)
+    _line_next: bool = False  # a line end was skipped: the next byte starts a line
     ignored: int = 0
+
+    @property
+    def in_line(self) -> bool:
+        """Bytes of an unfinished ASCII line are waiting for its end (or the next byte will start one)."""
+        return self._line_next or (not self._chain and bool(self._buf) and self._buf[0] < 0x80)
 
     def feed(self, data: bytes) -> list[list[AsercomCommand] | str]:
         self._buf += data
         out: list[list[AsercomCommand] | str] = []
         while self._buf:
             b = self._buf[0]
-            if not self._chain and b < 0x80:  # ASCII (or a stray 0x00 / line end between commands)
-                if b in (0x00, 0x0A, 0x0D):
+            if not self._chain and (b < 0x80 or self._line_next):  # ASCII mode
+                if b in (0x0A, 0x0D):
+                    del self._buf[0]
+                    self._line_next = True
+                    continue
+                if b == 0x00 and not self._line_next:
                     del self._buf[0]
                     continue
                 end = next((i for i, c in enumerate(self._buf) if c in (0x0A, 0x0D)), -1)
@@ -319,6 +333,7 @@ class AsercomChainParser:
                     return out
                 out.append(self._buf[:end].decode("ascii", "replace"))
                 del self._buf[:end + 1]
+                self._line_next = False
                 continue
             if b == CHAIN_END:
                 del self._buf[0]

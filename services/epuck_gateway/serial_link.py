@@ -13,6 +13,17 @@ its file descriptor): no thread, and all controller access stays on the loop.
 Over serial the F407 applies `-0x09` once, when it arrives (no radio module re-sends the last
 command), so one-shot flags need no clearing command.
 
+The port is the link's alone: opened `exclusive` (an flock, the one `port_lock.hold_port` checks for a
+flasher) and in the tty's exclusive mode (TIOCEXCL), so no other program's bytes (GDB packets) reach
+the robot's asercom. If bytes did (or a Bluetooth glitch cut a chain), the F407 may sit in the middle
+of an ASCII line or a binary chain, swallowing every poll: after a reply timeout that no late reply
+explains, the link resynchronises (`RESYNC`, below) instead of staying silent.
+
+Writes are never held back for pacing: a command (a stop, a one-shot) pokes the poller, which writes
+it in the next chain at once, between two replies. While a motion deadline is near (`motion_deadline`,
+set by the service's deadman) no camera image is started that could not be in before the deadline,
+so the deadman's stop never waits behind an image (at 115200 baud an image takes 278 ms).
+
 A device that goes away (USB unplugged, Bluetooth out of range) makes the port error or hang up:
 the link reports `disconnected` and reopens the same path with back-off until it is back (a udev
 /dev/serial/by-id path keeps its name across replugs; /dev/ttyACMn may not). A device that stays
@@ -25,7 +36,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +58,7 @@ from services.epuck_gateway.asercom import (
     sensors_packet,
     set_all_actuators,
 )
+from services.epuck_gateway.port_lock import exclusive_tty, port_holder
 from services.epuck_gateway.protocol import (
     REQ_IMAGE,
     REQ_SENSORS,
@@ -59,13 +73,33 @@ from services.epuck_gateway.transport import EpuckLinkStats, ErrorHandler, Packe
 
 log = logging.getLogger("robobus.epuck.serial")
 
+# Resynchronisation (reference epuck2.md §6, as Asercom2.c reads its input): 0x00 ends a binary chain the
+# robot may be stuck in (and is ignored by an idle robot); `\r` ends an ASCII line it may be stuck in (a
+# robot that was idle skips it and takes the next byte as the start of a line); `C\r` is then a whole
+# line in every case, a harmless query (the selector) whose answer `c,N\r\n` marks the point from which
+# the line is in step again. Everything before it is garbage, and is flushed.
+RESYNC = b"\x00\rC\r"
+_SYNCED = re.compile(rb"c,\d+\r\n")
+SLOW_LINK_BAUD = 230400  # below: Bluetooth SPP's 115200 and slower (see default_image_fps)
+
+
+def default_image_fps(baud: int) -> float:
+    """Camera polls per second when the robot's settings name none. A 40x40 RGB565 image is 3203 bytes:
+    278 ms at 115200 baud, so 2 fps would fill 56 % of a Bluetooth line and starve the sensors (~21 Hz);
+    0.5 fps takes 14 %. From 230400 baud (USB, whose line runs at USB speed whatever the baud) 2 fps."""
+    return 0.5 if baud < SLOW_LINK_BAUD else 2.0
+
+
+WrittenHandler = Callable[[float], None]  # wall-clock time the write left the gateway
+
 
 @dataclass
 class EpuckSerialConfig:
     port: str
     baud: int = 115200
     poll_hz: float = 50.0  # chains per second; the reply to -0x08 -0x0B is 104 bytes (~9 ms at 115200 baud)
-    image_fps: float = 2.0  # -'I' in a chain at most this often while the image stream is on (0 = never)
+    image_fps: float | None = None  # -'I' at most this often while the image stream is on (0 = never;
+    # None = default_image_fps(baud))
     reply_timeout_s: float = 0.25  # beyond the reply's transfer time at `baud`
     stale_timeout_s: float = 0.8  # no complete reply for this long: the robot is silent
     reopen_min_s: float = 0.2
@@ -89,6 +123,9 @@ class EpuckSerialLink:
         self._on_packets = on_packets
         self._on_state = on_state
         self._on_framing_error = on_framing_error
+        self.image_fps = default_image_fps(config.baud) if config.image_fps is None else config.image_fps
+        self.motion_deadline: float | None = None  # time.monotonic() of the deadman's next stop, if any
+        self._written: list[WrittenHandler] = []  # told when the next -0x09 has been written
         self._serial: serial.Serial | None = None
         self._fd = -1
         self._reader: AsercomReplyReader | None = None
@@ -110,13 +147,21 @@ class EpuckSerialLink:
         self._task = asyncio.ensure_future(self.run())
         return self._task
 
-    def request_write(self) -> bool:
+    def request_write(self, on_written: WrittenHandler | None = None) -> bool:
+        """The controller changed: write it in the next chain, at once (the poller is woken). `on_written`
+        is called with the time the chain carrying it was written."""
         if not self.connected:
             return False
         self.stats.commands_requested += 1
         self._dirty = True
+        if on_written is not None:
+            self._written.append(on_written)
         self._poke.set()  # do not wait for the next poll slot
         return True
+
+    def image_transfer_s(self) -> float:
+        """An image's reply on the line at `baud` (8N1)."""
+        return expected_size([get_image()], DEFAULT_IMAGE) * 10 / self.config.baud
 
     async def ascii(self, line: bytes, timeout_s: float = 1.0) -> str:
         """One ASCII-mode command (`D,200,200\r`) between two polls; the robot's reply lines, CR/LF stripped."""
@@ -182,9 +227,14 @@ class EpuckSerialLink:
             if not down_reported:
                 self._on_state(False, "connecting", "")
             try:
+                # exclusive: the flock port_lock.hold_port checks (a flasher on this host must not write GDB
+                # packets into the robot's asercom); TIOCEXCL keeps out programs that take no lock
                 ser = serial.Serial(cfg.port, cfg.baud, timeout=0, write_timeout=1.0, exclusive=True)
+                exclusive_tty(ser.fileno())
             except (serial.SerialException, OSError, ValueError) as exc:
-                self._on_state(False, "disconnected", f"cannot open {cfg.port}: {exc}")
+                holder = port_holder(cfg.port)
+                self._on_state(False, "disconnected", f"cannot open {cfg.port}: {exc}"
+                                                      + (f"; held by {holder}" if holder else ""))
                 down_reported = True
                 await self._pause(delay)
                 delay = min(delay * 2, cfg.reopen_max_s)
@@ -236,6 +286,7 @@ class EpuckSerialLink:
                 if not fut.done():
                     fut.set_exception(ConnectionError(f"{self.config.port} closed"))
             self._ascii.clear()
+            self._written.clear()  # a write that never happened: nobody is told it did
 
     def _close_port(self) -> None:
         if self._fd >= 0:
@@ -267,10 +318,15 @@ class EpuckSerialLink:
         if request & REQ_SENSORS or not request & REQ_IMAGE:
             # With nothing requested the button (1 byte) still tells a live robot from a dead one.
             chain += [get_all_sensors(), get_button()] if request & REQ_SENSORS else [get_button()]
-        if request & REQ_IMAGE and self.config.image_fps > 0 and now >= self._next_image:
-            self._next_image = max(self._next_image + 1.0 / self.config.image_fps, now)
+        if request & REQ_IMAGE and self.image_fps > 0 and now >= self._next_image and not self._stop_due(now):
+            self._next_image = max(self._next_image + 1.0 / self.image_fps, now)
             chain.append(get_image())
         return chain
+
+    def _stop_due(self, now: float) -> bool:
+        """The deadman's stop falls within an image's transfer: the image waits, the stop must not."""
+        deadline = self.motion_deadline
+        return deadline is not None and now + self._reply_timeout([get_image()]) >= deadline
 
     def _reply_timeout(self, chain: list[AsercomCommand]) -> float:
         transfer = expected_size(chain, DEFAULT_IMAGE) * 10 / self.config.baud  # 8N1: 10 bits a byte
@@ -289,14 +345,19 @@ class EpuckSerialLink:
             chain = self._chain(now)
             self._reader = AsercomReplyReader(chain)
             self._reply = loop.create_future()
+            actuators = any(c.code == 0x09 for c in chain)
+            written, self._written = (self._written, []) if actuators else ([], self._written)
             try:
                 assert self._serial is not None
                 self._serial.write(encode_chain(chain))
             except (serial.SerialException, OSError) as exc:
                 self._lose(f"write to {self.config.port} failed: {exc}")
                 return
-            if any(c.code == 0x09 for c in chain):
+            if actuators:
                 self.stats.commands_sent += 1
+                ts = time.time()
+                for cb in written:
+                    cb(ts)
             try:
                 await asyncio.wait_for(asyncio.shield(self._reply), self._reply_timeout(chain))
             except TimeoutError:
@@ -311,7 +372,7 @@ class EpuckSerialLink:
                 next_poll = time.monotonic()  # fell behind: do not burst
                 delay = 0.0
             self._poke.clear()
-            if delay > 0:
+            if delay > 0 and not self._dirty and not self._ascii:  # a change decided meanwhile goes at once
                 with contextlib.suppress(TimeoutError):
                     # A command wakes the poller early: it goes in the next chain at once.
                     await asyncio.wait_for(self._poke.wait(), delay)
@@ -328,11 +389,47 @@ class EpuckSerialLink:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._reply), self.config.stale_timeout_s)
         r = self._reader
+        late = r is not None and r.done
         if r is not None:
             self.stats.garbage_bytes += r.pending + (expected_size(r.commands) if r.done else 0)
+        self._reader = None
         with contextlib.suppress(serial.SerialException, OSError, AttributeError):
             assert self._serial is not None
             self._serial.reset_input_buffer()
+        if not late:  # no reply at all: the robot may be stuck in a line or a chain (module doc)
+            await self._resync()
+
+    async def _resync(self) -> bool:
+        """Bring a robot stuck in the middle of an ASCII line or a binary chain back in step (`RESYNC`):
+        read until its `c,N` answer, flush what came before it (garbage), and write the whole actuator
+        state again in the next chain (a stuck line may have done anything once ended)."""
+        self.stats.resyncs += 1
+        line = self._line = bytearray()
+        synced = False
+        try:
+            assert self._serial is not None
+            self._serial.write(RESYNC)
+            deadline = time.monotonic() + self._reply_timeout([]) + 0.1
+            while not (synced := _SYNCED.search(line) is not None):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._line_event.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._line_event.wait(), left)
+        except (serial.SerialException, OSError, AssertionError):
+            pass  # a port that went away is reported by its reader
+        finally:
+            self._line = None
+        m = _SYNCED.search(line)
+        self.stats.garbage_bytes += m.start() if m is not None else len(line)
+        with contextlib.suppress(serial.SerialException, OSError, AttributeError):
+            assert self._serial is not None
+            self._serial.reset_input_buffer()
+        self._dirty = True
+        log.info("line resynchronised" if synced else "no answer to a resynchronisation",
+                 extra={"robot": self.name, "port": self.config.port})
+        return synced
 
     def _check_silence(self) -> None:
         silent_for = time.monotonic() - self.last_reply

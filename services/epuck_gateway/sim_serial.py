@@ -9,6 +9,12 @@ A pseudo-terminal stands in for /dev/ttyACMn or /dev/rfcommN; the stable path th
 a symlink to the pty's slave (as udev's /dev/serial/by-id links are). `unplug()` closes the pty and
 removes the link (the host's reads fail with EIO, as on a USB unplug); `plug()` makes a new one.
 
+A pty moves bytes at memory speed; `line_baud` makes the robot's output take its time on the line
+(8N1, baud/10 bytes a second) and, as the F407 does, read no further input until its reply has gone
+(Asercom2.c sends with `while (e_uart_sending())`), so a Bluetooth link's timing is reproduced.
+`inject_input()` puts bytes in the robot's input as if another program had written them into the port
+(GDB packets from a flasher: the robot is then left in the middle of an ASCII line).
+
 Run one: python -m services.epuck_gateway.sim_serial --link /tmp/robobus-epuck-serial1
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -61,6 +68,10 @@ HELP = b'\n"D,#,#"          Set motor speed left,right\r\n"N"               Prox
 class EpuckSerialSimConfig:
     selector: int = 8  # USB
     stamp: bool = False  # benchmarks: magnetometer X carries the send time (unix time mod 1000 s)
+    line_baud: int | None = None  # the robot's output paced at this baud (8N1); None = as fast as the pty takes it
+
+
+PACE_CHUNK = 32  # bytes a pacing step writes (2.8 ms at 115200 baud)
 
 
 @dataclass
@@ -84,6 +95,8 @@ class EpuckSerialSimRobot:
         self.world = world or EpuckWorld()
         self.stats = EpuckSerialSimStats()
         self.received: list[EpuckCommand] = []  # every -0x09 as a WiFi-style command (request 0)
+        self.received_at: list[float] = []  # time.monotonic() each of `received` was applied
+        self.lines: list[tuple[float, str]] = []  # every ASCII line the robot executed, with its time
         self.hung = False  # tests: reads, never answers
         self.late_replies = 0  # tests: answer this many chains late (after `late_s`), as a stalled robot would
         self.late_s = 0.6
@@ -93,6 +106,8 @@ class EpuckSerialSimRobot:
         self._parser = AsercomChainParser()
         self._out = bytearray()
         self._writing = False
+        self._inbox: collections.deque[list[AsercomCommand] | str] = collections.deque()
+        self._pacer: asyncio.TimerHandle | None = None
         self._last_physics = time.monotonic()
 
     # -- the device comes and goes ----------------------------------------------------------------------
@@ -108,6 +123,7 @@ class EpuckSerialSimRobot:
         os.symlink(os.ttyname(slave), self.link)
         self._parser = AsercomChainParser()
         self._out.clear()
+        self._inbox.clear()
         self._writing = False
         asyncio.get_running_loop().add_reader(master, self._readable)
         self.plugged = True
@@ -121,6 +137,9 @@ class EpuckSerialSimRobot:
         loop.remove_reader(self._master)
         if self._writing:
             loop.remove_writer(self._master)
+        if self._pacer is not None:
+            self._pacer.cancel()
+            self._pacer = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.link)
         for fd in (self._master, self._slave):
@@ -144,11 +163,31 @@ class EpuckSerialSimRobot:
         except OSError:
             return  # no slave open right now (we keep one, so only while unplugging)
         self.stats.bytes_in += len(data)
-        for item in self._parser.feed(data):
+        self._receive(data)
+
+    def inject_input(self, data: bytes) -> None:
+        """Tests: bytes in the robot's input as if another program had written them into its port."""
+        self._receive(data)
+
+    @property
+    def in_line(self) -> bool:
+        """The robot is in the middle of an ASCII line (it swallows everything up to a CR or LF)."""
+        return self._parser.in_line
+
+    def _receive(self, data: bytes) -> None:
+        self._inbox.extend(self._parser.feed(data))
+        self._work()
+
+    def _work(self) -> None:
+        while self._inbox:
+            if self.config.line_baud and self._out:
+                return  # the F407 finishes sending a reply before it reads on
+            item = self._inbox.popleft()
             if self.hung:
                 continue
             if isinstance(item, str):
                 self.stats.ascii_lines += 1
+                self.lines.append((time.monotonic(), item))
                 self._send(self._ascii(item))
             else:
                 self.stats.chains += 1
@@ -163,7 +202,31 @@ class EpuckSerialSimRobot:
         self._out += data
         self._flush()
 
+    def _pace(self) -> None:
+        """One step of a paced line: PACE_CHUNK bytes, then wait the time they take at `line_baud`."""
+        self._pacer = None
+        if not self._out or self._master < 0:
+            self._work()
+            return
+        chunk = bytes(self._out[:PACE_CHUNK])
+        try:
+            n = os.write(self._master, chunk)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self._out.clear()
+            return
+        self.stats.bytes_out += n
+        del self._out[:n]
+        assert self.config.line_baud
+        delay = max(n, 1) * 10 / self.config.line_baud
+        self._pacer = asyncio.get_running_loop().call_later(delay, self._pace)
+
     def _flush(self) -> None:
+        if self.config.line_baud:
+            if self._pacer is None:
+                self._pace()
+            return
         while self._out:
             try:
                 n = os.write(self._master, self._out)
@@ -213,6 +276,7 @@ class EpuckSerialSimRobot:
                 cmd = EpuckCommand.decode(bytes([COMMAND_ID, 0]) + args)
                 self.world.apply(cmd)
                 self.received.append(cmd)
+                self.received_at.append(time.monotonic())
                 self.stats.actuator_commands += 1
             elif code == 0x0A:
                 self.world.rgb = tuple((args[i], args[i + 1], args[i + 2]) for i in range(0, 12, 3))
@@ -286,6 +350,13 @@ class EpuckSerialSimRobot:
         if letter == "D" and len(args) == 2:
             self.world.speed_left, self.world.speed_right = args
             return b"d\r\n"
+        if letter == "S":  # stop: speeds 0, body LED off
+            self.world.speed_left = self.world.speed_right = 0
+            self.world.leds &= ~0x10
+            return b"s\r\n"
+        if letter == "P" and len(args) == 2:  # the step counters ("set motor position")
+            self.world.steps_left, self.world.steps_right = float(args[0]), float(args[1])
+            return b"p\r\n"
         if letter == "E":
             return f"e,{self.world.speed_left},{self.world.speed_right}\r\n".encode()
         if letter == "N":

@@ -81,6 +81,7 @@ class EpuckLinkStats:
     silences: int = 0
     reply_timeouts: int = 0  # serial: polls not answered in time
     garbage_bytes: int = 0  # serial: bytes that answered nothing we asked
+    resyncs: int = 0  # serial: resynchronisations after a reply that never came (serial_link.RESYNC)
 
 
 PacketsHandler = Callable[[list[Packet], float], None]

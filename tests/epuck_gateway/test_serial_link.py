@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from services.epuck_gateway.port_lock import PortBusy, hold_port
 from services.epuck_gateway.protocol import SOUND_MARIO, EpuckController, EpuckRawSensors, Packet, SensorsPacket
 from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
 from services.epuck_gateway.sim_serial import EpuckSerialSimThread
@@ -176,5 +177,68 @@ def test_a_robot_that_stops_answering_is_silent_and_comes_back(serial_sim: Epuck
         robot.hung = False
         assert await wait_for(lambda: states[-1][2] == "streaming")
         await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_robot_left_in_the_middle_of_a_line_is_resynchronised(serial_sim: EpuckSerialSimThread) -> None:
+    """A flasher that took no lock wrote GDB packets into the robot's asercom port: the F407 takes the
+    first byte for the start of an ASCII line and swallows every later chain waiting for its end. The
+    link must bring it back in step (`RESYNC`) without an unplug, and restore the actuator state."""
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        ctl = EpuckController()
+        ctl.set_stream(image=False, sensors=True)
+        link = make_link(robot.link, ctl, states, packets)
+        link.start()
+        assert await wait_for(lambda: len(packets) >= 3)
+        ctl.set_speed(100, 100)
+        link.request_write()
+        assert await wait_for(lambda: robot.world.speed_left == 100)
+        serial_sim.call(lambda: robot.inject_input(b"+$qSupported:multiprocess+;swbreak+;hwbreak+#c9"))
+        assert serial_sim.call(lambda: robot.in_line)
+        commands_before = len(robot.received)
+        n = len(packets)
+        assert await wait_for(lambda: link.stats.resyncs >= 1 and len(packets) >= n + 10, 15), link.stats
+        assert not serial_sim.call(lambda: robot.in_line)
+        assert link.connected and link.stats.reconnects == 0 and states[-1][2] == "streaming"
+        # the stuck line was ended and answered (garbage, flushed); the whole state went again after it
+        assert any(line.startswith("+$qSupported") for _t, line in robot.lines)
+        assert len(robot.received) > commands_before and robot.received[-1].left == 100
+        for p in packets[n:]:
+            s = EpuckRawSensors.decode(p.data)  # type: ignore[union-attr]
+            assert s.selector == 8 and s.battery == 3400  # no reply mixed with the robot's answers to the line
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_the_port_is_held_by_one_process_at_a_time(serial_sim: EpuckSerialSimThread) -> None:
+    """The gateway's link and a flasher (port_lock.hold_port) refuse a port the other holds."""
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        link = make_link(robot.link, EpuckController(), states, packets)
+        link.start()
+        assert await wait_for(lambda: len(packets) >= 3)
+        with pytest.raises(PortBusy) as busy, hold_port(robot.link):
+            pass
+        assert f"pid {os.getpid()}" in str(busy.value)  # the holder is named
+        await link.close()
+        with hold_port(robot.link):  # free once the link has closed it
+            states2: States = []
+            link2 = make_link(robot.link, EpuckController(), states2, [])
+            link2.start()
+            assert await wait_for(lambda: any(s[2] == "disconnected" for s in states2))
+            down = next(s for s in states2 if s[2] == "disconnected")
+            assert "cannot open" in down[3] and f"held by pid {os.getpid()}" in down[3], down
+            assert not link2.connected
+        assert await wait_for(lambda: link2.connected and states2[-1][2] == "streaming")  # reopened once free
+        await link2.close()
 
     asyncio.run(main())
