@@ -230,6 +230,8 @@ class EpuckFlashRequest(BaseModel):
     programmer: str | None = Field(None, description="The GDB server's serial port (or host:port); default: the "
                                                      "robot's configured `programmer`")
     verify: bool = Field(True, description="compare-sections after the load")
+    force: bool = Field(False, description="Flash an image without a vector table at the boot address 0x08000000 "
+                                           "(the robot cannot start it on its own)")
 
 
 class EpuckFlashResult(BaseModel):

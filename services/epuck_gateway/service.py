@@ -22,7 +22,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
 from services.epuck_gateway.asercom import ascii_command
-from services.epuck_gateway.firmware import BadFirmware, FirmwareError, ProgrammerNotFound, flash_firmware, parse_elf
+from services.epuck_gateway.firmware import (
+    BadFirmware,
+    FirmwareError,
+    FlashTimeout,
+    ProgrammerBusy,
+    ProgrammerNotFound,
+    flash_firmware,
+    parse_elf,
+)
 from services.epuck_gateway.image import to_jpeg, to_png
 from services.epuck_gateway.models import (
     EpuckActuators,
@@ -49,11 +57,13 @@ from services.epuck_gateway.models import (
 from services.epuck_gateway.pacing import RateGate
 from services.epuck_gateway.protocol import (
     LED_BITS,
+    LED_BODY,
     MIC_NAMES,
     REQ_IMAGE,
     REQ_SENSORS,
     RGB_LEDS,
     SOUNDS,
+    SPEED_LIMIT,
     EpuckController,
     EpuckRawSensors,
     FramingError,
@@ -132,7 +142,10 @@ class EpuckSerialRobot(BaseModel):
     port: str = Field(min_length=1, description="Serial device, e.g. /dev/ttyACM0 or /dev/serial/by-id/...")
     baud: int = Field(115200, ge=1200, le=4_000_000)
     poll_hz: float = Field(50.0, gt=0, le=1000, description="asercom is request/response: sensor polls per second")
-    image_fps: float = Field(2.0, ge=0, le=30, description="Camera polls per second while the image stream is on")
+    image_fps: float | None = Field(None, ge=0, le=30,
+                                    description="Camera polls per second while the image stream is on; default "
+                                                "by baud: 0.5 below 230400 (Bluetooth: a 40x40 image is 278 ms of "
+                                                "a 115200 line), else 2")
     programmer: str | None = Field(None, description="Its programmer's GDB server port on this host, for `flash`")
 
     @property
@@ -161,6 +174,9 @@ class EpuckSettings(KitSettings):
     epuck_stream_sensors: bool = Field(True, description="Sensors stream on at start")
     epuck_motion_timeout_ms: int = Field(1000, ge=50, le=60000, description="Stop a robot without a fresh set_speed")
     epuck_connect_timeout_s: float = Field(3.0, gt=0, le=60)
+    epuck_flash_stall_s: float = Field(10.0, ge=0.5, le=600,
+                                       description="A firmware load or verify without progress for this long is "
+                                                   "given up (gdb stopped) and retried once")
     epuck_reconnect_min_s: float = Field(0.2, gt=0, le=60)
     epuck_reconnect_max_s: float = Field(2.0, gt=0, le=600)
     epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60,
@@ -479,12 +495,32 @@ class EpuckRobot:
             raise CommandError(ErrorCode.INVALID_REQUEST,
                                f"robot {self.cfg.id} is on WiFi: the ASCII mode is asercom's, over a serial port")
         self._require_link()
-        letter, *args = req.line.split(",")
+        letter, *fields = req.line.split(",")
+        args = [int(a) for a in fields]
+        # What the firmware will make of the line (reference epuck2.md §6, Asercom2.c's ASCII mode): it
+        # upper-cases every letter but `b` and `g`. A line that moves the robot goes through the gateway's
+        # own state, so the deadman covers it and the actuator state says what the robot does.
+        cmd = letter if letter in ("b", "g") else letter.upper()
+        if cmd == "D":
+            if len(args) != 2 or any(not -SPEED_LIMIT <= a <= SPEED_LIMIT for a in args):
+                # the firmware's sscanf leaves a missing speed at the value of an earlier ASCII `D`
+                raise CommandError(ErrorCode.INVALID_REQUEST, f"`D` takes two speeds, D,left,right, each within "
+                                                              f"+-{SPEED_LIMIT} steps/s")
+            # before the line goes: the deadman covers the robot even if its answer never comes
+            self.controller.set_speed(args[0], args[1])
+            self._arm_motion(args[0], args[1])
+        elif cmd == "P":
+            raise CommandError(ErrorCode.INVALID_REQUEST, "`P` sets the motor step counters behind the gateway's "
+                                                          "back: use the `set_steps` command")
         try:
-            reply = await link.ascii(ascii_command(letter, *(int(a) for a in args)), req.timeout_s)
+            reply = await link.ascii(ascii_command(letter, *args), req.timeout_s)
         except (TimeoutError, ConnectionError) as exc:
             raise CommandError(ErrorCode.TIMEOUT if isinstance(exc, TimeoutError) else ErrorCode.UNAVAILABLE,
                                str(exc) or f"no ASCII reply from {self.cfg.id}") from None
+        if cmd == "S":  # the firmware's stop: speeds 0 and the body LED off
+            self.controller.set_speed(0, 0)
+            self.controller.leds &= ~LED_BODY
+            self._arm_motion(0, 0)
         return EpuckAsciiReply(reply=reply)
 
     # -- firmware update (a job: its own thread) ----------------------------------------------------
@@ -492,10 +528,11 @@ class EpuckRobot:
         if self._flashing:
             raise CommandError(ErrorCode.BUSY, f"a firmware update of {self.cfg.id} is already running")
         if not (req.programmer or self.cfg.programmer):
-            raise CommandError(ErrorCode.INVALID_REQUEST, f"robot {self.cfg.id} has no programmer port configured "
-                                                          "(its `programmer` setting) and the request names none")
+            # a state of the installation, not of the request: nothing on this host can flash the robot
+            raise CommandError(ErrorCode.UNAVAILABLE, f"robot {self.cfg.id} has no programmer port configured "
+                                                      "(its `programmer` setting) and the request names none")
         try:
-            parse_elf(base64.b64decode(req.elf_base64, validate=True), Path("the ELF"))
+            parse_elf(base64.b64decode(req.elf_base64, validate=True), Path("the ELF"), req.force)
         except (ValueError, BadFirmware) as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
 
@@ -513,9 +550,14 @@ class EpuckRobot:
                     self.pause_link(f"firmware update through {programmer}"), loop).result(15)
                 try:
                     res = flash_firmware(programmer, elf, lambda phase, done, total: job.progress(phase, done, total),
-                                         verify=req.verify, cancelled=lambda: job.cancelled)
+                                         verify=req.verify, cancelled=lambda: job.cancelled, force=req.force,
+                                         stall_s=self.settings.epuck_flash_stall_s)
                 except ProgrammerNotFound as exc:
                     raise CommandError(ErrorCode.UNAVAILABLE, str(exc)) from None
+                except ProgrammerBusy as exc:
+                    raise CommandError(ErrorCode.BUSY, str(exc)) from None
+                except FlashTimeout as exc:  # the message says the robot's state when its flash was touched
+                    raise CommandError(ErrorCode.TIMEOUT, str(exc)) from None
                 except BadFirmware as exc:
                     raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
                 except FirmwareError as exc:
@@ -553,30 +595,48 @@ class EpuckRobot:
     async def cmd_set_speed(self, req: EpuckSetSpeed) -> EpuckActuators:
         self._require_link()
         self.controller.set_speed(req.left, req.right)
+        self._arm_motion(req.left, req.right)
+        return self._send()
+
+    def _arm_motion(self, left: int, right: int) -> None:
+        """(Re)start the deadman for the speeds just set; speeds 0 need none."""
         self._cancel_motion_timer()
-        if req.left or req.right:
+        if left or right:
             loop = asyncio.get_running_loop()
             timeout = self.settings.epuck_motion_timeout_ms / 1000.0
             self._motion_deadline = loop.time() + timeout
             self._motion_timer = loop.call_later(timeout, self._motion_expired)
-        return self._send()
+            # the serial link starts no camera image that would still be on the line at the deadline
+            self.link.motion_deadline = time.monotonic() + timeout
 
     def _cancel_motion_timer(self) -> None:
         if self._motion_timer is not None:
             self._motion_timer.cancel()
         self._motion_timer = None
         self._motion_deadline = None
+        self.link.motion_deadline = None
 
     def _motion_expired(self) -> None:
-        """Fail safe: a commanding client that went quiet must not leave the robot driving."""
+        """Fail safe: a commanding client that went quiet must not leave the robot driving. The fault is
+        published once the stop has been written to the robot, with that time (not when it was decided)."""
         self._motion_timer = None
         self._motion_deadline = None
+        self.link.motion_deadline = None
         if self.controller.left or self.controller.right:
             self.controller.set_speed(0, 0)
-            self.link.request_write()
-            msg = f"no set_speed for {self.settings.epuck_motion_timeout_ms} ms: robot stopped"
-            log.warning(msg, extra={"robot": self.cfg.id})
-            self.dev.emit(FAULT, EpuckFault(kind="motion_timeout", message=msg, ts=time.time()))
+            decided = time.time()
+            if not self.link.request_write(lambda ts: self._motion_stop_written(decided, ts)):
+                self._motion_stop_written(decided, None)
+
+    def _motion_stop_written(self, decided: float, ts: float | None) -> None:
+        timeout = self.settings.epuck_motion_timeout_ms
+        if ts is None:
+            msg = f"no set_speed for {timeout} ms; the stop could not be written: the robot's link is down"
+        else:
+            msg = (f"no set_speed for {timeout} ms: stop written to the robot "
+                   f"{max(0.0, (ts - decided) * 1000):.0f} ms after the deadline")
+        log.warning(msg, extra={"robot": self.cfg.id})
+        self.dev.emit(FAULT, EpuckFault(kind="motion_timeout", message=msg, ts=ts if ts is not None else time.time()))
 
     async def cmd_set_steps(self, req: EpuckSetSteps) -> EpuckActuators:
         self._require_link()

@@ -7,6 +7,14 @@ commands (vFlashErase / vFlashWrite / vFlashDone), a Cortex-M target description
 CRCs (qCRC) over what was written. Flash behaves as flash: erased to 0xFF, a write can only clear
 bits. The tests read the written memory back from `memory` (or through GDB's `m` packets).
 
+The target's run state follows a Black Magic Probe's: running until `vAttach` halts it, running again
+after `D` (detach) or a kill; a GDB that leaves without `D` leaves it halted (`running`).
+
+Faults on demand (`Faults`), counted in `vFlashWrite` packets (1 = the first write of a session's
+life): a write done but its ack and reply lost; the probe hung from a write on (nothing answered
+again); a write answered with an error (the flash is left erased and partly written); the port gone at
+a write (USB unplugged: the pty's master is closed).
+
 RSP framing: `$payload#cs` (cs = byte sum mod 256, two hex digits), acknowledged with `+`;
 binary payloads escape `#$}*` as `}` + (byte ^ 0x20).
 """
@@ -77,6 +85,16 @@ def unescape(data: bytes) -> bytes:
 
 
 @dataclass
+class Faults:
+    """Misbehaviour on demand; each names the n-th `vFlashWrite` (1 = the first; 0 = never)."""
+
+    lose_reply_at_write: int = 0  # that write is done, but its ack and its reply are lost (once)
+    hang_at_write: int = 0  # from that write on nothing is answered: the probe hung (until `heal`)
+    error_at_write: int = 0  # that write is refused with an error reply (E03), nothing written
+    disconnect_at_write: int = 0  # the port goes away at that write (ProgrammerSim closes its pty)
+
+
+@dataclass
 class ProgrammerStats:
     packets: int = 0
     bad_checksums: int = 0
@@ -85,17 +103,24 @@ class ProgrammerStats:
     crcs: int = 0
     attached: int = 0
     detached: int = 0
+    flash_writes: int = 0  # vFlashWrite packets received (the fault counter)
+    lost_replies: int = 0
+    ignored_while_hung: int = 0
     monitor: list[str] = field(default_factory=list)
 
 
 class RspSession:
     """The protocol, sans-I/O: bytes from GDB in, bytes to GDB out. Memory lives in `memory`."""
 
-    def __init__(self, target_present: bool = True) -> None:
+    def __init__(self, target_present: bool = True, faults: Faults | None = None) -> None:
         self.flash = bytearray(b"\xff" * FLASH_SIZE)
         self.ram = bytearray(RAM_SIZE)
         self.target_present = target_present
+        self.faults = faults or Faults()
         self.attached = False
+        self.running = True  # the MCU runs its firmware; halted while attached, and after a GDB left without D
+        self.hung = False
+        self.disconnected = False  # the port went away (ProgrammerSim closes the pty)
         self.no_ack = False
         self.stats = ProgrammerStats()
         self.regs = [0] * 17
@@ -116,10 +141,29 @@ class RspSession:
         return bytes(mem[off:off + length])
 
     # -- framing --------------------------------------------------------------------------------------
+    def heal(self) -> None:
+        """A hung probe answers again (its USB replugged)."""
+        self.hung = False
+
+    def _fault(self, payload: bytes) -> str:
+        """The fault this packet triggers: "", "lose", "hang", "error" or "disconnect"."""
+        if not payload.startswith(b"vFlashWrite:"):
+            return ""
+        self.stats.flash_writes += 1
+        n, f = self.stats.flash_writes, self.faults
+        for kind, at in (("hang", f.hang_at_write), ("disconnect", f.disconnect_at_write),
+                         ("error", f.error_at_write), ("lose", f.lose_reply_at_write)):
+            if at and n == at:
+                return kind
+        return ""
+
     def feed(self, data: bytes) -> bytes:
+        if self.hung or self.disconnected:
+            self.stats.ignored_while_hung += 1
+            return b""
         self._buf += data
         out = bytearray()
-        while self._buf:
+        while self._buf and not (self.hung or self.disconnected):
             b = self._buf[0]
             if b in (0x2B, 0x2D):  # + / - acks from GDB
                 del self._buf[0]
@@ -144,10 +188,23 @@ class RspSession:
                 if not self.no_ack:
                     out += b"-"
                 continue
-            if not self.no_ack:
+            fault = self._fault(payload)
+            if fault in ("hang", "disconnect"):
+                self.hung, self.disconnected = fault == "hang", fault == "disconnect"
+                self._buf.clear()
+                log.info("fault: %s at flash write %d", fault, self.stats.flash_writes)
+                break
+            if not self.no_ack and fault != "lose":
                 out += b"+"
             self.stats.packets += 1
-            for reply in self.handle(payload):
+            if fault == "error":
+                out += frame(b"E03")
+                continue
+            replies = self.handle(payload)
+            if fault == "lose":
+                self.stats.lost_replies += 1
+                continue
+            for reply in replies:
                 out += frame(reply)
         return bytes(out)
 
@@ -177,6 +234,7 @@ class RspSession:
             if not self.target_present:
                 return [b"E01"]
             self.attached = True
+            self.running = False
             self.stats.attached += 1
             self.regs[15] = int.from_bytes(self.flash[4:8], "little") & ~1
             self.regs[13] = int.from_bytes(self.flash[0:4], "little")
@@ -235,10 +293,12 @@ class RspSession:
             return [b"E01" if data is None else f"C{gdb_crc32(data):08x}".encode()]
         if p == b"D" or p.startswith(b"D;"):
             self.attached = False
+            self.running = True  # a detach resumes the MCU
             self.stats.detached += 1
             return [b"OK"]
         if p in (b"k",) or p.startswith(b"vKill"):
             self.attached = False
+            self.running = True  # the probe resets the MCU, which runs what the flash holds
             return [b"OK"]
         if p == b"qAttached" or p.startswith(b"qAttached:"):
             return [b"1"]
@@ -263,9 +323,9 @@ class RspSession:
 class ProgrammerSim:
     """The session on a pty, served by a thread; `link` is a stable symlink to the pty's slave."""
 
-    def __init__(self, link: str, target_present: bool = True) -> None:
+    def __init__(self, link: str, target_present: bool = True, faults: Faults | None = None) -> None:
         self.link = link
-        self.session = RspSession(target_present)
+        self.session = RspSession(target_present, faults)
         self._master = -1
         self._slave = -1
         self._stop = threading.Event()
@@ -293,6 +353,12 @@ class ProgrammerSim:
             except OSError:
                 continue
             reply = self.session.feed(data)
+            if self.session.disconnected:
+                log.info("fault: the programmer's port went away")
+                with contextlib.suppress(OSError):
+                    os.close(self._master)
+                self._master = -1
+                return
             view = memoryview(reply)
             while view:
                 try:

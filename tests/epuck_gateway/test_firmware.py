@@ -1,6 +1,7 @@
 """Firmware update without hardware: a Cortex-M4 ELF built here with Debian's binutils-arm-none-eabi,
 gdb-multiarch driven against the GDB remote-protocol programmer simulator on a pty, the memory read
-back; the CLI; the gateway's job with the robot's link paused and restored."""
+back; the CLI; the gateway's job with the robot's link paused and restored. Faults come from the
+simulator (`Faults`): a lost reply, a hung programmer, a write refused, the port gone."""
 
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ import pytest
 
 from services.epuck_gateway.firmware import (
     BadFirmware,
+    FirmwareError,
+    FlashTimeout,
     GdbMi,
+    NotBootable,
     ProgrammerNotFound,
     check_elf,
     flash_firmware,
     parse_elf,
 )
-from services.epuck_gateway.sim_gdb import ProgrammerSim, RspSession, frame, gdb_crc32
+from services.epuck_gateway.sim_gdb import Faults, ProgrammerSim, RspSession, frame, gdb_crc32
 from services.epuck_gateway.sim_serial import EpuckSerialSimThread
 from shared.rpc import RpcClient
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until
@@ -35,13 +39,15 @@ needs_gdb = pytest.mark.skipif(shutil.which("gdb-multiarch") is None,
                                reason="gdb-multiarch not installed (Debian package gdb-multiarch)")
 
 
-def build_elf(out: Path, origin: int = 0x0800_0000) -> Path:
+def build_elf(out: Path, origin: int = 0x0800_0000, blob_words: int = 4096) -> Path:
     if shutil.which("arm-none-eabi-as") is None:
         pytest.skip("arm-none-eabi-as not installed (Debian package binutils-arm-none-eabi)")
+    out.mkdir(parents=True, exist_ok=True)
     script = out / "link.ld"
     script.write_text((HERE / "stm32f407.ld").read_text().replace("0x08000000", f"0x{origin:08x}"))
     obj, elf = out / "blink.o", out / "blink.elf"
-    subprocess.run(["arm-none-eabi-as", "-o", str(obj), str(HERE / "blink.s")], check=True)
+    subprocess.run(["arm-none-eabi-as", "--defsym", f"BLOB_WORDS={blob_words}", "-o", str(obj), str(HERE / "blink.s")],
+                   check=True)
     subprocess.run(["arm-none-eabi-ld", "-T", str(script), "-o", str(elf), str(obj)], check=True)
     return elf
 
@@ -49,6 +55,21 @@ def build_elf(out: Path, origin: int = 0x0800_0000) -> Path:
 @pytest.fixture(scope="module")
 def elf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_elf(tmp_path_factory.mktemp("fw"))
+
+
+@pytest.fixture(scope="module")
+def big_elf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 100 KB firmware (sectors 0-4), the size of the robot's: gdb sends it in several flash writes."""
+    return build_elf(tmp_path_factory.mktemp("fw100k"), blob_words=25_600)
+
+
+def faulty(tmp_path: Path, **faults: int) -> ProgrammerSim:
+    return ProgrammerSim(str(tmp_path / "ttyFAULTY"), faults=Faults(**faults)).start()
+
+
+def assert_holds(sim: ProgrammerSim, elf: Path) -> None:
+    for seg in check_elf(elf, force=True).segments:  # what the programmer holds is the ELF, byte for byte
+        assert sim.session.read(seg.address, seg.size) == seg.data
 
 
 @pytest.fixture
@@ -188,3 +209,151 @@ def test_gateway_flash_job_pauses_and_restores_the_robots_link(
         assert programmer.session.stats.attached == 1
     finally:
         serial.close()
+
+
+# -- the boot address ---------------------------------------------------------------------------------
+def test_an_image_without_a_vector_table_at_the_boot_address_is_refused(tmp_path: Path) -> None:
+    high = build_elf(tmp_path / "high", origin=0x0806_0000)  # linked wholly at sector 7: nothing at 0x08000000
+    with pytest.raises(NotBootable, match=r"no vector table at the boot address 0x08000000.*--force"):
+        check_elf(high)
+    assert check_elf(high, force=True).segments[0].address == 0x0806_0000
+    good = build_elf(tmp_path / "good").read_bytes()
+    table = good.index(bytes.fromhex("00000220"))  # word 0: the initial SP 0x20020000, in the file
+    reset = int.from_bytes(good[table + 4:table + 8], "little")
+
+    def patched(sp: int, pc: int) -> bytes:
+        return good[:table] + sp.to_bytes(4, "little") + pc.to_bytes(4, "little") + good[table + 8:]
+
+    parse_elf(patched(0x1001_0000, reset))  # top of the CCM RAM is a stack too
+    for data, why in ((patched(0xFFFF_FFFF, 0xFFFF_FFFF), "not an initial stack pointer"),
+                      (patched(0x0800_0000, reset), "not an initial stack pointer"),
+                      (patched(0x2002_0000, reset & ~1), "no Thumb bit"),
+                      (patched(0x2002_0000, 0x0809_0001), "outside the image")):
+        with pytest.raises(NotBootable, match=why):
+            parse_elf(data)
+        parse_elf(data, force=True)
+
+
+@needs_gdb
+def test_an_unbootable_image_is_refused_before_any_packet_unless_forced(
+        programmer: ProgrammerSim, tmp_path: Path) -> None:
+    high = build_elf(tmp_path / "high", origin=0x0806_0000)
+    with pytest.raises(NotBootable):
+        flash_firmware(programmer.link, high, timeout_s=60)
+    assert programmer.session.stats.packets == 0
+    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    refused = subprocess.run([*robobus, programmer.link, str(high)], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--force" in refused.stderr, refused.stderr
+    assert programmer.session.stats.packets == 0
+    forced = subprocess.run([*robobus, programmer.link, str(high), "--force"], capture_output=True, text=True,
+                            timeout=120)
+    assert forced.returncode == 0, forced.stderr
+    assert_holds(programmer, high)
+    assert programmer.session.read(0x0800_0000, 4) == b"\xff" * 4  # sectors 0-6 untouched
+
+
+# -- progress: one total ------------------------------------------------------------------------------
+@needs_gdb
+def test_progress_counts_the_bytes_written_to_flash_and_ends_full(big_elf: Path, programmer: ProgrammerSim) -> None:
+    phases: list[tuple[str, int, int]] = []
+    res = flash_firmware(programmer.link, big_elf, lambda p, d, t: phases.append((p, d, t)), timeout_s=120)
+    written = programmer.session.stats.bytes_written  # .bss and .ARM.attributes are not written (gdb counts them)
+    assert check_elf(big_elf).size == written == res.bytes_loaded
+    totals = {t for p, _, t in phases if p in ("load", "verify")}
+    assert totals == {written}, phases
+    loads = [d for p, d, _ in phases if p == "load"]
+    assert loads[-1] == written and loads == sorted(loads)
+    assert phases.index(("load", written, written)) < phases.index(("verify", 0, written))
+
+
+@needs_gdb
+def test_cli_bar_ends_full_at_the_bytes_written(big_elf: Path, programmer: ProgrammerSim) -> None:
+    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    done = subprocess.run([*robobus, programmer.link, str(big_elf)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    written = programmer.session.stats.bytes_written
+    assert f"{written} bytes to write" in done.stdout
+    # rich prints the final state of the bar when not on a terminal: full, in the same total
+    assert f"{written / 1000:.1f}/{written / 1000:.1f} kB" in done.stderr, done.stderr
+
+
+# -- faults ---------------------------------------------------------------------------------------------
+@needs_gdb
+def test_a_lost_reply_during_the_load_is_detected_and_the_flash_retried(big_elf: Path, tmp_path: Path) -> None:
+    sim = faulty(tmp_path, lose_reply_at_write=3)
+    phases: list[str] = []
+    try:
+        res = flash_firmware(sim.link, big_elf, lambda p, d, t: phases.append(p), timeout_s=120, stall_s=1.5)
+        assert sim.session.stats.lost_replies == 1
+        assert res.verified and res.attempts == 2 and "stalled" in res.retried[0], res.retried
+        assert "retry" in phases
+        assert_holds(sim, big_elf)
+        assert sim.session.running and sim.session.stats.detached == 1  # the new firmware runs
+    finally:
+        sim.close()
+
+
+@needs_gdb
+def test_a_hung_programmer_stops_the_load_says_the_robots_state_and_leaves_it_halted(
+        big_elf: Path, tmp_path: Path) -> None:
+    sim = faulty(tmp_path, hang_at_write=3)
+    try:
+        with pytest.raises(FlashTimeout) as err:  # stalled, then not answering the retry
+            flash_firmware(sim.link, big_elf, timeout_s=300, stall_s=1.5)
+        msg = str(err.value)
+        assert "the load stalled" in msg and "no progress for 1.5 s" in msg, msg
+        assert "The robot has no valid firmware" in msg and "run the same command again" in msg, msg
+        assert sim.session.stats.erases >= 1 and 0 < sim.session.stats.bytes_written < check_elf(big_elf).size
+        assert not sim.session.running and sim.session.stats.detached == 0  # halted, not detached
+    finally:
+        sim.close()
+
+
+@needs_gdb
+def test_a_refused_write_leaves_the_robot_halted_and_says_its_state(big_elf: Path, tmp_path: Path) -> None:
+    sim = faulty(tmp_path, error_at_write=2)
+    try:
+        with pytest.raises(FirmwareError) as err:
+            flash_firmware(sim.link, big_elf, timeout_s=120, stall_s=5)
+        msg = str(err.value)
+        assert "Error writing data to flash" in msg, msg
+        assert "The robot has no valid firmware" in msg and "MCU is left halted" in msg, msg
+        assert "run the same command again" in msg
+        assert not sim.session.running and sim.session.stats.detached == 0
+        assert sim.session.read(0x0800_0000, 8) != check_elf(big_elf).segments[0].data[:8] or \
+            sim.session.stats.bytes_written < check_elf(big_elf).size
+    finally:
+        sim.close()
+    again = ProgrammerSim(str(tmp_path / "ttyAGAIN")).start()  # the way out: the same command again
+    try:
+        again.session.flash[:] = sim.session.flash
+        assert flash_firmware(again.link, big_elf, timeout_s=120).verified
+        assert_holds(again, big_elf)
+    finally:
+        again.close()
+
+
+@needs_gdb
+def test_the_port_going_away_during_the_load_says_so_and_the_robots_state(big_elf: Path, tmp_path: Path) -> None:
+    sim = faulty(tmp_path, disconnect_at_write=2)
+    try:
+        with pytest.raises(FirmwareError) as err:
+            flash_firmware(sim.link, big_elf, timeout_s=120, stall_s=5)
+        msg = str(err.value)
+        assert "went away during the load" in msg and "The robot has no valid firmware" in msg, msg
+    finally:
+        sim.close()
+
+
+@needs_gdb
+def test_cli_a_hung_programmer_is_exit_4_with_the_robots_state(big_elf: Path, tmp_path: Path) -> None:
+    sim = faulty(tmp_path, hang_at_write=2)
+    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    try:
+        done = subprocess.run([*robobus, sim.link, str(big_elf), "--stall-timeout", "1"], capture_output=True,
+                              text=True, timeout=200)
+        out = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == 4, out
+        assert "stalled" in out and "no valid firmware" in out and "run the same command again" in out, out
+    finally:
+        sim.close()

@@ -1,5 +1,6 @@
-/* A minimal Cortex-M4 firmware for the flash tests: vector table, a loop, 16 KiB of constants, and
-   an initialised .data whose load address is in flash (so the load has three sections). */
+/* A minimal Cortex-M4 firmware for the flash tests: vector table, a loop, BLOB_WORDS words of constants
+   (16 KiB unless `as --defsym BLOB_WORDS=n` says otherwise), an initialised .data whose load address is
+   in flash (so the load has three sections) and a .bss (in RAM, never written to flash). */
     .syntax unified
     .cpu cortex-m4
     .thumb
@@ -16,9 +17,16 @@ reset:
     .section .rodata
     .align 2
 blob:
-    .rept 4096
+    .ifndef BLOB_WORDS
+    .set BLOB_WORDS, 4096
+    .endif
+    .rept BLOB_WORDS
     .word 0x12345678
     .endr
     .data
 value:
     .word 0xCAFEBABE
+    .bss
+    .align 2
+buffer:
+    .space 1024
