@@ -18,14 +18,13 @@ import jsonschema
 import pytest
 
 from shared import __version__
-from shared.asyncapi import build_document
 from shared.dashboard.homeassistant import FieldCatalog, device_entities
 from shared.localbroker import REPO, Broker
 from shared.rpc import RpcClient, wait_for
 
 # What Home Assistant's MQTT discovery needs of every entity we publish (binary_sensor and sensor platforms).
 AVAILABILITY = {"type": "array", "minItems": 1, "items": {
-    "type": "object", "required": ["topic", "value_template"],
+    "type": "object", "required": ["topic"],
     "properties": {"topic": {"type": "string", "pattern": "^[^#+]+$"}, "value_template": {"type": "string"}}}}
 ENTITY = {
     "type": "object",
@@ -34,6 +33,7 @@ ENTITY = {
         "unique_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]+$"},
         "state_topic": {"type": "string", "pattern": "^[^#+]+$"},
         "availability": AVAILABILITY,
+        "availability_mode": {"enum": ["all", "any", "latest"]},
         "device": {"type": "object", "required": ["identifiers", "name"],
                    "properties": {"identifiers": {"type": "array", "minItems": 1, "items": {"type": "string"}}}},
         "device_class": {"type": "string"},
@@ -67,8 +67,7 @@ HEALTH = {"connection": True, "operational": True, "state": "running", "error": 
 
 
 def test_every_service_gets_well_formed_entities() -> None:
-    doc = build_document()
-    catalog = FieldCatalog(doc)
+    catalog = FieldCatalog()
     assert {"epuck-gateway", "ethercat-loop"} <= set(catalog.states)
     for service in catalog.states:
         ents, problems = device_entities("robobus", "homeassistant", service, "dev1", {**HEALTH, "service": service},
@@ -89,7 +88,7 @@ def test_every_service_gets_well_formed_entities() -> None:
 
 
 def test_health_templates_read_real_health_and_status() -> None:
-    catalog = FieldCatalog(build_document())
+    catalog = FieldCatalog()
     ents, _ = device_entities("robobus", "homeassistant", "epuck-gateway", "epuck1", HEALTH, catalog, None, "x")
     bad = {**HEALTH, "error": True, "connection": False, "error_message": "link lost"}
     by = {e.config["name"]: e.config for e in ents}
@@ -104,7 +103,7 @@ def test_health_templates_read_real_health_and_status() -> None:
 
 
 def test_chosen_fields_are_checked_against_the_document() -> None:
-    catalog = FieldCatalog(build_document())
+    catalog = FieldCatalog()
     fields = ["ethercat-loop/joints/joints.FFJ3.position", "ethercat-loop/joints/nope",
               "ethercat-loop/joints/joints.FFJ3.name", "ethercat-loop/nothing/x", "epuck-gateway/sensors/proximity.2"]
     ents, problems = device_entities("robobus", "homeassistant", "ethercat-loop", "rh",
@@ -241,14 +240,13 @@ def test_configs_of_vanished_devices_are_removed(broker_session: Broker, client:
         client.session.publish(f"{root}/{topic}", payload, qos=1, retain=True)
 
     settings = HomeAssistantSettings(mqtt_url=broker_session.url, topic_root=root, homeassistant_prefix=prefix)
-    doc = build_document()
     pub(f"{node}/status", _status(["e1", "e2", "e3"]))
     for dev in ("e1", "e2", "e3"):
         pub(f"{node}/{dev}/health", _health())
-    d1 = Discovery(settings, doc, __version__)
+    d1 = Discovery(settings, __version__)
     d1.start()
     try:
-        assert wait_for(lambda: all(len(live(d)) >= 6 for d in ("e1", "e2", "e3")), 30), latest.keys()
+        assert wait_for(lambda: all(len(live(d)) >= 5 for d in ("e1", "e2", "e3")), 30), latest.keys()
         made = {d: live(d) for d in ("e1", "e2", "e3")}
         # e3 leaves the node's contract: its node comes online without it
         pub(f"{node}/status", _status(["e1", "e2"]))
@@ -264,14 +262,14 @@ def test_configs_of_vanished_devices_are_removed(broker_session: Broker, client:
         d1.stop()
     # e1 vanishes while no discovery process runs (its stale retained health stays); the next run removes it
     pub(f"{node}/status", _status([]))
-    d2 = Discovery(settings, doc, __version__)
+    d2 = Discovery(settings, __version__)
     d2.start()
     try:
         assert wait_for(lambda: removed(made["e1"]), 15), made["e1"]
         # a node merely offline keeps its entities (unavailable); a cleared status removes them
         pub(f"{node}/status", _status(["e4"]))
         pub(f"{node}/e4/health", _health())
-        assert wait_for(lambda: len(live("e4")) >= 6, 15)
+        assert wait_for(lambda: len(live("e4")) >= 5, 15)
         e4 = live("e4")
         pub(f"{node}/status", _status(None))
         rounds = d2.rounds
@@ -288,3 +286,66 @@ def test_configs_of_vanished_devices_are_removed(broker_session: Broker, client:
         for dev in ("e1", "e2", "e3", "e4"):
             pub(f"{node}/{dev}/health", b"")
         pub(f"{node}/status", b"")
+
+
+def _timestamp_utc(value: Any) -> str:
+    """Home Assistant's `timestamp_utc` filter."""
+    import datetime
+
+    return datetime.datetime.fromtimestamp(float(value), datetime.UTC).isoformat()
+
+
+def test_counters_timestamps_and_ids_get_their_own_classes() -> None:
+    """Counters are total_increasing (a window's counts stay measurements), timestamps a timestamp device class,
+    ids, kinds, bit masks and switches no state class; readings and rates measurements."""
+    catalog = FieldCatalog()
+
+    def by_name(service: str) -> dict[str, dict[str, Any]]:
+        ents, problems = device_entities("robobus", "homeassistant", service, "d", {**HEALTH, "service": service},
+                                         catalog, None, "x")
+        assert problems == []
+        return {e.config["name"]: e.config for e in ents}
+
+    expected: dict[str, dict[str, str | None]] = {
+        "epuck-gateway": {"link images_received": "total_increasing", "link framing_errors": "total_increasing",
+                          "link reconnects": "total_increasing", "link sensors_per_s": "measurement",
+                          "sensors battery_v": "measurement", "sensors selector": None},
+        "ethercat-loop": {"loop_stats total_cycles": "total_increasing", "loop_stats total_overruns":
+                          "total_increasing", "loop_stats decode_errors": "measurement",
+                          "loop_stats jitter_max_us": "measurement", "tactile type": None, "tactile valid": None},
+        "roi-modules": {"link sent": "total_increasing", "link lost_packets_since_connect": "total_increasing",
+                        "power voltage": "measurement"},
+        "dexter-gateway": {"status instruction_id": None, "status robot_time": None},
+    }
+    for service, classes in expected.items():
+        got = by_name(service)
+        for name, cls in classes.items():
+            assert got[name].get("state_class") == cls, (service, name, got[name])
+    dexter = by_name("dexter-gateway")
+    robot_time = dexter["status robot_time"]
+    assert robot_time["device_class"] == "timestamp" and "unit_of_measurement" not in robot_time
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters["timestamp_utc"] = _timestamp_utc
+    shown = env.from_string(robot_time["value_template"]).render(value_json={"robot_time": 1700000000.5})
+    assert shown == "2023-11-14T22:13:20.500000+00:00"
+    assert "device_class" not in dexter["status instruction_id"]
+
+
+def test_a_nullable_field_is_unavailable_when_null() -> None:
+    """A field the contract allows to be null has an availability entry on its own state topic: null (or missing)
+    is "offline", so Home Assistant shows the sensor unavailable; node and discovery process are the others."""
+    catalog = FieldCatalog()
+    ents, _ = device_entities("robobus", "homeassistant", "roi-modules", "roi_arm",
+                              {**HEALTH, "service": "roi-modules"}, catalog, None, "x")
+    by = {e.config["name"]: e.config for e in ents}
+    pos = by["state position"]
+    assert pos["availability_mode"] == "all"
+    node, process, value = pos["availability"]
+    assert node["topic"] == "robobus/roi-modules/status"
+    assert process == {"topic": "homeassistant/robobus/robobus/availability"}
+    assert value["topic"] == pos["state_topic"]
+    assert render(value["value_template"], b'{"position": null, "velocity": null, "ts": 1}') == "offline"
+    assert render(value["value_template"], b'{"velocity": null, "ts": 1}') == "offline"
+    assert render(value["value_template"], b'{"position": 0.0, "velocity": null, "ts": 1}') == "online"
+    # a field that is never null has no such entry (its node and the process only)
+    assert len(by["power voltage"]["availability"]) == 2
