@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.roi_modules import protocol as p
 from shared.contract import NAME_RE
 
 ModuleKind = Literal["gpio", "odrive", "actuator"]
+PinModeName = Literal["input", "input_pullup", "output"]
 PIN_MODE_CODES = {"input": p.PinMode.INPUT, "input_pullup": p.PinMode.INPUT_PULLUP, "output": p.PinMode.OUTPUT}
 PIN_MODE_NAMES = {0: "unknown", **{int(v): k for k, v in PIN_MODE_CODES.items()}}
 
@@ -41,6 +42,35 @@ class RoiModuleConfig(BaseModel):
     max_velocity: float | None = Field(None, gt=0, description="ODrive: |velocity| limit in rev/s for commands")
     max_torque: float | None = Field(None, gt=0, description="ODrive: |torque| limit in Nm for commands")
     tolerance: float | None = Field(None, gt=0, description="Jobs: done within this (rev or %); default from settings")
+    pin_modes: dict[int, PinModeName] = Field(
+        default_factory=dict, description="GPIO: pin modes the service sets when the module is blank (at start and "
+                                          "after every reset), e.g. {\"3\": \"output\"}; configures the module")
+    initial_mode: Literal["velocity", "torque"] | None = Field(
+        None, description="ODrive: when the module is blank, switch it to this mode at a zero demand (0 rev/s or "
+                          "0 Nm); configures the module")
+    length_feedback: Literal["auto", "on", "off"] = Field(
+        "auto", description="Actuator: GET_CURRENT_LENGTH replies as the measured position: on, off, or auto (from "
+                            "the first non-zero length the module answers; released firmware answers 0)")
+
+    @field_validator("pin_modes")
+    @classmethod
+    def _pins(cls, v: dict[int, PinModeName]) -> dict[int, PinModeName]:
+        bad = sorted(pin for pin in v if pin not in p.GPIO_PINS)
+        if bad:
+            raise ValueError(f"pin(s) {bad} do not exist; valid: 0..7, 10..17")
+        return v
+
+    @model_validator(mode="after")
+    def _per_type(self) -> RoiModuleConfig:
+        # a key that does nothing for this module type is a mistake, refused at start like a misspelt one
+        if self.pin_modes and self.type != "gpio":
+            raise ValueError(f"module {self.name!r}: pin_modes is a GPIO setting, this module is {self.type}")
+        if self.initial_mode is not None and self.type != "odrive":
+            raise ValueError(f"module {self.name!r}: initial_mode is an ODrive setting, this module is {self.type}")
+        if self.length_feedback != "auto" and self.type != "actuator":
+            raise ValueError(f"module {self.name!r}: length_feedback is an actuator setting, this module is "
+                             f"{self.type}")
+        return self
 
 
 # -- state ---------------------------------------------------------------------------------------------------

@@ -90,8 +90,10 @@ SET_VELOCITY = API.command("set_velocity", RoiSetVelocity, RoiAck, errors=_MODUL
 SET_TORQUE = API.command("set_torque", RoiSetTorque, RoiAck, errors=_MODULE, doc="ODrive: torque mode (TORQUE_RAMP)")
 CLEAR_ERRORS = API.command("clear_errors", RoiEmpty, RoiAck, errors=_MODULE,
                            doc="ODrive: clear errors, closed loop again")
-QUEUE_GENERAL = API.command("queue_general_packet", RoiQueueGeneral, RoiRawReply, errors=_MODULE,
-                            doc="Raw general packet; answered with the module's decoded reply")
+QUEUE_GENERAL = API.command("queue_general_packet", RoiQueueGeneral, RoiRawReply,
+                            errors=[*_MODULE, ErrorCode.FORBIDDEN],
+                            doc="Raw general packet; answered with the module's decoded reply. On an ODrive or "
+                                "actuator module only getters: a setter moves the motor (forbidden)")
 QUEUE_SYSADMIN = API.command("queue_sysadmin_packet", RoiQueueSysAdmin, RoiRawReply, errors=_MODULE,
                              doc="Raw SysAdmin packet; answered with the module's decoded reply")
 PING = API.command("ping", RoiEmpty, RoiPong, errors=_MODULE, doc="SysAdmin PING: operable and module type")
@@ -216,22 +218,41 @@ class RoiModule:
         if st is None:
             return {"connection": True, "operational": False, "state": "connecting", "error": False,
                     "error_message": "waiting for the STATUS_REPORT", "details": details}
-        mismatch = st.module_type != self.module_type
+        mismatch = self.kind_mismatch
         operational = self.operational_state(st.state) and not mismatch
         error = st.state in p.ERROR_STATES or mismatch or bool(self.error_text)
-        if mismatch:
-            message = (f"Module type mismatch: {p.module_type_name(st.module_type)} answers at octet "
-                       f"{self.cfg.octet}, configured {self.cfg.type}. Check IP octet.")
-        else:
-            message = self.error_text or self.state_message(st.state)
+        message = self.mismatch_message() if mismatch else self.error_text or self.state_message(st.state)
         return {"connection": True, "operational": operational, "state": p.state_name(st.state), "error": error,
                 "error_message": message, "details": details}
+
+    @property
+    def kind_mismatch(self) -> bool:
+        """The module at the octet is of another type than configured (§4.2): it gets no typed request, its
+        replies are not read as measurements, and its commands are refused (device_error)."""
+        return self.status is not None and self.status.module_type != self.module_type
+
+    def mismatch_message(self) -> str:
+        assert self.status is not None
+        return (f"Module type mismatch: {p.module_type_name(self.status.module_type)} answers at octet "
+                f"{self.cfg.octet}, configured {self.cfg.type}. Check IP octet. Nothing is sent to it but "
+                "STATUS_REPORT until the configured type answers there.")
+
+    def check_kind(self) -> None:
+        if self.kind_mismatch:
+            raise CommandError(ErrorCode.DEVICE_ERROR, f"{self.cfg.name}: {self.mismatch_message()}")
 
     def operational_state(self, state: int) -> bool:
         return state in p.OPERATIONAL_STATES
 
     def state_message(self, state: int) -> str:
+        if state == p.ModuleState.BLANK_STATE:
+            return (f"Blank state: the module was (re)started and has not been configured since; it takes no "
+                    f"part in operation until it is. {self.blank_advice()}")
         return p.STATE_MESSAGES.get(state, f"Unknown module state {state}.")
+
+    def blank_advice(self) -> str:
+        """What configures a blank module of this type (§3.3, §4.3)."""
+        return ""
 
     def update_health(self) -> None:
         self.dev.set_health(**self.health_fields())
@@ -258,6 +279,7 @@ class RoiModule:
 
     # -- requests ----------------------------------------------------------------------------------------
     async def request(self, pkt: p.GeneralPacket, what: str) -> p.GeneralPacket:
+        self.check_kind()  # a module of another type would read this packet as one of its own codes
         try:
             return await self.svc.transport.general(self.cfg.octet, pkt)
         except RequestLost as exc:
@@ -285,7 +307,12 @@ class RoiModule:
         await asyncio.sleep(phase * period)
         while True:
             try:
-                if self.status_due or self.tick_no % self.svc.settings.roi_status_every == 0:
+                # while the type is unknown or wrong, and as the probe of a disconnected module (what comes back
+                # may be another module), STATUS_REPORT (type-agnostic) every tick before any typed poll: another
+                # module type would take the poll for one of its own codes, and its reply read as ours is garbage
+                # (all zeros), never a measurement
+                if (self.status_due or self.status is None or self.kind_mismatch or not self.link.connected
+                        or self.tick_no % self.svc.settings.roi_status_every == 0):
                     self.status_due = False
                     try:
                         await self.fetch_status()
@@ -294,7 +321,8 @@ class RoiModule:
                         # reconnection asks (one probe per tick is enough)
                         self.status_due = self.link.connected
                         raise
-                await self.poll()
+                if not self.kind_mismatch:
+                    await self.poll()
             except (RequestLost, CommandError) as exc:
                 log.debug("maintain tick failed", extra={"device": self.cfg.name, "error": str(exc)})
             except Exception:
@@ -360,16 +388,34 @@ class RoiModule:
         """Fail-safe: zero demands."""
 
     # -- commands common to every module ---------------------------------------------------------------------
+    def bind_typed(self, spec: Any, handler: Any) -> None:
+        """Bind a command that sends general packets: refused (device_error) while a module of another type
+        answers at the octet, before anything is computed or sent."""
+        async def guarded(req: Any) -> Any:
+            self.check_kind()
+            return await handler(req)
+        self.dev.bind(spec, guarded)
+
     def _bind_common(self) -> None:
         d = self.dev
-        d.bind(QUEUE_GENERAL, self.cmd_queue_general)
+        self.bind_typed(QUEUE_GENERAL, self.cmd_queue_general)
         d.bind(QUEUE_SYSADMIN, self.cmd_queue_sysadmin)
         d.bind(PING, self.cmd_ping)
         d.bind(STATUS_REPORT, self.cmd_status_report)
         d.bind(BLACKLIST, self.cmd_blacklist)
 
+    def raw_motion(self, pkt: p.GeneralPacket) -> str:
+        """Why a raw general packet is refused (it can move the module), or "" when it may go."""
+        return ""
+
+    def on_raw_reply(self, pkt: p.GeneralPacket, rep: p.GeneralPacket) -> None:
+        """Keep the cache and the published state in step with a raw packet the module accepted."""
+
     async def cmd_queue_general(self, req: RoiQueueGeneral) -> RoiRawReply:
         pkt = p.GeneralPacket(req.sub_device_id, req.action, bytes.fromhex(req.payload_hex))
+        why = self.raw_motion(pkt)
+        if why:
+            raise CommandError(ErrorCode.FORBIDDEN, f"{self.cfg.name}: {why}")
         try:
             rep = (await self.svc.transport.general(self.cfg.octet, pkt, retries=req.retries) if req.wait_reply
                    else await self.svc.transport.general_once(self.cfg.octet, pkt))
@@ -377,6 +423,7 @@ class RoiModule:
             raise _unavailable(exc, "general packet") from None
         if rep is None:
             return RoiRawReply(replied=False)
+        self.on_raw_reply(pkt, rep)
         return RoiRawReply(replied=True, action=rep.action, sub_device_id=rep.sub_device_id,
                            payload_hex=rep.payload.hex())
 
@@ -446,11 +493,39 @@ class GpioModule(RoiModule):
     def __init__(self, svc: RoiService, cfg: RoiModuleConfig) -> None:
         super().__init__(svc, cfg)
         self.modes = [0] * p.GPIO_COUNT
+        for pin, name in cfg.pin_modes.items():  # settings: pushed when the module is blank, like a cache
+            self.modes[pin] = PIN_MODE_CODES[name]
         self.outputs: dict[int, int] = {}
         self.values: list[int | None] = [None] * p.GPIO_COUNT
         self.cursor = 0
-        self.dev.bind(SET_PIN_OUTPUT, self.cmd_set_pin_output)
-        self.dev.bind(SET_PIN_MODE, self.cmd_set_pin_mode)
+        self.bind_typed(SET_PIN_OUTPUT, self.cmd_set_pin_output)
+        self.bind_typed(SET_PIN_MODE, self.cmd_set_pin_mode)
+
+    def blank_advice(self) -> str:
+        return ("A GPIO module is configured by its first successful set_pin_mode: send one, or give the module "
+                "`pin_modes` in the service's settings and the service sets them at start and after every reset.")
+
+    async def pull(self) -> None:
+        """No mode getter in the firmware: a module already running gets the configured pin modes (the same
+        SET_PIN_MODE when they match), so that the published modes are true."""
+        for pin, name in self.cfg.pin_modes.items():
+            await self.set_ok(p.GeneralPacket(pin, p.GpioAction.SET_PIN_MODE, bytes([PIN_MODE_CODES[name]])),
+                              f"SET_PIN_MODE {pin}")
+        if self.cfg.pin_modes:
+            self.publish_modes()
+
+    def on_raw_reply(self, pkt: p.GeneralPacket, rep: p.GeneralPacket) -> None:
+        pin, ok = pkt.sub_device_id, rep.payload[0] == 1
+        if not ok or pin >= p.GPIO_COUNT:
+            return
+        if pkt.action == p.GpioAction.SET_PIN_MODE:
+            self.modes[pin] = pkt.payload[0]
+            if pkt.payload[0] != p.PinMode.OUTPUT:
+                self.outputs.pop(pin, None)
+            self.publish_modes()
+        elif pkt.action == p.GpioAction.SET_OUTPUT:
+            self.outputs[pin] = 1 if pkt.payload[0] else 0
+            self.values[pin] = self.outputs[pin]
 
     def publish_modes(self) -> None:
         self.dev.publish(PIN_STATES, RoiPinStates(modes=list(self.modes),
@@ -476,6 +551,7 @@ class GpioModule(RoiModule):
                                   f"SET_PIN_MODE {pin}")
         for pin, value in self.outputs.items():
             await self.set_ok(p.GeneralPacket(pin, p.GpioAction.SET_OUTPUT, bytes([value])), f"SET_OUTPUT {pin}")
+        self.publish_modes()
 
     async def cmd_set_pin_mode(self, req: RoiSetPinMode) -> RoiAck:
         mode = PIN_MODE_CODES[req.mode]
@@ -503,9 +579,9 @@ class MotionModule(RoiModule, ABC):
         super().__init__(svc, cfg)
         self.position: float | None = None
         self.velocity = 0.0
-        self.dev.bind(GOTO_POSITION, self.cmd_goto)
-        self.dev.bind(GOTO_RELATIVE, self.cmd_goto_relative)
-        self.dev.bind(SET_VELOCITY, self.cmd_set_velocity)
+        self.bind_typed(GOTO_POSITION, self.cmd_goto)
+        self.bind_typed(GOTO_RELATIVE, self.cmd_goto_relative)
+        self.bind_typed(SET_VELOCITY, self.cmd_set_velocity)
         self.dev.bind_job(GO_TO_POSITION, self.job_absolute, self.admit_job)
         self.dev.bind_job(GO_TO_RELATIVE, self.job_relative, self.admit_job)
 
@@ -545,6 +621,7 @@ class MotionModule(RoiModule, ABC):
             raise CommandError(ErrorCode.BUSY, f"{self.cfg.name} is already moving (job {self.dev.running_jobs()[0]})")
         if not self.link.connected:
             raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name} is not connected")
+        self.check_kind()
 
     async def job_absolute(self, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
         return await self.move(req.position, req, job)
@@ -599,8 +676,28 @@ class OdriveModule(MotionModule):
         self.cache: dict[str, float] = {}  # control_mode, input_mode, torque, position, velocity: what we set
         self.torque_sp = 0.0
         self.errors = 0
-        self.dev.bind(SET_TORQUE, self.cmd_set_torque)
-        self.dev.bind(CLEAR_ERRORS, self.cmd_clear_errors)
+        if cfg.initial_mode is not None:  # settings: pushed when the module is blank, like a cache
+            cm, im = p.COMMAND_MODES[cfg.initial_mode]
+            self.cache.update({"control_mode": cm, "input_mode": im, cfg.initial_mode: 0.0})
+        self.bind_typed(SET_TORQUE, self.cmd_set_torque)
+        self.bind_typed(CLEAR_ERRORS, self.cmd_clear_errors)
+
+    def blank_advice(self) -> str:
+        return ("An ODrive module is configured by any set command (set_velocity, set_torque, goto_position): "
+                "send one, or give the module `initial_mode` (velocity or torque) in the service's settings and "
+                "the service sets that mode at a zero demand at start and after every reset.")
+
+    def raw_motion(self, pkt: p.GeneralPacket) -> str:
+        if pkt.action & p.ODRIVE_GETMASK:  # the firmware's getter test (§3.6)
+            return ""
+        try:
+            name = p.OdriveAction(pkt.action).name
+        except ValueError:
+            name = "unknown setter"
+        return (f"raw action 0x{pkt.action:04x} ({name}) is an ODrive setter: it moves the motor or changes how "
+                "it moves. Raw packets to an ODrive take getters only (get bit 0x80); use goto_position, "
+                "set_velocity, set_torque or clear_errors, which keep the set-points the service publishes, "
+                "re-sends after a module reset and stops on shutdown")
 
     @property
     def tolerance(self) -> float:
@@ -709,18 +806,24 @@ class OdriveModule(MotionModule):
 
 
 class ActuatorModule(MotionModule):
-    """§3.7: lengths in encoder ticks; no getter is implemented, so position is estimated from the commands
-    (moving toward the target at the commanded velocity) and flagged `estimated`."""
+    """§3.7: lengths in encoder ticks. The released firmware implements no getter (GET_CURRENT_LENGTH is
+    answered [0] = 0) while the ROS node at 6ec908d reads a uint16 BE length from it: the reply is the measured
+    position where the module answers one (`length_feedback`: on; auto = from its first non-zero length, since
+    the released firmware's zero reply reads as length 0); elsewhere the position is estimated from the
+    commands (moving toward the target at the commanded velocity) and flagged `estimated`."""
 
     unit = "percent"
+    VELOCITY_WINDOW_S = 0.5  # measured velocity: position difference over about this long (ticks are coarse)
 
     def __init__(self, svc: RoiService, cfg: RoiModuleConfig) -> None:
         super().__init__(svc, cfg)
-        self.position = None  # unknown until the first absolute move
+        self.position = None  # unknown until measured or the first absolute move
         self.target: float | None = None
         self.speed = cfg.default_velocity  # %/s
         self.speed_set = False
         self.t_est = time.monotonic()
+        self.measured = cfg.length_feedback == "on"  # the position comes from GET_CURRENT_LENGTH replies
+        self.samples: list[tuple[float, float]] = []  # (monotonic, %) of recent measurements
 
     @property
     def tolerance(self) -> float:
@@ -728,7 +831,18 @@ class ActuatorModule(MotionModule):
 
     @property
     def estimated(self) -> bool:
-        return True
+        return not self.measured
+
+    def on_length(self, ticks: int) -> None:
+        """A GET_CURRENT_LENGTH reply read as the measured length (uint16 BE ticks, the 6ec908d node's layout)."""
+        now = time.monotonic()
+        pct = ticks / self.cfg.max_position * 100.0
+        self.measured = True
+        self.samples = [s for s in self.samples if now - s[0] <= self.VELOCITY_WINDOW_S]
+        self.velocity = (pct - self.samples[0][1]) / (now - self.samples[0][0]) if self.samples and \
+            now > self.samples[0][0] else 0.0
+        self.samples.append((now, pct))
+        self.position = pct
 
     def ticks(self, percent: float) -> int:
         return round(max(0.0, min(100.0, percent)) / 100.0 * self.cfg.max_position)
@@ -741,10 +855,13 @@ class ActuatorModule(MotionModule):
 
     def state_message(self, state: int) -> str:
         if state == p.ModuleState.BLANK_STATE:
-            return "Blank state: the actuator firmware never reports itself configured."
+            return ("Blank state, operational: the actuator firmware never reports itself configured (it never "
+                    "calls notifySystemConfigured), and it moves all the same; nothing to do.")
         return super().state_message(state)
 
     def estimate(self) -> None:
+        if self.measured:
+            return
         now = time.monotonic()
         dt, self.t_est = now - self.t_est, now
         if self.position is None or self.target is None:
@@ -756,17 +873,34 @@ class ActuatorModule(MotionModule):
         self.velocity = (step / dt) if dt > 0 and abs(err) > 1e-9 else 0.0
 
     async def poll(self) -> None:
-        # GET_CURRENT_LENGTH is not implemented (reply [0] = 0); sent to feed the module's watchdog
-        await self.svc.transport.general(self.cfg.octet, p.GeneralPacket(self.cfg.channel,
-                                                                          p.ActuatorAction.GET_CURRENT_LENGTH))
-        self.estimate()
+        # GET_CURRENT_LENGTH also feeds the module's watchdog where the firmware does not implement it
+        rep = await self.svc.transport.general(self.cfg.octet, p.GeneralPacket(self.cfg.channel,
+                                                                                p.ActuatorAction.GET_CURRENT_LENGTH))
+        ticks = p.read_u16(rep.payload)
+        mode = self.cfg.length_feedback
+        if mode == "on" or (mode == "auto" and (self.measured or ticks != 0)):
+            self.on_length(ticks)
+        else:
+            self.estimate()
         known = self.position is not None
         self.dev.publish(STATE, RoiMotionState(position=self.position, velocity=self.velocity if known else None,
-                                               unit="percent", estimated=True, ts=time.time()))
+                                               unit="percent", estimated=self.estimated, ts=time.time()))
         self.state_event.set()
 
     def has_cache(self) -> bool:
         return self.target is not None or self.speed_set
+
+    def raw_motion(self, pkt: p.GeneralPacket) -> str:
+        if pkt.action & p.ACTUATOR_GET_MASK:
+            return ""
+        try:
+            name = p.ActuatorAction(pkt.action).name
+        except ValueError:
+            name = "unknown setter"
+        return (f"raw action 0x{pkt.action:04x} ({name}) is an actuator setter: it moves the actuator or changes "
+                "how it moves. Raw packets to an actuator take getters only (get bit 0x8000); use goto_position "
+                "or set_velocity, which keep the target the service publishes, re-sends after a module reset "
+                "and holds on shutdown")
 
     async def push(self) -> None:
         if self.speed_set:
@@ -777,10 +911,12 @@ class ActuatorModule(MotionModule):
                                                p.u16(self.ticks(self.target))), "push length")
 
     def current_position(self) -> float:
+        if self.measured:
+            return super().current_position()
         self.estimate()
         if self.position is None:
-            raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name}: position unknown (the firmware has no "
-                                                      "getter); send an absolute goto_position first")
+            raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name}: position unknown (the module answers no "
+                                                      "length); send an absolute goto_position first")
         return self.position
 
     async def goto(self, target: float, req: RoiGotoPosition) -> None:
@@ -795,7 +931,7 @@ class ActuatorModule(MotionModule):
         await self.request(p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_ABSOLUTE_LENGTH,
                                            p.u16(self.ticks(target))), "SET_ABSOLUTE_LENGTH")
         self.estimate()
-        if self.position is None:
+        if self.position is None and not self.measured:
             # first move: where it was is unknown, the estimate starts at the target (flagged estimated)
             self.position = target
         self.target = target
@@ -816,7 +952,7 @@ class ActuatorModule(MotionModule):
         return RoiAck(accepted=True, detail=f"moves at {abs(req.velocity)} %/s")
 
     async def stop(self) -> None:
-        """No stop in the firmware: hold at the estimated position."""
+        """No stop in the firmware: hold at the measured (or estimated) position."""
         self.estimate()
         if self.position is not None and self.target is not None:
             await self.request(p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_ABSOLUTE_LENGTH,
@@ -888,7 +1024,8 @@ class RoiService:
         for t in self._tasks:
             t.cancel()
         if self.transport._transports:
-            stops = [m.stop() for m in self.modules if isinstance(m, MotionModule) and m.link.connected]
+            stops = [m.stop() for m in self.modules if isinstance(m, MotionModule) and m.link.connected
+                     and not m.kind_mismatch]
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 2.0)
         self.transport.close()

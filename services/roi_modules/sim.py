@@ -346,10 +346,20 @@ class OdriveFirmware(ModuleFirmware):
 
 class ActuatorFirmware(ModuleFirmware):
     """Modules/Actuator ROI Module (ActuatorContainer<2>, §3.7): every reply is [0] = 0, getters unimplemented,
-    and the firmware never calls notifySystemConfigured, so the module stays in BLANK_STATE."""
+    and the firmware never calls notifySystemConfigured, so the module stays in BLANK_STATE.
+
+    `length_feedback=True` answers GET_CURRENT_LENGTH with the current length as uint16 BE ticks, the layout
+    the ROS node at 6ec908d reads (a firmware that implements the getter); False is the released firmware.
+    `max_speed` (ticks/s) caps the motion as a real actuator's motor does, whatever velocity was commanded."""
 
     module_type = p.ModuleType.ACTUATOR
     default_speed = 50.0  # ticks/s when no velocity was set
+
+    def __init__(self, *args: Any, length_feedback: bool = False, max_speed: float | None = None,
+                 **kw: Any) -> None:
+        self.length_feedback = length_feedback
+        self.max_speed = max_speed
+        super().__init__(*args, **kw)
 
     def reset_handler(self) -> None:
         self.length = [0.0] * p.ACTUATOR_CHANNELS
@@ -364,6 +374,8 @@ class ActuatorFirmware(ModuleFirmware):
             return
         for i in range(p.ACTUATOR_CHANNELS):
             v = abs(self.speed[i]) or self.default_speed
+            if self.max_speed is not None:
+                v = min(v, self.max_speed)
             err = self.target[i] - self.length[i]
             self.length[i] += max(-v * dt, min(v * dt, err))
 
@@ -381,6 +393,8 @@ class ActuatorFirmware(ModuleFirmware):
         elif act == p.ActuatorAction.SET_VELOCITY:
             v = p.read_f32(data)
             self.speed[ch] = v if math.isfinite(v) else 0.0
+        elif act == p.ActuatorAction.GET_CURRENT_LENGTH and self.length_feedback:
+            return pkt.reply(p.u16(round(self.length[ch])))
         return reply
 
 
@@ -410,8 +424,14 @@ class RoiSim:
     """Every simulated module of a network prefix, served by one thread (`start()`) or `serve_forever()`."""
 
     def __init__(self, prefix: str, modules: list[SimModuleSpec], *, chain: bool = True, seed: int | None = None,
-                 getter_bug: bool = False, head_firmware: bool = False, watchdog_s: float = WATCHDOG_S) -> None:
+                 getter_bug: bool = False, head_firmware: bool = False, watchdog_s: float = WATCHDOG_S,
+                 actuator_length: bool = False, actuator_max_speed: float | None = None) -> None:
         self.prefix = prefix
+        self.getter_bug = getter_bug
+        self.head_firmware = head_firmware
+        self.watchdog_s = watchdog_s
+        self.actuator_length = actuator_length
+        self.actuator_max_speed = actuator_max_speed
         self.lock = threading.RLock()
         self.rng = random.Random(seed)
         self.sel = selectors.DefaultSelector()
@@ -426,15 +446,7 @@ class RoiSim:
         for spec in modules:
             if spec.octet in self.modules:
                 raise ValueError(f"octet {spec.octet} given twice")
-            kw: dict[str, Any] = {"watchdog_s": watchdog_s, "head_firmware": head_firmware}
-            fw: ModuleFirmware
-            if spec.kind == "odrive":
-                fw = OdriveFirmware(spec.octet, now, getter_bug=getter_bug, **kw)
-            elif spec.kind == "actuator":
-                fw = ActuatorFirmware(spec.octet, now, **kw)
-            else:
-                fw = GpioFirmware(spec.octet, now, **kw)
-            self.modules[spec.octet] = fw
+            self.modules[spec.octet] = self._firmware(spec.kind, spec.octet, now)
         if chain and len(self.modules) >= 2:
             ring = sorted(self.modules)
             for i, o in enumerate(ring):
@@ -454,6 +466,27 @@ class RoiSim:
                 s.setblocking(False)
                 self._socks.append(s)
                 self.sel.register(s, selectors.EVENT_READ, (octet, port))
+
+    def _firmware(self, kind: str, octet: int, now: float) -> ModuleFirmware:
+        kw: dict[str, Any] = {"watchdog_s": self.watchdog_s, "head_firmware": self.head_firmware}
+        if kind == "odrive":
+            return OdriveFirmware(octet, now, getter_bug=self.getter_bug, **kw)
+        if kind == "actuator":
+            return ActuatorFirmware(octet, now, length_feedback=self.actuator_length,
+                                    max_speed=self.actuator_max_speed, **kw)
+        if kind == "gpio":
+            return GpioFirmware(octet, now, **kw)
+        raise ValueError(f"module kind {kind!r}: want gpio, odrive or actuator")
+
+    def replace(self, octet: int, kind: str) -> ModuleFirmware:
+        """Another module (of `kind`, just booted) at `octet`: a module swapped, or an octet selector set to
+        another module's address. It keeps the octet's place in the chain."""
+        with self.lock:
+            old = self.modules[octet]
+            fw = self._firmware(kind, octet, time.monotonic())
+            fw.neighbour, fw.chain_ok = old.neighbour, old.chain_ok
+            self.modules[octet] = fw
+            return fw
 
     def address(self, octet: int) -> str:
         return f"{self.prefix}.{octet}"
@@ -622,10 +655,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--getter-bug", action="store_true", help="ODrive getters answer the control mode (firmware)")
     ap.add_argument("--head-firmware", action="store_true", help="answer FIRMWARE_REPORT (HEAD firmware)")
+    ap.add_argument("--actuator-length", action="store_true",
+                    help="actuators answer GET_CURRENT_LENGTH with their length (uint16 BE ticks); without it they "
+                         "answer 0, as the released firmware does")
+    ap.add_argument("--actuator-max-speed", type=float, default=None,
+                    help="ticks/s an actuator moves at most, whatever velocity is commanded")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s roi-sim %(message)s")
     specs = [SimModuleSpec.parse(t.strip()) for t in args.modules.split(",") if t.strip()]
-    sim = RoiSim(args.prefix, specs, seed=args.seed, getter_bug=args.getter_bug, head_firmware=args.head_firmware)
+    sim = RoiSim(args.prefix, specs, seed=args.seed, getter_bug=args.getter_bug, head_firmware=args.head_firmware,
+                 actuator_length=args.actuator_length, actuator_max_speed=args.actuator_max_speed)
     sim.set_loss(args.loss)
     signal.signal(signal.SIGTERM, lambda *_: sim._stop.set())
     signal.signal(signal.SIGUSR1, lambda *_: sim.set_loss(args.signal_loss))
