@@ -126,18 +126,19 @@ def check_boot(image: FirmwareImage) -> None:
     if sp is None or reset is None:
         lo, hi = image.segments[0].address, max(s.address + s.size for s in image.segments)
         raise NotBootable(f"{p} has no vector table at the boot address 0x{BOOT_ADDRESS:08x} (it loads "
-                          f"0x{lo:08x}-0x{hi - 1:08x}): the robot could not start it; --force flashes it anyway")
+                          f"0x{lo:08x}-0x{hi - 1:08x}): the robot could not start it; "
+                          "force (--force) flashes it anyway")
     if not any(base < sp <= base + size for base, size, _ in STACK_RAM):
         raise NotBootable(f"{p}: the vector table at 0x{BOOT_ADDRESS:08x} starts with 0x{sp:08x}, not an initial "
                           "stack pointer in the STM32F407's RAM (" + ", ".join(
                               f"{name} 0x{base:08x}-0x{base + size:08x}" for base, size, name in STACK_RAM)
-                          + "): not a vector table; --force flashes it anyway")
+                          + "): not a vector table; force (--force) flashes it anyway")
     if not reset & 1:
         raise NotBootable(f"{p}: the reset vector 0x{reset:08x} has no Thumb bit (bit 0): the Cortex-M4 would "
-                          "fault at reset; --force flashes it anyway")
+                          "fault at reset; force (--force) flashes it anyway")
     if not image.loads(reset & ~1):
         raise NotBootable(f"{p}: the reset vector 0x{reset:08x} points outside the image's flash: the robot "
-                          "could not start it; --force flashes it anyway")
+                          "could not start it; force (--force) flashes it anyway")
 
 
 def _load_bytes(data: bytes) -> int:

@@ -28,6 +28,7 @@ from services.epuck_gateway.firmware import (
     flash_firmware,
     parse_elf,
 )
+from services.epuck_gateway.port_lock import hold_port
 from services.epuck_gateway.sim_gdb import Faults, ProgrammerSim, RspSession, frame, gdb_crc32
 from services.epuck_gateway.sim_serial import EpuckSerialSimThread
 from shared.rpc import RpcClient
@@ -179,7 +180,8 @@ def test_gateway_flash_job_pauses_and_restores_the_robots_link(
     robots = [{"id": "usb1", "transport": "serial", "port": robot.link, "programmer": programmer.link}]
     try:
         proc = spawn(GATEWAY, {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node,
-                               "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots), "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.3"})
+                               "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots), "ROBOBUS_EPUCK_RECONNECT_MAX_S": "0.3",
+                               "ROBOBUS_EPUCK_FLASH_STALL_S": "1"})
         assert bus.wait_json("/usb1/health", lambda d: d["state"] == "streaming", timeout=20), proc.text()
         # commands only once the node's birth is out: it follows the SUBACK of its command subscription
         assert bus.wait_json(f"{node}/status", lambda d: d["online"], timeout=20), proc.text()
@@ -204,9 +206,26 @@ def test_gateway_flash_job_pauses_and_restores_the_robots_link(
         # a bad ELF is refused before anything touches the robot
         bad = client.call(node, "usb1", "flash", {"elf_base64": base64.b64encode(b"\x7fELF" + bytes(60)).decode()},
                           timeout=10)
-        assert not bad.ok and bad.error["code"] == "invalid_request"
+        assert not bad.ok and bad.error is not None and bad.error["code"] == "invalid_request"
+        high = build_elf(tmp_path / "high", origin=0x0806_0000)  # no vector table at the boot address
+        bad = client.call(node, "usb1", "flash", {"elf_base64": base64.b64encode(high.read_bytes()).decode()},
+                          timeout=10)
+        assert not bad.ok and bad.error is not None and bad.error["code"] == "invalid_request"
+        assert "force" in bad.error["message"]
         time.sleep(0.2)
         assert programmer.session.stats.attached == 1
+        # a programmer that hangs during the load: `timeout`, within seconds, and the robot's state said
+        hung = faulty(tmp_path, hang_at_write=1)
+        try:
+            req = {"elf_base64": base64.b64encode(elf.read_bytes()).decode(), "programmer": hung.link}
+            rep, result = client.call_job(node, "usb1", "flash", req, lambda p: None, timeout=120)
+            assert rep.ok and result is not None and not result["ok"], (rep.raw, result)
+            assert result["error"]["code"] == "timeout", result
+            msg = result["error"]["message"]
+            assert "stalled" in msg and "no valid firmware" in msg and "run the same command again" in msg, msg
+            assert not hung.session.running and hung.session.stats.detached == 0
+        finally:
+            hung.close()
     finally:
         serial.close()
 
@@ -357,3 +376,14 @@ def test_cli_a_hung_programmer_is_exit_4_with_the_robots_state(big_elf: Path, tm
         assert "stalled" in out and "no valid firmware" in out and "run the same command again" in out, out
     finally:
         sim.close()
+
+
+@needs_gdb
+def test_cli_refuses_a_port_another_process_holds(elf: Path, programmer: ProgrammerSim) -> None:
+    """The gateway's serial links hold their port's lock (port_lock); a local flash takes the same lock."""
+    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    with hold_port(programmer.link):  # as the gateway's link to this port does
+        done = subprocess.run([*robobus, programmer.link, str(elf)], capture_output=True, text=True, timeout=120)
+    out = " ".join(done.stderr.split())
+    assert done.returncode == 1 and "in use by another process" in out and "nothing was sent" in out, out
+    assert programmer.session.stats.packets == 0
