@@ -614,7 +614,12 @@ class Discovery:
             known = self.topics.setdefault(key, set())
             gone = sorted(known - current)
             known -= set(gone)
-        for topic in gone:
+            # and an earlier run's republished states of those states
+            seen = {ha_state_topic(self.prefix, self.root, *key, s) for s in self.seen.get(key, set())}
+            republished = self.ha_topics.setdefault(key, set())
+            unseen = sorted(republished - seen)
+            republished -= set(unseen)
+        for topic in gone + unseen:
             self.session.publish(topic, b"", qos=1, retain=True)
         self.removed += len(gone)
         if gone:

@@ -178,6 +178,7 @@ def test_process_publishes_republishes_and_tracks_availability(broker_session: B
         assert wait_for(lambda: len(arrivals) >= before + 6, 30), (ha.poll(), len(arrivals), before)
         # garbage on a health topic is counted and skipped; the process stays up
         client.session.publish(f"robobus/{node}/junk/health", b"\xff not json", qos=1)
+        client.session.publish(f"robobus/{node}/rh/state/joints", b"\xff not json", qos=1)  # not retained
         time.sleep(0.5)
         assert ha.poll() is None
         # the node dies: its Will makes every entity unavailable
@@ -192,7 +193,7 @@ def test_process_publishes_republishes_and_tracks_availability(broker_session: B
             client.session.publish(t, b"", qos=1, retain=True)
     text = out.decode()
     assert ha.returncode == 0, text
-    assert "ignoring health" in text
+    assert "ignoring health" in text and "ignoring state" in text
 
 
 def _health(service: str = "epuck-gateway") -> bytes:
@@ -349,3 +350,63 @@ def test_a_nullable_field_is_unavailable_when_null() -> None:
     assert render(value["value_template"], b'{"position": 0.0, "velocity": null, "ts": 1}') == "online"
     # a field that is never null has no such entry (its node and the process only)
     assert len(by["power voltage"]["availability"]) == 2
+
+
+def test_sensors_follow_the_states_a_device_publishes(broker_session: Broker, client: RpcClient,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPIO module's health and its `link` state on the bus: the link's sensors are announced and fed from the
+    process's republished topic; an earlier run's `power` sensor for it (a state it never publishes) is removed
+    once its states have settled; the `power` sensors come as soon as the state does."""
+    from shared.dashboard import homeassistant
+    from shared.dashboard.homeassistant import Discovery, HomeAssistantSettings
+
+    monkeypatch.setattr(homeassistant, "SETTLE_S", 1.0)
+    tag = f"{os.getpid()}s{time.monotonic_ns() % 100000}"
+    root, prefix, node, dev = f"haseen{tag}", f"haseenp{tag}", "roi", "io"
+    latest: dict[str, bytes] = {}
+    lock = __import__("threading").Lock()
+
+    def on(msg: Any) -> None:
+        with lock:
+            latest[msg.topic] = bytes(msg.payload)
+
+    client.subscribe_before(f"{prefix}/#", on)
+
+    def names() -> set[str]:
+        with lock:
+            return {json.loads(p)["name"] for t, p in latest.items() if t.endswith("/config") and p}
+
+    node_id = f"robobus_{root}_{node}"
+    old_power = f"{prefix}/sensor/{node_id}/{dev}_power_voltage/config"
+    old_cfg = {"name": "power voltage", "unique_id": f"{node_id}_{dev}_power_voltage",
+               "state_topic": f"{root}/{node}/{dev}/state/power", "value_template": "{{ value_json.voltage }}",
+               "device": {"identifiers": [f"{node_id}_{dev}"], "name": f"{node} {dev}"}}
+    retained = [old_power, f"{root}/{node}/status", f"{root}/{node}/{dev}/health", f"{root}/{node}/{dev}/state/link"]
+    client.session.publish(old_power, json.dumps(old_cfg), qos=1, retain=True)
+    client.session.publish(retained[1], json.dumps({"online": True, "devices": [dev]}), qos=1, retain=True)
+    client.session.publish(retained[2], _health("roi-modules"), qos=1, retain=True)
+    link = {"connected": True, "lost_packets_since_connect": 0, "lost_packets_accumulated": 2, "sent": 10,
+            "resent": 1, "replies": 9, "unmatched": 0, "bad_checksum": 0, "ts": time.time()}
+    client.session.publish(retained[3], json.dumps(link), qos=1, retain=True)
+    settings = HomeAssistantSettings(mqtt_url=broker_session.url, topic_root=root, homeassistant_prefix=prefix)
+    d = Discovery(settings, __version__)
+    d.start()
+    try:
+        assert wait_for(lambda: "link sent" in names(), 30), names()
+        link_cfg = next(json.loads(p) for t, p in latest.items() if t.endswith("/config") and p
+                        and json.loads(p)["name"] == "link sent")
+        assert link_cfg["state_topic"] == f"{prefix}/robobus/{root}/{node}/{dev}/link"
+        assert wait_for(lambda: latest.get(link_cfg["state_topic"]) == json.dumps(link).encode(), 15)
+        assert wait_for(lambda: latest.get(old_power) == b"", 30), "the never-published state's sensor stayed"
+        assert not {n for n in names() if n.startswith(("power", "state ", "temperature"))}, names()
+        power = f"{root}/{node}/{dev}/state/power"
+        retained.append(power)
+        client.session.publish(power, json.dumps({"voltage": 24.0, "current": 0.5, "ts": time.time()}), qos=1,
+                               retain=True)
+        assert wait_for(lambda: {"power voltage", "power current"} <= names(), 15), names()
+    finally:
+        d.stop()
+        with lock:
+            ours = [t for t, p in latest.items() if p]
+        for t in ours + retained:
+            client.session.publish(t, b"", qos=1, retain=True)
