@@ -43,6 +43,9 @@ class DexterArmConfig(BaseModel):
                                "(DexRun closes a connection idle for 30 s)")
     reconnect_min_s: float = Field(0.2, gt=0)
     reconnect_max_s: float = Field(5.0, gt=0)
+    liveness_s: float = Field(10.0, gt=0, description="An arm not reached (never, or since the link was lost) "
+                              "for this long is `unreachable` in health; at least reconnect_max_s, so that an "
+                              "arm that returns is found within one budget")
     queue_limit: int = Field(64, ge=1, le=10000, description="Commands waiting for the link; more get `busy`")
 
     @field_validator("id")
@@ -51,6 +54,13 @@ class DexterArmConfig(BaseModel):
         if not NAME_RE.match(v):
             raise ValueError("id must be a single topic level: letters, digits, '_', '-', '.'")
         return v
+
+    @model_validator(mode="after")
+    def _budget(self) -> DexterArmConfig:
+        if self.reconnect_max_s > self.liveness_s:
+            raise ValueError(f"reconnect_max_s ({self.reconnect_max_s:g}) must not exceed liveness_s "
+                             f"({self.liveness_s:g}): an arm that returns would not be found within one budget")
+        return self
 
 
 # -- status -----------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 DEXRUN_PORT = 50000
 REPLY_INTS = 60
 REPLY_BYTES = REPLY_INTS * 4  # 240: `write(connfd, sendBuff, 60*4)` (§1)
+MAX_INSTRUCTION_ID = 2**31 - 1  # instruction ids are int32 on the robot (echoed through atoi); the link wraps to 1
 SEND_BUFFER = 256  # DDE's Buffer.alloc(256), zero-padded (§2)
 MAX_REQUEST = 255  # DexRun scans the first 255 bytes for ';' (recBuff[256], CmdString[255])
 MAX_CONTENT_CHARS = 62  # MAX_CONTENT_CHARS in DexRun.c line 57, every branch (§7)
@@ -216,11 +217,13 @@ def check_oplet(oplet: str, args: Sequence[str], firmware: Firmware = Firmware.N
         if not args[0].isdigit():
             raise ProtocolError(f"z: microseconds must be a non-negative integer, got {args[0]!r}")
     elif oplet in "aRPBw":
-        for a in args:
+        for i, a in enumerate(args):
             _numeric(oplet, a, allow_nan=oplet in "aP")
+            _atoi_range(oplet, a, unsigned=oplet == "w" and i == 1)  # w's value: a 32-bit register word
     elif oplet in "MTCD":
         for a in args:
             _numeric(oplet, a, allow_nan=False)
+            _atoi_range(oplet, a)
         if firmware is Firmware.STABLE and any(not _is_int(a) for a in args[3:6]):
             # stable parses the direction with atoi: 0.7 would silently become 0
             raise ProtocolError(f"{oplet}: the stable DexRun reads the direction as integers; use -1, 0 or 1")
@@ -233,10 +236,22 @@ def check_oplet(oplet: str, args: Sequence[str], firmware: Firmware = Firmware.N
         else:
             for a in args[1:]:
                 _numeric("S", a, allow_nan=False)
+            for a in args[2:]:  # the first value is read with atof, the rest with atoi
+                _atoi_range("S", a)
 
 
 def _is_int(tok: str) -> bool:
     return re.fullmatch(r"[+-]?\d+", tok) is not None
+
+
+def _atoi_range(oplet: str, tok: str, unsigned: bool = False) -> None:
+    """An integer DexRun reads with atoi must fit its int: past it atoi's result is undefined (a far goal
+    would silently become another one)."""
+    if not _is_int(tok):
+        return
+    v = int(tok)
+    if not -(2**31) <= v <= (2**32 - 1 if unsigned else 2**31 - 1):
+        raise ProtocolError(f"{oplet}: argument {tok} does not fit DexRun's 32-bit integer")
 
 
 def _numeric(oplet: str, tok: str, allow_nan: bool) -> None:
@@ -306,7 +321,9 @@ def build_request(oplet: str, args: Sequence[Any] = (), *, job_id: int = 1, inst
             raise ProtocolError(f"argument {t!r} contains ';' or NUL: DexRun stops at the first ';'")
     check_oplet(oplet, tokens, firmware)
     req = Request(oplet, tokens, job_id=job_id, instruction_id=instruction_id, start_ms=start_ms)
-    req.encode()  # length check
+    # length check with the widest instruction id the link may number it with (they count up to 2**31-1):
+    # what fits now must fit whenever it is sent
+    req._replace(instruction_id=MAX_INSTRUCTION_ID).encode()
     return req
 
 

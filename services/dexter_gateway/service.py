@@ -247,7 +247,7 @@ class DexterArm:
             host=cfg.host, port=cfg.port, firmware=self.firmware, connect_timeout_s=cfg.connect_timeout_s,
             reply_timeout_s=cfg.reply_timeout_s, motion_timeout_s=cfg.motion_timeout_s,
             fifo_timeout_s=cfg.fifo_timeout_s, keepalive_s=cfg.keepalive_s, reconnect_min_s=cfg.reconnect_min_s,
-            reconnect_max_s=cfg.reconnect_max_s, queue_limit=cfg.queue_limit),
+            reconnect_max_s=cfg.reconnect_max_s, liveness_s=cfg.liveness_s, queue_limit=cfg.queue_limit),
             on_state=self._on_link_state, on_reply=self._on_reply, on_decode_error=self._on_decode_error,
             keepalive_args=self._g_args)
         self._latest: tuple[p.Reply, str, float] | None = None  # newest standard-status reply, its mode, time
@@ -312,15 +312,19 @@ class DexterArm:
             self._publish_health()
 
     def _publish_health(self) -> None:
+        """`error` says the arm or its configuration is wrong (DexRun's error flags; a host name that does not
+        resolve; a peer that is not DexRun): never an absent arm, so it does not flip with reconnect attempts,
+        which are counted in `details`. An arm not reached is `connecting` / `reconnecting`, then `unreachable`
+        once `liveness_s` has passed."""
         link = self.link
         flags = self._flags
         serving = link.serving
         problems = [p.FLAG_TEXT[f] for f in flags]
         if not serving and link.message:
             problems.insert(0, link.message)
-        state = link.state if not serving else ("fault" if flags else "connected")
+        state = ("fault" if flags else "connected") if serving else link.down_state()
         self.dev.set_health(connection=serving, operational=serving and "firmware_mismatch" not in flags,
-                            state=state, error=(bool(problems) and link.state != "connecting") or bool(flags),
+                            state=state, error=bool(flags) or (not serving and bool(link.fault)),
                             error_message="; ".join(problems), details=self._details())
 
     def _details(self) -> dict[str, Any]:
@@ -328,7 +332,8 @@ class DexterArm:
         d: dict[str, Any] = {"host": self.cfg.host, "port": self.cfg.port, "firmware": self.cfg.firmware.value,
                              "status_mode": self.status_mode}
         d.update(link=self.link.state, rtt_last_ms=s.rtt_last_ms, rtt_avg_ms=s.rtt_avg_ms,
-                 rtt_max_ms=s.rtt_max_ms, reconnects=s.reconnects, timeouts=s.timeouts,
+                 rtt_max_ms=s.rtt_max_ms, reconnects=s.reconnects, connect_attempts=s.connect_attempts,
+                 failed_attempts=s.failed_attempts, last_failure=s.last_failure, timeouts=s.timeouts,
                  out_of_step=s.out_of_step, stale_replies=s.stale_replies, commands=s.commands,
                  keepalives=s.keepalives, busy_refusals=s.busy, queued=self.link.queued)
         return d
@@ -363,11 +368,11 @@ class DexterArm:
 
     # -- sending ------------------------------------------------------------------------------------------
     def send(self, oplet: str, args: Sequence[Any] = (), *, timeout_s: float | None = None,
-             errno_reply: bool = False, fail_on_error: bool = True, job: JobContext | None = None
-             ) -> DexterCommandReply:
+             errno_reply: bool = False, fail_on_error: bool = True, job: JobContext | None = None,
+             prepared: Request | None = None) -> DexterCommandReply:
         """One command, on the caller's thread; a job's cancel stops it waiting for its turn (a command
-        already sent completes on the robot)."""
-        req = self._prepare(oplet, args)
+        already sent completes on the robot). `prepared`: the request already validated by the caller."""
+        req = prepared if prepared is not None else self._prepare(oplet, args)
         try:
             lr = self.link.submit(req, timeout_s=timeout_s, cancelled=None if job is None else lambda: job.cancelled)
         except DexterLinkError as exc:
@@ -472,8 +477,8 @@ class DexterArm:
         d.bind(RAW, self.cmd_raw)
         d.bind_job(WAIT_MOTION, self.job_wait_motion)
         d.bind_job(READ_FILE, self.job_read_file, self.admit_read)
-        d.bind_job(WRITE_FILE, self.job_write_file, self.admit_file)
-        d.bind_job(RUN_FILE, self.job_run_file)
+        d.bind_job(WRITE_FILE, self.job_write_file, self.admit_write)
+        d.bind_job(RUN_FILE, self.job_run_file, self.admit_run_file)
 
     def cmd_move_all(self, req: DexterMoveAllJoints) -> Serialized:
         args = [p.arcsec(a) for a in req.joints_deg] + self._servo_units(req.j6_deg, req.j7_deg)
@@ -512,6 +517,9 @@ class DexterArm:
         vals = [req.value] if req.value is not None else list(req.values or [])
         if req.units == "user":
             vals = [p.convert_param(name, v) for v in vals]
+        if not all(math.isfinite(v) for v in vals):  # a finite value in user units can overflow in wire units
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"{name}: a value is too large once converted to "
+                               f"{p.param_unit(name).value}")
         unit = p.param_unit(name)
         # DexRun reads the first value with atof and the rest with atoi
         wire: list[Any] = [round(v) if unit in (p.ParamUnit.ARCSEC, p.ParamUnit.MICRONS) else v for v in vals[:1]]
@@ -567,9 +575,10 @@ class DexterArm:
             self.check_shell(args[1])
         if oplet in "rW" and self._file_job is not None:
             raise CommandError(ErrorCode.BUSY, f"a {self._file_job} job holds the arm's file channel")
+        request = self._prepare(oplet, args)  # judged before anything changes (the status mode below)
         if oplet == "g" and self.firmware is Firmware.NEWEST:
             self.status_mode = args[0][0] if args else "0"
-        return self.send(oplet, args, fail_on_error=False)
+        return self.send(oplet, args, fail_on_error=False, prepared=request)
 
     # -- jobs ----------------------------------------------------------------------------------------
     def admit_file(self, req: Any) -> None:
@@ -581,16 +590,22 @@ class DexterArm:
                                    "(DexRun keeps one write handle, one keyword and one shell)")
             self._file_job = "read_file" if isinstance(req, DexterReadFile) else "write_file"
 
+    # Every job's request is judged before a job id exists: what can be refused up front (a path DexRun would
+    # cut or misparse, data that is not base64, a request over 255 bytes) gets `invalid_request` in the command's
+    # reply and no job starts; only what the robot alone can say (ENOENT, EBUSY...) ends in the job's result.
     def admit_read(self, req: DexterReadFile) -> None:
-        kind = p.target_kind(req.path)
-        if kind == "shell":
+        if p.target_kind(req.path) == "shell":
             self.check_shell(req.path)
-        elif kind == "file":
-            try:
-                p.check_path(req.path)
-            except ProtocolError as exc:
-                raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        self._prepare("r", ("0", req.path))  # block 0 in full: a file path, a #keyword or a shell line
         self.admit_file(req)
+
+    def admit_write(self, req: DexterWriteFile) -> None:
+        self._write_data(req)
+        self._prepare("W", ("f", "0", req.path))  # the data blocks are write_requests' own, valid by construction
+        self.admit_file(req)
+
+    def admit_run_file(self, req: DexterRunFile) -> None:
+        self._prepare("S", ("RunFile", req.path))
 
     def job_wait_motion(self, req: DexterWaitMotionDone, job: JobContext) -> DexterMotionDone:
         """`F` blocks the link until the FIFO drains: it runs on a helper thread so that a cancel ends the
@@ -719,14 +734,17 @@ class DexterArm:
         finally:
             self._file_job = None
 
-    def _write_file(self, req: DexterWriteFile, job: JobContext) -> DexterFileWritten:
+    @staticmethod
+    def _write_data(req: DexterWriteFile) -> bytes:
         if req.text is not None:
-            data = req.text.encode("utf-8")
-        else:
-            try:
-                data = base64.b64decode(req.base64 or "", validate=True)
-            except (binascii.Error, ValueError):
-                raise CommandError(ErrorCode.INVALID_REQUEST, "base64 is not valid base64") from None
+            return req.text.encode("utf-8")
+        try:
+            return base64.b64decode(req.base64 or "", validate=True)
+        except (binascii.Error, ValueError):
+            raise CommandError(ErrorCode.INVALID_REQUEST, "base64 is not valid base64") from None
+
+    def _write_file(self, req: DexterWriteFile, job: JobContext) -> DexterFileWritten:
+        data = self._write_data(req)  # admitted (admit_write): these cannot fail here
         try:
             seq = p.write_requests(req.path, data)
             # `W f <path>` is checked in full; the data blocks are write_requests' own escaped chunks (valid by
@@ -769,10 +787,6 @@ class DexterArm:
         return DexterFileWritten(path=req.path, bytes=len(data), blocks=len(seq) - 1, verified=verified)
 
     def job_run_file(self, req: DexterRunFile, job: JobContext) -> DexterRunFileResult:
-        try:
-            p.check_path(req.path)
-        except ProtocolError as exc:
-            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         job.progress("running", force=True)
         rep = self.send("S", ["RunFile", req.path], errno_reply=True, fail_on_error=False, job=job)
         if rep.error.code:

@@ -26,6 +26,12 @@ transfer runs at the robot's block round trip, not at the speed of hand-offs bet
   meanwhile goes between two blocks (the holder gives its turn to the waiters, then takes the next).
 * **Connect** with a timeout, a `g` probe (a second client is accepted by the kernel but never served
   while another holds the arm), then capped exponential backoff between attempts.
+* **States** (`state`, what health says): `connecting` (never reached yet) or `reconnecting` (lost) while
+  not reached for less than `liveness_s`, then `unreachable`; `connected`; `stopped`. A failed attempt is
+  counted (`connect_attempts`, `failed_attempts` in a row, `last_failure`), never an error: an absent arm is
+  absent, not wrong. `fault` is set only when the configuration or the device is wrong (the host name does
+  not resolve; the peer at the port answers with something that is not DexRun), and it stays until an
+  attempt ends otherwise, so it does not flap with the attempts.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from services.dexter_gateway.protocol import (
+    MAX_INSTRUCTION_ID,
     MOTION_OPLETS,
     Firmware,
     ProtocolError,
@@ -77,6 +84,7 @@ class DexterLinkConfig:
     keepalive_s: float = 10.0  # DexRun closes after 30 s of silence
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
+    liveness_s: float = 10.0  # not reached for this long: `unreachable` (health)
     queue_limit: int = 64
     job_id: int = 1
 
@@ -85,6 +93,9 @@ class DexterLinkConfig:
 class DexterLinkStats:
     connects: int = 0
     reconnects: int = 0
+    connect_attempts: int = 0  # every attempt: TCP connect and the probe
+    failed_attempts: int = 0  # in a row, since DexRun last answered the probe
+    last_failure: str = ""
     commands: int = 0
     timeouts: int = 0
     out_of_step: int = 0
@@ -181,8 +192,11 @@ class DexterLink:
         self.config = config
         self.stats = DexterLinkStats()
         self.serving = False  # connected and DexRun answered our probe
-        self.state = "starting"
+        self.state = "connecting"
         self.message = ""
+        self.fault = ""  # the configuration or the device is wrong (not: absent): see the module docstring
+        self._ever_served = False
+        self._down_since = time.monotonic()  # when the link was last not serving (start, loss)
         self.on_state = on_state or (lambda c, s, m: None)
         self.on_reply = on_reply or (lambda r: None)
         self.on_decode_error = on_decode_error or (lambda what: None)
@@ -276,13 +290,13 @@ class DexterLink:
             held = self._held
         if not held:
             self._drop_socket()
-        self._set_state(False, "stopped", "gateway stopped")
+        self._set_state("stopped", "gateway stopped")
 
     def reset(self, why: str) -> None:
         """Drop the connection (a timed-out or out-of-step link); the supervisor reconnects."""
         log.warning("resetting the link", extra={"arm": self.name, "why": why})
         self.message = why
-        self.serving = False
+        self._went_down()
         self._drop_socket()
         self._lost.set()
 
@@ -365,7 +379,7 @@ class DexterLink:
         sock = self._sock
         if sock is None:
             raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {self.message}")
-        self._instr = self._instr + 1 if self._instr < 2**31 - 1 else 1
+        self._instr = self._instr + 1 if self._instr < MAX_INSTRUCTION_ID else 1
         req = Request(req.oplet, req.args, self.config.job_id, self._instr, req.start_ms, req.end)
         t0 = time.monotonic()
         try:
@@ -446,10 +460,15 @@ class DexterLink:
         s.rtt_avg_ms = round(ms if s.rtt_avg_ms == 0 else s.rtt_avg_ms + (ms - s.rtt_avg_ms) / 16, 3)
         s.rtt_max_ms = round(max(s.rtt_max_ms, ms), 3)
 
+    def _went_down(self) -> None:
+        if self.serving:
+            self._down_since = time.monotonic()
+        self.serving = False
+
     def _lose(self, why: str) -> None:
         if not self._lost.is_set():
             self.message = why
-        self.serving = False
+        self._went_down()
         self._drop_socket()
         self._lost.set()
 
@@ -460,15 +479,38 @@ class DexterLink:
                 s.close()
 
     # -- supervisor: connect, probe, keepalive, reconnect ---------------------------------------------------
+    def down_state(self) -> str:
+        """What a link that is not serving is: `connecting` / `reconnecting` within the liveness budget, then
+        `unreachable` (computed when asked, so that the budget passing shows without an event)."""
+        if self._closing.is_set():
+            return "stopped"
+        if time.monotonic() - self._down_since >= self.config.liveness_s:
+            return "unreachable"
+        return "reconnecting" if self._ever_served else "connecting"
+
+    def _attempt_failed(self, why: str, fault: str = "") -> None:
+        """One failed attempt: counted; `fault` only when the configuration or the device is wrong."""
+        st = self.stats
+        st.connect_attempts += 1
+        st.failed_attempts += 1
+        st.last_failure = why
+        self.fault = fault
+        self._set_state(self.down_state(), f"{why} ({st.failed_attempts} attempts in a row)")
+
     def _supervise(self) -> None:
         cfg = self.config
         delay = cfg.reconnect_min_s
         while not self._closing.is_set():
-            self._set_state(False, "connecting", self.message)
             try:
                 sock = socket.create_connection((cfg.host, cfg.port), timeout=cfg.connect_timeout_s)
+            except socket.gaierror as exc:  # the host name does not resolve: the configuration is wrong
+                why = f"cannot resolve {cfg.host!r}: {exc}"
+                self._attempt_failed(why, fault=why)
+                self._closing.wait(delay)
+                delay = min(delay * 2, cfg.reconnect_max_s)
+                continue
             except OSError as exc:
-                self._set_state(False, "disconnected", f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}")
+                self._attempt_failed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}")
                 self._closing.wait(delay)
                 delay = min(delay * 2, cfg.reconnect_max_s)
                 continue
@@ -479,7 +521,8 @@ class DexterLink:
             served = self._session()
             if self._closing.is_set():
                 break
-            self._set_state(False, "disconnected", self.message)
+            if served:
+                self._set_state(self.down_state(), self.message)
             delay = cfg.reconnect_min_s if served else min(delay * 2, cfg.reconnect_max_s)
             self._closing.wait(delay)
 
@@ -494,17 +537,21 @@ class DexterLink:
             if exc.code == "timeout":
                 msg = ("connected, but DexRun did not answer within "
                        f"{self.config.reply_timeout_s:g} s (another client may hold the arm)")
-            self.message = msg
             self._drop_socket()
+            # a peer that answers with something that is not a DexRun reply is the wrong device at this port
+            self._attempt_failed(msg, fault=msg if exc.code == "device_error" else "")
             return False
         finally:
             self._release()
         self.stats.connects += 1
+        self.stats.connect_attempts += 1
+        self.stats.failed_attempts = 0
         if self.stats.connects > 1:
             self.stats.reconnects += 1
         self.serving = True
-        self.message = ""
-        self._set_state(True, "connected", "")
+        self._ever_served = True
+        self.fault = ""
+        self._set_state("connected", "")
         log.info("arm connected", extra={"arm": self.name, "host": self.config.host, "port": self.config.port})
         self.on_reply(first)
         ka = self.config.keepalive_s
@@ -517,7 +564,7 @@ class DexterLink:
                     self.request("g", self.keepalive_args())
             elif not self.busy:
                 self._peek()
-        self.serving = False
+        self._went_down()
         return True
 
     def _peek(self) -> None:
@@ -542,7 +589,7 @@ class DexterLink:
         finally:
             self._release()
 
-    def _set_state(self, connected: bool, state: str, message: str) -> None:
+    def _set_state(self, state: str, message: str) -> None:
         self.state = state
         self.message = message
-        self.on_state(connected, state, message)
+        self.on_state(state == "connected", state, message)

@@ -119,6 +119,61 @@ def test_bad_requests_get_clear_errors_and_never_reach_the_arm(gateway: Gateway,
     assert gateway.sim.stats.crashes == crashes
 
 
+@pytest.mark.parametrize("command,payload", [
+    ("write_file", {"path": "a;b", "text": "x"}),
+    ("write_file", {"path": "a b", "text": "x"}),
+    ("write_file", {"path": "a\x00b", "text": "x"}),
+    ("write_file", {"path": "ok.txt", "base64": "not base64!"}),
+    ("read_file", {"path": "#POM;h"}),  # a #keyword DexRun would cut at the ';'
+    ("read_file", {"path": "/a\x00b"}),
+    ("run_file", {"path": "a b.make_ins"}),
+    ("run_file", {"path": "a;b"}),
+])
+def test_jobs_refuse_invalid_requests_before_a_job_starts(gateway: Gateway, command: str,
+                                                          payload: dict[str, Any]) -> None:
+    """What can be judged up front is refused in the command's reply: no job id, no job events, nothing sent."""
+    assert gateway.call("heartbeat").ok  # paho's thread has handed every earlier job event to the recorder
+    mark = gateway.bus.mark()
+    c0 = gateway.sim.stats.commands
+    acc, res = gateway.job(command, payload)
+    assert not acc.ok and res is None, (acc, res)
+    assert acc.error is not None and acc.error["code"] == "invalid_request" and acc.error["message"], acc.error
+    assert gateway.call("heartbeat").ok  # anything the refused request had sent would be in the log before it
+    assert gateway.bus.since(mark, "/event/job_result") == [] and gateway.bus.since(mark, "/event/job_progress") == []
+    assert _oplets_since(gateway.sim, c0) <= {"g", "h"}
+
+
+def _oplets_since(sim: DexterSim, commands0: int) -> set[str]:
+    """The oplets the simulated arm received since its command count was `commands0` (status polls are `g`)."""
+    n = sim.stats.commands - commands0
+    lines = list(sim.stats.log)[-n:] if n > 0 else []
+    return {(line.split(" ", 4) + [""] * 5)[4][:1] for line in lines}
+
+
+def test_raw_g_with_bad_arguments_leaves_the_status_mode_alone(gateway: Gateway) -> None:
+    rep = gateway.call("raw", {"command": "g 1 2"})  # g takes one argument at most
+    assert not rep.ok and rep.error is not None and rep.error["code"] == "invalid_request"
+    mark = gateway.bus.mark()
+    st = gateway.bus.wait_json("/arm1/state/status", lambda d: True, mark)
+    assert st is not None and st["status_mode"] == "0" and gateway.sim.status_mode == "0"
+
+
+@pytest.mark.parametrize("command,payload", [
+    ("set_parameter", {"name": "J1BoundryHigh", "value": 1e306}),  # finite in degrees, infinite in arcseconds
+    ("set_parameter", {"name": "MaxSpeed", "values": [1, 1e12]}),  # the second value is read with atoi
+    ("move_to", {"xyz": [0, 5e6, 0.1]}),  # 5e12 µm: past atoi's int
+    ("move_to_straight", {"xyz": [0, 0.5, 0.1], "tool_speed_um_s": 2**31}),
+    ("raw", {"command": "a 1 2 3 4 99999999999"}),
+    ("raw", {"command": "r 0 /" + "x" * 230}),  # fits with instruction id 1, not with the ids the link sends
+])
+def test_commands_refuse_values_dexrun_cannot_read(gateway: Gateway, command: str, payload: dict[str, Any]) -> None:
+    c0 = gateway.sim.stats.commands
+    rep = gateway.call(command, payload)
+    assert not rep.ok and rep.error is not None and rep.error["code"] == "invalid_request", rep
+    assert gateway.call("heartbeat").ok
+    assert gateway.sim.stats.crashes == 0 and _oplets_since(gateway.sim, c0) <= {"g", "h"}
+
+
 def test_device_errors_and_flags_reach_reply_and_health(gateway: Gateway) -> None:
     # injected into the next `h` reply: this gateway's status poller sends `g` whenever the link is idle, and an
     # injection into "the next reply" was taken by a poll now and then on a busy machine (the heartbeat then ok)

@@ -77,10 +77,14 @@ def test_branch_differences() -> None:
 def test_request_length_limit() -> None:
     with pytest.raises(ProtocolError, match="at most 255"):
         p.build_request("r", ["0", "/" + "x" * 250])
-    # exactly 255 bytes is fine: byte 256 stays NUL
-    head = "1 1 1 undefined r 0 /"
+    # exactly 255 bytes with the widest instruction id the link numbers a request with is fine: byte 256 stays NUL
+    head = f"1 {p.MAX_INSTRUCTION_ID} 1 undefined r 0 /"
     req = p.build_request("r", ["0", "/" + "x" * (255 - len(head) - 1)])
-    assert len(req.text()) == 255 and req.encode()[-1] == 0
+    wide = req._replace(instruction_id=p.MAX_INSTRUCTION_ID)
+    assert len(wide.text()) == 255 and wide.encode()[-1] == 0
+    # one byte more fits with instruction id 1 but not with a later one: refused when it is built, not when sent
+    with pytest.raises(ProtocolError, match="at most 255"):
+        p.build_request("r", ["0", "/" + "x" * (255 - len(head))])
 
 
 def test_nan_skips_j6_and_numbers_format_like_atoi_reads_them() -> None:
