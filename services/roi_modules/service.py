@@ -2,7 +2,8 @@
 
 One asyncio loop runs the transport and one maintain task per module (reference roi.md §4): every 100 ms a
 poll that feeds the module's 500 ms watchdog (ODrive GET_ALL, actuator GET_CURRENT_LENGTH, GPIO READs), and a
-STATUS_REPORT at start, every 128 ticks and after a reconnection. Health follows §4.2; the BLANK_STATE
+STATUS_REPORT at start, every 128 ticks and after a reconnection (every tick instead of the poll while the
+module's type is unknown or wrong, §4.2). Health follows §4.2; the BLANK_STATE
 protocol of §4.3 pushes the cached settings after a module reset and pulls state when the service starts
 beside a running module. Command handlers are coroutines on the same loop; jobs poll the latest state.
 """
@@ -72,7 +73,8 @@ _MOVE = [*_MODULE, ErrorCode.BUSY, ErrorCode.TIMEOUT]
 PIN_STATES = API.state("pin_states", RoiPinStates, doc="GPIO: pin modes, on change")
 PIN_VALUES = API.state("pin_values", RoiPinValues, doc="GPIO: pin values after each read sweep")
 STATE = API.state("state", RoiMotionState, rate_hz=20,
-                  doc="ODrive: position/velocity/torque (GET_ALL, every maintain tick); actuator: estimated %")
+                  doc="ODrive: position/velocity/torque (GET_ALL, every maintain tick); actuator: % (measured "
+                      "from GET_CURRENT_LENGTH where the module answers a length, else estimated)")
 POWER = API.state("power", RoiOdrivePower, rate_hz=2, doc="ODrive: bus voltage and current")
 TEMPERATURE = API.state("temperature", RoiOdriveTemperature, rate_hz=2, doc="ODrive: FET and motor temperature")
 LINK = API.state("link", RoiLinkStats, rate_hz=1, doc="The module's UDP link counters")
