@@ -98,3 +98,10 @@ def test_configuration_that_does_not_fit_the_module_is_refused_at_start(module: 
     with pytest.raises(ValidationError):
         RoiSettings(roi_modules=[module])
 
+
+
+def test_compose_sim_profile_configures_the_modules_as_make_run() -> None:
+    yaml = pytest.importorskip("yaml")
+    compose = yaml.safe_load((PROCFILE.parent / "compose.yaml").read_text())
+    env = compose["services"]["roi-modules-sim"]["environment"]
+    assert json.loads(env["ROBOBUS_ROI_MODULES"]) == procfile_roi()[1]
