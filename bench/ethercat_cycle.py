@@ -503,7 +503,7 @@ def main() -> None:
                 # an outage (issue 16: one run of four lost the link for ~4 s): what the recovery did in the
                 # window, and its last steps as health reported them
                 "link": {**{k: end.get(k, 0) - start_stats.get(k, 0)
-                            for k in ("no_status", "left_op", "recoveries", "escalations", "rescans")},
+                            for k in ("no_status", "stale", "left_op", "recoveries", "escalations", "rescans")},
                          "max_consecutive_no_status": end.get("max_consecutive_no_status", 0),
                          "recovery_steps": (health[-1].get("details", {}).get("recovery") or {}).get("steps", [])[-12:]
                          if health else []},

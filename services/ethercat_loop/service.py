@@ -349,6 +349,9 @@ class PalmService:
         # valid process data as the backend defines it for `connected` (in OP, and the last cycles not all
         # without a valid status): one condition, so that `connection` and `valid_data` never disagree
         details["link"] = {"valid_data": connected, "issue": info.get("issue") or ""}
+        totals = stats.totals or {}
+        if "stale" in totals:  # wire backends: replies dropped as not belonging to the frame just sent (since start)
+            details["link"]["stale_replies"] = int(totals["stale"])
         recovery = info.get("recovery")
         if recovery:
             now = time.monotonic_ns()

@@ -5,7 +5,7 @@ once per cycle by the shared palm model (`palm_model.PalmModel`).
 Run it on one end of a veth pair (netns.py does the plumbing):
     python -m services.ethercat_loop.sim.virtual_hand --iface ech0 --protocol 0220 --control /run/x.sock
 Faults are injected at run time through the control socket (`HandControl`), or from the start
-with --drop-every / --delay-every.
+with --drop-every / --delay-every / --answer-twice / --late-us.
 
 The palm firmware loads its status after it has processed the command (reference §1.10), so the
 status a master reads in frame N answers command N-1; the model runs after the reply has left, which
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import heapq
 import importlib
 import json
 import os
@@ -79,6 +80,8 @@ class HandOptions:
     watch: tuple[int, int] | None = None  # (offset, length) of the command bytes whose changes are logged
     fmmus_on_safeop: bool = False  # FMMUs take effect only on PRE-OP -> SAFE-OP (both slaves)
     lose_fmmu_replies: int = 0  # the replies to the first N FPWR frames to FMMU registers are lost
+    answer_twice: bool = False  # every process-data frame is answered twice (the same reply, back to back)
+    late_us: int = 0  # every process-data reply leaves this late, without holding up the frames after it
 
 
 def palm_product(opts: HandOptions) -> int:
@@ -132,6 +135,11 @@ class Faults:
     drop_every: int = 0
     delay_every: int = 0
     lose_fmmu_replies: int = 0  # configuration: FPWR to 0x0600-0x06FF written, the reply lost (the master resends)
+    twice: int = 0  # the next N process-data frames are answered twice
+    twice_always: bool = False
+    late: int = 0  # the next N process-data replies leave late_us late (scheduled: later frames are not held up)
+    late_us: int = 0
+    late_always: bool = False
 
 
 @dataclass
@@ -142,6 +150,8 @@ class HandStats:
     dropped: int = 0
     delayed: int = 0
     corrupted: int = 0
+    duplicated: int = 0  # replies sent a second time
+    answered_late: int = 0  # replies scheduled late_us after their frame
     palm_cycles: int = 0
     left_op: int = 0
     power_cycles: int = 0
@@ -199,7 +209,10 @@ class VirtualHand:
         self.chain, self.bridge, self.palm = build_chain(opts)
         self.stats = HandStats()
         self.faults = Faults(delay_us=opts.delay_us, drop_every=opts.drop_every, delay_every=opts.delay_every,
-                             lose_fmmu_replies=opts.lose_fmmu_replies)
+                             lose_fmmu_replies=opts.lose_fmmu_replies, twice_always=opts.answer_twice,
+                             late_us=opts.late_us, late_always=opts.late_us > 0)
+        self.copies = 1  # how many times the frame just handled is to be answered (2: a duplicate)
+        self.late_ns = 0  # > 0: its reply leaves this long after the frame arrived, scheduled (not a sleep)
         self.firmware = PalmFirmware(self.palm, self.info, model, self.stats, opts.watch)
         self._palm_state = self.palm.al_state
         self.off_until_ns: int | None = None  # powered off until then (a power cycle in progress)
@@ -222,8 +235,10 @@ class VirtualHand:
         self.powered_on_ns = now_ns
 
     def handle(self, payload: bytes, now_ns: int) -> tuple[bytes | None, int]:
-        """One EtherCAT payload in; (reply payload or None to drop it, delay in µs)."""
+        """One EtherCAT payload in; (reply payload or None to drop it, delay in µs). `copies` and `late_ns`
+        say how a process-data reply is to be sent: twice, and/or scheduled late."""
         self.stats.frames += 1
+        self.copies, self.late_ns = 1, 0
         if self.off_until_ns is not None:
             if time.monotonic_ns() < self.off_until_ns:
                 self.stats.frames_while_off += 1
@@ -254,6 +269,14 @@ class VirtualHand:
                 f.delay = max(0, f.delay - 1)
                 self.stats.delayed += 1
                 delay = f.delay_us
+            if f.twice > 0 or f.twice_always:
+                f.twice = max(0, f.twice - 1)
+                self.stats.duplicated += 1
+                self.copies = 2
+            if f.late > 0 or f.late_always:
+                f.late = max(0, f.late - 1)
+                self.stats.answered_late += 1
+                self.late_ns = f.late_us * 1000
             if f.corrupt_wkc > 0:
                 f.corrupt_wkc -= 1
                 self.stats.corrupted += 1
@@ -284,6 +307,11 @@ class VirtualHand:
         elif op == "delay":
             self.faults.delay += n
             self.faults.delay_us = int(msg.get("us", self.faults.delay_us))
+        elif op == "twice":  # answer the next n process-data frames twice
+            self.faults.twice += n
+        elif op == "late":  # the next n process-data replies leave `us` late (later frames not held up)
+            self.faults.late += n
+            self.faults.late_us = int(msg.get("us", self.faults.late_us or 1500))
         elif op == "corrupt_wkc":
             self.faults.corrupt_wkc += n
         elif op == "leave_op":
@@ -305,7 +333,8 @@ class VirtualHand:
         s = self.stats
         return {
             "frames": s.frames, "pd_frames": s.pd_frames, "garbage": s.garbage, "dropped": s.dropped,
-            "delayed": s.delayed, "corrupted": s.corrupted, "palm_cycles": s.palm_cycles, "left_op": s.left_op,
+            "delayed": s.delayed, "corrupted": s.corrupted, "duplicated": s.duplicated,
+            "answered_late": s.answered_late, "palm_cycles": s.palm_cycles, "left_op": s.left_op,
             "zero_demand_frames_before_leaving_op": s.zero_demand_frames_before_leaving_op,
             "power_cycles": s.power_cycles, "frames_while_off": s.frames_while_off,
             "powered": self.off_until_ns is None, "powered_on_ns": self.powered_on_ns,
@@ -390,9 +419,16 @@ def serve(hand: VirtualHand, iface: str, control_path: str | None, stop: Callabl
     to_mono = _MonoFromRealtime()
     mono = time.monotonic_ns
     since_gc = 0
+    # late replies (HandOptions.late_us, the "late" op): (due CLOCK_MONOTONIC ns, order, frame), sent when due
+    # while the frames behind them are served as usual
+    later: list[tuple[int, int, bytes]] = []
+    order = 0
     try:
         while not stop():
-            ready, _, _ = select.select(watch, [], [], 0.2)
+            wait = 0.2 if not later else max(0.0, min(0.2, (later[0][0] - mono()) / 1e9))
+            ready, _, _ = select.select(watch, [], [], wait)
+            while later and later[0][0] <= mono():
+                raw.send(heapq.heappop(later)[2])
             answered = False
             while True:  # drain every frame queued before anything else
                 try:
@@ -404,10 +440,18 @@ def serve(hand: VirtualHand, iface: str, control_path: str | None, stop: Callabl
                 now = mono()
                 rx = _rx_time(anc, now, to_mono)
                 payload, delay_us = hand.handle(frame[ETH_HEADER_LEN:], rx)
-                if payload is not None:
+                if payload is not None and hand.late_ns:
+                    out = reply_frame(frame, payload)
+                    for _ in range(hand.copies):
+                        order += 1
+                        heapq.heappush(later, (rx + hand.late_ns, order, out))
+                elif payload is not None:
                     if delay_us:
                         time.sleep(delay_us / 1e6)
-                    raw.send(reply_frame(frame, payload))
+                    out = reply_frame(frame, payload)
+                    raw.send(out)
+                    if hand.copies > 1:  # a duplicate: the same reply again, right behind the first
+                        raw.send(out)
                     waited = (mono() - rx) // 1000
                     hist[min(waited, last_bin)] += 1
                     if waited > stats.answer_max_us:
@@ -501,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch", help="OFFSET:LENGTH of the command bytes whose changes are logged (default: all)")
     p.add_argument("--lose-fmmu-replies", type=int, default=0,
                    help="lose the replies to the first N FMMU register writes (FPWR), as a flaky link would")
+    p.add_argument("--answer-twice", action="store_true",
+                   help="answer every process-data frame twice (a stale duplicate behind each reply)")
+    p.add_argument("--late-us", type=int, default=0,
+                   help="send every process-data reply this late (scheduled: the frames behind it are not held up)")
     p.add_argument("--fmmus-on-safeop", action="store_true",
                    help="FMMUs take effect only on the PRE-OP -> SAFE-OP transition (as some slaves do)")
     a = p.parse_args(argv)
@@ -510,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         watch = (int(off, 0), int(length, 0))
     opts = HandOptions(a.protocol, a.serial, a.vendor, a.revision, a.left, not a.no_sii_pd, a.status_size_delta,
                        a.drop_every, a.delay_every, a.delay_us, watch, a.fmmus_on_safeop,
-                       a.lose_fmmu_replies)
+                       a.lose_fmmu_replies, a.answer_twice, a.late_us)
     hand = VirtualHand(opts, load_model(a.model, a.protocol))
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})

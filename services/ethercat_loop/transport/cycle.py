@@ -184,6 +184,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     k_rtt_ns_max = C["rtt_ns_max"]
     k_skipped_cycles = C["skipped_cycles"]
     k_snapshots = C["snapshots"]
+    k_stale = C["stale"]
     k_started_ns = C["started_ns"]
     k_state_checks = C["state_checks"]
     k_wake_ns_max = C["wake_ns_max"]
@@ -233,8 +234,10 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             ex = master.receive(deadline + quarter)
             t_ex = mono()
             status = ex.status
-            h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
+            if ex.rtt_ns >= 0:  # a reply older than its send is stale (counted by the master), never an index
+                h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
             cnt[k_lost] = wc.lost
+            cnt[k_stale] = wc.stale
             cnt[k_late] = wc.late
             cnt[k_wkc_errors] = wc.wkc_errors
             cnt[k_rtt_ns_max] = wc.rtt_max_ns

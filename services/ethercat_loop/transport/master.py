@@ -20,6 +20,7 @@ import struct
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from termios import FIONREAD
 from typing import Any
 
 import pysoem
@@ -44,6 +45,8 @@ MAX_SMS = 16
 LADDER = ("init", "preop", "safeop", "op", "verify")  # the escalation's steps, in order
 LADDER_STATE = {"init": 0x01, "preop": 0x02, "safeop": 0x04, "op": 0x08}
 MIN_WAIT_NS = 20_000  # even a late cycle waits this long for its frame
+ETHERTYPE = b"\x88\xa4"  # EtherCAT
+ETH_HEADER, ECAT_HEADER, DATAGRAM_HEADER = 14, 2, 10  # a process-data reply: frame, EtherCAT, LRW datagram
 LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (reference §2.2)
 SIOCGSTAMPNS = 0x8907  # the receive time of the last frame read from a socket (CLOCK_REALTIME)
 _TIMESPEC = struct.Struct("<qq")
@@ -126,6 +129,9 @@ class HandIdentity:
 class WireCounters:
     frames: int = 0
     lost: int = 0  # no reply within the receive timeout
+    # replies that do not belong to the frame just sent (a duplicate, or a late reply to a frame already
+    # counted lost): drained before a send, skipped by SOEM's datagram-index check, or older than the send
+    stale: int = 0
     late: int = 0  # a reply, but later than late_us
     wkc_errors: int = 0  # a reply with the wrong working counter
     recoveries: int = 0  # recovery actions sent to a slave out of OP
@@ -152,6 +158,7 @@ class Exchange:
     lost: bool = False
     late: bool = False
     wkc_error: bool = False
+    stale: int = 0  # stale replies met on the way to this one (none of them is this frame's reply)
     sent_ns: int = 0  # CLOCK_MONOTONIC just before the frame was handed to SOEM
 
 
@@ -200,8 +207,18 @@ class EthercatMaster:
         self._silent_since: dict[int, int] = {}  # slave index -> first of its consecutive "not answering" reads
         self.socket_fds: list[int] = []  # SOEM's raw socket(s), made non-blocking and waited on with select
         self._stamp_fd = -1  # the primary socket, asked for the receive time of each reply
+        # the same sockets (dup'ed descriptors: one receive queue each), read to drop stale replies before a send
+        self._drain: list[socket.socket] = []
+        self._scratch = bytearray(64)  # a stale reply is read into this and dropped (the rest is truncated)
+        self._inq = bytearray(4)  # FIONREAD's answer (a 0.4 µs ioctl, no exception when nothing is queued)
+        # the head frame, peeked: where the palm's outputs sit in a process-data reply (0: not checked)
+        self._peek = bytearray(2048)
+        self._peek_mv = memoryview(self._peek)
+        self._peek_len = 0
+        self._out_at = 0
         self._real_minus_mono = 0
         self._sent_ns: int | None = None  # a process-data frame in flight (sent, not yet received)
+        self._stale_before = 0  # stale replies dropped just before the frame in flight was sent
         self._result: Exchange | None = None  # a reply read early (settle) or a synchronous exchange
         self.policy = cfg.recovery
         self._quick: tuple[str, int] = ("", 0)  # the issue the cheap steps work on, and how many were sent
@@ -234,6 +251,8 @@ class EthercatMaster:
                                                             if target.startswith("socket:")
                                                             and target not in before.values()})
         self._sent_ns, self._result = None, None
+        self._close_drain()
+        self._drain = [socket.socket(fileno=os.dup(fd)) for fd in self.socket_fds]
         self._stamp_fd = min(self.socket_fds) if self.socket_fds else -1  # SOEM opens the primary first
         if self._stamp_fd >= 0:
             with contextlib.suppress(OSError):  # the first call turns the socket's receive timestamps on
@@ -246,6 +265,12 @@ class EthercatMaster:
             raise
         self._bus = bus
         self._output = bytes(bus.info.command_size)
+        self._out_at = 0
+        if bus.ident.mapping == "sii" and self._drain:
+            # SOEM's LRW covers the IO map from logical 0: every slave's outputs in slave order, then the inputs
+            ahead = sum(len(bytes(s.output)) for s in bus.slaves[: bus.ident.palm_position - 1])
+            self._out_at = ETH_HEADER + ECAT_HEADER + DATAGRAM_HEADER + ahead
+        self._peek_len = min(len(self._peek), self._out_at + bus.info.command_size)
         return bus.ident
 
     def _configure(self, m: Any) -> _Bus:
@@ -355,6 +380,34 @@ class EthercatMaster:
                 self.settle()
             self._bus.master.close()
             self._bus = None
+        self._close_drain()
+
+    def _close_drain(self) -> None:
+        for sk in self._drain:
+            sk.close()  # a dup: SOEM's own descriptor stays open
+        self._drain = []
+
+    def drop_stale(self) -> int:
+        """Read and drop every frame waiting in SOEM's socket(s) and count them as stale replies. Called just
+        before a frame is sent, when no frame is in flight (one at a time: `settle`), so whatever is queued
+        then cannot be the reply to the frame about to go out: a duplicate, or a reply that came back after
+        its frame was counted lost. Left in the queue, SOEM would read it instead of the next reply (and,
+        its datagram index being another, drop it and report that frame lost: one stale reply in the queue
+        made every following frame look lost, and with a reply index 16 frames old matching, read a status
+        that old). When nothing is queued (the usual case) this is one FIONREAD ioctl per socket, no read."""
+        n = 0
+        for sk in self._drain:
+            if not fcntl.ioctl(sk.fileno(), FIONREAD, self._inq, True):  # the length of the next frame, 0: none
+                continue
+            while True:
+                try:
+                    sk.recv_into(self._scratch, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
+                except OSError:  # BlockingIOError: the queue is empty now
+                    break
+                n += 1
+        if n:
+            self.counters.stale += n
+        return n
 
     def _need(self) -> _Bus:
         if self._bus is None:
@@ -381,6 +434,7 @@ class EthercatMaster:
         self.settle()  # one frame in flight at a time: every send is paired with one receive
         bus = self._bus
         c = self.counters
+        stale = self.drop_stale() if self._drain else 0  # nothing queued now is a reply to this frame
         t0 = time.monotonic_ns()
         if bus is None:
             c.lost += 1
@@ -395,9 +449,11 @@ class EthercatMaster:
             bus.palm.output = command
             bus.master.send_processdata()
             self._sent_ns = t0
+            self._stale_before = stale
         else:
             wkc, status = self._exchange_physical(bus, command, None)
             self._result = self._account(bus, wkc, status, time.monotonic_ns() - t0, t0)
+            self._result.stale = stale
         return t0
 
     def receive(self, give_up_ns: int | None = None) -> Exchange:
@@ -420,9 +476,26 @@ class EthercatMaster:
         end = t0 + self.cfg.recv_timeout_us * 1000
         if give_up_ns is not None:
             end = min(end, give_up_ns)
-        now = time.monotonic_ns()
-        if end > now and self.socket_fds:
-            select.select(self.socket_fds, [], [], (end - now) / 1e9)
+        stale, self._stale_before = self._stale_before, 0
+        # SOEM reads one frame and drops it when its datagram index is not this frame's: a stale reply at the
+        # head of the queue (one that came back after this frame was sent: late, or a duplicate) would cost
+        # this frame its own reply behind it. So look at the head first and drop a reply that does not carry
+        # the command just sent (the palm's outputs come back unchanged in the LRW reply).
+        waiting = False  # a frame was queued when SOEM was asked
+        while True:
+            now = time.monotonic_ns()
+            if end > now and self.socket_fds and not select.select(self.socket_fds, [], [], (end - now) / 1e9)[0]:
+                break  # nothing back in time: lost
+            head = self._head()
+            if head < 0:  # nothing queued (the cycle reads at its next release: no wait left)
+                break
+            waiting = True
+            if head:
+                break  # this frame's reply, as far as can be told here: SOEM checks the index
+            self._drain[0].recv_into(self._scratch, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
+            self.counters.stale += 1
+            stale += 1
+            waiting = False
         wkc = int(bus.master.receive_processdata(1))
         t_rx = time.monotonic_ns()
         if wkc >= 0 and self._stamp_fd >= 0:
@@ -431,7 +504,41 @@ class EthercatMaster:
                 t_rx = min(t_rx, sec * 1_000_000_000 + nsec - self._real_minus_mono)
             except OSError:  # no timestamp yet (the first frame after enabling them): when we read it
                 pass
-        return self._account(bus, wkc, bus.palm.input if wkc == bus.ident.expected_wkc else None, t_rx - t0, t0)
+            if t_rx < t0:
+                # received before its frame was sent: a stale reply whose datagram index happened to be this
+                # frame's (SOEM has 16), never this frame's reply nor a round trip
+                self.counters.stale += 1
+                ex = self._account(bus, -1, None, 0, t0)
+                ex.stale, ex.rtt_ns = stale + 1, -1  # no round trip: nothing for the histogram
+                return ex
+        elif waiting:
+            # a frame was queued and SOEM found none with this frame's datagram index: it read a stale reply
+            # (a late one, which came back after this frame was sent) and dropped it
+            self.counters.stale += 1
+            stale += 1
+        ex = self._account(bus, wkc, bus.palm.input if wkc == bus.ident.expected_wkc else None, t_rx - t0, t0)
+        ex.stale = stale
+        return ex
+
+    def _head(self) -> int:
+        """The frame at the head of the primary socket's queue, peeked (not read): -1 none; 0 a reply to another
+        frame (it does not carry the command just sent); 1 maybe this frame's reply (it does, or it cannot
+        be told: a programmed mapping, no socket found)."""
+        if not self._drain:
+            return 1 if self._queued_any() else -1
+        try:
+            n = self._drain[0].recv_into(self._peek, self._peek_len, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:  # BlockingIOError: empty
+            return -1
+        at = self._out_at
+        if at <= 0:
+            return 1
+        end = at + len(self._output)
+        return 1 if n >= end and self._peek[12:14] == ETHERTYPE and self._peek_mv[at:end] == self._output else 0
+
+    def _queued_any(self) -> bool:
+        """A frame waits in SOEM's socket(s) (FIONREAD: the next frame's length, 0 for none)."""
+        return any(fcntl.ioctl(fd, FIONREAD, self._inq, True) for fd in self.socket_fds)
 
     @property
     def pending(self) -> bool:
@@ -777,7 +884,7 @@ def _make_packet_sockets_nonblocking(fds: set[int]) -> list[int]:
     asked for. On a non-blocking socket recv() returns at once, so the timeout is honoured to the
     microsecond; `exchange` sleeps in select() until the frame is back instead of letting SOEM spin."""
     out: list[int] = []
-    for fd in fds:
+    for fd in sorted(fds):  # the primary first (SOEM opens it first)
         try:
             with socket.socket(fileno=fd) as sk:
                 try:

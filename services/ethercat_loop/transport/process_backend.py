@@ -299,9 +299,9 @@ class ProcessBackend(HandBackend):
         win = self._window.roll(time.monotonic_ns(), c, shm.hist["wake"])
         cycles = max(1, c["cycles"])
         totals = {
-            **{k: c[k] for k in ("cycles", "overruns", "skipped_cycles", "frames", "lost", "late", "wkc_errors",
-                                 "no_status", "dropped", "recoveries", "left_op", "escalations", "rescans",
-                                 "max_consecutive_no_status",
+            **{k: c[k] for k in ("cycles", "overruns", "skipped_cycles", "frames", "lost", "stale", "late",
+                                 "wkc_errors", "no_status", "dropped", "recoveries", "left_op", "escalations",
+                                 "rescans", "max_consecutive_no_status",
                                  "commands_applied", "state_checks", "events_dropped",
                                  "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
                                  "overrun_slack_work", "late_starts")},

@@ -32,6 +32,7 @@ COUNTERS = (
     "escalations", "rescans",  # recovery: INIT -> OP ladders started, full re-scans
     "late_starts",  # cycles started late (by less than a period) because the one before ran past their release
     "outages",  # runs of error_after_lost cycles without a valid status (motors cut out), counted as they begin
+    "stale",  # replies that did not belong to the frame just sent (dropped; not the same as lost frames)
     "submits",  # by the MQTT side: control messages written whole to the pipe (the cycle reads it when this moved)
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
