@@ -155,6 +155,11 @@ class PalmService:
         self._known_faults: dict[int, int] = {}
         self._mode: Literal["torque", "pwm"] = settings.ethercat_control_mode
         self._stopped = False
+        # health is set by the publisher thread and, last, by shutdown: the final `stopped` must not be
+        # overwritten by a check that was under way, and it keeps the last details with the link marked down
+        self._health_lock = threading.Lock()
+        self._health_final = False
+        self._last_details: dict[str, Any] = {}
         self._joints_src: tuple[Any, ...] | None = None  # the snapshot joints the rows below were built from
         self._joints_rows: list[PalmJoint] = []
         backend.on_can_rx(self._on_can_rx)
@@ -225,8 +230,13 @@ class PalmService:
         self.dev.emit(STOPPED, PalmStopped(ts=time.time(), zero_demand_cycles=int(rep.get("zero_demand_cycles", 0)),
                                            demands_sent_last=list(rep.get("demands_sent_last", [])),
                                            model_demands=list(rep.get("model_demands", []))))
-        self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
-                            error_message="stopped: demands zeroed")
+        with self._health_lock:
+            self._health_final = True
+            details = dict(self._last_details)
+            # stopped: no process data flow, whatever the last check saw (connection and valid_data agree)
+            details["link"] = {**details.get("link", {}), "valid_data": False, "issue": "stopped"}
+            self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
+                                error_message="stopped: demands zeroed", details=details)
 
     # -- state and health -----------------------------------------------------------------------------
     def _publish(self, names: list[str], s: PalmSnapshot, at: dict[str, float]) -> None:
@@ -316,6 +326,11 @@ class PalmService:
         return {"policy": rt.get("policy") or info.get("realtime_policy") or "", "warnings": warnings}
 
     def _health(self, s: PalmSnapshot | None) -> None:
+        with self._health_lock:
+            if not self._health_final:
+                self._health_locked(s)
+
+    def _health_locked(self, s: PalmSnapshot | None) -> None:
         info = self.backend.info()
         stats = self.backend.stats()
         problems, loss_warnings = self._loss_problems(info, stats)
@@ -367,6 +382,7 @@ class PalmService:
         warnings = loss_warnings + ([f"warning: {w}" for w in realtime["warnings"]] if realtime else [])
         if realtime is not None:
             details["realtime"] = realtime
+        self._last_details = details
         self.dev.set_health(connection=connected, operational=connected and not direct and not problems
                             and (s is not None and s.phase == "operation"), state=state, error=bool(problems),
                             error_message="; ".join(problems[:6] + warnings), details=details)

@@ -151,3 +151,28 @@ def test_sustained_loss_is_an_error_and_a_burst_only_a_warning(service):
         time.sleep(0.4)
     h = latest(health)
     assert h["error"] and not h["operational"] and "frames lost" in h["error_message"], h
+
+
+def test_the_stopped_health_claims_no_valid_data(broker_session, client):
+    """After shutdown, health says `stopped` with connection false, and its link details agree: no claim of
+    valid process data once the cycle has stopped (nor in any health message before it)."""
+    settings = EthercatSettings(mqtt_url=broker_session.url, node="hand-s", health_interval_s=1.0,
+                                ethercat_overrun_threshold=1_000_000)
+    node = Node(API, settings)
+    svc = build(node, settings)
+    health: list[dict] = []
+    client.subscribe_before("robobus/hand-s/+/health", lambda m: health.append(json.loads(m.payload)))
+    node.start()
+    svc.start()
+    t = threading.Thread(target=svc.run, daemon=True)
+    t.start()
+    try:
+        assert wait_for(lambda: health and health[-1]["details"].get("link", {}).get("valid_data"), 10), health[-3:]
+    finally:
+        svc.shutdown()
+        node.stop()
+        t.join(2)
+    assert wait_for(lambda: any(h["state"] == "stopped" for h in health), 5), health[-3:]
+    stopped = [h for h in health if h["state"] == "stopped"]
+    assert all(h["connection"] is False and h["details"]["link"]["valid_data"] is False for h in stopped), stopped
+    assert all(h["details"]["link"]["valid_data"] == h["connection"] for h in health if "link" in h["details"])
