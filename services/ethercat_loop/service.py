@@ -363,10 +363,11 @@ class PalmService:
         # the link as the cycle sees it: valid process data or not, what recovery works on, its last steps
         # valid process data as the backend defines it for `connected` (in OP, and the last cycles not all
         # without a valid status): one condition, so that `connection` and `valid_data` never disagree
-        details["link"] = {"valid_data": connected, "issue": info.get("issue") or ""}
+        link: dict[str, Any] = {"valid_data": connected, "issue": info.get("issue") or ""}
         totals = stats.totals or {}
         if "stale" in totals:  # wire backends: replies dropped as not belonging to the frame just sent (since start)
-            details["link"]["stale_replies"] = int(totals["stale"])
+            link["stale_replies"] = int(totals["stale"])
+        details["link"] = link
         recovery = info.get("recovery")
         if recovery:
             now = time.monotonic_ns()
