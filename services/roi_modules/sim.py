@@ -22,7 +22,10 @@ The chain is not exchanged on the wire: with `chain=True` each module's neighbou
 octet in the ring, and the chain counts as formed when there are at least two modules.
 
 Faults per module: drop (probability or the next n requests), delay, corrupt (bad checksum), duplicate
-replies, reboot into BLANK_STATE, a module error (ODrive error bits), offline.
+replies, reboot into BLANK_STATE, a module error (ODrive error bits), offline, and another module type at the
+octet (`replace`). Actuators answer GET_CURRENT_LENGTH with their length only with `actuator_length` (a
+firmware that implements the getter; the released one answers [0] = 0), and `actuator_max_speed` caps them at
+a motor's top speed.
 """
 
 from __future__ import annotations
