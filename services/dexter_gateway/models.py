@@ -13,6 +13,10 @@ from shared.contract import NAME_RE
 
 JointList = list[float]
 ANGLE_LIMIT_DEG = 720.0
+# J6 (wrist roll, degrees from its zero) and J7 (gripper) as the typed commands take them; the raw path holds a
+# raw move to the same ranges (service.py `check_raw_motion`)
+J6_MIN_DEG, J6_MAX_DEG = -150.0, 150.0
+J7_MIN_DEG, J7_MAX_DEG = 0.0, 300.0
 
 
 def _five(v: list[float], what: str, limit: float = ANGLE_LIMIT_DEG) -> list[float]:
@@ -121,8 +125,8 @@ class DexterEmpty(BaseModel):
 
 class DexterMoveAllJoints(BaseModel):
     joints_deg: JointList = Field(description="J1..J5 in degrees (sent as integer arcseconds)")
-    j6_deg: float | None = Field(None, ge=-150, le=150, description="Wrist roll, degrees from its zero")
-    j7_deg: float | None = Field(None, ge=0, le=300, description="Gripper, degrees")
+    j6_deg: float | None = Field(None, ge=J6_MIN_DEG, le=J6_MAX_DEG, description="Wrist roll, degrees from its zero")
+    j7_deg: float | None = Field(None, ge=J7_MIN_DEG, le=J7_MAX_DEG, description="Gripper, degrees")
 
     @field_validator("joints_deg")
     @classmethod
@@ -141,8 +145,8 @@ class DexterMoveRelative(BaseModel):
 
 class DexterPidMove(BaseModel):
     offsets_deg: JointList = Field(description="J1..J5 offsets added to the `a` position, degrees")
-    j6_deg: float | None = Field(None, ge=-150, le=150)
-    j7_deg: float | None = Field(None, ge=0, le=300)
+    j6_deg: float | None = Field(None, ge=J6_MIN_DEG, le=J6_MAX_DEG)
+    j7_deg: float | None = Field(None, ge=J7_MIN_DEG, le=J7_MAX_DEG)
 
     @field_validator("offsets_deg")
     @classmethod
@@ -174,8 +178,8 @@ class DexterMoveTo(BaseModel):
 class DexterMoveToStraight(DexterMoveTo):
     tool_speed_um_s: int | None = Field(None, ge=1, description="Sent as DDE's 10th argument (wire units)")
     resolution_um: int | None = Field(None, ge=1, description="DDE's 11th argument (wire units)")
-    j6_deg: float | None = Field(None, ge=-150, le=150)
-    j7_deg: float | None = Field(None, ge=0, le=300)
+    j6_deg: float | None = Field(None, ge=J6_MIN_DEG, le=J6_MAX_DEG)
+    j7_deg: float | None = Field(None, ge=J7_MIN_DEG, le=J7_MAX_DEG)
 
     @model_validator(mode="after")
     def _positional(self) -> DexterMoveToStraight:

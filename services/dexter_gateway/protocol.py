@@ -224,7 +224,7 @@ def check_oplet(oplet: str, args: Sequence[str], firmware: Firmware = Firmware.N
         for a in args:
             _numeric(oplet, a, allow_nan=False)
             _atoi_range(oplet, a)
-        if firmware is Firmware.STABLE and any(not _is_int(a) for a in args[3:6]):
+        if firmware is Firmware.STABLE and any(not is_int(a) for a in args[3:6]):
             # stable parses the direction with atoi: 0.7 would silently become 0
             raise ProtocolError(f"{oplet}: the stable DexRun reads the direction as integers; use -1, 0 or 1")
     elif oplet == "S":
@@ -240,14 +240,14 @@ def check_oplet(oplet: str, args: Sequence[str], firmware: Firmware = Firmware.N
                 _atoi_range("S", a)
 
 
-def _is_int(tok: str) -> bool:
+def is_int(tok: str) -> bool:
     return re.fullmatch(r"[+-]?\d+", tok) is not None
 
 
 def _atoi_range(oplet: str, tok: str, unsigned: bool = False) -> None:
     """An integer DexRun reads with atoi must fit its int: past it atoi's result is undefined (a far goal
     would silently become another one)."""
-    if not _is_int(tok):
+    if not is_int(tok):
         return
     v = int(tok)
     if not -(2**31) <= v <= (2**32 - 1 if unsigned else 2**31 - 1):

@@ -20,13 +20,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import Field
 from pydantic_core import to_json
 
 from services.dexter_gateway import protocol as p
 from services.dexter_gateway.models import (
+    ANGLE_LIMIT_DEG,
+    J6_MAX_DEG,
+    J6_MIN_DEG,
+    J7_MAX_DEG,
+    J7_MIN_DEG,
     DexterArmConfig,
     DexterCommandReply,
     DexterEmpty,
@@ -229,6 +234,10 @@ def reply_dict(lr: LinkReply, mode: str, deg_per_unit: float, j6_zero: int, ts: 
 def link_error(exc: DexterLinkError) -> CommandError:
     return CommandError(ErrorCode(exc.code), exc.message)
 
+
+# the oplets that move the arm (§4): queued moves and the immediate PID move; calibration/legacy oplets that move
+# it (find_home, slow_move, replay...) are not sent at all (protocol.check_oplet)
+RAW_MOTION_OPLETS = p.MOTION_OPLETS | {"P"}
 
 ERRNO_CODES = {p.ENOENT: ErrorCode.NOT_FOUND, p.EBUSY: ErrorCode.BUSY, 13: ErrorCode.FORBIDDEN}
 
@@ -576,9 +585,55 @@ class DexterArm:
         if oplet in "rW" and self._file_job is not None:
             raise CommandError(ErrorCode.BUSY, f"a {self._file_job} job holds the arm's file channel")
         request = self._prepare(oplet, args)  # judged before anything changes (the status mode below)
+        if oplet in RAW_MOTION_OPLETS:
+            self.check_raw_motion(oplet, request.args)
         if oplet == "g" and self.firmware is Firmware.NEWEST:
             self.status_mode = args[0][0] if args else "0"
+            self._publish_health()  # details.status_mode, as the status_mode command does
         return self.send(oplet, args, fail_on_error=False, prepared=request)
+
+    def check_raw_motion(self, oplet: str, args: Sequence[str]) -> None:
+        """A raw oplet that moves the arm is held to the guards of its typed command (models.py): J1..J5 within
+        ±ANGLE_LIMIT_DEG, J6/J7 within their ranges, the Cartesian configuration 0 or 1, speeds at least 1, and
+        integers wherever the typed command sends integers (DexRun reads them with atoi: `3600.5` would silently
+        become 3600). The typed moves have no deadman, and neither has this path: DexRun moves are queued
+        position goals that end on their own (README, "Motion and stop")."""
+        def fail(what: str) -> NoReturn:
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"raw {oplet!r}: {what}")
+
+        def integer(i: int, name: str) -> int:
+            tok = args[i]
+            if not p.is_int(tok):
+                fail(f"{name} {tok!r} must be an integer (DexRun reads it with atoi; the typed command sends one)")
+            return int(tok)
+
+        per, zero = self.settings.dexter_servo_deg_per_unit, self.settings.dexter_j6_zero_units
+
+        def servo(i: int, name: str, lo: float, hi: float, zero_units: int) -> None:
+            if i >= len(args) or args[i] == "NaN":  # NaN skips it (§2)
+                return
+            deg = (integer(i, name) - zero_units) * per
+            if not lo <= deg <= hi:
+                fail(f"{name} {args[i]} Dynamixel units is {deg:.1f}°, outside {lo:g}..{hi:g}° (the typed limit)")
+
+        if oplet in "aPR":
+            for j in range(5):
+                v = integer(j, f"J{j + 1}")
+                if abs(v) > ANGLE_LIMIT_DEG * p.ARCSEC_PER_DEG:
+                    fail(f"J{j + 1} {v} arcsec is beyond ±{ANGLE_LIMIT_DEG:g}° (the typed limit)")
+            servo(5, "J6", J6_MIN_DEG, J6_MAX_DEG, zero)
+            servo(6, "J7", J7_MIN_DEG, J7_MAX_DEG, 0)
+            return
+        for i, axis in enumerate("xyz"):  # M T C D: x y z µm, direction, configuration, [speed, resolution, J6, J7]
+            integer(i, f"{axis} (µm)")
+        for i, name in zip(range(6, 9), ("right_arm", "elbow_up", "wrist_out"), strict=True):
+            if args[i] not in ("0", "1"):
+                fail(f"{name} must be 0 or 1, got {args[i]!r}")
+        for i, name in ((9, "tool speed (µm/s)"), (10, "resolution (µm)")):
+            if i < len(args) and integer(i, name) < 1:
+                fail(f"{name} must be at least 1, got {args[i]}")
+        servo(11, "J6", J6_MIN_DEG, J6_MAX_DEG, zero)
+        servo(12, "J7", J7_MIN_DEG, J7_MAX_DEG, 0)
 
     # -- jobs ----------------------------------------------------------------------------------------
     def admit_file(self, req: Any) -> None:

@@ -174,6 +174,50 @@ def test_commands_refuse_values_dexrun_cannot_read(gateway: Gateway, command: st
     assert gateway.sim.stats.crashes == 0 and _oplets_since(gateway.sim, c0) <= {"g", "h"}
 
 
+@pytest.mark.parametrize("command", [
+    "a 2595600 0 0 0 0",  # 721°: move_all_joints refuses it
+    "a 3600.5 0 0 0 0",  # atoi would move to 3600
+    "a 0 0 0 0 0 2000",  # J6 2000 units = 445° from its zero (typed: ±150°)
+    "a 0 0 0 0 0 NaN 2000",  # J7 580° (typed: 0..300°)
+    "P 0 0 -2595600 0 0",
+    "R 0 0 0 0 2595601",
+    "M 0 500000 100000 0 0 -1 1 2 1",  # the configuration is 0 or 1
+    "M 0 500000.5 100000 0 0 -1 1 1 1",
+    "T 0 500000 100000 0 0 -1 1 1 1 0 10",  # tool speed at least 1
+    "C 0 500000 100000 0 0 -1 1 1 1 ",
+    "D 0 500000 100000 0 0 -1 1 1 1 10 10 512 5000",
+])
+def test_raw_motion_is_held_to_the_typed_guards(gateway: Gateway, command: str) -> None:
+    c0 = gateway.sim.stats.commands
+    rep = gateway.call("raw", {"command": command})
+    if command.startswith("C"):  # C without anything wrong: the guard lets a valid move through
+        assert rep.ok, rep.error
+        assert gateway.job("wait_motion_done", {})[1]["ok"]  # type: ignore[index]
+        assert gateway.call("move_all_joints", {"joints_deg": [0] * 5}).ok
+        assert gateway.job("wait_motion_done", {})[1]["ok"]  # type: ignore[index]
+        return
+    assert not rep.ok and rep.error is not None and rep.error["code"] == "invalid_request", rep
+    assert gateway.call("heartbeat").ok
+    assert _oplets_since(gateway.sim, c0) <= {"g", "h"}
+
+
+def test_a_raw_move_is_published_as_a_typed_one(gateway: Gateway) -> None:
+    """DexRun moves are position goals (no deadman on either path); after a raw move the published status is
+    the arm's, as after the typed one."""
+    rep = gateway.call("raw", {"command": "a 36000 -18000 0 0 3600 NaN 100"})
+    assert rep.ok and rep.result["status"] is not None, rep
+    assert gateway.job("wait_motion_done", {})[1]["ok"]  # type: ignore[index]
+    assert gateway.sim.angles_arcsec() == [36000, -18000, 0, 0, 3600]
+    mark = gateway.bus.mark()
+    st = gateway.bus.wait_json("/arm1/state/status", lambda d: d["joints"] is not None
+                               and d["joints"][0]["measured_deg"] == pytest.approx(10.0, abs=0.01), mark)
+    assert st is not None and st["joints"][1]["angle_deg"] == pytest.approx(-5.0)
+    assert st["j7"]["position_units"] == 100
+    typed = gateway.call("move_all_joints", {"joints_deg": [0] * 5})
+    assert typed.ok and gateway.job("wait_motion_done", {})[1]["ok"]  # type: ignore[index]
+    assert gateway.sim.angles_arcsec() == [0] * 5
+
+
 def test_device_errors_and_flags_reach_reply_and_health(gateway: Gateway) -> None:
     # injected into the next `h` reply: this gateway's status poller sends `g` whenever the link is idle, and an
     # injection into "the next reply" was taken by a poll now and then on a busy machine (the heartbeat then ok)
