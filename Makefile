@@ -11,15 +11,16 @@ MCAPCLI := .venv-mcapcli
 TSEXAMPLE := examples/typescript
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak prove clean help
+.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak prove screenshots clean help
 
 help:
 	@echo "make run     start a local mosquitto and every service on simulators"
 	@echo "make test    lint + the whole test suite"
 	@echo "make lint    ruff + mypy"
 	@echo "make bench   benchmarks (bench/*.py); BENCH_ARGS=--quick for a short run"
-	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json"
+	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json (ROOT=site1/robobus: for that root)"
 	@echo "make up      the whole system in containers (COMPOSE_PROFILES=sim|hand|epuck); make down stops it"
+	@echo "make conformance  every service against the same fault script (table of health transitions)"
 	@echo "make chaos   faults against the whole simulated system + a 3-minute soak (table of invariants)"
 	@echo "make soak    the 30-minute soak of the whole simulated system (RSS, CPU, threads per process)"
 	@echo "make prove  make test RUNS times beside stress-ng --cpu 1, then RUNS times quiet (default 3)"
@@ -82,8 +83,12 @@ RUNS ?= 3
 prove: setup
 	@RUNS=$(RUNS) deploy/dev/prove-suite.sh
 
+# ROOT=site1/robobus: the document for that topic root (written into every address), in OUT (default
+# build/schema/<root>, so that the committed docs/ keep the generic one with its {root} parameter)
+ROOT ?=
+OUT ?= $(if $(ROOT),build/schema/$(ROOT),docs)
 schema: setup
-	$(BIN)/robobus schema --out docs
+	$(BIN)/robobus schema --out $(OUT) $(if $(ROOT),--root $(ROOT))
 
 schema-check: setup
 	$(BIN)/robobus schema --out docs --check
@@ -97,6 +102,11 @@ bench: setup
 ethercat-vhand:
 	$(BIN)/python -m services.ethercat_loop.sim.netns up $(VHAND_ARGS)
 
+# The conformance suite (tests/conformance): every registered service on its simulator against the same fault
+# script; prints the table service x fault x (seen, time, verdict). It also runs in `make test`.
+conformance: setup
+	$(BIN)/python -m pytest tests/conformance -q -s -p no:cacheprovider
+
 # Chaos and soak (tests/chaos): the suite runs the CI-sized version; these run the long ones.
 chaos: setup
 	$(BIN)/python -m tests.chaos --soak-minutes 3
@@ -106,6 +116,11 @@ soak: setup
 
 bench-quick:
 	@$(MAKE) --no-print-directory bench BENCH_ARGS=--quick
+
+# The dashboard's pictures in its README (docs/dashboard/*.png), refreshed on purpose: the browser tests write
+# their screenshots there only when asked; a plain test run writes them to a temporary directory.
+screenshots: setup
+	ROBOBUS_DASHBOARD_SHOTS=docs/dashboard $(BIN)/python -m pytest tests/dashboard/test_browser.py -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) $(MCAPCLI) $(NODEV)/node_modules $(DASH)/node_modules $(MODELINA)/node_modules $(TSEXAMPLE)/node_modules \
