@@ -38,7 +38,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +68,13 @@ from services.epuck_gateway.protocol import (
     SensorsPacket,
     stop_command,
 )
-from services.epuck_gateway.transport import EpuckLinkStats, ErrorHandler, PacketsHandler, StateHandler
+from services.epuck_gateway.transport import (
+    EpuckLinkStats,
+    ErrorHandler,
+    PacketsHandler,
+    StateHandler,
+    WrittenHandler,
+)
 
 log = logging.getLogger("robobus.epuck.serial")
 
@@ -89,8 +94,6 @@ def default_image_fps(baud: int) -> float:
     0.5 fps takes 14 %. From 230400 baud (USB, whose line runs at USB speed whatever the baud) 2 fps."""
     return 0.5 if baud < SLOW_LINK_BAUD else 2.0
 
-
-WrittenHandler = Callable[[float], None]  # wall-clock time the write left the gateway
 
 
 @dataclass
@@ -286,7 +289,9 @@ class EpuckSerialLink:
                 if not fut.done():
                     fut.set_exception(ConnectionError(f"{self.config.port} closed"))
             self._ascii.clear()
-            self._written.clear()  # a write that never happened: nobody is told it did
+            written, self._written = self._written, []
+            for cb in written:  # requested, never written
+                cb(None)
 
     def _close_port(self) -> None:
         if self._fd >= 0:

@@ -72,6 +72,7 @@ class EpuckSimStats:
     cycles: int = 0
     max_queued: int = 0  # most commands waiting at the start of a cycle (the firmware flushes at 5)
     received: collections.deque[EpuckCommand] = field(default_factory=lambda: collections.deque(maxlen=2000))
+    received_at: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=2000))  # time.time()
 
     def summary(self) -> dict[str, int]:
         return {"connections": self.connections, "commands": self.commands, "bad_commands": self.bad_commands,
@@ -174,6 +175,7 @@ class EpuckSimRobot:
                 cmd = EpuckCommand.decode(data)
                 self.stats.commands += 1
                 self.stats.received.append(cmd)
+                self.stats.received_at.append(time.time())
                 queue.append(cmd)
                 first.set()
 

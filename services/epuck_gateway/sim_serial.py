@@ -108,6 +108,7 @@ class EpuckSerialSimRobot:
         self._writing = False
         self._inbox: collections.deque[list[AsercomCommand] | str] = collections.deque()
         self._pacer: asyncio.TimerHandle | None = None
+        self._line_t: float | None = None  # paced line: when it is done with the bytes written so far
         self._last_physics = time.monotonic()
 
     # -- the device comes and goes ----------------------------------------------------------------------
@@ -203,14 +204,22 @@ class EpuckSerialSimRobot:
         self._flush()
 
     def _pace(self) -> None:
-        """One step of a paced line: PACE_CHUNK bytes, then wait the time they take at `line_baud`."""
+        """One step of a paced line: write what the line has carried since the last step (a chunk at
+        least), then wait until it has carried that too. `_line_t` is when the line is done with every
+        byte written so far; a late step writes more, so the long-run rate is the baud's, not the timers'."""
         self._pacer = None
         if not self._out or self._master < 0:
-            self._work()
+            self._line_t = None
+            self._work()  # the reply is out: the F407 reads on
             return
-        chunk = bytes(self._out[:PACE_CHUNK])
+        assert self.config.line_baud
+        rate = self.config.line_baud / 10  # 8N1
+        now = time.monotonic()
+        if self._line_t is None:
+            self._line_t = now
+        n = min(len(self._out), PACE_CHUNK + int(max(0.0, now - self._line_t) * rate))
         try:
-            n = os.write(self._master, chunk)
+            n = os.write(self._master, bytes(self._out[:n]))
         except BlockingIOError:
             n = 0
         except OSError:
@@ -218,9 +227,8 @@ class EpuckSerialSimRobot:
             return
         self.stats.bytes_out += n
         del self._out[:n]
-        assert self.config.line_baud
-        delay = max(n, 1) * 10 / self.config.line_baud
-        self._pacer = asyncio.get_running_loop().call_later(delay, self._pace)
+        self._line_t += max(n, 1) / rate
+        self._pacer = asyncio.get_running_loop().call_later(max(0.0, self._line_t - now), self._pace)
 
     def _flush(self) -> None:
         if self.config.line_baud:

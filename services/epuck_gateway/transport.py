@@ -6,12 +6,18 @@ and no backlog of stale packets can build up (the published Python client reads 
 and lags exactly there). What to do with the packets is the listener's business; it keeps only the
 newest.
 
-Commands are coalesced: a command handler only changes the controller's state and asks for a write;
-the link writes the whole state (latest values plus every pending one-shot) at most once per robot
-cycle, i.e. once a packet that ends a robot cycle has arrived since the previous write. The firmware
+Commands are written as soon as they are decided, as GCtronic's monitor does (reference section 4,
+MON): a command handler changes the controller's state and asks for a write, and the link writes the
+whole state (latest values plus every pending one-shot) at once, unless it is the state last written
+(a renewed set_speed writes nothing). What the firmware does with queued commands bounds this: it
 takes one queued command per cycle and flushes the older ones when 5 or more are queued (reference
 section 4), so writing every command as it came lost one-shots (a sound followed by six LED changes
-within 15 ms never played).
+within 15 ms never played). The link therefore keeps at most `MAX_UNTAKEN` written commands that the
+robot has not yet taken (one is taken per robot cycle, i.e. per packet that ends a cycle and began
+after the write); beyond that, changes coalesce into the next write, which goes when the robot takes
+one. With the robot's count off by at most the cycle in progress, and one liveness probe, its queue
+stays below 5. A stop therefore leaves at once even when the robot's cycle is slow (0.5 fps images:
+one cycle per image, 2 s), and `request_write(on_written)` says when it left.
 
 Liveness follows what the robot was asked to send (liveness.py): a healthy slow image stream does
 not flap the link, and a robot that sends nothing at all is reported `silent` (connection up, no
@@ -24,6 +30,7 @@ which then reconnects.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
@@ -49,6 +56,7 @@ log = logging.getLogger("robobus.epuck.link")
 STOP_LINGER_S = 0.2
 LOWAT_MIN = 1024  # only an image's remainder is worth a setsockopt; sensors packets are 105 bytes
 LOWAT_MAX = 65536  # below the receive buffer, so the mark can always be met
+MAX_UNTAKEN = 2  # written commands the robot has not taken yet; its firmware flushes at 5 queued (module doc)
 
 
 @dataclass
@@ -89,6 +97,9 @@ PacketsHandler = Callable[[list[Packet], float], None]
 # silent (TCP up, nothing received for longer than allowed), disconnected.
 StateHandler = Callable[[bool, str, str], None]
 ErrorHandler = Callable[[FramingError], None]
+# Told when a requested write has left the gateway: the wall-clock time, or None when the link went down
+# before it could be written.
+WrittenHandler = Callable[[float | None], None]
 
 
 class _Wire(asyncio.Protocol):
@@ -141,7 +152,11 @@ class EpuckLink:
         self._watchdog: asyncio.TimerHandle | None = None
         self._accepted = False  # the robot answered this connection's first command
         self._dirty = False  # the controller holds state not yet written
-        self._cycle_done = False  # a robot cycle ended since the last write: the next write may go
+        # per written command the robot has not taken yet: the packet count it must see a cycle end beyond
+        self._untaken: collections.deque[int] = collections.deque()
+        self._last_written = b""
+        self._written: list[WrittenHandler] = []
+        self.motion_deadline: float | None = None  # the serial link's surface; a WiFi write never waits on a frame
         self._written_request = 0
         self._silent = False
         self._probed_at = -1.0
@@ -153,12 +168,15 @@ class EpuckLink:
         self._task = asyncio.ensure_future(self.run())
         return self._task
 
-    def request_write(self) -> bool:
-        """The controller changed: write its state at the robot's next cycle (coalesced)."""
+    def request_write(self, on_written: WrittenHandler | None = None) -> bool:
+        """The controller changed: write its state now (coalesced while the robot has `MAX_UNTAKEN` commands
+        not yet taken). `on_written` is told when the write carrying this state has left."""
         if not self.connected:
             return False
         self.stats.commands_requested += 1
         self._dirty = True
+        if on_written is not None:
+            self._written.append(on_written)
         self._flush()
         return True
 
@@ -235,7 +253,8 @@ class EpuckLink:
         self._silent = False
         self._probed_at = -1.0
         self._accepted = False
-        self._dirty = self._cycle_done = False
+        self._dirty = False
+        self._untaken.clear()
         # Connected is not streaming: the health says so until the robot's first byte.
         self._on_state(True, "connected", "TCP connected; no data from the robot yet")
         # The robot sends nothing until its first command: send it at once, alone in its segment (the
@@ -243,7 +262,9 @@ class EpuckLink:
         first = self.controller.on_link_up()
         self.liveness.reset(first.request)
         self._written_request = first.request
-        self._write(first.encode())
+        self._last_written = first.encode()
+        self._write(self._last_written)
+        self._untaken.append(self.parser.packets)
         self.controller.sent(self.parser.packets, False)
         log.info("robot connected", extra={"robot": self.name, "host": self.config.host, "port": self.config.port})
         self._arm_watchdog(self.liveness.allowed_silence())
@@ -255,19 +276,34 @@ class EpuckLink:
                 self._watchdog = None
             self.connected = False
             self.receiving = False
+            self._tell_written(None)  # requested, never written
             if not self._closing:
                 self._drop_transport()
 
-    # -- pacing: at most one write per robot cycle ---------------------------------------------------
+    # -- writes: at once, within what the robot's command queue takes ----------------------------------
     def _flush(self) -> None:
-        if not (self._dirty and self._accepted and self._cycle_done) or self._closing:
-            return
+        if not (self._dirty and self._accepted) or self._closing or len(self._untaken) >= MAX_UNTAKEN:
+            return  # the first command not answered yet, or the robot's queue is full enough: wait for a cycle
         cmd = self.controller.build()
-        self._dirty = self._cycle_done = False
-        self._written_request = cmd.request
-        self.liveness.set_request(cmd.request)
-        self._write(cmd.encode())
-        self.controller.sent(self.parser.packets, self.parser.in_packet)
+        data = cmd.encode()
+        self._dirty = False
+        if data != self._last_written:
+            self._written_request = cmd.request
+            self.liveness.set_request(cmd.request)
+            self._last_written = data
+            self._write(data)
+            mark = self.parser.packets + (1 if self.parser.in_packet else 0)
+            self._untaken.append(mark)
+            self.controller.sent(self.parser.packets, self.parser.in_packet)
+        self._tell_written(time.time())  # written now, or the robot already holds this very state
+
+    def _tell_written(self, ts: float | None) -> None:
+        written, self._written = self._written, []
+        for cb in written:
+            try:
+                cb(ts)
+            except Exception:
+                log.exception("write listener failed", extra={"robot": self.name})
 
     def _ends_cycle(self, p: Packet) -> bool:
         """The robot's cycle ends with the sensors packet, or the image when no sensors follow it, or 0x03."""
@@ -376,8 +412,8 @@ class EpuckLink:
                 self.stats.empty += 1
                 if self._stop_mark is not None and base + i > self._stop_mark:
                     self._stopped.set()
-            if self._ends_cycle(p):
-                self._cycle_done = True
+            if self._ends_cycle(p) and self._untaken and base + i > self._untaken[0]:
+                self._untaken.popleft()  # the robot's cycle that began after that write took it
         self.stats.packets += len(packets)
         if (packets or self._silent) and not self._closing and error is None and not self.receiving:
             # The first data of the link, or data after a silence: the robot talks again.
