@@ -368,6 +368,10 @@ class PalmService:
         if "stale" in totals:  # wire backends: replies dropped as not belonging to the frame just sent (since start)
             link["stale_replies"] = int(totals["stale"])
         details["link"] = link
+        if "restarts" in info:  # wire backends: cycle processes started again after one died
+            details["restarts"] = int(info["restarts"])
+            if info.get("last_exit"):
+                details["last_exit"] = str(info["last_exit"])
         recovery = info.get("recovery")
         if recovery:
             now = time.monotonic_ns()

@@ -68,6 +68,11 @@ class EthercatSettings(KitSettings):
                                         "(motors, counters); joints and sensors come from every status")
     ethercat_state_check_ms: int = Field(250, ge=1, description="Period of the AL state check (a backstop: a "
                                          "palm leaving OP already shows as a working-counter drop)")
+    ethercat_restart_backoff_ms: int = Field(200, ge=0, description="Wait before starting a cycle process again "
+                                             "after one died; doubled for each restart without a good run since")
+    ethercat_restart_backoff_max_ms: int = Field(10_000, ge=0, description="Cap of that wait")
+    ethercat_restart_good_run_s: float = Field(30.0, ge=0, description="A cycle process that ran this long in OP "
+                                               "before it died had a good run: the backoff starts over")
     ethercat_virtual_args: list[str] = Field(default_factory=list, description="Extra virtual_hand options "
                                              "when the virtual backend starts its own hand")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -209,3 +210,45 @@ def test_sigterm_zeroes_demands_before_leaving_op(wire_node: Any) -> None:
     st = ctl.call("stats")
     assert st["left_op"] >= 1 and st["palm_state"] != 8
     assert st["zero_demand_frames_before_leaving_op"] >= STOP_ZERO_CYCLES
+
+
+def _cycle_pid(parent: int) -> int | None:
+    """The cycle process the node started (`python -m services.ethercat_loop.transport.cycle`)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"services.ethercat_loop.transport.cycle" in cmd:
+            return int(entry)
+    return None
+
+
+def test_a_killed_cycle_process_is_restarted_and_health_says_so(wire_node: Any) -> None:
+    """kill -9 of the realtime cycle process: health goes `recovering` (not connected, the death named), then
+    back to running and operational by itself, the restart counted in details."""
+    _node, proc, _client, _ctl, seen = wire_node
+    wait_for(lambda: (h := seen.latest("health")) and h["operational"], 15, "operational")
+    pid = _cycle_pid(proc.proc.pid)
+    assert pid is not None
+    with seen.lock:
+        n0 = len(seen.msgs)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: (h := seen.latest("health")) and h["state"] == "recovering", 10, "recovering in health")
+    h = seen.latest("health") or {}
+    assert not h["connection"] and not h["operational"] and "cycle process died (killed by SIGKILL)" in \
+        h["error_message"], h
+    wait_for(lambda: (h := seen.latest("health")) and h["operational"] and h["state"] == "running", 30,
+             f"operational again (log: {proc.text()[-1500:]})")
+    h = seen.latest("health") or {}
+    assert h["connection"] and h["details"]["restarts"] == 1 and h["details"]["last_exit"] == "killed by SIGKILL", h
+    new = _cycle_pid(proc.proc.pid)
+    assert new is not None and new != pid
+    with seen.lock:
+        healths = [json.loads(p) for t, p in seen.msgs[n0:] if t.endswith(f"/{DEV}/health")]
+    assert all(x["details"]["link"]["valid_data"] == x["connection"] for x in healths), healths

@@ -119,9 +119,12 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
         log.warning("%s", w)
     publish()
     master = EthercatMaster(cfg.master)
+    _continue_counts(master, shm)
     try:
         ident = master.open()
         driver = build_driver(cfg.settings, cfg.calibration, ident.protocol)
+        for k in ("dropped", "decode_errors"):  # driver counters the shared block mirrors: on from there too
+            driver.c[k] = int(shm.counters[C[k]])
         # Everything allocated so far lives for the whole run: collect and freeze it now, while no
         # frame is due (a full collection can take tens of ms), then keep the collector out of the cycle.
         gc.collect()
@@ -214,7 +217,7 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     # the full second): a phase other processes can know, e.g. a latency probe woken just before it
     deadline = (mono() // period + 2) * period
     cnt[k_started_ns] = deadline
-    cycle = 0
+    cycle = int(cnt[k_cycles])  # 0, or where a cycle process that died stopped counting
     quarter = period // 4
     submits_at, drained = C["submits"], 0
     write_raw = shm.raw_writer()
@@ -390,6 +393,15 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             cnt[k_late_starts] += 1  # ran past the next release: it starts now, late (its latency is in "wake")
         elif cycle % 1000 == 0 and deadline - mono() > period // 2:
             gc.collect(0)  # young objects only, and only with half a period of slack left
+
+
+def _continue_counts(master: EthercatMaster, shm: SharedBlock) -> None:
+    """A cycle process started after one died continues the totals in the shared block (they are copied there
+    from the master's counters each cycle): loop_stats windows and totals never go backwards."""
+    c = master.counters
+    for k in ("frames", "lost", "stale", "late", "wkc_errors", "recoveries", "left_op", "escalations", "rescans"):
+        setattr(c, k, int(shm.counters[C[k]]))
+    c.rtt_max_ns = int(shm.counters[C["rtt_ns_max"]])
 
 
 def _recovery_view(master: EthercatMaster) -> dict[str, Any]:

@@ -5,10 +5,12 @@ reads its state, snapshots, counters and histograms from shared memory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -72,6 +74,14 @@ class ProcessBackend(HandBackend):
         self.cleanups: list[Callable[[], None]] = []  # run after the cycle process is gone (e.g. a simulated NIC)
         self.dropped_submits = 0
         self.bad_raw_reads = 0  # raw status slots too short to hold a status (skipped, see _read_snapshot)
+        # supervision: a cycle process that dies is started again (capped backoff, reset after a good run)
+        self._cfg: CycleConfig | None = None  # built once: the NIC provider (a simulated hand) runs once
+        self._stop_ev = threading.Event()
+        self._restarting = ""  # why the cycle is being restarted ("" while it runs)
+        self._failures = 0  # restarts since the last good run (the backoff's exponent)
+        self._up_since: float | None = None  # CLOCK_MONOTONIC s when the running cycle process reached OP
+        self.restarts = 0  # cycle processes started after one died
+        self.last_exit = ""  # how the last one died
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _master_config(self) -> MasterConfig:
@@ -102,64 +112,111 @@ class ProcessBackend(HandBackend):
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         s = self.settings
         period_ms = self.period_ns / 1e6
-        cfg = CycleConfig(
+        self._cfg = CycleConfig(
             s, self._cal, self._master_config(), RtSettings(s.ethercat_rt_priority, tuple(s.ethercat_cpus),
                                                  s.ethercat_lock_memory),
             self.period_ns, max(1, round(1000 / period_ms / s.ethercat_snapshot_hz)),
             max(1, round(s.ethercat_state_check_ms / period_ms)), s.ethercat_error_after_lost)
         self._shm = SharedBlock.create()
+        self._launch(None)
+        self._running = True
+        self._up_since = time.monotonic()
+        t = threading.Thread(target=self._monitor, name="ethercat-monitor", daemon=True)
+        t.start()
+        self._threads.append(t)
+        ident = self._state.identity
+        assert self._proc is not None
+        log.info("EtherCAT cycle process %d: palm %s protocol %s serial %s, %s; %s", self._proc.pid,
+                 ident.get("palm_name"), ident.get("protocol"), ident.get("serial"), self._state.policy,
+                 "; ".join(self._state.warnings) or "realtime settings applied")
+
+    def _launch(self, stop: threading.Event | None) -> None:
+        """Start a cycle process on the shared block and wait until it is in OP; then hand it the control
+        pipe (no message reaches a cycle before it is in OP: its driver starts with every demand at zero, so
+        after a restart the first frames carry zero demands). Raises BackendUnavailable (the process gone)."""
+        shm, cfg = self._shm, self._cfg
+        assert shm is not None and cfg is not None
+        # A killed writer can leave a slot mid-write (an odd sequence, which readers would wait out forever):
+        # even again, and the start state and the counters the new cycle starts from (it continues the others).
+        shm.repair_slots()
+        shm.write_slot("status", pickle.dumps(_CycleState(), 5))
+        for k in ("submits", "consecutive_no_status", "health_error", "in_op"):
+            shm.counters_mv[C[k]] = 0
         # A fresh interpreter (not fork: no paho threads or held locks inherited; not multiprocessing
         # spawn: no re-import of the caller's __main__): `python -m services.ethercat_loop.transport.cycle`.
         ctl_r, ctl_w = os.pipe()
         ev_r, ev_w = os.pipe()
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "services.ethercat_loop.transport.cycle", str(ctl_r), str(ev_w), self._shm.path],
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.ethercat_loop.transport.cycle", str(ctl_r), str(ev_w), shm.path],
                 stdin=subprocess.PIPE, pass_fds=(ctl_r, ev_w), cwd=REPO,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                                                os.environ.get("PYTHONPATH")]))})
+        except BaseException:
+            for fd in (ctl_w, ev_r):
+                os.close(fd)
+            raise
         finally:
             os.close(ctl_r)
             os.close(ev_w)
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(pickle.dumps(cfg, 5))
-        self._proc.stdin.close()
-        self._ctl_w, self._events_r = Connection(ctl_w, readable=False), Connection(ev_r, writable=False)
+        self._proc = proc
+        ctl, events = Connection(ctl_w, readable=False), Connection(ev_r, writable=False)
         os.set_blocking(ctl_w, False)
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            self._poll_state()
-            if self._state.state == "op":
-                break
-            if self._state.fatal or self._proc.poll() is not None:
-                if self._proc.poll() is None:
-                    self._proc.wait(5)
-                raise BackendUnavailable(self._state.fatal
-                                         or f"cycle process exited ({self._proc.returncode}) before OP")
-            if time.monotonic() > deadline:
-                raise BackendUnavailable(f"cycle process did not reach OP within {self.start_timeout_s}s")
-            time.sleep(0.02)
-        self._running = True
-        for target, name in ((self._monitor, "ethercat-monitor"), (self._pump_events, "ethercat-events")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
-        ident = self._state.identity
-        log.info("EtherCAT cycle process %d: palm %s protocol %s serial %s, %s; %s", self._proc.pid,
-                 ident.get("palm_name"), ident.get("protocol"), ident.get("serial"), self._state.policy,
-                 "; ".join(self._state.warnings) or "realtime settings applied")
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(cfg, 5))
+            proc.stdin.close()
+            deadline = time.monotonic() + self.start_timeout_s
+            while True:
+                self._poll_state()
+                if self._state.state == "op":
+                    break
+                if self._state.fatal or proc.poll() is not None:
+                    if proc.poll() is None:
+                        proc.wait(5)
+                    raise BackendUnavailable(self._state.fatal or f"cycle process exited ({proc.returncode}) before OP")
+                if time.monotonic() > deadline:
+                    raise BackendUnavailable(f"cycle process did not reach OP within {self.start_timeout_s}s")
+                if stop is not None and stop.is_set():
+                    raise BackendUnavailable("stopping")
+                time.sleep(0.02)
+        except BaseException:
+            ctl.close()
+            events.close()
+            if proc.poll() is None:  # SIGTERM: it zeroes demands and leaves OP if it got there
+                proc.terminate()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+            raise
+        with self._lock:
+            self._ctl_w, self._events_r = ctl, events
+        t = threading.Thread(target=self._pump_events, args=(events,), name="ethercat-events", daemon=True)
+        t.start()
+        self._threads.append(t)
 
     def stop(self) -> None:
         if self._stopped or self._proc is None:
             return
         self._stopped = True
-        self._send(_Stop("stop"), force=True)
-        try:
-            self._proc.wait(max(3.0, 3 * STOP_ZERO_CYCLES * self.period_ns / 1e9))
-        except subprocess.TimeoutExpired:
-            log.error("cycle process did not stop in time: killing it")
-            self._proc.kill()
-            self._proc.wait(5)
+        self._stop_ev.set()
+        for t in self._threads:  # the monitor: a restart under way ends (its half-started process stopped)
+            if t.name == "ethercat-monitor" and t is not threading.current_thread():
+                t.join(10)
+        proc = self._proc
+        if proc.poll() is None:
+            if self._ctl_w is not None:
+                self._send(_Stop("stop"), force=True)
+            else:
+                proc.terminate()
+            try:
+                proc.wait(max(3.0, 3 * STOP_ZERO_CYCLES * self.period_ns / 1e9))
+            except subprocess.TimeoutExpired:
+                log.error("cycle process did not stop in time: killing it")
+                proc.kill()
+                proc.wait(5)
         self._poll_state()
         self._running = False
         self._teardown()
@@ -281,14 +338,53 @@ class ProcessBackend(HandBackend):
             return self._read_snapshot()
 
     def _monitor(self) -> None:
-        while self._running:
+        while self._running and not self._stop_ev.is_set():
             self._poll_state()
-            if self._proc is not None and self._proc.poll() is not None and not self._stopped:
-                self._state.state, self._state.error = "error", f"cycle process died ({self._proc.returncode})"
-                log.error("EtherCAT: %s", self._state.error)
-                self._running = False
+            proc = self._proc
+            if proc is not None and proc.poll() is not None and not self._stopped:
+                self._supervise(proc)
+                continue
+            self._stop_ev.wait(0.05)
+
+    def _supervise(self, dead: subprocess.Popen[bytes]) -> None:
+        """The cycle process died (any cause): start another, after a backoff that doubles with each restart
+        that did not lead to a good run (`ethercat_restart_good_run_s` in OP), capped. Meanwhile `recovering`,
+        not connected, commands refused; the new cycle starts from zero demands."""
+        s = self.settings
+        why = _exit_text(dead.returncode)
+        self.last_exit = why
+        now = time.monotonic()
+        if self._up_since is not None and now - self._up_since >= s.ethercat_restart_good_run_s:
+            self._failures = 0
+        self._up_since = None
+        with self._lock:
+            for conn in (self._ctl_w, self._events_r):
+                if conn is not None:
+                    conn.close()
+            self._ctl_w = self._events_r = None
+        log.error("EtherCAT: cycle process %d died (%s)", dead.pid, why)
+        while not self._stop_ev.is_set():
+            delay = min(s.ethercat_restart_backoff_max_ms, s.ethercat_restart_backoff_ms * 2 ** self._failures) / 1000
+            self._failures += 1
+            self._restarting = f"cycle process died ({why}); restarting in {delay:.1f} s"
+            log.warning("EtherCAT: %s", self._restarting)
+            if self._stop_ev.wait(delay):
                 return
-            time.sleep(0.05)
+            self.restarts += 1
+            self._restarting = f"cycle process died ({why}); restart {self.restarts} under way"
+            try:
+                self._launch(self._stop_ev)
+            except (BackendUnavailable, OSError) as exc:
+                why = f"restart {self.restarts} failed: {exc}"
+                self.last_exit = why
+                log.error("EtherCAT: %s", why)
+                continue
+            self._up_since = time.monotonic()
+            self._restarting = ""
+            assert self._proc is not None
+            log.warning("EtherCAT: cycle process %d in OP (restart %d); demands start from zero", self._proc.pid,
+                        self.restarts)
+            return
 
     def stats(self) -> EthercatLoopStats:
         """The last full 1 s window plus totals since start and the cycle's realtime policy."""
@@ -311,7 +407,7 @@ class ProcessBackend(HandBackend):
             **self._overrun_view(),
             "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
             "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,
-            "dropped_submits": self.dropped_submits, "bad_raw_reads": self.bad_raw_reads,
+            "dropped_submits": self.dropped_submits, "bad_raw_reads": self.bad_raw_reads, "restarts": self.restarts,
         }
         return win.model_copy(update={"totals": totals, "realtime": {"policy": self._state.policy,
                                                                      "warnings": list(self._state.warnings)}})
@@ -333,12 +429,13 @@ class ProcessBackend(HandBackend):
         ident = st.identity
         # the cycle flips the flag in place: read it once, so that `connected`, `state` and `no_data` of one
         # health message agree (three reads could straddle a flip: seen once in a power-cycle test)
-        no_data = self._no_data()
+        no_data = self._no_data() or bool(self._restarting)
         return {"vendor": ident.get("vendor"), "product": ident.get("product"), "revision": ident.get("revision"),
                 "serial": ident.get("serial"), "protocol": ident.get("protocol", self.settings.ethercat_protocol),
                 "backend": self.settings.backend, "connected": self.connected(no_data),
                 "state": self._link_state(no_data),
-                "error": st.error or st.fatal, "no_data": no_data, "issue": st.state_issue,
+                "error": self._restarting or st.error or st.fatal, "no_data": no_data,
+                "issue": self._restarting or st.state_issue, "restarts": self.restarts, "last_exit": self.last_exit,
                 "recovery": dict(st.recovery) if st.recovery else None, "warnings": list(st.warnings),
                 "mapping": ident.get("mapping"), "slaves": ident.get("slaves"), "realtime_policy": st.policy}
 
@@ -346,6 +443,8 @@ class ProcessBackend(HandBackend):
         """The cycle's state, with `no_data` for a cycle in OP that exchanges no valid process data (before
         the recovery has named an issue)."""
         st = self._state.state
+        if self._restarting:
+            return "recovering"  # the cycle process died; another is being started
         if not self._running and st in ("op", "recovering", "rescanning"):
             return "error"  # the cycle process is gone
         return "no_data" if st == "op" and no_data else st
@@ -365,11 +464,10 @@ class ProcessBackend(HandBackend):
         st = self._state
         if no_data is None:
             no_data = self._no_data()
-        return self._running and st.state in ("op", "stopping") and not no_data
+        return self._running and not self._restarting and st.state in ("op", "stopping") and not no_data
 
-    def _pump_events(self) -> None:
-        conn = self._events_r
-        while self._running and conn is not None:
+    def _pump_events(self, conn: Connection) -> None:
+        while self._running or not self._stopped:
             try:
                 if not conn.poll(0.2):
                     continue
@@ -383,3 +481,10 @@ class ProcessBackend(HandBackend):
                     log.exception("CAN rx handler failed")
 
 
+
+
+def _exit_text(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"

@@ -122,6 +122,15 @@ class SharedBlock:
         _SEQ.pack_into(self.mm, off, seq + 2, len(payload))
         return True
 
+    def repair_slots(self) -> None:
+        """Empty every slot left mid-write: a writer killed there leaves its sequence odd, and readers would wait
+        for that write forever (sequence 0: nothing written; the next write starts it again). Only while no
+        writer runs (the MQTT side, between two cycle processes)."""
+        for name in SLOTS:
+            off = REGIONS[name][0]
+            if _SEQ.unpack_from(self.mm, off)[0] & 1:
+                _SEQ.pack_into(self.mm, off, 0, 0)
+
     def raw_writer(self) -> Callable[[int, int, int, bytes], bool]:
         """The raw slot's writer: RAW_HEAD (cycle, now_ns, statuses) and the status bytes under the seqlock, with
         the slot's offsets bound once (the cycle's raw status, every period)."""
