@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from services.epuck_gateway.serial_link import default_image_fps
-from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
+from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimRobot, EpuckSimThread
 from services.epuck_gateway.sim_serial import EpuckSerialSimConfig, EpuckSerialSimRobot, EpuckSerialSimThread
 from shared.rpc import RpcClient
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until
@@ -47,6 +48,10 @@ def stop_after(robot: EpuckSerialSimRobot, since: int) -> float | None:
     return None
 
 
+def cycled(robot: EpuckSimRobot, cycles: int) -> bool:
+    return robot.stats.cycles >= cycles
+
+
 def test_an_ascii_motion_arms_the_deadman_and_shows_in_the_state(broker_session: Broker, spawn: Any,
                                                                 client: RpcClient, tmp_path: Path) -> None:
     serial = EpuckSerialSimThread(1, str(tmp_path / "ttyEPUCK")).start()
@@ -66,9 +71,10 @@ def test_an_ascii_motion_arms_the_deadman_and_shows_in_the_state(broker_session:
             assert state.result["left_speed"] == 250 and state.result["right_speed"] == 250, state.result
             assert state.result["motion_expires_in_ms"] is not None
             # the deadman sends speed 0 within motion_timeout (+ a margin for a busy machine)
-            assert wait_until(lambda s=since: stop_after(robot, s) is not None, 10), robot.received[since:]
+            assert wait_until(partial(stop_after, robot, since), 10), robot.received[since:]
             stopped = stop_after(robot, since)
-            assert stopped is not None and stopped - t_reply <= timeout_s + 0.5, stopped - t_reply
+            assert stopped is not None
+            assert stopped - t_reply <= timeout_s + 0.5, stopped - t_reply
             assert robot.world.speed_left == 0 and robot.world.speed_right == 0
             assert bus.wait_json("/usb1/event/fault", lambda d: d["kind"] == "motion_timeout", mark)
             state = client.call(NODE, "usb1", "stream", {}, timeout=10)
@@ -118,7 +124,7 @@ def test_at_bluetooth_speed_the_deadman_stop_is_not_held_behind_an_image(
             rep = client.call(NODE, "bt1", "set_speed", {"left": 200, "right": 200}, timeout=10)
             t_reply = time.monotonic()
             assert rep.ok, rep.raw
-            assert wait_until(lambda s=since: stop_after(robot, s) is not None, 10)
+            assert wait_until(partial(stop_after, robot, since), 10)
             stopped = stop_after(robot, since)
             assert stopped is not None
             lateness.append(stopped - t_reply - timeout_s)
@@ -153,7 +159,8 @@ def test_over_wifi_at_a_slow_image_rate_the_stop_leaves_at_once_and_is_reported_
 
             assert wait_until(lambda: stop_received() is not None, 10)
             arrived = stop_received()
-            assert arrived is not None and arrived - t_reply <= timeout_s + 0.3, arrived - t_reply
+            assert arrived is not None
+            assert arrived - t_reply <= timeout_s + 0.3, arrived - t_reply
             fault = bus.wait_json("/wifi1/event/fault", lambda d: d["kind"] == "motion_timeout", mark)
             assert fault is not None and "written" in fault["message"], fault
             assert abs(fault["ts"] - arrived) <= 0.2, (fault["ts"], arrived)  # the time it left, not decided
@@ -161,7 +168,6 @@ def test_over_wifi_at_a_slow_image_rate_the_stop_leaves_at_once_and_is_reported_
             assert robot.stats.flushed_commands == 0  # nothing the firmware would have dropped
             # the robot has taken both commands and the gateway has seen it (one cycle more) before the next
             # round, or that round's set_speed would wait its turn behind them (two untaken at most)
-            cycles = robot.stats.cycles
-            assert wait_until(lambda c=cycles: robot.stats.cycles >= c + 2, 10)
+            assert wait_until(partial(cycled, robot, robot.stats.cycles + 2), 10)
     finally:
         wifi.close()
