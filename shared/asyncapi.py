@@ -3,7 +3,17 @@
 The way FastStream does it: every pydantic model gives its JSON Schema, `$defs` are hoisted into
 `components/schemas` and references rewritten. Channels use address parameters for the parts a
 deployment chooses ({root}, {node}, {device}); commands are `receive` operations with an MQTT 5
-reply (Response Topic + Correlation Data)."""
+reply (Response Topic + Correlation Data).
+
+A channel parameter is one topic level to the tools that match topics against addresses (as MQTT's `+`
+is), so `{root}` stands for a one-level root only. The document for a given root (`build_document(root=
+"site1/robobus")`, `robobus schema --root`, the dashboard's `/api/asyncapi.json`) writes the root into
+every address instead, so a multi-level root matches too.
+
+Replies have addresses of their own: `{root}/{node}/{device}/cmd/<name>/reply` (a request without a
+Response Topic) and `{root}/_client/{client}/reply` (the Response Topic robobus's clients name). The
+operation's `reply` keeps the runtime address (the request's Response Topic) on the address-less
+`responseTopic` channel, as AsyncAPI requires of a reply with an `address`."""
 
 from __future__ import annotations
 
@@ -18,11 +28,14 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from shared.codegen_schema import name_inline_schemas, pascal
-from shared.contract import BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
+from shared.contract import NAME_RE, BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
 from shared.messages import CancelReply, ErrorReply, Health, JobAccepted, JobResult, NodeStats, OkReply, Status
 from shared.registry import service_apis
 
 REF = "#/components/schemas/{model}"
+# 3.0.0, not 3.1.0: the parser here (@asyncapi/parser 3.6.3) takes 3.1.0, but Modelina 5.10.1 (the latest release,
+# and what `asyncapi generate models` runs) reads AsyncAPI input up to 3.0.0 only (tests/contract/test_generic_tools.py)
+ASYNCAPI_VERSION = "3.0.0"
 MQTT_BINDING = "0.2.0"
 
 
@@ -44,20 +57,38 @@ def reply_names(reply: type[BaseModel]) -> tuple[str, str]:
 REPLY_TOPIC = ("the request's MQTT 5 Response Topic; a request without one is answered on "
                "`<request topic>/reply` (MQTT 3 clients)")
 REPLY_QOS = "the request's QoS: 0 for a QoS 0 request, else 1"
+REPLY_QOS_MAX = 1  # the number in a reply channel's `x-robobus.qos`: QoS 1 and 2 requests are answered at 1
+CLIENT_REPLY = "{root}/_client/{client}/reply"  # the Response Topic of RpcClient, the CLI and the dashboard
 
 
 PARAMS = {
-    "root": {"description": "Topic root (ROBOBUS_TOPIC_ROOT), e.g. 'robobus' or 'site1/robobus'",
-             "default": "robobus"},
+    "root": {"description": ("Topic root (ROBOBUS_TOPIC_ROOT) when it is one topic level, e.g. 'robobus'. "
+                             "A root of several levels (e.g. 'site1/robobus') is written into the addresses of "
+                             "the document made for it: `robobus schema --root site1/robobus`, "
+                             "`make schema ROOT=site1/robobus`, or the dashboard's /api/asyncapi.json"),
+             "default": "robobus", "examples": ["robobus"]},
     "node": {"description": "Node name (ROBOBUS_NODE); defaults to the service name"},
     "device": {"description": "Device name, one per piece of hardware the node serves"},
+    "client": {"description": "The requester's MQTT client id: robobus's clients (the `robobus` CLI, "
+                              "shared.rpc.RpcClient, the dashboard) name `{root}/_client/<client id>/reply` "
+                              "as their requests' Response Topic"},
 }
 
 
+def check_root(root: str) -> str:
+    """A topic root as ROBOBUS_TOPIC_ROOT accepts it: one or more `/`-separated names, no wildcards."""
+    if not root or any(not NAME_RE.match(p) for p in root.split("/")):
+        raise ValueError(f"topic root {root!r} must be one or more '/'-separated names matching "
+                         f"{NAME_RE.pattern} (no wildcards, no empty levels)")
+    return root
+
+
 class DocBuilder:
-    def __init__(self, title: str, version: str) -> None:
+    def __init__(self, title: str, version: str, root: str | None = None) -> None:
+        """`root`: write this topic root into every address; None: the `{root}` parameter (one level)."""
         self.title = title
         self.version = version
+        self.root = check_root(root) if root is not None else None
         self.models: dict[str, type[BaseModel]] = {}
         self.extra_schemas: dict[str, dict[str, Any]] = {}
         self.channels: dict[str, Any] = {}
@@ -91,12 +122,13 @@ class DocBuilder:
     def channel(self, cid: str, address: str | None, messages: dict[str, dict[str, str]], description: str,
                 *, retain: bool = False, qos: int = 0, kind: str) -> None:
         """`x-robobus` says how the channel is used: what kind of topic, whether messages on it are
-        retained and at which QoS they are published (the operation's MQTT binding says the same)."""
+        retained and at which QoS they are published (the operation's MQTT binding says the same; a
+        reply goes at the request's QoS, so a reply channel gives the highest, 1)."""
+        if address is not None and self.root is not None:
+            address = address.replace("{root}", self.root)
         params = {p: PARAMS[p] for p in re.findall(r"{(\w+)}", address or "")}
         ch: dict[str, Any] = {"address": address, "messages": messages, "description": description,
                               "x-robobus": {"kind": kind, "retain": retain, "qos": qos}}
-        if kind == "reply":
-            ch["x-robobus"]["qos"] = REPLY_QOS
         if params:
             ch["parameters"] = params
         self.channels[cid] = ch
@@ -111,11 +143,14 @@ class DocBuilder:
             "bindings": {"mqtt": {"qos": qos, "retain": retain, "bindingVersion": MQTT_BINDING}},
         }
         if reply_cid:
+            # the address is the request's Response Topic (a runtime expression), so the reply's channel is
+            # the address-less `responseTopic` (AsyncAPI: "the address property of the channel referenced
+            # MUST be either null or not defined"); the addressed reply channels are for topic matching
             op["reply"] = {
                 "address": {"description": f"The reply topic: {REPLY_TOPIC}",
                             "location": "$message.header#/responseTopic"},
-                "channel": {"$ref": f"#/channels/{reply_cid}"},
-                "messages": [{"$ref": f"#/channels/{reply_cid}/messages/{k}"}
+                "channel": {"$ref": "#/channels/responseTopic"},
+                "messages": [{"$ref": f"#/channels/responseTopic/messages/{k}"}
                              for k in self.channels[reply_cid]["messages"]],
             }
         if contract:
@@ -125,11 +160,13 @@ class DocBuilder:
     def reply_union(self, reply: type[BaseModel]) -> dict[str, str]:
         """`{"ok": true, "result": <reply>} | {"ok": false, "error": ...}` as two named components."""
         ok_name, union_name = reply_names(reply)
+        # `ok` as ErrorReply's: a constant with its default, not required. A required boolean constant has no
+        # value in Modelina's default TypeScript classes (the property is never set: `tsc --strict` fails).
         self.extra_schemas[ok_name] = {
             "type": "object",
             "description": f"A successful reply carrying {reply.__name__}",
-            "required": ["ok", "result"],
-            "properties": {"ok": {"const": True, "type": "boolean", "title": "Ok"},
+            "required": ["result"],
+            "properties": {"ok": {"const": True, "default": True, "type": "boolean", "title": "Ok"},
                            "result": self.model(reply)},
         }
         self.extra_schemas[union_name] = {
@@ -158,6 +195,14 @@ class DocBuilder:
                      "Retained, on the heartbeat: command outcomes, publishes, decode errors, reconnects.",
                      retain=True, kind="state")
         self.operation("publishNodeStats", "send", "nodeStats", "Kit statistics", retain=True)
+        # every command's reply message joins these two as the commands are added (see command())
+        self.channel("responseTopic", None, {},
+                     f"A command's reply, on {REPLY_TOPIC}: the address is the request's (operations' "
+                     f"`reply.address`). At {REPLY_QOS}.", qos=REPLY_QOS_MAX, kind="reply")
+        self.channel("clientReply", CLIENT_REPLY, {},
+                     "Replies to the requests of robobus's own clients (the `robobus` CLI, shared.rpc.RpcClient, "
+                     "the dashboard), which name this topic as the MQTT 5 Response Topic: any command's reply. "
+                     f"At {REPLY_QOS}.", qos=REPLY_QOS_MAX, kind="reply")
         self.model(ErrorReply)
         self.model(OkReply)
         # the kit's own replies (a job's JobAccepted, cancel's CancelReply) are kit types in every document,
@@ -236,10 +281,14 @@ class DocBuilder:
                      {cid: self.message(cid, self.model(spec.request), summary=doc, correlated=True,
                                         title=f"{svc} command {name}")},
                      f"{svc}: {doc}", qos=1, kind="cmd")
-        self.channel(rid, None,
-                     {rid: self.message(rid, self.reply_union(reply_model), summary=f"reply to {name}",
-                                        correlated=True, title=f"{svc} reply to {name}")},
-                     f"Reply to {svc} {name}, on {REPLY_TOPIC}, at {REPLY_QOS}", qos=1, kind="reply")
+        reply_msg = self.message(rid, self.reply_union(reply_model), summary=f"reply to {name}", correlated=True,
+                                 title=f"{svc} reply to {name}")
+        self.channel(rid, f"{dev}/cmd/{name}/reply", {rid: reply_msg},
+                     f"Reply to {svc} {name} when the request has no MQTT 5 Response Topic (MQTT 3 clients); "
+                     f"otherwise it goes to the Response Topic (channels responseTopic, clientReply). "
+                     f"At {REPLY_QOS}.", qos=REPLY_QOS_MAX, kind="reply")
+        for shared_cid in ("responseTopic", "clientReply"):
+            self.channels[shared_cid]["messages"][rid] = reply_msg
         self.operation(cid, "receive", cid, doc, reply_cid=rid, qos=1, contract=contract)
 
     def schemas(self) -> dict[str, Any]:
@@ -254,7 +303,7 @@ class DocBuilder:
 
     def document(self) -> dict[str, Any]:
         return {
-            "asyncapi": "3.0.0",
+            "asyncapi": ASYNCAPI_VERSION,
             "info": {
                 "title": self.title,
                 "version": self.version,
@@ -275,23 +324,29 @@ class DocBuilder:
         }
 
 
-def build_document(apis: Iterable[ServiceAPI] | None = None) -> dict[str, Any]:
+def build_document(apis: Iterable[ServiceAPI] | None = None, root: str | None = None) -> dict[str, Any]:
+    """The document of `apis` (default: every registered service). `root`: the document for that topic root,
+    written into every address (the one a deployment with a multi-level root hands to generic tools);
+    None: the `{root}` parameter (the committed docs/asyncapi.yaml)."""
     from shared import __version__
 
-    b = DocBuilder("robobus", __version__)
+    b = DocBuilder("robobus", __version__, root)
     b.kit()
     for api in apis if apis is not None else discover_apis():
         b.service(api)
-    return b.document()
+    doc = b.document()
+    if root is not None:
+        doc["info"]["description"] += f" Made for the topic root {root!r}: every address starts with it."
+    return doc
 
 
 def render_yaml(doc: dict[str, Any]) -> str:
     return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=100)
 
 
-def write_docs(out_dir: Path, apis: Iterable[ServiceAPI] | None = None) -> list[Path]:
+def write_docs(out_dir: Path, apis: Iterable[ServiceAPI] | None = None, root: str | None = None) -> list[Path]:
     """docs/asyncapi.yaml plus one standalone JSON Schema per model in docs/schemas/."""
-    doc = build_document(apis)
+    doc = build_document(apis, root)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "asyncapi.yaml"]
     paths[0].write_text(render_yaml(doc))
@@ -346,30 +401,30 @@ def _standalone(name: str, schemas: dict[str, Any]) -> dict[str, Any]:
 
 class ContractValidator:
     """Match a published topic to its channel and validate the payload against its schema.
-    Tests use it to prove that every message on the bus is what the document says."""
+    Tests use it to prove that every message on the bus is what the document says. `{root}` matches a root
+    of any depth here (the tests' own reading); every other parameter is one topic level."""
 
     def __init__(self, doc: dict[str, Any]) -> None:
         import jsonschema
 
         self._jsonschema = jsonschema
         self.schemas = doc["components"]["schemas"]
-        self.routes: list[tuple[re.Pattern[str], dict[str, Any], str]] = []
+        # (address pattern, the channel's messages, channel id)
+        self.routes: list[tuple[re.Pattern[str], list[dict[str, Any]], str]] = []
         self.node_services: dict[str, str] = {}  # node -> service, from the status and health messages validated
         msgs = doc["components"]["messages"]
         for cid, ch in doc["channels"].items():
             addr = ch.get("address")
             if not addr:
                 continue
-            pat = re.escape(addr)
-            pat = pat.replace(re.escape("{root}"), r"(?P<root>.+?)")
-            for p in ("node", "device"):
-                pat = pat.replace(re.escape("{" + p + "}"), rf"(?P<{p}>[^/]+)")
-            ref = next(iter(ch["messages"].values()))["$ref"].rsplit("/", 1)[-1]
-            self.routes.append((re.compile(f"^{pat}$"), msgs[ref], cid))
+            pat = re.escape(addr).replace(re.escape("{root}"), r"(?P<root>.+?)")
+            pat = re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", pat)
+            refs = [m["$ref"].rsplit("/", 1)[-1] for m in ch["messages"].values()]
+            self.routes.append((re.compile(f"^{pat}$"), [msgs[r] for r in refs], cid))
         # most specific first: the kit's `_node` stats before a service's `{device}` channels
         self.routes.sort(key=lambda r: (-r[0].pattern.count("_node"), -len(r[0].pattern)))
 
-    def channels_for(self, topic: str) -> list[tuple[str, dict[str, Any]]]:
+    def channels_for(self, topic: str) -> list[tuple[str, list[dict[str, Any]]]]:
         """Every channel whose address matches, most specific first. Several services may declare the same
         relative address with different payloads (`{device}/state/link`, `{device}/event/fault`)."""
         hits = []
@@ -390,34 +445,37 @@ class ContractValidator:
             hits = own or hits
         return [(cid, msg) for cid, msg, _ in hits]
 
-    def channel_for(self, topic: str) -> tuple[str, dict[str, Any]] | None:
+    def channel_for(self, topic: str) -> tuple[str, list[dict[str, Any]]] | None:
         hits = self.channels_for(topic)
         return hits[0] if hits else None
 
     def validate(self, topic: str, payload: bytes) -> str:
         """Return the channel id; raise AssertionError when the topic or payload is not in the contract. Where
         services share an address, the node's service (learnt from its status or health messages seen here)
-        picks the channel; before that, the payload must be valid for one of them."""
+        picks the channel; before that, the payload must be valid for one of them. On a channel of several
+        messages (`clientReply`: any command's reply) the payload must be valid for one of them."""
         hits = self.channels_for(topic)
         if not hits:
             raise AssertionError(f"topic {topic!r} is not in the AsyncAPI document")
         failures = []
-        for cid, msg in hits:
-            if msg.get("contentType", "application/json") != "application/json":
-                return cid
-            try:
-                data = json.loads(payload)
-            except ValueError as exc:
-                raise AssertionError(f"{topic}: payload is not JSON ({exc})") from None
-            schema = {**msg["payload"], "components": {"schemas": self.schemas}}
-            errors = sorted(self._jsonschema.Draft202012Validator(schema).iter_errors(data), key=str)
-            if not errors:
-                if isinstance(data, dict) and isinstance(data.get("service"), str) and isinstance(data.get("node"),
-                                                                                                    str):
-                    self.node_services[data["node"]] = data["service"]
-                return cid
-            failures.append(f"{topic} ({cid}): {errors[0].message} at {list(errors[0].absolute_path)}")
-        raise AssertionError("; ".join(failures))
+        for cid, messages in hits:
+            for msg in messages:
+                if msg.get("contentType", "application/json") != "application/json":
+                    return cid
+                try:
+                    data = json.loads(payload)
+                except ValueError as exc:
+                    raise AssertionError(f"{topic}: payload is not JSON ({exc})") from None
+                schema = {**msg["payload"], "components": {"schemas": self.schemas}}
+                errors = sorted(self._jsonschema.Draft202012Validator(schema).iter_errors(data), key=str)
+                if not errors:
+                    if isinstance(data, dict) and isinstance(data.get("service"), str) \
+                            and isinstance(data.get("node"), str):
+                        self.node_services[data["node"]] = data["service"]
+                    return cid
+                failures.append(f"{topic} ({cid}): {errors[0].message} at {list(errors[0].absolute_path)}")
+        raise AssertionError("; ".join(failures[:3]) + (f" (and {len(failures) - 3} more)" if len(failures) > 3
+                                                        else ""))
 
     def validate_reply(self, doc: dict[str, Any], command_cid: str, payload: bytes) -> None:
         """Validate a command reply against `{command_cid}_reply` of the document; an error reply's code

@@ -4,6 +4,7 @@
     robobus call NODE/DEVICE CMD '{..}'  any command; jobs show a progress bar until their result
     robobus watch 'robobus/#'            live messages
     robobus schema                       write docs/asyncapi.yaml and docs/schemas/*.json
+    robobus schema --root R --out -      print the document for the topic root R
 """
 
 from __future__ import annotations
@@ -229,21 +230,40 @@ def watch(
 
 @app.command()
 def schema(
-    out: Annotated[Path, typer.Option(help="Output folder")] = Path("docs"),
+    out: Annotated[Path, typer.Option(help="Output folder; '-' prints the document (YAML) instead")] = Path("docs"),
     check: Annotated[bool, typer.Option(help="Exit 1 if the files on disk are stale; write nothing")] = False,
+    root: Annotated[str | None, typer.Option(
+        help="Write this topic root (e.g. site1/robobus) into every address, for tools that match topics "
+             "against addresses; default: the {root} parameter, one topic level")] = None,
+    running_root: Annotated[bool, typer.Option(
+        "--running-root", help="Like --root with this machine's ROBOBUS_TOPIC_ROOT (default robobus)")] = False,
 ) -> None:
     """Write the AsyncAPI 3.0 document and the JSON Schemas of every message."""
     from shared.asyncapi import build_document, render_yaml, write_docs
 
+    if running_root:
+        if root is not None:
+            err_console.print("[red]robobus: --root and --running-root: give one[/red]")
+            raise typer.Exit(2)
+        root = load_settings(KitSettings).topic_root
+    try:
+        doc = build_document(root=root)
+    except ValueError as exc:
+        err_console.print(f"[red]robobus: {exc}[/red]")
+        raise typer.Exit(2) from None
+    if str(out) == "-":
+        sys.stdout.write(render_yaml(doc))
+        return
     if check:
         current = (out / "asyncapi.yaml").read_text() if (out / "asyncapi.yaml").exists() else ""
-        if current != render_yaml(build_document()):
+        if current != render_yaml(doc):
             err_console.print(f"[red]{out}/asyncapi.yaml is stale: run `make schema`[/red]")
             raise typer.Exit(1)
         console.print(f"{out}/asyncapi.yaml is up to date")
         return
-    paths = write_docs(out)
-    console.print(f"wrote {paths[0]} and {len(paths) - 1} JSON Schemas in {out}/schemas/")
+    paths = write_docs(out, root=root)
+    console.print(f"wrote {paths[0]} and {len(paths) - 1} JSON Schemas in {out}/schemas/"
+                  + (f" for the topic root {root}" if root else ""))
 
 
 def _load_plugins() -> None:

@@ -15,6 +15,12 @@ which is neither unique across models nor stable as a type name.
   `{type: [x, "null"], ...}`, the nullable form generators map to `Integer` / `number | null` /
   `*int`; a union of a primitive and null would otherwise be a nameless union type in Java and Go.
   The accepted values are the same, so validation of published messages does not change.
+- a `number` field whose default is a whole number other than 0 (`timeout_s: float = 2.0`) gives its default
+  in its description instead (`Default: 2.`): JSON has no 2.0 apart from 2, and Modelina's default Java output writes
+  `Double timeoutS = 2;`, which javac rejects. The service applies the default to a request without it.
+- an object with no properties that says nothing of others (`class Empty(BaseModel): pass`) gets
+  `additionalProperties: false`: "send {}". Modelina's Java makes a map of it otherwise, which is no type of
+  its own (and then the message payload has no name).
 Primitive fields keep pydantic's title: generators inline them, and form builders use it as a label.
 """
 
@@ -77,11 +83,32 @@ def _claim(title: str, where: str, owners: dict[str, str]) -> None:
     owners[title] = where
 
 
+def _whole_number_default(node: dict[str, Any]) -> None:
+    """A `number` schema's whole-number default -> its description (see the module docstring)."""
+    types = node.get("type")
+    if "number" not in (types if isinstance(types, list) else [types]):
+        return
+    dflt = node.get("default")
+    if isinstance(dflt, bool) or not isinstance(dflt, int | float) or dflt != int(dflt) or dflt == 0:
+        return  # a fraction is written as one; Modelina writes no default of 0 (it tests the default's truth)
+    del node["default"]
+    text = f"Default: {int(dflt)}."
+    node["description"] = f"{node['description'].rstrip('.')}. {text}" if node.get("description") else text
+
+
+def _empty_object(node: dict[str, Any]) -> None:
+    if node.get("type") == "object" and not node.get("properties") and "additionalProperties" not in node \
+            and "patternProperties" not in node:
+        node["additionalProperties"] = False
+
+
 def _walk(node: Any, base: str, path: str, owners: dict[str, str], *, top: bool = False) -> None:
     """`base` is the name this schema gets if it makes a type; `path` where it is (for errors)."""
     if not isinstance(node, dict):
         return
     _merge_nullable(node)
+    _whole_number_default(node)
+    _empty_object(node)
     if not top and _makes_a_type(node):
         _claim(base, path, owners)
         node["title"] = base

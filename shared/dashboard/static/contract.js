@@ -1,10 +1,11 @@
 // What the AsyncAPI document says about each service: its states, events and commands, with schemas.
 // Nothing here names a service: a new service shows up in the dashboard by being in the document.
 //
-// The document's channels are `{root}/{node}/{device}/<kind>/<name>` with ids `<service>_<kind>_<name>`
-// (shared/asyncapi.py); the service is the id with `_<kind>_<name>` cut off.
+// The document's channels are `<root>/{node}/{device}/<kind>/<name>` with ids `<service>_<kind>_<name>`
+// (shared/asyncapi.py); the service is the id with `_<kind>_<name>` cut off. <root> is the `{root}`
+// parameter, or the root itself in the document the server makes for its root (`site1/robobus/{node}/...`).
 
-const DEVICE_ADDRESS = /^\{root\}\/\{node\}\/\{device\}\/(state|event|cmd|stream)\/([^/]+)$/;
+const DEVICE_ADDRESS = /^(?:\{root\}|[^{}]+)\/\{node\}\/\{device\}\/(state|event|cmd|stream)\/([^/]+)$/;
 const DOC_ID = "robobus:asyncapi";
 
 export class Contract {
