@@ -65,7 +65,7 @@ def dashboard(
         b = s.broker()
         relay = Relay(Upstream(b.host, b.port, _tls_context(s) if b.tls else None), s.dashboard_relay_flush_ms / 1000)
     try:
-        server = DashboardServer(build_document(),
+        server = DashboardServer(build_document(root=s.topic_root),  # addresses under the running root
                                  PageConfig(ws_url=s.dashboard_ws_url, topic_root=s.topic_root,
                                             username=s.dashboard_username, relay=relay is not None),
                                  s.dashboard_host, s.dashboard_port, relay=relay)
