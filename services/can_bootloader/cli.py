@@ -8,8 +8,10 @@
     robobus can send 0x70A 8 55AA55AA55AA55AA     one raw frame through ethercat-loop's send_can
     robobus can version 8 | read 8 0x4C0 64 | reset 8
 
-Exit status: 0 success; 1 failure (the reason is printed); 2 bad arguments; 3 no broker, or the firmware
-was flashed but is NOT bootloader-aware (the board cannot be reflashed over CAN); 4 timeout.
+Exit status: 0 success; 1 failure (the reason is printed; also a board left in its bootloader with the new
+image written and verified but not started: `robobus can reset N` starts it); 2 bad arguments; 3 no broker,
+or the firmware was flashed and runs but is NOT bootloader-aware (the board cannot be reflashed over CAN);
+4 timeout.
 """
 
 from __future__ import annotations

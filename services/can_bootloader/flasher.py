@@ -10,6 +10,12 @@ A driver (transport.py, the tests, the benchmark) loops:
 The sequence is the original SimpleMotorFlasher's (reference §4): magic packet, erase, per 32-byte block
 WRITE_FLASH_ADDRESS + 4 × WRITE_FLASH_DATA, read-back of the whole image 8 bytes at a time, reset; then
 (robobus addition, seed 000 "BEWARE") a second magic packet proves the new firmware is bootloader-aware.
+That check resends the magic packet at the reference's magic timing (100 ms) within its budget: an aware
+firmware that got the first one has already jumped into the bootloader (EEPROM[0xFF] = 0xFF), whose ACK may be
+the one lost, and every later magic packet reboots the bootloader and is ACKed again. When none is answered,
+READ_VERSION tells the two cases apart: an answer means the board sits in its bootloader (so the firmware did
+go there: it is aware), with the image written and verified but not started, and it gets its RESET; silence
+means the new firmware runs and ignores the bootloader (or the board has left the bus).
 Differences from the original, each deliberate:
 - every retry is bounded and configurable (the original retried ERASE, WRITE_ADDRESS and RESET forever);
 - the dummy frame (id 0, length 0) the original sent first is not sent: its own code questioned it
@@ -50,6 +56,7 @@ class Phase(StrEnum):
     VERIFY = "verify"
     RESET = "reset"
     CHECK = "check"  # post-reset magic packet: is the new firmware bootloader-aware?
+    PROBE = "probe"  # no check ACK: READ_VERSION, is the board in its bootloader (ACKs lost) or in the app?
     CHECK_RESET = "check_reset"  # it was: reset it again into the application
     REENTER = "reenter"  # a RESET went unanswered: magic packet to get back into the bootloader, then RESET
     DONE = "done"
@@ -75,9 +82,13 @@ class FlashConfig(BaseModel):
     reset_tries: int = Field(3, ge=1, description="The original: forever")
     check_bootloader_aware: bool = True
     check_delay_s: float = Field(0.05, ge=0, description="Let the new application start before the magic packet")
-    check_timeout_s: float = Field(0.5, gt=0)
-    check_tries: int = Field(2, ge=1, description="A lost ACK must not brand an aware firmware as unaware; a "
-                                                  "second magic is harmless")
+    check_timeout_s: float = Field(0.1, gt=0, description="Per magic packet of the check: the ACK comes from the "
+                                                          "bootloader booting, as in the magic phase (100 ms)")
+    check_tries: int = Field(10, ge=1, description="A lost ACK must not brand an aware firmware as unaware; more "
+                                                   "magic packets are harmless (each reboots the bootloader, which "
+                                                   "ACKs again): a 1 s budget at the default timeout")
+    probe_tries: int = Field(3, ge=1, description="READ_VERSION after an unanswered check (frame_timeout_s each): "
+                                                  "an answer means the board is in its bootloader")
     drain_s: float = Field(0.05, ge=0, description="Quiet time after a rewind with several frames in flight")
     restarts: int = Field(1, ge=0, description="Full re-erase + rewrite after a read-back that re-reading "
                                                "cannot fix")
@@ -285,10 +296,12 @@ class _Counters:
 class Flasher:
     """Flash one board: one bus, one bootloader, one image."""
 
-    def __init__(self, local_id: int, image: FlashImage, config: FlashConfig | None = None) -> None:
+    def __init__(self, local_id: int, image: FlashImage, config: FlashConfig | None = None, *,
+                 board_id: int | None = None) -> None:
         if not 0 <= local_id < p.BOARDS_PER_BUS:
             raise p.ProtocolError(f"local board id {local_id} is out of range 0–9")
         self.local_id = local_id
+        self.board_id = board_id  # the board's id 0–19, for the recovery commands a message names
         self.image = image
         self.cfg = config or FlashConfig()
         self.phase = Phase.IDLE
@@ -298,6 +311,7 @@ class Flasher:
         self.result: Finished | None = None
         self._reset_attempts = 1
         self._resume = Phase.RESET
+        self._in_bootloader = ""  # how the board was last seen in its bootloader after the reset, if it was
         self._write_ops = self._build_write_ops()
         self._verify_ops = self._build_verify_ops()
         for w in image.warnings:
@@ -363,7 +377,7 @@ class Flasher:
         be flashed again. After RESET the flash is complete and the job finishes on its own: False."""
         if self.done:
             return False
-        if self.phase in (Phase.RESET, Phase.CHECK, Phase.CHECK_RESET, Phase.REENTER):
+        if self.phase in (Phase.RESET, Phase.CHECK, Phase.PROBE, Phase.CHECK_RESET, Phase.REENTER):
             return False
         addr = self.current_address()
         self._finish(False, "cancelled by request; the board stays in its bootloader, ready to be flashed again",
@@ -427,6 +441,8 @@ class Flasher:
         elif phase is Phase.CHECK:
             self.pipe = single(p.magic_packet(lid), cfg.check_timeout_s, cfg.check_tries,
                                not_before=now + cfg.check_delay_s)
+        elif phase is Phase.PROBE:
+            self.pipe = single(p.read_version(lid), cfg.frame_timeout_s, cfg.probe_tries)
         self._events.append(PhaseStarted(phase, self._phase_total(phase)))
 
     def _advance(self, now: float) -> None:
@@ -458,6 +474,14 @@ class Flasher:
             else:
                 self._finish(True, "flashed, verified and reset", address=None, aware=None)
         elif ph is Phase.CHECK:
+            self._in_bootloader = "it answered the magic packet"
+            self._enter(Phase.CHECK_RESET, now)
+        elif ph is Phase.PROBE:
+            self._in_bootloader = "it answered READ_VERSION"
+            self._events.append(FlashWarning(
+                f"none of the {self.cfg.check_tries} magic packets after the reset was acknowledged, but board "
+                f"{self.local_id} answers READ_VERSION: it is in its bootloader, so the new firmware did jump there "
+                "(it is bootloader-aware) and the ACKs were lost; starting the image with RESET"))
             self._enter(Phase.CHECK_RESET, now)
         elif ph is Phase.REENTER:
             self._enter(self._resume, now)
@@ -484,6 +508,21 @@ class Flasher:
             self._events.append(Rewind(ph, None, f"{failure.reason}; sending the magic packet to get back into "
                                                  "the bootloader, then RESET again"))
             self._enter(Phase.REENTER, now)
+        elif ph is Phase.REENTER and self._in_bootloader:
+            # what is known: the image is written and verified; after the reset the board was in its bootloader
+            # (the firmware went there on the magic packet: it is aware); the RESET that starts the image, and
+            # the magic packets after it, were not acknowledged, and a magic packet takes an aware firmware back
+            # into the bootloader: the board is there, the image not started. Not "reset", and not "unaware".
+            self._finish(False, f"board {self._board_hint()} is in its bootloader: the new image is written and "
+                                "verified but NOT started. After the reset the board was in its bootloader "
+                                f"({self._in_bootloader}), so the new firmware is bootloader-aware; the RESET that "
+                                "starts the image was not acknowledged, nor the magic packets sent after it "
+                                f"({failure.reason}), and any magic packet that reached a running aware firmware took "
+                                "it back into the bootloader. The board can be flashed again. To recover: `robobus "
+                                f"can reset {self._board_hint()}` starts the verified image (`robobus can version` "
+                                "first: an answer confirms the bootloader); no answer: check the board's power and "
+                                "bus, then flash again",
+                         address=None, aware=True)
         elif ph is Phase.REENTER:
             # say what was observed, no guess: a board still in its bootloader whose every answer is lost
             # looks exactly like one running a firmware that ignores the bootloader, or an unpowered one
@@ -493,14 +532,20 @@ class Flasher:
                                 "board's power and bus; reflash to be sure the new image runs",
                          address=None)
         elif ph is Phase.CHECK:
-            msg = ("the new firmware did not answer the magic packet after the reset: it is NOT bootloader-aware, "
-                   "so this board can no longer be reflashed over CAN until EEPROM[0xFF] is set to 0xFF by hand "
-                   "(seed 000, BEWARE)")
+            self._enter(Phase.PROBE, now)  # bootloader (ACKs lost) or application (not aware)?
+        elif ph is Phase.PROBE:
+            msg = ("the new firmware is NOT bootloader-aware: it answered none of the "
+                   f"{self.cfg.check_tries} magic packets after the reset, and the board does not answer READ_VERSION "
+                   "(it is not in its bootloader), so this board can no longer be reflashed over CAN until "
+                   "EEPROM[0xFF] is set to 0xFF by hand (seed 000, BEWARE); unless the board has left the bus")
             self._events.append(FlashWarning(msg))
             self._finish(True, "flashed, verified and reset; " + msg, address=None, aware=False)
         else:
             where = f" at 0x{failure.address:06X}" if failure.address is not None else ""
             self._finish(False, f"{ph.value} failed{where}: {failure.reason}", address=failure.address)
+
+    def _board_hint(self) -> str:
+        return "<board>" if self.board_id is None else str(self.board_id)
 
     def _finish(self, ok: bool, reason: str, *, address: int | None, aware: bool | None = None,
                 cancelled: bool = False) -> None:

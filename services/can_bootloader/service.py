@@ -366,7 +366,7 @@ class CanBootService:
     @staticmethod
     def _percent(snap: dict[str, Any]) -> float:
         weights = {"magic": (0, 2), "erase": (2, 8), "write": (10, 45), "verify": (55, 40), "reset": (95, 2),
-                   "check": (97, 2), "check_reset": (99, 1), "reenter": (95, 2), "done": (100, 0)}
+                   "check": (97, 1), "probe": (98, 1), "check_reset": (99, 1), "reenter": (95, 2), "done": (100, 0)}
         start, span = weights.get(snap["phase"], (0, 0))
         frac = snap["done"] / snap["total"] if snap.get("total") else 0.0
         return float(start + span * frac)
@@ -376,7 +376,7 @@ class CanBootService:
         """Flash one board on its (already reserved) bus; never raises for device trouble: the result says."""
         a = p.board_address(board)
         port = self._port(board)
-        flasher = Flasher(a.local_id, image, cfg)
+        flasher = Flasher(a.local_id, image, cfg, board_id=board)
         t0 = time.monotonic()
         warnings: list[str] = []
         sent0, recv0 = port.frames_sent, port.frames_received
@@ -414,14 +414,15 @@ class CanBootService:
         snap = flasher.snapshot()
         phase = result.phase.value if isinstance(result.phase, Phase) else str(result.phase)
         write_total = sum(32 for _ in image.write_blocks())
-        ok_write = result.ok or result.phase in (Phase.VERIFY, Phase.RESET, Phase.CHECK, Phase.CHECK_RESET,
-                                                 Phase.REENTER)
+        after_verify = result.phase in (Phase.RESET, Phase.CHECK, Phase.PROBE, Phase.CHECK_RESET, Phase.REENTER)
+        ok_write = result.ok or after_verify or result.phase is Phase.VERIFY
         out = FlashBoardResult(
             board=board, bus=a.bus, ok=result.ok, reason=result.reason, phase=phase, address=result.address,
             bootloader_aware=result.bootloader_aware, cancelled=result.cancelled,
             image_first=image.first, image_last=image.last,
             bytes_written=write_total if ok_write else (snap.done if snap.phase is Phase.WRITE else 0),
-            bytes_verified=len(image.data) if result.ok else (snap.done if snap.phase is Phase.VERIFY else 0),
+            bytes_verified=len(image.data) if result.ok or after_verify else (snap.done if snap.phase is Phase.VERIFY
+                                                                             else 0),
             frames_sent=port.frames_sent - sent0, frames_received=port.frames_received - recv0,
             retries=snap.retries, restarts=snap.restarts, duration_s=round(dt, 3),
             frames_per_s=round((port.frames_sent - sent0) / dt, 1) if dt > 0 else 0.0,

@@ -15,7 +15,8 @@ Model (reference §4 "PIC18 bootloader side", seed 000 "Bootloading protocole"):
   Reference over seed: the seed says the application reacts to a magic packet whose direction bits are
   "10", but the original flasher sends every magic packet with direction "11" (0x600 | ...) and the
   SimpleMotor firmware "can be flashed over itself", so the model accepts both directions.
-- Faults: drop or delay ACKs, corrupt READ answers, lose power after N frames (it boots again into the
+- Faults: drop or delay ACKs (any, one command's, or the ACKs of N magic packets: `drop_magic_acks`),
+  corrupt READ answers, lose power after N frames (it boots again into the
   bootloader, because the flag is 0xFF during a flash), and a 2-deep receive buffer that overflows when
   frames arrive while a row write or the erase stalls the CPU (virtual-bus attachment only).
 
@@ -58,6 +59,8 @@ class BootFaults:
     delay_acks: int = 0  # delay the next N answers by delay_s
     delay_s: float = 0.0
     delay_command: int | None = None
+    drop_magic_acks: int = 0  # drop the ACKs of the next N magic packets (the bootloader's ACK at boot) ...
+    drop_magic_after: int = 0  # ... after letting this many through (independent of drop_acks)
     corrupt_reads: int = 0  # flip bits in the next N READ answers ...
     corrupt_after: int = 0  # ... after this many good ones
     power_loss_after: int | None = None  # lose power after receiving this many more frames
@@ -227,6 +230,13 @@ class BootBoard:
         out: list[BootReply] = []
         for r in replies:
             cmd = r.sid & p.COMMAND_MASK
+            if f.drop_magic_acks > 0 and cmd == p.BootCommand.MAGIC_PACKET:
+                if f.drop_magic_after > 0:
+                    f.drop_magic_after -= 1
+                else:
+                    f.drop_magic_acks -= 1
+                    f.dropped += 1
+                    continue
             if f.drop_acks > 0 and (f.drop_command is None or cmd == f.drop_command):
                 if f.drop_after > 0:
                     f.drop_after -= 1
@@ -473,11 +483,14 @@ def make_intel_hex(first: int = SIMPLEMOTOR_FIRST, last: int = SIMPLEMOTOR_LAST,
 
 # -- a standalone simulator process -----------------------------------------------------------------------------
 def serve(interface: str, channel: str, boards: list[int], stop: threading.Event, *, erase_s: float = 0.968,
-          row_write_s: float = ROW_WRITE_S, app_aware: bool | None = None, **bus_kwargs: Any) -> BootBusSim:
+          row_write_s: float = ROW_WRITE_S, app_aware: bool | None = None, drop_magic_acks: int = 0,
+          drop_magic_after: int = 0, **bus_kwargs: Any) -> BootBusSim:
     """Run simulated boards on a python-can bus until `stop` is set (for vcan, udp_multicast, a real bus)."""
     import can
 
     made = make_boards(boards, app_aware=app_aware)
+    for b in made:
+        b.faults.drop_magic_acks, b.faults.drop_magic_after = drop_magic_acks, drop_magic_after
     if len({b.local_id for b in made}) != len(made):
         raise ValueError(f"boards {boards} share local ids: one bus carries boards 0–9 or 10–19, not both")
     bus = can.Bus(interface=interface, channel=channel, **bus_kwargs)
@@ -504,6 +517,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--erase-s", type=float, default=0.968)
     ap.add_argument("--row-write-s", type=float, default=ROW_WRITE_S)
     ap.add_argument("--not-aware", action="store_true", help="model firmware that is not bootloader-aware")
+    ap.add_argument("--drop-magic-acks", type=int, default=0, metavar="N",
+                    help="drop the ACKs of N magic packets (each board), after --drop-magic-after N let through")
+    ap.add_argument("--drop-magic-after", type=int, default=0, metavar="N")
     args = ap.parse_args(argv)
     ids: list[int] = []
     for part in args.boards.split(","):
@@ -517,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     log.info("simulated boards %s on %s:%s", ids, args.interface, args.channel)
     serve(args.interface, args.channel, ids, stop, erase_s=args.erase_s, row_write_s=args.row_write_s,
-          app_aware=False if args.not_aware else None)
+          app_aware=False if args.not_aware else None, drop_magic_acks=args.drop_magic_acks,
+          drop_magic_after=args.drop_magic_after)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,35 @@ def test_flash_cli_not_aware(broker_session: Broker, boot_node: Any, tmp_path: P
     assert "NOT bootloader-aware" in r.stderr
 
 
+def test_flash_cli_lost_acks_of_the_post_reset_magic(broker_session: Broker, boot_node: Any, tmp_path: Path) -> None:
+    """Two lost ACKs in a row on the post-reset magic packet: retried, exit 0 (it used to exit 3, "can no longer be
+    flashed over CAN", with the board sitting in its bootloader). With every later ACK of the magic packet and
+    of RESET lost: exit 1 and the truth (in its bootloader, written and verified, not started, how to recover)."""
+    bn = boot_node(boards=(8,))
+    fw = tmp_path / "fw.hex"
+    fw.write_text(SMALL_HEX)
+    board = bn.board(8)
+    board.faults.drop_magic_acks, board.faults.drop_magic_after = 2, 1
+    r = robobus(broker_session, "flash", str(fw), "--board", "8", "--node", bn.name)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "yes" in r.stdout and "NOT bootloader-aware" not in r.stderr and board.faults.dropped == 2
+    img = load_intel_hex(SMALL_HEX)
+    assert board.mode == "app" and board.app_image(img.base, img.end) == img.data
+
+    board.faults.drop_magic_acks, board.faults.drop_magic_after = 1000, 1
+    board.faults.drop_acks, board.faults.drop_command, board.faults.drop_after = 1000, 0x3, 1  # RESET
+    r = robobus(broker_session, "flash", str(fw), "--board", "8", "--node", bn.name)
+    err = " ".join(r.stderr.split())  # rich wraps long lines
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "device_error" in err and "in its bootloader" in err and "NOT started" in err, err
+    assert "robobus can reset 8" in err and "NOT bootloader-aware" not in err, err
+    assert board.mode == "bootloader" and board.eeprom[0xFF] == 0xFF
+    board.faults.drop_acks = 0
+    r = robobus(broker_session, "can", "reset", "8", "--node", bn.name)  # the way back the message names
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert board.mode == "app" and board.app_image(img.base, img.end) == img.data
+
+
 def test_can_commands(broker_session: Broker, boot_node: Any) -> None:
     bn = boot_node(boards=(3, 13))
     r = robobus(broker_session, "can", "version", "13", "--node", bn.name)

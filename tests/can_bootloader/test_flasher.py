@@ -18,6 +18,7 @@ from services.can_bootloader.flasher import (
     PhaseStarted,
     Rewind,
     read_exchange,
+    reset_exchange,
     version_exchange,
 )
 from services.can_bootloader.image import FlashImage, from_bytes, load_intel_hex
@@ -271,7 +272,7 @@ def test_garbage_frames_do_not_disturb(garbage: list[tuple[int, bytes]], window:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sets(st.integers(0, 420), max_size=6), st.integers(1, 8), st.sampled_from([0.0005, 0.001, 0.003]))
 def test_any_few_lost_answers_are_recovered(drops: set[int], window: int, latency: float) -> None:
-    # With the defaults, losing every answer to one phase's bounded tries (2 magic packets, 2 post-reset checks)
+    # With the defaults, losing every answer to one phase's bounded tries (2 magic packets, 10 post-reset checks)
     # is a correct failure or an "unaware" verdict, not a recovery; with more tries than drops, every few
     # lost answers must be recovered.
     board = BootBoard(4)
@@ -325,3 +326,71 @@ def test_every_ack_lost_from_reset_on_says_what_was_observed() -> None:
     assert "no answer from board" in reason and "written and verified" in reason, reason
     # what was seen, not a guess about what the board runs
     assert "not bootloader-aware" not in reason and "either running" not in reason, reason
+
+
+def test_two_lost_acks_of_the_post_reset_magic_are_retried_not_branded_unaware() -> None:
+    """The first magic packet's ACK (the flash's own) goes through; the next two, the check's, are lost. The
+    firmware is aware: it jumped into the bootloader on the first check packet. Retried within the check's
+    budget, the third one is ACKed, and the board ends up running its new firmware."""
+    board = BootBoard(2)
+    board.faults.drop_magic_acks, board.faults.drop_magic_after = 2, 1
+    img = small_image()
+    f, _ = flash(board, img)
+    r = f.result
+    assert r is not None and r.ok and r.bootloader_aware is True, r
+    assert board.faults.dropped == 2
+    assert_flashed(board, img)
+
+
+def test_every_check_ack_lost_the_board_answering_read_version_is_started() -> None:
+    """None of the check's magic packets is ACKed, but READ_VERSION is: the board is in its bootloader, so the
+    firmware is aware; it gets its RESET and runs."""
+    board = BootBoard(2)
+    board.faults.drop_magic_acks, board.faults.drop_magic_after = 1000, 1
+    img = small_image()
+    f, _ = flash(board, img)
+    r = f.result
+    assert r is not None and r.ok and r.bootloader_aware is True, r
+    events = f.events()
+    assert Phase.PROBE in [e.phase for e in events if isinstance(e, PhaseStarted)]
+    assert any("answers READ_VERSION" in e.message for e in events if isinstance(e, FlashWarning))
+    assert not any("NOT bootloader-aware" in e.message for e in events if isinstance(e, FlashWarning))
+    assert_flashed(board, img)
+
+
+def test_board_left_in_its_bootloader_is_reported_as_such_with_the_way_back() -> None:
+    """Every post-reset magic ACK lost, and the ACK of every RESET after the first: the flash does not end in
+    "reset", nor in "not bootloader-aware" (exit 3 in the CLI), but says what is known: the board sits in its
+    bootloader, the image is written and verified and not started; `robobus can reset` starts it."""
+    board = BootBoard(2)
+    board.faults.drop_magic_acks, board.faults.drop_magic_after = 1000, 1
+    board.faults.drop_acks, board.faults.drop_command, board.faults.drop_after = 1000, p.BootCommand.RESET, 1
+    img = small_image()
+    f = Flasher(2, img, FlashConfig(), board_id=2)
+    wire = Wire([board])
+    wire.run(f)
+    r = f.result
+    assert r is not None and not r.ok and r.bootloader_aware is True, r
+    assert "in its bootloader" in r.reason and "written and verified but NOT started" in r.reason, r.reason
+    assert "robobus can reset 2" in r.reason and "reset;" not in r.reason and "NOT bootloader-aware" not in r.reason
+    assert not any("NOT bootloader-aware" in e.message for e in f.events() if isinstance(e, FlashWarning))
+    # and that is the truth: in the bootloader (EEPROM[0xFF] = 0xFF), the image written, the application not running
+    assert board.mode == "bootloader" and board.eeprom[0xFF] == FLAG_STAY
+    assert board.app_image(img.base, img.end) == img.data
+    # the way back the message names: RESET (its ACK now arrives) starts the verified image
+    board.faults.drop_acks = 0
+    reset = reset_exchange(2)
+    wire.run(reset)
+    assert reset.ok
+    assert_flashed(board, img)
+
+
+def test_the_standalone_simulator_takes_the_magic_ack_drop_option() -> None:
+    import threading
+
+    from services.can_bootloader.sim import serve
+
+    stop = threading.Event()
+    stop.set()  # start, then stop at once: only the boards' configuration is looked at
+    sim = serve("virtual", f"robobus-serve-{id(stop)}", [3, 4], stop, drop_magic_acks=2, drop_magic_after=1)
+    assert [(b.faults.drop_magic_acks, b.faults.drop_magic_after) for b in sim.boards] == [(2, 1), (2, 1)]
