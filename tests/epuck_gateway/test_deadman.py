@@ -40,12 +40,18 @@ def start_gateway(broker: Broker, spawn: Any, client: RpcClient, robots: list[di
     return proc, bus
 
 
-def stop_after(robot: EpuckSerialSimRobot, since: int) -> float | None:
-    """When the robot applied the first -0x09 with speeds 0 among those from index `since` (monotonic)."""
+def stop_after(robot: EpuckSerialSimRobot, since: int, after: float = 0.0) -> float | None:
+    """When the robot applied the first -0x09 with speeds 0 among those from index `since` and later than
+    `after` (monotonic)."""
     for cmd, at in zip(robot.received[since:], robot.received_at[since:], strict=True):
-        if cmd.left == 0 and cmd.right == 0:
+        if cmd.left == 0 and cmd.right == 0 and at > after:
             return at
     return None
+
+
+def line_time(robot: EpuckSerialSimRobot, line: str) -> float:
+    """When the robot executed the last ASCII line `line` (monotonic)."""
+    return max(t for t, text in robot.lines if text == line)
 
 
 def cycled(robot: EpuckSimRobot, cycles: int) -> bool:
@@ -70,9 +76,11 @@ def test_an_ascii_motion_arms_the_deadman_and_shows_in_the_state(broker_session:
             assert state.ok, state.raw
             assert state.result["left_speed"] == 250 and state.result["right_speed"] == 250, state.result
             assert state.result["motion_expires_in_ms"] is not None
-            # the deadman sends speed 0 within motion_timeout (+ a margin for a busy machine)
-            assert wait_until(partial(stop_after, robot, since), 10), robot.received[since:]
-            stopped = stop_after(robot, since)
+            # the deadman sends speed 0 within motion_timeout (+ a margin for a busy machine); a -0x09 the
+            # previous round's state read left pending may be applied before the line, so: after the line
+            driven = line_time(robot, line)
+            assert wait_until(partial(stop_after, robot, since, driven), 10), robot.received[since:]
+            stopped = stop_after(robot, since, driven)
             assert stopped is not None
             assert stopped - t_reply <= timeout_s + 0.5, stopped - t_reply
             assert robot.world.speed_left == 0 and robot.world.speed_right == 0
