@@ -110,11 +110,19 @@ def supervised(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, S
         yield proc, port, statuses, log
     finally:
         statuses.close()
+        # supervisord's children are in process groups of their own: a SIGKILL of supervisord alone would
+        # leave them running, so stop it as Ctrl-C does, and kill what is left of its children after
+        children = list(_children(proc.pid).values()) if proc.poll() is None else []
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        # the children are in sessions of their own: kill whatever is left of them too
-        subprocess.run(["pkill", "-9", "-f", str(conf)], check=False)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_broker_killed_comes_back_and_the_nodes_reconnect(supervised: Any) -> None:
