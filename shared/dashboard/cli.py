@@ -1,7 +1,9 @@
 """`robobus dashboard`: serve the browser dashboard (registered under the `robobus.cli` entry point).
 
-    robobus dashboard                                   http://127.0.0.1:8080/, broker ws://<page host>:9001
+    robobus dashboard                                   http://127.0.0.1:8080/, the page's broker: this server's
+                                                        relay ws://127.0.0.1:8080/mqtt -> ROBOBUS_MQTT_URL
     robobus dashboard --port 8090 --ws-url ws://broker.lab:9001 --root site1/robobus
+                                                        the page goes to that broker's websockets listener
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ from shared.dashboard.relay import Upstream
 from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
 from shared.settings import KitSettings, load_settings
 
+# What the page connects to when no websockets URL is set: server.PageConfig and app.js's main() decide it.
+WS_URL_DOC = ("Broker websockets URL the page starts with; empty = this server's relay, "
+              "ws://<the page's host:port>/mqtt (to ROBOBUS_MQTT_URL's broker), or ws://<the page's host>:9001 "
+              "with ROBOBUS_DASHBOARD_RELAY=false")
+
 
 class DashboardSettings(KitSettings):
     """ROBOBUS_DASHBOARD_* (the kit's topic_root is the page's default root)."""
 
     dashboard_host: str = Field("127.0.0.1", description="Address the HTTP server binds")
     dashboard_port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = any free port)")
-    dashboard_ws_url: str = Field("", description="Broker websockets URL the page starts with; "
-                                                  "empty = ws://<the page's host>:9001")
+    dashboard_ws_url: str = Field("", description=WS_URL_DOC)
     dashboard_username: str = Field("", description="User name the connect form starts with (never a password)")
     dashboard_relay: bool = Field(True, description="Serve /mqtt, relaying the page's MQTT to ROBOBUS_MQTT_URL's "
                                                     "broker in fewer websocket frames; the page's default broker "
@@ -50,7 +56,8 @@ def dashboard(
     host: Annotated[str | None, typer.Option(help="Bind address (ROBOBUS_DASHBOARD_HOST)")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port (ROBOBUS_DASHBOARD_PORT, default 8080)")] = None,
     ws_url: Annotated[str | None, typer.Option("--ws-url", help="Broker websockets URL for the page "
-                                                                 "(ROBOBUS_DASHBOARD_WS_URL)")] = None,
+                                                                 "(ROBOBUS_DASHBOARD_WS_URL); default: the relay "
+                                                                 "at /mqtt")] = None,
     root: Annotated[str | None, typer.Option(help="Topic root (ROBOBUS_TOPIC_ROOT)")] = None,
 ) -> None:
     """Serve the browser dashboard: every node and device, live state, commands, jobs, events."""
@@ -75,8 +82,8 @@ def dashboard(
     except OSError as exc:
         print(f"robobus: cannot serve on {s.dashboard_host}:{s.dashboard_port}: {exc.strerror}", file=sys.stderr)
         raise typer.Exit(2) from None
-    default = s.dashboard_ws_url or (f"relay {server.url}mqtt -> {s.broker().host}:{s.broker().port}" if relay
-                                     else "ws://<this host>:9001")
+    default = s.dashboard_ws_url or (f"relay {server.url.replace('http', 'ws', 1)}mqtt -> "
+                                     f"{s.broker().host}:{s.broker().port}" if relay else "ws://<the page's host>:9001")
     print(f"robobus dashboard: {server.url} (broker {default}, root {s.topic_root})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

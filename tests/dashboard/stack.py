@@ -210,10 +210,12 @@ class SimStack:
         self.spawn("can-bootloader", ["-m", "services.can_bootloader"],
                    {"ROBOBUS_CAN_SIM": "true", "ROBOBUS_CAN_SIM_ERASE_S": "0.05"})
 
-    def start_dashboard(self) -> None:
-        port = free_ports(1)[0]
-        self.spawn("dashboard", ["-m", "shared.cli", "dashboard", "--port", str(port), "--ws-url",
-                                 self.broker.ws_url])
+    def start_dashboard(self, port: int | None = None) -> None:
+        """`robobus dashboard` as `make run` starts it: the page's default broker is its relay (/mqtt); a page
+        goes to the broker's websockets listener with `?broker=` + broker.ws_url. `port`: again on the port of
+        an earlier run."""
+        port = port or free_ports(1)[0]
+        self.spawn("dashboard", ["-m", "shared.cli", "dashboard", "--port", str(port)])
         self.dashboard_url = f"http://127.0.0.1:{port}/"
         assert wait_for(lambda: _listening(port), 20), self.procs["dashboard"].text()
 

@@ -1,10 +1,13 @@
 """The dashboard end to end in Debian's headless chromium, against `make run`'s stack on free ports
 (tests/dashboard/stack.py): what a person sees and does, as the issue lists it. Screenshots of the main
-views go to docs/dashboard/ for the README."""
+views go to a temporary directory (a test never rewrites tracked files); `make screenshots` runs these tests
+with ROBOBUS_DASHBOARD_SHOTS=docs/dashboard to refresh the README's pictures on purpose."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -19,9 +22,19 @@ from shared.rpc import RpcClient
 from tests.dashboard.stack import DEVICES, NODES, SimStack, browser, browser_missing, sim_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-SHOTS = REPO / "docs" / "dashboard"
+SHOTS_ENV = "ROBOBUS_DASHBOARD_SHOTS"  # where shoot() writes: a temporary directory unless set (make screenshots)
+SHOTS = REPO / "docs" / "dashboard"  # set per module run by the `shots` fixture
 SMALL_HEX = make_intel_hex(0x1000, 0x13FF)
 T = 45_000  # ms: generous waits for a loaded 2-core machine; the conditions, not the waits, are the test
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    global SHOTS
+    chosen = os.environ.get(SHOTS_ENV)
+    SHOTS = (REPO / chosen if not Path(chosen).is_absolute() else Path(chosen)) if chosen else \
+        tmp_path_factory.mktemp("dashboard-shots")
+    return SHOTS
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +85,14 @@ def on_screen(page: Any, node: str, device: str) -> None:
     card(page, node, device).evaluate("e => e.scrollIntoView({block: 'start'})")
 
 
+TAKEN: list[str] = []
+
+
 def shoot(page: Any, name: str, target: Any | None = None) -> None:
-    """The window as a person sees it, with `target` scrolled to the top."""
+    """The window as a person sees it, with `target` scrolled to the top, into SHOTS (a temporary directory
+    unless ROBOBUS_DASHBOARD_SHOTS says where)."""
     SHOTS.mkdir(parents=True, exist_ok=True)
+    TAKEN.append(name)
     if target is not None:
         target.evaluate("e => e.scrollIntoView({block: 'start'})")
     else:
@@ -111,6 +129,94 @@ def test_lists_every_online_node_and_device(page: Any, stack: tuple[SimStack, Rp
     shoot(page, "overview")
 
 
+RED = "rgb(179, 38, 30)"  # style.css --bad
+
+
+def test_badge_and_health_message_agree(page: Any) -> None:
+    """The health's message is coloured as the badge is: the actuator in its blank state is operational without
+    error (reference roi.md §3.7: its firmware never reports itself configured), so its badge is green and its
+    message a plain note, never red beside a green badge; a module that is not operational says so in amber."""
+    arm = card(page, "roi-modules", "roi_arm")
+    page.wait_for_selector("article[data-device='roi_arm'] .error-message:not(:empty)", timeout=T)
+    arm.evaluate("e => e.scrollIntoView({block: 'start'})")
+    page.wait_for_selector("article[data-device='roi_arm'][data-health=ok]", timeout=T)
+    msg = arm.locator(".error-message")
+    assert "Blank state" in msg.inner_text()
+    assert msg.evaluate("e => getComputedStyle(e).color") != RED
+    assert msg.get_attribute("data-level") == "info"
+    io = card(page, "roi-modules", "roi_io")
+    page.wait_for_selector("article[data-device='roi_io'][data-health=warn]", timeout=T)
+    assert io.locator(".error-message").get_attribute("data-level") == "warn"
+    # on every card: a green badge never sits beside a red message
+    for c in page.locator("article.device").all():
+        if c.get_attribute("data-health") == "ok":
+            assert c.locator(".error-message").evaluate("e => getComputedStyle(e).color") != RED, \
+                c.get_attribute("data-key")
+
+
+def _section_shown(c: Any, state: str) -> bool:
+    sec = c.locator(f"details.state[data-state='{state}']")
+    return sec.count() > 0 and bool(sec.evaluate("e => e.getBoundingClientRect().height > 0"))
+
+
+def test_roi_cards_show_the_states_the_module_has(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """A state's section shows once the state was received: the GPIO module's card has no empty ODrive sections
+    and the ODrive's none of the GPIO's; the pin modes are one table (a row per pin), not a line per value."""
+    _, client = stack
+    io, wheel = card(page, "roi-modules", "roi_io"), card(page, "roi-modules", "roi_wheel")
+    on_screen(page, "roi-modules", "roi_io")
+    for state in ("pin_values", "link"):  # drawn: a value or a chart of each
+        io.locator(f"details.state[data-state='{state}'] :is(dd, figure.spark)").first.wait_for(state="attached",
+                                                                                                 timeout=T)
+    # the pin modes are published when they change: make one an output
+    rep = client.call("roi-modules", "roi_io", "set_pin_mode", {"pin": 3, "mode": "output"})
+    assert rep.ok, rep
+    table = io.locator("details.state[data-state='pin_states'] table.list-table")
+    table.wait_for(timeout=T)
+    assert table.locator("thead th").all_inner_texts() == ["#", "modes", "names"]
+    assert table.locator("tbody tr").count() == 18
+    page.wait_for_function("e => e.rows[4].cells[2].textContent === 'output'", arg=table.element_handle(), timeout=T)
+    assert io.locator("details.state[data-state='pin_states'] dt").all_inner_texts() == ["ts"]
+    for state in ("state", "power", "temperature"):  # the ODrive's
+        assert not _section_shown(io, state), state
+    on_screen(page, "roi-modules", "roi_wheel")
+    wheel.locator("details.state[data-state='power'] :is(dd, figure.spark)").first.wait_for(state="attached",
+                                                                                             timeout=T)
+    time.sleep(1.0)  # retained states arrive with the subscription: nothing more is coming
+    for state in ("pin_states", "pin_values"):
+        assert not _section_shown(wheel, state), state
+    assert _section_shown(wheel, "power")
+    shoot(page, "roi", io)
+
+
+def test_timestamps_ids_and_counters_are_values_not_charts(page: Any) -> None:
+    """Dexter's robot clock is shown as a time and its instruction id as a number, neither charted; the e-puck
+    link's counters likewise; its measurements are charted."""
+    on_screen(page, "dexter-gateway", "dexter1")
+    status = card(page, "dexter-gateway", "dexter1").locator("details.state[data-state='status']")
+    latest = """() => window.__robobus.nodes.get('dexter-gateway').devices.get('dexter1').states.get('status')
+        ?.latest?.instruction_id ?? -1"""
+    page.wait_for_function(f"() => ({latest})() >= 0", timeout=T)
+    first = int(page.evaluate(latest))
+    page.wait_for_function(f"n => ({latest})() > n + 2", arg=first, timeout=T)  # it counts up
+    page.wait_for_timeout(1200)  # two drawing passes after it counted
+    assert status.locator("figure.spark[data-path='instruction_id']").count() == 0
+    ident = status.locator("dd[data-path='instruction_id']")
+    assert int(ident.text_content() or "") > first
+    assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3}", status.locator("dd[data-path='robot_time']").text_content() or "")
+    charted = set(status.locator("figure.spark").evaluate_all("els => els.map(e => e.dataset.path)"))
+    assert not charted & {"robot_time", "instruction_id", "ts"}, charted
+    on_screen(page, "epuck-gateway", "epuck1")
+    linkst = card(page, "epuck-gateway", "epuck1").locator("details.state[data-state='link']")
+    counter = linkst.locator("dd[data-path='images_received']")
+    counter.wait_for(state="attached", timeout=T)
+    page.wait_for_function("e => e.textContent !== ''", arg=counter.element_handle(), timeout=T)
+    n = int(counter.text_content() or "")
+    page.wait_for_function("([e, n]) => +e.textContent > n", arg=[counter.element_handle(), n], timeout=T)
+    charted = set(linkst.locator("figure.spark").evaluate_all("els => els.map(e => e.dataset.path)"))
+    assert "bytes_per_s" in charted and not charted & {"images_received", "sensors_received", "commands_sent"}, charted
+
+
 def test_a_form_for_every_command_of_the_document(page: Any) -> None:
     """The forms come from the AsyncAPI document, not from code per service: every command and job of every
     service (with the kit's `cancel` for services that have jobs) has its form on each of its devices."""
@@ -144,14 +250,27 @@ def test_charts_receive_values(page: Any, stack: tuple[SimStack, RpcClient]) -> 
     on_screen(page, "ethercat-loop", "rh")
     page.wait_for_selector("article.device[data-device='rh'] details.state[data-state='joints'] "
                            "figure.spark[data-path='joints.FFJ3.position']", state="attached", timeout=T)
-    # integer fields chart once they change: drive the robot so its step counters move
-    assert client.call("epuck-gateway", "epuck1", "set_speed", {"left": 400, "right": 300}).ok
+    # an integer charts once it has gone up and down (a distance, a light level), a counter never: turn the
+    # robot on the spot (set_speed lasts a second unless renewed), so that its distance and ambient light go up
+    # and down while one step counter counts up and the other down
     on_screen(page, "epuck-gateway", "epuck1")
-    steps_fig = page.locator("article.device[data-device='epuck1'] details.state[data-state='sensors'] "
-                             "figure.spark[data-path^='steps']").first
-    steps_fig.wait_for(state="attached", timeout=T)
-    steps = ["epuck-gateway", "epuck1", "sensors", str(steps_fig.get_attribute("data-path"))]
-    for key in (hand, steps):
+    sensors = card(page, "epuck-gateway", "epuck1").locator("details.state[data-state='sensors']")
+    measured = sensors.locator("figure.spark[data-path='tof_mm'], figure.spark[data-path^='ambient']").first
+    deadline = time.monotonic() + T / 1000
+    while measured.count() == 0 and time.monotonic() < deadline:
+        assert client.call("epuck-gateway", "epuck1", "set_speed", {"left": 500, "right": -500}).ok
+        time.sleep(0.5)
+    assert client.call("epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}).ok
+    measured.wait_for(state="attached", timeout=T)
+    tof = ["epuck-gateway", "epuck1", "sensors", str(measured.get_attribute("data-path"))]
+    # the step counters moved (one up, one down) and are not charted
+    steps = """() => {
+        const sv = window.__robobus.nodes.get('epuck-gateway').devices.get('epuck1').states.get('sensors');
+        const l = sv.firstSeen.get('steps.left'), r = sv.firstSeen.get('steps.right');
+        return !!(l && r && l.rose && r.fell && !sv.series.has('steps.left') && !sv.series.has('steps.right')); }"""
+    page.wait_for_function(steps, timeout=T)
+    assert sensors.locator("figure.spark[data-path^='steps']").count() == 0
+    for key in (hand, tof):
         on_screen(page, key[0], key[1])
         first = _samples(page, key)
         assert first >= 0, key
@@ -247,6 +366,38 @@ def test_invalid_value_is_refused_with_the_schema_message(page: Any, stack: tupl
     time.sleep(0.5)  # nothing may arrive: the page refused before sending
     assert seen == []
     shoot(page, "command-refused", cmd)
+
+
+def _doc(service: str, command: str) -> str:
+    from shared.registry import service_apis
+
+    api = next(a for a in service_apis() if a.service == service)
+    return str(api.commands[command].doc)
+
+
+def test_forms_say_what_the_command_does_next_to_its_button(page: Any) -> None:
+    """Next to a command's button: its doc string from the contract (and its request model's), then the error
+    codes it may answer with. set_speed's says that the robot stops unless the command is renewed."""
+    cmd = open_command(page, "epuck-gateway", "epuck1", "set_speed")
+    help_ = cmd.locator("form.cmd .submit .cmd-help")
+    text = help_.inner_text()
+    assert _doc("epuck-gateway", "set_speed") in text, text
+    assert "stopped after" in text and "without a new set_speed" in text, text
+    assert "May answer: invalid_request" in text, text
+    # beside the button, not folded away
+    box = cmd.locator("form.cmd .submit button").bounding_box()
+    hb = help_.bounding_box()
+    assert box and hb and abs(hb["y"] - box["y"]) < 40, (box, hb)
+    pin = open_command(page, "roi-modules", "roi_io", "set_pin_output")
+    text = pin.locator("form.cmd .submit .cmd-help").inner_text()
+    assert _doc("roi-modules", "set_pin_output") in text and "device_error" in text, text
+
+
+@pytest.mark.xfail(reason="the words must come from set_pin_output's doc string in services/roi_modules/service.py "
+                          "(not the dashboard's files): asked of the lead", strict=False)
+def test_set_pin_output_form_says_to_set_the_mode_first(page: Any) -> None:
+    pin = open_command(page, "roi-modules", "roi_io", "set_pin_output")
+    assert "set_pin_mode" in pin.locator("form.cmd .submit .cmd-help").inner_text()
 
 
 def test_service_side_validation_error_is_shown(page: Any) -> None:
@@ -363,6 +514,100 @@ def test_the_page_through_the_dashboards_relay(page: Any, stack: tuple[SimStack,
         pg.close()
 
 
+def test_a_url_parameter_applies_to_that_visit_only(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """The module's page came with `?broker=` (the broker's own websockets listener); a later plain visit uses the
+    server's default again, the relay, and says which broker it uses. A broker typed and connected in the bar is
+    remembered, shown as not the default, and the default button goes back to the relay."""
+    st, _ = stack
+    relay = st.dashboard_url.replace("http://", "ws://") + "mqtt"
+    pg = page.context.new_page()  # the same browser profile (its localStorage) as the visit with ?broker=
+    try:
+        pg.goto(st.dashboard_url)
+        pg.wait_for_selector("#conn[data-state=connected]", timeout=2 * T)
+        assert pg.input_value("#connect input[name=url]") == relay
+        assert page.locator("#broker-in-use").get_attribute("data-url") == st.broker.ws_url
+        assert page.locator("#use-default").is_visible()  # the module's page is not on the default broker
+        assert pg.locator("#broker-in-use").inner_text() == relay
+        assert pg.locator("#use-default").is_hidden()
+        pg.wait_for_selector("tr.node[data-node='ethercat-loop'][data-status=online]", timeout=T)
+        # typed and connected: remembered for the next visit, which says it is not the default
+        pg.fill("#connect input[name=url]", st.broker.ws_url)
+        pg.click("#connect button[type=submit]")
+        pg.wait_for_selector("#conn[data-state=connected]", timeout=T)
+        pg.reload()
+        pg.wait_for_selector("#conn[data-state=connected]", timeout=2 * T)
+        assert pg.locator("#broker-in-use").get_attribute("data-url") == st.broker.ws_url
+        assert pg.locator("#use-default").is_visible()
+        pg.click("#use-default")
+        pg.wait_for_selector(f"#broker-in-use[data-url='{relay}']", timeout=T)
+        pg.wait_for_selector("#conn[data-state=connected]", timeout=T)
+        pg.reload()
+        pg.wait_for_selector("#conn[data-state=connected]", timeout=2 * T)
+        assert pg.locator("#broker-in-use").get_attribute("data-url") == relay
+    finally:
+        pg.close()
+
+
+STALE = re.compile(r"stale since \d\d:\d\d:\d\d")
+DRAWS_JS = """([node, dev, state]) =>
+  window.__robobus.nodes.get(node)?.devices.get(dev)?.states.get(state)?.chartDraws ?? -1"""
+
+
+def test_losing_the_broker_turns_everything_stale_and_is_logged_once(
+        page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """A page on the server's relay: the relay (`robobus dashboard`) is killed under it, so the page loses its
+    broker. Every node and device turns "stale since HH:MM:SS" (none stays green), the charts stop, and the event
+    log says "disconnected" once however many reconnects fail; the relay back, everything is current again and
+    "reconnected" is logged once."""
+    st, _ = stack
+    port = int(st.dashboard_url.rstrip("/").rsplit(":", 1)[1])
+    pg = page.context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        pg.goto(st.dashboard_url)
+        pg.wait_for_selector("#conn[data-state=connected]", timeout=2 * T)
+        for node in NODES:
+            pg.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
+        pg.wait_for_selector("article[data-device='rh'][data-health=ok]", timeout=T)
+        on_screen(pg, "ethercat-loop", "rh")
+        joints = ["ethercat-loop", "rh", "joints"]
+        pg.wait_for_function(f"() => ({DRAWS_JS})({json.dumps(joints)}) > 2", timeout=T)
+
+        st.kill("dashboard", signal.SIGKILL)
+        pg.wait_for_selector("#conn:not([data-state=connected])", timeout=T)
+        for node in NODES:
+            pg.wait_for_selector(f"tr.node[data-node='{node}'][data-status=stale]", timeout=T)
+        for dev in [d for ds in DEVICES.values() for d in ds]:
+            pg.wait_for_selector(f"article.device[data-device='{dev}'][data-health=stale]", timeout=T)
+        assert pg.locator("article.device[data-health=ok]").count() == 0
+        assert pg.locator("tr.node .badge.ok").count() == 0  # no green node, no green chip
+        assert STALE.fullmatch(card(pg, "ethercat-loop", "rh").locator("header .badge").inner_text())
+        assert STALE.fullmatch(pg.locator("tr.node[data-node='roi-modules'] td.status .badge").inner_text())
+        # the charts stop where the data stopped
+        draws = pg.evaluate(DRAWS_JS, joints)
+        # several reconnects fail meanwhile (one a second): still one line
+        pg.wait_for_function("() => window.__robobusPerf.draws > 0", timeout=T)
+        time.sleep(3.5)
+        assert pg.evaluate(DRAWS_JS, joints) == draws
+        assert pg.locator("#event-log li[data-event=disconnected]").count() == 1
+        assert "since" in pg.inner_text("#conn")
+        shoot(pg, "broker-lost", card(pg, "ethercat-loop", "rh"))
+
+        st.start_dashboard(port)  # the relay back on the same port: the page reconnects by itself
+        pg.wait_for_selector("#conn[data-state=connected]", timeout=2 * T)
+        for node in NODES:
+            pg.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
+        pg.wait_for_selector("article[data-device='rh'][data-health=ok]", timeout=T)
+        assert pg.locator("article.device[data-health=stale]").count() == 0
+        pg.wait_for_function(f"n => ({DRAWS_JS})({json.dumps(joints)}) > n", arg=draws, timeout=T)
+        assert pg.locator("#event-log li[data-event=reconnected]").count() == 1
+        assert pg.locator("#event-log li[data-event=disconnected]").count() == 1
+        assert not errors, errors
+    finally:
+        pg.close()
+
+
 def test_killing_a_node_turns_it_offline_within_3_s(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
     st, _ = stack
     page.wait_for_selector("tr.node[data-node='epuck-gateway'][data-status=online]", timeout=T)
@@ -375,7 +620,13 @@ def test_killing_a_node_turns_it_offline_within_3_s(page: Any, stack: tuple[SimS
     learned = page.locator("tr.node[data-node='epuck-gateway']").get_attribute("data-changed-at")
     elapsed = float(learned or "inf") / 1000 - t_kill
     assert 0 <= elapsed < 3.0, elapsed
-    page.wait_for_selector("article[data-device='epuck1'][data-health=offline]", timeout=T)
+    # its devices' health is the dead process's last word: stale since it went, not OK
+    page.wait_for_selector("article[data-device='epuck1'][data-health=stale]", timeout=T)
+    badge = card(page, "epuck-gateway", "epuck1").locator("header .badge").inner_text()
+    assert re.fullmatch(r"stale since \d\d:\d\d:\d\d", badge), badge
+    chip = page.locator("tr.node[data-node='epuck-gateway'] .chip[data-device='epuck2']")
+    assert chip.get_attribute("data-health") == "stale" and "stale since" in chip.inner_text()
+    assert "node offline" in card(page, "epuck-gateway", "epuck1").locator(".error-message").inner_text()
     assert "OFFLINE" in page.locator("tr.node[data-node='epuck-gateway'] td.status").inner_text()
     assert "connection lost" in page.locator("tr.node[data-node='epuck-gateway'] td.status").inner_text()
     page.wait_for_selector("#event-log li[data-event=offline]", timeout=T)
@@ -383,7 +634,14 @@ def test_killing_a_node_turns_it_offline_within_3_s(page: Any, stack: tuple[SimS
 
 
 def test_screenshots_are_written() -> None:
+    """Every screenshot a test took is a PNG in SHOTS, which is not the repository's docs/dashboard unless asked
+    for (`make screenshots`): a test run leaves the tracked pictures as they are."""
     if browser_missing():
         pytest.skip(browser_missing() or "")
-    names = {p.stem for p in Path(SHOTS).glob("*.png")}
-    assert {"overview", "hand-joints", "epuck", "command-form", "job", "node-offline"} <= names, names
+    if not TAKEN:
+        pytest.skip("no test that takes a screenshot ran")
+    for name in TAKEN:
+        png = SHOTS / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    if not os.environ.get(SHOTS_ENV):
+        assert REPO not in SHOTS.resolve().parents, SHOTS

@@ -4,7 +4,7 @@
 // so a 100 Hz state costs a JSON.parse and a few array writes, not a layout.
 import { Bus, decodeText } from "./bus.js";
 import { Contract } from "./contract.js";
-import { buildCommandForm } from "./forms.js";
+import { buildCommandForm, splitDoc } from "./forms.js";
 import { Series, drawSparkline, formatValue } from "./charts.js";
 
 // The page draws on a timer, not on every display frame: nothing on it needs more than the camera's 10 fps,
@@ -16,8 +16,13 @@ const CHARTS_PER_STATE = 32;
 const VALUES_PER_STATE = 40;
 const LOG_LINES = 300;
 const UNWATCH_AFTER_MS = 2000; // a state off screen this long is unsubscribed
-const NOT_CHARTED = /(^|\.)(ts|seq|session|cycle)$|raw/i;
-const TIME_FIELD = /(^|\.|_)ts$/;
+// Not charted: timestamps (shown as clock times), ids and sequence numbers (plain values), raw words.
+// Counters (integers that only ever go up: packets sent, instruction ids, step counters) are not charted
+// either: an integer gets a chart once it has gone both up and down (a measurement such as a distance).
+const NOT_CHARTED = /(^|\.)(ts|seq|session|cycle)$|(^|\.|_)(id|time|at)$|raw/i;
+const TIME_FIELD = /(^|\.|_)(ts|time|at)$/;
+// a number that reads as Unix seconds of this century is a timestamp, whatever its name
+const isEpoch = (v) => typeof v === "number" && v > 1e9 && v < 4e9;
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
@@ -44,9 +49,13 @@ window.__robobusProbe = (on) => { const was = probing; probing = on; if (on && !
 // -- the model ----------------------------------------------------------------------------------------------
 let contract = null;
 let bus = null;
+// The page's own link to the broker: `gen` counts MQTT sessions (a status or health message is current only
+// if it came in the present one), `lostAt` is when the last one ended (the "stale since" time), `down` whether
+// that loss has been logged (once, and its end once).
+const link = { connected: false, gen: 0, lostAt: 0, down: false, everConnected: false, lastError: "" };
 let root = "robobus";
 const nodes = new Map();
-window.__robobus = { nodes, watched: () => (bus ? [...bus.watched] : []),
+window.__robobus = { nodes, link, watched: () => (bus ? [...bus.watched] : []),
                      wsFrames: () => (bus && bus.client ? bus.client.frames : 0) };
 
 // Text only written when it changed: writing the same string still replaces the text node, and the
@@ -64,6 +73,8 @@ function since(ms) {
   return `${(s / 3600).toFixed(1)} h`;
 }
 
+function hms(ms) { return new Date(ms).toLocaleTimeString([], { hour12: false }); }
+
 function clock(ms) {
   const d = new Date(ms);
   return `${d.toLocaleTimeString([], { hour12: false })}.${String(d.getMilliseconds()).padStart(3, "0")}`;
@@ -74,6 +85,7 @@ class NodeView {
     this.name = name;
     this.status = null;
     this.statusAt = 0;
+    this.statusGen = -1; // the MQTT session its status came in
     this.service = "";
     this.stats = null;
     this.devices = new Map();
@@ -88,9 +100,18 @@ class NodeView {
 
   get online() { return this.status ? this.status.online : null; }
 
+  // Since when what the page shows of this node is not known to be current: the page lost the broker (and has
+  // not heard the node's status again since), else null.
+  staleSince() {
+    if (!this.status) return null;
+    if (!link.connected || this.statusGen < link.gen) return link.lostAt || Date.now();
+    return null;
+  }
+
   setStatus(st, retained) {
     const was = this.online;
     this.status = st;
+    this.statusGen = link.gen;
     this.statusAt = retained && st.ts ? st.ts * 1000 : Date.now();
     if (st.service) this.setService(st.service);
     for (const d of st.devices || []) if (d !== "_node") this.device(d);
@@ -122,18 +143,22 @@ class NodeView {
 
   render() {
     const st = this.status;
-    const state = st ? (st.online ? "online" : "offline") : "unknown";
+    const stale = this.staleSince();
+    const state = !st ? "unknown" : stale ? "stale" : st.online ? "online" : "offline";
     this.row.dataset.status = state;
     setText(this.cells[1], this.service);
     // the once-a-second pass changes the "since" text only; badges and chips are rebuilt when they change
-    if (this.badgeState !== state) {
-      this.badgeState = state;
-      this.badge = el("span", { class: `badge ${state === "online" ? "ok" : state === "offline" ? "bad" : "off"}`,
-                                text: state === "online" ? "online" : state === "offline" ? "OFFLINE" : "?" });
+    const badgeKey = `${state} ${stale}`;
+    if (this.badgeState !== badgeKey) {
+      this.badgeState = badgeKey;
+      const [cls, text] = { online: ["ok", "online"], offline: ["bad", "OFFLINE"], unknown: ["off", "?"],
+                            stale: ["stale", `stale since ${hms(stale)}`] }[state];
+      this.badge = el("span", { class: `badge ${cls}`, text });
       this.sinceSpan = el("span", { class: "since" });
       this.cells[2].replaceChildren(this.badge, this.sinceSpan);
     }
-    const sinceText = st ? (st.online ? `for ${since(this.statusAt)}` : `for ${since(this.statusAt)}${st.reason ? ` — ${st.reason}` : ""}`) : "";
+    const sinceText = !st ? "" : stale ? `last heard ${st.online ? "online" : "OFFLINE"}, broker connection lost`
+      : st.online ? `for ${since(this.statusAt)}` : `for ${since(this.statusAt)}${st.reason ? ` — ${st.reason}` : ""}`;
     setText(this.sinceSpan, sinceText);
     const chips = [...this.devices.values()].map((d) => [d.name, ...d.healthClass()]);
     const chipsKey = JSON.stringify(chips);
@@ -165,6 +190,7 @@ class DeviceView {
     this.nodeView = nodeView;
     this.name = name;
     this.health = null;
+    this.healthGen = -1; // the MQTT session its health came in
     this.states = new Map();
     this.jobs = new Map();
     this.service = "";
@@ -172,7 +198,8 @@ class DeviceView {
     const key = `${nodeView.name}/${name}`;
     this.badge = el("span", { class: "badge off", text: "?" });
     this.healthLine = el("p", { class: "health-line" });
-    this.errorLine = el("p", { class: "error-message", role: "alert" });
+    // the health's message, coloured as the badge is: red only beside a red badge
+    this.errorLine = el("p", { class: "error-message", role: "alert", "data-level": "info" });
     this.detailsPre = el("pre", { class: "json" });
     this.statesBox = el("div", { class: "states" });
     this.jobsBox = el("div", { class: "jobs" });
@@ -203,8 +230,21 @@ class DeviceView {
     if (!this.perState) later(this, `${root}/${this.key}/state/#`, on);
   }
 
+  // Since when this device's health is not known to be current: its node went offline (the health is the dead
+  // process's last word), or the page lost the broker and has not heard the health again since; else null.
+  staleSince() {
+    const n = this.nodeView;
+    if (n.online === false) return n.staleSince() || n.statusAt;
+    if (!this.health) return n.staleSince();
+    if (!link.connected || this.healthGen < link.gen) return link.lostAt || Date.now();
+    return n.staleSince();
+  }
+
+  // [data-health, badge text, badge colour]: green only while the health is current, connected, operational
+  // and without error
   healthClass() {
-    if (this.nodeView.online === false) return ["offline", "OFFLINE", "off"];
+    const stale = this.staleSince();
+    if (stale) return ["stale", `stale since ${hms(stale)}`, "stale"];
     const h = this.health;
     if (!h) return ["unknown", "NO HEALTH", "off"];
     if (h.error) return ["error", "ERROR", "bad"];
@@ -215,6 +255,7 @@ class DeviceView {
 
   setHealth(h) {
     this.health = h;
+    this.healthGen = link.gen;
     if (h.service) this.nodeView.setService(h.service);
     this.dirty = true;
     this.nodeView.dirty = true;
@@ -232,7 +273,7 @@ class DeviceView {
     $("summary", this.commandsBox).textContent = `commands (${api.commands.size})`;
     for (const [name, entry] of [...api.commands.entries()].sort()) {
       const cmd = el("details", { class: "command", "data-command": name },
-        el("summary", {}, el("b", { text: name }), entry.doc));
+        el("summary", {}, el("b", { text: name }), splitDoc(entry.doc).text));
       cmd.append(buildCommandForm(contract, entry,
         (body) => bus.call(this.nodeView.name, this.name, name, body),
         (body, rep) => {
@@ -262,21 +303,51 @@ class DeviceView {
     const [cls, text, color] = this.healthClass();
     this.card.dataset.health = cls;
     this.badge.className = `badge ${color}`;
-    this.badge.textContent = text;
+    setText(this.badge, text);
     const h = this.health;
+    let message = "", level = "info";
     if (h) {
       const yn = (v) => (v ? "yes" : "NO");
-      this.healthLine.textContent = `connection ${yn(h.connection)} · operational ${yn(h.operational)} · state ${h.state}` +
-        ` · ${h.service} ${h.version} · ${clock(h.ts * 1000)}`;
-      this.errorLine.textContent = h.error || h.error_message ? h.error_message || "error" : "";
-      this.detailsPre.textContent = JSON.stringify(h.details || {}, null, 1);
+      setText(this.healthLine, `connection ${yn(h.connection)} · operational ${yn(h.operational)} · state ${h.state}` +
+        ` · ${h.service} ${h.version} · ${clock(h.ts * 1000)}`);
+      message = h.error || h.error_message ? h.error_message || "error" : "";
+      level = cls === "error" ? "error" : cls === "warn" ? "warn" : "info";
+      setText(this.detailsPre, JSON.stringify(h.details || {}, null, 1));
     }
-    if (this.nodeView.online === false) {
+    if (cls === "stale") {
       const st = this.nodeView.status;
-      this.errorLine.textContent = `node offline${st && st.reason ? `: ${st.reason}` : ""}`;
+      level = "stale";
+      message = this.nodeView.online === false && !this.nodeView.staleSince()
+        ? `node offline${st && st.reason ? `: ${st.reason}` : ""}; the health below is its last word`
+        : "broker connection lost: the health and states below are the last received";
     }
+    this.errorLine.dataset.level = level;
+    setText(this.errorLine, message);
     this.dirty = false;
   }
+}
+
+// A table: lists of plain values of one length side by side in one object, at least one of them not numbers
+// (e.g. pin modes beside their names): one row per index instead of a line per item.
+class Table { constructor(cols) { this.cols = cols; } }
+const isPlain = (x) => x === null || typeof x !== "object";
+
+function tables(v, path, out) {
+  const byLen = new Map();
+  for (const [k, x] of Object.entries(v)) {
+    if (Array.isArray(x) && x.length > 1 && x.length <= 256 && x.every(isPlain)) {
+      if (!byLen.has(x.length)) byLen.set(x.length, []);
+      byLen.get(x.length).push(k);
+    }
+  }
+  const taken = new Set();
+  for (const keys of byLen.values()) {
+    if (keys.length < 2 || keys.every((k) => v[k].every((x) => typeof x === "number"))) continue;
+    const cols = {};
+    for (const k of keys) { cols[k] = v[k]; taken.add(k); }
+    out.push([`${path ? `${path}.` : ""}[${keys.join(",")}]`, new Table(cols)]);
+  }
+  return taken;
 }
 
 // flatten a state message into [path, value] leaves; arrays of named objects are keyed by name
@@ -290,8 +361,10 @@ function flatten(v, path, out) {
     });
     return;
   }
+  const taken = tables(v, path, out);
   for (const [k, x] of Object.entries(v)) {
     if (k === "name" && typeof x === "string" && path) continue; // already the path segment
+    if (taken.has(k)) continue;
     flatten(x, path ? `${path}.${k}` : k, out);
   }
 }
@@ -305,14 +378,20 @@ class StateView {
     this.series = new Map();
     this.charts = new Map();
     this.values = new Map();
-    this.firstSeen = new Map();
+    this.firstSeen = new Map(); // integer path -> [first value, rose, fell] until it charts
+    this.tables = new Map();
+    this.chartDraws = 0; // drawing passes of its charts (tests read it: charts stop while the device is stale)
+    this.received = false;
     this.hiddenValues = 0;
     this.latest = null;
     this.textDirty = false;
     this.count = 0;
     const title = el("summary", {}, el("h4", { text: name }, entry ? el("small", { text: ` ${entry.doc}` }) : null));
     // <details>: a person folds what they do not watch, and folded states are not drawn
-    this.section = el("details", { class: "state", "data-state": name, open: "" }, title);
+    // Shown once a message of it arrived: a module kind that never publishes a state of its service (an ODrive's
+    // power on a GPIO module) shows no empty section. Until then the section is in the layout with no height, so
+    // that it is still observed, and subscribed while on screen.
+    this.section = el("details", { class: "state", "data-state": name, "data-received": "false", open: "" }, title);
     if (this.binary) {
       // a canvas fed by createImageBitmap: the JPEG decodes off the main thread, and no blob: URL goes
       // through the page's resource loader ten times a second per robot
@@ -336,9 +415,10 @@ class StateView {
       // open while the state has no charts; beside charts, the other fields fold away
       this.valuesFold = el("details", { class: "values", open: "" }, this.valuesTitle, this.valuesBox);
       this.more = el("div", { class: "more" });
+      this.tablesBox = el("div", { class: "tables" });
       this.raw = el("pre", { class: "json" });
       this.rawBox = el("details", { class: "raw" }, el("summary", { text: "message" }), this.raw);
-      this.section.append(this.chartsBox, this.valuesFold, this.more, this.rawBox);
+      this.section.append(this.chartsBox, this.tablesBox, this.valuesFold, this.more, this.rawBox);
     }
     // binary (camera) first, then states by name
     const after = [...dev.statesBox.children].find((c) => !c.querySelector(".image") && (this.binary || c.dataset.state > name));
@@ -357,24 +437,35 @@ class StateView {
     later(this.dev, this.filter, onScreen && this.section.open);
   }
 
+  markReceived() {
+    this.received = true;
+    this.section.dataset.received = "true";
+  }
+
   onJson(data, nowMs) {
     this.latest = data;
     this.count++;
     const leaves = [];
     flatten(data, "", leaves);
     for (const [path, v] of leaves) {
+      if (v instanceof Table) { this.table(path, v); continue; }
       const numeric = typeof v === "number" && Number.isFinite(v);
       let s = this.series.get(path);
-      if (!s && numeric && !NOT_CHARTED.test(path) && this.charts.size < CHARTS_PER_STATE) {
-        // Measurements (floats) chart at once; an integer charts once it has changed, so ids, ports and
-        // sizes stay plain values and counters and steps get their charts.
-        const first = this.firstSeen.get(path);
-        if (!Number.isInteger(v) || (first !== undefined && first !== v)) {
+      if (!s && numeric && !NOT_CHARTED.test(path) && !isEpoch(v) && this.charts.size < CHARTS_PER_STATE) {
+        // Measurements (floats) chart at once; an integer charts once it has gone both up and down, so ids,
+        // ports, sizes and counters stay plain values while a measured distance or level gets its chart.
+        const seen = this.firstSeen.get(path);
+        if (!Number.isInteger(v) || (seen && ((seen.rose && v < seen.last) || (seen.fell && v > seen.last)))) {
           s = new Series();
           this.series.set(path, s);
           this.addChart(path);
           this.firstSeen.delete(path);
-        } else if (first === undefined) this.firstSeen.set(path, v);
+        } else if (!seen) this.firstSeen.set(path, { last: v, rose: false, fell: false });
+        else {
+          if (v > seen.last) seen.rose = true;
+          if (v < seen.last) seen.fell = true;
+          seen.last = v;
+        }
       }
       if (s) { if (numeric) s.push(nowMs, v); continue; }
       if (!this.values.has(path)) this.addValue(path);
@@ -398,6 +489,25 @@ class StateView {
     this.charts.set(path, { fig, plot, value, x: 0, y: 0, w: 0, h: 0 });
   }
 
+  // lists side by side as one table: a row per index, a column per list (cells written when they change)
+  table(path, t) {
+    let tv = this.tables.get(path);
+    const names = Object.keys(t.cols);
+    const rows = t.cols[names[0]].length;
+    if (!tv || tv.rows.length !== rows) {
+      const head = el("tr", {}, el("th", { text: "#" }), ...names.map((n) => el("th", { text: n })));
+      const body = [];
+      for (let i = 0; i < rows; i++) {
+        body.push(el("tr", {}, el("th", { text: String(i) }), ...names.map(() => el("td"))));
+      }
+      const table = el("table", { class: "list-table", "data-path": path }, el("thead", {}, head), el("tbody", {}, ...body));
+      if (tv) tv.table.replaceWith(table); else this.tablesBox.append(table);
+      tv = { table, rows: body, pending: null };
+      this.tables.set(path, tv);
+    }
+    tv.pending = t.cols;
+  }
+
   addValue(path) {
     if (this.values.size >= VALUES_PER_STATE) { this.values.set(path, null); this.hiddenValues++; return; }
     const dd = el("dd", { "data-path": path });
@@ -406,6 +516,7 @@ class StateView {
   }
 
   onImage(bytes, ctype) {
+    if (!this.received) this.markReceived();
     this.pendingImage = new Blob([bytes], { type: ctype || this.entry.contentType });
     this.count++;
   }
@@ -416,9 +527,15 @@ class StateView {
     for (const dd of this.values.values()) {
       if (dd && dd.pending !== undefined) {
         const v = dd.pending;
-        setText(dd, TIME_FIELD.test(dd.dataset.path) && typeof v === "number" && v > 1e9 ? clock(v * 1000) : formatValue(v));
+        setText(dd, (TIME_FIELD.test(dd.dataset.path) || isEpoch(v)) && isEpoch(v) ? clock(v * 1000) : formatValue(v));
         dd.pending = undefined;
       }
+    }
+    for (const tv of this.tables.values()) {
+      if (!tv.pending) continue;
+      const cols = Object.values(tv.pending);
+      tv.rows.forEach((tr, i) => cols.forEach((col, j) => setText(tr.cells[j + 1], formatValue(col[i]))));
+      tv.pending = null;
     }
     setText(this.more, this.hiddenValues ? `+${this.hiddenValues} more fields (see message)` : "");
     setText(this.valuesTitle, this.charts.size ? `other fields (${this.values.size})` : "values");
@@ -446,6 +563,7 @@ class StateView {
   }
 
   renderCharts(nowMs) {
+    this.chartDraws++;
     if (!this.plotsPlaced) this.placePlots();
     const ctx = this.plotCanvas.getContext("2d");
     ctx.clearRect(0, 0, this.plotCanvas.width, this.plotCanvas.height);
@@ -580,7 +698,11 @@ function route(topic, payload, ctype, retained, nowMs) {
     if (payload.length === 0) return;
     const sv = dev.state(name);
     if (sv.binary) { sv.onImage(payload, ctype); imagesPending = true; }
-    else { sv.pending = payload; pendingStates.add(sv); } // parsed on the next tick: the newest wins
+    else { // parsed on the next tick: the newest wins
+      if (!sv.received) sv.markReceived();
+      sv.pending = payload;
+      pendingStates.add(sv);
+    }
   } else if (kind === "event") {
     const ev = json(payload);
     if (name === "job_progress") { dev.job(ev.job_id, ev.command).progress(ev); return; }
@@ -669,11 +791,13 @@ function frame(now) {
     if (n.dirty || second) n.render();
     for (const d of n.devices.values()) {
       if (d.dirty) d.render();
+      // a stale device's charts stop where its data stopped (they do not scroll on into an empty window)
+      const stale = d.card.dataset.health === "stale";
       for (const s of d.states.values()) {
-        if (!d.visible || !s.section.open) continue;
+        if (!d.visible || !s.section.open || !s.received) continue;
         if (s.binary) { s.renderImage(); continue; }
         if (text) s.renderText();
-        if (charts) s.renderCharts(wallNow);
+        if (charts && !stale) s.renderCharts(wallNow);
       }
     }
   }
@@ -693,13 +817,40 @@ function showPerf(now) {
 }
 
 // -- connecting --------------------------------------------------------------------------------------------
+// The page's link to the broker. A loss is logged once, however often the reconnects fail, and so is the
+// return; while it is lost every node and device shows "stale since" the time it was lost.
+function onSession() { link.gen++; } // CONNACK: what arrives from here on is current
 function setConn(state, detail) {
   const b = $("#conn");
+  const was = link.connected;
+  if (state === "connected") {
+    link.connected = true;
+    if (link.down) {
+      logLine("broker", "", "reconnected", `after ${since(link.lostAt)} (lost at ${hms(link.lostAt)}), ${detail || ""}`);
+    } else if (!link.everConnected) logLine("broker", "", "connected", detail || "");
+    link.down = false;
+    link.everConnected = true;
+    link.lastError = "";
+  } else if (state === "disconnected") {
+    if (!link.down) { // once per loss: the reconnects that fail every second are not news
+      link.connected = false;
+      link.lostAt = Date.now();
+      link.down = true;
+      logLine("broker", "", "disconnected", detail || "", true);
+    }
+  } else if (state === "error") {
+    if (detail !== link.lastError) logLine("broker", "", "error", detail || "", true); // a new reason only
+    link.lastError = detail || "";
+  }
   b.dataset.state = state;
   b.className = `badge ${state === "connected" ? "ok" : state === "error" ? "bad" : state === "connecting" ? "warn" : "off"}`;
-  b.textContent = state === "connected" ? `connected` : `${state}${detail ? `: ${detail}` : ""}`;
+  const lost = !link.connected && link.down ? ` since ${hms(link.lostAt)}` : "";
+  b.textContent = state === "connected" ? "connected" : `${state}${lost}${detail ? `: ${detail}` : ""}`;
   b.title = detail || "";
-  if (state === "error" || state === "disconnected") logLine("broker", "", state, detail || "", true);
+  if (was !== link.connected) {
+    for (const n of nodes.values()) { n.dirty = true; for (const d of n.devices.values()) d.dirty = true; }
+    dirtyNodes = true;
+  }
 }
 
 function resetModel() {
@@ -716,13 +867,39 @@ function resetModel() {
   $("#no-nodes").hidden = false;
 }
 
-function connect(form) {
+// The broker the server gives the page: its websockets URL setting, else its relay, else the broker's own
+// websockets listener on the page's host.
+let serverDefault = { url: "", root: "robobus", username: "" };
+const SAVED = "robobus.dashboard";
+
+// `remember`: what a person typed and connected with is kept for the next visit (never the password); URL
+// parameters and the server's defaults are not, so that `?broker=...` applies to that visit only.
+function connect(form, remember) {
   const url = form.url.value.trim();
   const newRoot = form.root.value.trim() || "robobus";
-  localStorage.setItem("robobus.dashboard", JSON.stringify({ url, root: newRoot, username: form.username.value }));
+  if (remember) {
+    if (url === serverDefault.url && newRoot === serverDefault.root && form.username.value === serverDefault.username) {
+      localStorage.removeItem(SAVED);
+    } else {
+      localStorage.setItem(SAVED, JSON.stringify({ url, root: newRoot, username: form.username.value }));
+    }
+  }
   resetModel();
+  // a new session of the page's own: its first connect is logged as such, its losses as they come
+  Object.assign(link, { connected: false, down: false, everConnected: false, lastError: "", lostAt: 0 });
   root = newRoot;
+  showBroker(url);
   bus.connect({ url, root, username: form.username.value, password: form.password.value });
+}
+
+// Which broker the page uses, and whether it is the server's default (else a button goes back to it).
+function showBroker(url) {
+  const using = $("#broker-in-use");
+  using.textContent = url;
+  using.dataset.url = url;
+  using.dataset.default = String(url === serverDefault.url);
+  $("#use-default").hidden = url === serverDefault.url;
+  $("#use-default").title = `connect to ${serverDefault.url}`;
 }
 
 async function main() {
@@ -730,19 +907,30 @@ async function main() {
                                         fetch("/api/config.json").then((r) => r.json())]);
   contract = new Contract(doc);
   document.title = cfg.title || "robobus";
-  bus = new Bus({ onMessage, onState: setConn });
+  bus = new Bus({ onMessage, onState: setConn, onSession });
   const form = $("#connect");
-  const saved = JSON.parse(localStorage.getItem("robobus.dashboard") || "{}");
+  let saved = {};
+  try { saved = JSON.parse(localStorage.getItem(SAVED) || "{}") || {}; } catch { saved = {}; }
   const q = new URLSearchParams(location.search);
   // the server's relay (fewer websocket frames, see relay.py) when it has one, else the broker's own listener
   const relay = cfg.relay ? `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}${cfg.relay}` : "";
-  form.url.value = q.get("broker") || saved.url || cfg.ws_url || relay || `ws://${location.hostname || "127.0.0.1"}:9001`;
-  form.root.value = q.get("root") || saved.root || cfg.topic_root || "robobus";
-  form.username.value = q.get("username") ?? saved.username ?? cfg.username ?? "";
-  form.addEventListener("submit", (ev) => { ev.preventDefault(); connect(form); });
+  serverDefault = { url: cfg.ws_url || relay || `ws://${location.hostname || "127.0.0.1"}:9001`,
+                    root: cfg.topic_root || "robobus", username: cfg.username || "" };
+  form.url.value = q.get("broker") || saved.url || serverDefault.url;
+  form.root.value = q.get("root") || saved.root || serverDefault.root;
+  form.username.value = q.get("username") ?? saved.username ?? serverDefault.username;
+  form.addEventListener("submit", (ev) => { ev.preventDefault(); connect(form, true); });
+  $("#use-default").addEventListener("click", () => {
+    localStorage.removeItem(SAVED);
+    form.url.value = serverDefault.url;
+    form.root.value = serverDefault.root;
+    form.username.value = serverDefault.username;
+    connect(form, false);
+  });
   if (q.get("fps") === "1") window.__robobusProbe(true);
   // A broker that needs a password waits for the person to type it.
-  if (!form.username.value || q.get("connect") === "1") connect(form);
+  if (!form.username.value || q.get("connect") === "1") connect(form, false);
+  else showBroker(form.url.value);
 }
 
 main().catch((e) => { setConn("error", `dashboard failed to start: ${e.message}`); throw e; });

@@ -18,10 +18,12 @@ function randomId(n = 8) {
 export function decodeText(bytes) { return utf8.decode(bytes); }
 
 export class Bus {
-  // onMessage(topic, payloadBytes, contentType, retained); onState(state, detail)
-  constructor({ onMessage, onState }) {
+  // onMessage(topic, payloadBytes, contentType, retained); onState(state, detail); onSession() on every CONNACK
+  // (before the subscriptions: the retained messages that follow belong to the new session)
+  constructor({ onMessage, onState, onSession = () => {} }) {
     this.onMessage = onMessage;
     this.onState = onState;
+    this.onSession = onSession;
     this.client = null;
     this.pending = new Map(); // correlation hex -> {resolve, timer}
     this.clientId = `robobus-dash-${randomId(4)}`;
@@ -53,6 +55,7 @@ export class Bus {
     this.client = client;
     client.on("connect", () => {
       if (client !== this.client) return;
+      this.onSession();
       // State at QoS 0: the newest value wins anyway, and a 100 Hz state at QoS 1 would cost a PUBACK per
       // message from the browser. Liveness, health, events and replies at QoS 1. Device states: only those
       // on screen (watch); the nodes' own counters (`_node/state/stats`) always.

@@ -134,13 +134,26 @@ function objectFields(contract, schema, path) {
   };
 }
 
+// The document's command summary is the doc string with "Error codes: a, b." appended (shared/asyncapi.py).
+export function splitDoc(summary) {
+  const m = /^(.*?)\s*Error codes: ([^]*?)\.?$/s.exec(summary || "");
+  return m ? { text: m[1], errors: m[2] } : { text: summary || "", errors: "" };
+}
+
 // buildCommandForm(contract, entry, send(body) -> Promise<reply>, onReply(body, reply))
 export function buildCommandForm(contract, entry, send, onReply) {
   const schema = contract.resolve(entry.schema);
   const fields = objectFields(contract, schema, []);
   const formError = el("div", { class: "form-error", role: "alert" });
   const button = el("button", { type: "submit", text: entry.job ? "start" : "send" });
-  const form = el("form", { class: "cmd", "data-command": entry.name }, ...fields.nodes, formError, button);
+  // What the command does, next to its button, in the contract's words: the command's doc string in the
+  // service's API and its request model's (e.g. that a motion expires unless renewed), then its error codes.
+  const { text: doc, errors } = splitDoc(entry.doc);
+  const about = [doc, schema.description].filter((t, i, all) => t && all.indexOf(t) === i).join(" ");
+  const help = el("p", { class: "cmd-help" }, about ? el("span", { class: "about", text: about }) : null,
+                  errors ? el("span", { class: "codes", text: ` May answer: ${errors}` }) : null);
+  const form = el("form", { class: "cmd", "data-command": entry.name }, ...fields.nodes, formError,
+                  el("div", { class: "submit" }, button, help));
   form.noValidate = true;
   const reply = el("pre", { class: "reply", "aria-live": "polite" });
   form.addEventListener("submit", async (ev) => {
