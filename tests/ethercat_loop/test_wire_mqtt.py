@@ -243,6 +243,7 @@ def test_a_killed_cycle_process_is_restarted_and_health_says_so(wire_node: Any) 
     h = seen.latest("health") or {}
     assert not h["connection"] and not h["operational"] and "cycle process died (killed by SIGKILL)" in \
         h["error_message"], h
+    assert h["details"]["serial"] == 4242 and h["details"]["link"]["valid_data"] is False, h  # the hand still named
     wait_for(lambda: (h := seen.latest("health")) and h["operational"] and h["state"] == "running", 30,
              f"operational again (log: {proc.text()[-1500:]})")
     h = seen.latest("health") or {}

@@ -139,7 +139,9 @@ class ProcessBackend(HandBackend):
         # A killed writer can leave a slot mid-write (an odd sequence, which readers would wait out forever):
         # even again, and the start state and the counters the new cycle starts from (it continues the others).
         shm.repair_slots()
-        shm.write_slot("status", pickle.dumps(_CycleState(), 5))
+        old = self._state  # the hand's identity stays in health while another cycle process starts
+        shm.write_slot("status", pickle.dumps(_CycleState(identity=dict(old.identity), policy=old.policy,
+                                                          warnings=list(old.warnings)), 5))
         for k in ("submits", "consecutive_no_status", "health_error", "in_op"):
             shm.counters_mv[C[k]] = 0
         # A fresh interpreter (not fork: no paho threads or held locks inherited; not multiprocessing
