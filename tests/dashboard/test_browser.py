@@ -177,6 +177,11 @@ def test_roi_cards_show_the_states_the_module_has(page: Any, stack: tuple[SimSta
     assert table.locator("tbody tr").count() == 18
     page.wait_for_function("e => e.rows[4].cells[2].textContent === 'output'", arg=table.element_handle(), timeout=T)
     assert io.locator("details.state[data-state='pin_states'] dt").all_inner_texts() == ["ts"]
+    # the pin values too (nulls for the reserved pins 8 and 9)
+    values = io.locator("details.state[data-state='pin_values'] table.list-table")
+    assert values.locator("thead th").all_inner_texts() == ["#", "values"]
+    assert values.locator("tbody tr").count() == 18
+    page.wait_for_function("e => e.rows[9].cells[1].textContent === 'null'", arg=values.element_handle(), timeout=T)
     for state in ("state", "power", "temperature"):  # the ODrive's
         assert not _section_shown(io, state), state
     on_screen(page, "roi-modules", "roi_wheel")

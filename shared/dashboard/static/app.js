@@ -327,8 +327,9 @@ class DeviceView {
   }
 }
 
-// A table: lists of plain values of one length side by side in one object, at least one of them not numbers
-// (e.g. pin modes beside their names): one row per index instead of a line per item.
+// A table: lists of plain values of one length side by side in one object (or one list of 8 or more), at least
+// one of them not all numbers (pin modes beside their names, pin values with nulls for reserved pins): one row per
+// index instead of a line per item. Lists of numbers only (sensor arrays) stay charts and values.
 class Table { constructor(cols) { this.cols = cols; } }
 const isPlain = (x) => x === null || typeof x !== "object";
 
@@ -342,7 +343,9 @@ function tables(v, path, out) {
   }
   const taken = new Set();
   for (const keys of byLen.values()) {
-    if (keys.length < 2 || keys.every((k) => v[k].every((x) => typeof x === "number"))) continue;
+    if ((keys.length < 2 && v[keys[0]].length < 8) || keys.every((k) => v[k].every((x) => typeof x === "number"))) {
+      continue;
+    }
     const cols = {};
     for (const k of keys) { cols[k] = v[k]; taken.add(k); }
     out.push([`${path ? `${path}.` : ""}[${keys.join(",")}]`, new Table(cols)]);
