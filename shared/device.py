@@ -107,7 +107,8 @@ class Device:
         """Hand this device's link to the kit's supervisor (shared/link.py): its health is driven from the link's
         state, the same table in every service (docs/kit.md), and `details.link` counts attempts, failures and
         time in each state. The node's housekeeping applies the deadlines."""
-        self.link = SupervisedLink(policy, lambda fields: self.set_health(**fields))
+        self.link = SupervisedLink(policy, lambda fields: self.set_health(**fields),
+                                   wake=self.node.flush_schedule.wake.set)
         self.node.flush_schedule.wake.set()  # the housekeeping loop picks up the new deadline
         return self.link
 

@@ -23,6 +23,7 @@ counted in `details`, never an `error`; `error` is true only while a fault is re
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 import time
@@ -153,6 +154,16 @@ class LinkSupervisor:
         good = self.policy.good_session_s if self.policy.good_session_s is not None else self.policy.liveness_s
         if self._operational_at is not None and now - self._operational_at >= good:
             self._backoff = self.policy.backoff_min_s  # a good session: the next loss retries quickly
+
+    def set_budget(self, now: float, seconds: float) -> None:
+        """Change the liveness budget from `now` on, for a device whose allowed silence follows what it was
+        asked to send (an e-puck2's image interval). A deadline already counting is judged by the new budget,
+        and the messages say the budget applied."""
+        if seconds <= 0:
+            raise ValueError(f"liveness budget must be > 0, got {seconds}")
+        if seconds != self.policy.liveness_s:
+            self.policy = dataclasses.replace(self.policy, liveness_s=seconds)
+        self.tick(now)
 
     def garbage(self, now: float, what: str) -> None:
         """Invalid data: counted; it does not prove the device alive."""
@@ -303,8 +314,9 @@ class SupervisedLink:
     """
 
     def __init__(self, policy: LinkPolicy, on_health: Callable[[dict[str, Any]], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wake: Callable[[], None] | None = None) -> None:
         self._clock = clock
+        self._wake = wake               # wakes whoever applies the deadlines (the node's housekeeping)
         self.sup = LinkSupervisor(policy, self._clock())
         # reentrant: setting health publishes it, and the publish reads details() back
         self._lock = threading.RLock()
@@ -336,6 +348,18 @@ class SupervisedLink:
 
     def garbage(self, what: str) -> None:
         self._event(lambda now: self.sup.garbage(now, what))
+
+    def set_budget(self, seconds: float) -> None:
+        """Change the liveness budget at run time (cheap when unchanged). A shorter budget may bring the next
+        deadline forward: the thread applying the deadlines is woken to see it."""
+        now = self._clock()
+        with self._lock:
+            if seconds == self.sup.policy.liveness_s:
+                return
+            self.sup.set_budget(now, seconds)
+            self._push_locked(now)
+        if self._wake is not None:
+            self._wake()
 
     def fault(self, message: str) -> None:
         self._event(lambda now: self.sup.fault(message))

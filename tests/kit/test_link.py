@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared import Node
-from shared.link import LinkPolicy, LinkState, LinkSupervisor
+from shared.link import LinkPolicy, LinkState, LinkSupervisor, SupervisedLink
 from shared.rpc import RpcClient, wait_for
 
 POLICY = LinkPolicy(liveness_s=1.0, backoff_min_s=0.2, backoff_max_s=2.0, probe_period_s=5.0)
@@ -204,3 +204,44 @@ def test_bound_to_a_device_health_follows_the_link_without_the_transport(echo_no
     link.data()
     assert wait_for(lambda: seen[-1]["state"] == "operational" and seen[-1]["connection"] is True, 10)
     assert wait_for(lambda: seen[-1]["state"] == "silent", 10), "no data: silent once the budget passed"
+
+
+def test_a_budget_changed_at_run_time_applies_at_once_and_the_messages_say_it() -> None:
+    """A device whose allowed silence follows what it sends (an e-puck2's image interval): the budget set at
+    connect is not the one judged once the device shows its real rhythm."""
+    s = LinkSupervisor(LinkPolicy(liveness_s=6.8), now=0.0)
+    s.attempt(0.0)
+    s.opened(0.0)
+    s.data(0.5)
+    s.set_budget(0.6, 1.0)  # its data now comes often: a shorter budget
+    assert s.tick(1.49) is LinkState.OPERATIONAL
+    assert s.tick(1.51) is LinkState.SILENT, "judged by the budget in force, not the one at connect"
+    h = s.health(1.51)
+    assert "allowed 1.0 s" in h["error_message"] and s.details(1.51)["liveness_s"] == 1.0
+    s.data(2.0)
+    s.set_budget(2.0, 3.0)  # longer again: the deadline already counting moves with it
+    assert s.tick(4.9) is LinkState.OPERATIONAL
+    assert s.tick(5.1) is LinkState.SILENT and "allowed 3.0 s" in s.health(5.1)["error_message"]
+    with pytest.raises(ValueError):
+        s.set_budget(6.0, 0.0)
+
+
+def test_a_bound_link_wakes_the_deadline_thread_when_its_budget_changes() -> None:
+    """A shorter budget brings the next deadline forward: the thread sleeping until the old one is woken
+    (the node's housekeeping; `Device.supervise_link` passes its wake-up)."""
+    now = [0.0]
+    wakes: list[float] = []
+    shown: list[dict[str, Any]] = []
+    link = SupervisedLink(LinkPolicy(liveness_s=6.8), shown.append, clock=lambda: now[0],
+                          wake=lambda: wakes.append(now[0]))
+    link.attempt()
+    link.opened()
+    link.data()
+    assert link.tick() == pytest.approx(6.8)
+    now[0] = 0.2
+    link.set_budget(1.0)
+    assert wakes == [0.2] and link.tick() == pytest.approx(0.8)
+    link.set_budget(1.0)  # unchanged (called with every image): no work, no wake-up
+    assert wakes == [0.2]
+    now[0] = 1.01
+    assert link.tick() is None and shown[-1]["state"] == "silent" and "allowed 1.0 s" in shown[-1]["error_message"]
