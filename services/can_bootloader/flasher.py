@@ -570,6 +570,7 @@ class Exchange:
     tries: int = 3
     drain_s: float = 0.05
     pipe: Pipeline = field(init=False)
+    malformed: list[p.BootFrame] = field(init=False, default_factory=list)  # answers of the wrong shape
 
     def __post_init__(self) -> None:
         w = self.window
@@ -588,7 +589,9 @@ class Exchange:
         return self.pipe.poll(now)
 
     def receive(self, frame: p.BootFrame, now: float) -> None:
-        self.pipe.receive(frame, now)
+        if not self.pipe.receive(frame, now) and any(p.is_malformed_answer(op.frame, frame)
+                                                     for op in self.ops[:1] + self.ops[-1:]):
+            self.malformed.append(frame)
 
     def tick(self, now: float) -> None:
         self.pipe.tick(now)

@@ -161,6 +161,14 @@ def is_ack(sent: BootFrame, reply: BootFrame) -> bool:
     )
 
 
+def is_malformed_answer(sent: BootFrame, reply: BootFrame) -> bool:
+    """An answer to `sent` (ACK bit set, the same board and command bits) that `is_ack` refuses: a wrong
+    length, other data in an echo, a READ answer in the wrong direction. Garbage from a board: counted, and a
+    read that gets only such answers fails with `device_error`, not `timeout`."""
+    same = (reply.sid & (ID_MASK | COMMAND_MASK)) == (sent.sid & (ID_MASK | COMMAND_MASK))
+    return bool(reply.sid & ACK_BIT) and same and not is_ack(sent, reply)
+
+
 def read_matches(sent: BootFrame, reply: BootFrame, expected: bytes) -> bool:
     """The full READ ACK of the original: the reply is a READ answer and carries the expected bytes."""
     return is_ack(sent, reply) and reply.data == expected

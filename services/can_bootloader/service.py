@@ -3,6 +3,11 @@
 One node serves the motor boards of one hand through one device (default `motors`); the two palm CAN buses
 (boards 0–9 on bus 1, 10–19 on bus 2) are two python-can buses from configuration, or the palm's CAN bridge.
 One flash per bus at a time: a second request for a busy bus is answered `busy`.
+
+Health comes from the kit's link supervisor (shared/link.py, docs/kit.md "Health"): the link is the adapter (the
+python-can buses, or the palm's bridge), because the boards answer only while in their bootloader and only
+when asked. Valid data = every configured bus proved healthy within `can_liveness_s` (a clean read, no error
+state; through the bridge: ethercat-loop online); boards are heard only during a flash or a read.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from services.can_bootloader.models import (
 from services.can_bootloader.settings import BRIDGE_INTERFACE, CanBootSettings, default_window
 from services.can_bootloader.transport import CanPort, TransportError
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceAPI
+from shared.link import LinkPolicy, SupervisedLink
 
 __all__ = ["API", "CanBootService", "CanBootSettings", "build"]
 
@@ -50,10 +56,10 @@ log = logging.getLogger("robobus.can_bootloader")
 
 
 
-# error codes beyond the kit's: a bus not configured or failing (unavailable), one exchange per bus (busy),
-# no answer (timeout); a flash also refuses paths outside the firmware folder (forbidden) and ends with
-# device_error when a board fails verification
-_BUS_ERRORS = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY, ErrorCode.TIMEOUT]
+# error codes beyond the kit's: a bus not configured, not open or failing (unavailable), one exchange per bus
+# (busy), no answer (timeout), an answer that is not the bootloader's (device_error); a flash also refuses paths
+# outside the firmware folder (forbidden) and ends with device_error when a board fails verification
+_BUS_ERRORS = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY, ErrorCode.TIMEOUT, ErrorCode.DEVICE_ERROR]
 _FLASH_ERRORS = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY, ErrorCode.TIMEOUT, ErrorCode.FORBIDDEN, ErrorCode.DEVICE_ERROR]
 API = ServiceAPI("can-bootloader",
                  device_doc="the motor boards (PIC18F2580 CAN bootloader) of one hand's two CAN buses",
@@ -98,16 +104,27 @@ class CanBootService:
         self._images: dict[int, FlashImage] = {}
         self._jobs: set[JobContext] = set()
         self._closing = threading.Event()
-        self.last_error = ""
+        self.last_error = ""       # the last failure (a flash, an exchange, the adapter): details, never `error`
+        self._faults: dict[int, str] = {}  # board -> what it reports (NOT bootloader-aware): the device's `error`
         self.dev: Any = None
+        self.link: SupervisedLink | None = None
+        self._node: Node | None = None
+        self._watcher: threading.Thread | None = None
         self.sims: list[Any] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def attach(self, node: Node) -> None:
         dev = node.device(self.settings.can_device)
         self.dev = dev
+        self._node = node
+        s = self.settings
+        self.link = dev.supervise_link(LinkPolicy(liveness_s=s.can_liveness_s, backoff_min_s=s.can_backoff_min_s,
+                                                  backoff_max_s=max(s.can_backoff_max_s, s.can_backoff_min_s),
+                                                  probe_period_s=s.can_probe_period_s))
+        if not self.ports:
+            self.link.fault("no CAN bus is configured (can_bus1 and can_bus2 are both null)")
         for port in self.ports.values():
-            port.on_garbage = node.count_decode_error
+            port.on_garbage = self._on_garbage
         dev.bind_job(FLASH, self._flash, self._admit_flash)
         dev.bind_job(FLASH_MANY, self._flash_many, self._admit_flash_many)
         dev.bind(READ_VERSION, self._read_version)
@@ -116,30 +133,87 @@ class CanBootService:
         self.update_health()
 
     def open(self) -> None:
-        for port in self.ports.values():
+        self._connect()
+        self.check_link()
+        self._watcher = threading.Thread(target=self._watch, name="can-link", daemon=True)
+        self._watcher.start()
+
+    def _connect(self) -> None:
+        """One attempt to open every configured bus that is not open; the link supervisor counts it (a failure
+        is never an `error`) and says when to try again (its back-off, then one probe per probe period)."""
+        closed = [pt for pt in self.ports.values() if not pt.is_open]
+        if not closed or self.link is None:
+            return
+        self.link.attempt()
+        errors = []
+        for port in closed:
             try:
                 port.open()
             except TransportError as exc:
-                self.last_error = str(exc)
-                log.error("%s", exc)
-        self.update_health()
-        threading.Thread(target=self._watch, name="can-health", daemon=True).start()
+                errors.append(str(exc))
+        if errors:
+            self.last_error = "; ".join(errors)
+            log.warning("%s", self.last_error)
+            self.link.failed(self.last_error)
+        else:
+            self.link.opened()
+
+    def _lost(self, port: CanPort, reason: str) -> None:
+        """The adapter failed (error state, a failed send or read, the bridge's palm offline): close the bus, the
+        link is lost (or never reached), and it is reopened after the supervisor's back-off."""
+        self.last_error = reason
+        log.warning("%s", reason)
+        port.close()
+        if self.link is not None and not self._closing.is_set():
+            self.link.closed(reason)
+
+    def check_link(self) -> None:
+        """One turn of the link: reopen what is closed when the supervisor says so, check the adapters, and
+        report valid data when every configured bus proved healthy within the budget."""
+        link = self.link
+        if link is None or self._closing.is_set():
+            return
+        if any(not pt.is_open for pt in self.ports.values()) and link.next_attempt_in() <= 0:
+            self._connect()
+        healthy = bool(self.ports)
+        for port in self.ports.values():
+            if not port.is_open:
+                healthy = False
+                continue
+            try:
+                proven = port.check()
+            except TransportError as exc:
+                self._lost(port, str(exc))
+                healthy = False
+                continue
+            # between exchanges check() just proved it; during one, the exchange's own reads did (last_ok)
+            fresh = port.last_ok is not None and time.monotonic() - port.last_ok <= self.settings.can_liveness_s
+            healthy = healthy and proven and fresh
+        if healthy and not self._closing.is_set():
+            link.data()
 
     def _watch(self) -> None:
-        """Health follows the buses: reopen a bus that failed to open, notice a palm bridge going offline."""
-        while not self._closing.wait(1.0):
-            for port in self.ports.values():
-                if not port.connected and port.number not in self._reserved:
-                    try:
-                        port.open()
-                    except TransportError:
-                        pass
-            self.update_health()
+        period = self.settings.can_liveness_s / 4
+        next_details = 0.0
+        while not self._closing.wait(period):
+            self.check_link()
+            if time.monotonic() >= next_details:  # counters in details: at most once a second
+                next_details = time.monotonic() + 1.0
+                self.update_health()
+
+    def _on_garbage(self, what: str) -> None:
+        """A frame the bootloader never sends, or a malformed answer: counted (node and link), never liveness."""
+        if self._node is not None:
+            self._node.count_decode_error(what)
+        if self.link is not None:
+            self.link.garbage(what)
 
     def close(self) -> None:
         """Shutdown hook: cancel flashes (before RESET the board stays in its bootloader, ready to be flashed
         again), let them stop, then close the buses (the bridge lease is released)."""
         self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(2.0)
         with self._mutex:
             jobs = list(self._jobs)
         for job in jobs:
@@ -155,6 +229,8 @@ class CanBootService:
             sim.bus.shutdown()
         for port in self.ports.values():
             port.close()
+        if self.link is not None:
+            self.link.stop("shutdown")  # final health: stopped, connection false, no valid data
 
     def start_sim(self) -> None:
         """Simulated boards on the configured (virtual) buses, in this process (`make run`, demos)."""
@@ -165,20 +241,28 @@ class CanBootService:
 
     # -- health ------------------------------------------------------------------------------------------------
     def update_health(self) -> None:
-        if self.dev is None:
+        """The service's part of health: its finer state (idle / flashing) while the link is operational, the
+        boards' faults as the `error`, and per-bus details. The link supervisor owns the rest (docs/kit.md)."""
+        if self.dev is None or self.link is None:
             return
-        connected = bool(self.ports) and all(pt.connected for pt in self.ports.values())
         with self._mutex:
             busy = {n: r.board for n, r in self._reserved.items()}
-        details = {
-            f"bus{n}": {"interface": pt.cfg.interface, "channel": pt.cfg.channel, "connected": pt.connected,
-                        "flashing_board": busy.get(n), "frames_sent": pt.frames_sent,
-                        "frames_received": pt.frames_received, "garbage": pt.garbage}
+            faults = "; ".join(self._faults[b] for b in sorted(self._faults))
+        details: dict[str, Any] = {
+            f"bus{n}": {"interface": pt.cfg.interface, "channel": pt.cfg.channel, "open": pt.is_open,
+                        "connected": pt.connected, "flashing_board": busy.get(n), "frames_sent": pt.frames_sent,
+                        "frames_received": pt.frames_received, "frames_idle": pt.frames_idle,
+                        "garbage": pt.garbage}
             for n, pt in self.ports.items()
         }
-        self.dev.set_health(connection=connected, operational=connected,
-                            state="flashing" if busy else ("idle" if connected else "disconnected"),
-                            error=bool(self.last_error), error_message=self.last_error, details=details)
+        if self.last_error:
+            details["last_failure"] = self.last_error
+        self.dev.set_health(details=details)
+        self.link.device_state("flashing" if busy else "idle")
+        if faults:
+            self.link.fault(faults)
+        elif self.ports:
+            self.link.clear_fault()
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _port(self, board: int) -> CanPort:
@@ -191,7 +275,11 @@ class CanBootService:
     def _reserve(self, boards: list[int], job: str) -> None:
         buses = {p.board_address(b).bus: b for b in reversed(boards)}
         for b in buses.values():
-            self._port(b)
+            port = self._port(b)
+            if not port.is_open:
+                why = f": {port.last_error}" if port.last_error else ""
+                raise CommandError(ErrorCode.UNAVAILABLE, f"CAN bus {port.number} is not open{why} (it is reopened "
+                                                          "as the health's details.link says)")
         with self._mutex:
             taken = [n for n in buses if n in self._reserved]
             if taken:
@@ -239,14 +327,24 @@ class CanBootService:
         port = self._port(board)
         self._reserve([board], what)
         try:
-            port.drain()
-            port.drive(ex)
+            with port.lock:
+                port.drain()
+                port.drive(ex)
         except TransportError as exc:
-            self.last_error = str(exc)
+            self._lost(port, str(exc))
             raise CommandError(ErrorCode.UNAVAILABLE, str(exc)) from None
         finally:
             self._release([port.number])
+        for frame in ex.malformed:
+            self._on_garbage(f"board {board} {what}: malformed answer sid 0x{frame.sid:03X} "
+                             f"data {frame.data.hex(' ') or '(none)'}")
         if not ex.ok:
+            if ex.malformed:
+                last = ex.malformed[-1]
+                raise CommandError(ErrorCode.DEVICE_ERROR, f"board {board} {what}: answered with "
+                                                           f"{len(ex.malformed)} malformed frame(s), not the "
+                                                           f"bootloader's answer (last: sid 0x{last.sid:03X} data "
+                                                           f"{last.data.hex(' ') or '(none)'}); {ex.error()}")
             raise CommandError(ErrorCode.TIMEOUT, f"board {board} {what}: {ex.error()}")
         return ex
 
@@ -398,11 +496,13 @@ class CanBootService:
         flasher.start(t0)
         every(t0)
         try:
-            port.drain()
-            port.drive(flasher, cancel=(lambda: job.cancelled) if job is not None else None,
-                       on_cancel=flasher.cancel, every=every)
+            with port.lock:
+                port.drain()
+                port.drive(flasher, cancel=(lambda: job.cancelled) if job is not None else None,
+                           on_cancel=flasher.cancel, every=every)
             result = flasher.result
         except TransportError as exc:
+            self._lost(port, str(exc))
             where = flasher.current_address()
             at = f" at 0x{where:06X}" if where is not None else ""
             result = Finished(False, f"{flasher.phase.value} failed{at}: {exc}", flasher.phase, where, None)
@@ -427,15 +527,17 @@ class CanBootService:
             retries=snap.retries, restarts=snap.restarts, duration_s=round(dt, 3),
             frames_per_s=round((port.frames_sent - sent0) / dt, 1) if dt > 0 else 0.0,
             warnings=list(dict.fromkeys(warnings)))
-        with lock:
+        with lock, self._mutex:
+            # a board that can no longer be flashed over CAN is a fault the device reports (`error`, until it is
+            # flashed again with an aware image); a failed flash is the job's result and details' last_failure
             if result.ok and result.bootloader_aware is False:
-                self.last_error = f"board {board}: {result.reason}"
+                self._faults[board] = f"board {board}: {result.reason}"
                 log.error("BOARD %d CAN NO LONGER BE FLASHED OVER CAN: %s", board, result.reason)
             elif not result.ok and not result.cancelled:
                 self.last_error = f"board {board}: {result.reason}"
                 log.error("board %d flash failed: %s", board, result.reason)
             elif result.ok:
-                self.last_error = ""
+                self._faults.pop(board, None)
         if self.dev is not None:
             self.dev.emit(FLASH_REPORT, out)
         self.update_health()

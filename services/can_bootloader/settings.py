@@ -33,6 +33,17 @@ class CanBootSettings(KitSettings):
                                                                   "(the PIC's two receive buffers)")
     can_flash: FlashConfig = Field(default_factory=FlashConfig, description="Flasher timeouts and retries (the "
                                    "window comes from can_window, check_bootloader_aware from each request)")
+    # the link (docs/kit.md, "Health"): the adapter is the link, boards answer only in their bootloader and only
+    # when asked. Budget: the bootloader's longest single answer is RESET's (1000 ms, reference shadow_ethercat.md
+    # §4; a frame's is 100 ms); the adapter is checked every budget/4 between exchanges and on every receive
+    # turn (<= 20 ms) during one, so 1 s tells a dead adapter no later than the protocol would tell a dead board.
+    can_liveness_s: float = Field(1.0, gt=0, description="Liveness budget: the adapter must prove healthy "
+                                  "(a clean read, no error state; through the palm: ethercat-loop online) within "
+                                  "this, or the device is silent / lost / unreachable")
+    can_backoff_min_s: float = Field(0.2, gt=0, description="First wait before reopening a bus that failed")
+    can_backoff_max_s: float = Field(5.0, gt=0, description="Cap of the doubling waits between reopen attempts")
+    can_probe_period_s: float = Field(5.0, gt=0, description="An unreachable bus (never opened within the "
+                                      "budget): one open attempt per period")
     can_sim: bool = Field(False, description="Run simulated boards on in-process virtual buses (make run, demos)")
     can_sim_boards: list[int] = Field(default_factory=lambda: list(range(20)))
     can_sim_erase_s: float = Field(0.968, ge=0, description="Simulated erase time (484 rows x 2 ms)")

@@ -16,9 +16,9 @@ Model (reference §4 "PIC18 bootloader side", seed 000 "Bootloading protocole"):
   "10", but the original flasher sends every magic packet with direction "11" (0x600 | ...) and the
   SimpleMotor firmware "can be flashed over itself", so the model accepts both directions.
 - Faults: drop or delay ACKs (any, one command's, or the ACKs of N magic packets: `drop_magic_acks`),
-  corrupt READ answers, lose power after N frames (it boots again into the
-  bootloader, because the flag is 0xFF during a flash), and a 2-deep receive buffer that overflows when
-  frames arrive while a row write or the erase stalls the CPU (virtual-bus attachment only).
+  corrupt READ answers, garble answers (right SID, wrong length: `garble`), lose power after N frames (it
+  boots again into the bootloader, because the flag is 0xFF during a flash), and a 2-deep receive buffer
+  that overflows when frames arrive while a row write or the erase stalls the CPU (virtual-bus attachment only).
 
 `BootBoard.handle()` is the pure core; `BootBusSim` runs boards on a python-can bus; `on_can_frame()` plugs a
 board into ethercat-loop's palm model (CAN direct mode).
@@ -63,11 +63,13 @@ class BootFaults:
     drop_magic_after: int = 0  # ... after letting this many through (independent of drop_acks)
     corrupt_reads: int = 0  # flip bits in the next N READ answers ...
     corrupt_after: int = 0  # ... after this many good ones
+    garble: int = 0  # answer the next N frames with a malformed answer (right SID, wrong length): garbage
     power_loss_after: int | None = None  # lose power after receiving this many more frames
     power_off_s: float = 0.05
     dropped: int = 0
     delayed: int = 0
     corrupted: int = 0
+    garbled: int = 0
     power_losses: int = 0
 
 
@@ -251,6 +253,10 @@ class BootBoard:
                     f.corrupt_reads -= 1
                     f.corrupted += 1
                     r = BootReply(r.sid, bytes([r.data[0] ^ 0x5A, *r.data[1:]]), r.delay_s)
+            if f.garble > 0:
+                f.garble -= 1
+                f.garbled += 1
+                r = BootReply(r.sid, r.data[:5] if len(r.data) >= 8 else (r.data + b"\xa5\x5a")[:8], r.delay_s)
             if f.delay_acks > 0 and (f.delay_command is None or cmd == f.delay_command):
                 f.delay_acks -= 1
                 f.delayed += 1
@@ -484,13 +490,14 @@ def make_intel_hex(first: int = SIMPLEMOTOR_FIRST, last: int = SIMPLEMOTOR_LAST,
 # -- a standalone simulator process -----------------------------------------------------------------------------
 def serve(interface: str, channel: str, boards: list[int], stop: threading.Event, *, erase_s: float = 0.968,
           row_write_s: float = ROW_WRITE_S, app_aware: bool | None = None, drop_magic_acks: int = 0,
-          drop_magic_after: int = 0, **bus_kwargs: Any) -> BootBusSim:
+          drop_magic_after: int = 0, garble: int = 0, **bus_kwargs: Any) -> BootBusSim:
     """Run simulated boards on a python-can bus until `stop` is set (for vcan, udp_multicast, a real bus)."""
     import can
 
     made = make_boards(boards, app_aware=app_aware)
     for b in made:
         b.faults.drop_magic_acks, b.faults.drop_magic_after = drop_magic_acks, drop_magic_after
+        b.faults.garble = garble
     if len({b.local_id for b in made}) != len(made):
         raise ValueError(f"boards {boards} share local ids: one bus carries boards 0–9 or 10–19, not both")
     bus = can.Bus(interface=interface, channel=channel, **bus_kwargs)
@@ -520,6 +527,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drop-magic-acks", type=int, default=0, metavar="N",
                     help="drop the ACKs of N magic packets (each board), after --drop-magic-after N let through")
     ap.add_argument("--drop-magic-after", type=int, default=0, metavar="N")
+    ap.add_argument("--garble", type=int, default=0, metavar="N",
+                    help="answer N frames (each board; -1: all) with a malformed answer (right SID, wrong length)")
+    ap.add_argument("--port", type=int, default=None, help="udp_multicast: the UDP port (default python-can's 43113)")
     args = ap.parse_args(argv)
     ids: list[int] = []
     for part in args.boards.split(","):
@@ -534,7 +544,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("simulated boards %s on %s:%s", ids, args.interface, args.channel)
     serve(args.interface, args.channel, ids, stop, erase_s=args.erase_s, row_write_s=args.row_write_s,
           app_aware=False if args.not_aware else None, drop_magic_acks=args.drop_magic_acks,
-          drop_magic_after=args.drop_magic_after)
+          drop_magic_after=args.drop_magic_after, garble=args.garble if args.garble >= 0 else 1 << 62,
+          **({"port": args.port} if args.port is not None else {}))
 
 
 if __name__ == "__main__":

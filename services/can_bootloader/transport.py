@@ -35,6 +35,10 @@ class TransportError(RuntimeError):
     """The bus failed (send error, adapter gone)."""
 
 
+class NotOpen(TransportError):
+    """The bus is not open (it failed to open, or failed since): the link supervisor reopens it."""
+
+
 class Machine(Protocol):
     """What `drive` needs: Flasher and Exchange both are one."""
 
@@ -81,12 +85,70 @@ class CanPort:
         self.last_error = ""
         self.frames_sent = 0
         self.frames_received = 0
+        self.frames_idle = 0  # frames heard while no exchange ran (dropped: boards answer only when asked)
+        self.last_ok: float | None = None  # monotonic time of the last adapter operation that worked
         self.on_garbage: Callable[[str], None] | None = None  # e.g. Node.count_decode_error
 
     @property
     def connected(self) -> bool:
         """The bus is open (and, for the palm bridge, ethercat-loop is not known to be offline)."""
         return self._bus is not None and getattr(self._bus, "remote_online", True) is not False
+
+    @property
+    def is_open(self) -> bool:
+        return self._bus is not None
+
+    def check(self, clock: Callable[[], float] = time.monotonic) -> bool:
+        """The adapter's health, checked between exchanges (the link's liveness: boards answer only while in
+        their bootloader and only when asked, so the adapter is what can be watched). Raises TransportError
+        when the adapter reports an error state, a read fails (an interface that vanished), or, through the
+        palm's bridge, ethercat-loop is offline. True: healthy, False: not proven (the bridge's palm not seen
+        yet). Frames left on the bus are dropped (counted), as `drain` does before every exchange. Skipped
+        (True) while an exchange holds the bus: its own reads prove the adapter (`last_ok`)."""
+        if not self.lock.acquire(blocking=False):
+            return True
+        try:
+            bus = self._bus
+            if bus is None:
+                raise NotOpen(f"CAN bus {self.number} is not open")
+            try:
+                state = bus.state
+            except NotImplementedError:
+                state = can.BusState.ACTIVE
+            except (can.CanError, OSError) as exc:
+                raise self._failed(f"state unreadable: {exc}") from exc
+            if state == can.BusState.ERROR:
+                raise self._failed("the adapter reports bus state ERROR (bus-off)")
+            online = getattr(bus, "remote_online", True)
+            if online is False:
+                raise self._failed("the palm's CAN bridge is offline (ethercat-loop's status says so)")
+            try:
+                msg = bus.recv(0)
+                while msg is not None:
+                    if to_frame(msg) is None:
+                        self._garbage(msg)
+                    else:
+                        self.frames_idle += 1
+                    msg = bus.recv(0)
+            except (can.CanError, OSError, ValueError) as exc:
+                raise self._failed(f"receive failed: {exc}") from exc
+            if online is None:
+                return False
+            self.last_ok = clock()
+            return True
+        finally:
+            self.lock.release()
+
+    def _failed(self, what: str) -> TransportError:
+        self.last_error = f"CAN bus {self.number} ({self.cfg.interface}:{self.cfg.channel}): {what}"
+        return TransportError(self.last_error)
+
+    def _garbage(self, msg: Any) -> None:
+        self.garbage += 1
+        if self.on_garbage is not None:
+            self.on_garbage(f"CAN bus {self.number}: not a classic 11-bit data frame "
+                            f"(id 0x{int(msg.arbitration_id):X}, error={msg.is_error_frame}, "
+                            f"remote={msg.is_remote_frame}, extended={msg.is_extended_id})")
 
     def open(self) -> Any:
         if self._bus is None:
@@ -129,7 +191,7 @@ class CanPort:
             for out in machine.poll(now):
                 try:
                     bus.send(to_message(out))
-                except can.CanError as exc:
+                except (can.CanError, OSError, ValueError) as exc:
                     self.last_error = f"CAN bus {self.number} send failed: {exc}"
                     raise TransportError(self.last_error) from exc
                 self.frames_sent += 1
@@ -140,19 +202,16 @@ class CanPort:
                 while msg is not None:
                     frame = to_frame(msg)
                     if frame is None:
-                        self.garbage += 1
-                        if self.on_garbage is not None:
-                            self.on_garbage(f"CAN bus {self.number}: not a classic 11-bit data frame "
-                                            f"(id 0x{int(msg.arbitration_id):X}, error={msg.is_error_frame}, "
-                                            f"remote={msg.is_remote_frame}, extended={msg.is_extended_id})")
+                        self._garbage(msg)
                     else:
                         self.frames_received += 1
                         machine.receive(frame, clock())
                     msg = bus.recv(0)
-            except can.CanError as exc:
+            except (can.CanError, OSError, ValueError) as exc:
                 self.last_error = f"CAN bus {self.number} receive failed: {exc}"
                 raise TransportError(self.last_error) from exc
             now = clock()
+            self.last_ok = now
             machine.tick(now)
             if every is not None and now >= next_report:
                 every(now)

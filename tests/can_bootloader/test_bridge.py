@@ -249,8 +249,8 @@ def test_health_follows_the_palm(broker_session: Broker, palm: Palm, client: Rpc
     client.subscribe_before(f"robobus/{node.name}/motors/health", lambda m: health.append(json.loads(m.payload)))
     try:
         assert wait_for(lambda: bool(health) and health[-1]["connection"], 5), health[-1:]
-        palm.stop()  # ethercat-loop goes offline (its status says so)
-        assert wait_for(lambda: not health[-1]["connection"] and health[-1]["state"] == "disconnected", 5), \
-            health[-1:]
+        palm.stop()  # ethercat-loop goes offline (its status says so): the link is lost, never an error
+        assert wait_for(lambda: not health[-1]["connection"] and health[-1]["state"] == "lost", 5), health[-1:]
+        assert "offline" in health[-1]["error_message"] and not any(h["error"] for h in health)
     finally:
         node.stop()
