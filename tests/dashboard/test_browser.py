@@ -175,7 +175,11 @@ def test_roi_cards_show_the_states_the_module_has(page: Any, stack: tuple[SimSta
     table.wait_for(timeout=T)
     assert table.locator("thead th").all_inner_texts() == ["#", "modes", "names"]
     assert table.locator("tbody tr").count() == 18
-    page.wait_for_function("e => e.rows[4].cells[2].textContent === 'output'", arg=table.element_handle(), timeout=T)
+    try:  # pin 3's row (the header is row 0), its names column
+        page.wait_for_function("e => e.rows[4].cells[2].textContent === 'output'", arg=table.element_handle(),
+                               timeout=T)
+    except Exception as exc:
+        raise AssertionError(f"pin 3 not shown as an output: {table.inner_text()!r}") from exc
     assert io.locator("details.state[data-state='pin_states'] dt").all_inner_texts() == ["ts"]
     # the pin values too (nulls for the reserved pins 8 and 9)
     values = io.locator("details.state[data-state='pin_values'] table.list-table")

@@ -21,8 +21,9 @@ const UNWATCH_AFTER_MS = 2000; // a state off screen this long is unsubscribed
 // either: an integer gets a chart once it has gone both up and down (a measurement such as a distance).
 const NOT_CHARTED = /(^|\.)(ts|seq|session|cycle)$|(^|\.|_)(id|time|at)$|raw/i;
 const TIME_FIELD = /(^|\.|_)(ts|time|at)$/;
-// a number that reads as Unix seconds of this century is a timestamp, whatever its name
-const isEpoch = (v) => typeof v === "number" && v > 1e9 && v < 4e9;
+// Unix seconds (2001..2096) in a time field, or with a fraction whatever its name, is a timestamp: shown as a
+// clock time, never charted (a large integer such as a byte count stays a number)
+const isTime = (path, v) => typeof v === "number" && v > 1e9 && v < 4e9 && (TIME_FIELD.test(path) || !Number.isInteger(v));
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
@@ -454,7 +455,7 @@ class StateView {
       if (v instanceof Table) { this.table(path, v); continue; }
       const numeric = typeof v === "number" && Number.isFinite(v);
       let s = this.series.get(path);
-      if (!s && numeric && !NOT_CHARTED.test(path) && !isEpoch(v) && this.charts.size < CHARTS_PER_STATE) {
+      if (!s && numeric && !NOT_CHARTED.test(path) && !isTime(path, v) && this.charts.size < CHARTS_PER_STATE) {
         // Measurements (floats) chart at once; an integer charts once it has gone both up and down, so ids,
         // ports, sizes and counters stay plain values while a measured distance or level gets its chart.
         const seen = this.firstSeen.get(path);
@@ -530,7 +531,7 @@ class StateView {
     for (const dd of this.values.values()) {
       if (dd && dd.pending !== undefined) {
         const v = dd.pending;
-        setText(dd, (TIME_FIELD.test(dd.dataset.path) || isEpoch(v)) && isEpoch(v) ? clock(v * 1000) : formatValue(v));
+        setText(dd, isTime(dd.dataset.path, v) ? clock(v * 1000) : formatValue(v));
         dd.pending = undefined;
       }
     }
