@@ -40,3 +40,34 @@ def test_process_flash_and_sigterm(broker_session: Broker, client: RpcClient, sp
     assert wait_for(lambda: any(e.get("cancelled") for e in events if "cancelled" in e), 3), events[-3:]
     offline = [json.loads(p) for _, p, _ in client.collect(f"robobus/{name}/status", 0.5)]
     assert offline and offline[-1]["online"] is False
+
+
+def test_rig_node_and_boards_in_two_processes(broker_session: Broker, client: RpcClient, spawn: Any) -> None:
+    """The conformance rig's configuration (services/can_bootloader/rig.py): the node and the simulated boards in
+    separate processes on udp_multicast. Reads and a flash cross the processes; with the boards' process gone the
+    adapter is still the healthy link (connection stays true, no error) and a read answers `timeout`."""
+    from services.can_bootloader.rig import RIG
+    from shared.simrig import Ports
+
+    why = RIG.needs() if RIG.needs else None
+    assert why is None, why  # python-can[multicast] is in the can extra
+    ports = Ports()
+    name = f"canboot-rig-{time.monotonic_ns() % 1_000_000}"
+    health: list[dict[str, Any]] = []
+    client.subscribe_before(f"robobus/{name}/motors/health", lambda m: health.append(json.loads(m.payload)))
+    sim = spawn(RIG.sim(ports), {})
+    proc = spawn(["-m", RIG.node_module], {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": name,
+                                           **RIG.node_env(ports)})
+    assert wait_for(lambda: bool(health) and health[-1]["connection"], 20), (health[-1:], proc.text())
+    assert health[-1]["details"]["link"]["liveness_s"] == RIG.liveness_s
+    assert RIG.read_command is not None
+    rep = client.call(name, RIG.read_command.device, RIG.read_command.name, RIG.read_command.payload)
+    assert rep.ok and rep.result["version"] == "40414243", (rep.error, sim.text())
+    _rep, result = client.call_job(name, "motors", "flash", {"board": 3, "hex": SMALL_HEX}, lambda e: None,
+                                   timeout=60)
+    assert result is not None and result["ok"], result
+    sim.stop(timeout=10)
+    rep = client.call(name, "motors", "read_version", {"board": 3})
+    assert not rep.ok and (rep.error or {})["code"] == "timeout", rep.error
+    time.sleep(2 * RIG.liveness_s)  # longer than the budget: the adapter keeps proving itself
+    assert health[-1]["connection"] and not any(h["error"] for h in health), health[-1]
