@@ -48,6 +48,8 @@ class RoiModuleConfig(BaseModel):
     initial_mode: Literal["velocity", "torque"] | None = Field(
         None, description="ODrive: when the module is blank, switch it to this mode at a zero demand (0 rev/s or "
                           "0 Nm); configures the module")
+    liveness_s: float | None = Field(None, gt=0, le=60,
+                                     description="This module's liveness budget in s (default: roi_liveness_s)")
     length_feedback: Literal["auto", "on", "off"] = Field(
         "auto", description="Actuator: GET_CURRENT_LENGTH replies as the measured position: on, off, or auto (from "
                             "the first non-zero length the module answers; released firmware answers 0)")

@@ -1,11 +1,15 @@
 """roi-modules' MQTT surface: every configured ROI module is one device (health, state, commands, jobs).
 
-One asyncio loop runs the transport and one maintain task per module (reference roi.md §4): every 100 ms a
-poll that feeds the module's 500 ms watchdog (ODrive GET_ALL, actuator GET_CURRENT_LENGTH, GPIO READs), and a
-STATUS_REPORT at start, every 128 ticks and after a reconnection (every tick instead of the poll while the
-module's type is unknown or wrong, §4.2). Health follows §4.2; the BLANK_STATE
-protocol of §4.3 pushes the cached settings after a module reset and pulls state when the service starts
-beside a running module. Command handlers are coroutines on the same loop; jobs poll the latest state.
+One asyncio loop runs the transport and one maintain task per module (reference roi.md §4): while the module
+answers, every 100 ms a poll that feeds the module's 500 ms watchdog (ODrive GET_ALL, actuator
+GET_CURRENT_LENGTH, GPIO READs), and a STATUS_REPORT at start, every 128 ticks and after the module comes back;
+while it does not, one STATUS_REPORT probe per probe period (the link supervisor's rhythm), never the resend
+ladder. Health is the kit's link supervisor's (docs/kit.md, "Health"): every valid reply is data, a datagram
+that does not decode is garbage, the module's own state (§4.2: `blank_state`, `operating`, ...) is the finer
+state name, a module fault or a module of another type (§4.2) is a fault. The BLANK_STATE protocol of §4.3
+pushes the cached settings after a module reset (and reads the status again at once, so health shows the
+configured module) and pulls state when the service starts beside a running module. Command handlers are
+coroutines on the same loop; jobs poll the latest state.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from services.roi_modules.transport import (
     check_prefix,
 )
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
+from shared.link import LinkPolicy, LinkState
 from shared.node import NODE_DEVICE
 
 log = logging.getLogger("robobus.roi")
@@ -121,9 +126,14 @@ class RoiSettings(KitSettings):
     roi_modules: list[RoiModuleConfig] = Field(min_length=1, description="The modules: name, octet, type, options")
     roi_timeout_s: float = Field(0.05, gt=0, le=10, description="Resend a request unanswered for this long")
     roi_max_retries: int = Field(10, ge=0, le=100, description="Resends before a request is abandoned (lost)")
-    roi_lost_to_disconnect: int = Field(1, ge=1, le=1000, description="Abandoned requests that disconnect a module")
     roi_maintain_period_s: float = Field(0.1, gt=0, le=0.4,
                                          description="Poll period; under the modules' 500 ms watchdog")
+    roi_liveness_s: float | None = Field(
+        None, gt=0, le=60, description="Liveness budget: a module with no valid reply for this long is silent or "
+                                       "unreachable (connection false). Default: 1 s (two module watchdog periods, "
+                                       "ten polls), or one whole resend ladder plus a poll period if that is longer")
+    roi_probe_period_s: float = Field(1.0, gt=0, le=60,
+                                      description="A module that does not answer: one STATUS_REPORT probe per period")
     roi_status_every: int = Field(128, ge=1, le=100000, description="STATUS_REPORT every n maintain ticks")
     roi_gpio_reads_per_tick: int = Field(4, ge=1, le=16, description="GPIO pins read per tick (round robin)")
     roi_odrive_tolerance: float = Field(0.05, gt=0, description="Jobs: ODrive done within this many rev")
@@ -150,6 +160,22 @@ class RoiSettings(KitSettings):
     def _prefix(cls, v: str) -> str:
         return check_prefix(v)
 
+    @property
+    def ladder_s(self) -> float:
+        """How long one request may go unanswered before it is abandoned: every send, timeout_s apart."""
+        return self.roi_timeout_s * (self.roi_max_retries + 1)
+
+    def liveness_s(self, module: RoiModuleConfig) -> float:
+        """The module's liveness budget (README, "Health"). Reference roi.md §3.8/§4.4/§5.4: a module answers a
+        poll every 100 ms; its own watchdog gives up on the host after 500 ms; one request is abandoned after
+        11 sends 50 ms apart (0.55 s). 1 s is two module watchdog periods (ten polls) and holds one fully lost
+        request plus the next poll; the 12.8 s status period is no liveness signal (the polls are)."""
+        if module.liveness_s is not None:
+            return module.liveness_s
+        if self.roi_liveness_s is not None:
+            return self.roi_liveness_s
+        return max(1.0, self.ladder_s + self.roi_maintain_period_s)
+
     @model_validator(mode="after")
     def _modules(self) -> RoiSettings:
         names = [m.name for m in self.roi_modules]
@@ -159,6 +185,12 @@ class RoiSettings(KitSettings):
             raise ValueError(f"module names must be unique, got {names}")
         seen: dict[int, list[RoiModuleConfig]] = {}
         for m in self.roi_modules:
+            budget = self.liveness_s(m)
+            if budget < self.ladder_s + self.roi_maintain_period_s:
+                raise ValueError(f"module {m.name!r}: liveness budget {budget:g} s is shorter than one request's "
+                                 f"resend ladder ({self.roi_max_retries + 1} x {self.roi_timeout_s:g} s) plus a "
+                                 f"maintain period ({self.roi_maintain_period_s:g} s): one lost request would "
+                                 "make an answering module silent")
             if m.octet == self.roi_host_octet:
                 raise ValueError(f"module {m.name!r} has octet {m.octet}, this host's own (roi_host_octet)")
             if m.type == "odrive" and m.channel != 0:
@@ -193,15 +225,31 @@ class RoiModule:
         self.blacklist: set[int] = set()
         self.error_text = ""  # a type-specific error (e.g. decoded ODrive error bits)
         self.state_event = asyncio.Event()
+        # health is the kit's link supervisor's (docs/kit.md, "Health"); the budget and the probe rhythm are
+        # the README's "Health" section
+        probe = svc.settings.roi_probe_period_s
+        self.link = self.dev.supervise_link(LinkPolicy(
+            liveness_s=svc.settings.liveness_s(cfg), backoff_min_s=min(0.2, probe), backoff_max_s=probe,
+            probe_period_s=probe))
+        self.link.device_state("awaiting_status", operational=False,
+                               message="the module answers; waiting for its STATUS_REPORT")
+        self.was_live = False
+        self.show_details()
         self._bind_common()
 
-    # -- health (§4.2) ---------------------------------------------------------------------------------
+    # -- health (§4.2, on the kit's link supervisor) -----------------------------------------------------------
     @property
-    def link(self) -> LinkStats:
+    def traffic(self) -> LinkStats:
+        """The transport's counters for this module's octet."""
         return self.svc.transport.links[self.cfg.octet]
 
-    def health_fields(self) -> dict[str, Any]:
-        st, link = self.status, self.link
+    @property
+    def live(self) -> bool:
+        """Valid replies within the liveness budget (the link supervisor's `operational`)."""
+        return self.link.state is LinkState.OPERATIONAL
+
+    def details(self) -> dict[str, Any]:
+        st = self.status
         details: dict[str, Any] = {"octet": self.cfg.octet, "address": self.svc.transport.address(self.cfg.octet),
                                    "type": self.cfg.type, "channel": self.cfg.channel,
                                    "blacklist": sorted(self.blacklist)}
@@ -212,20 +260,60 @@ class RoiModule:
                 "supply_voltage": round(st.supply_volts, 3), "mac": st.mac_text,
                 "chain": {"neighbour": st.neighbour, "formed": st.state != p.ModuleState.OPERATING_WITHOUT_CHAIN
                           and st.state in p.OPERATIONAL_STATES}})
-        if not link.connected:
-            msg = (f"no reply from {details['address']} ({link.lost_since_connect} requests lost)"
-                   if link.lost_total else "waiting for the module's first reply")
-            return {"connection": False, "operational": False, "state": "disconnected" if link.lost_total
-                    else "connecting", "error": bool(link.lost_total), "error_message": msg, "details": details}
-        if st is None:
-            return {"connection": True, "operational": False, "state": "connecting", "error": False,
-                    "error_message": "waiting for the STATUS_REPORT", "details": details}
-        mismatch = self.kind_mismatch
-        operational = self.operational_state(st.state) and not mismatch
-        error = st.state in p.ERROR_STATES or mismatch or bool(self.error_text)
-        message = self.mismatch_message() if mismatch else self.error_text or self.state_message(st.state)
-        return {"connection": True, "operational": operational, "state": p.state_name(st.state), "error": error,
-                "error_message": message, "details": details}
+        return details
+
+    def show_details(self) -> None:
+        self.dev.set_health(details=self.details())
+
+    def apply_status(self, st: p.StatusReport | None) -> None:
+        """What a status of this module means for health: the module's state as the finer state name
+        (`blank_state`, `operating`, ...; operational as §4.2 and the module type say), and a fault while the
+        module reports an error (states 2/4, ODrive error bits) or is of another type (§4.2)."""
+        mismatch = st is not None and st.module_type != self.module_type
+        fault = ""
+        if mismatch:
+            fault = self.mismatch_message(st)
+        elif self.error_text:
+            fault = self.error_text
+        elif st is not None and st.state in p.ERROR_STATES:
+            fault = self.state_message(st.state)
+        if fault:
+            self.link.fault(fault)
+        else:
+            self.link.clear_fault()
+        if st is not None and not mismatch:
+            self.link.device_state(p.state_name(st.state), operational=self.operational_state(st.state),
+                                   message=self.state_message(st.state))
+
+    def sync_health(self) -> None:
+        self.apply_status(self.status)
+        self.show_details()
+
+    def on_reply(self, port: int, pkt: p.GeneralPacket | p.SysAdminPacket) -> None:
+        """Every reply that matched a request (transport callback, on the loop): valid data from this module,
+        unless another module type answers at the octet. A STATUS_REPORT's state is applied before the data, so
+        the first health of a module that comes back says what it is (`blank_state`), not `operational`."""
+        if isinstance(pkt, p.SysAdminPacket):
+            kind: int | None = None
+            if pkt.action == p.SysAdminAction.STATUS_REPORT:
+                st = p.StatusReport.decode(pkt.payload)
+                kind = st.module_type
+                if kind == self.module_type:
+                    self.apply_status(st)
+            elif pkt.action == p.SysAdminAction.PONG:
+                kind = p.Pong.decode(pkt.payload).module_type
+            if kind is not None and kind != self.module_type:
+                return  # another module type: not our module's data (the mismatch fault is set by on_status)
+            if kind is None and (self.kind_mismatch or not self.live):
+                return
+        elif self.kind_mismatch or not self.live:
+            # a general reply proves nothing about who answers: a module that comes back is recognised by its
+            # type (a STATUS_REPORT or PONG), since another module may have taken the octet meanwhile
+            return
+        self.link.data()
+
+    def on_garbage(self, reason: str) -> None:
+        self.link.garbage(reason)
 
     @property
     def kind_mismatch(self) -> bool:
@@ -233,11 +321,12 @@ class RoiModule:
         replies are not read as measurements, and its commands are refused (device_error)."""
         return self.status is not None and self.status.module_type != self.module_type
 
-    def mismatch_message(self) -> str:
-        assert self.status is not None
-        return (f"Module type mismatch: {p.module_type_name(self.status.module_type)} answers at octet "
+    def mismatch_message(self, st: p.StatusReport | None = None) -> str:
+        st = st or self.status
+        assert st is not None
+        return (f"Module type mismatch: {p.module_type_name(st.module_type)} answers at octet "
                 f"{self.cfg.octet}, configured {self.cfg.type}. Check IP octet. Nothing is sent to it but "
-                "STATUS_REPORT until the configured type answers there.")
+                "STATUS_REPORT probes until the configured type answers there.")
 
     def check_kind(self) -> None:
         if self.kind_mismatch:
@@ -256,26 +345,29 @@ class RoiModule:
         """What configures a blank module of this type (§3.3, §4.3)."""
         return ""
 
-    def update_health(self) -> None:
-        self.dev.set_health(**self.health_fields())
-
     def fault(self, kind: str, message: str) -> None:
         self.dev.emit(FAULT, RoiFault(kind=kind, message=message, ts=time.time()))  # type: ignore[arg-type]
 
-    def on_connection(self, link: LinkStats) -> None:
-        if link.connected:
+    def watch_link(self) -> None:
+        """The link's transitions as events: `connected` when the module answers (again), `disconnected` when its
+        budget passed without a valid reply (jobs wake and abort)."""
+        live = self.live
+        if live == self.was_live:
+            return
+        self.was_live = live
+        addr = self.svc.transport.address(self.cfg.octet)
+        if live:
             self.status_due = True  # it may have rebooted while away
-            self.fault("connected", f"{self.svc.transport.address(self.cfg.octet)} answers again")
+            self.fault("connected", f"{addr} answers")
         else:
-            self.fault("disconnected", f"no reply from {self.svc.transport.address(self.cfg.octet)} after "
-                                       f"{self.svc.settings.roi_max_retries + 1} sends")
+            self.fault("disconnected", f"no valid reply from {addr} within {self.link.sup.policy.liveness_s:g} s "
+                                       f"({self.link.state.value})")
             self.state_event.set()  # wake jobs: they abort
-        self.update_health()
 
     def publish_link(self) -> None:
-        s = self.link
+        s = self.traffic
         self.dev.publish(LINK, RoiLinkStats(
-            connected=s.connected, lost_packets_since_connect=s.lost_since_connect,
+            connected=self.live, lost_packets_since_connect=s.lost_since_connect,
             lost_packets_accumulated=s.lost_total, sent=s.sent, resent=s.resent, replies=s.replies,
             unmatched=s.unmatched, bad_checksum=s.bad_checksum, ts=time.time()))
 
@@ -309,22 +401,21 @@ class RoiModule:
         await asyncio.sleep(phase * period)
         while True:
             try:
-                # while the type is unknown or wrong, and as the probe of a disconnected module (what comes back
-                # may be another module), STATUS_REPORT (type-agnostic) every tick before any typed poll: another
-                # module type would take the poll for one of its own codes, and its reply read as ours is garbage
-                # (all zeros), never a measurement
-                if (self.status_due or self.status is None or self.kind_mismatch or not self.link.connected
-                        or self.tick_no % self.svc.settings.roi_status_every == 0):
-                    self.status_due = False
-                    try:
-                        await self.fetch_status()
-                    except RequestLost:
-                        # still connected (lost_to_disconnect > 1): ask again next tick; disconnected: the
-                        # reconnection asks (one probe per tick is enough)
-                        self.status_due = self.link.connected
-                        raise
-                if not self.kind_mismatch:
-                    await self.poll()
+                self.watch_link()
+                if self.live and not self.kind_mismatch:
+                    if self.status_due or self.status is None or self.tick_no % self.svc.settings.roi_status_every == 0:
+                        self.status_due = False
+                        try:
+                            await self.fetch_status()
+                        except RequestLost:
+                            self.status_due = True  # ask again next tick
+                            raise
+                    if self.live and not self.kind_mismatch:
+                        await self.poll()
+                elif self.link.next_attempt_in() <= 0:
+                    # not answering, or another module type: one STATUS_REPORT (type-agnostic: another module
+                    # type would take a typed poll for one of its own codes) per the supervisor's rhythm
+                    await self.probe()
             except (RequestLost, CommandError) as exc:
                 log.debug("maintain tick failed", extra={"device": self.cfg.name, "error": str(exc)})
             except Exception:
@@ -335,6 +426,19 @@ class RoiModule:
             if nxt < now:  # late (a lost request took its resends): skip the missed ticks, no burst
                 nxt = now + period - (now - nxt) % period
             await asyncio.sleep(nxt - now)
+
+    async def probe(self) -> None:
+        """One datagram (STATUS_REPORT), its reply awaited as long as a whole resend ladder would take (at most a
+        probe period), never resent: a module that does not answer costs one datagram per probe period."""
+        s = self.svc.settings
+        wait = min(s.ladder_s, s.roi_probe_period_s)
+        self.link.attempt()
+        rep = await self.svc.transport.probe(
+            self.cfg.octet, p.SysAdminPacket(p.SysAdminAction.STATUS_REPORT, b"", 0, s.roi_host_octet), wait)
+        if rep is None:
+            self.link.failed(f"no reply to a STATUS_REPORT probe within {wait:g} s")
+            return
+        await self.on_status(p.StatusReport.decode(rep.payload))
 
     async def poll(self) -> None:
         """One tick's request; it also keeps the module's watchdog fed."""
@@ -347,32 +451,47 @@ class RoiModule:
         return st
 
     async def on_status(self, st: p.StatusReport) -> None:
-        """§4.3: BLANK_STATE (or an uptime going backwards) means the module was reset: push what we set.
-        Not blank right after our start: the module kept running, pull its state."""
+        """§4.3: BLANK_STATE (or an uptime going backwards) means the module was reset: push what we set, then
+        read the status again at once (a successful set configures the module), so health shows the configured
+        module now rather than at the next periodic report (up to 12.8 s later). Not blank right after our
+        start: the module kept running, pull its state. Another module type: a fault, and a failed attempt."""
         prev, self.status = self.status, st
-        if st.module_type != self.module_type and (prev is None or prev.module_type != st.module_type):
-            self.fault("type_mismatch", f"module type {p.module_type_name(st.module_type)} at octet "
-                                        f"{self.cfg.octet}, configured {self.cfg.type}")
-        reset = prev is not None and (st.uptime_s < prev.uptime_s or
-                                      (st.state == p.ModuleState.BLANK_STATE and self.resets_to_blank()
-                                       and prev.state != p.ModuleState.BLANK_STATE))
+        if st.module_type != self.module_type:
+            if prev is None or prev.module_type != st.module_type:
+                self.fault("type_mismatch", f"module type {p.module_type_name(st.module_type)} at octet "
+                                            f"{self.cfg.octet}, configured {self.cfg.type}")
+            self.sync_health()
+            self.link.failed(f"{p.module_type_name(st.module_type)} answers at octet {self.cfg.octet}, "
+                             f"configured {self.cfg.type}")
+            return
+        same = prev is not None and prev.module_type == st.module_type
+        reset = same and prev is not None and (
+            st.uptime_s < prev.uptime_s or (st.state == p.ModuleState.BLANK_STATE and self.resets_to_blank()
+                                            and prev.state != p.ModuleState.BLANK_STATE))
         if reset:
             self.fault("module_reset", f"the module restarted (state {p.state_name(st.state)}, up {st.uptime_s} s)")
         blank = st.state == p.ModuleState.BLANK_STATE
-        if st.module_type == self.module_type:
-            if self.has_cache() and (reset or (blank and self.resets_to_blank())):
-                await self.push_guarded()
-            elif not self.pulled and not blank:
-                await self.pull()
+        if self.has_cache() and (reset or (blank and self.resets_to_blank())):
+            if await self.push_guarded():
+                with contextlib.suppress(RequestLost):
+                    rep = await self.sysadmin(p.SysAdminAction.STATUS_REPORT)
+                    assert rep is not None
+                    after = p.StatusReport.decode(rep.payload)
+                    if after.module_type == self.module_type:
+                        self.status = after
+        elif not self.pulled and not blank:
+            await self.pull()
         self.pulled = True
-        self.update_health()
+        self.sync_health()
 
-    async def push_guarded(self) -> None:
+    async def push_guarded(self) -> bool:
         try:
             await self.push()
             log.info("settings pushed", extra={"device": self.cfg.name})
+            return True
         except CommandError as exc:
             self.fault("push_failed", f"re-sending the cached settings failed: {exc.message}")
+            return False
 
     def resets_to_blank(self) -> bool:
         return True
@@ -480,7 +599,7 @@ class RoiModule:
             self.blacklist.add(req.octet)
         elif req.op == "remove" and req.octet is not None:
             self.blacklist.discard(req.octet)
-        self.update_health()
+        self.sync_health()
         octets = sorted(self.blacklist)
         if rep is not None and req.op == "list":
             octets = p.decode_blacklist_list(rep.payload)
@@ -605,7 +724,7 @@ class MotionModule(RoiModule, ABC):
         """The `set_velocity` command in the module's own terms."""
 
     def current_position(self) -> float:
-        if self.position is None or not self.link.connected:
+        if self.position is None or not self.live:
             raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name}: no current position (module not answering)")
         return self.position
 
@@ -621,9 +740,9 @@ class MotionModule(RoiModule, ABC):
     def admit_job(self, req: RoiMoveRequest) -> None:
         if self.dev.running_jobs():
             raise CommandError(ErrorCode.BUSY, f"{self.cfg.name} is already moving (job {self.dev.running_jobs()[0]})")
-        if not self.link.connected:
-            raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name} is not connected")
         self.check_kind()
+        if not self.live:
+            raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name} is not connected ({self.link.state.value})")
 
     async def job_absolute(self, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
         return await self.move(req.position, req, job)
@@ -653,7 +772,7 @@ class MotionModule(RoiModule, ABC):
             if job.cancelled:
                 await self.stop()
                 job.check_cancelled()
-            if not self.link.connected:
+            if not self.live:
                 raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name} disconnected during the move")
             err = self.module_error()
             if err:
@@ -720,7 +839,7 @@ class OdriveModule(MotionModule):
             self.error_text = p.odrive_error_text(a.error)
             if a.error:
                 self.fault("module_error", self.error_text)
-            self.update_health()
+            self.sync_health()
         self.state_event.set()
 
     def has_cache(self) -> bool:
@@ -975,8 +1094,9 @@ class RoiService:
         self.by_octet: dict[int, list[RoiModule]] = {}
         self.transport = RoiTransport(
             TransportConfig(settings.roi_network, settings.roi_host_octet, settings.roi_timeout_s,
-                            settings.roi_max_retries, settings.roi_lost_to_disconnect),
-            sorted({m.octet for m in settings.roi_modules}), self._on_connection, self._on_decode_error)
+                            settings.roi_max_retries),
+            sorted({m.octet for m in settings.roi_modules}), live=self._live, on_reply=self._on_reply,
+            on_garbage=self._on_garbage, on_decode_error=self._on_decode_error)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
 
@@ -985,13 +1105,17 @@ class RoiService:
             mod = MODULE_CLASSES[cfg.type](self, cfg)
             self.modules.append(mod)
             self.by_octet.setdefault(cfg.octet, []).append(mod)
-            mod.dev.set_health(connection=False, operational=False, state="connecting", error=False,
-                               error_message="waiting for the module's first reply",
-                               details={"octet": cfg.octet, "type": cfg.type})
 
-    def _on_connection(self, octet: int, link: LinkStats) -> None:
-        for m in self.by_octet.get(octet, []):
-            m.on_connection(link)
+    def _live(self, octet: int) -> bool:
+        return any(m.live for m in self.by_octet.get(octet, ()))
+
+    def _on_reply(self, octet: int, port: int, pkt: p.GeneralPacket | p.SysAdminPacket) -> None:
+        for m in self.by_octet.get(octet, ()):
+            m.on_reply(port, pkt)
+
+    def _on_garbage(self, octet: int, reason: str) -> None:
+        for m in self.by_octet.get(octet, ()):
+            m.on_garbage(reason)
 
     def _on_decode_error(self, what: str) -> None:
         self.node.count_decode_error(what)
@@ -1026,14 +1150,14 @@ class RoiService:
         for t in self._tasks:
             t.cancel()
         if self.transport._transports:
-            stops = [m.stop() for m in self.modules if isinstance(m, MotionModule) and m.link.connected
+            stops = [m.stop() for m in self.modules if isinstance(m, MotionModule) and m.live
                      and not m.kind_mismatch]
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 2.0)
         self.transport.close()
         for m in self.modules:
-            m.dev.set_health(connection=False, operational=False, state="stopped", error=False,
-                             error_message="service stopped; motors were sent a stop")
+            m.link.clear_fault()
+            m.link.stop("service stopped; motors were sent a stop")
 
 
 def check_bindable(host: str) -> None:

@@ -1,8 +1,12 @@
 """The ROI UDP network: one process owns both sockets (57344 general, 57664 SysAdmin) on the host's address.
 
 The reply is the acknowledgement (reference roi.md §5.4): a request is resent every `timeout_s` (50 ms) up to
-`max_retries` (10) times, then abandoned and counted as lost; after `lost_to_disconnect` abandoned requests
-the module is disconnected, and any matching reply connects it again.
+`max_retries` (10) times, then abandoned and counted as lost.
+
+Whether a module is alive is not decided here: the transport reports every matched reply (`on_reply`) and
+every datagram from a module that does not decode (`on_garbage`), and the service's link supervisor
+(shared/link.py) turns them into health. The caller says how a module is doing through `live(octet)`: a
+request to a module that is not live is sent once (no resend ladder to an address nothing answers).
 
 What the original Transport Agent got wrong (§5.5), fixed here:
 - replies are matched to requests by source octet, port, subDeviceID and action code (PING -> PONG): the
@@ -16,7 +20,6 @@ requests with the same key could not be told apart); different modules are serve
 per-module queue a command goes before the maintain loop's background traffic (`background_traffic()`), and
 a background request whose reply is overdue hands the module to a waiting command before it resends, so a
 command never waits out a 50 ms resend timer of maintain traffic (see `_Slot`).
-While a module is disconnected, a request is sent once (a probe) instead of being resent ten times.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ class TransportConfig:
     host_octet: int  # our own address on that network
     timeout_s: float = 0.05
     max_retries: int = 10
-    lost_to_disconnect: int = 1
     general_port: int = p.GENERAL_PORT
     sysadmin_port: int = p.SYSADMIN_PORT
 
@@ -80,9 +82,9 @@ def module_address(prefix: str, octet: int) -> str:
 
 @dataclass
 class LinkStats:
-    """One module's link, as ConnectionState (§5.2) plus what we count beyond it."""
+    """One module's traffic counters (ConnectionState of §5.2 without its liveness rule: that is the link
+    supervisor's). `lost_since_connect`: requests abandoned since the module last answered."""
 
-    connected: bool = False
     lost_since_connect: int = 0
     lost_total: int = 0
     sent: int = 0
@@ -93,7 +95,7 @@ class LinkStats:
     last_reply: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"connected": self.connected, "lost_since_connect": self.lost_since_connect,
+        return {"lost_since_connect": self.lost_since_connect,
                 "lost_total": self.lost_total, "sent": self.sent, "resent": self.resent, "replies": self.replies,
                 "unmatched": self.unmatched, "bad_checksum": self.bad_checksum}
 
@@ -186,13 +188,20 @@ class TransportTotals:
 class RoiTransport:
     """Request/reply over the ROI UDP ports; coroutines run on one asyncio loop."""
 
-    def __init__(self, cfg: TransportConfig, octets: list[int],
-                 on_connection: Callable[[int, LinkStats], None] | None = None,
+    def __init__(self, cfg: TransportConfig, octets: list[int], *,
+                 live: Callable[[int], bool] | None = None,
+                 on_reply: Callable[[int, int, p.GeneralPacket | p.SysAdminPacket], None] | None = None,
+                 on_garbage: Callable[[int, str], None] | None = None,
                  on_decode_error: Callable[[str], None] | None = None) -> None:
+        """`live(octet)`: the module answers (a request gets the resend ladder; otherwise it is sent once);
+        `on_reply(octet, port, packet)`: every reply that matched a request, before its requester sees it;
+        `on_garbage(octet, reason)`: a datagram from a served module that does not decode."""
         self.cfg = cfg
         self.links: dict[int, LinkStats] = {check_octet(o): LinkStats() for o in octets}
         self.totals = TransportTotals()
-        self.on_connection = on_connection
+        self.live = live
+        self.on_reply = on_reply
+        self.on_garbage = on_garbage
         self.on_decode_error = on_decode_error
         self._pending: dict[Key, _Pending] = {}
         self._slots: dict[tuple[int, int], _Slot] = {}
@@ -243,7 +252,14 @@ class RoiTransport:
         reply: p.SysAdminPacket = await self._request(key, pkt.encode(), retries, True)
         return reply
 
-    async def _request(self, key: Key, data: bytes, retries: int | None, counts: bool) -> Any:
+    async def probe(self, octet: int, pkt: p.SysAdminPacket, wait_s: float) -> p.SysAdminPacket | None:
+        """One datagram, its reply awaited up to `wait_s` (a module that is not live: one probe, never the
+        resend ladder); None when none came. Silence is not counted as a lost request."""
+        key = (octet, self.cfg.sysadmin_port, -1, p.sysadmin_reply_action(pkt.action))
+        return await self._request(key, pkt.encode(), 0, False, wait_s)  # type: ignore[no-any-return]
+
+    async def _request(self, key: Key, data: bytes, retries: int | None, counts: bool,
+                       wait_s: float | None = None) -> Any:
         octet, port = key[0], key[1]
         link = self.links.get(octet)
         if link is None:
@@ -255,14 +271,17 @@ class RoiTransport:
         if slot is None:
             slot = self._slots[(octet, port)] = _Slot()
         if retries is None:
-            retries = self.cfg.max_retries if link.connected or link.replies == 0 else 0
+            retries = self.cfg.max_retries if self.live is None or self.live(octet) else 0
         dest = (self.address(octet), port)
         loop = asyncio.get_running_loop()
         urgent = not _BACKGROUND.get()
         await slot.acquire(urgent, key, data)
         held = True
+        sends = 0
         try:
             for attempt in range(retries + 1):
+                if attempt and self.live is not None and not self.live(octet):
+                    break  # the module stopped answering meanwhile: no more resends to it
                 if attempt and not urgent and slot.command_waiting(key, data):
                     # our reply is overdue (lost, or the module is slow): let the waiting command go first
                     # rather than make it wait out our resends, then queue again
@@ -273,8 +292,9 @@ class RoiTransport:
                     held = True
                 fut: asyncio.Future[Any] = loop.create_future()
                 self._pending[key] = _Pending(fut, time.monotonic())
-                timer = loop.call_later(self.cfg.timeout_s, _expire, fut)
+                timer = loop.call_later(wait_s or self.cfg.timeout_s, _expire, fut)
                 tr.sendto(data, dest)
+                sends += 1
                 link.sent += 1
                 if attempt:
                     link.resent += 1
@@ -292,19 +312,8 @@ class RoiTransport:
             return None
         link.lost_since_connect += 1
         link.lost_total += 1
-        if link.connected and link.lost_since_connect >= self.cfg.lost_to_disconnect:
-            link.connected = False
-            log.warning("module disconnected", extra={"octet": octet, "lost_total": link.lost_total})
-            self._notify(octet, link)
-        raise RequestLost(f"no reply from {dest[0]}:{port} after {retries + 1} sends "
+        raise RequestLost(f"no reply from {dest[0]}:{port} after {sends} sends "
                           f"{self.cfg.timeout_s * 1000:.0f} ms apart")
-
-    def _notify(self, octet: int, link: LinkStats) -> None:
-        if self.on_connection is not None:
-            try:
-                self.on_connection(octet, link)
-            except Exception:
-                log.exception("connection callback failed")
 
     # -- replies -------------------------------------------------------------------------------------
     def _decode_error(self, reason: str, what: str) -> None:
@@ -339,6 +348,11 @@ class RoiTransport:
             if exc.reason == "checksum":
                 link.bad_checksum += 1  # dropped: the request is resent (the original never dropped, §2.4)
             self._decode_error(exc.reason, f"octet {octet} port {port}: {exc}")
+            if self.on_garbage is not None:
+                try:
+                    self.on_garbage(octet, f"port {port}: {exc}")
+                except Exception:
+                    log.exception("garbage callback failed")
             return
         pend = self._pending.get(key)
         if pend is None or pend.fut.done():
@@ -347,13 +361,12 @@ class RoiTransport:
             return
         link.replies += 1
         link.last_reply = time.monotonic()
-        if not link.connected or link.lost_since_connect:
-            was = link.connected
-            link.connected = True
-            link.lost_since_connect = 0
-            if not was:
-                log.info("module connected", extra={"octet": octet})
-                self._notify(octet, link)
+        link.lost_since_connect = 0
+        if self.on_reply is not None:
+            try:
+                self.on_reply(octet, port, pkt)
+            except Exception:
+                log.exception("reply callback failed")
         pend.fut.set_result(pkt)
 
 

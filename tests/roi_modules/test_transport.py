@@ -1,4 +1,5 @@
-"""The transport against the simulator on loopback: matching, resends, losses, (dis)connection, counters."""
+"""The transport against the simulator on loopback: matching, resends, losses, replies and garbage reported,
+counters."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 from services.roi_modules import protocol as p
 from services.roi_modules.sim import RoiSim, SimModuleSpec
 from services.roi_modules.transport import (
-    LinkStats,
     RequestLost,
     RoiTransport,
     TransportConfig,
@@ -37,14 +37,19 @@ def sim() -> Iterator[RoiSim]:
 COUNTING_TIMEOUT_S = 0.25
 
 
-def run(sim: RoiSim, body, **cfg):  # type: ignore[no-untyped-def]
-    events: list[tuple[int, bool]] = []
+def run(sim: RoiSim, body, live=None, **cfg):  # type: ignore[no-untyped-def]
+    """`events`: what the transport reported, (octet, "reply" | "garbage")."""
+    events: list[tuple[int, str]] = []
 
-    def on_conn(octet: int, link: LinkStats) -> None:
-        events.append((octet, link.connected))
+    def on_reply(octet: int, port: int, pkt: object) -> None:
+        events.append((octet, "reply"))
+
+    def on_garbage(octet: int, reason: str) -> None:
+        events.append((octet, "garbage"))
 
     async def main():  # type: ignore[no-untyped-def]
-        tr = RoiTransport(TransportConfig(sim.prefix, 100, **cfg), OCTETS, on_conn)
+        tr = RoiTransport(TransportConfig(sim.prefix, 100, **cfg), OCTETS, live=live, on_reply=on_reply,
+                          on_garbage=on_garbage)
         await tr.open()
         try:
             return await body(tr, events)
@@ -82,37 +87,47 @@ def test_replies_match_requests_by_octet_port_subdevice_action(sim: RoiSim) -> N
         assert [r.action for r in reps] == [p.OdriveAction.GET_ALL, p.ActuatorAction.GET_CURRENT_LENGTH,
                                             p.SysAdminAction.STATUS_REPORT, p.GpioAction.READ]
         for o in OCTETS:
-            assert tr.links[o].resent == 0 and tr.links[o].lost_total == 0 and tr.links[o].connected
+            assert tr.links[o].resent == 0 and tr.links[o].lost_total == 0
         return events
 
     events = run(sim, body, timeout_s=COUNTING_TIMEOUT_S)
-    assert sorted(events) == [(10, True), (20, True), (30, True)]
+    assert sorted(events) == [(10, "reply")] * 3 + [(20, "reply")] * 2 + [(30, "reply")]
 
 
-def test_lost_requests_are_resent_then_abandoned_and_disconnect(sim: RoiSim) -> None:
+def test_lost_requests_are_resent_then_abandoned(sim: RoiSim) -> None:
+    """The resend ladder while the caller says the module is live; one send while it says not; a probe is one
+    datagram whose silence is not a lost request. Liveness itself is the service's link supervisor's."""
+    live = {"20": True}
+
     async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
         await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))
         sim.set_faults(20, drop_next=3)
         await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))  # the 4th send gets through
         link = tr.links[20]
-        assert link.resent == 3 and link.lost_total == 0 and link.connected
+        assert link.resent == 3 and link.lost_total == 0
         sim.set_faults(20, offline=True)
         t0 = time.monotonic()
         with pytest.raises(RequestLost):
             await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))
         assert time.monotonic() - t0 >= 10 * COUNTING_TIMEOUT_S * 0.9  # 1 + 10 sends, timeout_s apart
-        assert link.lost_total == 1 and link.lost_since_connect == 1 and not link.connected
+        assert link.lost_total == 1 and link.lost_since_connect == 1
+        live["20"] = False
         sent = link.sent
-        with pytest.raises(RequestLost):  # disconnected: one probe, not eleven sends
+        with pytest.raises(RequestLost):  # not live: one send, not eleven
             await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))
         assert link.sent == sent + 1 and link.lost_total == 2
+        probe = p.SysAdminPacket(p.SysAdminAction.STATUS_REPORT, origin=100)
+        assert await tr.probe(20, probe, 0.2) is None  # one datagram, silence not counted as lost
+        assert link.sent == sent + 2 and link.lost_total == 2
         sim.set_faults(20, offline=False)
-        await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))  # any matching reply reconnects
-        assert link.connected and link.lost_since_connect == 0 and link.lost_total == 2
+        rep = await tr.probe(20, probe, 2.0)
+        assert rep is not None and rep.action == p.SysAdminAction.STATUS_REPORT
+        await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))
+        assert link.lost_since_connect == 0 and link.lost_total == 2
         return events
 
-    events = run(sim, body, timeout_s=COUNTING_TIMEOUT_S)
-    assert [e for e in events if e[0] == 20] == [(20, True), (20, False), (20, True)]
+    events = run(sim, body, live=lambda octet: live[str(octet)], timeout_s=COUNTING_TIMEOUT_S)
+    assert [e for e in events if e[0] == 20] == [(20, "reply")] * 4
 
 
 def test_unmatched_and_corrupt_replies_are_counted(sim: RoiSim) -> None:
@@ -131,7 +146,8 @@ def test_unmatched_and_corrupt_replies_are_counted(sim: RoiSim) -> None:
         assert link.bad_checksum == 3 and tr.totals.by_reason["checksum"] == 3
         return events
 
-    run(sim, body, timeout_s=COUNTING_TIMEOUT_S)
+    events = run(sim, body, timeout_s=COUNTING_TIMEOUT_S)
+    assert events.count((10, "garbage")) == 3 and events.count((10, "reply")) == 1  # the duplicate: neither
 
 
 def test_sysadmin_reply_with_bad_checksum_is_dropped_and_counted(sim: RoiSim) -> None:
@@ -155,7 +171,7 @@ def test_blacklist_reply_never_sent_does_not_disconnect(sim: RoiSim) -> None:
                                 expect_reply=False)
         assert rep is None
         link = tr.links[10]
-        assert link.connected and link.lost_total == 0 and link.sent == 2
+        assert link.lost_total == 0 and link.sent == 2
         assert sim.call(10, lambda fw: 42 in fw.blacklist)
         return events
 
