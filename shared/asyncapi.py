@@ -29,7 +29,18 @@ from pydantic.json_schema import models_json_schema
 
 from shared.codegen_schema import name_inline_schemas, pascal
 from shared.contract import NAME_RE, BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
-from shared.messages import CancelReply, ErrorReply, Health, JobAccepted, JobResult, NodeStats, OkReply, Status
+from shared.messages import (
+    CancelReply,
+    ErrorReply,
+    Health,
+    JobAccepted,
+    JobResult,
+    NodeStats,
+    OkReply,
+    Status,
+    StopAnswer,
+    StopState,
+)
 from shared.registry import service_apis
 
 REF = "#/components/schemas/{model}"
@@ -195,6 +206,26 @@ class DocBuilder:
                      "Retained, on the heartbeat: command outcomes, publishes, decode errors, reconnects.",
                      retain=True, kind="state")
         self.operation("publishNodeStats", "send", "nodeStats", "Kit statistics", retain=True)
+        # the bus-wide software stop (shared/stop.py; docs/kit.md "Stopping everything"): not a hardware e-stop
+        self.channel("stop", "{root}/_stop",
+                     {"StopState": self.message("StopState", self.model(StopState), title="Bus stop",
+                                                summary="The latched software stop of this topic root")},
+                     "Retained, QoS 1: the latched software stop of every motion device under this topic root (it "
+                     "does not replace a hardware emergency stop). Written by the operator role only (`robobus "
+                     "stop`, `robobus stop --release`, Home Assistant's button); every node reads it before it "
+                     "accepts a motion command. While `active`, motion commands answer `stopped`; a release "
+                     "(`active: false`) lets a device move again on its next command, never by itself. An "
+                     "unreadable message counts as an active stop; an empty retained message as a release.",
+                     retain=True, qos=1, kind="stop")
+        self.operation("setStop", "receive", "stop", "Set or release the bus stop", qos=1, retain=True)
+        self.channel("stopAnswer", "{root}/{node}/_node/state/stop",
+                     {"StopAnswer": self.message("StopAnswer", self.model(StopAnswer), title="Stop answer",
+                                                 summary="A node's answer to the latest stop or release")},
+                     "Retained: a node's answer to the latest StopState it read (`stop_ts` names it), per motion "
+                     "device: held stopped, and when the stop reached the device as the service reports it; "
+                     "published when read and again as each device reports.", retain=True, qos=1, kind="state")
+        self.operation("publishStopAnswer", "send", "stopAnswer", "A node's answer to the bus stop", qos=1,
+                       retain=True)
         # every command's reply message joins these two as the commands are added (see command())
         self.channel("responseTopic", None, {},
                      f"A command's reply, on {REPLY_TOPIC}: the address is the request's (operations' "

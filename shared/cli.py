@@ -3,6 +3,7 @@
     robobus status                       every node and device, from retained status and health
     robobus call NODE/DEVICE CMD '{..}'  any command; jobs show a progress bar until their result
     robobus watch 'robobus/#'            live messages
+    robobus stop [--reason R]            the bus-wide software stop (not a hardware e-stop); --release lifts it
     robobus schema                       write docs/asyncapi.yaml and docs/schemas/*.json
     robobus schema --root R --out -      print the document for the topic root R
 """
@@ -226,6 +227,75 @@ def watch(
         pass
     finally:
         c.close()
+
+
+@app.command()
+def stop(
+    reason: Annotated[str, typer.Option(help="Why (shown in every motion device's health)")] = "",
+    source: Annotated[str | None, typer.Option(help="Who (default: user@host)")] = None,
+    release: Annotated[bool, typer.Option("--release", help="Release the stop (devices move again only on a "
+                                                            "new command)")] = False,
+    broker: Broker = None,
+    root: Root = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for every online node's answer")] = 5.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the answers as JSON")] = False,
+) -> None:
+    """The bus-wide software stop of the topic root: every motion device stops at once and motion commands are
+    refused until `robobus stop --release`. It does not replace a hardware emergency stop. Prints what each
+    node answered; exit 0 when every online node answered (each device's stop written), 1 otherwise."""
+    import getpass
+
+    from shared.messages import StopState
+    from shared.settings import hostname
+    from shared.stop import send_stop, stop_topic
+
+    who = f"{getpass.getuser()}@{hostname()}" if source is None else source
+    try:
+        state = StopState(active=not release, source=who, reason=reason, ts=time.time())
+    except ValueError as exc:
+        err_console.print(f"[red]robobus: {exc}[/red]")
+        raise typer.Exit(2) from None
+    c = _client(broker, root)
+    try:
+        rnd = send_stop(c, state, timeout)
+    except ConnectionError as exc:
+        err_console.print(f"[red]robobus: {exc}[/red]")
+        raise typer.Exit(3) from None
+    finally:
+        c.close()
+    silent, failed = rnd.silent(), rnd.failed()
+    if as_json:
+        print(json.dumps({"stop": state.model_dump(), "online": sorted(rnd.online), "silent": silent,
+                          "answers": {n: a.model_dump() for n, a in sorted(rnd.answers.items())}}, indent=2))
+    else:
+        what = "released" if release else "stop set"
+        console.print(f"{what} on {stop_topic(c.root)} by {who}" + (f": {reason}" if reason else ""))
+        table = Table(title=f"answers of the nodes online under {c.root}/")
+        for col in ("node", "device", "answer", "stop reached the device"):
+            table.add_column(col)
+        for node in sorted(set(rnd.online) | set(rnd.answers)):
+            a = rnd.answers.get(node)
+            if a is None:
+                table.add_row(node, "", f"[red]no answer within {timeout:g} s[/]", "")
+                continue
+            if not a.devices:
+                table.add_row(node, "-", "answered (no motion device)", "")
+            for i, d in enumerate(a.devices):
+                if d.error:
+                    ans = f"[red]stop action failed: {d.error}[/]"
+                elif not release and d.pending:
+                    ans = f"[yellow]stop sent, not yet confirmed within {timeout:g} s[/]"
+                else:
+                    ans = "[green]stopped[/]" if d.stopped else "released"
+                when = (f"+{(d.written_ts - state.ts) * 1000:.0f} ms" if d.written_ts is not None else "")
+                table.add_row(node if i == 0 else "", d.device, ans, when)
+        console.print(table)
+        if not rnd.online:
+            console.print(f"no node online under {c.root}/: the stop is latched and holds each node as it starts")
+        elif silent:
+            console.print(f"[red]{len(silent)} of {len(rnd.online)} online nodes did not answer in full: "
+                          f"{', '.join(silent)}[/]")
+    raise typer.Exit(1 if silent or failed else 0)
 
 
 @app.command()

@@ -85,6 +85,9 @@ class CommandSpec:
     # document lists both, and the contract tests hold the service to them.
     errors: tuple[ErrorCode, ...] = ()
     # Synchronous handlers run on the command pool; the network loop never waits on them.
+    # A motion command makes something move: refused with `stopped` while the bus stop is active, and with
+    # `unavailable` until the node has read the stop (shared/stop.py), before the handler runs.
+    motion: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class JobSpec:
     result: type[BaseModel]
     doc: str = ""
     errors: tuple[ErrorCode, ...] = ()  # codes of the refusal (admit) or of the job_result's error
+    motion: bool = False  # as CommandSpec.motion; a running motion job is cancelled by the stop (`stopped`)
 
 
 @dataclass(frozen=True)
@@ -117,11 +121,16 @@ class StreamSpec:
 KIT_ERRORS = (ErrorCode.INVALID_REQUEST, ErrorCode.NOT_FOUND, ErrorCode.INTERNAL)
 # A cancelled job ends with a job_result whose error code is `busy`.
 JOB_ERRORS = (ErrorCode.BUSY,)
+# What the kit answers a motion command (or job) with: `stopped` while the bus stop is active (a motion job the stop
+# cancels ends with it too), `unavailable` while the node has not yet read the stop (shared/stop.py).
+MOTION_ERRORS = (ErrorCode.STOPPED, ErrorCode.UNAVAILABLE)
 
 
 def command_errors(spec: CommandSpec | JobSpec) -> list[ErrorCode]:
     """Every code a command's reply (and, for a job, its job_result) may carry, in ErrorCode order."""
     codes = set(KIT_ERRORS) | set(spec.errors) | (set(JOB_ERRORS) if isinstance(spec, JobSpec) else set())
+    if spec.motion:
+        codes |= set(MOTION_ERRORS)
     return [c for c in ErrorCode if c in codes]
 
 
@@ -185,21 +194,23 @@ class ServiceAPI:
 
     def command(
         self, name: str, request: type[BaseModel], reply: type[BaseModel], *, doc: str = "",
-        errors: Iterable[ErrorCode | str] = (),
+        errors: Iterable[ErrorCode | str] = (), motion: bool = False,
     ) -> CommandSpec:
+        """`motion=True`: the command makes something move, so the bus stop refuses it (shared/stop.py)."""
         if name in self.jobs:
             raise ValueError(f"{self.service}: command {name!r} already declared as a job")
         self._free(name, self.commands, "command")  # type: ignore[arg-type]
-        spec = CommandSpec(name, request, reply, doc, _codes(errors))
+        spec = CommandSpec(name, request, reply, doc, _codes(errors), motion)
         self.commands[name] = spec
         return spec
 
     def job(self, name: str, request: type[BaseModel], result: type[BaseModel], *, doc: str = "",
-            errors: Iterable[ErrorCode | str] = ()) -> JobSpec:
+            errors: Iterable[ErrorCode | str] = (), motion: bool = False) -> JobSpec:
+        """`motion=True`: refused while the bus stop is active, and cancelled by it while it runs."""
         if name in self.commands:
             raise ValueError(f"{self.service}: job {name!r} already declared as a command")
         self._free(name, self.jobs, "job")  # type: ignore[arg-type]
-        spec = JobSpec(name, request, result, doc, _codes(errors))
+        spec = JobSpec(name, request, result, doc, _codes(errors), motion)
         self.jobs[name] = spec
         # Jobs bring the kit's job events and the cancel command with them.
         self.events.setdefault(JOB_PROGRESS.name, JOB_PROGRESS)

@@ -36,6 +36,7 @@ from shared.mqtt import MqttSession
 from shared.payloads import describe_validation_error, dump, error_info
 from shared.ratecap import FlushSchedule, RateSlot
 from shared.settings import KitSettings
+from shared.stop import StopAction, StopLatch
 
 log = logging.getLogger("robobus.device")
 
@@ -56,6 +57,7 @@ class NodeServices(Protocol):
     session: MqttSession
     counters: Counters
     flush_schedule: FlushSchedule
+    stop_latch: StopLatch
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
                 content_type: str | None = "application/json") -> None: ...
@@ -85,6 +87,12 @@ class Device:
         self.jobs: dict[str, tuple[JobSpec, Handler, Handler | None]] = {}
         self.running: dict[str, JobContext] = {}
         self.slots: dict[str, RateSlot] = {}
+        # the bus stop (shared/stop.py): the service's stop action, and the motion jobs it concerns
+        self.stop_action: StopAction | None = None
+        self.stop_inline = False
+        self._motion = False
+        self._job_gens: dict[str, int] = {}  # motion job id -> the stop activation count it was admitted at
+        self._stopped_jobs: dict[str, str] = {}  # motion job id -> why the stop cancelled it
 
     # -- health --------------------------------------------------------------------------------
     @property
@@ -117,6 +125,11 @@ class Device:
             h = dict(self._health)
         if self.link is not None:
             h["details"] = {**h.get("details", {}), "link": self.link.details()}
+        stopped = self.node.stop_latch.overlay(self.name) if self._motion else None
+        if stopped is not None:  # the bus stop: what the device does now, over what its link says
+            detail = stopped.pop("stop")
+            h.update(stopped)
+            h["details"] = {**h.get("details", {}), "stop": detail}
         return Health(service=self.node.api.service, node=self.node.name, device=self.name,
                       version=self.node.version, ts=time.time(), **h)
 
@@ -181,6 +194,36 @@ class Device:
 
         self.node.session.subscribe(f"{self.base}/stream/{spec.name}", _recv, qos=spec.qos)
 
+    # -- the bus stop (shared/stop.py) -----------------------------------------------------------
+    @property
+    def motion(self) -> bool:
+        """A motion device: it has a stop action or motion commands; the bus stop holds it."""
+        return self._motion
+
+    def on_stop(self, action: StopAction, *, inline: bool = False) -> None:
+        """The service's stop action for this device: `action(stop: StopState)`, called at once whenever the bus
+        stop becomes active (and again after a motion command that ran across it). It runs on a thread of its
+        own, on the MQTT network thread with `inline=True` (it must only enqueue), or on the service's loop for
+        an `async def`. It returns the Unix time the stop reached the device, None (it has, by the return), or
+        `shared.stop.LATER` (then call `stop_written(at)` when the device confirms)."""
+        if inline and inspect.iscoroutinefunction(action):
+            raise ValueError(f"{self.name}: an inline stop action must be synchronous")
+        self.stop_action = action
+        self.stop_inline = inline
+        self._motion = True
+
+    def stop_written(self, at: float | None = None, error: str = "") -> None:
+        """The current stop reached the device at `at` (Unix time, default now), or failed (`error`): shows in
+        the node's stop answer and the device's health."""
+        self.node.stop_latch.report(self.name, None, time.time() if at is None else at, error)
+
+    def cancel_motion_jobs(self, why: str) -> None:
+        for job_id, ctx in list(self.running.items()):
+            entry = self.jobs.get(ctx.command)
+            if entry is not None and entry[0].motion:
+                self._stopped_jobs[job_id] = why
+                ctx.cancel()
+
     # -- commands and jobs -----------------------------------------------------------------------
     def bind(self, spec: CommandSpec, handler: Handler, *, inline: bool = False) -> None:
         """handler(request_model) -> reply model or dict; may be `async def` (runs on node.loop).
@@ -194,6 +237,7 @@ class Device:
         if inline and inspect.iscoroutinefunction(handler):
             raise ValueError(f"command {spec.name!r}: an inline handler must be synchronous")
         self.commands[spec.name] = (spec, handler)
+        self._motion = self._motion or spec.motion
         if inline:
             self.inline.add(spec.name)
         else:
@@ -205,16 +249,20 @@ class Device:
         if self.node.api.jobs.get(spec.name) is not spec:
             raise KeyError(f"job {spec.name!r} is not declared on {self.node.api.service}'s API")
         self.jobs[spec.name] = (spec, run, admit)
+        self._motion = self._motion or spec.motion
         if CANCEL.name not in self.commands:
             self.commands[CANCEL.name] = (CANCEL, self._cancel)
 
     def running_jobs(self) -> list[str]:
         return list(self.running)
 
-    def start_job(self, spec: JobSpec, run: Handler, req: BaseModel) -> JobAccepted:
-        """Run `run(req, ctx)` on its own thread; emit exactly one `job_result` when it ends."""
+    def start_job(self, spec: JobSpec, run: Handler, req: BaseModel, motion_gen: int | None = None) -> JobAccepted:
+        """Run `run(req, ctx)` on its own thread; emit exactly one `job_result` when it ends. `motion_gen`: the
+        stop's activation count a motion job was admitted at (shared/stop.py)."""
         job_id = uuid.uuid4().hex[:12]
         ctx = JobContext(self.emit, job_id, spec.name)
+        if motion_gen is not None:
+            self._job_gens[job_id] = motion_gen
         self.running[job_id] = ctx
         threading.Thread(target=self._job_body, args=(spec, run, req, ctx), name=f"job-{spec.name}-{job_id}",
                          daemon=True).start()
@@ -232,8 +280,10 @@ class Device:
             res = JobResult(job_id=job_id, command=spec.name, ok=True, result=payload,
                             duration_s=time.monotonic() - t0, ts=time.time())
         except JobCancelled:
-            res = JobResult(job_id=job_id, command=spec.name, ok=False, cancelled=True,
-                            error=ErrorInfo(code=ErrorCode.BUSY, message="cancelled by request"),
+            why = self._stopped_jobs.get(job_id)
+            error = ErrorInfo(code=ErrorCode.STOPPED, message=why) if why else \
+                ErrorInfo(code=ErrorCode.BUSY, message="cancelled by request")
+            res = JobResult(job_id=job_id, command=spec.name, ok=False, cancelled=True, error=error,
                             duration_s=time.monotonic() - t0, ts=time.time())
         except Exception as exc:
             res = JobResult(job_id=job_id, command=spec.name, ok=False, cancelled=ctx.cancelled,
@@ -241,6 +291,10 @@ class Device:
                             ts=time.time())
         finally:
             self.running.pop(job_id, None)
+            self._stopped_jobs.pop(job_id, None)
+            gen = self._job_gens.pop(job_id, None)
+            if gen is not None:
+                self.node.stop_latch.done(self, gen)
         if not res.ok:
             self.node.counters.failed(res.error.code.value if res.error else "internal")
         self.emit(JOB_RESULT, res)

@@ -5,7 +5,8 @@ paho's network thread only routes: a request is handed to the command pool (wait
 `inline`, handled on the network thread itself; or, for `async def` handlers of a service with an event
 loop, straight to that loop, where the handler runs anyway: no pool thread blocks on it and the request
 makes one thread hop instead of three), validated straight from its bytes with `model_validate_json`,
-run, and answered on its Response Topic (or `<topic>/reply`) with its Correlation Data."""
+run, and answered on its Response Topic (or `<topic>/reply`) with its Correlation Data. A motion command or job
+passes the bus stop's gate (shared/stop.py) right before its handler runs."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from shared.errors import CommandError, ErrorCode
 from shared.messages import JobAccepted
 from shared.mqtt import MqttSession, PublishProperties
 from shared.payloads import Serialized, describe_validation_error, dump, error_info
+from shared.stop import StopLatch
 from shared.workers import CommandPool
 
 OK_PREFIX = b'{"ok":true,"result":'
@@ -46,8 +48,9 @@ class CommandDispatcher:
     def __init__(self, node_name: str, base: str, devices: Mapping[str, Device], session: MqttSession,
                  counters: Counters, run_coro: Callable[[Awaitable[Any], float | None], Any], workers: int,
                  get_loop: Callable[[], asyncio.AbstractEventLoop | None] | None = None,
-                 handoff_s: float = 0.001) -> None:
+                 handoff_s: float = 0.001, stop: StopLatch | None = None) -> None:
         self.node_name = node_name
+        self.stop = stop
         self.handoff_s = handoff_s  # (workers.CommandPool.handoff)
         self.get_loop = get_loop
         self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
@@ -147,8 +150,15 @@ class CommandDispatcher:
                            response_topic: str | None, correlation: bytes | None, qos: int) -> None:
         """`handle` for an `async def` handler, on the service's loop: same validation, errors and reply."""
         try:
-            cspec, handler = self.devices[device_name].commands[command]
-            out = await handler(_validate_request(cspec.request, payload))
+            dev = self.devices[device_name]
+            cspec, handler = dev.commands[command]
+            req = _validate_request(cspec.request, payload)
+            gen = self._admit() if cspec.motion else None
+            try:
+                out = await handler(req)
+            finally:
+                if gen is not None and self.stop is not None:
+                    self.stop.done(dev, gen)
             body = OK_PREFIX + _result(cspec.reply, out) + b"}"
             self.counters.ok()
         except Exception as exc:
@@ -170,16 +180,53 @@ class CommandDispatcher:
         req = _validate_request(req_model, payload)
         if job is not None:
             spec, run, admit = job
+            gen = self._admit() if spec.motion else None
             if admit is not None:
                 r = admit(req)
                 if inspect.isawaitable(r):
                     self.run_coro(r, 30.0)
-            return dump(JobAccepted, dev.start_job(spec, run, req))
+            return dump(JobAccepted, dev.start_job(spec, run, req, gen))
         cspec, handler = entry  # type: ignore[misc]
+        if cspec.motion:
+            return self._motion(dev, cspec.reply, handler, req)
         out = handler(req)
         if inspect.isawaitable(out):
             out = self.run_coro(out, None)
         return _result(cspec.reply, out)
+
+    def _admit(self) -> int:
+        """The bus stop's gate: `stopped` while it is active, `unavailable` until it is known."""
+        if self.stop is None:
+            return 0
+        return self.stop.admit()
+
+    def _motion(self, dev: Device, reply: type[BaseModel], handler: Callable[[Any], Any], req: BaseModel) -> bytes:
+        """A motion command: through the gate, and if a stop came while it ran, the device's stop action again
+        when it returns (for an inline handler's `Deferred`, when its rest returns)."""
+        gen = self._admit()
+        stop = self.stop
+        try:
+            out = handler(req)
+            if inspect.isawaitable(out):
+                out = self.run_coro(out, None)
+        except Deferred as d:
+            rest = d.finish
+
+            def finish() -> Any:
+                try:
+                    return rest()
+                finally:
+                    if stop is not None:
+                        stop.done(dev, gen)
+            d.finish = finish
+            raise
+        except BaseException:
+            if stop is not None:
+                stop.done(dev, gen)
+            raise
+        if stop is not None:
+            stop.done(dev, gen)
+        return _result(reply, out)
 
 
 def _result(model: type[BaseModel], out: Any) -> bytes:

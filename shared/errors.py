@@ -14,6 +14,7 @@ class ErrorCode(StrEnum):
     DEVICE_ERROR = "device_error"  # the device answered with an error
     FORBIDDEN = "forbidden"  # the request is not allowed (path outside a sandbox, lease held by another)
     INTERNAL = "internal"  # a bug in the service: the handler raised something unexpected
+    STOPPED = "stopped"  # a motion command refused (or a motion job ended) by the bus-wide stop (shared/stop.py)
 
 
 class CommandError(Exception):

@@ -118,3 +118,45 @@ class NodeStats(BaseModel):
     reconnects: int
     uptime_s: float
     ts: float
+
+
+class StopState(BaseModel):
+    """`{root}/_stop`, retained, QoS 1: the latched bus-wide software stop of one topic root (shared/stop.py).
+    Not a hardware emergency stop. Written by the operator role only (`robobus stop`, `robobus stop --release`,
+    Home Assistant's button); every node reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+    active: bool = Field(description="true: every motion device stops and motion commands are refused; "
+                                     "false: released (nothing moves until a new command)")
+    source: str = Field(min_length=1, max_length=200, description="Who set or released it, e.g. 'alice@lab-pc'")
+    reason: str = Field(default="", max_length=500, description="Why, in the operator's words")
+    ts: float = Field(description="Unix time (s) when it was set or released; names this stop in the answers")
+
+
+class StopDeviceAnswer(BaseModel):
+    """What one device of a node did about a stop or release."""
+
+    model_config = ConfigDict(extra="forbid")
+    device: str
+    stopped: bool = Field(description="The device is held stopped (false after a release)")
+    pending: bool = Field(description="The service has not yet reported that the stop reached the device")
+    written_ts: float | None = Field(
+        default=None, description="Unix time (s) the stop reached the device, as the service reports it (its "
+                                  "deadman's write), not when it was decided; null while pending or on release")
+    error: str = Field(default="", description="The service's stop action failed: how")
+
+
+class StopAnswer(BaseModel):
+    """`{root}/{node}/_node/state/stop`, retained: a node's answer to the latest stop or release it read,
+    published when it read it and again as each device's stop action reports."""
+
+    model_config = ConfigDict(extra="forbid")
+    node: str
+    service: str
+    active: bool = Field(description="The stop (true) or release (false) this answers")
+    stop_ts: float = Field(description="The `ts` of the StopState answered")
+    source: str
+    reason: str
+    received_ts: float = Field(description="Unix time (s) when the node read the StopState")
+    devices: list[StopDeviceAnswer] = Field(description="The node's motion devices")
+    ts: float

@@ -36,6 +36,7 @@ from shared.mqtt import MqttSession, Will, unique_client_id
 from shared.payloads import content_props, describe_validation_error, dump
 from shared.ratecap import FlushSchedule, RateSlot
 from shared.settings import KitSettings, hostname
+from shared.stop import StopLatch
 
 log = logging.getLogger("robobus.node")
 
@@ -69,9 +70,12 @@ class Node:
         will = Will(f"{self.base}/status", self._status(False, "connection lost").model_dump_json().encode())
         self.session = MqttSession(settings, unique_client_id(f"{api.service}-{self.name}"), will)
         self.session.on_connect(self._on_connected)
+        # the bus stop (shared/stop.py): subscribed before the commands, read before the first motion command
+        self.stop_latch = StopLatch(settings.topic_root, self.name, api.service, self.session,
+                                    lambda: list(self.devices.values()), self.counters, lambda: self.loop)
         self.dispatcher = CommandDispatcher(self.name, self.base, self.devices, self.session, self.counters,
                                             self.run_coro, settings.command_workers, lambda: self.loop,
-                                            handoff_s=settings.command_handoff_ms / 1000)
+                                            handoff_s=settings.command_handoff_ms / 1000, stop=self.stop_latch)
         self.session.subscribe(f"{self.base}/+/cmd/+", self.dispatcher.on_message, qos=1)
         self._house = threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True)
 
@@ -103,6 +107,10 @@ class Node:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        for dev in self.devices.values():
+            if dev.motion and dev.stop_action is None:
+                log.warning("motion device without a stop action (Device.on_stop): the bus stop refuses its motion "
+                            "commands but sends it nothing", extra={"device": dev.name})
         self.session.start()
         self._house.start()
 

@@ -123,6 +123,7 @@ function advice(code: ErrorCode): string {
     case 'device_error': return 'the device refused: see the message';
     case 'forbidden': return 'not allowed';
     case 'internal': return 'a bug in the service: report it';
+    case 'stopped': return 'the bus stop is active: motion waits for `robobus stop --release`, then a new command';
     default: {
       const unhandled: never = code;
       return unhandled;

@@ -1,0 +1,353 @@
+"""The bus-wide software stop (shared/stop.py) against a real broker: motion commands refused with `stopped` and
+accepted after the release, read-only commands answered throughout, each motion device's stop action called at
+once, health `stopped` with source and reason and back on release, a node started under an active stop comes up
+stopped, running motion jobs and commands that race the stop, and every message as the AsyncAPI document says."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from shared import Node
+from shared.asyncapi import ContractValidator, build_document
+from shared.contract import command_errors
+from shared.errors import CommandError, ErrorCode
+from shared.messages import StopAnswer, StopState
+from shared.rpc import RpcClient, wait_for
+from shared.stop import answer_topic, stop_topic
+from tests.fixtures import Broker
+from tests.kit import motion_node
+from tests.kit.motion_node import API, Wheel, build
+
+DEADLINE = 20.0  # generous: the machine is shared
+
+
+class Bus:
+    """A test's own topic root on the session broker (the stop is per root: no other test sees this one), a
+    client, and what it saw on the root: every message, validated against the AsyncAPI document."""
+
+    def __init__(self, broker: Broker, root: str) -> None:
+        self.broker = broker
+        self.root = root
+        self.client = RpcClient(broker.settings(topic_root=root), name="stop-test")
+        self.client.connect()
+        self.messages: list[tuple[str, bytes]] = []
+        self.lock = threading.Lock()
+        self.client.subscribe_before(f"{root}/#", self._on)
+
+    def _on(self, msg: mqtt.MQTTMessage) -> None:
+        with self.lock:
+            self.messages.append((msg.topic, bytes(msg.payload)))
+
+    def latest(self, topic: str) -> dict[str, Any] | None:
+        with self.lock:
+            for t, p in reversed(self.messages):
+                if t == topic:
+                    return json.loads(p) if p else None
+        return None
+
+    def set_stop(self, active: bool, reason: str = "test", source: str = "tester") -> StopState:
+        stop = StopState(active=active, source=source, reason=reason, ts=time.time())
+        assert self.client.session.publish_wait(stop_topic(self.root), stop.model_dump_json(), qos=1, retain=True)
+        return stop
+
+    def answered(self, node: str, stop: StopState, settled: bool = True) -> dict[str, Any] | None:
+        """The node's answer to `stop`, once it has one (and, `settled`, once no device is pending)."""
+        a = self.latest(answer_topic(self.root, node))
+        if a is None or a["stop_ts"] != stop.ts or a["active"] != stop.active:
+            return None
+        if settled and any(d["pending"] for d in a["devices"]):
+            return None
+        return a
+
+    def wait_answer(self, node: str, stop: StopState, settled: bool = True) -> dict[str, Any]:
+        assert wait_for(lambda: self.answered(node, stop, settled) is not None, DEADLINE), \
+            self.latest(answer_topic(self.root, node))
+        a = self.answered(node, stop, settled)
+        assert a is not None
+        return a
+
+    def health(self, node: str, device: str) -> dict[str, Any] | None:
+        return self.latest(f"{self.root}/{node}/{device}/health")
+
+    def validate_all(self) -> None:
+        v = ContractValidator(build_document([API]))
+        with self.lock:
+            msgs = [(t, p) for t, p in self.messages if p and "/_client/" not in t]
+        for topic, payload in msgs:
+            v.validate(topic, payload)
+
+    def close(self) -> None:
+        # leave nothing retained under this root on the shared broker
+        with self.lock:
+            retained = {t for t, _ in self.messages}
+        for t in retained:
+            self.client.session.publish(t, b"", qos=1, retain=True)
+        self.client.session.publish_wait(stop_topic(self.root), b"", qos=1, retain=True)
+        self.client.close()
+
+
+@pytest.fixture
+def bus(broker_session: Broker) -> Iterator[Bus]:
+    b = Bus(broker_session, f"stoptest{time.monotonic_ns()}")
+    yield b
+    b.close()
+
+
+def start_node(bus: Bus, name: str = "mover", **kw: Any) -> tuple[Node, dict[str, Wheel]]:
+    node = Node(API, bus.broker.settings(topic_root=bus.root, node=name, health_interval_s=0.5))
+    wheels = build(node, **kw)
+    node.start()
+    assert node.session.wait_ready(DEADLINE)
+    return node, wheels
+
+
+@pytest.fixture
+def mover(bus: Bus) -> Iterator[tuple[Node, dict[str, Wheel]]]:
+    node, wheels = start_node(bus)
+    assert node.stop_latch.known_event.wait(DEADLINE)
+    yield node, wheels
+    node.stop()
+
+
+def call(bus: Bus, node: Node, device: str, command: str, payload: dict[str, Any] | None = None) -> Any:
+    return bus.client.call(node.name, device, command, payload or {}, timeout=DEADLINE)
+
+
+def test_the_contract_says_motion_commands_may_be_stopped() -> None:
+    assert ErrorCode.STOPPED.value == "stopped"
+    assert {"stopped", "unavailable"} <= {c.value for c in command_errors(motion_node.MOVE)}
+    assert "stopped" not in {c.value for c in command_errors(motion_node.READ)}
+    doc = build_document([API])
+    ops = doc["operations"]
+    assert "stopped" in ops["motion-test_cmd_move"]["x-robobus"]["errors"]
+    assert "stopped" in ops["motion-test_cmd_drive"]["x-robobus"]["errors"]
+    assert "stopped" not in ops["motion-test_cmd_read"]["x-robobus"]["errors"]
+    stop = doc["channels"]["stop"]
+    assert stop["address"] == "{root}/_stop" and stop["x-robobus"] == {"kind": "stop", "retain": True, "qos": 1}
+    v = ContractValidator(doc)
+    assert v.validate("site/_stop", StopState(active=True, source="a", ts=1.0).model_dump_json().encode()) == "stop"
+    with pytest.raises(AssertionError):
+        v.validate("site/_stop", b'{"active": "yes"}')
+    assert v.validate("site/n1/_node/state/stop", StopAnswer(
+        node="n1", service="s", active=True, stop_ts=1.0, source="a", reason="", received_ts=2.0, devices=[],
+        ts=2.0).model_dump_json().encode()) == "stopAnswer"
+
+
+def test_motion_refused_while_stopped_read_only_answered_and_accepted_after_release(bus: Bus, mover: Any) -> None:
+    node, wheels = mover
+    assert call(bus, node, "wheel1", "move", {"speed": 3}).ok
+    stop = bus.set_stop(True, reason="person in the cell")
+    answer = bus.wait_answer(node.name, stop)
+    rep = call(bus, node, "wheel1", "move", {"speed": 5})
+    assert not rep.ok and rep.error["code"] == "stopped", rep.raw
+    assert "person in the cell" in rep.error["message"] and "tester" in rep.error["message"]
+    writes = len(wheels["wheel1"].writes)
+    # the handler never ran: nothing was written after the stop's own write
+    assert wheels["wheel1"].writes[-1][1] == 0.0
+    job = call(bus, node, "wheel2", "drive", {"speed": 1})
+    assert not job.ok and job.error["code"] == "stopped"
+    read = call(bus, node, "wheel1", "read")
+    assert read.ok and read.result == {"speed": 0.0}
+    assert call(bus, node, "sensor1", "read").ok
+    assert len(wheels["wheel1"].writes) == writes
+    assert {d["device"] for d in answer["devices"]} == {"wheel1", "wheel2"}  # the motion devices only
+    release = bus.set_stop(False, reason="cell clear")
+    bus.wait_answer(node.name, release)
+    # nothing moves by itself: no write after the release until a new command
+    time.sleep(0.2)
+    assert len(wheels["wheel1"].writes) == writes and wheels["wheel1"].speed == 0.0
+    rep = call(bus, node, "wheel1", "move", {"speed": 2})
+    assert rep.ok and rep.result == {"speed": 2.0}
+    bus.validate_all()
+
+
+def test_each_motion_devices_stop_action_at_once_and_health_says_stopped(bus: Bus, mover: Any) -> None:
+    node, wheels = mover
+    for name in ("wheel1", "wheel2"):
+        assert call(bus, node, name, "move", {"speed": 4}).ok
+    stop = bus.set_stop(True, reason="drill", source="alice@lab")
+    answer = bus.wait_answer(node.name, stop)
+    for name, wheel in wheels.items():
+        assert len(wheel.stops) == 1, wheel.stops
+        _, thread, seen = wheel.stops[0]
+        assert seen == stop and thread.startswith("stop-")  # on a thread of its own
+        assert wheel.speed == 0.0
+        dev = next(d for d in answer["devices"] if d["device"] == name)
+        assert dev["stopped"] and not dev["pending"] and dev["error"] == ""
+        assert dev["written_ts"] == pytest.approx(wheel.writes[-1][0])
+    assert wait_for(lambda: (bus.health(node.name, "wheel1") or {}).get("state") == "stopped", DEADLINE)
+    h = bus.health(node.name, "wheel1")
+    assert h is not None
+    assert (h["operational"], h["error"], h["connection"]) == (False, False, True)
+    assert "alice@lab" in h["error_message"] and "drill" in h["error_message"]
+    assert h["details"]["stop"]["source"] == "alice@lab" and h["details"]["stop"]["reason"] == "drill"
+    # heartbeats keep it stopped; a device without motion is untouched
+    assert (bus.health(node.name, "sensor1") or {}).get("state") == "running"
+    node.devices["wheel1"].set_health(state="streaming")  # the service's own update does not lift the stop
+    time.sleep(0.6)
+    assert (bus.health(node.name, "wheel1") or {}).get("state") == "stopped"
+    release = bus.set_stop(False)
+    bus.wait_answer(node.name, release)
+    assert wait_for(lambda: (bus.health(node.name, "wheel1") or {}).get("state") == "streaming", DEADLINE)
+    h = bus.health(node.name, "wheel1")
+    assert h is not None and h["operational"] is True and "stop" not in h["details"]
+    bus.validate_all()
+
+
+def test_a_running_motion_job_is_cancelled_with_stopped(bus: Bus, mover: Any) -> None:
+    node, wheels = mover
+    results: list[dict[str, Any]] = []
+
+    def run() -> None:
+        _, res = bus.client.call_job(node.name, "wheel2", "drive", {"speed": 2}, lambda ev: None, timeout=DEADLINE)
+        results.append(res or {})
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert wait_for(lambda: len(wheels["wheel2"].writes) >= 3, DEADLINE)
+    stop = bus.set_stop(True, reason="job test")
+    bus.wait_answer(node.name, stop)
+    t.join(DEADLINE)
+    assert results and results[0]["ok"] is False and results[0]["error"]["code"] == "stopped", results
+    assert "job test" in results[0]["error"]["message"]
+    # the job wrote after the stop action ran? then the kit ran the stop action again when the job ended
+    assert wheels["wheel2"].writes[-1][1] == 0.0
+    assert wheels["wheel2"].speed == 0.0
+
+
+def test_a_motion_command_running_across_the_stop_gets_the_stop_action_again(bus: Bus, mover: Any) -> None:
+    node, wheels = mover
+    reply: list[Any] = []
+    t = threading.Thread(target=lambda: reply.append(call(bus, node, "wheel1", "move", {"speed": 6, "hold_s": 1.0})))
+    t.start()
+    assert wait_for(lambda: wheels["wheel1"].speed == 6.0, DEADLINE)
+    stop = bus.set_stop(True, reason="race")
+    bus.wait_answer(node.name, stop)
+    t.join(DEADLINE)
+    assert reply and reply[0].ok  # admitted before the stop: it ran
+    # once at the stop, once more when the command that ran across it returned
+    assert wait_for(lambda: len(wheels["wheel1"].stops) == 2, DEADLINE), wheels["wheel1"].stops
+    assert len(wheels["wheel2"].stops) == 1
+    assert wheels["wheel1"].speed == 0.0
+
+
+def test_a_write_reported_later_shows_pending_then_written(bus: Bus) -> None:
+    node, wheels = start_node(bus, name="later", later=("wheel2",))
+    try:
+        assert node.stop_latch.known_event.wait(DEADLINE)
+        stop = bus.set_stop(True, reason="deadman")
+        first = bus.wait_answer(node.name, stop, settled=False)
+        final = bus.wait_answer(node.name, stop)
+        by = {d["device"]: d for d in final["devices"]}
+        assert by["wheel2"]["written_ts"] == pytest.approx(wheels["wheel2"].writes[-1][0])
+        assert by["wheel1"]["written_ts"] is not None
+        assert any(d["pending"] for d in first["devices"]) or final is first
+        h = bus.health(node.name, "wheel2")
+        assert wait_for(lambda: ((bus.health(node.name, "wheel2") or {}).get("details", {}).get("stop", {})
+                                 .get("written_ts")) is not None, DEADLINE), h
+    finally:
+        node.stop()
+
+
+def test_a_node_started_under_an_active_stop_comes_up_stopped(bus: Bus, broker_session: Broker) -> None:
+    """The retained stop is read before the first motion command is accepted: a client that commands the node
+    the moment it comes online gets `unavailable` (stop state not yet read) or `stopped`, never a motion."""
+    stop = bus.set_stop(True, reason="set before start")
+    node = Node(API, broker_session.settings(topic_root=bus.root, node="late", health_interval_s=0.5))
+    wheels = build(node)
+    # before it is connected, the node has not read the stop: a motion command is refused before its handler
+    with pytest.raises(CommandError) as err:
+        node.dispatcher.dispatch("wheel1", "move", b'{"speed": 1}')
+    assert err.value.code == ErrorCode.UNAVAILABLE
+    assert node.dispatcher.dispatch("wheel1", "read", b"{}") == b'{"speed":0.0}'
+    codes: list[str] = []
+    online = threading.Event()
+
+    def on_status(msg: mqtt.MQTTMessage) -> None:
+        if msg.payload and json.loads(msg.payload).get("online"):
+            online.set()
+
+    bus.client.subscribe_before(f"{bus.root}/late/status", on_status)
+    node.start()
+    try:
+        assert online.wait(DEADLINE)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:  # command it from the first moment it is online
+            rep = bus.client.call("late", "wheel1", "move", {"speed": 9}, timeout=DEADLINE)
+            codes.append(str(rep.error["code"]) if rep.error else "ok")
+        assert set(codes) <= {"unavailable", "stopped"} and codes[-1] == "stopped", codes
+        assert all(speed == 0.0 for _, speed in wheels["wheel1"].writes)
+        answer = bus.wait_answer("late", stop)
+        assert {d["device"] for d in answer["devices"] if d["stopped"]} == {"wheel1", "wheel2"}
+        assert wait_for(lambda: (bus.health("late", "wheel1") or {}).get("state") == "stopped", DEADLINE)
+    finally:
+        node.stop()
+
+
+def test_without_a_stop_the_node_knows_by_its_round_trip(bus: Bus, broker_session: Broker) -> None:
+    """No retained stop: the node learns so from the message it sends itself after its subscriptions."""
+    node, _ = start_node(bus, name="free")
+    try:
+        assert node.stop_latch.known_event.wait(DEADLINE)
+        assert node.stop_latch.state is None
+        assert call(bus, node, "wheel1", "move", {"speed": 1}).ok
+    finally:
+        node.stop()
+
+
+def test_the_retained_stop_comes_before_a_message_sent_after_the_suback(bus: Bus, broker_session: Broker) -> None:
+    """What the start-up relies on, asked of the broker itself: a subscription's retained message is delivered
+    before a message the client sends itself once the SUBACK is in (same connection, QoS 1)."""
+    stop = bus.set_stop(True, reason="order")
+    for i in range(20):
+        assert _retained_then_own(broker_session, bus.root, i)
+    assert stop.active
+
+
+def _retained_then_own(broker: Broker, root: str, i: int) -> bool:
+    got: list[str] = []
+    suback = threading.Event()
+    done = threading.Event()
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"order-{i}-{time.monotonic_ns()}",
+                    protocol=mqtt.MQTTv5)
+    c.on_subscribe = lambda *a: suback.set()
+
+    def on_message(client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        got.append(msg.topic)
+        if msg.topic.endswith("/self"):
+            done.set()
+    c.on_message = on_message
+    c.connect("127.0.0.1", broker.port)
+    c.loop_start()
+    try:
+        c.subscribe([(stop_topic(root), 1), (f"{root}/order/self", 1)])
+        assert suback.wait(DEADLINE)
+        c.publish(f"{root}/order/self", b"x", qos=1)
+        assert done.wait(DEADLINE)
+        assert got == [stop_topic(root), f"{root}/order/self"], got
+    finally:
+        c.loop_stop()
+        c.disconnect()
+    return True
+
+
+def test_an_unreadable_stop_message_holds_the_stop_until_a_valid_release(bus: Bus, mover: Any) -> None:
+    node, wheels = mover
+    before = node.counters.decode_errors
+    bus.client.session.publish_wait(stop_topic(bus.root), b'{"active": "maybe"', qos=1, retain=True)
+    assert wait_for(lambda: node.stop_latch.active, DEADLINE)
+    assert node.counters.decode_errors == before + 1
+    rep = call(bus, node, "wheel1", "move", {"speed": 1})
+    assert not rep.ok and rep.error["code"] == "stopped" and "unreadable" in rep.error["message"]
+    assert wait_for(lambda: len(wheels["wheel1"].stops) == 1, DEADLINE)
+    release = bus.set_stop(False)
+    bus.wait_answer(node.name, release)
+    assert call(bus, node, "wheel1", "move", {"speed": 1}).ok

@@ -1,0 +1,111 @@
+"""`robobus stop` / `robobus stop --release` against a real broker and real nodes: the stop is set (retained), every
+online node's answer is printed per device, a node that does not answer is named, and the exit code says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shared import Node
+from shared.messages import StopState
+from shared.rpc import RpcClient, wait_for
+from shared.stop import stop_topic
+from tests.fixtures import Broker
+from tests.kit.motion_node import API, build
+from tests.kit.test_cli import REPO
+
+DEADLINE = 20.0
+
+
+def robobus(broker: Broker, root: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_TOPIC_ROOT": root, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "shared.cli", "stop", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def site(broker_session: Broker) -> Iterator[tuple[str, list[Node], RpcClient]]:
+    """Two motion nodes under a topic root of their own."""
+    root = f"stopcli{time.monotonic_ns()}"
+    nodes = []
+    for name in ("arm", "cart"):
+        node = Node(API, broker_session.settings(topic_root=root, node=name, health_interval_s=0.5))
+        build(node, devices=("m1", "m2") if name == "arm" else ("m1",), sensors=())
+        node.start()
+        assert node.stop_latch.known_event.wait(DEADLINE)
+        nodes.append(node)
+    client = RpcClient(broker_session.settings(topic_root=root), name="stop-cli-test")
+    client.connect()
+    yield root, nodes, client
+    for node in nodes:
+        node.stop()
+    for t, _, r in client.collect(f"{root}/#", 1.0):
+        if r:
+            client.session.publish(t, b"", qos=1, retain=True)
+    client.session.publish_wait(stop_topic(root), b"", qos=1, retain=True)
+    client.close()
+
+
+def test_stop_and_release_print_every_nodes_answer(broker_session: Broker, site: Any) -> None:
+    root, (arm, cart), client = site
+    r = robobus(broker_session, root, "--reason", "maintenance", "--source", "alice")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"stop set on {root}/_stop by alice: maintenance" in r.stdout
+    lines = r.stdout.splitlines()
+    for dev in ("m1", "m2"):
+        assert any(dev in line and "stopped" in line and " ms" in line for line in lines), r.stdout
+    assert "arm" in r.stdout and "cart" in r.stdout
+    # latched: retained on the broker, and the nodes hold it
+    retained = [p for t, p, ret in client.collect(stop_topic(root), 1.0) if ret]
+    assert retained and StopState.model_validate_json(retained[-1]).active
+    assert arm.stop_latch.active and cart.stop_latch.active
+    rep = client.call("arm", "m1", "move", {"speed": 1}, timeout=DEADLINE)
+    assert not rep.ok and rep.error["code"] == "stopped" and "maintenance" in rep.error["message"]
+    j = robobus(broker_session, root, "--release", "--json")
+    assert j.returncode == 0, j.stdout + j.stderr
+    data = json.loads(j.stdout)
+    assert data["stop"]["active"] is False and data["silent"] == []
+    assert set(data["answers"]) == {"arm", "cart"}
+    assert all(not d["stopped"] for a in data["answers"].values() for d in a["devices"])
+    assert not arm.stop_latch.active
+    assert client.call("arm", "m1", "move", {"speed": 1}, timeout=DEADLINE).ok
+
+
+def test_a_node_that_does_not_answer_is_named_and_fails_the_exit_code(broker_session: Broker, site: Any) -> None:
+    root, (arm, cart), client = site
+    # a node online by its retained status, but hung: it never answers
+    client.session.publish_wait(f"{root}/ghost/status", json.dumps(
+        {"online": True, "node": "ghost", "service": "motion-test", "version": "0", "ts": time.time(),
+         "session": 1, "devices": ["m1"]}), qos=1, retain=True)
+    r = robobus(broker_session, root, "--reason", "drill", "--timeout", "2")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "ghost" in r.stdout and "no answer within 2 s" in r.stdout
+    assert "1 of 3 online nodes did not answer" in r.stdout
+    assert wait_for(lambda: arm.stop_latch.active and cart.stop_latch.active, DEADLINE)  # the others did
+    assert "stopped" in r.stdout
+
+
+def test_with_no_node_online_the_stop_is_still_latched(broker_session: Broker) -> None:
+    root = f"stopempty{time.monotonic_ns()}"
+    r = robobus(broker_session, root, "--reason", "before start")
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "no node online" in r.stdout
+        with RpcClient(broker_session.settings(topic_root=root), name="stop-cli-test") as c:
+            got = [p for t, p, ret in c.collect(stop_topic(root), 1.0) if ret]
+            assert got and StopState.model_validate_json(got[-1]).reason == "before start"
+    finally:
+        with RpcClient(broker_session.settings(topic_root=root), name="stop-cli-test") as c:
+            c.session.publish_wait(stop_topic(root), b"", qos=1, retain=True)
+
+
+def test_bad_options_get_a_clear_error(broker_session: Broker) -> None:
+    r = robobus(broker_session, "stopbad", "--source", "")
+    assert r.returncode == 2 and "source" in r.stderr, r.stdout + r.stderr
