@@ -185,6 +185,30 @@ class EpuckRawSensors:
                    ground_ambient=v[45:48], button=v[48], reserved=v[49])  # type: ignore[arg-type]
 
 
+_PROX_AMBIENT = struct.Struct("<16H")  # offsets 37..68: 8 proximity, 8 ambient
+_MICS = struct.Struct("<4H")  # offset 71
+ADC_MAX = 4095  # proximity, ambient and microphone volumes are 12-bit (reference epuck2.md §2)
+
+
+def implausible_sensors(data: bytes | memoryview) -> str:
+    """Why a 104-byte sensors packet cannot come from an e-puck2 ('' when it can). The WiFi stream has no
+    checksum or identification, and random bytes hold the packet ids 0x01/0x02/0x03 (a device speaking another
+    protocol, a stream out of step); a robot's packet keeps these fields in range (reference epuck2.md §2):
+    reserved byte 103 always 0, button 0/1, selector 0..15, SD state 0/1, proximity, ambient and microphone
+    volumes 0..4095. Random bytes pass them all with a probability below 1e-20."""
+    if len(data) != SENSORS_SIZE:
+        return f"sensors packet of {len(data)} bytes, not {SENSORS_SIZE}"
+    if data[103] != 0:
+        return f"sensors packet with reserved byte 0x{data[103]:02x} (always 0)"
+    if data[102] > 1 or data[85] > 1:
+        return f"sensors packet with button {data[102]} / SD state {data[85]} (0 or 1)"
+    if data[89] > 15:
+        return f"sensors packet with selector {data[89]} (0..15)"
+    if max(_PROX_AMBIENT.unpack_from(data, 37)) > ADC_MAX or max(_MICS.unpack_from(data, 71)) > ADC_MAX:
+        return "sensors packet with proximity, ambient or microphone values above 4095"
+    return ""
+
+
 def finite(x: float) -> float | None:
     """float32 fields come straight from the robot's memory: NaN/inf must not reach JSON."""
     return x if math.isfinite(x) else None
@@ -277,6 +301,10 @@ class FramingError:
 
     bad_id: int
     offset: int  # bytes of the stream consumed before the bad id
+    reason: str = ""  # set when the packet's id was known but its content cannot come from a robot
+
+    def describe(self) -> str:
+        return self.reason or f"unknown packet id 0x{self.bad_id:02x} at byte {self.offset}"
 
 
 Packet = ImagePacket | SensorsPacket | EmptyPacket

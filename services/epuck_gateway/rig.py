@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from services.epuck_gateway.sim import EpuckSimConfig
+from services.epuck_gateway.transport import EpuckLinkConfig, budget_s
 from shared.simrig import Ports, RigCommand, SimRig
 
 
@@ -12,15 +14,21 @@ def _robots(ports: Ports) -> dict[str, str]:
     return {"ROBOBUS_EPUCK_ROBOTS": json.dumps([{"id": "epuck1", "host": "127.0.0.1", "port": ports["epuck"]}])}
 
 
+# The budget the gateway applies to a streaming robot (liveness.py, transport.budget_s): the stale timeout plus the
+# longest recent image interval, rounded up to 0.1 s. At the simulator's default 10 fps the intervals seen are a
+# little above 0.1 s (timer overshoot), so 0.8 + 0.1+ rounds to 1.0 s. A robot without a link is unreachable
+# after the stale timeout alone (0.8 s).
+LIVENESS_S = budget_s(EpuckLinkConfig("").stale_timeout_s + 1.0 / EpuckSimConfig().image_fps + 0.01)
+
 RIG = SimRig(
     node_module="services.epuck_gateway",
     devices=("epuck1",),
-    liveness_s=2.0,
+    liveness_s=LIVENESS_S,
     sim=lambda ports: ["-m", "services.epuck_gateway.sim", "--count", "1", "--base-port", str(ports["epuck"])],
     node_env=_robots,
     return_s=8.0,
     garbage_sim=lambda ports: ["-m", "shared.simrig", "garbage-tcp", "--port", str(ports["epuck"])],
     read_command=RigCommand("epuck1", "stream", {"image": True, "sensors": True}),
-    not_applicable={"wrong_kind": "the e-puck2's WiFi protocol has no identification: another device is garbage "
-                                  "to it (see garbage)"},
+    not_applicable={"wrong_kind": "the e-puck2's WiFi protocol has no identification: a device of another kind is "
+                                  "garbage to it (implausible packets: see garbage)"},
 )

@@ -24,10 +24,13 @@ it in the next chain at once, between two replies. While a motion deadline is ne
 set by the service's deadman) no camera image is started that could not be in before the deadline,
 so the deadman's stop never waits behind an image (at 115200 baud an image takes 278 ms).
 
-A device that goes away (USB unplugged, Bluetooth out of range) makes the port error or hang up:
-the link reports `disconnected` and reopens the same path with back-off until it is back (a udev
-/dev/serial/by-id path keeps its name across replugs; /dev/ttyACMn may not). A device that stays
-open but stops answering is `silent`, as over WiFi.
+Health is the kit's link supervisor's, as over WiFi (transport.py): the link reports attempt, opened,
+failed, data (a complete reply whose sensors block is plausible), garbage and closed. Its budget is
+`stale_timeout_s` plus the longest exchange on the line (the image chain's transfer while the image stream
+is on). A device that goes away (USB unplugged, Bluetooth out of range) makes the port error or hang up:
+the link is `lost` with the reason and reopens the same path on the supervisor's back-off, once per probe
+period once `unreachable` (a udev /dev/serial/by-id path keeps its name across replugs; /dev/ttyACMn may
+not). A device that stays open but stops answering is `silent`, as over WiFi.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from services.epuck_gateway.protocol import (
     Packet,
     ProtocolError,
     SensorsPacket,
+    implausible_sensors,
     stop_command,
 )
 from services.epuck_gateway.transport import (
@@ -73,8 +77,13 @@ from services.epuck_gateway.transport import (
     ErrorHandler,
     PacketsHandler,
     StateHandler,
+    StateReporter,
     WrittenHandler,
+    budget_s,
+    link_policy,
+    standalone_link,
 )
+from shared.link import SupervisedLink
 
 log = logging.getLogger("robobus.epuck.serial")
 
@@ -104,9 +113,10 @@ class EpuckSerialConfig:
     image_fps: float | None = None  # -'I' at most this often while the image stream is on (0 = never;
     # None = default_image_fps(baud))
     reply_timeout_s: float = 0.25  # beyond the reply's transfer time at `baud`
-    stale_timeout_s: float = 0.8  # no complete reply for this long: the robot is silent
-    reopen_min_s: float = 0.2
+    stale_timeout_s: float = 0.8  # no complete reply for this long beyond the longest exchange: silent
+    reopen_min_s: float = 0.2  # the supervisor's back-off
     reopen_max_s: float = 2.0
+    probe_period_s: float = 2.0  # an unreachable port: one open attempt per period
     stop_drain_s: float = 0.5
 
 
@@ -114,17 +124,19 @@ class EpuckSerialLink:
     """One robot over asercom v2. `run()` until `close()`; `request_write()` after changing the controller."""
 
     def __init__(self, name: str, config: EpuckSerialConfig, controller: EpuckController,
-                 on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler) -> None:
+                 on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler,
+                 supervisor: SupervisedLink | None = None) -> None:
         self.name = name
         self.config = config
         self.controller = controller
         self.stats = EpuckLinkStats()
+        self.sup = supervisor or standalone_link(link_policy(config.stale_timeout_s, config.reopen_min_s,
+                                                             config.reopen_max_s, config.probe_period_s))
+        self._reporter = StateReporter(self.sup, on_state)
         self.connected = False
-        self.receiving = False
         self.last_reply = 0.0
         self.last_image: AsercomImage | None = None
         self._on_packets = on_packets
-        self._on_state = on_state
         self._on_framing_error = on_framing_error
         self.image_fps = default_image_fps(config.baud) if config.image_fps is None else config.image_fps
         self.motion_deadline: float | None = None  # time.monotonic() of the deadman's next stop, if any
@@ -138,7 +150,6 @@ class EpuckSerialLink:
         self._wake = asyncio.Event()
         self._poke = asyncio.Event()
         self._dirty = False
-        self._silent = False
         self._next_image = 0.0
         self._task: asyncio.Task[None] | None = None
         self._ascii: list[tuple[bytes, asyncio.Future[str]]] = []  # typed lines waiting for a slot between polls
@@ -224,11 +235,15 @@ class EpuckSerialLink:
     # -- port lifecycle ------------------------------------------------------------------------------------
     async def run(self) -> None:
         cfg = self.config
-        delay = cfg.reopen_min_s
-        down_reported = False
+        self._set_budget()
         while not self._closing:
-            if not down_reported:
-                self._on_state(False, "connecting", "")
+            wait = self.sup.next_attempt_in()  # the supervisor's back-off, or its probe period
+            if wait > 0:
+                await self._pause(wait)
+                if self._closing:
+                    break
+            self.sup.attempt()
+            self._report()
             try:
                 # exclusive: the flock port_lock.hold_port checks (a flasher on this host must not write GDB
                 # packets into the robot's asercom); TIOCEXCL keeps out programs that take no lock
@@ -236,25 +251,28 @@ class EpuckSerialLink:
                 exclusive_tty(ser.fileno())
             except (serial.SerialException, OSError, ValueError) as exc:
                 holder = port_holder(cfg.port)
-                self._on_state(False, "disconnected", f"cannot open {cfg.port}: {exc}"
-                                                      + (f"; held by {holder}" if holder else ""))
-                down_reported = True
-                await self._pause(delay)
-                delay = min(delay * 2, cfg.reopen_max_s)
+                self.sup.failed(f"cannot open {cfg.port}: {exc}" + (f"; held by {holder}" if holder else ""))
+                self._report()
                 continue
             if self.stats.connects:
                 self.stats.reconnects += 1
             self.stats.connects += 1
-            before = self.stats.packets
             reason = await self._session(ser)
             self._close_port()
             if self._closing:
                 break
             log.warning("serial link lost", extra={"robot": self.name, "port": cfg.port, "reason": reason})
-            self._on_state(False, "disconnected", reason)
-            down_reported = True
-            delay = cfg.reopen_min_s if self.stats.packets > before else min(delay * 2, cfg.reopen_max_s)
-            await self._pause(delay)
+            self.sup.closed(reason)
+            self._report()
+
+    def _report(self) -> None:
+        self._reporter.report(self.connected)
+
+    def _set_budget(self) -> None:
+        """`stale_timeout_s` beyond the longest exchange: a reply comes every poll, but a chain with the camera
+        image holds the line for the image's transfer (278 ms at 115200 baud)."""
+        longest = self.image_transfer_s() if self.controller.request & REQ_IMAGE and self.image_fps > 0 else 0.0
+        self.sup.set_budget(budget_s(self.config.stale_timeout_s + longest))
 
     async def _session(self, ser: serial.Serial) -> str:
         loop = asyncio.get_running_loop()
@@ -264,11 +282,11 @@ class EpuckSerialLink:
         with contextlib.suppress(serial.SerialException, OSError):
             ser.reset_input_buffer()  # the robot's welcome banner, or a reply to a previous host
         self.connected = True
-        self.receiving = False
-        self._silent = False
         self.last_reply = time.monotonic()
-        self._on_state(True, "connected", f"{self.config.port} open; no reply from the robot yet")
         self.controller.on_link_up()  # never resume motion or replay one-shots from a past link
+        self._set_budget()
+        self.sup.opened()
+        self._report()
         self._dirty = True
         loop.add_reader(self._fd, self._readable)
         poller = asyncio.ensure_future(self._poll())
@@ -284,7 +302,6 @@ class EpuckSerialLink:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await poller
             self.connected = False
-            self.receiving = False
             for _line, fut in self._ascii:
                 if not fut.done():
                     fut.set_exception(ConnectionError(f"{self.config.port} closed"))
@@ -370,7 +387,9 @@ class EpuckSerialLink:
             else:
                 self._delivered(self._reader, time.time())
             self._reader = None
-            self._check_silence()
+            self._set_budget()
+            self.sup.tick()  # the supervisor's deadline, on the loop too: the service's fail-safe follows at once
+            self._report()
             next_poll += period
             delay = next_poll - time.monotonic()
             if delay < -period:
@@ -390,6 +409,7 @@ class EpuckSerialLink:
         self.stats.reply_timeouts += 1
         self.stats.framing_errors += 1
         log.debug("reply timeout", extra={"robot": self.name})
+        self.sup.garbage("no complete reply in time")
         if self._reply is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._reply), self.config.stale_timeout_s)
@@ -436,30 +456,27 @@ class EpuckSerialLink:
                  extra={"robot": self.name, "port": self.config.port})
         return synced
 
-    def _check_silence(self) -> None:
-        silent_for = time.monotonic() - self.last_reply
-        if not self._silent and silent_for >= self.config.stale_timeout_s:
-            self._silent = True
-            self.receiving = False
-            self.stats.silences += 1
-            self._on_state(True, "silent", f"no reply from the robot for {silent_for:.1f} s on {self.config.port}")
-
     def _delivered(self, reader: AsercomReplyReader, ts: float) -> None:
-        self.last_reply = time.monotonic()
-        if not self.receiving:
-            self.receiving = True
-            self._silent = False
-            self._on_state(True, "streaming", "")
         values = {cmd.name: value for cmd, value in reader.results}
         packets: list[Packet] = []
         if "all_sensors" in values:
             try:
-                packets.append(SensorsPacket(sensors_packet(values["all_sensors"], values.get("button", 0))))
-                self.stats.sensors += 1
+                data = sensors_packet(values["all_sensors"], values.get("button", 0))
             except ProtocolError as exc:  # cannot happen with a complete reply; counted all the same
                 log.warning("bad sensors block", extra={"robot": self.name, "error": str(exc)})
+                data = b""
+            why = implausible_sensors(data) if data else "bad sensors block"
+            if why:  # a reply of the right length that no robot sends: garbage, not a live robot
+                self.stats.garbage_bytes += expected_size(reader.commands)
+                self.sup.garbage(why)
+                return
+            packets.append(SensorsPacket(data))
+            self.stats.sensors += 1
         elif "button" in values:
             self.stats.empty += 1
+        self.last_reply = time.monotonic()
+        self.sup.data()
+        self._report()
         if "image" in values:
             img: AsercomImage = values["image"]
             self.last_image = img

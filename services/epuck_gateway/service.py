@@ -78,7 +78,7 @@ from services.epuck_gateway.protocol import (
     gyro_to_dps,
 )
 from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
-from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig
+from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig, link_policy
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI
 from shared.contract import NAME_RE
 from shared.node import NODE_DEVICE
@@ -177,11 +177,17 @@ class EpuckSettings(KitSettings):
     epuck_flash_stall_s: float = Field(10.0, ge=0.5, le=600,
                                        description="A firmware load or verify without progress for this long is "
                                                    "given up (gdb stopped) and retried once")
-    epuck_reconnect_min_s: float = Field(0.2, gt=0, le=60)
+    epuck_reconnect_min_s: float = Field(0.2, gt=0, le=60, description="First wait after a failed attempt or a "
+                                                                      "lost link (doubling up to the max)")
     epuck_reconnect_max_s: float = Field(2.0, gt=0, le=600)
+    epuck_probe_period_s: float = Field(2.0, gt=0, le=600,
+                                        description="An unreachable robot (no valid data for longer than its budget): "
+                                                    "one connection attempt per period")
     epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60,
-                                         description="Silence beyond the expected gap between packets (the image "
-                                                     "interval while images are requested) that makes a robot silent")
+                                         description="Liveness budget: silence beyond the expected gap between packets "
+                                                     "(the image interval seen while images are requested) that "
+                                                     "makes a robot silent; a robot without a link is unreachable "
+                                                     "after this")
     epuck_image_gap_max_s: float = Field(6.0, gt=0, le=120,
                                          description="Longest image interval a healthy WiFi link may show (measured "
                                                      "max 5.9 s)")
@@ -222,6 +228,11 @@ class EpuckRobot:
         self.want_sensors = settings.epuck_stream_sensors
         self._snapshot_holds = 0
         self._apply_stream()
+        # The kit's link supervisor drives the health (docs/kit.md "Health"); the links report to it and set
+        # its budget from what the robot was asked to send (liveness.py).
+        self.sup = self.dev.supervise_link(link_policy(settings.epuck_stale_timeout_s, settings.epuck_reconnect_min_s,
+                                                       settings.epuck_reconnect_max_s, settings.epuck_probe_period_s))
+        self.sup.device_state("streaming")
         self.link: EpuckLink | EpuckSerialLink = self._make_link()
         self._flashing = False
         self.sensors_gate = RateGate.for_jitter(settings.epuck_sensors_hz)
@@ -251,20 +262,20 @@ class EpuckRobot:
             return EpuckSerialLink(cfg.id, EpuckSerialConfig(
                 port=cfg.port, baud=cfg.baud, poll_hz=cfg.poll_hz, image_fps=cfg.image_fps,
                 stale_timeout_s=settings.epuck_stale_timeout_s, reopen_min_s=settings.epuck_reconnect_min_s,
-                reopen_max_s=settings.epuck_reconnect_max_s), self.controller, self._on_packets,
-                self._on_link_state, self._on_framing_error)
+                reopen_max_s=settings.epuck_reconnect_max_s, probe_period_s=settings.epuck_probe_period_s),
+                self.controller, self._on_packets, self._on_link_state, self._on_framing_error, self.sup)
         return EpuckLink(cfg.id, EpuckLinkConfig(
             host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
             reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
+            probe_period_s=settings.epuck_probe_period_s,
             stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
             tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), self.controller, self._on_packets,
-            self._on_link_state, self._on_framing_error)
+            self._on_link_state, self._on_framing_error, self.sup)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
+        self.dev.set_health(details=self._details())
         self.link.start()
-        self.dev.set_health(connection=False, operational=False, state="connecting", error=False,
-                            error_message="", details=self._details())
 
     async def close(self) -> None:
         self._cancel_motion_timer()
@@ -273,17 +284,14 @@ class EpuckRobot:
                 t.cancel()
         was_connected = self.link.connected
         await self.link.close()
-        self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
-                            error_message="gateway stopped" + ("; the robot was sent a stop command"
-                                                               if was_connected else ""))
+        self.sup.stop("shutdown" + ("; the robot was sent a stop command" if was_connected else ""))
 
     async def pause_link(self, why: str) -> None:
         """Firmware update: stop the robot and leave its link, so nothing polls or judges a halted MCU."""
         self._cancel_motion_timer()
         await self.link.close()
         self._was_connected = self._was_streaming = False
-        self.dev.set_health(connection=False, operational=False, state="updating", error=False,
-                            error_message=why, details=self._details())
+        self.sup.recovering(why)  # `recovering` until the link is up again after the update
         self.publish_link_stats()
 
     async def resume_link(self) -> None:
@@ -294,26 +302,17 @@ class EpuckRobot:
 
     async def stats_loop(self) -> None:
         while True:
+            self.dev.set_health(details=self._details())  # published only when a counter changed
             self.publish_link_stats()
             await asyncio.sleep(1.0)
 
     # -- link callbacks (on the loop) --------------------------------------------------------------
     def _on_link_state(self, connected: bool, state: str, message: str) -> None:
-        """connecting -> connected (TCP up, silent) -> streaming <-> silent; disconnected when TCP goes."""
+        """The supervisor's state changed (it has set the health already): the service's fail-safe."""
         if state == "streaming":
             self._was_streaming = True
-            self.dev.set_health(connection=True, operational=True, state="streaming", error=False,
-                                error_message="", details=self._details())
-        elif state in ("connected", "silent"):
-            if state == "silent":
-                self._lost_robot(message)
-            self.dev.set_health(connection=True, operational=False, state=state, error=state == "silent",
-                                error_message=message, details=self._details())
-        else:
-            if state == "disconnected":
-                self._lost_robot(message)
-            self.dev.set_health(connection=False, operational=False, state=state,
-                                error=state == "disconnected", error_message=message, details=self._details())
+        elif state in ("silent", "lost", "unreachable", "connecting"):
+            self._lost_robot(message)
         if connected != self._was_connected:
             self._was_connected = connected
             self.unwrap_l.reset()  # a new link: the robot may have restarted its counters
@@ -344,10 +343,8 @@ class EpuckRobot:
                 "framing_errors": s.framing_errors}
 
     def _on_framing_error(self, err: FramingError) -> None:
-        self.node.count_decode_error(f"{self.cfg.id}: packet id 0x{err.bad_id:02x}")
-        self.dev.emit(FAULT, EpuckFault(kind="framing_error", ts=time.time(),
-                                        message=f"unknown packet id 0x{err.bad_id:02x} after {err.offset} bytes; "
-                                                "link reset"))
+        self.node.count_decode_error(f"{self.cfg.id}: {err.describe()}")
+        self.dev.emit(FAULT, EpuckFault(kind="framing_error", ts=time.time(), message=f"{err.describe()}; link reset"))
 
     def _on_packets(self, packets: list[Packet], ts: float) -> None:
         # Only the newest sensors packet and the newest image of a read matter: older ones are stale.

@@ -19,12 +19,17 @@ one. With the robot's count off by at most the cycle in progress, and one livene
 stays below 5. A stop therefore leaves at once even when the robot's cycle is slow (0.5 fps images:
 one cycle per image, 2 s), and `request_write(on_written)` says when it left.
 
-Liveness follows what the robot was asked to send (liveness.py): a healthy slow image stream does
-not flap the link, and a robot that sends nothing at all is reported `silent` (connection up, no
-data) within the allowed silence. A silent link is kept, not reset: a hung robot keeps its TCP
-connection and reconnecting would only make the health toggle; one probe (the current state again)
-goes out, and TCP_USER_TIMEOUT makes the kernel drop a connection whose peer stopped acknowledging,
-which then reconnects.
+Health is the kit's link supervisor's (shared/link.py, docs/kit.md "Health"): the link reports what
+happens (attempt, opened, failed, data, garbage, closed) and reconnects on the supervisor's back-off,
+probing once per probe period once the robot is `unreachable`. The budget it gives the supervisor is the
+allowed silence for what the robot was asked to send (liveness.py), set again as the images actually
+seen change it (`set_budget`): a healthy slow image stream does not flap the link, and a robot that
+sends nothing at all is `silent` within the allowance in force. Valid data is a plausible sensors packet
+(protocol.implausible_sensors), or an image or 0x03 that another packet completes after (random bytes
+hold the ids 0x01/0x02/0x03 too); anything else is garbage, counted, and resets the link. A silent link is
+kept, not reset: a hung robot keeps its TCP connection and reconnecting would only make the health
+toggle; one probe (the current state again) goes out, and TCP_USER_TIMEOUT makes the kernel drop a
+connection whose peer stopped acknowledging, which then reconnects.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable
@@ -49,8 +55,10 @@ from services.epuck_gateway.protocol import (
     ImagePacket,
     Packet,
     SensorsPacket,
+    implausible_sensors,
     stop_command,
 )
+from shared.link import LinkPolicy, LinkState, SupervisedLink
 
 log = logging.getLogger("robobus.epuck.link")
 STOP_LINGER_S = 0.2
@@ -64,8 +72,9 @@ class EpuckLinkConfig:
     host: str
     port: int = 1000
     connect_timeout_s: float = 3.0
-    reconnect_min_s: float = 0.2
+    reconnect_min_s: float = 0.2  # the supervisor's back-off after a failed attempt or a lost link
     reconnect_max_s: float = 2.0
+    probe_period_s: float = 2.0  # an unreachable robot: one connection attempt per period
     # Silence beyond the expected gap between packets (liveness.py) that makes a link `silent`.
     stale_timeout_s: float = 0.8
     image_gap_max_s: float = 6.0
@@ -88,18 +97,64 @@ class EpuckLinkStats:
     commands_requested: int = 0  # state changes asked for; several coalesce into one write
     silences: int = 0
     reply_timeouts: int = 0  # serial: polls not answered in time
-    garbage_bytes: int = 0  # serial: bytes that answered nothing we asked
+    garbage_bytes: int = 0  # bytes that cannot come from the robot (WiFi: a packet that failed its checks)
     resyncs: int = 0  # serial: resynchronisations after a reply that never came (serial_link.RESYNC)
 
 
 PacketsHandler = Callable[[list[Packet], float], None]
-# connected, state, message. States: connecting, connected (TCP up, nothing received yet), streaming,
-# silent (TCP up, nothing received for longer than allowed), disconnected.
+# Told when the link supervisor's state changes: link open, state, message. The state is the supervisor's
+# (docs/kit.md "Health"), `streaming` for operational: connecting, unreachable, connected (link open, no
+# valid data yet), streaming, silent (link open, no valid data within the budget), lost, recovering, stopped.
 StateHandler = Callable[[bool, str, str], None]
 ErrorHandler = Callable[[FramingError], None]
 # Told when a requested write has left the gateway: the wall-clock time, or None when the link went down
 # before it could be written.
 WrittenHandler = Callable[[float | None], None]
+
+
+def budget_s(seconds: float) -> float:
+    """A liveness budget as given to the supervisor: rounded up to 0.1 s, so that the small changes of the
+    image intervals seen do not change it with every image (the message says the budget applied)."""
+    return max(0.1, math.ceil(seconds * 10 - 1e-6) / 10)
+
+
+def standalone_link(policy: LinkPolicy) -> SupervisedLink:
+    """A supervisor bound to no device (a link used on its own, in tests and tools): health goes nowhere."""
+    return SupervisedLink(policy, lambda fields: None)
+
+
+def link_policy(stale_s: float, backoff_min_s: float, backoff_max_s: float, probe_period_s: float) -> LinkPolicy:
+    return LinkPolicy(liveness_s=budget_s(stale_s), backoff_min_s=backoff_min_s,
+                      backoff_max_s=max(backoff_min_s, backoff_max_s), probe_period_s=probe_period_s)
+
+
+class StateReporter:
+    """Tells the service when the supervisor's state changed (its fail-safe: stop the wheels, drop stale data,
+    one `link_lost` fault), with a message from the supervisor's details."""
+
+    def __init__(self, sup: SupervisedLink, on_state: StateHandler) -> None:
+        self.sup = sup
+        self._on_state = on_state
+        self._shown = ""
+
+    def report(self, link_open: bool) -> None:
+        st = self.sup.state
+        name = "streaming" if st is LinkState.OPERATIONAL else st.value
+        if name == self._shown:
+            return
+        self._shown = name
+        d = self.sup.details()
+        if st is LinkState.SILENT:
+            age = d.get("last_data_age_s")
+            msg = (f"no valid data from the robot for {age or 0.0:.1f} s (allowed {d['liveness_s']:.1f} s for "
+                   "what it was asked to send)")
+        elif st is LinkState.CONNECTED:
+            msg = "link open; no valid data from the robot yet"
+        elif st is LinkState.OPERATIONAL:
+            msg = ""
+        else:
+            msg = str(d.get("last_failure", ""))
+        self._on_state(link_open, name, msg)
 
 
 class _Wire(asyncio.Protocol):
@@ -129,18 +184,23 @@ class EpuckLink:
     """One robot's TCP link. `run()` until `close()`; `request_write()` after changing the controller."""
 
     def __init__(self, name: str, config: EpuckLinkConfig, controller: EpuckController,
-                 on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler) -> None:
+                 on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler,
+                 supervisor: SupervisedLink | None = None) -> None:
         self.name = name
         self.config = config
         self.controller = controller
         self.parser = EpuckStreamParser()
         self.stats = EpuckLinkStats()
         self.liveness = LinkLiveness(config.stale_timeout_s, config.image_gap_max_s)
+        # the kit's supervisor decides the health (the service's device's, or one of its own)
+        self.sup = supervisor or standalone_link(link_policy(config.stale_timeout_s, config.reconnect_min_s,
+                                                             config.reconnect_max_s, config.probe_period_s))
+        self._reporter = StateReporter(self.sup, on_state)
         self.connected = False
-        self.receiving = False  # data arrived within the allowed silence
-        self.last_rx = 0.0
+        self.last_rx = 0.0  # time.monotonic() of the last valid data
+        self._confirmed = False  # this connection has brought valid data
+        self._held: Packet | None = None  # the connection's first packet, an image or 0x03 not yet confirmed
         self._on_packets = on_packets
-        self._on_state = on_state
         self._on_framing_error = on_framing_error
         self._transport: asyncio.Transport | None = None
         self._lost: asyncio.Future[str] | None = None
@@ -158,7 +218,6 @@ class EpuckLink:
         self._written: list[WrittenHandler] = []
         self.motion_deadline: float | None = None  # the serial link's surface; a WiFi write never waits on a frame
         self._written_request = 0
-        self._silent = False
         self._probed_at = -1.0
         self._sock: Any = None  # the connection's socket (asyncio's TransportSocket), for SO_RCVLOWAT
         self._lowat = 1
@@ -200,20 +259,22 @@ class EpuckLink:
     async def run(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
-        delay = cfg.reconnect_min_s
-        down_reported = False  # while retrying, keep the "disconnected" health and its reason
+        self._set_budget()
         while not self._closing:
-            if not down_reported:
-                self._on_state(False, "connecting", "")
+            # the supervisor's rhythm: doubling waits after a failure, one probe per period once unreachable
+            wait = self.sup.next_attempt_in()
+            if wait > 0:
+                await self._pause(wait)
+                if self._closing:
+                    break
+            self.sup.attempt()
+            self._report()
             try:
                 transport, _ = await asyncio.wait_for(
                     loop.create_connection(lambda: _Wire(self), cfg.host, cfg.port), cfg.connect_timeout_s)
             except (OSError, TimeoutError) as exc:
-                msg = f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}"
-                self._on_state(False, "disconnected", msg)
-                down_reported = True
-                await self._pause(delay)
-                delay = min(delay * 2, cfg.reconnect_max_s)
+                self.sup.failed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}")
+                self._report()
                 continue
             assert isinstance(transport, asyncio.Transport)
             sock = transport.get_extra_info("socket")
@@ -227,17 +288,28 @@ class EpuckLink:
             if self.stats.connects:
                 self.stats.reconnects += 1
             self.stats.connects += 1
-            packets_before = self.stats.packets
             reason = await self._session(transport)
             if self._closing:
                 break  # close() reports the end itself
-            self._on_state(False, "disconnected", reason)
-            down_reported = True
-            # A link that carried data was healthy: retry fast. One that never did backs off like a
-            # refused connect.
-            delay = cfg.reconnect_min_s if self.stats.packets > packets_before else min(delay * 2,
-                                                                                      cfg.reconnect_max_s)
-            await self._pause(delay)
+            self.sup.closed(reason)
+            self._set_budget()
+            self._report()
+
+    def _report(self) -> None:
+        self._reporter.report(self.connected)
+
+    def _set_budget(self) -> None:
+        """The budget the supervisor applies: while the link is open, the allowed silence for what the robot
+        was asked to send and the images seen (liveness.py); while it is not, `stale_timeout_s` (no data is
+        due from a robot that has no link: it is `unreachable` once that passes, and probed)."""
+        allowed = self.liveness.allowed_silence() if self.connected else self.config.stale_timeout_s
+        budget = budget_s(allowed)
+        before = self.sup.sup.policy.liveness_s
+        if budget != before:
+            self.sup.set_budget(budget)
+            if budget < before and self._watchdog is not None:  # the deadline came forward
+                self._watchdog.cancel()
+                self._arm_watchdog(0.0)
 
     async def _session(self, transport: asyncio.Transport) -> str:
         loop = asyncio.get_running_loop()
@@ -249,18 +321,20 @@ class EpuckLink:
         self.parser.reset()
         self.last_rx = time.monotonic()
         self.connected = True
-        self.receiving = False
-        self._silent = False
+        self._confirmed = False
+        self._held = None
         self._probed_at = -1.0
         self._accepted = False
         self._dirty = False
         self._untaken.clear()
-        # Connected is not streaming: the health says so until the robot's first byte.
-        self._on_state(True, "connected", "TCP connected; no data from the robot yet")
         # The robot sends nothing until its first command: send it at once, alone in its segment (the
         # firmware takes the first command only as exactly 21 bytes). Later writes wait for its packets.
         first = self.controller.on_link_up()
         self.liveness.reset(first.request)
+        self._set_budget()
+        # Open is not streaming: the health says `connected` until the robot's first valid data.
+        self.sup.opened()
+        self._report()
         self._written_request = first.request
         self._last_written = first.encode()
         self._write(self._last_written)
@@ -275,7 +349,7 @@ class EpuckLink:
                 self._watchdog.cancel()
                 self._watchdog = None
             self.connected = False
-            self.receiving = False
+            self._held = None
             self._tell_written(None)  # requested, never written
             if not self._closing:
                 self._drop_transport()
@@ -290,6 +364,7 @@ class EpuckLink:
         if data != self._last_written:
             self._written_request = cmd.request
             self.liveness.set_request(cmd.request)
+            self._set_budget()
             self._last_written = data
             self._write(data)
             mark = self.parser.packets + (1 if self.parser.in_packet else 0)
@@ -311,33 +386,35 @@ class EpuckLink:
             return not self._written_request & REQ_SENSORS
         return True
 
-    # -- silence watchdog: one timer per link, re-armed from the last byte's time ------------------
+    # -- watchdog: one timer per link, for the supervisor's deadline and the probe ---------------------------
     def _arm_watchdog(self, delay: float) -> None:
         self._watchdog = asyncio.get_running_loop().call_later(max(delay, 0.005), self._watchdog_fired)
 
     def _watchdog_fired(self) -> None:
+        """The node's housekeeping applies the supervisor's deadlines to the health; this timer applies them on
+        the loop as well, so that the service's fail-safe follows at once (and a link bound to no node is
+        judged too), and sends the probe."""
         self._watchdog = None
         if not self.connected or self._closing:
             return
-        allowed = self.liveness.allowed_silence()
+        due = self.sup.tick()
+        self._report()
+        allowed = self.sup.sup.policy.liveness_s
         silent = time.monotonic() - self.last_rx
-        if silent >= allowed and not self._silent:
-            self._silent = True
-            self.receiving = False
-            self.stats.silences += 1
-            self._on_state(True, "silent", f"no data from the robot for {silent:.1f} s "
-                                           f"(allowed {allowed:.1f} s for what it was asked to send)")
         # One probe per silence, unpaced: the current state again. With nothing requested it is sent at
         # half the allowed silence, since the robot answers it with 0x03 (a robot that only acknowledges
         # commands stays alive this way). Otherwise a slow robot just queues it (the same state, and one
         # probe only, so a stalled robot's queue never reaches the firmware's flush at 5), and a dead one
         # leaves it unacknowledged, so TCP_USER_TIMEOUT ends the connection, which then reconnects.
-        due = allowed if self.liveness.request else allowed / 2
-        if silent >= due and self._probed_at != self.last_rx:
-            self._probed_at = self.last_rx
-            self._write(self.controller.level().encode())
-        nxt = allowed / 2 if silent < allowed / 2 else allowed
-        self._arm_watchdog(nxt - silent if silent < nxt else allowed)
+        probe_at = allowed if self.liveness.request else allowed / 2
+        waits = [] if due is None else [due + 0.001]
+        if self._probed_at != self.last_rx:
+            if silent >= probe_at:
+                self._probed_at = self.last_rx
+                self._write(self.controller.level().encode())
+            else:
+                waits.append(probe_at - silent)
+        self._arm_watchdog(min(waits) if waits else allowed)
 
     def _reset_link(self) -> None:
         """Leave a link we no longer trust: tell the robot to stop first, then close a moment later.
@@ -390,7 +467,7 @@ class EpuckLink:
 
     def _on_data(self, data: bytes) -> None:
         now = time.time()
-        self.last_rx = mono = time.monotonic()
+        mono = time.monotonic()
         self.stats.bytes += len(data)
         events = self.parser.feed(data)
         self._wake_on_whole_image()
@@ -400,8 +477,13 @@ class EpuckLink:
             if isinstance(ev, FramingError):
                 error = ev
                 break
+            if isinstance(ev, SensorsPacket) and (why := implausible_sensors(ev.data)):
+                # an id the protocol knows, content no robot sends: out of step, or not an e-puck2
+                error = FramingError(bad_id=0x02, offset=self.parser.bytes_in, reason=why)
+                self.stats.garbage_bytes += 1 + len(ev.data)
+                break
             packets.append(ev)
-        base = self.parser.packets - len(packets)
+        base = self.parser.packets - sum(1 for ev in events if not isinstance(ev, FramingError))
         for i, p in enumerate(packets, 1):
             self.liveness.on_packet(mono, isinstance(p, ImagePacket))
             if isinstance(p, SensorsPacket):
@@ -415,21 +497,39 @@ class EpuckLink:
             if self._ends_cycle(p) and self._untaken and base + i > self._untaken[0]:
                 self._untaken.popleft()  # the robot's cycle that began after that write took it
         self.stats.packets += len(packets)
-        if (packets or self._silent) and not self._closing and error is None and not self.receiving:
-            # The first data of the link, or data after a silence: the robot talks again.
-            self.receiving = True
-            self._silent = False
-            self._on_state(True, "streaming", "")
-        if packets and not self._closing:
+        valid = self._valid(packets)
+        if valid and not self._closing:
+            self.last_rx = mono
+            self.sup.data()
+            self._set_budget()  # the allowance follows the images seen
+            self._report()
             self._accepted = True
-            self._on_packets(packets, now)
+            self._on_packets(valid, now)
             if self.controller.clear_due(self.parser.packets):
                 self._dirty = True  # the one-shots the robot has applied must now be cleared
             self._flush()
         if error is not None:
             self.stats.framing_errors += 1
-            log.warning("framing error, resetting the link",
-                        extra={"robot": self.name, "bad_id": f"0x{error.bad_id:02x}", "offset": error.offset})
+            what = error.describe()
+            log.warning("framing error, resetting the link", extra={"robot": self.name, "error": what})
+            self.sup.garbage(what)
             self._on_framing_error(error)
             self._reset_link()
-            self._on_lost(f"framing error: unknown packet id 0x{error.bad_id:02x} at byte {error.offset}")
+            self._on_lost(f"framing error: {what}")
+
+    def _valid(self, packets: list[Packet]) -> list[Packet]:
+        """The packets that prove the robot alive (module doc): a plausible sensors packet (checked by the
+        caller), or an image or 0x03 once another packet has completed after it on this connection. Only the
+        connection's first packet can wait for that: it is held until the next one completes. A 0x03 proves
+        nothing while streams are requested (the robot sends it only when nothing is)."""
+        if self._written_request:
+            packets = [p for p in packets if not isinstance(p, EmptyPacket)]
+        if self._held is not None and packets:
+            packets = [self._held, *packets]
+            self._held = None
+        if not self._confirmed and packets:
+            if len(packets) == 1 and not isinstance(packets[0], SensorsPacket):
+                self._held = packets[0]
+                return []
+            self._confirmed = True
+        return packets

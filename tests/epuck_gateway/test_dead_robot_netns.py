@@ -1,6 +1,6 @@
 """A robot that is really gone (WiFi out of range: no FIN, no ACK) between two network namespaces:
 the link says `silent` at the allowed silence, the kernel gives up on the unacknowledged probe after
-TCP_USER_TIMEOUT, the link says `disconnected` and reconnects once the robot is reachable again.
+TCP_USER_TIMEOUT, the link says `lost` and reconnects once the robot is reachable again.
 Needs root (namespaces, veth); skipped otherwise."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_a_robot_gone_without_fin_or_ack_is_silent_then_disconnected_then_back(n
         silent = until(lambda s: s["state"] == "silent", 10)
         assert silent is not None and silent["connected"], states
         assert silent["t"] - cut < 0.5 + 1.0  # stale timeout 0.5 s (sensors only), generous slack
-        down = until(lambda s: s["state"] == "disconnected", 15)
+        down = until(lambda s: s["state"] == "lost", 15)
         assert down is not None, states
         # the probe went unacknowledged: TCP_USER_TIMEOUT (1.5 s) ended the connection
         assert down["t"] - silent["t"] < 1.5 + 2.0, states

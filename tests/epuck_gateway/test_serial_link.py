@@ -144,7 +144,7 @@ def test_device_unplugged_and_plugged_back(serial_sim: EpuckSerialSimThread) -> 
         link.start()
         assert await wait_for(lambda: len(packets) >= 3)
         serial_sim.call(robot.unplug)
-        assert await wait_for(lambda: any(s[2] == "disconnected" for s in states))
+        assert await wait_for(lambda: any(s[2] == "lost" for s in states))
         assert await wait_for(lambda: any("cannot open" in s[3] for s in states))  # the path is gone
         assert not link.connected
         serial_sim.call(robot.plug)
@@ -171,7 +171,7 @@ def test_a_robot_that_stops_answering_is_silent_and_comes_back(serial_sim: Epuck
         assert await wait_for(lambda: len(packets) >= 3)
         robot.hung = True
         assert await wait_for(lambda: states[-1][2] == "silent")
-        assert states[-1][1] is True and "no reply" in states[-1][3]
+        assert states[-1][1] is True and "no valid data" in states[-1][3]
         await asyncio.sleep(1.5)
         assert states[-1][2] == "silent" and link.stats.reconnects == 0  # no toggling
         robot.hung = False
@@ -234,8 +234,8 @@ def test_the_port_is_held_by_one_process_at_a_time(serial_sim: EpuckSerialSimThr
             states2: States = []
             link2 = make_link(robot.link, EpuckController(), states2, [])
             link2.start()
-            assert await wait_for(lambda: any(s[2] == "disconnected" for s in states2))
-            down = next(s for s in states2 if s[2] == "disconnected")
+            assert await wait_for(lambda: any(s[2] == "unreachable" for s in states2))  # never opened
+            down = next(s for s in states2 if s[2] == "unreachable")
             assert "cannot open" in down[3] and f"held by pid {os.getpid()}" in down[3], down
             assert not link2.connected
         assert await wait_for(lambda: link2.connected and states2[-1][2] == "streaming")  # reopened once free

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 
 from services.epuck_gateway.protocol import (
     COMMAND_SIZE,
     EpuckCommand,
     EpuckController,
+    EpuckRawSensors,
     FramingError,
     Packet,
     SensorsPacket,
@@ -87,10 +89,11 @@ def test_robot_that_accepts_but_never_talks_stays_connected_and_silent() -> None
         ctl.set_stream(image=False, sensors=True)  # with an image asked for, the first may take seconds
         link = make_link(port, ctl, states, stale=0.3)
         link.start()
-        assert await wait_for(lambda: any(s == "silent" for _, s, _ in states))
+        assert await wait_for(lambda: any(s == "unreachable" for _, s, _ in states))
         await asyncio.sleep(1.0)
         assert len(conns) == 1 and link.connected
-        assert [s for _, s, _ in states] == ["connecting", "connected", "silent"]
+        # never sent valid data: unreachable (the kit's table), with the link kept open
+        assert [s for _, s, _ in states] == ["connecting", "connected", "unreachable"]
         assert all(c for c, s, _ in states if s != "connecting")
         await link.close()
         server.close()
@@ -103,7 +106,7 @@ def test_stream_split_anywhere_and_framing_error_resets() -> None:
 
     async def main() -> None:
         sessions: list[list[bytes]] = []
-        payload = bytes(range(104))
+        payload = EpuckRawSensors(tof=77, selector=15, proximity=tuple(range(8))).encode()  # a plausible one
 
         async def robot(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             got: list[bytes] = []
@@ -133,5 +136,45 @@ def test_stream_split_anywhere_and_framing_error_resets() -> None:
         assert first.request == 3 and (first.left, first.right) == (0, 0)
         await link.close()
         server.close()
+
+    asyncio.run(main())
+
+
+def test_garbage_with_packet_ids_is_not_a_live_robot_and_is_counted() -> None:
+    """A peer sending bytes that parse (ids 0x01/0x02/0x03) but no robot sends: a sensors packet out of the
+    firmware's ranges, then random bytes, is never `streaming`; each is counted as garbage and resets the link."""
+
+    async def main() -> None:
+        sessions = 0
+
+        async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal sessions
+            sessions += 1
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                await reader.readexactly(COMMAND_SIZE)
+                if sessions % 2:
+                    writer.write(b"\x03\x03\x02" + bytes(range(104)) + b"\x02" + bytes(range(104)))
+                for _ in range(100):
+                    writer.write(os.urandom(64))
+                    await writer.drain()
+                    await asyncio.sleep(0.02)
+
+        server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        states: list[tuple[bool, str, str]] = []
+        packets: list[Packet] = []
+        link = EpuckLink("r1", EpuckLinkConfig("127.0.0.1", port, connect_timeout_s=1.0, reconnect_min_s=0.05,
+                                               reconnect_max_s=0.1, probe_period_s=0.2, stale_timeout_s=0.4),
+                         EpuckController(), lambda p, t: packets.extend(p), lambda c, s, m: states.append((c, s, m)),
+                         lambda e: None)
+        link.start()
+        assert await wait_for(lambda: sessions >= 4 and any(s == "unreachable" for _, s, _ in states), 20), states
+        await link.close()
+        server.close()
+        kinds = [s for _, s, _ in states]
+        assert "streaming" not in kinds and not packets, kinds
+        d = link.sup.details()
+        assert d["garbage"] >= 2 and link.stats.garbage_bytes >= 105 and link.stats.framing_errors >= 2, d
+        assert "unreachable" in kinds, kinds
 
     asyncio.run(main())
