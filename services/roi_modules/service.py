@@ -234,6 +234,7 @@ class RoiModule:
         self.link.device_state("awaiting_status", operational=False,
                                message="the module answers; waiting for its STATUS_REPORT")
         self.was_live = False
+        self.gaps_seen = 0  # resent + lost requests seen by the maintain loop
         self.show_details()
         self._bind_common()
 
@@ -403,6 +404,12 @@ class RoiModule:
             try:
                 self.watch_link()
                 if self.live and not self.kind_mismatch:
+                    gaps = self.traffic.resent + self.traffic.lost_total
+                    if gaps != self.gaps_seen:
+                        # a send went unanswered: what answered after it may be another module (swapped, or an
+                        # octet selector changed; a module boots within no budget): its type first, then polls
+                        self.gaps_seen = gaps
+                        self.status_due = True
                     if self.status_due or self.status is None or self.tick_no % self.svc.settings.roi_status_every == 0:
                         self.status_due = False
                         try:
@@ -460,9 +467,10 @@ class RoiModule:
             if prev is None or prev.module_type != st.module_type:
                 self.fault("type_mismatch", f"module type {p.module_type_name(st.module_type)} at octet "
                                             f"{self.cfg.octet}, configured {self.cfg.type}")
-            self.sync_health()
+            # not our module's data: the link fails first, so health never shows `connection: true` with it
             self.link.failed(f"{p.module_type_name(st.module_type)} answers at octet {self.cfg.octet}, "
                              f"configured {self.cfg.type}")
+            self.sync_health()
             return
         same = prev is not None and prev.module_type == st.module_type
         reset = same and prev is not None and (

@@ -169,3 +169,33 @@ def test_liveness_budget_is_a_setting_and_must_hold_a_lost_request() -> None:
     assert s.liveness_s(s.roi_modules[0]) == pytest.approx(0.2 * 11 + 0.1)
     with pytest.raises(ValidationError, match="shorter than one request's resend ladder"):
         RoiSettings(**{**base, "roi_liveness_s": 0.3})
+
+
+def test_module_swapped_within_the_budget_is_told_by_its_type(broker_session: Broker) -> None:
+    """Both modules swapped for the other type faster than any budget (the conformance suite's wrong kind): the
+    first reply after unanswered sends is followed by a STATUS_REPORT before any further typed poll. Before,
+    the swap went unseen until the next periodic report (here: never) while each module took the other's polls
+    (a GPIO READ is an ODrive SET_POSITION) and health said `operating`."""
+    sim = RoiSim(fresh_prefix(), [SimModuleSpec(10, "gpio"), SimModuleSpec(20, "odrive")], seed=5).start()
+    r = make_rig(broker_session, [IO_CONFIGURED, {"name": "wheel", "octet": 20, "type": "odrive",
+                                                  "initial_mode": "velocity"}], sim=sim, roi_status_every=100000)
+    swapped: RoiSim | None = None
+    try:
+        for n in ("io", "wheel"):
+            assert r.bus.wait(f"/{n}/health", lambda d: d["connection"] and d["operational"], timeout=20)
+        mark = r.bus.mark()
+        sim.close()
+        time.sleep(0.1)
+        swapped = RoiSim(sim.prefix, [SimModuleSpec(10, "odrive"), SimModuleSpec(20, "gpio")], seed=6).start()
+        for n in ("io", "wheel"):
+            h = r.bus.wait(f"/{n}/health", lambda d: d["error"] and "mismatch" in d["error_message"], mark, 10)
+            assert h is not None and not h["connection"], r.bus.latest(f"/{n}/health")
+            hs = [json.loads(m.payload) for m in r.bus.since(mark, f"/{n}/health")]
+            assert not any(d["connection"] and "mismatch" in d["error_message"] for d in hs)
+        # the typed traffic each wrong module got: what was in flight when it came up, then nothing
+        assert swapped.call(20, lambda fw: fw.counters.general_rx) <= 3
+        assert swapped.call(10, lambda fw: fw.counters.general_rx) <= 3 * 4  # GPIO: 4 reads a tick
+    finally:
+        r.close()
+        if swapped is not None:
+            swapped.close()
