@@ -45,11 +45,14 @@ class DexterArmConfig(BaseModel):
                                   "16-deep FIFO is full")
     keepalive_s: float = Field(10.0, gt=0, lt=30.0, description="A `g` after this much silence "
                                "(DexRun closes a connection idle for 30 s)")
-    reconnect_min_s: float = Field(0.2, gt=0)
-    reconnect_max_s: float = Field(5.0, gt=0)
-    liveness_s: float = Field(10.0, gt=0, description="An arm not reached (never, or since the link was lost) "
-                              "for this long is `unreachable` in health; at least reconnect_max_s, so that an "
-                              "arm that returns is found within one budget")
+    reconnect_min_s: float = Field(0.2, gt=0, description="First wait after a lost link (the kit's back-off)")
+    reconnect_max_s: float = Field(2.0, gt=0, description="Cap of the doubling waits while the arm is lost")
+    liveness_s: float = Field(3.0, gt=0, description="The liveness budget: valid DexRun replies must come within "
+                              "this, or the arm is `silent` / `lost`, and one never reached (or not again) is "
+                              "`unreachable`. The link sends a `g` after liveness_s - reply_timeout_s of silence "
+                              "(the status poll sends more), so a hung arm's timeout falls within the budget")
+    probe_period_s: float = Field(3.0, gt=0, description="An `unreachable` arm is probed once per period "
+                                  "(connect and `g`); an arm that returns is operational within about this")
     queue_limit: int = Field(64, ge=1, le=10000, description="Commands waiting for the link; more get `busy`")
 
     @field_validator("id")
@@ -64,6 +67,9 @@ class DexterArmConfig(BaseModel):
         if self.reconnect_max_s > self.liveness_s:
             raise ValueError(f"reconnect_max_s ({self.reconnect_max_s:g}) must not exceed liveness_s "
                              f"({self.liveness_s:g}): an arm that returns would not be found within one budget")
+        if self.reply_timeout_s >= self.liveness_s:
+            raise ValueError(f"reply_timeout_s ({self.reply_timeout_s:g}) must be below liveness_s "
+                             f"({self.liveness_s:g}): a `g` that times out must end within one budget")
         return self
 
 

@@ -252,13 +252,18 @@ class DexterArm:
         self.firmware = Firmware(cfg.firmware)
         self.dev = node.device(cfg.id)
         self.status_mode = "0"
-        self.link = DexterLink(cfg.id, DexterLinkConfig(
+        link_cfg = DexterLinkConfig(
             host=cfg.host, port=cfg.port, firmware=self.firmware, connect_timeout_s=cfg.connect_timeout_s,
             reply_timeout_s=cfg.reply_timeout_s, motion_timeout_s=cfg.motion_timeout_s,
             fifo_timeout_s=cfg.fifo_timeout_s, keepalive_s=cfg.keepalive_s, reconnect_min_s=cfg.reconnect_min_s,
-            reconnect_max_s=cfg.reconnect_max_s, liveness_s=cfg.liveness_s, queue_limit=cfg.queue_limit),
-            on_state=self._on_link_state, on_reply=self._on_reply, on_decode_error=self._on_decode_error,
-            keepalive_args=self._g_args)
+            reconnect_max_s=cfg.reconnect_max_s, liveness_s=cfg.liveness_s, probe_period_s=cfg.probe_period_s,
+            queue_limit=cfg.queue_limit)
+        # health is the kit's link supervisor's (docs/kit.md): the link reports to it, the arm adds its faults
+        self.sup = self.dev.supervise_link(link_cfg.policy())
+        self.dev.set_health(details=self._static_details())
+        self.link = DexterLink(cfg.id, link_cfg, supervisor=self.sup, on_change=self._apply_fault,
+                               on_reply=self._on_reply, on_decode_error=self._on_decode_error,
+                               keepalive_args=self._g_args)
         self._latest: tuple[p.Reply, str, float] | None = None  # newest standard-status reply, its mode, time
         self._published_instr = -1
         self._flags: tuple[str, ...] = ()
@@ -272,8 +277,8 @@ class DexterArm:
         self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"dexter-transfer-{cfg.id}")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.dev.set_health(connection=False, operational=False, state="starting", error=False, error_message="",
-                            details=self._details())
+        self._fault = ""  # what the arm's health reports as its fault (`_apply_fault`)
+        self._fault_lock = threading.Lock()  # replies arrive on several threads
         self._bind()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -285,22 +290,19 @@ class DexterArm:
             t.start()
 
     def close(self) -> None:
+        """The link stops (its supervisor first: the final health is `stopped`, `connection: false`)."""
         self._stop.set()
         self.link.close()
         self._transfers.shutdown(wait=False)  # a running transfer ends at its next block (the link is stopping)
         for t in self._threads:
             t.join(2)
-        self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
-                            error_message="gateway stopped", details=self._details())
+        self.dev.set_health(details=self._details())
 
     def _g_args(self) -> Sequence[str]:
         # newest: `g` without an argument resets the status mode to '0', so polls repeat the current mode
         return (self.status_mode,) if self.firmware is Firmware.NEWEST and self.status_mode != "0" else ()
 
-    # -- link callbacks (on the loop) -----------------------------------------------------------------
-    def _on_link_state(self, connected: bool, state: str, message: str) -> None:
-        self._publish_health()
-
+    # -- link callbacks ------------------------------------------------------------------------------
     def _on_decode_error(self, what: str) -> None:
         self.node.count_decode_error(f"{self.cfg.id}: {what}")
 
@@ -318,38 +320,44 @@ class DexterArm:
         flags = p.decode_error(rep.error).flags
         if flags != self._flags:
             self._flags = flags
-            self._publish_health()
+            self._apply_fault()
 
-    def _publish_health(self) -> None:
-        """`error` says the arm or its configuration is wrong (DexRun's error flags; a host name that does not
-        resolve; a peer that is not DexRun): never an absent arm, so it does not flip with reconnect attempts,
-        which are counted in `details`. An arm not reached is `connecting` / `reconnecting`, then `unreachable`
-        once `liveness_s` has passed."""
-        link = self.link
-        flags = self._flags
-        serving = link.serving
-        problems = [p.FLAG_TEXT[f] for f in flags]
-        if not serving and link.message:
-            problems.insert(0, link.message)
-        state = ("fault" if flags else "connected") if serving else link.down_state()
-        self.dev.set_health(connection=serving, operational=serving and "firmware_mismatch" not in flags,
-                            state=state, error=bool(flags) or (not serving and bool(link.fault)),
-                            error_message="; ".join(problems), details=self._details())
+    def _apply_fault(self) -> None:
+        """The arm's fault for the kit's supervisor (`error`, and what `error_message` says): DexRun's error
+        flags in its replies (a servo, the monitor, a firmware/gateware mismatch), or a configuration that cannot
+        work (a host name that does not resolve). Never an absent or silent arm: the supervisor counts failed
+        attempts and says `connecting` / `lost` / `unreachable` / `silent` without an error."""
+        parts = ([self.link.config_fault] if self.link.config_fault else []) + [p.FLAG_TEXT[f] for f in self._flags]
+        fault = "; ".join(parts)
+        with self._fault_lock:
+            if fault == self._fault:
+                return
+            self._fault = fault
+            if fault:
+                self.sup.fault(fault)
+            else:
+                self.sup.clear_fault()
+
+    def _static_details(self) -> dict[str, Any]:
+        return {"host": self.cfg.host, "port": self.cfg.port, "firmware": self.cfg.firmware.value,
+                "status_mode": self.status_mode}
 
     def _details(self) -> dict[str, Any]:
+        """The link's own counters beside the kit's `details.link` (attempts, failures, states, budget)."""
         s = self.link.stats
-        d: dict[str, Any] = {"host": self.cfg.host, "port": self.cfg.port, "firmware": self.cfg.firmware.value,
-                             "status_mode": self.status_mode}
-        d.update(link=self.link.state, rtt_last_ms=s.rtt_last_ms, rtt_avg_ms=s.rtt_avg_ms,
-                 rtt_max_ms=s.rtt_max_ms, reconnects=s.reconnects, connect_attempts=s.connect_attempts,
-                 failed_attempts=s.failed_attempts, last_failure=s.last_failure, timeouts=s.timeouts,
-                 out_of_step=s.out_of_step, stale_replies=s.stale_replies, commands=s.commands,
-                 keepalives=s.keepalives, busy_refusals=s.busy, queued=self.link.queued)
+        d = self._static_details()
+        d.update(rtt_last_ms=s.rtt_last_ms, rtt_avg_ms=s.rtt_avg_ms, rtt_max_ms=s.rtt_max_ms,
+                 reconnects=s.reconnects, timeouts=s.timeouts, out_of_step=s.out_of_step,
+                 stale_replies=s.stale_replies, commands=s.commands, keepalives=s.keepalives,
+                 busy_refusals=s.busy, queued=self.link.queued)
         return d
+
+    def _publish_details(self) -> None:
+        self.dev.set_health(details=self._details())  # published when changed; the kit's heartbeat besides
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.settings.health_interval_s):
-            self._publish_health()
+            self._publish_details()
 
     def _status_loop(self) -> None:
         """Publish the newest status at the configured rate; poll `g` only when nothing else brought one."""
@@ -558,7 +566,7 @@ class DexterArm:
             raise CommandError(ErrorCode.INVALID_REQUEST, f"status mode {req.mode!r} cannot be sent")
         reply = self.send("g", [req.mode] if req.mode != "0" else [])
         self.status_mode = req.mode
-        self._publish_health()
+        self._publish_details()
         return reply
 
     def check_shell(self, target: str) -> None:
@@ -589,7 +597,7 @@ class DexterArm:
             self.check_raw_motion(oplet, request.args)
         if oplet == "g" and self.firmware is Firmware.NEWEST:
             self.status_mode = args[0][0] if args else "0"
-            self._publish_health()  # details.status_mode, as the status_mode command does
+            self._publish_details()  # details.status_mode, as the status_mode command does
         return self.send(oplet, args, fail_on_error=False, prepared=request)
 
     def check_raw_motion(self, oplet: str, args: Sequence[str]) -> None:

@@ -20,7 +20,8 @@ Built the way DexRun's `StartServerSocketDDE` is: one server thread, `listen` â†
 Both firmware branches: `firmware="stable"` or `"newest"` switches status modes, `C`/`D`, ESPIPE at
 the end of a #keyword (stable serves stale bytes instead), and whole-line vs first-word shell commands.
 Faults are injectable from tests (`drop_replies`, `delay_replies`, `split_replies`, `coalesce_replies`,
-`garbage`, `error_next`, `disconnect`). A request DexRun would crash on (a missing argument) is
+`garbage`, `error_next`, `disconnect`, and `hang` / `resume`: the firmware stuck, its sockets open, as a
+SIGSTOPped DexRun). A request DexRun would crash on (a missing argument) is
 counted in `stats.crashes` and the connection is dropped, as the real process would die.
 
     python -m services.dexter_gateway.sim --port 50000 --root /tmp/dexter-fs
@@ -206,6 +207,8 @@ class DexterSim:
         self._coalesce = 0
         self._garbage = b""
         self._errors: deque[tuple[int, int]] = deque()  # (error bits, oplet's code or 0 for any reply)
+        self._running = threading.Event()  # cleared: hung (nothing accepted, read or answered)
+        self._running.set()
         # sockets
         self._lsock: socket.socket | None = None
         self._conn: socket.socket | None = None
@@ -278,6 +281,22 @@ class DexterSim:
         with self.lock:
             self._errors.extend([(value, ord(oplet) if oplet else 0)] * n)
 
+    def hang(self) -> None:
+        """DexRun stops (a hung process, SIGSTOP): its sockets stay open, the kernel still completes new
+        connections into the listen backlog and buffers what arrives, but nothing is accepted, read or answered
+        until `resume()`; then it goes on where it stopped (the command in hand, then the backlog in order)."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def _wait_running(self) -> bool:
+        """While hung: wait. False when the simulator closes meanwhile."""
+        while not self._running.wait(0.1):
+            if self._closed.is_set():
+                return False
+        return not self._closed.is_set()
+
     def disconnect(self) -> None:
         conn = self._conn
         if conn is not None:
@@ -303,7 +322,7 @@ class DexterSim:
     # -- server --------------------------------------------------------------------------------
     def _serve_forever(self) -> None:
         assert self._lsock is not None
-        while not self._closed.is_set():
+        while self._wait_running():
             try:
                 conn, _ = self._lsock.accept()
             except (TimeoutError, OSError):
@@ -329,7 +348,7 @@ class DexterSim:
                 return
             except OSError:
                 return
-            if not data:
+            if not data or not self._wait_running():
                 return
             try:
                 reply = self.handle(data)

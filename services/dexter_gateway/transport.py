@@ -24,14 +24,19 @@ transfer runs at the robot's block round trip, not at the speed of hand-offs bet
 * **Transfers own the link** (`hold()`): a file job takes its turn once and runs its blocks back to back
   on its own thread, still one command in flight, each with its reply timeout; a command that queues
   meanwhile goes between two blocks (the holder gives its turn to the waiters, then takes the next).
-* **Connect** with a timeout, a `g` probe (a second client is accepted by the kernel but never served
-  while another holds the arm), then capped exponential backoff between attempts.
-* **States** (`state`, what health says): `connecting` (never reached yet) or `reconnecting` (lost) while
-  not reached for less than `liveness_s`, then `unreachable`; `connected`; `stopped`. A failed attempt is
-  counted (`connect_attempts`, `failed_attempts` in a row, `last_failure`), never an error: an absent arm is
-  absent, not wrong. `fault` is set only when the configuration or the device is wrong (the host name does
-  not resolve; the peer at the port answers with something that is not DexRun), and it stays until an
-  attempt ends otherwise, so it does not flap with the attempts.
+* **Connect** with a timeout, then a `g` probe: the link counts as open only once DexRun answers it (a
+  second client's TCP connect completes in the kernel backlog and is never served while another client holds
+  the arm, §1: an accepted socket is not a served link).
+* **Health is the kit's** (shared/link.py, docs/kit.md "Health: one meaning in every service"): the link
+  reports to its `SupervisedLink` what happens (`attempt`, `failed`, `opened` once the probe is answered,
+  `data` for every valid reply, `garbage` for bytes that are not a DexRun reply, `closed` when a served link
+  ends) and waits `next_attempt_in()` between attempts: the supervisor's back-off while the arm is `lost`, one
+  probe per probe period once it is `unreachable`. The link keeps no liveness rule or state of its own;
+  `config_fault` says only that the configuration is wrong (the host name does not resolve), for the service
+  to report as a fault.
+* **Keepalive within the budget**: with nothing else on the link, a `g` goes out after
+  min(`keepalive_s`, `liveness_s` - `reply_timeout_s`) of silence, so that a hung arm shows within one
+  liveness budget even with no status polling (its `g` times out and the link is reset).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from services.dexter_gateway.protocol import (
     decode_reply,
     resolve_param,
 )
+from shared.link import LinkPolicy, SupervisedLink
 
 log = logging.getLogger("robobus.dexter.link")
 
@@ -83,19 +89,29 @@ class DexterLinkConfig:
     fifo_timeout_s: float = 120.0  # a queued move while the FIFO is full: until a slot frees
     keepalive_s: float = 10.0  # DexRun closes after 30 s of silence
     reconnect_min_s: float = 0.2
-    reconnect_max_s: float = 5.0
-    liveness_s: float = 10.0  # not reached for this long: `unreachable` (health)
+    reconnect_max_s: float = 2.0
+    liveness_s: float = 3.0  # valid data must come within this (the kit's supervisor: silent / unreachable)
+    probe_period_s: float = 3.0  # an unreachable arm: one attempt per period
     queue_limit: int = 64
     job_id: int = 1
+
+    def policy(self) -> LinkPolicy:
+        """The link's budget and reconnect rhythm, for the kit's supervisor."""
+        return LinkPolicy(liveness_s=self.liveness_s, backoff_min_s=self.reconnect_min_s,
+                          backoff_max_s=max(self.reconnect_max_s, self.reconnect_min_s),
+                          probe_period_s=self.probe_period_s)
+
+    @property
+    def idle_probe_s(self) -> float:
+        """Silence after which the link sends a `g`: DexRun's idle close (keepalive_s < 30 s), and soon enough
+        that its reply, or its timeout, comes within one liveness budget."""
+        return max(0.05, min(self.keepalive_s, self.liveness_s - self.reply_timeout_s))
 
 
 @dataclass
 class DexterLinkStats:
-    connects: int = 0
+    connects: int = 0  # sessions: DexRun answered our probe
     reconnects: int = 0
-    connect_attempts: int = 0  # every attempt: TCP connect and the probe
-    failed_attempts: int = 0  # in a row, since DexRun last answered the probe
-    last_failure: str = ""
     commands: int = 0
     timeouts: int = 0
     out_of_step: int = 0
@@ -176,7 +192,7 @@ class LinkHold:
         return rep
 
 
-StateHandler = Callable[[bool, str, str], None]  # connected, state, message
+ChangeHandler = Callable[[], None]  # serving or config_fault changed
 ReplyHandler = Callable[[LinkReply], None]
 DecodeErrorHandler = Callable[[str], None]
 Cancelled = Callable[[], bool]
@@ -185,19 +201,19 @@ Cancelled = Callable[[], bool]
 class DexterLink:
     """One arm's link. `start()`; `request(oplet, args)` from any thread; `close()`."""
 
-    def __init__(self, name: str, config: DexterLinkConfig, *, on_state: StateHandler | None = None,
-                 on_reply: ReplyHandler | None = None, on_decode_error: DecodeErrorHandler | None = None,
+    def __init__(self, name: str, config: DexterLinkConfig, *, supervisor: SupervisedLink | None = None,
+                 on_change: ChangeHandler | None = None, on_reply: ReplyHandler | None = None,
+                 on_decode_error: DecodeErrorHandler | None = None,
                  keepalive_args: Callable[[], Sequence[str]] | None = None) -> None:
         self.name = name
         self.config = config
         self.stats = DexterLinkStats()
+        # the kit's supervisor of this link (a device's, from `Device.supervise_link`); standalone: one of its own
+        self.sup = supervisor if supervisor is not None else SupervisedLink(config.policy(), lambda fields: None)
         self.serving = False  # connected and DexRun answered our probe
-        self.state = "connecting"
-        self.message = ""
-        self.fault = ""  # the configuration or the device is wrong (not: absent): see the module docstring
-        self._ever_served = False
-        self._down_since = time.monotonic()  # when the link was last not serving (start, loss)
-        self.on_state = on_state or (lambda c, s, m: None)
+        self.message = ""  # why the link is not serving (for `unavailable` errors)
+        self.config_fault = ""  # the configuration is wrong (the host name does not resolve); not: absent
+        self.on_change = on_change or (lambda: None)
         self.on_reply = on_reply or (lambda r: None)
         self.on_decode_error = on_decode_error or (lambda what: None)
         self.keepalive_args = keepalive_args or (lambda: ())
@@ -279,6 +295,7 @@ class DexterLink:
     def close(self) -> None:
         """Refuse new commands, fail the queued ones; the one in flight finishes; close the socket."""
         self._closing.set()
+        self.sup.stop("shutdown")  # first: the teardown below is not a loss
         with self._lock:
             for t in self._turns:
                 t.abandoned = True
@@ -290,13 +307,15 @@ class DexterLink:
             held = self._held
         if not held:
             self._drop_socket()
-        self._set_state("stopped", "gateway stopped")
+        self.serving = False
+        self.message = "gateway stopped"
+        self.on_change()
 
     def reset(self, why: str) -> None:
         """Drop the connection (a timed-out or out-of-step link); the supervisor reconnects."""
         log.warning("resetting the link", extra={"arm": self.name, "why": why})
         self.message = why
-        self._went_down()
+        self._went_down(why)
         self._drop_socket()
         self._lost.set()
 
@@ -403,6 +422,8 @@ class DexterLink:
                 if rep is not None:
                     rtt = time.monotonic() - sent.t0
                     self._note_rtt(rtt)
+                    if self.serving:  # the probe's reply opens the link (`_session`)
+                        self.sup.data()
                     if pending:  # more replies in the same segment: copies nobody asked for
                         self.stats.stale_replies += len(pending)
                         self.on_decode_error(f"{len(pending)} unsolicited replies after {req.oplet!r} dropped")
@@ -449,6 +470,7 @@ class DexterLink:
     def _out_of_step(self, why: str) -> NoReturn:
         self.stats.out_of_step += 1
         self.on_decode_error(why)
+        self.sup.garbage(why)  # counted; it proves nothing alive
         msg = f"reply stream out of step ({why}); link reset"
         self.reset(msg)
         raise DexterLinkError("device_error", f"arm {self.name}: {msg}")
@@ -460,15 +482,18 @@ class DexterLink:
         s.rtt_avg_ms = round(ms if s.rtt_avg_ms == 0 else s.rtt_avg_ms + (ms - s.rtt_avg_ms) / 16, 3)
         s.rtt_max_ms = round(max(s.rtt_max_ms, ms), 3)
 
-    def _went_down(self) -> None:
+    def _went_down(self, why: str) -> None:
+        """The served link ends: the supervisor hears it once (`closed`: lost, reconnecting with back-off)."""
         if self.serving:
-            self._down_since = time.monotonic()
-        self.serving = False
+            self.serving = False
+            if not self._closing.is_set():  # closing: the supervisor is stopped already
+                self.sup.closed(why)
+            self.on_change()
 
     def _lose(self, why: str) -> None:
         if not self._lost.is_set():
             self.message = why
-        self._went_down()
+        self._went_down(why)
         self._drop_socket()
         self._lost.set()
 
@@ -479,55 +504,46 @@ class DexterLink:
                 s.close()
 
     # -- supervisor: connect, probe, keepalive, reconnect ---------------------------------------------------
-    def down_state(self) -> str:
-        """What a link that is not serving is: `connecting` / `reconnecting` within the liveness budget, then
-        `unreachable` (computed when asked, so that the budget passing shows without an event)."""
-        if self._closing.is_set():
-            return "stopped"
-        if time.monotonic() - self._down_since >= self.config.liveness_s:
-            return "unreachable"
-        return "reconnecting" if self._ever_served else "connecting"
+    def _set_config_fault(self, fault: str) -> None:
+        if fault != self.config_fault:
+            self.config_fault = fault
+            self.on_change()
 
-    def _attempt_failed(self, why: str, fault: str = "") -> None:
-        """One failed attempt: counted; `fault` only when the configuration or the device is wrong."""
-        st = self.stats
-        st.connect_attempts += 1
-        st.failed_attempts += 1
-        st.last_failure = why
-        self.fault = fault
-        self._set_state(self.down_state(), f"{why} ({st.failed_attempts} attempts in a row)")
+    def _failed(self, why: str) -> None:
+        """An attempt that did not give a served link: counted by the supervisor, never an error."""
+        self.message = why
+        self.sup.failed(why)
 
     def _supervise(self) -> None:
+        """Attempt, session, and wait what the kit's supervisor says (its back-off while lost; one probe per
+        probe period once the arm is unreachable)."""
         cfg = self.config
-        delay = cfg.reconnect_min_s
         while not self._closing.is_set():
+            wait = self.sup.next_attempt_in()
+            if wait > 0:
+                self._closing.wait(min(wait, 1.0))  # re-read: a deadline passing may change the rhythm
+                continue
+            self.sup.attempt()
             try:
                 sock = socket.create_connection((cfg.host, cfg.port), timeout=cfg.connect_timeout_s)
             except socket.gaierror as exc:  # the host name does not resolve: the configuration is wrong
                 why = f"cannot resolve {cfg.host!r}: {exc}"
-                self._attempt_failed(why, fault=why)
-                self._closing.wait(delay)
-                delay = min(delay * 2, cfg.reconnect_max_s)
+                self._set_config_fault(why)
+                self._failed(why)
                 continue
             except OSError as exc:
-                self._attempt_failed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}")
-                self._closing.wait(delay)
-                delay = min(delay * 2, cfg.reconnect_max_s)
+                self._set_config_fault("")
+                self._failed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}")
                 continue
+            self._set_config_fault("")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
             self._asm.reset()
             self._lost.clear()
-            served = self._session()
-            if self._closing.is_set():
-                break
-            if served:
-                self._set_state(self.down_state(), self.message)
-            delay = cfg.reconnect_min_s if served else min(delay * 2, cfg.reconnect_max_s)
-            self._closing.wait(delay)
+            self._session()
 
-    def _session(self) -> bool:
-        """Probe, then keep the link alive until it is lost. True if DexRun answered us."""
+    def _session(self) -> None:
+        """Probe, then keep the link alive until it is lost."""
         probe = build_request("g", self.keepalive_args(), job_id=self.config.job_id, firmware=self.config.firmware)
         self._acquire(None)
         try:
@@ -536,25 +552,23 @@ class DexterLink:
             msg = exc.message
             if exc.code == "timeout":
                 msg = ("connected, but DexRun did not answer within "
-                       f"{self.config.reply_timeout_s:g} s (another client may hold the arm)")
+                       f"{self.config.reply_timeout_s:g} s (another client may hold the arm, or it hangs)")
             self._drop_socket()
-            # a peer that answers with something that is not a DexRun reply is the wrong device at this port
-            self._attempt_failed(msg, fault=msg if exc.code == "device_error" else "")
-            return False
+            self._failed(msg)  # a peer that is not DexRun sent garbage: counted as such (`_out_of_step`)
+            return
         finally:
             self._release()
         self.stats.connects += 1
-        self.stats.connect_attempts += 1
-        self.stats.failed_attempts = 0
         if self.stats.connects > 1:
             self.stats.reconnects += 1
+        self.sup.opened()  # DexRun serves us: the link is open, and the probe's reply is its first valid data
+        self.sup.data()
         self.serving = True
-        self._ever_served = True
-        self.fault = ""
-        self._set_state("connected", "")
+        self.message = ""
+        self.on_change()
         log.info("arm connected", extra={"arm": self.name, "host": self.config.host, "port": self.config.port})
         self.on_reply(first)
-        ka = self.config.keepalive_s
+        ka = self.config.idle_probe_s
         while not self._lost.wait(min(0.25, ka / 2)):
             if self._closing.is_set():
                 break
@@ -564,8 +578,7 @@ class DexterLink:
                     self.request("g", self.keepalive_args())
             elif not self.busy:
                 self._peek()
-        self._went_down()
-        return True
+        self._went_down(self.message or "link closed")
 
     def _peek(self) -> None:
         """While idle: has the robot closed the connection (DexRun's idle close, a reboot)?"""
@@ -588,8 +601,3 @@ class DexterLink:
                     self._lose("connection closed by the robot")
         finally:
             self._release()
-
-    def _set_state(self, state: str, message: str) -> None:
-        self.state = state
-        self.message = message
-        self.on_state(state == "connected", state, message)

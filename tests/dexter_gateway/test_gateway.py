@@ -229,8 +229,10 @@ def test_device_errors_and_flags_reach_reply_and_health(gateway: Gateway) -> Non
     rep = gateway.call("heartbeat")
     assert rep.ok and rep.result["error"]["flags"] == ["monitor"]  # a flag describes the arm, not this command
     h = gateway.bus.wait_json("/arm1/health", lambda d: "monitor" in d["error_message"], mark)
-    assert h is not None and h["error"] and h["state"] == "fault"
-    assert gateway.bus.wait_json("/arm1/health", lambda d: not d["error"], mark)  # cleared by later replies
+    # the kit's table: a fault the device reports is `error` (the link still up: `connection` as it is)
+    assert h is not None and h["error"] and h["state"] == "error" and h["connection"] and not h["operational"]
+    back = gateway.bus.wait_json("/arm1/health", lambda d: not d["error"], mark)  # cleared by later replies
+    assert back is not None and back["state"] == "operational" and back["operational"] and back["connection"]
     rep = gateway.call("raw", {"command": "x"})  # raw returns DexRun's own answer
     assert rep.ok and rep.result["error"]["code"] == 1
 

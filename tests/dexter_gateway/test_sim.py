@@ -227,3 +227,21 @@ def test_faults_split_coalesce_garbage_errors(sim: DexterSim) -> None:
     with pytest.raises(p.ProtocolError):
         c.recv()
     c.close()
+
+
+def test_hang_answers_nothing_until_resume_then_serves_the_backlog_in_order(sim: DexterSim) -> None:
+    """As a SIGSTOPped DexRun: the kernel still completes a second client's connect into the backlog; after
+    `resume` the client in hand gets its reply, and once it closes, the next one in the backlog is served."""
+    first = RawClient(sim.port)
+    assert first.cmd("g").oplet == "g"
+    sim.hang()
+    first.send("h")
+    with pytest.raises(TimeoutError):
+        first.recv(timeout=0.5)
+    second = RawClient(sim.port)  # completes in the backlog, as on the robot
+    second.send("g")
+    sim.resume()
+    assert first.recv().oplet == "h"
+    first.close()
+    assert second.recv().oplet == "g" and sim.stats.connections == 2
+    second.close()

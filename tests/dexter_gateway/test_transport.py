@@ -14,6 +14,7 @@ import pytest
 from services.dexter_gateway import protocol as p
 from services.dexter_gateway.sim import DexterSim, DexterSimConfig
 from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError, PendingExchange
+from shared.link import LinkState, SupervisedLink
 from shared.rpc import wait_for
 
 
@@ -278,3 +279,54 @@ def test_a_pending_inline_exchange_still_times_out_at_the_commands_deadline(sim:
     assert wait_for(lambda: link.serving and link.stats.reconnects == 1, 10)
     assert link.request("h").reply.error == 0
     link.close()
+
+
+# -- the kit's link supervisor (shared/link.py) drives health; the link reports to it ----------------------------
+
+def _state(link: DexterLink) -> LinkState:
+    return link.sup.state
+
+
+def test_reconnects_follow_the_supervisors_backoff_then_one_probe_per_period() -> None:
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    link = DexterLink("arm", DexterLinkConfig(host="127.0.0.1", port=port, reply_timeout_s=0.3, liveness_s=0.5,
+                                              reconnect_min_s=0.05, reconnect_max_s=0.2, probe_period_s=1.0)).start()
+    try:
+        # within the budget: the back-off ladder (0.05, 0.1, 0.2 ...), then `unreachable`
+        assert wait_for(lambda: link.sup.state is LinkState.UNREACHABLE, 10), link.sup.details()
+        d = link.sup.details()
+        assert d["attempts"] >= 3 and d["failures"] == d["attempts"] and "refused" in d["last_failure"].lower()
+        # unreachable: one probe per probe period (the old ladder capped at 0.2 s tried ~15 times in 3 s)
+        n0, t0 = d["attempts"], time.monotonic()
+        time.sleep(3.0)
+        probes = link.sup.details()["attempts"] - n0
+        assert 1 <= probes <= (time.monotonic() - t0) / 1.0 + 1, probes
+        assert link.sup.state is LinkState.UNREACHABLE and not link.serving
+    finally:
+        link.close()
+    assert _state(link) is LinkState.STOPPED
+
+
+def test_the_link_reports_sessions_losses_and_garbage_to_its_supervisor(sim: DexterSim) -> None:
+    shown: list[dict[str, Any]] = []  # every health the supervisor sets, as a device's would be
+    cfg = DexterLinkConfig(host="127.0.0.1", port=sim.port, reply_timeout_s=0.3, reconnect_min_s=0.05)
+    link = DexterLink("arm", cfg, supervisor=SupervisedLink(cfg.policy(), shown.append)).start()
+    assert wait_for(lambda: link.serving, 10)
+    assert link.sup.state is LinkState.OPERATIONAL and link.sup.details()["sessions"] == 1
+    sim.drop_replies(1)
+    with pytest.raises(DexterLinkError):
+        link.request("h")
+    assert wait_for(lambda: link.serving and link.sup.state is LinkState.OPERATIONAL, 10)
+    sim.garbage(b"\x01\x02\x03")
+    with pytest.raises(DexterLinkError):
+        link.request("h")
+    assert wait_for(lambda: link.serving and link.sup.state is LinkState.OPERATIONAL, 10)
+    d = link.sup.details()
+    assert d["sessions"] == 3 and d["garbage"] >= 1 and d["failures"] >= 2, d
+    states = [h["state"] for h in shown]
+    assert states.count("lost") == 2 and states[-1] == "operational", states  # each loss shown when it happened
+    assert not any(h["error"] for h in shown)  # losses and garbage are counted, never an error
+    link.close()
+    assert _state(link) is LinkState.STOPPED and shown[-1]["state"] == "stopped" and not shown[-1]["connection"]
