@@ -26,6 +26,12 @@ State sensors tell the truth (shared/dashboard/README.md, "Home Assistant discov
 Health entities read the node's retained health directly: they are available while the node is online, whether
 the discovery process runs or not.
 
+The bus-wide software stop of the topic root (shared/stop.py; not a hardware emergency stop) gets two entities of
+its own, on a device "robobus <root>": a `button` that sets the stop (Home Assistant publishes a StopState, retained,
+on `{root}/_stop`; its MQTT user must be allowed to write there: the operator role of deploy/make_secrets.py's ACL)
+and a `binary_sensor` that reads the retained stop (on while it is active). There is no release button: a release
+is `robobus stop --release`.
+
 A device gone for good has its configs (and its republished states) removed the way Home Assistant's discovery
 asks: an empty retained payload on each topic (Home Assistant deletes the entity, the broker the retained
 message). Gone for good means: its node comes online with a device list without it (it left the node's contract),
@@ -260,6 +266,39 @@ def chosen_fields(catalog: FieldCatalog, service: str, fields: list[str] | None)
     return chosen
 
 
+STOP_SOURCE = "homeassistant"
+STOP_REASON = "stop button in Home Assistant"
+
+
+def stop_entities(root: str, prefix: str, version: str) -> list[Entity]:
+    """The bus stop's discovery configs for one topic root: a `button` that sets the stop (Home Assistant renders
+    `command_template` into a StopState with the press time, published retained at QoS 1 on `{root}/_stop`) and a
+    `binary_sensor` on the retained stop (ON while active; OFF when released or when no stop was ever set)."""
+    from shared.stop import stop_topic
+
+    topic = stop_topic(root)
+    node_id = _slug(f"robobus_{root}__stop")
+    ident = _slug(f"robobus_{root}__bus")
+    common = {
+        "device": {"identifiers": [ident], "name": f"robobus {root}", "manufacturer": "robobus",
+                   "model": "bus-wide software stop", "sw_version": version},
+        "origin": {"name": "robobus", "sw_version": version},
+    }
+    # Home Assistant's own template engine: now() is the press time; the payload is a StopState (shared/messages.py)
+    press = ('{"active": true, "source": "' + STOP_SOURCE + '", "reason": "' + STOP_REASON
+             + '", "ts": {{ now().timestamp() }}}')
+    button = {"name": "stop everything", "unique_id": f"{ident}_stop_button", "command_topic": topic,
+              "command_template": press, "payload_press": "PRESS", "retain": True, "qos": 1,
+              "icon": "mdi:octagon", **common}
+    sensor = {"name": "bus stop", "unique_id": f"{ident}_stop_state", "state_topic": topic, "qos": 1,
+              "value_template": "{{ 'ON' if value_json is defined and value_json.active else 'OFF' }}",
+              "json_attributes_topic": topic,
+              "json_attributes_template": "{{ value_json | tojson if value_json is defined else '{}' }}",
+              "icon": "mdi:octagon", **common}
+    return [Entity("button", f"{prefix}/button/{node_id}/stop/config", button),
+            Entity("binary_sensor", f"{prefix}/binary_sensor/{node_id}/stop/config", sensor)]
+
+
 def device_entities(root: str, prefix: str, node: str, device: str, health: dict[str, Any],
                     catalog: FieldCatalog, fields: list[str] | None, version: str,
                     states: Iterable[str] | None = None) -> tuple[list[Entity], list[str]]:
@@ -362,6 +401,8 @@ class Discovery:
         self.pending: dict[str, bytes] = {}  # Home Assistant topic -> newest state not yet republished
         self.last_sent: dict[str, float] = {}  # Home Assistant topic -> when it was last republished
         self._node_id_prefix = _slug(f"robobus_{self.root}_")
+        self.stop_entities = stop_entities(self.root, self.prefix, version)
+        self._stop_topics = {e.topic for e in self.stop_entities}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="ha-flush", daemon=True)
@@ -386,6 +427,12 @@ class Discovery:
 
     def _on_connect(self) -> None:
         self.session.publish(self.availability, ONLINE, qos=1, retain=True)
+        self.publish_stop()
+
+    def publish_stop(self) -> None:
+        """The bus stop's button and binary_sensor (retained)."""
+        for e in self.stop_entities:
+            self.session.publish(e.topic, json.dumps(e.config), qos=1, retain=True)
 
     # -- the bus -------------------------------------------------------------------------------
     def _on_status(self, msg: mqtt.MQTTMessage) -> None:
@@ -439,8 +486,8 @@ class Discovery:
 
     def _on_config(self, msg: mqtt.MQTTMessage) -> None:
         parts = msg.topic.split("/")
-        if len(parts) != 5 or not parts[2].startswith(self._node_id_prefix):
-            return  # another integration's entity
+        if len(parts) != 5 or not parts[2].startswith(self._node_id_prefix) or msg.topic in self._stop_topics:
+            return  # another integration's entity, or the bus stop's (not a device's)
         if not msg.payload:
             with self._lock:
                 for topics in self.topics.values():
@@ -662,6 +709,7 @@ class Discovery:
     def publish_all(self) -> None:
         with self._lock:
             keys = sorted(self.health)
+        self.publish_stop()
         for node, device in keys:
             self.publish_device(node, device)
         self.rounds += 1
