@@ -16,6 +16,8 @@ The ACL (anonymous access is off in the broker config):
     bridge_lease / bridge_release, write its stream/can_tx and read its stream/can_rx (the palm CAN bridge);
   - every client reads (and may write) the replies to its own requests, {root}/_client/<its client id>/reply;
   - `operator` (CLI, dashboards that command) reads every node's topics and sends any command;
+  - the bus stop {root}/_stop (shared/stop.py): `operator` alone sets and releases it; every service node and
+    `viewer` read it, none writes it;
   - `viewer` (read-only dashboards) reads every node's topics and writes nothing;
   neither reads other clients' replies (observer_reads);
   - `recorder` (compose profile `record`, `robobus record`) reads everything under {root}/# (what it
@@ -65,7 +67,7 @@ def observer_reads(root: str) -> list[str]:
     """What operator and viewer read under a root: every node's topics, but not other clients' replies
     ({root}/_client/<id>/reply: a reply is its requester's business), which `{root}/#` would include."""
     return [f"topic read {root}/{t}" for t in ("+/status", "+/+/health", "+/+/state/#", "+/+/event/#",
-                                               "+/+/stream/#", "+/+/cmd/#", "_bridge/state",
+                                               "+/+/stream/#", "+/+/cmd/#", "_stop", "_bridge/state",
                                                "_bridge/reachable", "_bridge/uptime")]
 
 
@@ -82,12 +84,14 @@ class Acl:
                "# (without write, the broker drops it and every client waits out the 5 s confirmation).",
                f"pattern readwrite {r}/_client/%c/reply", ""]
         for node, service in sorted(self.nodes.items()):
-            out += [f"user {node}", f"topic readwrite {r}/{node}/#", f"topic write {r}/_client/+/reply"]
+            out += [f"user {node}", f"topic readwrite {r}/{node}/#", f"topic write {r}/_client/+/reply",
+                    f"topic read {r}/_stop"]  # the bus stop: every node obeys it, no node sets it
             for g in USES.get(service, ()):
                 out += [f"topic {acc} {r}/{g.node}/{suffix}" for acc, suffix in g.rules]
             out.append("")
         # $SYS: broker statistics for dashboards (and the broker's own healthcheck, as viewer).
-        out += ["user operator", *observer_reads(r), f"topic write {r}/+/+/cmd/+", "topic read $SYS/#", "",
+        out += ["user operator", *observer_reads(r), f"topic write {r}/+/+/cmd/+", f"topic write {r}/_stop",
+                "topic read $SYS/#", "",
                 "user viewer", *observer_reads(r), "topic read $SYS/#", "",
                 # the bus recorder: read-only, but on everything it records (a replay needs the whole bus)
                 "user recorder", f"topic read {r}/#", ""]
@@ -106,6 +110,8 @@ def central_acl(sites: dict[str, str]) -> str:
         out += [f"topic read {root}/_bridge/uptime", f"topic write {root}/_bridge/reachable"]
     out += ["", "user operator"]
     for root in sorted(sites.values()):
+        # no write of {root}/_stop here: the bus stop is not bridged (a stale retained copy crossing a bridge
+        # that reconnects could release a newer stop); a site's stop is set on the site's own broker
         out += [*observer_reads(root), f"topic write {root}/+/+/cmd/+"]
     out += ["topic read $SYS/#", "", "user viewer"]
     for root in sorted(sites.values()):

@@ -5,6 +5,7 @@ ethercat-loop's bridge topics; the viewer cannot command; the operator can; repl
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,4 +169,41 @@ def test_the_recorder_reads_the_whole_bus_and_writes_nothing(secure_broker):
     assert watch.wait_for(lambda t, p, r: b"operator" in p, SETTLE_S)
     assert not any(b"recorder" in p or t.endswith("/status") for t, p, _ in watch.received), watch.received
     for p in (rec, watch, ec, op):
+        p.close()
+
+
+def test_only_the_operator_sets_or_releases_the_bus_stop(secure_broker):
+    """{root}/_stop (shared/stop.py): the operator sets and releases it; every service node and the viewer read it
+    and none of them can write it (a forged release is dropped: the retained stop stays the operator's)."""
+    port, d = secure_broker
+    topic = "robobus/_stop"
+    ec, viewer = probe(port, d, "ethercat-loop"), probe(port, d, "viewer")
+    assert ec.subscribe(topic) == [1] and viewer.subscribe(topic) == [1]
+    op, epuck = probe(port, d, "operator"), probe(port, d, "epuck-gateway")
+
+    def state(active: bool, source: str) -> bytes:
+        return json.dumps({"active": active, "source": source, "reason": "acl test", "ts": time.time()}).encode()
+
+    def write(p: Probe, payload: bytes) -> None:
+        p.client.publish(topic, payload, qos=1, retain=True).wait_for_publish(10)
+
+    stop = state(True, "operator")
+    write(op, stop)
+    assert ec.wait_for(lambda t, p, r: p == stop, SETTLE_S) and viewer.wait_for(lambda t, p, r: p == stop, SETTLE_S)
+    for forger in (viewer, epuck, ec):  # a release from anyone but the operator
+        write(forger, state(False, forger.username or ""))
+    release = state(False, "operator")
+    write(op, release)  # the operator's own release, after the forged ones would have arrived
+    assert ec.wait_for(lambda t, p, r: p == release, SETTLE_S)
+    assert [p for t, p, _ in ec.received if t == topic] == [stop, release], ec.received
+    # the retained stop is the operator's: a node that starts now reads it
+    write(op, stop)
+    for forger in (viewer, epuck):
+        write(forger, state(False, "forged"))
+    late = probe(port, d, "roi-modules")
+    assert late.subscribe(topic) == [1]
+    assert late.wait_for(lambda t, p, r: t == topic and r, SETTLE_S)
+    assert [p for t, p, r in late.received if r] == [stop]
+    write(op, b"")  # leave no stop on the module's broker
+    for p in (ec, viewer, op, epuck, late):
         p.close()
