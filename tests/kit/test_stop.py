@@ -351,3 +351,54 @@ def test_an_unreadable_stop_message_holds_the_stop_until_a_valid_release(bus: Bu
     release = bus.set_stop(False)
     bus.wait_answer(node.name, release)
     assert call(bus, node, "wheel1", "move", {"speed": 1}).ok
+
+
+def test_stop_actions_run_where_the_service_asks_and_a_failure_is_reported(bus: Bus, broker_session: Broker) -> None:
+    """Own thread (default), the MQTT network thread (`inline`), the service's loop (`async def`); an action that
+    raises is reported in the answer and the health, and the device's motion commands are refused all the same."""
+    import asyncio
+
+    node = Node(API, broker_session.settings(topic_root=bus.root, node="where", health_interval_s=0.5))
+    build(node, devices=("wheel1",), sensors=())
+    ran: dict[str, str] = {}
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, name="service-loop", daemon=True)
+    loop_thread.start()
+    node.attach_loop(loop)
+    inline = node.device("inline")
+    inline.bind(motion_node.MOVE, lambda r: motion_node.MotionSpeed(speed=r.speed))
+    inline.on_stop(lambda stop: ran.__setitem__("inline", threading.current_thread().name), inline=True)
+
+    async def on_loop(stop: StopState) -> float:
+        ran["async"] = threading.current_thread().name
+        await asyncio.sleep(0)
+        return 123.0
+
+    node.device("async").on_stop(on_loop)
+
+    def broken(stop: StopState) -> None:
+        raise OSError("port gone")
+
+    node.device("broken").on_stop(broken)
+    node.device("broken").bind(motion_node.MOVE, lambda r: motion_node.MotionSpeed(speed=r.speed))
+    node.start()
+    try:
+        assert node.stop_latch.known_event.wait(DEADLINE)
+        net = node.session.client._thread
+        assert net is not None
+        stop = bus.set_stop(True, reason="where")
+        answer = bus.wait_answer("where", stop)
+        by = {d["device"]: d for d in answer["devices"]}
+        assert set(by) == {"wheel1", "inline", "async", "broken"}
+        assert ran["inline"] == net.name and ran["async"] == "service-loop"
+        assert by["async"]["written_ts"] == 123.0
+        assert by["broken"]["error"] == "OSError: port gone" and by["broken"]["written_ts"] is None
+        assert wait_for(lambda: "port gone" in (bus.health("where", "broken") or {}).get("error_message", ""),
+                        DEADLINE)
+        rep = bus.client.call("where", "broken", "move", {"speed": 1}, timeout=DEADLINE)
+        assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped"
+    finally:
+        node.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(5)
+        loop.close()
