@@ -126,7 +126,8 @@ class EpuckFault(BaseModel):
 
 # -- commands ---------------------------------------------------------------------------------------
 class EpuckSetSpeed(BaseModel):
-    """Wheel speeds in steps/s (1000 steps per revolution). Expires after motion_timeout_ms."""
+    """Wheel speeds in steps/s (1000 steps per revolution). The robot stops after ROBOBUS_EPUCK_MOTION_TIMEOUT_MS
+    (default 1 s) unless set_speed is sent again."""
 
     model_config = _REQ
     left: int = Field(ge=-SPEED_LIMIT, le=SPEED_LIMIT)

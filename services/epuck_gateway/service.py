@@ -97,8 +97,8 @@ FAULT = API.event("fault", EpuckFault)
 # every command needs the robot's TCP link (unavailable without it); the kit adds its own codes
 _LINK = [ErrorCode.UNAVAILABLE]
 SET_SPEED = API.command("set_speed", EpuckSetSpeed, EpuckActuators, errors=_LINK,
-                        doc="Wheel speeds, +-1000 steps/s; the robot is stopped after motion_timeout_ms "
-                            "without a new set_speed")
+                        doc="Wheel speeds, +-1000 steps/s; the robot moves for ROBOBUS_EPUCK_MOTION_TIMEOUT_MS "
+                            "(default 1 s) after each set_speed: send it again within that time to keep it moving")
 SET_STEPS = API.command("set_steps", EpuckSetSteps, EpuckActuators, errors=_LINK,
                         doc="Overwrite the motor step counters")
 LEDS = API.command("leds", EpuckLeds, EpuckActuators, errors=_LINK, doc="LED1/3/5/7, body and front LED on/off")
