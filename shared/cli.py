@@ -295,6 +295,9 @@ def stop(
         elif silent:
             console.print(f"[red]{len(silent)} of {len(rnd.online)} online nodes did not answer in full: "
                           f"{', '.join(silent)}[/]")
+            if not rnd.answers:
+                console.print(f"no node answered: is this MQTT user allowed to write {stop_topic(c.root)}? "
+                              "Only the operator role is (deploy/make_secrets.py)")
     raise typer.Exit(1 if silent or failed else 0)
 
 

@@ -207,3 +207,51 @@ def test_only_the_operator_sets_or_releases_the_bus_stop(secure_broker):
     write(op, b"")  # leave no stop on the module's broker
     for p in (ec, viewer, op, epuck, late):
         p.close()
+
+
+def test_robobus_stop_as_viewer_changes_nothing_and_as_operator_stops_the_node(secure_broker):
+    """End to end under the deployment's ACL: a node (as its service user) obeys the stop the operator's `robobus
+    stop` sets and the operator's `--release` lifts; the viewer's `robobus stop --release` (or stop) reaches no node
+    and says why."""
+    import os
+    import subprocess
+    import sys
+
+    from shared import Node
+    from shared.localbroker import REPO
+    from shared.rpc import wait_for
+    from shared.settings import KitSettings
+    from tests.kit.motion_node import API, build
+
+    port, d = secure_broker
+    user, password = creds(d, "ethercat-loop")
+    node = Node(API, KitSettings(mqtt_url=f"mqtt://127.0.0.1:{port}", mqtt_username=user, mqtt_password=password,
+                                 node="ethercat-loop"))
+    wheels = build(node, devices=("rh",), sensors=())
+    node.start()
+
+    def robobus(who: str, *args: str) -> subprocess.CompletedProcess[str]:
+        u, pw = creds(d, who)
+        env = {**os.environ, "ROBOBUS_MQTT_URL": f"mqtt://127.0.0.1:{port}", "ROBOBUS_MQTT_USERNAME": u,
+               "ROBOBUS_MQTT_PASSWORD": pw, "COLUMNS": "200"}
+        return subprocess.run([sys.executable, "-m", "shared.cli", "stop", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    try:
+        assert node.stop_latch.known_event.wait(SETTLE_S)
+        v = robobus("viewer", "--reason", "viewer tries", "--timeout", "2")
+        assert v.returncode == 1 and "allowed to write robobus/_stop" in v.stdout, v.stdout + v.stderr
+        assert not node.stop_latch.active and not wheels["rh"].stops
+        o = robobus("operator", "--reason", "operator stops")
+        assert o.returncode == 0 and "stopped" in o.stdout, o.stdout + o.stderr
+        assert node.stop_latch.active and wheels["rh"].stops
+        v = robobus("viewer", "--release", "--timeout", "2")
+        assert v.returncode == 1 and node.stop_latch.active, v.stdout
+        o = robobus("operator", "--release")
+        assert o.returncode == 0 and "released" in o.stdout, o.stdout + o.stderr
+        assert wait_for(lambda: not node.stop_latch.active, SETTLE_S)
+    finally:
+        node.stop()
+        op = probe(port, d, "operator")
+        op.client.publish("robobus/_stop", b"", qos=1, retain=True).wait_for_publish(10)
+        op.close()
