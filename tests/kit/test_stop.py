@@ -402,3 +402,45 @@ def test_stop_actions_run_where_the_service_asks_and_a_failure_is_reported(bus: 
         loop.call_soon_threadsafe(loop.stop)
         loop_thread.join(5)
         loop.close()
+
+
+def test_a_node_keeps_an_active_stop_across_a_lost_broker(broker: Broker) -> None:
+    """The test broker keeps nothing across a restart (no persistence): the retained stop is gone when the node
+    reconnects, and the node still holds it; a node that had no stop does not accept motion before it has read the
+    stop state again."""
+    root = f"stoploss{time.monotonic_ns()}"
+    node = Node(API, broker.settings(topic_root=root, node="keeper", mqtt_reconnect_min_s=0.1,
+                                     mqtt_reconnect_max_s=0.5))
+    wheels = build(node, devices=("wheel1",), sensors=())
+    node.start()
+    try:
+        assert node.stop_latch.known_event.wait(DEADLINE)
+        with RpcClient(broker.settings(topic_root=root), name="stop-loss") as c:
+            c.session.publish_wait(stop_topic(root), StopState(active=True, source="t", reason="before loss",
+                                                               ts=time.time()).model_dump_json(), retain=True)
+        assert wait_for(lambda: node.stop_latch.active, DEADLINE)
+        reconnects = node.session.reconnects
+        broker.restart()
+        assert wait_for(lambda: node.session.reconnects > reconnects and node.session.ready.is_set(), DEADLINE)
+        with RpcClient(broker.settings(topic_root=root), name="stop-loss") as c:
+            assert not [p for t, p, r in c.collect(stop_topic(root), 0.5) if r]  # the broker forgot it
+            rep = c.call("keeper", "wheel1", "move", {"speed": 1}, timeout=DEADLINE)
+            assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped", rep.raw
+            assert "before loss" in rep.error["message"]
+            assert all(speed == 0.0 for _, speed in wheels["wheel1"].writes)
+            c.session.publish_wait(stop_topic(root), StopState(active=False, source="t", ts=time.time())
+                                   .model_dump_json(), retain=True)
+            assert wait_for(lambda: not node.stop_latch.active, DEADLINE)
+            assert c.call("keeper", "wheel1", "move", {"speed": 1}, timeout=DEADLINE).ok
+        # lost again with no stop: unknown until the round trip after the reconnect, then motion again
+        broker.kill()
+        assert wait_for(lambda: not node.stop_latch.known, DEADLINE)
+        with pytest.raises(CommandError) as err:
+            node.dispatcher.dispatch("wheel1", "move", b'{"speed": 2}')
+        assert err.value.code == ErrorCode.UNAVAILABLE
+        broker.start()
+        assert wait_for(lambda: node.stop_latch.known, DEADLINE)
+        with RpcClient(broker.settings(topic_root=root), name="stop-loss") as c:
+            assert c.call("keeper", "wheel1", "move", {"speed": 2}, timeout=DEADLINE).ok
+    finally:
+        node.stop()
