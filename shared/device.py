@@ -116,7 +116,8 @@ class Device:
         state, the same table in every service (docs/kit.md), and `details.link` counts attempts, failures and
         time in each state. The node's housekeeping applies the deadlines."""
         self.link = SupervisedLink(policy, lambda fields: self.set_health(**fields),
-                                   wake=self.node.flush_schedule.wake.set)
+                                   wake=self.node.flush_schedule.wake.set, start=False)
+        self.link.show()  # after self.link is set: the first health published carries details.link
         self.node.flush_schedule.wake.set()  # the housekeeping loop picks up the new deadline
         return self.link
 

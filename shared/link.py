@@ -314,7 +314,8 @@ class SupervisedLink:
     """
 
     def __init__(self, policy: LinkPolicy, on_health: Callable[[dict[str, Any]], None],
-                 clock: Callable[[], float] = time.monotonic, wake: Callable[[], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, wake: Callable[[], None] | None = None,
+                 start: bool = True) -> None:
         self._clock = clock
         self._wake = wake               # wakes whoever applies the deadlines (the node's housekeeping)
         self.sup = LinkSupervisor(policy, self._clock())
@@ -322,7 +323,14 @@ class SupervisedLink:
         self._lock = threading.RLock()
         self._on_health = on_health     # the device's set_health
         self._shown: tuple[Any, ...] = ()
-        self._push_locked(self._clock())
+        if start:
+            self.show()
+
+    def show(self) -> None:
+        """Set health from the link's state now (made with `start=False`: once whoever reads it back is ready)."""
+        with self._lock:
+            self._shown = ()
+            self._push_locked(self._clock())
 
     # every event: under the lock, then health if what it shows changed
     def attempt(self) -> None:

@@ -260,7 +260,7 @@ def sigterm(stack: Stack) -> Verdict:
         if h.get("state") != "stopped" or h.get("connection") is not False:
             problems.append(f"{d}: final health state={h.get('state')} connection={h.get('connection')}")
         link = (h.get("details") or {}).get("link") or {}
-        if link.get("valid_data"):
+        if isinstance(link, dict) and link.get("valid_data"):
             problems.append(f"{d}: final health claims valid data")
     stack.node = None
     return _verdict(stack, "sigterm", "stopped", took, problems)

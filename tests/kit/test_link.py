@@ -245,3 +245,14 @@ def test_a_bound_link_wakes_the_deadline_thread_when_its_budget_changes() -> Non
     assert wakes == [0.2]
     now[0] = 1.01
     assert link.tick() is None and shown[-1]["state"] == "silent" and "allowed 1.0 s" in shown[-1]["error_message"]
+
+
+def test_the_first_health_of_a_supervised_device_carries_its_link_details(echo_node: Node,
+                                                                          client: RpcClient) -> None:
+    dev = echo_node.device(f"first{time.monotonic_ns()}")
+    seen: list[dict[str, Any]] = []
+    client.subscribe_before(f"{dev.base}/health", lambda m: seen.append(json.loads(m.payload)))
+    dev.supervise_link(LinkPolicy(liveness_s=5.0))
+    assert wait_for(lambda: any(h["state"] == "connecting" for h in seen), 10), seen
+    first = next(h for h in seen if h["state"] == "connecting")
+    assert first["details"]["link"]["state"] == "connecting"
