@@ -72,11 +72,22 @@ def status(
 ) -> None:
     """Every node and device, from the retained status and health topics; registered services with no
     node online are named below the table."""
+    from shared.messages import StopState
+    from shared.stop import stop_topic
+
     c = _client(broker, root)
+    stop_msgs: list[bytes] = []
     try:
+        c.subscribe_before(stop_topic(c.root), lambda m: stop_msgs.append(bytes(m.payload)))  # retained: in now
         msgs = c.collect(f"{c.root}/+/status", wait) + c.collect(f"{c.root}/+/+/health", wait)
     finally:
         c.close()
+    stop_state: StopState | None = None
+    if stop_msgs and stop_msgs[-1]:
+        try:
+            stop_state = StopState.model_validate_json(stop_msgs[-1])
+        except ValueError:
+            stop_state = StopState(active=True, source="unknown", reason="unreadable stop message", ts=0.0)
     nodes: dict[str, dict[str, Any]] = {}
     health: dict[tuple[str, str], dict[str, Any]] = {}
     for topic, payload, _ in msgs:
@@ -90,7 +101,8 @@ def status(
         elif len(parts) == 3 and parts[2] == "health":
             health[(parts[0], parts[1])] = data
     if as_json:
-        print(json.dumps({"nodes": nodes, "health": {f"{n}/{d}": h for (n, d), h in health.items()}}, indent=2))
+        print(json.dumps({"nodes": nodes, "health": {f"{n}/{d}": h for (n, d), h in health.items()},
+                          "stop": stop_state.model_dump() if stop_state else None}, indent=2))
         return
     table = Table(title=f"robobus on {c.session.broker.host}:{c.session.broker.port} (root {c.root})")
     for col in ("node", "service", "online", "device", "conn", "oper", "state", "error", "updated"):
@@ -112,6 +124,10 @@ def status(
         console.print(f"no robobus nodes under '{c.root}/' on this broker")
         raise typer.Exit(1)
     console.print(table)
+    if stop_state is not None and stop_state.active:
+        console.print(f"[red]bus stop ACTIVE[/] (set by {stop_state.source}"
+                      + (f": {stop_state.reason}" if stop_state.reason else "") + "): motion commands are refused "
+                      "until `robobus stop --release`")
     missing = sorted(set(service_names()) - {st.get("service") for st in nodes.values() if st.get("online")})
     if missing:
         console.print(f"registered services with no node online: {', '.join(missing)}")

@@ -109,3 +109,20 @@ def test_with_no_node_online_the_stop_is_still_latched(broker_session: Broker) -
 def test_bad_options_get_a_clear_error(broker_session: Broker) -> None:
     r = robobus(broker_session, "stopbad", "--source", "")
     assert r.returncode == 2 and "source" in r.stderr, r.stdout + r.stderr
+
+
+def test_status_says_when_the_stop_is_active(broker_session: Broker, site: Any) -> None:
+    root = site[0]
+    env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_TOPIC_ROOT": root, "COLUMNS": "200"}
+
+    def status(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "shared.cli", "status", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    assert "bus stop ACTIVE" not in status().stdout
+    assert robobus(broker_session, root, "--reason", "inspection", "--source", "bob").returncode == 0
+    r = status()
+    assert "bus stop ACTIVE (set by bob: inspection)" in r.stdout, r.stdout
+    assert "stopped" in r.stdout  # the devices' health
+    j = json.loads(status("--json").stdout)
+    assert j["stop"]["active"] is True and j["stop"]["reason"] == "inspection"
