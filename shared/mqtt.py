@@ -8,7 +8,9 @@
 - Hot path (docs/kit.md, "Hot paths"): handlers resolved once per topic; PUBLISH properties packed once when built
   (paho's Properties builds its tables per object and re-packs per publish) and read without those tables when
   received (mqtt_rx.py); a reply or a request is written to the socket by the publishing thread itself, one
-  writer at a time, instead of waking paho's network thread.
+  writer at a time, instead of waking paho's network thread. What these need of paho's internals is in
+  `shared.paho_private`, behind its version check: on a paho it was not tested with they are off and paho's
+  public behaviour is used.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from threading import get_ident
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -30,7 +31,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.reasoncodes import ReasonCode
 
-from shared import mqtt_rx
+from shared import mqtt_rx, paho_private
 from shared.settings import KitSettings
 
 log = logging.getLogger("robobus.mqtt")
@@ -116,22 +117,18 @@ class MqttSession:
         # queue takes one writer at a time, so its network thread's loop_write and ours share a lock. Not over
         # TLS (an SSL object must not read and write from two threads at once), and only while no on_publish
         # callback is set (paho would run it, under its callback lock, on the writing thread). They rely on the
-        # coalesced wake-ups (below: a packet written at once wakes nobody), so they go without them.
+        # coalesced wake-ups (paho_private.coalesce_wakes: a packet written at once wakes nobody), so they go
+        # without them. Each of the three is off when paho_private's version check says so.
         self._write_lock = threading.Lock()
         # set while this thread queues a packet it will write itself: no wake-up of the network thread for it
         self._writing_now = threading.local()
-        self.coalesced_wakes = _coalesce_wakes(c, self._writing_now)
+        self.coalesced_wakes = paho_private.coalesce_wakes(c, self._writing_now)
         self.fast_decode = mqtt_rx.install(c)  # received PUBLISH properties without paho's per-message tables
-        packet_write = getattr(c, "_packet_write", None)
+        packet_write = paho_private.packet_writer(c)
         self.direct_writes = packet_write is not None and not broker.tls and self.coalesced_wakes
         self._packet_write: Callable[[], Any] = packet_write or (lambda: None)
-        paho_loop_write = c.loop_write
-
-        def loop_write() -> Any:
-            with self._write_lock:
-                return paho_loop_write()
-
-        setattr(c, "loop_write", loop_write)  # noqa: B010 (an instance attribute over paho's method)
+        if self.direct_writes:
+            paho_private.serialize_writes(c, self._write_lock)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -247,18 +244,12 @@ class MqttSession:
                 pass
             finally:
                 self._write_lock.release()
-            if not self.client._out_packet:
+            if not paho_private.has_queued_output(self.client):
                 return
         self._wake_network_thread()
 
     def _wake_network_thread(self) -> None:
-        pair = self.client._sockpairW
-        net = self.client._thread
-        if pair is not None and (net is None or net.ident != get_ident()):  # paho's loop looks before select()
-            try:
-                pair.send(mqtt.sockpair_data)
-            except (BlockingIOError, OSError):
-                pass
+        paho_private.wake_network_thread(self.client)
 
     def publish_wait(self, topic: str, payload: bytes | str, *, qos: int = 1, retain: bool = False,
                      timeout: float = 2.0) -> bool:
@@ -359,51 +350,6 @@ class MqttSession:
 _ROUTES_MAX = 4096
 
 
-def _coalesce_wakes(c: mqtt.Client, writing_now: threading.local) -> bool:
-    """One wake-up of paho's network thread per burst, not per packet.
-
-    paho's `_packet_queue` writes a byte to its socketpair for every packet queued from another thread, to
-    break the network thread out of select(). At 20,000 state messages a second that is 20,000 wake-ups, and
-    each one hands the GIL to the network thread and back: ~40 us a message, most of a publish's cost. The same
-    routine here wakes it only when the packet is the only one queued. That is enough: a packet queued behind
-    others is written by whoever drains them (paho's loop, or a direct write, both pop until the queue is
-    empty); a write the socket refused leaves the queue non-empty and paho's loop selects for writable. And the
-    network thread never wakes itself (a PUBACK, an inline reply): its loop looks at the queue before select().
-    Nor is it woken for a packet whose publishing thread writes it at once (`writing_now.on`, set by
-    `MqttSession.publish(now=True)`): `write_now` wakes it only when something is left queued.
-    Returns False (paho's own routine kept) when this paho lacks what the routine relies on."""
-    needed = ("_out_packet", "_sockpairW", "_thread", "_on_socket_register_write", "_in_callback_mutex",
-              "_call_socket_register_write", "_packet_queue")
-    if not all(hasattr(c, a) for a in needed) or not hasattr(mqtt, "sockpair_data"):
-        return False
-    out = c._out_packet
-    wake_byte = mqtt.sockpair_data
-
-    def packet_queue(command: int, packet: bytes | bytearray, mid: int, qos: int, info: Any = None) -> Any:
-        out.append({"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet),
-                    "packet": packet, "info": info})
-        pair = c._sockpairW
-        net = c._thread
-        if (pair is not None and len(out) == 1  # counted after the append: no lost wake-up (see above)
-                and (net is None or net.ident != get_ident())  # paho's loop checks its queue before select()
-                and not getattr(writing_now, "on", False)):  # the publishing thread writes it (write_now)
-            try:
-                pair.send(wake_byte)
-            except BlockingIOError:
-                pass
-        # as paho: without a network thread (and not inside a callback), write at once
-        if c._thread is None and c._on_socket_register_write is None and c._in_callback_mutex.acquire(False):
-            c._in_callback_mutex.release()
-            return c.loop_write()
-        c._call_socket_register_write()
-        return mqtt.MQTT_ERR_SUCCESS
-
-    setattr(c, "_packet_queue", packet_queue)  # noqa: B010
-    return True
-
-_TABLES = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-
-
 def _field(ident: int, data: bytes) -> bytes:
     """One property: identifier, two-byte length, the bytes (UTF-8 string or binary data, MQTT 5 2.2.2.2)."""
     if len(data) > 0xFFFF:
@@ -411,20 +357,28 @@ def _field(ident: int, data: bytes) -> bytes:
     return bytes((ident,)) + len(data).to_bytes(2, "big") + data
 
 
-class PublishProperties(Properties):
+class PublishProperties(paho_private.SharedTablesProperties):
     """PUBLISH properties (Content Type, Response Topic, Correlation Data), packed once when built.
 
     paho's Properties builds its name tables per object and walks them in every `pack()`, that is per publish
     and again per retry (~20 us a message); this one shares the tables and packs once, in paho's order (by
-    identifier), to the same bytes. Setting a property afterwards re-packs."""
-
-    types = _TABLES.types
-    names = _TABLES.names
-    properties = _TABLES.properties
+    identifier), to the same bytes. Setting a property afterwards re-packs. When paho_private's version check
+    turns the private paths off it is paho's own `Properties`, built and packed as paho does."""
 
     def __init__(self, response_topic: str | None = None, correlation: bytes | None = None,
-                 content_type: str | None = None) -> None:  # no super().__init__: the tables are shared
+                 content_type: str | None = None) -> None:
         setattr_ = object.__setattr__
+        if not paho_private.enabled():  # paho's own tables, and paho's pack() per publish
+            setattr_(self, "_packed", None)
+            Properties.__init__(self, PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+            if content_type:
+                self.ContentType = content_type
+            if response_topic:
+                self.ResponseTopic = response_topic
+            if correlation is not None:
+                self.CorrelationData = correlation
+            return
+        # no super().__init__: the tables are shared
         setattr_(self, "packetType", PacketTypes.PUBLISH)
         buf = b""
         if content_type:
@@ -440,10 +394,13 @@ class PublishProperties(Properties):
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)  # type: ignore[no-untyped-call]
-        object.__setattr__(self, "_packed", super().pack())  # type: ignore[no-untyped-call]
+        if object.__getattribute__(self, "_packed") is not None:
+            object.__setattr__(self, "_packed", super().pack())  # type: ignore[no-untyped-call]
 
     def pack(self) -> bytes:
-        packed: bytes = object.__getattribute__(self, "_packed")
+        packed: bytes | None = object.__getattribute__(self, "_packed")
+        if packed is None:
+            return super().pack()  # type: ignore[no-any-return, no-untyped-call]
         return packed
 
 

@@ -9,6 +9,8 @@ straight into a `Properties` that shares the tables (as `mqtt.PublishProperties`
 checks; anything unusual (an identifier paho would refuse, a value out of its range, a length that runs past the
 properties, a repeated property) is handed to paho's own decoder, so that what paho refuses it still refuses, in
 its own words. `tests/kit/test_mqtt_rx.py` checks both against paho, byte for byte, on generated packets.
+What this needs of paho's internals (its `_handle_publish`, its own decoder) is in `shared.paho_private`, and only
+used while that module's version check allows it.
 """
 
 from __future__ import annotations
@@ -17,16 +19,10 @@ import struct
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import MQTTErrorCode
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
-try:  # paho >= 2.2 keeps its packet decoders here
-    from paho.mqtt import _packet as _paho_packet
-except ImportError:  # pragma: no cover - an older paho: the shortcut stays off
-    _paho_packet = None  # type: ignore[assignment]
+from shared import paho_private
+from shared.paho_private import PublishPacket, SharedTablesProperties
 
-_TABLES = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!L")
 _BAD_CHARS = ("\x00", "\ufeff")  # paho's readUTF refuses these (MQTT-1.5.4-2, -3); D800-DFFF cannot decode
@@ -36,15 +32,8 @@ _STR = {3: "ContentType", 8: "ResponseTopic"}
 _BIN = {9: "CorrelationData"}
 
 
-class ReceivedProperties(Properties):
+class ReceivedProperties(SharedTablesProperties):
     """A received PUBLISH's properties: paho's class, sharing its tables instead of building them per message."""
-
-    types = _TABLES.types
-    names = _TABLES.names
-    properties = _TABLES.properties
-
-    def __init__(self) -> None:  # no super().__init__: the tables are shared
-        object.__setattr__(self, "packetType", PacketTypes.PUBLISH)
 
 
 class _Unusual(Exception):
@@ -149,58 +138,15 @@ def decode_publish(header: int, packet: bytes | bytearray) -> Any:
         props, pos = read_properties(packet, pos)
         topic = bytes(packet[2:2 + tlen])
     except Exception:  # _Unusual, or a surprise (not UTF-8, ...): paho decides, and words its MalformedPacket
-        return _paho_packet.decode_publish(header, packet, mqtt.MQTTv5)
+        return paho_private.paho_decode_publish(header, packet)
     with memoryview(packet) as view:
         payload = bytes(view[pos:])  # bytes, as paho's (one copy)
-    return _paho_packet.PublishPacket(dup=(header & 0x08) != 0, qos=qos, retain=(header & 0x01) != 0,
+    return PublishPacket(dup=(header & 0x08) != 0, qos=qos, retain=(header & 0x01) != 0,
                                       topic=topic, mid=mid, properties=props, payload=payload)
 
 
-_NEEDED = ("_handle_publish", "_in_packet", "_protocol", "_handle_on_message", "_manual_ack", "_send_puback",
-           "_send_pubrec", "_in_message_mutex", "_in_messages", "_easy_log")
-
-
 def install(c: mqtt.Client) -> bool:
-    """Decode this client's incoming PUBLISH packets with `decode_publish`; paho's `_handle_publish` otherwise
-    unchanged (the message it builds, the callbacks, the PUBACK after on_message, QoS 2). False (paho's own
-    kept) when this paho lacks what it relies on, or the client is not MQTT 5."""
-    if (_paho_packet is None or not hasattr(_paho_packet, "decode_publish")
-            or not hasattr(_paho_packet, "PublishPacket") or not all(hasattr(c, a) for a in _NEEDED)
-            or c._protocol != mqtt.MQTTv5):
-        return False
-    time_func = mqtt.time_func
-
-    def handle_publish() -> MQTTErrorCode:
-        in_packet = c._in_packet  # a new dict per packet
-        result = decode_publish(in_packet["command"], in_packet["packet"])
-        message = mqtt.MQTTMessage(mid=result.mid, topic=result.topic)
-        message.dup = result.dup
-        message.qos = result.qos
-        message.retain = result.retain
-        message.properties = result.properties
-        message.payload = result.payload
-        if c.on_log is not None or c._logger is not None:  # what paho logs, formatted only when someone reads it
-            c._easy_log(mqtt.MQTT_LOG_DEBUG,
-                        "Received PUBLISH (d%d, q%d, r%d, m%d), '%s', properties=%s, ...  (%d bytes)",
-                        message.dup, message.qos, message.retain, message.mid,
-                        result.topic.decode("utf-8", "backslashreplace"), message.properties,
-                        len(message.payload))
-        message.timestamp = time_func()
-        if message.qos == 0:
-            c._handle_on_message(message)
-            return MQTTErrorCode.MQTT_ERR_SUCCESS
-        if message.qos == 1:
-            c._handle_on_message(message)
-            if c._manual_ack:
-                return MQTTErrorCode.MQTT_ERR_SUCCESS
-            return c._send_puback(message.mid)
-        if message.qos == 2:
-            rc = c._send_pubrec(message.mid)
-            message.state = mqtt.mqtt_ms_wait_for_pubrel
-            with c._in_message_mutex:
-                c._in_messages[message.mid] = message
-            return rc
-        return MQTTErrorCode.MQTT_ERR_PROTOCOL
-
-    setattr(c, "_handle_publish", handle_publish)  # noqa: B010 (an instance attribute over paho's method)
-    return True
+    """Decode this client's incoming PUBLISH packets with `decode_publish` (`paho_private.install_publish_decoder`:
+    paho's `_handle_publish` otherwise unchanged). False (paho's own kept) when the version check turns the
+    private paths off, or the client is not MQTT 5."""
+    return paho_private.install_publish_decoder(c, decode_publish)

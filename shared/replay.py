@@ -331,10 +331,18 @@ class Publisher(Protocol):
 
 class PahoPublisher:
     """For TLS brokers: an SSL socket must not be written and read from two threads at once, so the
-    replay publishes through the kit's paho session there (a hand-off to paho's network thread)."""
+    replay publishes through the kit's paho session there (a hand-off to paho's network thread).
+
+    `drain` waits for paho's on_publish of every message it accepted (QoS 0: written; QoS 1: acknowledged);
+    a message paho refused (its queue full, QoS 0 while disconnected) is counted in `dropped`."""
 
     def __init__(self, settings: KitSettings, client_id: str) -> None:
         self.session = MqttSession(settings, client_id)
+        self.dropped = 0
+        self._done = threading.Condition()
+        self._pending: set[int] = set()  # message ids accepted by paho, their on_publish not seen yet
+        self._early: set[int] = set()  # on_publish seen before publish() returned the id (network thread first)
+        self.session.client.on_publish = self._on_publish
         self.session.start()
         if not self.session.wait_connected(10):
             self.session.stop()
@@ -353,15 +361,36 @@ class PahoPublisher:
                 pp.MessageExpiryInterval = props["message_expiry"]
             if "payload_format" in props:
                 pp.PayloadFormatIndicator = props["payload_format"]
-        self.session.publish(topic, payload, qos=qos, retain=retain, properties=pp)
+        info = self.session.client.publish(topic, payload, qos=qos, retain=retain, properties=pp)
+        # QoS 1 queued while disconnected (NO_CONN) is kept by paho and sent after the reconnect
+        accepted = info.rc == mqtt.MQTT_ERR_SUCCESS or (qos > 0 and info.rc == mqtt.MQTT_ERR_NO_CONN)
+        with self._done:
+            if not accepted:
+                self.dropped += 1
+            elif info.mid in self._early:
+                self._early.discard(info.mid)
+            else:
+                self._pending.add(info.mid)
+
+    def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, reason: Any, properties: Any) -> None:
+        with self._done:
+            if mid in self._pending:
+                self._pending.discard(mid)
+                if not self._pending:
+                    self._done.notify_all()
+            else:
+                self._early.add(mid)
 
     def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until paho has written every accepted QoS 0 message and the broker acknowledged every QoS 1."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.session.client._out_messages:  # paho has no public "all acknowledged" query
-                return True
-            time.sleep(0.01)
-        return False
+        with self._done:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._done.wait(left)
+            return True
 
     def close(self) -> None:
         self.session.stop()
