@@ -94,6 +94,7 @@ class LinkSupervisor:
     _device_state: str | None = None     # the service's finer name while operational ("streaming")
     _device_operational: bool = True     # the service may say a reachable device cannot work (blank state)
     _device_message: str = ""
+    _quiet_until: float | None = None    # an exchange answered only when done: no data expected before this
 
     def __post_init__(self) -> None:
         self._since = self.now
@@ -148,6 +149,7 @@ class LinkSupervisor:
         self._last_data = now
         self._heard = True
         self._absent_since = None
+        self._quiet_until = None
         if self.state is not LinkState.OPERATIONAL:
             self._operational_at = now
             self._enter(LinkState.OPERATIONAL, now, "")
@@ -164,6 +166,13 @@ class LinkSupervisor:
         if seconds != self.policy.liveness_s:
             self.policy = dataclasses.replace(self.policy, liveness_s=seconds)
         self.tick(now)
+
+    def expect_silence(self, now: float, seconds: float) -> None:
+        """An exchange the device answers only when it is done (a Dexter's `F`: when its moves have ended): no data
+        is owed before `now + seconds`, so the liveness budget counts from then, until the next valid data."""
+        until = now + seconds
+        if self._quiet_until is None or until > self._quiet_until:
+            self._quiet_until = until
 
     def garbage(self, now: float, what: str) -> None:
         """Invalid data: counted; it does not prove the device alive."""
@@ -205,10 +214,12 @@ class LinkSupervisor:
         """Apply the deadlines that have passed by `now`; returns the state."""
         budget = self.policy.liveness_s
         st = self.state
-        if st is LinkState.OPERATIONAL and self._last_data is not None and now - self._last_data > budget:
+        if (st is LinkState.OPERATIONAL and self._last_data is not None
+                and now - max(self._last_data, self._quiet_until or 0.0) > budget):
             self.counters.silences += 1
+            owed = "" if self._quiet_until is None else " after an exchange answered when done"
             self._enter(LinkState.SILENT, now, f"no valid data for {now - self._last_data:.1f} s "
-                                                f"(allowed {budget:.1f} s)")
+                                                f"(allowed {budget:.1f} s{owed})")
         elif st is LinkState.CONNECTED and self._opened_at is not None and now - self._opened_at > budget:
             if self._heard:
                 self._enter(LinkState.SILENT, now, f"link open but no valid data since it opened "
@@ -230,7 +241,7 @@ class LinkSupervisor:
         budget = self.policy.liveness_s
         st = self.state
         if st is LinkState.OPERATIONAL and self._last_data is not None:
-            return max(0.0, self._last_data + budget - now)
+            return max(0.0, max(self._last_data, self._quiet_until or 0.0) + budget - now)
         if st is LinkState.CONNECTED and self._opened_at is not None:
             return max(0.0, self._opened_at + budget - now)
         if st in (LinkState.CONNECTING, LinkState.LOST) and self._absent_since is not None:
@@ -274,6 +285,7 @@ class LinkSupervisor:
             "attempts": c.attempts, "failures": c.failures, "sessions": c.sessions, "silences": c.silences,
             "garbage": c.garbage, "restarts": c.restarts,
             "next_attempt_s": round(self.next_attempt_in(now), 3),
+            "quiet_for_s": None if self._quiet_until is None else round(max(0.0, self._quiet_until - now), 3),
             "time_in_s": {k: round(v, 3) for k, v in time_in.items()},
         }
         if c.last_failure:
@@ -366,6 +378,12 @@ class SupervisedLink:
                 return
             self.sup.set_budget(now, seconds)
             self._push_locked(now)
+        if self._wake is not None:
+            self._wake()
+
+    def expect_silence(self, seconds: float) -> None:
+        """No data is owed for `seconds` (an exchange answered only when done): see LinkSupervisor."""
+        self._event(lambda now: self.sup.expect_silence(now, seconds))
         if self._wake is not None:
             self._wake()
 

@@ -408,6 +408,10 @@ class DexterLink:
             raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {exc}") from None
         self._last_tx = t0
         self.stats.commands += 1
+        if timeout_s > self.config.reply_timeout_s:
+            # DexRun answers this one only when it is done (F, w, RunFile, z, a move into a full FIFO): the arm owes
+            # no reply before then, and the strict stop-and-wait holds every status poll behind it
+            self.sup.expect_silence(timeout_s)
         return _Sent(req, sock, t0, t0 + timeout_s, timeout_s)
 
     def _await(self, sent: _Sent, until: float | None) -> LinkReply | None:

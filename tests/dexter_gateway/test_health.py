@@ -204,3 +204,29 @@ def test_shutdown_leaves_the_arm_stopped(broker_session: Broker) -> None:
     finally:
         client.close()
         sim.close()
+
+
+def test_a_long_wait_for_the_motion_to_end_is_not_a_silent_arm(broker_session: Broker) -> None:
+    """DexRun answers `F` only when the arm's moves have ended, and every status poll waits behind it: a move that
+    takes several budgets is an arm at work, not a silent one (the link owes no data until the F's own timeout)."""
+    sim = DexterSim(DexterSimConfig(port=0, max_speed_deg_s=20.0, acceleration_deg_s2=200.0)).start()
+    arm = {"id": "arm1", "host": "127.0.0.1", "port": sim.port, **FAST}
+    node = "dexter-long-f"
+    proc, client, bus = _start(broker_session, node, arm)
+    try:
+        assert bus.wait_json("/arm1/health", lambda d: d["operational"], timeout=30), proc.text()
+        rep = client.call(node, "arm1", "move_all_joints", {"joints_deg": [90, 0, 0, 0, 0]})
+        assert rep.ok, rep.error
+        mark = bus.mark()
+        t0 = time.monotonic()
+        _acc, res = client.call_job(node, "arm1", "wait_motion_done", {}, lambda e: None, timeout=60)
+        took = time.monotonic() - t0
+        assert res is not None and res["ok"], res
+        assert took > 3 * FAST["liveness_s"], f"the move took {took:.1f} s: too short to test anything"
+        during = bus.since(mark, "/arm1/health")
+        assert during and all(d["connection"] and d["state"] == "operational" for d in during), \
+            [(d["state"], d["error_message"]) for d in during if not d["connection"]]
+    finally:
+        proc.stop()
+        client.close()
+        sim.close()

@@ -256,3 +256,23 @@ def test_the_first_health_of_a_supervised_device_carries_its_link_details(echo_n
     assert wait_for(lambda: any(h["state"] == "connecting" for h in seen), 10), seen
     first = next(h for h in seen if h["state"] == "connecting")
     assert first["details"]["link"]["state"] == "connecting"
+
+
+def test_an_exchange_answered_when_done_owes_no_data_until_then() -> None:
+    """A Dexter's `F` is answered when the arm's moves have ended: no data is owed meanwhile, so the device is
+    not `silent` for it; the budget counts again from the end of that wait, and the reply clears it."""
+    s = LinkSupervisor(POLICY, now=0.0)
+    s.attempt(0.0)
+    s.opened(0.0)
+    s.data(0.0)
+    s.expect_silence(0.5, 10.0)
+    assert s.tick(9.0) is LinkState.OPERATIONAL
+    assert s.next_deadline(9.0) == pytest.approx(2.5)
+    assert s.tick(11.6) is LinkState.SILENT, "the budget counts from the end of the owed silence"
+    s2 = LinkSupervisor(POLICY, now=0.0)
+    s2.attempt(0.0)
+    s2.opened(0.0)
+    s2.data(0.0)
+    s2.expect_silence(0.5, 10.0)
+    s2.data(3.0)  # the reply came early: the usual budget again
+    assert s2.tick(4.1) is LinkState.SILENT
