@@ -249,8 +249,8 @@ class RoiModule:
         """Valid replies within the liveness budget (the link supervisor's `operational`)."""
         return self.link.state is LinkState.OPERATIONAL
 
-    def details(self) -> dict[str, Any]:
-        st = self.status
+    def details(self, st: p.StatusReport | None = None) -> dict[str, Any]:
+        st = st or self.status
         details: dict[str, Any] = {"octet": self.cfg.octet, "address": self.svc.transport.address(self.cfg.octet),
                                    "type": self.cfg.type, "channel": self.cfg.channel,
                                    "blacklist": sorted(self.blacklist)}
@@ -293,7 +293,8 @@ class RoiModule:
     def on_reply(self, port: int, pkt: p.GeneralPacket | p.SysAdminPacket) -> None:
         """Every reply that matched a request (transport callback, on the loop): valid data from this module,
         unless another module type answers at the octet. A STATUS_REPORT's state is applied before the data, so
-        the first health of a module that comes back says what it is (`blank_state`), not `operational`."""
+        the first health of a module that comes back says what it is (`blank_state`, its status details), not
+        `operational`."""
         if isinstance(pkt, p.SysAdminPacket):
             kind: int | None = None
             if pkt.action == p.SysAdminAction.STATUS_REPORT:
@@ -301,6 +302,7 @@ class RoiModule:
                 kind = st.module_type
                 if kind == self.module_type:
                     self.apply_status(st)
+                    self.dev.set_health(details=self.details(st))
             elif pkt.action == p.SysAdminAction.PONG:
                 kind = p.Pong.decode(pkt.payload).module_type
             if kind is not None and kind != self.module_type:

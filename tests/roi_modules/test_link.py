@@ -135,6 +135,9 @@ def test_module_reset_is_operational_right_after_the_push(broker_session: Broker
             return bool(d["connection"] and d["operational"] and d["state"] != "blank_state")
 
         assert r.bus.wait("/io/health", operating, timeout=20) is not None
+        # the first `connection: true` already says what the module reported (its first probe's STATUS_REPORT)
+        first = next(d for d in (json.loads(m.payload) for m in r.bus.since(0, "/io/health")) if d["connection"])
+        assert first["details"]["reported_type"] == "gpio" and "module_state" in first["details"], first
         # a reset seen by a status report (here the command's): pushed, and operational at once
         mark = r.bus.mark()
         sim.reboot(10)
