@@ -85,7 +85,8 @@ TEMPERATURE = API.state("temperature", RoiOdriveTemperature, rate_hz=2, doc="ODr
 LINK = API.state("link", RoiLinkStats, rate_hz=1, doc="The module's UDP link counters")
 FAULT = API.event("fault", RoiFault, doc="Disconnection, reconnection, module reset, module error")
 SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, errors=_MODULE,
-                             doc="GPIO: drive an output pin 0/1")
+                             doc="GPIO: drive an output pin 0/1; the pin must first be made an output with "
+                                 "set_pin_mode (mode output), else the module refuses it (device_error)")
 SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, errors=_MODULE,
                            doc="GPIO: input, input_pullup or output")
 GOTO_POSITION = API.command("goto_position", RoiGotoPosition, RoiAck, errors=_MODULE,

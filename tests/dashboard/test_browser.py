@@ -402,8 +402,6 @@ def test_forms_say_what_the_command_does_next_to_its_button(page: Any) -> None:
     assert _doc("roi-modules", "set_pin_output") in text and "device_error" in text, text
 
 
-@pytest.mark.xfail(reason="the words must come from set_pin_output's doc string in services/roi_modules/service.py "
-                          "(not the dashboard's files): asked of the lead", strict=False)
 def test_set_pin_output_form_says_to_set_the_mode_first(page: Any) -> None:
     pin = open_command(page, "roi-modules", "roi_io", "set_pin_output")
     assert "set_pin_mode" in pin.locator("form.cmd .submit .cmd-help").inner_text()
