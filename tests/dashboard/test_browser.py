@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import expect
 
 from services.can_bootloader.sim import make_intel_hex
 from shared.localbroker import REPO
@@ -391,7 +392,7 @@ def test_forms_say_what_the_command_does_next_to_its_button(page: Any) -> None:
     help_ = cmd.locator("form.cmd .submit .cmd-help")
     text = help_.inner_text()
     assert _doc("epuck-gateway", "set_speed") in text, text
-    assert "stopped after" in text and "without a new set_speed" in text, text
+    assert "moves for" in text and "send it again" in text, text
     assert "May answer: invalid_request" in text, text
     # beside the button, not folded away
     box = cmd.locator("form.cmd .submit button").bounding_box()
@@ -404,7 +405,8 @@ def test_forms_say_what_the_command_does_next_to_its_button(page: Any) -> None:
 
 def test_set_pin_output_form_says_to_set_the_mode_first(page: Any) -> None:
     pin = open_command(page, "roi-modules", "roi_io", "set_pin_output")
-    assert "set_pin_mode" in pin.locator("form.cmd .submit .cmd-help").inner_text()
+    # the help is filled from the contract once the page has it: wait for the words, not for the element
+    expect(pin.locator("form.cmd .submit .cmd-help")).to_contain_text("set_pin_mode", timeout=T)
 
 
 def test_service_side_validation_error_is_shown(page: Any) -> None:
