@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.control import CanRxFrame, ControlMessage
@@ -23,7 +23,30 @@ STOP_ZERO_CYCLES = 20  # zero-demand cycles sent before leaving OP
 
 
 class BackendUnavailable(RuntimeError):
-    """The configured backend cannot run here (missing privileges, no NIC, no palm)."""
+    """The configured backend cannot run here (missing privileges, no NIC, no palm). `kind`: "absent" (no palm
+    answers, or no NIC), "garbage" (frames arrived, none a slave's answer), "wrong_kind" (not the palm
+    configured), "" (anything else); `garbage`: how many such frames."""
+
+    def __init__(self, message: str, kind: str = "", garbage: int = 0) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.garbage = garbage
+
+
+class LinkEvents(Protocol):
+    """What a backend reports of its link: the kit's `SupervisedLink` (shared/link.py), which owns the states,
+    the back-off and the liveness deadline (docs/kit.md, "Health"). A backend never decides health itself."""
+
+    def attempt(self) -> None: ...
+    def opened(self) -> None: ...
+    def failed(self, reason: str) -> None: ...
+    def closed(self, reason: str) -> None: ...
+    def garbage(self, what: str) -> None: ...
+    def fault(self, message: str) -> None: ...
+    def clear_fault(self) -> None: ...
+    def recovering(self, reason: str) -> None: ...
+    def recovered(self) -> None: ...
+    def next_attempt_in(self) -> float: ...
 
 
 def build_driver(settings: EthercatSettings, calibration: HandCalibration, protocol: str | None = None) -> PalmDriver:
@@ -73,6 +96,18 @@ class HandBackend(ABC):
     def stop_report(self) -> dict[str, Any]:
         """After stop(): what was sent before leaving OP (e.g. {"zero_demand_cycles": 20})."""
         return {}
+
+    def attach_link(self, link: LinkEvents) -> None:
+        """Report the link's events to `link` from now on, and let `start()` return at once: the backend then
+        (re)connects on the link's back-off instead of failing when no palm answers. Call before start()."""
+        self.link = link
+
+    link: LinkEvents | None = None
+
+    @abstractmethod
+    def valid_statuses(self) -> int:
+        """A count that moves with every valid status received (the service feeds the link supervisor from it,
+        off the cycle); cheap: no decoding, no lock the cycle takes."""
 
     def connected(self) -> bool:
         """info()["connected"], cheap enough to ask on every command (backends may answer from state

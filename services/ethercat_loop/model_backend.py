@@ -67,6 +67,9 @@ class ModelBackend(HandBackend):
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self.link is not None:  # the palm model is in this process: always there, open at once
+            self.link.attempt()
+            self.link.opened()
         self._running = True
         self._thread = threading.Thread(target=self._run, name="palm-cycle", daemon=True)
         self._thread.start()
@@ -122,6 +125,11 @@ class ModelBackend(HandBackend):
 
     def on_can_rx(self, handler: CanRxHandler) -> None:
         self._rx_handler = handler
+
+    def valid_statuses(self) -> int:
+        with self._lock:
+            self._catch_up(time.monotonic_ns())  # a batch slept through counts its statuses when asked
+            return int(self.driver.c["statuses"])
 
     def connected(self) -> bool:
         return self._running and self._no_status_run < self.error_after_lost

@@ -78,9 +78,10 @@ from services.ethercat_loop.protocol import (
     serious_flags,
     split_channel_word,
 )
-from services.ethercat_loop.settings import EthercatSettings, overrun_threshold
+from services.ethercat_loop.settings import EthercatSettings, link_policy, overrun_threshold
 from services.ethercat_loop.snapshot import PalmSnapshot
 from shared import CommandError, Device, ErrorCode, Node, ServiceAPI, ServiceUnavailable
+from shared.link import LinkState, SupervisedLink
 
 __all__ = ["API", "EthercatSettings", "PalmService", "build", "make_backend"]
 log = logging.getLogger("robobus.ethercat")
@@ -134,6 +135,25 @@ CAN_RX = API.stream("can_rx", PalmCanRx, "out", doc="Frames received through the
 
 
 # ------------------------------------------------------------------------------------------- the service
+class _BackendLink:
+    """The link events as the backend reports them, to the kit's supervisor; only the fault is kept apart: the
+    backend's (a device of the wrong kind) and the service's (motor faults the palm reports) are one `error`,
+    set and cleared by `PalmService._apply_fault`."""
+
+    def __init__(self, service: PalmService, link: SupervisedLink) -> None:
+        self._svc = service
+        self._link = link
+        self.attempt, self.opened, self.failed, self.closed = link.attempt, link.opened, link.failed, link.closed
+        self.garbage, self.recovering, self.recovered = link.garbage, link.recovering, link.recovered
+        self.next_attempt_in = link.next_attempt_in
+
+    def fault(self, message: str) -> None:
+        self._svc._apply_fault(kind=message)
+
+    def clear_fault(self) -> None:
+        self._svc._apply_fault(kind="")
+
+
 class PalmService:
     """Binds the commands, publishes state and health, owns the CAN bridge lease."""
 
@@ -162,6 +182,14 @@ class PalmService:
         self._last_details: dict[str, Any] = {}
         self._joints_src: tuple[Any, ...] | None = None  # the snapshot joints the rows below were built from
         self._joints_rows: list[PalmJoint] = []
+        # health: the kit's link supervisor (docs/kit.md, "Health"), fed from what this process reads of the
+        # cycle (the count of valid statuses, the cycle process's starts, deaths and exits), never from the cycle
+        self.link = self.dev.supervise_link(link_policy(settings))
+        self._fault_lock = threading.Lock()
+        self._kind_fault = ""  # the backend's: not the palm configured
+        self._device_faults = ""  # the palm's: serious motor flags, silent motors
+        self._statuses_seen = backend.valid_statuses()
+        backend.attach_link(_BackendLink(self, self.link))
         backend.on_can_rx(self._on_can_rx)
         d = self.dev
         d.bind(SET_MODE, self.set_control_mode)
@@ -179,8 +207,7 @@ class PalmService:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
-        self.dev.set_health(connection=False, operational=False, state="starting", error=False, error_message="")
-        self.backend.start()
+        self.backend.start()  # returns at once: the backend brings the palm up on the link's rhythm
         if self.settings.ethercat_push_config_on_start:
             # typical motor_board_effort_controllers values (reference §3.3)
             self._submit(SetMotorConfig(tuple(range(NUM_MOTORS)), MotorConfig(
@@ -197,6 +224,7 @@ class PalmService:
         next_health = start
         while not self._stop.is_set():
             now = time.monotonic()
+            self._feed_link()
             self._check_lease(now)
             names = [n for n, t in due.items() if now >= t]
             at = {n: due[n] for n in names}  # when each was meant to go: the kit's rate cap counts that
@@ -219,6 +247,33 @@ class PalmService:
                     self._health(snap)
             self._stop.wait(max(0.0005, min(*due.values(), next_health) - time.monotonic()))
 
+    def _feed_link(self) -> None:
+        """Valid process data seen since the last look (the cycle's count of valid statuses moved): the link's
+        liveness. Every tick of the publisher (10 ms at the default joints rate), off the cycle."""
+        n = self.backend.valid_statuses()
+        if n != self._statuses_seen:
+            self._statuses_seen = n
+            if self.link.state is not LinkState.OPERATIONAL:
+                # the palm is heard from again: its identity, finer state and faults before `connection` flips
+                self._health(self.backend.snapshot(), arriving=True)
+            self.link.data()
+
+    def _apply_fault(self, kind: str | None = None, device: str | None = None) -> None:
+        """The one `error` of the device: a palm of the wrong kind (the backend) and the faults the palm reports
+        (the health check), together."""
+        with self._fault_lock:
+            if kind is not None:
+                self._kind_fault = kind
+            if device is not None:
+                self._device_faults = device
+            if self._health_final:
+                return
+            text = "; ".join(t for t in (self._kind_fault, self._device_faults) if t)
+            if text:
+                self.link.fault(text)
+            else:
+                self.link.clear_fault()
+
     def shutdown(self) -> None:
         """Node shutdown hook: zero demands, leave OP, say so, before the node goes offline."""
         if self._stopped:
@@ -230,13 +285,14 @@ class PalmService:
         self.dev.emit(STOPPED, PalmStopped(ts=time.time(), zero_demand_cycles=int(rep.get("zero_demand_cycles", 0)),
                                            demands_sent_last=list(rep.get("demands_sent_last", [])),
                                            model_demands=list(rep.get("model_demands", []))))
-        with self._health_lock:
+        with self._health_lock, self._fault_lock:
             self._health_final = True
             details = dict(self._last_details)
-            # stopped: no process data flow, whatever the last check saw (connection and valid_data agree)
-            details["link"] = {**details.get("link", {}), "valid_data": False, "issue": "stopped"}
-            self.dev.set_health(connection=False, operational=False, state="stopped", error=False,
-                                error_message="stopped: demands zeroed", details=details)
+            details["bus"] = {**details.get("bus", {}), "issue": "stopped"}
+            self.dev.set_health(details=details)
+            # stopped: connection false, no valid data (the kit's details.link says so), whatever the last check saw
+            self.link.clear_fault()
+            self.link.stop("shutdown: demands zeroed, the palm left OP")
 
     # -- state and health -----------------------------------------------------------------------------
     def _publish(self, names: list[str], s: PalmSnapshot, at: dict[str, float]) -> None:
@@ -272,22 +328,20 @@ class PalmService:
             self.dev.publish(LOOP, self.backend.stats().model_copy(update={"ts": ts, "counters": dict(s.counters)}),
                              at=at["loop_stats"])
 
-    def _loss_problems(self, info: dict[str, Any], stats: EthercatLoopStats) -> tuple[list[str], list[str]]:
-        """(errors, warnings) of the link. An outage is an error at once: the backend's own error, or a run of
-        `ethercat_error_after_lost` cycles without a valid status (the motors cut out after 20 ms). Counts
-        above their thresholds in the 1 s window (lost frames, wrong working counters, overruns, dropped
-        statuses) are an error only when sustained for `ethercat_loss_sustain_s`; before that they are a
-        warning. A healthy link on a loaded host loses a burst of frames to a scheduling stall now and
-        then, and health that flips to error for that one second is an alarm nobody can act on."""
+    def _loss_problems(self, stats: EthercatLoopStats) -> tuple[list[str], list[str]]:
+        """(problems, warnings) of a link that delivers valid data: what the palm's `operational` and the health
+        message say. Whether data flow at all is the link supervisor's (`silent` past the liveness budget), and
+        `error` is for faults the palm reports (docs/kit.md, "Health"). Per 1 s window, counts above their
+        thresholds (lost frames, wrong working counters, overruns, dropped statuses) are a warning; sustained for
+        `ethercat_loss_sustain_s` they are a problem: not operational, the message names each. A healthy link on
+        a loaded host loses a burst of frames to a scheduling stall now and then, and health that flips for that
+        one second is an alarm nobody can act on. An outage shorter than the budget (20 cycles or more without a
+        valid status, the motors' cut-out) is a warning for its window."""
         s = self.settings
-        errors: list[str] = []
-        if info.get("error"):
-            errors.append(str(info["error"]))
-        elif info.get("no_data"):
-            errors.append(f"no valid process data for {s.ethercat_error_after_lost} cycles or more")
-        elif stats.outages:  # an outage shorter than health's own period still shows, for its 1 s window
-            errors.append(f"{stats.outages} outage(s) of {s.ethercat_error_after_lost} cycles or more without valid "
-                          "process data in the last second")
+        warnings: list[str] = []
+        if stats.outages:
+            warnings.append(f"warning: {stats.outages} outage(s) of {s.ethercat_error_after_lost} cycles or more "
+                            "without valid process data in the last second")
         rates: list[str] = []
         lost = stats.frames_lost
         if lost > s.ethercat_lost_threshold:
@@ -305,13 +359,13 @@ class PalmService:
         now = time.monotonic()
         if not rates:
             self._rates_bad_since = None
-            return errors, []
+            return [], warnings
         if self._rates_bad_since is None:
             self._rates_bad_since = now
         lasted = now - self._rates_bad_since
         if lasted >= s.ethercat_loss_sustain_s:
-            return errors + [f"{r}, for {lasted:.0f} s" for r in rates], []
-        return errors, [f"warning: {r}" for r in rates]
+            return [f"{r}, for {lasted:.0f} s" for r in rates], warnings
+        return [], [f"warning: {r}" for r in rates] + warnings
 
     @staticmethod
     def _realtime(info: dict[str, Any], stats: EthercatLoopStats) -> dict[str, Any] | None:
@@ -325,19 +379,25 @@ class PalmService:
         warnings += [str(w) for w in info.get("warnings") or [] if str(w) not in warnings]
         return {"policy": rt.get("policy") or info.get("realtime_policy") or "", "warnings": warnings}
 
-    def _health(self, s: PalmSnapshot | None) -> None:
+    def _health(self, s: PalmSnapshot | None, arriving: bool = False) -> None:
         with self._health_lock:
             if not self._health_final:
-                self._health_locked(s)
+                self._health_locked(s, arriving)
 
-    def _health_locked(self, s: PalmSnapshot | None) -> None:
+    def _health_locked(self, s: PalmSnapshot | None, arriving: bool = False) -> None:
+        """The palm's view for the link supervisor, which owns connection, state and error (docs/kit.md): while
+        valid data flow, the finer state (initializing, running, ...) and whether the palm can work; the faults it
+        reports (serious motor flags, silent motors) as the device's fault; and the details (identity, the bus,
+        recovery, realtime, restarts)."""
         info = self.backend.info()
         stats = self.backend.stats()
-        problems, loss_warnings = self._loss_problems(info, stats)
+        problems, warnings = self._loss_problems(stats)
         realtime = self._realtime(info, stats)
-        state = str(info.get("state", "unknown"))
+        valid = arriving or self.link.state is LinkState.OPERATIONAL
+        name = "starting"  # valid data, no snapshot yet
         direct = False
-        if s is not None:
+        faults: list[str] = []
+        if s is not None and valid:
             direct = s.can_direct
             if direct:
                 self._direct_until = time.monotonic() + 1.0
@@ -346,7 +406,7 @@ class PalmService:
                 flags = (m.flags or 0) & ~quiet_flags
                 bad = serious_flags(flags)
                 if bad:
-                    problems.append(f"motor {m.id} ({m.joint}): {', '.join(bad)}")
+                    faults.append(f"motor {m.id} ({m.joint}): {', '.join(bad)}")
                     if self._known_faults.get(m.id) != flags:
                         self.dev.emit(MOTOR_FAULT, PalmMotorFault(ts=time.time(), motor=m.id, joint=m.joint,
                                                                   flags=m.flags or 0, serious=bad))
@@ -354,20 +414,19 @@ class PalmService:
                 silent_ns = self.settings.ethercat_silent_motor_ms * 1_000_000
                 if (not direct and s.phase == "operation" and
                         (m.last_seen_ns is None or s.now_ns - m.last_seen_ns > silent_ns) and s.cycle > 1000):
-                    problems.append(f"motor {m.id} ({m.joint}) not answering")
-            if info.get("connected"):
-                state = "can_direct" if direct else ("test_mode" if s.edc_command != EdcCommand.SENSOR_DATA
-                                                     else ("initializing" if s.phase == "init" else "running"))
-        connected = bool(info.get("connected"))
+                    faults.append(f"motor {m.id} ({m.joint}) not answering")
+            name = "can_direct" if direct else ("test_mode" if s.edc_command != EdcCommand.SENSOR_DATA
+                                                else ("initializing" if s.phase == "init" else "running"))
+            if info.get("issue"):
+                name = "slave_recovery"  # data flow, but a slave is being brought back
         details = {k: info.get(k) for k in ("vendor", "product", "revision", "serial", "protocol", "backend")}
-        # the link as the cycle sees it: valid process data or not, what recovery works on, its last steps
-        # valid process data as the backend defines it for `connected` (in OP, and the last cycles not all
-        # without a valid status): one condition, so that `connection` and `valid_data` never disagree
-        link: dict[str, Any] = {"valid_data": connected, "issue": info.get("issue") or ""}
+        # the bus as the cycle sees it (the link's own counts are the kit's `details.link`): the cycle's state,
+        # what recovery works on, stale replies since start
+        bus: dict[str, Any] = {"cycle": str(info.get("state", "")), "issue": info.get("issue") or ""}
         totals = stats.totals or {}
         if "stale" in totals:  # wire backends: replies dropped as not belonging to the frame just sent (since start)
-            link["stale_replies"] = int(totals["stale"])
-        details["link"] = link
+            bus["stale_replies"] = int(totals["stale"])
+        details["bus"] = bus
         if "restarts" in info:  # wire backends: cycle processes started again after one died
             details["restarts"] = int(info["restarts"])
             if info.get("last_exit"):
@@ -379,18 +438,16 @@ class PalmService:
                 **{k: recovery.get(k, 0) for k in ("escalations", "escalation_failures", "rescans", "recoveries")},
                 "steps": [{"ago_s": round((now - int(t)) / 1e9, 3), "step": str(text)}
                           for t, text in recovery.get("steps", [])[-RECOVERY_STEPS_SHOWN:]]}
-        if info.get("issue") and connected:
-            state = "recovering"  # data flow, but a slave is being brought back
-        elif state == "op":
-            state = "starting"  # in OP, no snapshot yet
         # refused realtime settings are warnings: in details and the message, never an error by themselves
-        warnings = loss_warnings + ([f"warning: {w}" for w in realtime["warnings"]] if realtime else [])
+        warnings += [f"warning: {w}" for w in realtime["warnings"]] if realtime else []
         if realtime is not None:
             details["realtime"] = realtime
         self._last_details = details
-        self.dev.set_health(connection=connected, operational=connected and not direct and not problems
-                            and (s is not None and s.phase == "operation"), state=state, error=bool(problems),
-                            error_message="; ".join(problems[:6] + warnings), details=details)
+        self.dev.set_health(details=details)
+        if valid:  # the palm's view, as last seen while it was heard from
+            self._apply_fault(device="; ".join(faults[:6]))
+            ready = s is not None and s.phase == "operation" and not direct and not problems
+            self.link.device_state(name, operational=ready, message="; ".join(problems[:6] + warnings))
 
     # -- helpers --------------------------------------------------------------------------------------
     def _submit(self, msg: ControlMessage) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator
 
 from services.ethercat_loop.control import SetPolling
+from shared.link import LinkPolicy
 from shared.settings import KitSettings
 
 
@@ -73,6 +74,22 @@ class EthercatSettings(KitSettings):
     ethercat_restart_backoff_max_ms: int = Field(10_000, ge=0, description="Cap of that wait")
     ethercat_restart_good_run_s: float = Field(30.0, ge=0, description="A cycle process that ran this long in OP "
                                                "before it died had a good run: the backoff starts over")
+    # -- the link supervisor (docs/kit.md, "Health"; README "Liveness budget") --
+    ethercat_liveness_s: float = Field(
+        0.25, gt=0, le=60, description="Valid process data must reach the service within this, or the palm is "
+        "`silent` (link open) / `unreachable` (never heard from): the motors stop 20 ms after their last demand "
+        "(reference §1.8) and the cycle counts 20 cycles without a status as an outage; the service reads the "
+        "cycle's status count every 10 ms and its process every 50 ms, and this leaves room for a stall of the "
+        "(non-realtime) service process")
+    ethercat_backoff_min_s: float = Field(0.2, gt=0, description="First wait before bringing the bus up again "
+                                          "after a failed attempt or a lost bus; doubled per failure")
+    ethercat_backoff_max_s: float = Field(5.0, gt=0, description="Cap of that wait")
+    ethercat_probe_period_s: float = Field(5.0, gt=0, description="A palm unreachable for longer than the "
+                                           "liveness budget is probed (a cycle process that scans the bus) once "
+                                           "per this period")
+    ethercat_expect_protocol: Literal["", "0220", "0230"] = Field(
+        "", description="Wire backends: the palm protocol this hand must speak (its product code); another is "
+                        "the wrong kind of device (health error, not driven). Empty: any Shadow palm")
     ethercat_virtual_args: list[str] = Field(default_factory=list, description="Extra virtual_hand options "
                                              "when the virtual backend starts its own hand")
 
@@ -83,6 +100,14 @@ class EthercatSettings(KitSettings):
         if err:
             raise ValueError(err)
         return v
+
+
+def link_policy(settings: EthercatSettings) -> LinkPolicy:
+    """The palm's link policy for the kit's supervisor (shared/link.py)."""
+    s = settings
+    return LinkPolicy(liveness_s=s.ethercat_liveness_s, backoff_min_s=s.ethercat_backoff_min_s,
+                      backoff_max_s=max(s.ethercat_backoff_min_s, s.ethercat_backoff_max_s),
+                      probe_period_s=s.ethercat_probe_period_s)
 
 
 def overrun_threshold(settings: EthercatSettings) -> int:

@@ -136,23 +136,34 @@ def test_demand_and_status_over_mqtt_and_the_wire(wire_node: Any) -> None:
 
 
 def test_health_reports_loss_and_recovers(wire_node: Any) -> None:
+    """100 frames lost (100 ms: shorter than the liveness budget): the palm stays connected, the message warns of
+    the lost frames and the outage for their 1 s window; `error` is for faults the palm reports (docs/kit.md)."""
     _node, _proc, _client, ctl, seen = wire_node
+    with seen.lock:
+        n0 = len(seen.msgs)
     ctl.call("drop", n=100)
-    wait_for(lambda: (h := seen.latest("health")) and h["error"], 10, "health error on repeated loss")
-    assert "lost" in (seen.latest("health") or {}).get("error_message", "")
-    wait_for(lambda: (h := seen.latest("health")) and not h["error"] and h["connection"], 15, "health recovered")
+    wait_for(lambda: "frames lost" in (seen.latest("health") or {}).get("error_message", ""), 10,
+             "the loss in health")
+    h = seen.latest("health") or {}
+    assert "warning: " in h["error_message"] and not h["error"], h
+    wait_for(lambda: (h := seen.latest("health")) and not h["error_message"] and h["operational"], 15,
+             "health clear again")
+    with seen.lock:
+        healths = [json.loads(p) for t, p in seen.msgs[n0:] if t.endswith(f"/{DEV}/health")]
+    assert not [x for x in healths if x["error"]], healths
 
 
 def test_power_cycle_shows_in_health_and_is_recovered(wire_node: Any) -> None:
-    """Issue 19 end to end: the hand loses power for 0.5 s; health says connection false while no valid
-    process data flow (whatever the AL states say), names the recovery's steps, and is back to running."""
+    """Issue 19 end to end: the hand loses power for 0.5 s; health says connection false (`silent`, no error:
+    the link supervisor's liveness budget passed) while no valid process data flow, whatever the AL states say,
+    names the recovery's steps, and is back to running."""
     _node, _proc, _client, ctl, seen = wire_node
     with seen.lock:
         n0 = len(seen.msgs)
     ctl.call("power_cycle", off_ms=500)
     wait_for(lambda: (h := seen.latest("health")) and not h["connection"], 10, "the outage in health")
     h = seen.latest("health") or {}
-    assert not h["operational"] and h["error"] and h["state"] in ("no_data", "recovering"), h
+    assert not h["operational"] and not h["error"] and h["state"] == "silent", h
     wait_for(lambda: (h := seen.latest("health")) and h["connection"] and h["state"] == "running", 15,
              "health back to running")
     with seen.lock:
@@ -162,6 +173,7 @@ def test_power_cycle_shows_in_health_and_is_recovered(wire_node: Any) -> None:
     assert rec.get("escalations", 0) >= 1 and any(s.startswith("step safeop: FMMUs written") for s in steps), rec
     assert any(s.startswith("valid process data again") for s in steps), steps
     assert all(h["details"]["link"]["valid_data"] == h["connection"] for h in healths), healths
+    assert not [x for x in healths if x["error"]], healths
     validator = ContractValidator(build_document())
     with seen.lock:
         for topic, payload in seen.msgs[n0:]:

@@ -82,6 +82,7 @@ class HandOptions:
     lose_fmmu_replies: int = 0  # the replies to the first N FPWR frames to FMMU registers are lost
     answer_twice: bool = False  # every process-data frame is answered twice (the same reply, back to back)
     late_us: int = 0  # every process-data reply leaves this late, without holding up the frames after it
+    garbage: bool = False  # no slave: every EtherCAT frame is answered with garbage (`garbage_replies`)
 
 
 def palm_product(opts: HandOptions) -> int:
@@ -362,6 +363,25 @@ def reply_frame(raw: bytes, payload: bytes) -> bytes:
     return out + bytes(60 - len(out)) if len(out) < 60 else out
 
 
+GARBAGE_ETHERTYPE = b"\x88\xb5"  # IEEE 802 local experimental: a frame that is not EtherCAT
+
+
+def garbage_replies(raw: bytes) -> list[bytes]:
+    """What a peer that is no EtherCAT slave sends back for one EtherCAT frame (`--garbage`): a frame that is not
+    EtherCAT at all, and one typed EtherCAT whose datagrams are random bytes. The second carries a datagram
+    index that is not the request's (its top bit flipped: SOEM keeps 16), so no master takes it for the answer
+    it waits for: random garbage that happened to echo the index would be a slave to SOEM's scan, the wrong
+    kind of device rather than garbage."""
+    src = bytes([raw[6] | 0x02]) + raw[7:12]
+    head = raw[0:6] + src
+    other = head + GARBAGE_ETHERTYPE + os.urandom(46 + os.urandom(1)[0] % 128)
+    body = bytearray(os.urandom(max(len(raw) - ETH_HEADER_LEN, 48)))
+    body[0:2] = raw[ETH_HEADER_LEN : ETH_HEADER_LEN + 2] if len(raw) >= ETH_HEADER_LEN + 2 else body[0:2]
+    if len(raw) > ETH_HEADER_LEN + 3:
+        body[3] = raw[ETH_HEADER_LEN + 3] ^ 0x80  # datagram header: command, then the index
+    return [other, head + ETHERTYPE_ECAT.to_bytes(2, "big") + bytes(body)]
+
+
 _TS_CMSG_SPACE = socket.CMSG_SPACE(16)
 
 
@@ -436,6 +456,12 @@ def serve(hand: VirtualHand, iface: str, control_path: str | None, stop: Callabl
                 except BlockingIOError:
                     break
                 if meta[2] == PACKET_OUTGOING or len(frame) < ETH_HEADER_LEN + 2:
+                    continue
+                if hand.opts.garbage:
+                    if frame[12:14] == ETHERTYPE_ECAT.to_bytes(2, "big"):
+                        for out in garbage_replies(frame):
+                            raw.send(out)
+                        stats.frames += 1
                     continue
                 now = mono()
                 rx = _rx_time(anc, now, to_mono)
@@ -549,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer every process-data frame twice (a stale duplicate behind each reply)")
     p.add_argument("--late-us", type=int, default=0,
                    help="send every process-data reply this late (scheduled: the frames behind it are not held up)")
+    p.add_argument("--garbage", action="store_true",
+                   help="no slave: answer every EtherCAT frame with garbage (a non-EtherCAT frame, random datagrams)")
     p.add_argument("--fmmus-on-safeop", action="store_true",
                    help="FMMUs take effect only on the PRE-OP -> SAFE-OP transition (as some slaves do)")
     a = p.parse_args(argv)
@@ -558,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         watch = (int(off, 0), int(length, 0))
     opts = HandOptions(a.protocol, a.serial, a.vendor, a.revision, a.left, not a.no_sii_pd, a.status_size_delta,
                        a.drop_every, a.delay_every, a.delay_us, watch, a.fmmus_on_safeop,
-                       a.lose_fmmu_replies, a.answer_twice, a.late_us)
+                       a.lose_fmmu_replies, a.answer_twice, a.late_us, a.garbage)
     hand = VirtualHand(opts, load_model(a.model, a.protocol))
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})

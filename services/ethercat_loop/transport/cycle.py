@@ -40,7 +40,14 @@ from services.ethercat_loop.control import CanRxFrame, Halt
 from services.ethercat_loop.driver import PalmDriver
 from services.ethercat_loop.loop_stats import HIST_US
 from services.ethercat_loop.settings import EthercatSettings
-from services.ethercat_loop.transport.master import EthercatMaster, Exchange, MasterConfig, MasterError
+from services.ethercat_loop.transport.master import (
+    EthercatMaster,
+    Exchange,
+    MasterConfig,
+    MasterError,
+    NoDevice,
+    WrongKind,
+)
 from services.ethercat_loop.transport.realtime import (
     AbsoluteSleeper,
     RtSettings,
@@ -59,6 +66,8 @@ SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submi
 SLACK_SNAPSHOT_NS = 300_000  # the least slack a snapshot may start in; more if recent ones took longer
 SLACK_STATE_CHECK_NS = 400_000  # an AL state read is one round trip per slave (bounded: see below)
 CHECK_RESERVE_NS = 100_000  # what the cycle still does after the state check, with margin
+START_FAILED_EXIT = 3  # the bus could not be brought up (the state's `fatal` says why, `fault_kind` what kind)
+LOST_EXIT = 4  # a re-scan found no device (or another kind) where the palm was: the bus is lost
 
 
 @dataclass
@@ -94,6 +103,27 @@ class _CycleState:
     identity: dict[str, Any] = field(default_factory=dict)
     recovery: dict[str, Any] = field(default_factory=dict)
     stop_report: dict[str, Any] = field(default_factory=dict)
+    # why the bus could not be brought up (or was lost): "absent" (no slave answers, or no NIC), "garbage" (frames
+    # arrived, none a slave's answer), "wrong_kind" (not the palm configured), "" (anything else)
+    fault_kind: str = ""
+    garbage: int = 0  # frames that arrived during the failed scan
+
+
+class _BusLost(Exception):
+    """A re-scan found nothing to drive on the NIC: the cycle process ends and the service reconnects."""
+
+    def __init__(self, cause: MasterError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def fault_kind(exc: BaseException) -> tuple[str, int]:
+    """(kind, garbage frames) of a bring-up failure, for the service's link supervisor."""
+    if isinstance(exc, WrongKind):
+        return "wrong_kind", 0
+    if isinstance(exc, NoDevice):
+        return ("garbage" if exc.garbage else "absent"), exc.garbage
+    return "", 0
 
 
 # ============================================================================ the cycle process
@@ -132,26 +162,37 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
         master.to_op()
     except (MasterError, OSError, ValueError) as exc:
         st.state, st.fatal, st.error = "error", str(exc), str(exc)
+        st.fault_kind, st.garbage = fault_kind(exc)
         publish()
         log.error("%s", exc)
         master.close()
         shm.close()
-        raise SystemExit(3) from None
+        raise SystemExit(START_FAILED_EXIT) from None
     st.identity = ident.as_dict()
     st.state = "op"
     publish()
+    lost: _BusLost | None = None
     try:
         _run(cfg, master, driver, shm, ctl, events, st, publish, stopping)
+    except _BusLost as exc:
+        lost = exc
     finally:
         with contextlib.suppress(Exception):
             master.leave_op()
         master.close()
-        st.state = "stopped"
+        if lost is not None:
+            st.state, st.fatal, st.error = "lost", str(lost), str(lost)
+            st.fault_kind, st.garbage = fault_kind(lost.cause)
+        else:
+            st.state = "stopped"
         publish()
         shm.close()
         if "parent gone" in stopping:  # nobody is left to remove the shared block
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(shm_path)
+    if lost is not None:
+        log.error("EtherCAT bus lost: %s", lost)
+        raise SystemExit(LOST_EXIT)
 
 
 def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,
@@ -420,6 +461,10 @@ def _rescan(master: EthercatMaster, st: _CycleState, publish: Callable[[], None]
     publish()
     try:
         ident = master.rescan()
+    except (NoDevice, WrongKind) as exc:
+        # nothing to drive where the palm was: the service's link supervisor reconnects (its back-off and
+        # probe period), with a new cycle process, rather than this one re-scanning on a rhythm of its own
+        raise _BusLost(exc) from None
     except (MasterError, OSError, ValueError) as exc:
         master.rescan_needed = f"re-scan failed: {exc}"
         st.state, st.state_issue = "recovering", master.rescan_needed

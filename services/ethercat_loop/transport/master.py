@@ -46,6 +46,8 @@ LADDER = ("init", "preop", "safeop", "op", "verify")  # the escalation's steps, 
 LADDER_STATE = {"init": 0x01, "preop": 0x02, "safeop": 0x04, "op": 0x08}
 MIN_WAIT_NS = 20_000  # even a late cycle waits this long for its frame
 ETHERTYPE = b"\x88\xa4"  # EtherCAT
+ETH_P_ALL = 0x0003
+PACKET_OUTGOING = 4  # a packet socket's address type for a frame this host sent
 ETH_HEADER, ECAT_HEADER, DATAGRAM_HEADER = 14, 2, 10  # a process-data reply: frame, EtherCAT, LRW datagram
 LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (reference §2.2)
 SIOCGSTAMPNS = 0x8907  # the receive time of the last frame read from a socket (CLOCK_REALTIME)
@@ -58,7 +60,22 @@ class MasterError(RuntimeError):
     """The bus cannot be brought up as configured (clear message for logs and health)."""
 
 
-class SizeMismatch(MasterError):
+class NoDevice(MasterError):
+    """No slave answers on the NIC, or the NIC cannot be opened: nothing to drive there (yet). `garbage` counts
+    the frames that did arrive during the scan without one of them being a slave's answer (a peer that speaks no
+    EtherCAT, or answers with garbage)."""
+
+    def __init__(self, message: str, garbage: int = 0) -> None:
+        super().__init__(message)
+        self.garbage = garbage
+
+
+class WrongKind(MasterError):
+    """A device answers, but not the one configured (not a Shadow palm, another protocol, or process data of
+    the wrong size): refuse to run it."""
+
+
+class SizeMismatch(WrongKind):
     """The palm's mapped process data do not match the protocol table: refuse to run."""
 
 
@@ -229,6 +246,7 @@ class EthercatMaster:
         # logs each entry (no logging in the realtime process)
         self.recovery_log: deque[tuple[int, str]] = deque(maxlen=32)
         self.recovery_seq = 0
+        self._ifindex = 0  # the NIC's index when it was opened (a NIC unplugged and back has another)
 
     @property
     def identity(self) -> HandIdentity:
@@ -243,10 +261,13 @@ class EthercatMaster:
             enter_netns(cfg.netns)
         m = pysoem.Master()
         before = _open_fds()
+        self._ifindex = _ifindex(cfg.iface)
         try:
+            if not self._ifindex:
+                raise OSError("no such interface")
             m.open(cfg.iface)
         except Exception as exc:
-            raise MasterError(f"cannot open EtherCAT NIC {cfg.iface!r}: {exc}") from exc
+            raise NoDevice(f"cannot open EtherCAT NIC {cfg.iface!r}: {exc}") from exc
         self.socket_fds = _make_packet_sockets_nonblocking({fd for fd, target in _open_fds().items()
                                                             if target.startswith("socket:")
                                                             and target not in before.values()})
@@ -275,14 +296,17 @@ class EthercatMaster:
 
     def _configure(self, m: Any) -> _Bus:
         cfg = self.cfg
-        n = m.config_init()
-        if n <= 0:
-            raise MasterError(f"no EtherCAT slave answers on {cfg.iface}")
+        with _Tap(cfg.iface) as tap:  # what arrives during the scan: garbage when no slave is found
+            n = m.config_init()
+            if n <= 0:
+                got = tap.incoming()
+                raise NoDevice(f"no EtherCAT slave answers on {cfg.iface}" + (
+                    f"; {got} frames arrived during the scan, none a slave's answer" if got else ""), garbage=got)
         slaves = list(m.slaves)
         names = tuple(f"{i + 1}:{s.name} (product {s.id:#x})" for i, s in enumerate(slaves))
         palm_i = next((i for i, s in enumerate(slaves) if s.id != BRIDGE_PRODUCT_CODE and _is_palm(s.id)), None)
         if palm_i is None:
-            raise MasterError(f"no Shadow palm (product 6, 0x01000000 or 0x01000001) on {cfg.iface}: "
+            raise WrongKind(f"no Shadow palm (product 6, 0x01000000 or 0x01000001) on {cfg.iface}: "
                               f"found {', '.join(names)}")
         palm = slaves[palm_i]
         bridge_i = next((i for i in range(palm_i) if slaves[i].id == BRIDGE_PRODUCT_CODE), None)
@@ -290,7 +314,7 @@ class EthercatMaster:
             log.warning("no bridge slave (product 0) in front of the palm; continuing")
         info = protocol_for_product(palm.id)
         if cfg.protocol and cfg.protocol != info.name:
-            raise MasterError(f"palm product {palm.id:#x} speaks protocol {info.name}, but protocol "
+            raise WrongKind(f"palm product {palm.id:#x} speaks protocol {info.name}, but protocol "
                               f"{cfg.protocol} is configured: refusing to run")
         serial = int.from_bytes(palm.eeprom_read(SII_SERIAL_WORD)[:4], "little")
         has_pd = _sii_describes_process_data(palm)
@@ -418,6 +442,11 @@ class EthercatMaster:
     @property
     def is_open(self) -> bool:
         return self._bus is not None
+
+    def nic_replaced(self) -> bool:
+        """The interface named in the configuration is not the one opened (one ioctl; asked only while no valid
+        data flow)."""
+        return bool(self._ifindex) and _ifindex(self.cfg.iface) != self._ifindex
 
     def exchange(self, command: bytes, give_up_ns: int | None = None) -> Exchange:
         """Send this cycle's command, wait at most recv_timeout_us for the frame (and never past the
@@ -630,6 +659,13 @@ class EthercatMaster:
         `recovery_log`, which the MQTT side logs."""
         bus = self._need()
         self.settle(give_up_ns)  # the reply in flight first: the state reads must not take its timestamp
+        if self.counters.bad_run and not self.rescan_needed and self.nic_replaced():
+            # no valid data and the NIC is not the one opened (gone, or gone and back): SOEM's socket is bound
+            # to the old one, where no slave can ever answer; only a re-scan opens the NIC by name again
+            self._want_rescan(f"the NIC {self.cfg.iface} vanished" if not _ifindex(self.cfg.iface)
+                              else f"the NIC {self.cfg.iface} was replaced")
+            self.counters.state_issue = f"NIC {self.cfg.iface} gone"
+            return self.counters.state_issue
         if self._esc is not None:
             return self._escalate(bus, give_up_ns)
         states = self._read_states(bus, give_up_ns)
@@ -867,6 +903,46 @@ def _read_sm_fmmu(s: Any) -> tuple[bytes, bytes]:
                 bytes(s._fprd(REG_FMMU0, 16 * n_fmmu)) if n_fmmu else b"")
     except pysoem.WkcError:
         return b"", b""
+
+
+def _ifindex(iface: str) -> int:
+    """The interface's index in this thread's network namespace; 0 when there is no such interface."""
+    try:
+        return socket.if_nametoindex(iface)
+    except OSError:
+        return 0
+
+
+class _Tap:
+    """A packet socket on the NIC for the length of a scan: counts the frames that arrived from outside."""
+
+    def __init__(self, iface: str) -> None:
+        self.sock: socket.socket | None = None
+        try:
+            sk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+            sk.bind((iface, 0))
+            sk.setblocking(False)
+            self.sock = sk
+        except OSError:
+            pass
+
+    def __enter__(self) -> _Tap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+    def incoming(self) -> int:
+        n = 0
+        while self.sock is not None and n < 100_000:
+            try:
+                _data, addr = self.sock.recvfrom(64)
+            except OSError:
+                break
+            if addr[2] != PACKET_OUTGOING:
+                n += 1
+        return n
 
 
 def _open_fds() -> dict[int, str]:

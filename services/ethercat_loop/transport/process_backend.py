@@ -20,18 +20,26 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable, CanRxHandler, HandBackend
+from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable, CanRxHandler, HandBackend, LinkEvents
 from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.control import CanRxFrame, CanTx, ControlMessage
 from services.ethercat_loop.loop_stats import LoopWindow, percentiles
 from services.ethercat_loop.models import EthercatLoopStats
 from services.ethercat_loop.protocol import DecodeError, unpack_status
-from services.ethercat_loop.settings import EthercatSettings
+from services.ethercat_loop.settings import EthercatSettings, link_policy
 from services.ethercat_loop.snapshot import PalmSnapshot, status_fields
-from services.ethercat_loop.transport.cycle import CAN_RX_CHUNK, SUBMIT_STAMP, CycleConfig, _CycleState, _Stop
+from services.ethercat_loop.transport.cycle import (
+    CAN_RX_CHUNK,
+    LOST_EXIT,
+    SUBMIT_STAMP,
+    CycleConfig,
+    _CycleState,
+    _Stop,
+)
 from services.ethercat_loop.transport.master import MasterConfig
 from services.ethercat_loop.transport.realtime import RtSettings
 from services.ethercat_loop.transport.shm import RAW_HEAD, C, SharedBlock
+from shared.link import SupervisedLink
 
 log = logging.getLogger("robobus.ethercat")
 PIPE_ATOMIC = 4096
@@ -82,6 +90,14 @@ class ProcessBackend(HandBackend):
         self._up_since: float | None = None  # CLOCK_MONOTONIC s when the running cycle process reached OP
         self.restarts = 0  # cycle processes started after one died
         self.last_exit = ""  # how the last one died
+        # the link's events go to the kit's supervisor: the service's (attach_link), or, for a backend driven on
+        # its own (tests, the bench), a private one, whose back-off paces the reconnects all the same
+        self.link: LinkEvents = SupervisedLink(link_policy(settings), lambda _fields: None)
+        self._own_link = True  # start() blocks until OP and raises, as a caller without a link expects
+
+    def attach_link(self, link: LinkEvents) -> None:
+        self.link = link
+        self._own_link = False
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _master_config(self) -> MasterConfig:
@@ -92,10 +108,11 @@ class ProcessBackend(HandBackend):
             self.cleanups.append(teardown)
         if not iface:
             raise BackendUnavailable(f"backend {s.backend!r} needs ROBOBUS_ETHERCAT_IFNAME (the EtherCAT NIC)")
-        return MasterConfig(iface, netns, None, s.ethercat_recv_timeout_us, s.ethercat_late_us, s.ethercat_program_sms)
+        return MasterConfig(iface, netns, s.ethercat_expect_protocol or None, s.ethercat_recv_timeout_us,
+                            s.ethercat_late_us, s.ethercat_program_sms)
 
     def start(self) -> None:
-        if self._proc is not None:
+        if self._shm is not None:
             return
         try:
             self._start()
@@ -118,12 +135,20 @@ class ProcessBackend(HandBackend):
             self.period_ns, max(1, round(1000 / period_ms / s.ethercat_snapshot_hz)),
             max(1, round(s.ethercat_state_check_ms / period_ms)), s.ethercat_error_after_lost)
         self._shm = SharedBlock.create()
-        self._launch(None)
         self._running = True
-        self._up_since = time.monotonic()
-        t = threading.Thread(target=self._monitor, name="ethercat-monitor", daemon=True)
+        launched = False
+        if self._own_link:  # no supervisor to report to: the caller wants the palm in OP, or an exception
+            self.link.attempt()
+            self._launch(None)
+            self._up_since = time.monotonic()
+            self.link.opened()
+            self._log_in_op()
+            launched = True
+        t = threading.Thread(target=self._keep, args=(launched,), name="ethercat-monitor", daemon=True)
         t.start()
         self._threads.append(t)
+
+    def _log_in_op(self) -> None:
         ident = self._state.identity
         assert self._proc is not None
         log.info("EtherCAT cycle process %d: palm %s protocol %s serial %s, %s; %s", self._proc.pid,
@@ -176,7 +201,9 @@ class ProcessBackend(HandBackend):
                 if self._state.fatal or proc.poll() is not None:
                     if proc.poll() is None:
                         proc.wait(5)
-                    raise BackendUnavailable(self._state.fatal or f"cycle process exited ({proc.returncode}) before OP")
+                    st = self._state
+                    raise BackendUnavailable(st.fatal or f"cycle process exited ({proc.returncode}) before OP",
+                                             st.fault_kind, st.garbage)
                 if time.monotonic() > deadline:
                     raise BackendUnavailable(f"cycle process did not reach OP within {self.start_timeout_s}s")
                 if stop is not None and stop.is_set():
@@ -200,7 +227,7 @@ class ProcessBackend(HandBackend):
         self._threads.append(t)
 
     def stop(self) -> None:
-        if self._stopped or self._proc is None:
+        if self._stopped or self._shm is None:
             return
         self._stopped = True
         self._stop_ev.set()
@@ -208,7 +235,7 @@ class ProcessBackend(HandBackend):
             if t.name == "ethercat-monitor" and t is not threading.current_thread():
                 t.join(10)
         proc = self._proc
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             if self._ctl_w is not None:
                 self._send(_Stop("stop"), force=True)
             else:
@@ -339,54 +366,115 @@ class ProcessBackend(HandBackend):
         with self._snap_lock:  # not the submit lock: decoding must never delay a demand
             return self._read_snapshot()
 
-    def _monitor(self) -> None:
-        while self._running and not self._stop_ev.is_set():
-            self._poll_state()
-            proc = self._proc
-            if proc is not None and proc.poll() is not None and not self._stopped:
-                self._supervise(proc)
-                continue
-            self._stop_ev.wait(0.05)
-
-    def _supervise(self, dead: subprocess.Popen[bytes]) -> None:
-        """The cycle process died (any cause): start another, after a backoff that doubles with each restart
-        that did not lead to a good run (`ethercat_restart_good_run_s` in OP), capped. Meanwhile `recovering`,
-        not connected, commands refused; the new cycle starts from zero demands."""
-        s = self.settings
-        why = _exit_text(dead.returncode)
-        self.last_exit = why
-        now = time.monotonic()
-        if self._up_since is not None and now - self._up_since >= s.ethercat_restart_good_run_s:
-            self._failures = 0
-        self._up_since = None
-        with self._lock:
-            for conn in (self._ctl_w, self._events_r):
-                if conn is not None:
-                    conn.close()
-            self._ctl_w = self._events_r = None
-        log.error("EtherCAT: cycle process %d died (%s)", dead.pid, why)
+    # ---- the link: (re)connecting, supervising the cycle process --------------------------------------
+    def _keep(self, launched: bool) -> None:
+        """The one loop that keeps a cycle process in OP. Bring-up attempts follow the link supervisor's back-off
+        (and, once the palm is unreachable, its probe period); each attempt is a cycle process that opens the
+        NIC, scans the bus and brings the palm to OP, and its failure is reported to the link by kind (absent,
+        garbage, wrong kind; counted, never an error but for the wrong kind). A cycle process that ends because
+        its re-scan found no palm (`LOST_EXIT`) is a lost link: reconnect the same way. One that dies of anything
+        else (a bug, the OOM killer, kill -9) is restarted on its own back-off (`ethercat_restart_backoff_ms`,
+        doubled per restart without a good run, capped), the link `recovering` meanwhile."""
+        dead = ""  # why the last cycle process died: the next start is a restart
         while not self._stop_ev.is_set():
+            if not launched:
+                if not self._attempt(dead):
+                    if self._restarting:  # a restart that failed for another reason than the palm: again
+                        dead = self.last_exit
+                        continue
+                    dead = ""
+                    continue
+                dead = ""
+            launched = False
+            proc = self._proc
+            assert proc is not None
+            while proc.poll() is None and not self._stop_ev.is_set():
+                self._poll_state()
+                self._stop_ev.wait(0.05)
+            if self._stop_ev.is_set() or self._stopped:
+                return
+            self._poll_state()
+            with self._lock:
+                for conn in (self._ctl_w, self._events_r):
+                    if conn is not None:
+                        conn.close()
+                self._ctl_w = self._events_r = None
+            st = self._state
+            if proc.returncode == LOST_EXIT:
+                log.error("EtherCAT: %s; reconnecting", st.fatal or "bus lost")
+                self._report_failure(BackendUnavailable(st.fatal or "bus lost", st.fault_kind, st.garbage),
+                                     closed=True)
+                continue
+            dead = _exit_text(proc.returncode)
+            self.last_exit = dead
+            now = time.monotonic()
+            if self._up_since is not None and now - self._up_since >= self.settings.ethercat_restart_good_run_s:
+                self._failures = 0
+            self._up_since = None
+            log.error("EtherCAT: cycle process %d died (%s)", proc.pid, dead)
+
+    def _attempt(self, dead: str) -> bool:
+        """One start of a cycle process: a restart after `dead` (its own back-off), or a bring-up attempt (the
+        link's). True when it is in OP."""
+        s = self.settings
+        if dead:
             delay = min(s.ethercat_restart_backoff_max_ms, s.ethercat_restart_backoff_ms * 2 ** self._failures) / 1000
             self._failures += 1
-            self._restarting = f"cycle process died ({why}); restarting in {delay:.1f} s"
+            self._restarting = f"cycle process died ({dead}); restarting in {delay:.1f} s"
             log.warning("EtherCAT: %s", self._restarting)
-            if self._stop_ev.wait(delay):
-                return
+            self.link.recovering(self._restarting)
+        else:
+            delay = self.link.next_attempt_in()
+        if self._stop_ev.wait(delay):
+            return False
+        if dead:
             self.restarts += 1
-            self._restarting = f"cycle process died ({why}); restart {self.restarts} under way"
-            try:
-                self._launch(self._stop_ev)
-            except (BackendUnavailable, OSError) as exc:
-                why = f"restart {self.restarts} failed: {exc}"
-                self.last_exit = why
-                log.error("EtherCAT: %s", why)
-                continue
-            self._up_since = time.monotonic()
-            self._restarting = ""
+            self._restarting = f"cycle process died ({dead}); restart {self.restarts} under way"
+        else:
+            self.link.attempt()
+        try:
+            self._launch(self._stop_ev)
+        except (BackendUnavailable, OSError) as exc:
+            if self._stop_ev.is_set():
+                return False
+            kind = exc.kind if isinstance(exc, BackendUnavailable) else ""
+            if dead and not kind:  # the process itself would not start: retried on the restart back-off
+                self.last_exit = f"restart {self.restarts} failed: {exc}"
+                log.error("EtherCAT: %s", self.last_exit)
+                return False
+            if dead:  # no palm to restart on: from here on, a link to bring up again
+                self._restarting = ""
+                self.link.recovered()
+            self._report_failure(exc if isinstance(exc, BackendUnavailable) else BackendUnavailable(str(exc)))
+            return False
+        self._up_since = time.monotonic()
+        self._restarting = ""
+        self.link.clear_fault()
+        if dead:
+            self.link.recovered()
             assert self._proc is not None
             log.warning("EtherCAT: cycle process %d in OP (restart %d); demands start from zero", self._proc.pid,
                         self.restarts)
-            return
+        else:
+            self._log_in_op()
+        self.link.opened()
+        return True
+
+    def _report_failure(self, exc: BackendUnavailable, closed: bool = False) -> None:
+        """A bring-up that failed, or a bus that was lost, by kind: counted by the link, an error only for a
+        device of the wrong kind."""
+        why = str(exc)
+        if exc.kind == "garbage":
+            self.link.garbage(f"{exc.garbage} frames on the NIC, none a slave's answer")
+        if exc.kind == "wrong_kind":
+            self.link.fault(f"not the palm configured: {why}")
+        else:
+            self.link.clear_fault()
+        if closed:
+            self.link.closed(why)
+        else:
+            self.link.failed(why)
+        log.warning("EtherCAT: %s (next attempt in %.1f s)", why, self.link.next_attempt_in())
 
     def stats(self) -> EthercatLoopStats:
         """The last full 1 s window plus totals since start and the cycle's realtime policy."""
@@ -458,6 +546,11 @@ class ProcessBackend(HandBackend):
 
     def on_can_rx(self, handler: CanRxHandler) -> None:
         self._rx_handler = handler
+
+    def valid_statuses(self) -> int:
+        """The raw status slot's sequence: the cycle writes every valid status there (one shared-memory read)."""
+        shm = self._shm
+        return shm.seq("raw") if shm is not None else 0
 
     def connected(self, no_data: bool | None = None) -> bool:
         """Valid process data are being exchanged: the cycle is in OP (by its own account, kept current by
