@@ -57,7 +57,8 @@ def _session(broker: Broker, name: str) -> MqttSession:
 
 
 def test_the_shortcuts_are_active_with_the_installed_paho(broker_session: Broker) -> None:
-    """A paho upgrade that removes what they rely on turns them off silently; this says so instead."""
+    """On the installed (tested) paho every shortcut is on; on another paho shared/paho_private.py turns them off
+    (with one warning) and tests/kit/test_paho_private.py names what moved."""
     s = _session(broker_session, "shortcuts")
     try:
         assert s.coalesced_wakes and s.direct_writes and s.fast_decode
