@@ -120,7 +120,10 @@ def missing(client: mqtt.Client | None = None) -> list[str]:
     """What the private paths need and this paho lacks (a name gone, a method's parameters changed, a field of
     another type): one line each; [] when all is there. Checked on `client`, or on a new, unconnected one."""
     out: list[str] = []
-    c = client if client is not None else _probe_client()
+    try:
+        c = client if client is not None else _probe_client()
+    except Exception as exc:  # another paho's constructor: nothing private can be relied on
+        return [f"paho.mqtt.client.Client(VERSION2, protocol=MQTTv5): {type(exc).__name__}: {exc}"]
     for name, params in CLIENT_METHODS.items():
         fn = getattr(type(c), name, None)
         if not callable(fn):
