@@ -53,10 +53,14 @@ let bus = null;
 // The page's own link to the broker: `gen` counts MQTT sessions (a status or health message is current only
 // if it came in the present one), `lostAt` is when the last one ended (the "stale since" time), `down` whether
 // that loss has been logged (once, and its end once).
-const link = { connected: false, gen: 0, lostAt: 0, down: false, everConnected: false, lastError: "" };
+const link = { connected: false, gen: 0, lostAt: 0, down: false, everConnected: false, lastError: "", username: "" };
 let root = "robobus";
 const nodes = new Map();
-window.__robobus = { nodes, link, watched: () => (bus ? [...bus.watched] : []),
+// The bus stop ({root}/_stop, shared/stop.py) as the page last read it: `state` a StopState (null: no stop
+// message on the broker), `known` once the present session's retained messages are all in (Bus onSynced), `gen`
+// the session it came in, `bad` why the message was unreadable (held as active, as every node holds it).
+const stop = { state: null, known: false, gen: -1, bad: "", changedAt: 0, dirty: true };
+window.__robobus = { nodes, link, stop, watched: () => (bus ? [...bus.watched] : []),
                      wsFrames: () => (bus && bus.client ? bus.client.frames : 0) };
 
 // Text only written when it changed: writing the same string still replaces the text node, and the
@@ -91,7 +95,8 @@ class NodeView {
     this.stats = null;
     this.devices = new Map();
     this.row = el("tr", { class: "node", "data-node": name, "data-status": "unknown" });
-    this.cells = ["name", "service", "status", "devices", "counters"].map((k) => el("td", { class: k }));
+    this.stopAnswer = null; // its retained StopAnswer ({root}/{node}/_node/state/stop)
+    this.cells = ["name", "service", "status", "devices", "stop", "counters"].map((k) => el("td", { class: k }));
     this.cells[0].textContent = name;
     this.row.append(...this.cells);
     insertSorted($("#nodes tbody"), this.row, name, "node");
@@ -169,14 +174,39 @@ class NodeView {
         el("span", { class: "chip", "data-device": name, "data-health": cls },
            el("span", { class: `badge ${color}`, text }), ` ${name}`)));
     }
+    const [answerKind, answerText] = this.stopText();
+    this.cells[4].dataset.answer = answerKind;
+    setText(this.cells[4], answerText);
     const s = this.stats;
     if (s) {
       const failed = Object.values(s.commands_failed || {}).reduce((a, b) => a + b, 0);
-      setText(this.cells[4], `commands ok ${s.commands_ok}, failed ${failed} · decode errors ${s.decode_errors}` +
+      setText(this.cells[5], `commands ok ${s.commands_ok}, failed ${failed} · decode errors ${s.decode_errors}` +
         ` · jobs ${s.jobs_running} · reconnects ${s.reconnects}`);
     }
     this.dirty = false;
   }
+
+  // Its answer to the bus stop as the page last read it: does it answer the present stop (or release), and
+  // what each of its motion devices did: [kind, text] (kind: current, pending, failed, missing, old, none).
+  stopText() {
+    const a = this.stopAnswer, s = stop.state;
+    if (!stopCurrent(a)) {
+      if (s && s.active && this.online) return ["missing", "no answer to this stop yet"];
+      return a ? ["old", `answered an earlier ${a.active ? "stop" : "release"}`] : ["none", ""];
+    }
+    if (!a.active) return ["current", `released ${a.devices.length ? a.devices.map((d) => d.device).join(", ") : "(no motion device)"} at ${clock(a.received_ts * 1000)}`];
+    if (!a.devices.length) return ["current", `answered at ${clock(a.received_ts * 1000)}: no motion device`];
+    const failed = a.devices.some((d) => d.error), pending = a.devices.some((d) => d.pending);
+    return [failed ? "failed" : pending ? "pending" : "current", `stopped (read at ${clock(a.received_ts * 1000)}): ` +
+      a.devices.map((d) => `${d.device} ${d.error ? `FAILED: ${d.error}` : d.pending ? "pending"
+        : `at ${clock(d.written_ts * 1000)} (+${Math.max(0, Math.round((d.written_ts - a.stop_ts) * 1000))} ms)`}`).join(", ")];
+  }
+}
+
+// An answer to the stop the page shows (the same ts, source and active), not to an earlier one (retained).
+function stopCurrent(a) {
+  const s = stop.state;
+  return !!(a && s && !stop.bad && a.stop_ts === s.ts && a.active === s.active && a.source === s.source);
 }
 
 function insertSorted(parent, node, key, attr) {
@@ -201,6 +231,8 @@ class DeviceView {
     this.healthLine = el("p", { class: "health-line" });
     // the health's message, coloured as the badge is: red only beside a red badge
     this.errorLine = el("p", { class: "error-message", role: "alert", "data-level": "info" });
+    // a motion device's bus stop: its node's answer for it (shown only on motion devices)
+    this.stopLine = el("p", { class: "stop-line", "data-stop": "none", hidden: "" });
     this.detailsPre = el("pre", { class: "json" });
     this.statesBox = el("div", { class: "states" });
     this.jobsBox = el("div", { class: "jobs" });
@@ -208,7 +240,7 @@ class DeviceView {
     this.card = el("article", { class: "device", "data-node": nodeView.name, "data-device": name, "data-key": key,
                                 "data-health": "unknown" },
       el("header", {}, el("h3", { text: name }), el("span", { class: "where", text: nodeView.name }), this.badge),
-      this.healthLine, this.errorLine,
+      this.stopLine, this.healthLine, this.errorLine,
       el("details", { class: "health-details" }, el("summary", { text: "health details" }), this.detailsPre),
       this.statesBox, this.jobsBox, this.commandsBox);
     insertSorted($("#devices"), this.card, key, "key");
@@ -248,6 +280,8 @@ class DeviceView {
     if (stale) return ["stale", `stale since ${hms(stale)}`, "stale"];
     const h = this.health;
     if (!h) return ["unknown", "NO HEALTH", "off"];
+    // held by the bus stop (the kit's overlay: docs/kit.md "Stopping everything"); not an error of the device
+    if (h.state === "stopped" && h.details && h.details.stop) return ["stopped", "STOPPED", "stopped"];
     if (h.error) return ["error", "ERROR", "bad"];
     if (!h.connection) return ["error", "NOT CONNECTED", "bad"];
     if (!h.operational) return ["warn", "NOT OPERATIONAL", "warn"];
@@ -260,6 +294,33 @@ class DeviceView {
     if (h.service) this.nodeView.setService(h.service);
     this.dirty = true;
     this.nodeView.dirty = true;
+  }
+
+  // A motion device: one its node's answer to the stop lists, or (before the node has answered any stop) one of a
+  // service whose document has motion commands, or one whose health carries the stop.
+  get motion() {
+    const a = this.nodeView.stopAnswer;
+    if (a) return a.devices.some((d) => d.device === this.name);
+    if (this.health && this.health.details && this.health.details.stop) return true;
+    const api = contract && contract.services.get(this.service || this.nodeView.service);
+    return !!(api && api.motion);
+  }
+
+  // [data-stop, text] of the card's stop line: none, released, unknown, unanswered, pending, failed, stopped.
+  stopText() {
+    const s = stop.state;
+    if (!stop.known && !s) return ["unknown", "bus stop: not read yet"];
+    if (!s) return ["none", "bus stop: none"];
+    if (!s.active) return ["released", `bus stop released ${hms(s.ts * 1000)} by ${s.source}`];
+    const who = stop.bad ? `unreadable stop message (${stop.bad})` : `by ${s.source}${s.reason ? `: ${s.reason}` : ""}`;
+    const head = `BUS STOP ${who}${s.ts ? ` · since ${hms(s.ts * 1000)}` : ""}`;
+    const a = this.nodeView.stopAnswer;
+    const d = stopCurrent(a) ? a.devices.find((x) => x.device === this.name) : null;
+    if (!d) return ["unanswered", `${head} · no answer from ${this.nodeView.name} for this device yet`];
+    if (d.error) return ["failed", `${head} · the stop action FAILED: ${d.error}`];
+    if (d.pending) return ["pending", `${head} · held stopped; the service has not yet reported the stop written`];
+    return ["stopped", `${head} · stopped: the stop reached the device at ${clock(d.written_ts * 1000)}` +
+      ` (+${Math.max(0, Math.round((d.written_ts - a.stop_ts) * 1000))} ms)`];
   }
 
   attachService(svc) {
@@ -303,6 +364,14 @@ class DeviceView {
   render() {
     const [cls, text, color] = this.healthClass();
     this.card.dataset.health = cls;
+    const motion = this.motion;
+    this.stopLine.hidden = !motion;
+    this.card.dataset.motion = String(motion);
+    if (motion) {
+      const [kind, stopText] = this.stopText();
+      this.stopLine.dataset.stop = kind;
+      setText(this.stopLine, stopText);
+    }
     this.badge.className = `badge ${color}`;
     setText(this.badge, text);
     const h = this.health;
@@ -686,6 +755,7 @@ function json(payload) { return JSON.parse(decodeText(payload)); }
 
 function route(topic, payload, ctype, retained, nowMs) {
   if (!topic.startsWith(`${root}/`)) return;
+  if (topic === bus.stopTopic) { onStop(payload); return; }
   const parts = topic.slice(root.length + 1).split("/");
   if (parts[2] !== "state") dirtyNodes = true; // status, health, events: draw on the next tick
   if (parts.length === 2 && parts[1] === "status") { node(parts[0]).setStatus(json(payload), retained); return; }
@@ -696,7 +766,11 @@ function route(topic, payload, ctype, retained, nowMs) {
   }
   if (parts.length !== 4) return;
   const [n, d, kind, name] = parts;
-  if (d === "_node") { if (kind === "state" && name === "stats") { const nv = node(n); nv.stats = json(payload); nv.dirty = true; } return; }
+  if (d === "_node") {
+    if (kind === "state" && name === "stats") { const nv = node(n); nv.stats = json(payload); nv.dirty = true; }
+    if (kind === "state" && contract.stop && name === contract.stop.answer) onStopAnswer(node(n), payload);
+    return;
+  }
   const dev = node(n).device(d);
   if (kind === "state") {
     if (payload.length === 0) return;
@@ -719,6 +793,153 @@ function route(topic, payload, ctype, retained, nowMs) {
     const alarm = /fault|stop|error/i.test(name) || ev.ok === false;
     logLine(n, d, name, JSON.stringify(ev).slice(0, 240), alarm);
   }
+}
+
+// -- the bus stop --------------------------------------------------------------------------------------------
+// {root}/_stop (shared/stop.py; docs/kit.md "Stopping everything"). A message that is not a StopState is held as
+// an active stop, as every node holds it; an empty retained message is no stop (a release).
+const STOP_CONFIRM_MS = 5000; // after the broker's PUBACK: the page's own message must come back on the topic
+let stopSend = null; // {state, what, timer}: the page's stop or release waiting to be seen on the topic
+
+function onStop(payload) {
+  let state = null, bad = "";
+  if (payload.length) {
+    try {
+      state = json(payload);
+      const errs = contract.validate(contract.stop.schema, state);
+      if (errs.length) bad = errs.map((e) => `${e.path || "message"} ${e.message}`).join("; ");
+    } catch (e) { bad = `not JSON: ${e.message}`; }
+    if (bad) {
+      perf.bad++;
+      state = { active: true, source: "unknown", reason: "", ts: 0 };
+    }
+  }
+  const was = stop.state, wasBad = stop.bad;
+  Object.assign(stop, { state, bad, gen: link.gen, known: true, dirty: true });
+  if (JSON.stringify(was) !== JSON.stringify(state) || wasBad !== bad) {
+    stop.changedAt = Date.now();
+    if (bad) logLine("bus stop", "", "unreadable", `${bad}: every node holds it as an active stop`, true);
+    else if (!state) logLine("bus stop", "", "removed", "no stop message on the broker (counts as released)");
+    else logLine("bus stop", "", state.active ? "ACTIVE" : "released",
+                 `by ${state.source}${state.reason ? `: ${state.reason}` : ""} at ${clock(state.ts * 1000)}`, state.active);
+  }
+  if (stopSend && state && !bad && state.ts === stopSend.state.ts && state.source === stopSend.state.source &&
+      state.active === stopSend.state.active) {
+    clearTimeout(stopSend.timer);
+    stopOutcome("confirmed", `${stopSend.what} sent at ${clock(state.ts * 1000)}: the broker holds it on ${bus.stopTopic}`);
+    stopSend = null;
+  }
+  markAllDirty();
+}
+
+function onStopAnswer(nv, payload) {
+  let a = null;
+  if (payload.length) {
+    a = json(payload);
+    const errs = contract.stop.answerSchema ? contract.validate(contract.stop.answerSchema, a) : [];
+    if (errs.length) throw new Error(`not a StopAnswer: ${errs.map((e) => `${e.path} ${e.message}`).join("; ")}`);
+  }
+  nv.stopAnswer = a;
+  nv.dirty = true;
+  for (const d of nv.devices.values()) d.dirty = true;
+  stop.dirty = true;
+  dirtyNodes = true;
+}
+
+function markAllDirty() {
+  for (const n of nodes.values()) { n.dirty = true; for (const d of n.devices.values()) d.dirty = true; }
+  stop.dirty = true;
+  dirtyNodes = true;
+}
+
+// What became of the page's own stop or release: sending, refused (the broker's PUBACK reason code), failed (not
+// sent), unconfirmed (acknowledged, but the topic did not change), confirmed (the broker holds it).
+function stopOutcome(outcome, text) {
+  const r = $("#stop-result");
+  r.dataset.outcome = outcome;
+  r.textContent = text;
+  if (outcome !== "sending") logLine("bus stop", "", `this page's ${outcome}`, text, outcome !== "confirmed");
+}
+
+async function sendStop(active) {
+  const what = active ? "stop" : "release";
+  const source = `${link.username || "anonymous"} via dashboard ${location.host}`.slice(0, 200);
+  const state = { active, source, reason: $("#stop-reason").value.trim(), ts: Date.now() / 1000 };
+  const errs = contract.validate(contract.stop.schema, state);
+  if (errs.length) { stopOutcome("failed", `${what} not sent: ${errs.map((e) => `${e.path} ${e.message}`).join("; ")}`); return; }
+  if (stopSend) clearTimeout(stopSend.timer);
+  stopSend = null;
+  stopOutcome("sending", `${what} sent, waiting for the broker…`);
+  const ack = await bus.publishStop(state);
+  if (ack.code === null) { stopOutcome("failed", `${what} not delivered: ${ack.text}`); return; }
+  if (ack.code >= 0x80) {
+    stopOutcome("refused", `${what} REFUSED by the broker: ${ack.text} (PUBACK reason code ${ack.code}). This MQTT ` +
+      `user (${link.username || "anonymous"}) may not write ${bus.stopTopic}: only the operator role may set or ` +
+      `release the bus stop. The stop is unchanged.`);
+    return;
+  }
+  if (!stop.bad && stop.state && state.ts === stop.state.ts && state.source === stop.state.source) {
+    // back on the topic before its PUBACK (the broker delivers to its subscribers first)
+    stopOutcome("confirmed", `${what} sent at ${clock(state.ts * 1000)}: the broker holds it on ${bus.stopTopic}`);
+    return;
+  }
+  const pending = { state, what, timer: 0 };
+  pending.timer = setTimeout(() => {
+    if (stopSend !== pending) return;
+    stopSend = null;
+    stopOutcome("unconfirmed", `the broker acknowledged the ${what} but ${bus.stopTopic} did not change within ` +
+      `${STOP_CONFIRM_MS / 1000} s: the broker did not take it (this user may not be allowed to write it). The ` +
+      "stop is as shown.");
+  }, STOP_CONFIRM_MS);
+  stopSend = pending;
+  stopOutcome("sending", `${what} acknowledged by the broker, waiting to see it on ${bus.stopTopic}…`);
+}
+
+// The header's stop line: the stop's state (since when, by whom, why), the answers of the online nodes, and the
+// release button while a stop is active.
+function renderStop() {
+  stop.dirty = false;
+  const b = $("#stop-state");
+  const s = stop.state;
+  let kind, text;
+  if (!stop.known && !s) { kind = "unknown"; text = link.connected ? "bus stop: reading…" : "bus stop: not known"; }
+  else if (!s) { kind = "none"; text = "no bus stop"; }
+  else if (stop.bad) { kind = "active"; text = `BUS STOP: unreadable stop message (${stop.bad}): held as active by every node`; }
+  else if (s.active) {
+    kind = "active";
+    text = `BUS STOP ACTIVE since ${hms(s.ts * 1000)} (${since(s.ts * 1000)}) by ${s.source}${s.reason ? `: ${s.reason}` : ""}`;
+  } else { kind = "released"; text = `no bus stop · released ${hms(s.ts * 1000)} by ${s.source}${s.reason ? `: ${s.reason}` : ""}`; }
+  const stale = !link.connected || (stop.gen < link.gen && !stop.known);
+  if (stale && kind !== "unknown") text += ` · stale since ${hms(link.lostAt || Date.now())}`;
+  b.dataset.state = kind;
+  b.dataset.stale = String(stale);
+  b.className = `badge ${stale ? "stale" : { active: "stopped", none: "ok", released: "ok", unknown: "off" }[kind]}`;
+  setText(b, text);
+  $("#release-button").hidden = kind !== "active";
+  const answers = $("#stop-answers");
+  if (s && s.active) {
+    const online = [...nodes.values()].filter((n) => n.online);
+    const answered = online.filter((n) => stopCurrent(n.stopAnswer));
+    const settled = answered.filter((n) => n.stopAnswer.devices.every((d) => !d.pending && !d.error));
+    answers.dataset.answered = String(answered.length);
+    answers.dataset.online = String(online.length);
+    setText(answers, `${answered.length} of ${online.length} online nodes answered, ${settled.length} with every ` +
+      "device's stop written");
+  } else {
+    delete answers.dataset.answered;
+    setText(answers, "");
+  }
+}
+
+function setupStop() {
+  const info = contract.stop;
+  const bar = $("#stop-bar");
+  if (!info) { bar.hidden = true; return; }
+  const reasonMax = info.schema && contract.resolve(info.schema).properties;
+  if (reasonMax && reasonMax.reason && reasonMax.reason.maxLength) $("#stop-reason").maxLength = reasonMax.reason.maxLength;
+  $("#stop-button").addEventListener("click", () => sendStop(true));
+  $("#release-button").addEventListener("click", () => sendStop(false));
+  $("#stop-reason").addEventListener("keydown", (ev) => { if (ev.key === "Enter") sendStop(true); });
 }
 
 // -- drawing -----------------------------------------------------------------------------------------------
@@ -805,6 +1026,7 @@ function frame(now) {
       }
     }
   }
+  if (stop.dirty || second) renderStop();
   if (second) showPerf(now);
   perf.renderMs += performance.now() - t0;
 }
@@ -823,7 +1045,13 @@ function showPerf(now) {
 // -- connecting --------------------------------------------------------------------------------------------
 // The page's link to the broker. A loss is logged once, however often the reconnects fail, and so is the
 // return; while it is lost every node and device shows "stale since" the time it was lost.
-function onSession() { link.gen++; } // CONNACK: what arrives from here on is current
+function onSession() { link.gen++; stop.known = false; stop.dirty = true; } // CONNACK: what arrives from here on is current
+// The session's retained messages are all in: a stop not heard again in this session is gone from the broker.
+function onSynced() {
+  if (stop.gen < link.gen && stop.state) onStop(new Uint8Array(0));
+  stop.known = true;
+  markAllDirty();
+}
 function setConn(state, detail) {
   const b = $("#conn");
   const was = link.connected;
@@ -851,10 +1079,7 @@ function setConn(state, detail) {
   const lost = !link.connected && link.down ? ` since ${hms(link.lostAt)}` : "";
   b.textContent = state === "connected" ? "connected" : `${state}${lost}${detail ? `: ${detail}` : ""}`;
   b.title = detail || "";
-  if (was !== link.connected) {
-    for (const n of nodes.values()) { n.dirty = true; for (const d of n.devices.values()) d.dirty = true; }
-    dirtyNodes = true;
-  }
+  if (was !== link.connected) markAllDirty();
 }
 
 function resetModel() {
@@ -869,6 +1094,7 @@ function resetModel() {
   }
   nodes.clear();
   $("#no-nodes").hidden = false;
+  Object.assign(stop, { state: null, known: false, gen: -1, bad: "", dirty: true });
 }
 
 // The broker the server gives the page: its websockets URL setting, else its relay, else the broker's own
@@ -892,6 +1118,7 @@ function connect(form, remember) {
   // a new session of the page's own: its first connect is logged as such, its losses as they come
   Object.assign(link, { connected: false, down: false, everConnected: false, lastError: "", lostAt: 0 });
   root = newRoot;
+  link.username = form.username.value;
   showBroker(url);
   bus.connect({ url, root, username: form.username.value, password: form.password.value });
 }
@@ -911,7 +1138,9 @@ async function main() {
                                         fetch("/api/config.json").then((r) => r.json())]);
   contract = new Contract(doc);
   document.title = cfg.title || "robobus";
-  bus = new Bus({ onMessage, onState: setConn, onSession });
+  bus = new Bus({ onMessage, onState: setConn, onSession, onSynced,
+                  stopTopic: contract.stop ? contract.stop.topic : "_stop" });
+  setupStop();
   const form = $("#connect");
   let saved = {};
   try { saved = JSON.parse(localStorage.getItem(SAVED) || "{}") || {}; } catch { saved = {}; }

@@ -8,6 +8,11 @@ const encoder = new TextEncoder();
 // MQTT 5 CONNACK reason codes a person can act on (the rest are shown by number).
 const REFUSED = { 128: "unspecified error", 133: "client id not valid", 134: "bad user name or password",
                   135: "not authorized", 136: "server unavailable", 137: "server busy", 138: "banned" };
+// MQTT 5 PUBACK reason codes (MQTT 5.0, 3.4.2.1): 0 and 16 accepted, the rest refused
+export const PUBACK_REASONS = { 0: "success", 16: "no matching subscribers", 128: "unspecified error",
+                                131: "implementation specific error", 135: "not authorized",
+                                144: "topic name invalid", 145: "packet identifier in use",
+                                151: "quota exceeded", 153: "payload format invalid" };
 
 function randomId(n = 8) {
   const b = new Uint8Array(n);
@@ -19,11 +24,17 @@ export function decodeText(bytes) { return utf8.decode(bytes); }
 
 export class Bus {
   // onMessage(topic, payloadBytes, contentType, retained); onState(state, detail); onSession() on every CONNACK
-  // (before the subscriptions: the retained messages that follow belong to the new session)
-  constructor({ onMessage, onState, onSession = () => {} }) {
+  // (before the subscriptions: the retained messages that follow belong to the new session); onSynced() once
+  // the retained messages of the session's subscriptions have all been delivered (a message the page sent to
+  // itself after the SUBACK came back: the broker queues a subscription's retained messages while it handles
+  // the SUBSCRIBE and delivers one connection's QoS 1 messages in order, as shared/stop.py's nodes rely on);
+  // stopTopic: the bus stop's topic name under the root (the document's `stop` channel)
+  constructor({ onMessage, onState, onSession = () => {}, onSynced = () => {}, stopTopic = "_stop" }) {
     this.onMessage = onMessage;
     this.onState = onState;
     this.onSession = onSession;
+    this.onSynced = onSynced;
+    this.stopName = stopTopic;
     this.client = null;
     this.pending = new Map(); // correlation hex -> {resolve, timer}
     this.clientId = `robobus-dash-${randomId(4)}`;
@@ -46,6 +57,7 @@ export class Bus {
     this.close();
     this.watched.clear();
     this.root = root;
+    this.stopTopic = `${root}/${this.stopName}`;
     this.replyTopic = `${root}/_client/${this.clientId}/reply`;
     const opts = { protocolVersion: 5, clientId: this.clientId, clean: true, reconnectPeriod: 1000,
                    connectTimeout: 5000, keepalive: 15, properties: { sessionExpiryInterval: 0 } };
@@ -61,11 +73,14 @@ export class Bus {
       // on screen (watch); the nodes' own counters (`_node/state/stats`) always.
       const subs = { [`${root}/+/status`]: { qos: 1 }, [`${root}/+/+/health`]: { qos: 1 },
                      [`${root}/+/_node/state/#`]: { qos: 0 }, [`${root}/+/+/event/#`]: { qos: 1 },
-                     [this.replyTopic]: { qos: 1 } };
+                     [this.replyTopic]: { qos: 1 }, [this.stopTopic]: { qos: 1 } };
       for (const filter of this.watched) subs[filter] = { qos: 0 };
       client.subscribe(subs, (err) => {
-        if (err) this.onState("error", `subscribe failed: ${err.message}`);
-        else this.onState("connected", url);
+        if (err) { this.onState("error", `subscribe failed: ${err.message}`); return; }
+        this.onState("connected", url);
+        this._request(this.replyTopic, { ok: true, result: {} }, 10000).then((rep) => {
+          if (client === this.client && rep.ok) this.onSynced();
+        });
       });
     });
     client.on("message", (topic, payload, packet) => {
@@ -93,7 +108,29 @@ export class Bus {
 
   // One request with MQTT 5 Response Topic + Correlation Data; resolves with the parsed reply.
   call(node, device, command, body, timeoutMs = 10000) {
-    const topic = `${this.root}/${node}/${device}/cmd/${command}`;
+    return this._request(`${this.root}/${node}/${device}/cmd/${command}`, body, timeoutMs);
+  }
+
+  // The bus stop (a StopState object), retained at QoS 1 on {root}/_stop. Resolves with the broker's answer:
+  // {code, text} from its PUBACK (code >= 128: refused, e.g. 135 not authorized: only the operator role may
+  // write the stop), or {code: null, text} when the page is not connected or the connection ended first.
+  publishStop(state, timeoutMs = 10000) {
+    return new Promise((resolve) => {
+      const c = this.client;
+      if (!c || !c.connected) { resolve({ code: null, text: "not connected to the broker" }); return; }
+      const timer = setTimeout(() => resolve({ code: null, text: `no PUBACK from the broker within ${timeoutMs / 1000} s` }),
+                               timeoutMs);
+      c.publish(this.stopTopic, JSON.stringify(state), { qos: 1, retain: true,
+                                                         properties: { contentType: "application/json" } },
+        (code) => {
+          clearTimeout(timer);
+          if (code === null) resolve({ code, text: "the connection to the broker ended before it acknowledged" });
+          else resolve({ code, text: PUBACK_REASONS[code] || `reason code ${code}` });
+        });
+    });
+  }
+
+  _request(topic, body, timeoutMs) {
     const corr = randomId(8);
     return new Promise((resolve) => {
       if (!this.client || !this.client.connected) {

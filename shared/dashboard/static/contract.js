@@ -6,6 +6,10 @@
 // parameter, or the root itself in the document the server makes for its root (`site1/robobus/{node}/...`).
 
 const DEVICE_ADDRESS = /^(?:\{root\}|[^{}]+)\/\{node\}\/\{device\}\/(state|event|cmd|stream)\/([^/]+)$/;
+// The bus stop (shared/stop.py): the `stop` channel `<root>/_stop` (x-robobus kind "stop") and each node's answer,
+// the `stopAnswer` channel `<root>/{node}/_node/state/stop`.
+const STOP_ADDRESS = /^(?:\{root\}|[^{}]+)\/([^{}/]+)$/;
+const ANSWER_ADDRESS = /^(?:\{root\}|[^{}]+)\/\{node\}\/_node\/state\/([^/]+)$/;
 const DOC_ID = "robobus:asyncapi";
 
 export class Contract {
@@ -14,6 +18,17 @@ export class Contract {
     this.schemas = doc.components.schemas;
     this.services = new Map();
     const messages = doc.components.messages;
+    this.stop = null; // {topic: name under the root, schema (StopState), answer: the state name, answerSchema}
+    const stopCh = Object.values(doc.channels).find((ch) => ch["x-robobus"] && ch["x-robobus"].kind === "stop");
+    const stopM = stopCh && stopCh.address && STOP_ADDRESS.exec(stopCh.address);
+    if (stopM) {
+      const payload = (ch) => messages[Object.values(ch.messages)[0].$ref.split("/").pop()].payload;
+      const answerCh = Object.values(doc.channels).find((ch) => ch.address && ANSWER_ADDRESS.test(ch.address) &&
+        Object.values(ch.messages).some((m) => m.$ref.endsWith("/StopAnswer")));
+      this.stop = { topic: stopM[1], schema: payload(stopCh),
+                    answer: answerCh ? ANSWER_ADDRESS.exec(answerCh.address)[1] : "stop",
+                    answerSchema: answerCh ? payload(answerCh) : null };
+    }
     for (const [cid, ch] of Object.entries(doc.channels)) {
       const m = ch.address && DEVICE_ADDRESS.exec(ch.address);
       if (!m) continue;
@@ -32,6 +47,10 @@ export class Contract {
         const reply = messages[`${cid}_reply`];
         const result = reply && reply.payload.oneOf && reply.payload.oneOf[0].properties.result;
         entry.job = !!(result && result.$ref && result.$ref.endsWith("/JobAccepted"));
+        // a motion command: the bus stop refuses it (its operation lists the code `stopped`)
+        const op = doc.operations && doc.operations[cid];
+        entry.motion = !!(op && op["x-robobus"] && (op["x-robobus"].errors || []).includes("stopped"));
+        if (entry.motion) svc.motion = true;
         svc.commands.set(name, entry);
       }
     }
@@ -44,7 +63,7 @@ export class Contract {
 
   service(name) {
     let s = this.services.get(name);
-    if (!s) { s = { states: new Map(), events: new Map(), commands: new Map() }; this.services.set(name, s); }
+    if (!s) { s = { states: new Map(), events: new Map(), commands: new Map(), motion: false }; this.services.set(name, s); }
     return s;
   }
 

@@ -283,9 +283,15 @@ export class MqttClient {
     this.send(packet(UNSUBSCRIBE, 2, w));
   }
 
-  publish(topic, payload, { qos = 0, retain = false, properties } = {}) {
+  // cb (QoS 1 only): cb(reasonCode) on the PUBACK (0 or 16 accepted, 128 and above refused: MQTT 5.0, 3.4.2.1),
+  // cb(null) when the connection ends before it
+  publish(topic, payload, { qos = 0, retain = false, properties } = {}, cb) {
     const w = new Writer().string(topic);
-    if (qos > 0) w.u16(this.id());
+    if (qos > 0) {
+      const pid = this.id();
+      w.u16(pid);
+      if (cb) this.acks.set(pid, (codes) => cb(codes ? codes[0] : null));
+    }
     const props = publishProps(properties);
     w.varint(props.n).bytes(props.concat());
     w.bytes(typeof payload === "string" ? encoder.encode(payload) : payload);

@@ -1,0 +1,272 @@
+"""The dashboard's bus stop in Debian's headless chromium, under the deployment's broker security: a mosquitto with
+the password and ACL files deploy/make_secrets.py writes (the operator alone may write {root}/_stop; the viewer
+reads it), a node of tests/kit/motion_node.py (two motion devices, one read-only device) logged in as its service
+user, and the dashboard server with that service's AsyncAPI document. The operator's page stops the devices
+(their health says stopped, a motion command from the page's form is refused `stopped`) and releases them; the
+viewer's page offers the release too and shows the broker's refusal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.asyncapi import build_document
+from shared.localbroker import NodeProcess, mosquitto_bin
+from shared.messages import StopState
+from shared.rpc import RpcClient, wait_for
+from shared.settings import KitSettings
+from shared.stop import stop_topic
+from tests.dashboard.stack import browser, browser_missing, free_ports
+from tests.deploy.deployfiles import host_broker_conf, make_secrets
+from tests.deploy.mqttprobe import creds
+from tests.kit import motion_node
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+T = 45_000  # ms: generous waits for a loaded 2-core machine; the conditions, not the waits, are the test
+NODE = "motion-test"
+ROOT = "robobus"
+
+
+@dataclass
+class Stack:
+    secrets: Path
+    port: int
+    ws_port: int
+    server: Any
+    node: NodeProcess
+    operator: RpcClient
+
+    def settings(self, user: str) -> KitSettings:
+        name, password = creds(self.secrets, user)
+        return KitSettings(mqtt_url=f"mqtt://127.0.0.1:{self.port}", mqtt_username=name, mqtt_password=password)
+
+    def retained_stop(self) -> dict[str, Any] | None:
+        got = [p for t, p, _ in self.operator.collect(stop_topic(ROOT), 1.0)]
+        return json.loads(got[-1]) if got and got[-1] else None
+
+    def health(self, device: str) -> dict[str, Any]:
+        got = [p for _, p, _ in self.operator.collect(f"{ROOT}/{NODE}/{device}/health", 1.0) if p]
+        return dict(json.loads(got[-1]))
+
+    def set_stop(self, active: bool, reason: str = "") -> StopState:
+        stop = StopState(active=active, source="operator@test", reason=reason, ts=time.time())
+        assert self.operator.session.publish_wait(stop_topic(ROOT), stop.model_dump_json(), qos=1, retain=True)
+        return stop
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    why = browser_missing()
+    if why:
+        pytest.skip(why)
+    from shared.dashboard.server import DashboardServer, PageConfig
+
+    exe = mosquitto_bin()
+    assert exe
+    d = tmp_path_factory.mktemp("stop-secrets")
+    assert make_secrets.main(["--dir", str(d), "--root", ROOT, "--node", NODE]) == 0
+    port, ws_port = free_ports(2)
+    conf = d / "mosquitto.conf"
+    conf.write_text(host_broker_conf(d, port, f"listener {ws_port} 127.0.0.1\nprotocol websockets\n"))
+    log = (d / "mosquitto.log").open("wb")
+    broker = subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+    server = None
+    node = None
+    operator = None
+    try:
+        assert wait_for(lambda: _listening(port) and _listening(ws_port), 20), (d / "mosquitto.log").read_text()
+        name, password = creds(d, NODE)
+        node = NodeProcess(["-m", "tests.kit.motion_node"], {
+            "ROBOBUS_MQTT_URL": f"mqtt://127.0.0.1:{port}", "ROBOBUS_MQTT_USERNAME": name,
+            "ROBOBUS_MQTT_PASSWORD": password})
+        server = DashboardServer(build_document([motion_node.API]), PageConfig(ws_url=f"ws://127.0.0.1:{ws_port}"),
+                                 port=free_ports(1)[0]).start()
+        st = Stack(d, port, ws_port, server, node, None)  # type: ignore[arg-type]
+        operator = RpcClient(st.settings("operator"), name="stop-dash-test")
+        operator.connect()
+        st.operator = operator
+
+        def online() -> bool:
+            healths = {t.split("/")[2] for t, p, _ in operator.collect(f"{ROOT}/{NODE}/+/health", 0.3) if p}
+            return {"wheel1", "wheel2", "sensor1"} <= healths
+
+        assert wait_for(online, 60, 0.5), node.text()
+        yield st
+    finally:
+        if operator is not None:
+            operator.close()
+        if server is not None:
+            server.stop()
+        if node is not None:
+            node.stop()
+        broker.kill()
+        broker.wait(5)
+        log.close()
+
+
+def login(ctx: Any, stack: Stack, user: str) -> Any:
+    """A page of the dashboard logged in to the broker as `user` (the deployment's password for it)."""
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.errors = errors
+    page.goto(f"{stack.server.url}?username={user}")
+    page.wait_for_selector("#stop-button", timeout=T)
+    from playwright.sync_api import expect
+
+    expect(page.locator("#connect input[name=url]")).to_have_value(f"ws://127.0.0.1:{stack.ws_port}", timeout=T)
+    page.fill("#connect input[name=password]", creds(stack.secrets, user)[1])
+    page.click("#connect button[type=submit]")
+    page.wait_for_selector("#conn[data-state=connected]", timeout=T)
+    return page
+
+
+@pytest.fixture(scope="module")
+def pages(stack: Stack) -> Iterator[dict[str, Any]]:
+    with browser() as ctx:
+        out = {user: login(ctx, stack, user) for user in ("operator", "viewer")}
+        yield out
+        for user, page in out.items():
+            assert not page.errors, (user, page.errors)
+
+
+def card(page: Any, device: str) -> Any:
+    return page.locator(f"article.device[data-node='{NODE}'][data-device='{device}']")
+
+
+def send_move(page: Any, device: str, speed: str) -> dict[str, Any]:
+    """The `move` command from the device card's form: its reply as the page shows it."""
+    c = card(page, device)
+    c.locator("details.commands").evaluate("e => { e.open = true; }")
+    cmd = c.locator("details.command[data-command='move']")
+    cmd.evaluate("e => { e.open = true; }")
+    cmd.scroll_into_view_if_needed()
+    reply = cmd.locator("pre.reply")
+    reply.evaluate("e => { e.textContent = ''; }")  # the previous reply gone: wait for this one's
+    cmd.locator("input[name=speed]").fill(speed)
+    cmd.locator("button[type=submit]").click()
+    page.wait_for_function("e => e.textContent.trim() !== '' && e.dataset.ok !== undefined",
+                           arg=reply.element_handle(), timeout=T)
+    return dict(json.loads(reply.inner_text()))
+
+
+def stopped(stack: Stack, device: str) -> bool:
+    return stack.health(device)["state"] == "stopped"
+
+
+def outcome(page: Any) -> tuple[str, str]:
+    """What became of the page's stop or release (#stop-result), once it is settled."""
+    page.wait_for_selector("#stop-result:not([data-outcome=none]):not([data-outcome=sending])", timeout=T)
+    r = page.locator("#stop-result")
+    return str(r.get_attribute("data-outcome")), r.inner_text()
+
+
+def test_the_stop_button_stops_the_motion_devices_and_release_lets_them_move(stack: Stack,
+                                                                              pages: dict[str, Any]) -> None:
+    page = pages["operator"]
+    # always on screen, and the state read: no stop on a fresh broker
+    assert page.locator("#stop-button").is_visible()
+    page.wait_for_selector("#stop-state[data-state=none]", timeout=T)
+    assert page.locator("#release-button").is_hidden()
+    for dev in ("wheel1", "wheel2"):
+        page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=ok]", timeout=T)
+    assert send_move(page, "wheel1", "1.5")["ok"] is True
+
+    reason = "hand in the way"
+    page.fill("#stop-reason", reason)
+    page.click("#stop-button")
+    assert outcome(page)[0] == "confirmed", outcome(page)
+    # what went on the wire: retained, the dashboard and the user named, the reason
+    held = stack.retained_stop()
+    assert held is not None and held["active"] is True and held["reason"] == reason, held
+    assert held["source"] == f"operator via dashboard {stack.server.url.split('/')[2]}", held
+    # the header: active, since when, by whom, why; every online node answered
+    state = page.locator("#stop-state[data-state=active]")
+    state.wait_for(timeout=T)
+    text = state.inner_text()
+    assert "BUS STOP ACTIVE since" in text and held["source"] in text and reason in text, text
+    assert page.locator("#release-button").is_visible()
+    page.wait_for_selector("#stop-answers[data-answered='1'][data-online='1']", timeout=T)
+    # each motion device: held stopped by the node (its health), the stop written, shown on its card
+    for dev in ("wheel1", "wheel2"):
+        assert wait_for(partial(stopped, stack, dev), 20), stack.health(dev)
+        c = card(page, dev)
+        page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=stopped]", timeout=T)
+        assert c.locator("header .badge").inner_text() == "STOPPED"
+        line = c.locator(".stop-line[data-stop=stopped]")
+        line.wait_for(timeout=T)
+        words = line.inner_text()
+        assert held["source"] in words and reason in words and "the stop reached the device at" in words, words
+    # the read-only device is no motion device: no stop line, its health untouched
+    page.wait_for_selector("article.device[data-device='sensor1'][data-motion=false][data-health=ok]", timeout=T)
+    assert card(page, "sensor1").locator(".stop-line").is_hidden()
+    # the node's answer in the nodes table: which devices, when the stop reached each
+    cell = page.locator(f"tr.node[data-node='{NODE}'] td.stop[data-answer=current]")
+    cell.wait_for(timeout=T)
+    words = cell.inner_text()
+    assert "wheel1 at" in words and "wheel2 at" in words, words
+    # a motion command from the page's form is refused by the node: `stopped`
+    rep = send_move(page, "wheel1", "2")
+    assert rep["ok"] is False and rep["error"]["code"] == "stopped", rep
+    page.screenshot(path=str(stack.secrets / "stopped.png"))
+
+    page.fill("#stop-reason", "")
+    page.click("#release-button")
+    assert outcome(page)[0] == "confirmed", outcome(page)
+    held = stack.retained_stop()
+    assert held is not None and held["active"] is False, held
+    page.wait_for_selector("#stop-state[data-state=released]", timeout=T)
+    assert "released" in page.inner_text("#stop-state") and page.locator("#release-button").is_hidden()
+    for dev in ("wheel1", "wheel2"):
+        page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=ok]", timeout=T)
+        card(page, dev).locator(".stop-line[data-stop=released]").wait_for(timeout=T)
+    page.wait_for_selector(f"tr.node[data-node='{NODE}'] td.stop[data-answer=current]", timeout=T)
+    assert "released" in page.inner_text(f"tr.node[data-node='{NODE}'] td.stop")
+    assert send_move(page, "wheel1", "0")["ok"] is True
+
+
+def test_a_viewer_is_offered_the_release_and_shown_the_brokers_refusal(stack: Stack, pages: dict[str, Any]) -> None:
+    """The page cannot know the ACL in advance: the viewer's page offers the release, the broker refuses it (MQTT 5
+    PUBACK 135 not authorized) and the page says so; the stop holds. The viewer's stop is refused the same way."""
+    page = pages["viewer"]
+    stop = stack.set_stop(True, "operator's stop")
+    page.wait_for_selector("#stop-state[data-state=active]", timeout=T)
+    page.wait_for_selector("article.device[data-device='wheel1'][data-health=stopped]", timeout=T)
+    card(page, "wheel1").locator(".stop-line[data-stop=stopped]").wait_for(timeout=T)
+    release = page.locator("#release-button")
+    assert release.is_visible()
+    release.click()
+    result = page.locator("#stop-result[data-outcome=refused]")
+    result.wait_for(timeout=T)
+    words = result.inner_text()
+    assert "REFUSED" in words and "not authorized" in words and "135" in words and "operator" in words, words
+    # nothing changed: the operator's stop is still the broker's, the devices still stopped
+    assert stack.retained_stop() == json.loads(stop.model_dump_json())
+    assert stack.health("wheel1")["state"] == "stopped"
+    assert page.locator("#stop-state[data-state=active]").count() == 1
+    assert "operator's stop" in page.inner_text("#stop-state")
+
+    page.evaluate("() => { document.querySelector('#stop-result').dataset.outcome = 'none'; }")
+    page.click("#stop-button")
+    page.locator("#stop-result[data-outcome=refused]").wait_for(timeout=T)
+    assert stack.retained_stop() == json.loads(stop.model_dump_json())
+
+    stack.set_stop(False)
+    page.wait_for_selector("#stop-state[data-state=released]", timeout=T)
+    page.wait_for_selector("article.device[data-device='wheel1'][data-health=ok]", timeout=T)
