@@ -167,7 +167,7 @@ def send_move(page: Any, device: str, speed: str) -> dict[str, Any]:
 
 
 def stopped(stack: Stack, device: str) -> bool:
-    return stack.health(device)["state"] == "stopped"
+    return bool(stack.health(device)["state"] == "stopped")
 
 
 def outcome(page: Any) -> tuple[str, str]:
