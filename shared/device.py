@@ -90,6 +90,7 @@ class Device:
         # the bus stop (shared/stop.py): the service's stop action, and the motion jobs it concerns
         self.stop_action: StopAction | None = None
         self.stop_inline = False
+        self.stop_note = ""  # what the stop cannot do on this device: said in its health while the stop is active
         self._motion = False
         self._job_gens: dict[str, int] = {}  # motion job id -> the stop activation count it was admitted at
         self._stopped_jobs: dict[str, str] = {}  # motion job id -> why the stop cancelled it
@@ -129,6 +130,8 @@ class Device:
         stopped = self.node.stop_latch.overlay(self.name) if self._motion else None
         if stopped is not None:  # the bus stop: what the device does now, over what its link says
             detail = stopped.pop("stop")
+            if self.stop_note:
+                stopped["error_message"] += f"; {self.stop_note}"
             h.update(stopped)
             h["details"] = {**h.get("details", {}), "stop": detail}
         return Health(service=self.node.api.service, node=self.node.name, device=self.name,
@@ -201,16 +204,19 @@ class Device:
         """A motion device: it has a stop action or motion commands; the bus stop holds it."""
         return self._motion
 
-    def on_stop(self, action: StopAction, *, inline: bool = False) -> None:
+    def on_stop(self, action: StopAction, *, inline: bool = False, note: str = "") -> None:
         """The service's stop action for this device: `action(stop: StopState)`, called at once whenever the bus
         stop becomes active (and again after a motion command that ran across it). It runs on a thread of its
         own, on the MQTT network thread with `inline=True` (it must only enqueue), or on the service's loop for
         an `async def`. It returns the Unix time the stop reached the device, None (it has, by the return), or
-        `shared.stop.LATER` (then call `stop_written(at)` when the device confirms)."""
+        `shared.stop.LATER` (then call `stop_written(at)` when the device confirms). `note`: what the stop cannot
+        do on this device (a protocol with no way to halt a move in progress), appended to its health's
+        `error_message` while the stop is active."""
         if inline and inspect.iscoroutinefunction(action):
             raise ValueError(f"{self.name}: an inline stop action must be synchronous")
         self.stop_action = action
         self.stop_inline = inline
+        self.stop_note = note
         self._motion = True
 
     def stop_written(self, at: float | None = None, error: str = "") -> None:
