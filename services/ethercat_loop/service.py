@@ -189,6 +189,7 @@ class PalmService:
         self._kind_fault = ""  # the backend's: not the palm configured
         self._device_faults = ""  # the palm's: serious motor flags, silent motors
         self._statuses_seen = backend.valid_statuses()
+        self._heard_since = time.monotonic()  # valid data flow since (a motor is judged silent only after that)
         backend.attach_link(_BackendLink(self, self.link))
         backend.on_can_rx(self._on_can_rx)
         d = self.dev
@@ -245,7 +246,9 @@ class PalmService:
                     # on the states' 10 ms grid when it is a tick anyway: no wake-up of its own
                     next_health = (min(at.values()) if at else now) + 0.25
                     self._health(snap)
-            self._stop.wait(max(0.0005, min(*due.values(), next_health) - time.monotonic()))
+            # awake at least every fifth of the liveness budget, to feed the link whatever the state rates
+            feed_by = now + min(0.05, self.settings.ethercat_liveness_s / 5)
+            self._stop.wait(max(0.0005, min(*due.values(), next_health, feed_by) - time.monotonic()))
 
     def _feed_link(self) -> None:
         """Valid process data seen since the last look (the cycle's count of valid statuses moved): the link's
@@ -255,6 +258,7 @@ class PalmService:
             self._statuses_seen = n
             if self.link.state is not LinkState.OPERATIONAL:
                 # the palm is heard from again: its identity, finer state and faults before `connection` flips
+                self._heard_since = time.monotonic()
                 self._health(self.backend.snapshot(), arriving=True)
             self.link.data()
 
@@ -396,6 +400,9 @@ class PalmService:
         valid = arriving or self.link.state is LinkState.OPERATIONAL
         name = "starting"  # valid data, no snapshot yet
         direct = False
+        silent_ns = self.settings.ethercat_silent_motor_ms * 1_000_000
+        # after an outage every motor was unseen for its length: silence counts once data have flowed that long
+        judge_silence = time.monotonic() - self._heard_since > silent_ns / 1e9
         faults: list[str] = []
         if s is not None and valid:
             direct = s.can_direct
@@ -411,8 +418,7 @@ class PalmService:
                         self.dev.emit(MOTOR_FAULT, PalmMotorFault(ts=time.time(), motor=m.id, joint=m.joint,
                                                                   flags=m.flags or 0, serious=bad))
                 self._known_faults[m.id] = flags if bad else 0
-                silent_ns = self.settings.ethercat_silent_motor_ms * 1_000_000
-                if (not direct and s.phase == "operation" and
+                if (judge_silence and not direct and s.phase == "operation" and
                         (m.last_seen_ns is None or s.now_ns - m.last_seen_ns > silent_ns) and s.cycle > 1000):
                     faults.append(f"motor {m.id} ({m.joint}) not answering")
             name = "can_direct" if direct else ("test_mode" if s.edc_command != EdcCommand.SENSOR_DATA

@@ -180,3 +180,30 @@ def test_the_stopped_health_claims_no_valid_data(broker_session, client):
     stopped = [h for h in health if h["state"] == "stopped"]
     assert all(h["connection"] is False and h["details"]["link"]["valid_data"] is False for h in stopped), stopped
     assert all(h["details"]["link"]["valid_data"] == h["connection"] for h in health if "link" in h["details"])
+
+
+def test_slow_state_rates_do_not_starve_the_link(broker_session, client):
+    """The publisher feeds the link supervisor: with every state at 1 Hz it still looks at the cycle's count of
+    valid statuses often enough (a fifth of the liveness budget) that a palm exchanging data is never `silent`."""
+    rates = {"joints": 1.0, "motors": 1.0, "tactile": 1.0, "palm_extras": 1.0, "loop_stats": 1.0}
+    settings = EthercatSettings(mqtt_url=broker_session.url, node="hand-r", health_interval_s=1.0,
+                                state_rates=rates, ethercat_overrun_threshold=1_000_000,
+                                ethercat_liveness_s=0.15)  # shorter than the health check's period (0.25 s)
+    node = Node(API, settings)
+    svc = build(node, settings)
+    health: list[dict] = []
+    client.subscribe_before("robobus/hand-r/+/health", lambda m: health.append(json.loads(m.payload)))
+    node.start()
+    svc.start()
+    t = threading.Thread(target=svc.run, daemon=True)
+    t.start()
+    try:
+        assert wait_for(lambda: latest(health).get("state") == "running", 10), health[-3:]
+        n = len(health)
+        time.sleep(3.0)
+        assert not [h for h in health[n:] if not h["connection"]], [h["state"] for h in health[n:]]
+        assert latest(health)["details"]["link"]["silences"] == 0, latest(health)["details"]["link"]
+    finally:
+        svc.shutdown()
+        node.stop()
+        t.join(2)

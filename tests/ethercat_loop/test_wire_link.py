@@ -171,3 +171,25 @@ def test_a_vanished_nic_is_rescanned_then_reconnected_on_the_link_rhythm(service
     assert any(f"the NIC {name} vanished" in s for s in steps), steps
     with veth_hand(name):
         wait_for(lambda: latest(health).get("state") == "running", 30, f"running again ({latest(health)})")
+
+
+def test_a_palm_hung_past_the_recover_ladder_is_lost_then_probed_and_back_when_it_answers(service: Any) -> None:
+    """SIGSTOP of the hand (the NIC stays, frames go unanswered): `silent` within the budget, never an error; once
+    the master's recover ladder has given up, its re-scan finds no slave and the cycle process ends (`lost`, then
+    `unreachable`, probed by new cycle processes); the hand continued is running again."""
+    name, health = service
+    with veth_hand(name) as p:
+        wait_for(lambda: latest(health).get("state") == "running", 30, f"running ({latest(health)})")
+        n0 = len(health)
+        os.killpg(p.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: latest(health).get("state") == "silent", 5, f"silent ({latest(health)})")
+            wait_for(lambda: latest(health).get("state") == "unreachable", 40, f"unreachable ({latest(health)})")
+            attempts = link(latest(health))["attempts"]
+            wait_for(lambda: link(latest(health))["attempts"] > attempts, 3 * PROBE_S + 10, "probed again")
+        finally:
+            os.killpg(p.pid, signal.SIGCONT)
+        wait_for(lambda: latest(health).get("state") == "running", 30, f"running again ({latest(health)})")
+    states = [h["state"] for h in health[n0:]]
+    errors = [(h["state"], h["error_message"]) for h in health[n0:] if h["error"]]
+    assert "lost" in states and not errors, (states, errors)

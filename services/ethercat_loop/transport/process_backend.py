@@ -164,6 +164,10 @@ class ProcessBackend(HandBackend):
         # A killed writer can leave a slot mid-write (an odd sequence, which readers would wait out forever):
         # even again, and the start state and the counters the new cycle starts from (it continues the others).
         shm.repair_slots()
+        with self._snap_lock:  # the last process's driver is not the next one's (which starts in its init phase)
+            self._snap = self._merged = None
+            self._snap_seq = shm.seq("snapshot")
+            self._raw_seq = (shm.seq("raw"), self._snap_seq)
         old = self._state  # the hand's identity stays in health while another cycle process starts
         shm.write_slot("status", pickle.dumps(_CycleState(identity=dict(old.identity), policy=old.policy,
                                                           warnings=list(old.warnings)), 5))
