@@ -121,6 +121,7 @@ class Finished:
     address: int | None
     bootloader_aware: bool | None
     cancelled: bool = False
+    held: bool = False  # the bus stop held a RESET: the image is written and verified, the board in its bootloader
 
 
 FlashEvent = PhaseStarted | Rewind | FlashWarning | Finished
@@ -293,17 +294,26 @@ class _Counters:
     restarts: int = 0
 
 
+Hold = Callable[[], str | None]  # before a RESET goes out: why it must not (the bus stop), or None
+
+
 class Flasher:
-    """Flash one board: one bus, one bootloader, one image."""
+    """Flash one board: one bus, one bootloader, one image.
+
+    `hold()` is asked right before a RESET frame leaves `poll` (the driver sends what poll returns at once): a
+    reason (the bus stop is active) ends the flash there, with the image written and verified and the board in
+    its bootloader, instead of starting a firmware that may drive a motor. Nothing else is held: stopping in the
+    middle of an erase or a write would leave the board without a valid image."""
 
     def __init__(self, local_id: int, image: FlashImage, config: FlashConfig | None = None, *,
-                 board_id: int | None = None) -> None:
+                 board_id: int | None = None, hold: Hold | None = None) -> None:
         if not 0 <= local_id < p.BOARDS_PER_BUS:
             raise p.ProtocolError(f"local board id {local_id} is out of range 0–9")
         self.local_id = local_id
         self.board_id = board_id  # the board's id 0–19, for the recovery commands a message names
         self.image = image
         self.cfg = config or FlashConfig()
+        self.hold = hold
         self.phase = Phase.IDLE
         self.pipe: Pipeline | None = None
         self._events: list[FlashEvent] = []
@@ -351,6 +361,11 @@ class Flasher:
         if self.pipe is None or self.done:
             return []
         frames = self.pipe.poll(now)
+        if frames and self.hold is not None and any(p.starts_firmware(f) for f in frames):
+            why = self.hold()
+            if why:
+                self._held(why)
+                return []
         self._counters.frames_sent += len(frames)
         return frames
 
@@ -544,16 +559,36 @@ class Flasher:
             where = f" at 0x{failure.address:06X}" if failure.address is not None else ""
             self._finish(False, f"{ph.value} failed{where}: {failure.reason}", address=failure.address)
 
+    def _held(self, why: str) -> None:
+        """The bus stop holds the RESET about to go out (reference §4: RESET marks the application valid and
+        starts it): end here, the board in its bootloader, and say how to start the image after the release."""
+        b = self._board_hint()
+        after = (f"After the release, `robobus can reset {b}` starts it (a new command: nothing restarts by "
+                 "itself), or flash again")
+        if self.phase is Phase.CHECK_RESET:
+            self._finish(False, f"held by the bus stop ({why}): the image is written and verified, and the new "
+                                f"firmware is bootloader-aware ({self._in_bootloader} after the reset); the RESET "
+                                f"that starts it again was not sent: board {b} stays in its bootloader. {after}",
+                         address=None, aware=True, held=True)
+            return
+        earlier = ("" if self._reset_attempts == 1 else
+                   " (an earlier RESET was not acknowledged and the magic packet since took the board back into "
+                   "its bootloader)")
+        self._finish(False, f"held by the bus stop ({why}): the image is written and verified; the RESET that "
+                            f"starts it was not sent{earlier}: board {b} stays in its bootloader, the new firmware "
+                            f"not started (its bootloader-aware check not done). {after}",
+                     address=None, held=True)
+
     def _board_hint(self) -> str:
         return "<board>" if self.board_id is None else str(self.board_id)
 
     def _finish(self, ok: bool, reason: str, *, address: int | None, aware: bool | None = None,
-                cancelled: bool = False) -> None:
+                cancelled: bool = False, held: bool = False) -> None:
         if self.pipe is not None:
             self._counters.retries += self.pipe.retries
             self.pipe.retries = 0
         phase = Phase.DONE if ok else self.phase
-        self.result = Finished(ok, reason, phase, address, aware, cancelled)
+        self.result = Finished(ok, reason, phase, address, aware, cancelled, held)
         self._events.append(self.result)
         if ok:
             self.phase = Phase.DONE
@@ -569,8 +604,10 @@ class Exchange:
     timeout_s: float = 0.1
     tries: int = 3
     drain_s: float = 0.05
+    hold: Hold | None = None  # asked before a RESET goes out (see Flasher): a reason ends the exchange, `held`
     pipe: Pipeline = field(init=False)
     malformed: list[p.BootFrame] = field(init=False, default_factory=list)  # answers of the wrong shape
+    held: str = field(init=False, default="")  # why a RESET was not sent (the bus stop)
 
     def __post_init__(self) -> None:
         w = self.window
@@ -579,14 +616,24 @@ class Exchange:
 
     @property
     def done(self) -> bool:
-        return not self.pipe.active
+        return bool(self.held) or not self.pipe.active
 
     @property
     def ok(self) -> bool:
-        return self.pipe.finished
+        return not self.held and self.pipe.finished
 
     def poll(self, now: float) -> list[p.BootFrame]:
-        return self.pipe.poll(now)
+        if self.held:
+            return []
+        sent_before = self.pipe.frames_sent
+        frames = self.pipe.poll(now)
+        if frames and self.hold is not None and any(p.starts_firmware(f) for f in frames):
+            why = self.hold()
+            if why:
+                self.held = why
+                self.pipe.frames_sent = sent_before
+                return []
+        return frames
 
     def receive(self, frame: p.BootFrame, now: float) -> None:
         if not self.pipe.receive(frame, now) and any(p.is_malformed_answer(op.frame, frame)
@@ -611,8 +658,8 @@ def version_exchange(local_id: int, timeout_s: float = 0.1, tries: int = 3) -> E
     return Exchange([Op(p.read_version(local_id))], timeout_s=timeout_s, tries=tries)
 
 
-def reset_exchange(local_id: int, timeout_s: float = 1.0, tries: int = 3) -> Exchange:
-    return Exchange([Op(p.reset(local_id))], timeout_s=timeout_s, tries=tries)
+def reset_exchange(local_id: int, timeout_s: float = 1.0, tries: int = 3, hold: Hold | None = None) -> Exchange:
+    return Exchange([Op(p.reset(local_id))], timeout_s=timeout_s, tries=tries, hold=hold)
 
 
 def read_exchange(local_id: int, start: int, length: int, window: int = 1, timeout_s: float = 0.1,

@@ -132,6 +132,12 @@ def read_version(local_id: int) -> BootFrame:
     return BootFrame(boot_sid(local_id, BootCommand.READ_VERSION), b"")
 
 
+def starts_firmware(frame: BootFrame) -> bool:
+    """A bootloader request that starts the board's application (RESET: EEPROM[0xFF] = 0x42, then the firmware
+    runs, and may drive its motor): the one request the bus stop holds (reference shadow_ethercat.md §4)."""
+    return (frame.sid & (DIRECTION_MASK | ACK_BIT | COMMAND_MASK)) == BOOT_DIRECTION | BootCommand.RESET
+
+
 # -- answers ---------------------------------------------------------------------------------------------
 def ack_for(request: BootFrame) -> BootFrame:
     """The 'usual acknowledgement': same SID with the ACK bit, same length, same data."""

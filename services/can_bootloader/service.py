@@ -8,6 +8,13 @@ Health comes from the kit's link supervisor (shared/link.py, docs/kit.md "Health
 python-can buses, or the palm's bridge), because the boards answer only while in their bootloader and only
 when asked. Valid data = every configured bus proved healthy within `can_liveness_s` (a clean read, no error
 state; through the bridge: ethercat-loop online); boards are heard only during a flash or a read.
+
+The bus stop (shared/stop.py, docs/kit.md "Stopping everything"): `reset` is a motion command (RESET starts a
+board's firmware, which may drive its motor). A flash is not one the kit may cancel (a board stopped in the middle
+of its erase or write is left without a valid image), so its start is gated instead: refused `stopped` while the
+stop is active; one in progress continues through write and verify, and the RESET it would send is held (the board
+stays in its bootloader). The stop action writes nothing (no bootloader frame stops a motor): it waits until no
+RESET can leave any more.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from services.can_bootloader.flasher import (
     FlashConfig,
     Flasher,
     FlashWarning,
+    Hold,
     Phase,
     Rewind,
     read_exchange,
@@ -49,6 +57,8 @@ from services.can_bootloader.settings import BRIDGE_INTERFACE, CanBootSettings, 
 from services.can_bootloader.transport import CanPort, TransportError
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceAPI
 from shared.link import LinkPolicy, SupervisedLink
+from shared.messages import StopState
+from shared.stop import describe
 
 __all__ = ["API", "CanBootService", "CanBootSettings", "build"]
 
@@ -58,23 +68,34 @@ log = logging.getLogger("robobus.can_bootloader")
 
 # error codes beyond the kit's: a bus not configured, not open or failing (unavailable), one exchange per bus
 # (busy), no answer (timeout), an answer that is not the bootloader's (device_error); a flash also refuses paths
-# outside the firmware folder (forbidden) and ends with device_error when a board fails verification
+# outside the firmware folder (forbidden) and ends with device_error when a board fails verification; a flash is
+# refused `stopped` while the bus stop is active (`unavailable` until the node has read it), and ends `stopped`
+# when the stop held its RESET or kept a board of it from starting
 _BUS_ERRORS = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY, ErrorCode.TIMEOUT, ErrorCode.DEVICE_ERROR]
-_FLASH_ERRORS = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY, ErrorCode.TIMEOUT, ErrorCode.FORBIDDEN, ErrorCode.DEVICE_ERROR]
+_FLASH_ERRORS = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY, ErrorCode.TIMEOUT, ErrorCode.FORBIDDEN, ErrorCode.DEVICE_ERROR,
+                 ErrorCode.STOPPED]
 API = ServiceAPI("can-bootloader",
                  device_doc="the motor boards (PIC18F2580 CAN bootloader) of one hand's two CAN buses",
                  doc="Flashes the Shadow hand's motor boards over CAN (a python-can bus or the palm's CAN bridge).")
 FLASH = API.job("flash", FlashRequest, FlashBoardResult, errors=_FLASH_ERRORS,
-                doc="Flash one board: magic packet, erase, write, read-back verify, reset, bootloader-aware check")
+                doc="Flash one board: magic packet, erase, write, read-back verify, reset, bootloader-aware check. "
+                    "The bus stop refuses it (stopped); one in progress continues, its RESET held")
 FLASH_MANY = API.job("flash_many", FlashManyRequest, FlashManyResult, errors=_FLASH_ERRORS,
-                     doc="Flash several boards; boards 0–9 and 10–19 (the two buses) in parallel")
+                     doc="Flash several boards; boards 0–9 and 10–19 (the two buses) in parallel. The bus stop "
+                         "refuses it; the boards in progress continue (their RESET held), the others do not start")
 READ_VERSION = API.command("read_version", BootBoardRequest, BootVersionReply, errors=_BUS_ERRORS,
                            doc="The bootloader's version")
 READ_FLASH = API.command("read_flash", BootReadRequest, BootReadReply, errors=_BUS_ERRORS,
                          doc="Dump program memory (bootloader mode)")
-RESET = API.command("reset", BootBoardRequest, BootResetReply, errors=_BUS_ERRORS,
-                    doc="RESET: the bootloader marks the application valid (EEPROM[0xFF]=0x42) and starts it")
+RESET = API.command("reset", BootBoardRequest, BootResetReply, errors=_BUS_ERRORS, motion=True,
+                    doc="RESET: the bootloader marks the application valid (EEPROM[0xFF]=0x42) and starts it (a "
+                        "firmware that may drive its motor: refused while the bus stop is active)")
 FLASH_REPORT = API.event("flash_report", FlashBoardResult, doc="One board flashed (or not): the full outcome")
+
+
+# the reasons of a board the bus stop held (flasher.py's Flasher._held) or kept from starting (_not_started)
+_NOT_STARTED = "not started by the bus stop"
+_HELD_PREFIXES = ("held by the bus stop", _NOT_STARTED)
 
 
 # -- the service -------------------------------------------------------------------------------------------
@@ -99,9 +120,14 @@ class CanBootService:
                         cfg = cfg.model_copy(update={"options": opts})
                     ports[n] = CanPort(n, cfg)
         self.ports = ports
+        # per bus: held from a machine's poll to the end of its sends (CanPort.drive), so that the bus stop's action
+        # knows when no RESET can leave any more
+        self._gates = {n: threading.Lock() for n in ports}
+        self._held: dict[int, str] = {}  # board -> why the bus stop left it in its bootloader (RESET held)
+        self._stop_shown = False  # the stop's note is in the health details
         self._mutex = threading.Lock()
         self._reserved: dict[int, _Reservation] = {}
-        self._images: dict[int, FlashImage] = {}
+        self._images: dict[int, tuple[FlashImage, int | None]] = {}  # admitted request -> image, stop generation
         self._jobs: set[JobContext] = set()
         self._closing = threading.Event()
         self.last_error = ""       # the last failure (a flash, an exchange, the adapter): details, never `error`
@@ -130,6 +156,7 @@ class CanBootService:
         dev.bind(READ_VERSION, self._read_version)
         dev.bind(READ_FLASH, self._read_flash)
         dev.bind(RESET, self._reset)
+        dev.on_stop(self._stop_now)
         self.update_health()
 
     def open(self) -> None:
@@ -197,7 +224,8 @@ class CanBootService:
         next_details = 0.0
         while not self._closing.wait(period):
             self.check_link()
-            if time.monotonic() >= next_details:  # counters in details: at most once a second
+            if time.monotonic() >= next_details or self._stop_active() != self._stop_shown:
+                # counters in details: at most once a second; the stop's note as soon as the stop comes or goes
                 next_details = time.monotonic() + 1.0
                 self.update_health()
 
@@ -247,6 +275,7 @@ class CanBootService:
             return
         with self._mutex:
             busy = {n: r.board for n, r in self._reserved.items()}
+            flashing = sorted(n for n, r in self._reserved.items() if r.job.startswith("flash"))
             faults = "; ".join(self._faults[b] for b in sorted(self._faults))
         details: dict[str, Any] = {
             f"bus{n}": {"interface": pt.cfg.interface, "channel": pt.cfg.channel, "open": pt.is_open,
@@ -257,12 +286,65 @@ class CanBootService:
         }
         if self.last_error:
             details["last_failure"] = self.last_error
+        stopped = self._stop_active()
+        self._stop_shown = stopped
+        if stopped:
+            details["bus_stop"] = (
+                "no flash and no reset starts (refused: stopped); "
+                + (f"the flash in progress on bus {' and '.join(str(n) for n in flashing)} continues through write "
+                   "and verify (a board stopped mid-write is left without a valid image), its RESET held: the board "
+                   "stays in its bootloader, and the boards of a flash_many not begun yet are not flashed"
+                   if flashing else "no flash is in progress")
+                + ". Nothing is sent to stop a motor: the motor boards' firmware is driven by ethercat-loop")
+        with self._mutex:
+            held = dict(self._held)
+        if held:
+            details["reset_held"] = {str(b): why for b, why in sorted(held.items())}
         self.dev.set_health(details=details)
         self.link.device_state("flashing" if busy else "idle")
         if faults:
             self.link.fault(faults)
         elif self.ports:
             self.link.clear_fault()
+
+    # -- the bus stop ---------------------------------------------------------------------------------------------
+    def _stop_active(self) -> bool:
+        return self._node is not None and self._node.stop_latch.active
+
+    def _hold_reason(self, gen: int | None) -> str | None:
+        """Why a RESET must not go out now: the bus stop is active, or one came (and went) since the command
+        that would send it was admitted at `gen` (a device moves again only on a new command); else None. The
+        kit's latch is the one copy of the stop's state."""
+        if self._node is None:
+            return None
+        latch = self._node.stop_latch
+        s = latch.state
+        if s is not None and s.active:
+            return f"the bus stop is active: {describe(s)}"
+        if gen is not None and latch.generation != gen:
+            return ("a bus stop came and was released since this command started: a board starts again only on a "
+                    "new command")
+        return None
+
+    def _hold(self, gen: int | None) -> Hold:
+        return lambda: self._hold_reason(gen)
+
+    def _stop_now(self, stop: StopState) -> float:
+        """The device's stop action (docs/kit.md "Stopping everything"): the kit already refuses new flashes and
+        resets, and every flash in progress holds its RESET from now (Flasher.hold). Nothing is written: the
+        bootloader protocol has no stop (reference shadow_ethercat.md §4), a board in its bootloader drives
+        nothing, and a running firmware's motor is ethercat-loop's. The stop has reached the boards once no
+        RESET decided before it can still be on its way: each bus's gate passed once."""
+        for gate in self._gates.values():
+            with gate:
+                pass
+        at = time.time()
+        with self._mutex:
+            flashing = sorted(r.board for r in self._reserved.values() if r.job.startswith("flash"))
+        log.warning("bus stop: no flash or reset starts; flashes in progress continue with their RESET held",
+                    extra={"source": stop.source, "reason": stop.reason, "flashing": flashing})
+        self.update_health()
+        return at
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _port(self, board: int) -> CanPort:
@@ -329,12 +411,16 @@ class CanBootService:
         try:
             with port.lock:
                 port.drain()
-                port.drive(ex)
+                port.drive(ex, guard=self._gates.get(port.number))
         except TransportError as exc:
             self._lost(port, str(exc))
             raise CommandError(ErrorCode.UNAVAILABLE, str(exc)) from None
         finally:
             self._release([port.number])
+        if ex.held:
+            sent = " (a RESET sent before it was not acknowledged: the board may run its firmware)" \
+                if ex.pipe.frames_sent else ""
+            raise CommandError(ErrorCode.STOPPED, f"board {board} {what}: not sent, {ex.held}{sent}")
         for frame in ex.malformed:
             self._on_garbage(f"board {board} {what}: malformed answer sid 0x{frame.sid:03X} "
                              f"data {frame.data.hex(' ') or '(none)'}")
@@ -369,21 +455,35 @@ class CanBootService:
         return BootReadReply(board=req.board, bus=a.bus, address=req.address, data=blob[skip:skip + req.length].hex())
 
     def _reset(self, req: BootBoardRequest) -> BootResetReply:
+        """A motion command: the kit refuses it while the bus stop is active; one that the stop overtakes before
+        its RESET leaves is answered `stopped` (the frame held, as in a flash)."""
+        gen = self._node.stop_latch.generation if self._node is not None else None
         a = p.board_address(req.board)
         self._exchange(req.board, reset_exchange(a.local_id, self.settings.can_flash.reset_timeout_s,
-                                                 self.settings.can_flash.reset_tries), "reset")
+                                                 self.settings.can_flash.reset_tries, hold=self._hold(gen)), "reset")
+        with self._mutex:
+            self._held.pop(req.board, None)
+        self.update_health()
         return BootResetReply(board=req.board, bus=a.bus)
 
     # -- flashing ----------------------------------------------------------------------------------------------
+    def _admit_stop(self) -> int | None:
+        """A flash's gate: the kit's own (`stopped` while the bus stop is active, `unavailable` until the node has
+        read it). Not `motion=True`: the kit would cancel a running flash, and a board stopped mid-write is left
+        without a valid image; a flash in progress holds its RESET instead. The activation count it passed at."""
+        return self._node.stop_latch.admit() if self._node is not None else None
+
     def _admit_flash(self, req: FlashRequest) -> None:
+        gen = self._admit_stop()
         image = self.load_image(req)  # refused images never reach the bus
         self._reserve([req.board], "flash")
-        self._images[id(req)] = image
+        self._images[id(req)] = (image, gen)
 
     def _admit_flash_many(self, req: FlashManyRequest) -> None:
+        gen = self._admit_stop()
         image = self.load_image(req)
         self._reserve(req.boards, "flash_many")
-        self._images[id(req)] = image
+        self._images[id(req)] = (image, gen)
 
     def _track(self, job: JobContext, on: bool) -> None:
         with self._mutex:
@@ -393,7 +493,7 @@ class CanBootService:
                 self._jobs.discard(job)
 
     def _flash(self, req: FlashRequest, job: JobContext) -> FlashBoardResult:
-        image = self._images.pop(id(req))
+        image, gen = self._images.pop(id(req))
         port = self._port(req.board)
         lock = threading.Lock()
         self._track(job, True)
@@ -401,19 +501,23 @@ class CanBootService:
             res = self.flash_board(req.board, image, self._config(req, port), job, lock,
                                    lambda snap: job.progress(snap["phase"], snap["done"], snap["total"],
                                                              **{k: v for k, v in snap.items()
-                                                                if k not in ("phase", "done", "total")}))
+                                                                if k not in ("phase", "done", "total")}),
+                                   hold=self._hold(gen))
         finally:
             self._track(job, False)
             self._release([port.number])
         if res.cancelled:
             job.cancel()
             job.check_cancelled()
+        if self._was_held(res):
+            raise CommandError(ErrorCode.STOPPED, f"board {req.board}: {res.reason}")
         if not res.ok:
             raise CommandError(ErrorCode.DEVICE_ERROR, f"board {req.board}: {res.reason}")
         return res
 
     def _flash_many(self, req: FlashManyRequest, job: JobContext) -> FlashManyResult:
-        image = self._images.pop(id(req))
+        image, gen = self._images.pop(id(req))
+        hold = self._hold(gen)
         by_bus: dict[int, list[int]] = {}
         for b in req.boards:
             by_bus.setdefault(p.board_address(b).bus, []).append(b)
@@ -438,7 +542,7 @@ class CanBootService:
                     break
                 port = self._port(b)
                 res = self.flash_board(b, image, self._config(req, port), job, lock,
-                                       lambda snap, _b=b: report(_b, snap))  # type: ignore[misc]
+                                       lambda snap, _b=b: report(_b, snap), hold=hold)  # type: ignore[misc]
                 with lock:
                     results[b] = res
 
@@ -458,8 +562,15 @@ class CanBootService:
             job.check_cancelled()
         failed = [r for r in ordered if not r.ok]
         if failed:
-            raise CommandError(ErrorCode.DEVICE_ERROR, "; ".join(f"board {r.board}: {r.reason}" for r in failed))
+            # the bus stop's boards (RESET held, or not started) alone: `stopped`; any other failure: device_error
+            code = ErrorCode.STOPPED if all(self._was_held(r) for r in failed) else ErrorCode.DEVICE_ERROR
+            raise CommandError(code, "; ".join(f"board {r.board}: {r.reason}" for r in failed))
         return FlashManyResult(results=ordered)
+
+    @staticmethod
+    def _was_held(res: FlashBoardResult) -> bool:
+        """The bus stop held this board's RESET, or kept its flash from starting (flash_board's reasons)."""
+        return not res.ok and res.reason.startswith(_HELD_PREFIXES)
 
     @staticmethod
     def _percent(snap: dict[str, Any]) -> float:
@@ -470,11 +581,17 @@ class CanBootService:
         return float(start + span * frac)
 
     def flash_board(self, board: int, image: FlashImage, cfg: FlashConfig, job: JobContext | None,
-                    lock: threading.Lock, report: Callable[[dict[str, Any]], None]) -> FlashBoardResult:
-        """Flash one board on its (already reserved) bus; never raises for device trouble: the result says."""
+                    lock: threading.Lock, report: Callable[[dict[str, Any]], None],
+                    hold: Hold | None = None) -> FlashBoardResult:
+        """Flash one board on its (already reserved) bus; never raises for device trouble: the result says.
+        `hold()` (the bus stop): asked before the flash starts (a reason: it does not) and before every RESET
+        (a reason: the flash ends there, written and verified, the board in its bootloader)."""
         a = p.board_address(board)
         port = self._port(board)
-        flasher = Flasher(a.local_id, image, cfg, board_id=board)
+        why = hold() if hold is not None else None
+        if why:
+            return self._not_started(board, image, why)
+        flasher = Flasher(a.local_id, image, cfg, board_id=board, hold=hold)
         t0 = time.monotonic()
         warnings: list[str] = []
         sent0, recv0 = port.frames_sent, port.frames_received
@@ -499,7 +616,7 @@ class CanBootService:
             with port.lock:
                 port.drain()
                 port.drive(flasher, cancel=(lambda: job.cancelled) if job is not None else None,
-                           on_cancel=flasher.cancel, every=every)
+                           on_cancel=flasher.cancel, every=every, guard=self._gates.get(port.number))
             result = flasher.result
         except TransportError as exc:
             self._lost(port, str(exc))
@@ -533,14 +650,31 @@ class CanBootService:
             if result.ok and result.bootloader_aware is False:
                 self._faults[board] = f"board {board}: {result.reason}"
                 log.error("BOARD %d CAN NO LONGER BE FLASHED OVER CAN: %s", board, result.reason)
+            elif result.held:
+                self._held[board] = result.reason
+                log.warning("board %d: %s", board, result.reason)
             elif not result.ok and not result.cancelled:
                 self.last_error = f"board {board}: {result.reason}"
                 log.error("board %d flash failed: %s", board, result.reason)
             elif result.ok:
                 self._faults.pop(board, None)
+            if not result.held:
+                self._held.pop(board, None)
         if self.dev is not None:
             self.dev.emit(FLASH_REPORT, out)
         self.update_health()
+        return out
+
+    def _not_started(self, board: int, image: FlashImage, why: str) -> FlashBoardResult:
+        """A board whose flash the bus stop kept from starting: nothing was sent to it."""
+        out = FlashBoardResult(
+            board=board, bus=p.board_address(board).bus, ok=False, phase=Phase.IDLE.value,
+            reason=f"{_NOT_STARTED}: {why}; nothing was sent to the board. Flash it again after the release",
+            image_first=image.first, image_last=image.last, bytes_written=0, bytes_verified=0, frames_sent=0,
+            frames_received=0, retries=0, restarts=0, duration_s=0.0, frames_per_s=0.0)
+        log.warning("board %d: %s", board, out.reason)
+        if self.dev is not None:
+            self.dev.emit(FLASH_REPORT, out)
         return out
 
 

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import can
@@ -175,9 +176,12 @@ class CanPort:
 
     def drive(self, machine: Machine, *, cancel: Callable[[], bool] | None = None,
               on_cancel: Callable[[float], object] | None = None, every: Callable[[float], None] | None = None,
-              every_s: float = 0.1, clock: Callable[[], float] = time.monotonic, max_wait_s: float = 0.02) -> None:
+              every_s: float = 0.1, clock: Callable[[], float] = time.monotonic, max_wait_s: float = 0.02,
+              guard: AbstractContextManager[Any] | None = None) -> None:
         """Run `machine` to its end on this bus. `cancel()` is checked each turn; `every(now)` runs every
-        `every_s` (progress reports)."""
+        `every_s` (progress reports). `guard` (a lock) is held from each `poll` to the end of its sends: whoever
+        takes it knows that a frame the machine decided on before has left, and that a later one is decided
+        after (the bus stop's action: no RESET leaves once it returns)."""
         bus = self.open()
         next_report = clock()
         cancel_sent = False
@@ -188,13 +192,14 @@ class CanPort:
                 cancel_sent = True
                 if machine.done:
                     break
-            for out in machine.poll(now):
-                try:
-                    bus.send(to_message(out))
-                except (can.CanError, OSError, ValueError) as exc:
-                    self.last_error = f"CAN bus {self.number} send failed: {exc}"
-                    raise TransportError(self.last_error) from exc
-                self.frames_sent += 1
+            with guard if guard is not None else nullcontext():
+                for out in machine.poll(now):
+                    try:
+                        bus.send(to_message(out))
+                    except (can.CanError, OSError, ValueError) as exc:
+                        self.last_error = f"CAN bus {self.number} send failed: {exc}"
+                        raise TransportError(self.last_error) from exc
+                    self.frames_sent += 1
             dl = machine.deadline()
             wait = max_wait_s if dl is None else min(max(dl - clock(), 0.0), max_wait_s)
             try:

@@ -60,6 +60,8 @@ def boot_node(broker_session: Broker, tmp_path: Any) -> Iterator[Callable[..., B
         svc = build(node, settings)
         node.start()
         assert node.session.wait_ready(10)
+        # flash and reset answer `unavailable` until the node has read the bus stop (shared/stop.py)
+        assert node.stop_latch.known_event.wait(10)
         made.append((node, sims))
         return BootNode(node, svc, sims)
 
