@@ -164,6 +164,26 @@ def test_flash_in_progress_goes_on_but_its_reset_is_held(boot_node: Any, sbus: S
     assert sbus.wait_health(bn.name, lambda h: "reset_held" not in h.get("details", {"reset_held": 1}))
 
 
+def test_a_stop_released_during_a_flash_still_holds_its_reset(boot_node: Any, sbus: StopBus) -> None:
+    """Stop and release both during the erase: the flash was admitted before the stop, so its RESET is not the
+    new command after the release that alone may start a board: it is held all the same."""
+    bn = boot_node(erase_s=3.0, can_flash=FlashConfig(erase_timeout_s=10.0), topic_root=sbus.root)
+    out: dict[str, Any] = {}
+    progress: list[dict[str, Any]] = []
+    t = start_job(sbus.client, bn.name, "flash", {"board": 8, "hex": SMALL_HEX}, out, progress)
+    board = bn.board(8)
+    assert wait_for(lambda: board.erases >= 1, DEADLINE)
+    stop = sbus.set_stop(True)
+    sbus.wait_answer(bn.name, stop)
+    release = sbus.set_stop(False)
+    sbus.wait_answer(bn.name, release)
+    t.join(DEADLINE * 2)
+    _rep, result = out["job"]
+    assert result is not None and not result["ok"] and result["error"]["code"] == "stopped", result
+    assert "came and was released" in result["error"]["message"], result
+    assert board.app_image(SMALL.base, SMALL.end) == SMALL.data and board.mode == "bootloader"
+
+
 def test_flash_many_boards_not_begun_do_not_start(boot_node: Any, sbus: StopBus) -> None:
     """flash_many of two boards on one bus: the stop comes during the first one's erase; it is written and
     verified with its RESET held, the second is never touched (no erase), and the job ends `stopped`."""
