@@ -107,6 +107,28 @@ PARAM_NAMES: tuple[str, ...] = (
 # Names DDE sends that are newer than both published firmwares (§4.1): accepted, the robot may answer 1.
 NEWER_PARAM_NAMES = ("JointDH", "JointSpeed", "JointAcceleration")
 
+# What moves the arm (the bus stop refuses it, services/dexter_gateway/README.md "Stopping everything"): the queued
+# moves, `P` (immediate PID offsets), `w` (an FPGA register write: the reference names none that is safe, §4), and
+# the `S` parameters that set a position, a force or a servo, or run oplets (§4.1: EERoll/EESpan drive J6/J7,
+# GripperMotor, ServoSet/ServoSet2X/RebootServo write the Dynamixels, RunFile runs a file of oplets; CommandedAngles
+# and the J*Force terms set what the joints servo to: inference). Speeds, accelerations, boundaries, gains and
+# calibration only shape later moves.
+MOVING_OPLETS = MOTION_OPLETS | {"P", "w"}
+MOTION_PARAMS = frozenset({"GripperMotor", "EERoll", "EESpan", "ServoSet2X", "ServoSet", "RebootServo", "RunFile",
+                           "CommandedAngles", "J1Force", "J2Force", "J3Force", "J4Force", "J5Force"})
+
+
+def moves(oplet: str, args: Sequence[str]) -> bool:
+    """The request can make the arm move (`MOVING_OPLETS`, `MOTION_PARAMS`)."""
+    if oplet in MOVING_OPLETS:
+        return True
+    if oplet != "S" or not args:
+        return False
+    try:
+        return resolve_param(args[0]) in MOTION_PARAMS
+    except ProtocolError:
+        return False
+
 
 class ParamUnit(StrEnum):
     NBITS = "deg/s -> nbits"  # × 7754.7355

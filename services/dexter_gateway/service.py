@@ -68,7 +68,9 @@ from services.dexter_gateway.transport import (
 )
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 from shared.dispatch import Deferred
+from shared.messages import StopState
 from shared.payloads import Serialized
+from shared.stop import describe
 
 log = logging.getLogger("robobus.dexter")
 
@@ -80,39 +82,46 @@ STATUS = API.state("status", DexterStatus, doc="Decoded standard status (polled 
 # device_error); shell and file access can also be refused (forbidden: allowlist, errno 13)
 _LINK = [ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.BUSY, ErrorCode.DEVICE_ERROR]
 _FILES = [*_LINK, ErrorCode.FORBIDDEN]
-MOVE_ALL = API.command("move_all_joints", DexterMoveAllJoints, DexterCommandReply, errors=_LINK,
+# the bus stop (README, "Stopping everything"): the commands that move are `motion` (refused by the kit while the stop
+# is active); set_parameter and raw move for some payloads only (protocol.moves), refused `stopped` then
+_SOME_MOTION = [ErrorCode.STOPPED]
+MOVE_ALL = API.command("move_all_joints", DexterMoveAllJoints, DexterCommandReply, errors=_LINK, motion=True,
                        doc="`a`: queued coordinated move, J1..J5 degrees (sent as arcseconds), optional J6/J7")
 MOVE_REL = API.command("move_all_joints_relative", DexterMoveRelative, DexterCommandReply, errors=_LINK,
-                       doc="`R`: queued relative move, degrees")
-PID_MOVE = API.command("pid_move_all_joints", DexterPidMove, DexterCommandReply, errors=_LINK,
+                       motion=True, doc="`R`: queued relative move, degrees")
+PID_MOVE = API.command("pid_move_all_joints", DexterPidMove, DexterCommandReply, errors=_LINK, motion=True,
                        doc="`P`: immediate PID offsets added to the `a` position (closed-loop mode)")
-MOVE_TO = API.command("move_to", DexterMoveTo, DexterCommandReply, errors=_LINK,
+MOVE_TO = API.command("move_to", DexterMoveTo, DexterCommandReply, errors=_LINK, motion=True,
                       doc="`M`: Cartesian move (onboard IK), metres or microns, direction and arm configuration")
 MOVE_STRAIGHT = API.command("move_to_straight", DexterMoveToStraight, DexterCommandReply, errors=_LINK,
-                            doc="`T`: straight-line Cartesian move")
-SET_PARAM = API.command("set_parameter", DexterSetParameter, DexterCommandReply, errors=_LINK,
+                            motion=True, doc="`T`: straight-line Cartesian move")
+SET_PARAM = API.command("set_parameter", DexterSetParameter, DexterCommandReply, errors=[*_LINK, *_SOME_MOTION],
                         doc="`S` by name or index, with DDE's unit conversions (deg/s -> nbits, deg -> arcsec, "
-                        "m -> µm) unless units='wire'. RunFile is the run_file job")
+                        "m -> µm) unless units='wire'. RunFile is the run_file job. The parameters that move "
+                        "(EERoll, EESpan, GripperMotor, ServoSet, ServoSet2X, RebootServo, CommandedAngles, "
+                        "J*Force) are refused `stopped` while the bus stop is active")
 SET_BOUNDS = API.command("set_boundaries", DexterSetBoundaries, DexterCommandReply, errors=_LINK,
                          doc="`B`: J1..J5 high/low boundaries, degrees")
 SLEEP = API.command("sleep", DexterSleep, DexterCommandReply, errors=_LINK, doc="`z`: DexRun sleeps before replying")
 HEARTBEAT = API.command("heartbeat", DexterEmpty, DexterCommandReply, errors=_LINK,
                         doc="`h`: no-op, returns the status")
-WRITE_FPGA = API.command("write_fpga", DexterWriteFpga, DexterCommandReply, errors=_LINK,
+WRITE_FPGA = API.command("write_fpga", DexterWriteFpga, DexterCommandReply, errors=_LINK, motion=True,
                          doc="`w`: waits for the motion FIFO to drain, then writes a virtual FPGA register")
 STATUS_MODE = API.command("status_mode", DexterStatusModeRequest, DexterCommandReply, errors=_LINK,
                           doc="`g <mode>` (newest DexRun only): '0' is the standard layout; others are "
                           "firmware-specific and published as raw ints")
-RAW = API.command("raw", DexterRawCommand, DexterCommandReply, errors=_FILES,
+RAW = API.command("raw", DexterRawCommand, DexterCommandReply, errors=[*_FILES, *_SOME_MOTION],
                   doc="Any oplet for experts, `<oplet> <args…>`: checked for arguments, length and terminator; "
-                  "the shell target of `r` is refused unless enabled and allowlisted")
+                  "the shell target of `r` is refused unless enabled and allowlisted; an oplet that moves "
+                  "(a R M T C D P w, and the `S` parameters set_parameter refuses) is refused `stopped` while "
+                  "the bus stop is active")
 WAIT_MOTION = API.job("wait_motion_done", DexterWaitMotionDone, DexterMotionDone, errors=_LINK,
                       doc="`F`: returns when the motion FIFO has drained")
 READ_FILE = API.job("read_file", DexterReadFile, DexterFileContent, errors=_FILES,
                     doc="`r` block by block: a robot file, a #keyword (decoded), or an allowlisted shell command")
 WRITE_FILE = API.job("write_file", DexterWriteFile, DexterFileWritten, errors=_FILES,
                      doc="`W f/m/e`: escaped, 62 characters a block; optional read-back verification")
-RUN_FILE = API.job("run_file", DexterRunFile, DexterRunFileResult, errors=_FILES,
+RUN_FILE = API.job("run_file", DexterRunFile, DexterRunFileResult, errors=_FILES, motion=True,
                    doc="`S RunFile <path>`: run a file of oplets")
 
 
@@ -122,6 +131,12 @@ RUN_FILE = API.job("run_file", DexterRunFile, DexterRunFileResult, errors=_FILES
 # the node's MQTT no longer than this. Capped by the kit's own hand-over wait (`command_handoff_ms`: how long
 # paho's thread already waits for a pooled handler; 0 turns the inline path off).
 INLINE_WAIT_MAX_S = 0.001
+
+# What the bus stop cannot do on a Dexter, said in its health while the stop is active (reference dexter.md §4:
+# no oplet, parameter or register halts a move in progress; `w` drains the FIFO before it writes)
+STOP_NOTE = ("DexRun cannot halt a move in progress: the moves it already has (up to 16 queued in its FIFO, and one "
+             "waiting for a slot) run to their end; the gateway sends it no motion oplet until the release and a "
+             "new command")
 
 
 class DexterSettings(KitSettings):
@@ -263,7 +278,8 @@ class DexterArm:
         self.dev.set_health(details=self._static_details())
         self.link = DexterLink(cfg.id, link_cfg, supervisor=self.sup, on_change=self._apply_fault,
                                on_reply=self._on_reply, on_decode_error=self._on_decode_error,
-                               keepalive_args=self._g_args)
+                               keepalive_args=self._g_args, motion_stopped=self._motion_stopped)
+        self.dev.on_stop(self._stop_now, note=STOP_NOTE)
         self._latest: tuple[p.Reply, str, float] | None = None  # newest standard-status reply, its mode, time
         self._published_instr = -1
         self._flags: tuple[str, ...] = ()
@@ -297,6 +313,28 @@ class DexterArm:
         for t in self._threads:
             t.join(2)
         self.dev.set_health(details=self._details())
+
+    # -- the bus stop (README, "Stopping everything") ---------------------------------------------------
+    def _motion_stopped(self) -> str:
+        """Why no motion oplet may leave now ("" when it may): read from the node's stop latch at each motion
+        write, the one copy of the stop's state."""
+        s = self.node.stop_latch.state
+        return f"the bus stop is active ({describe(s)})" if s is not None and s.active else ""
+
+    def _stop_now(self, stop: StopState) -> float:
+        """The arm's stop action: no motion oplet leaves the gateway from the returned time on (a write in
+        progress has left; the motion commands waiting for the link are answered `stopped`). DexRun has nothing
+        that halts the moves it already has (`STOP_NOTE`), so nothing is written to the arm."""
+        at = self.link.stop_motion(f"the bus stop by {describe(stop)}")
+        self._publish_details()
+        return at
+
+    def _admit_motion(self, oplet: str, args: Sequence[str]) -> None:
+        """A command that moves for some payloads only (set_parameter, raw): the kit's gate for those payloads
+        (`stopped` while the stop is active, `unavailable` until the node has read it). A race with the stop is
+        caught at the write (`DexterLink`: the check and the write under the lock the stop action takes)."""
+        if p.moves(oplet, args):
+            self.node.stop_latch.admit()
 
     def _g_args(self) -> Sequence[str]:
         # newest: `g` without an argument resets the status mode to '0', so polls repeat the current mode
@@ -349,7 +387,7 @@ class DexterArm:
         d.update(rtt_last_ms=s.rtt_last_ms, rtt_avg_ms=s.rtt_avg_ms, rtt_max_ms=s.rtt_max_ms,
                  reconnects=s.reconnects, timeouts=s.timeouts, out_of_step=s.out_of_step,
                  stale_replies=s.stale_replies, commands=s.commands, keepalives=s.keepalives,
-                 busy_refusals=s.busy, queued=self.link.queued)
+                 busy_refusals=s.busy, stopped_requests=s.stopped, queued=self.link.queued)
         return d
 
     def _publish_details(self) -> None:
@@ -541,6 +579,7 @@ class DexterArm:
         # DexRun reads the first value with atof and the rest with atoi
         wire: list[Any] = [round(v) if unit in (p.ParamUnit.ARCSEC, p.ParamUnit.MICRONS) else v for v in vals[:1]]
         wire += [round(v) for v in vals[1:]]
+        self._admit_motion("S", [name])
         return self.command("S", [req.name if req.name.isdigit() else name, *wire])
 
     def cmd_set_boundaries(self, req: DexterSetBoundaries) -> Serialized:
@@ -595,6 +634,7 @@ class DexterArm:
         request = self._prepare(oplet, args)  # judged before anything changes (the status mode below)
         if oplet in RAW_MOTION_OPLETS:
             self.check_raw_motion(oplet, request.args)
+        self._admit_motion(oplet, request.args)
         if oplet == "g" and self.firmware is Firmware.NEWEST:
             self.status_mode = args[0][0] if args else "0"
             self._publish_details()  # details.status_mode, as the status_mode command does

@@ -24,6 +24,11 @@ Faults are injectable from tests (`drop_replies`, `delay_replies`, `split_replie
 SIGSTOPped DexRun). A request DexRun would crash on (a missing argument) is
 counted in `stats.crashes` and the connection is dropped, as the real process would die.
 
+The bus stop (bench/stop.py): DexRun has no stop oplet, so there are no stop bytes to stamp. Once asked to watch
+(`watch_stop()`, or SIGUSR1 with `--watch-stop`), the simulator stamps instead the first request that moves the arm
+(`protocol.moves`) it receives, which a stopped gateway must never send, and counts what arrives; `--watch-stop`
+prints each as one JSON line on stdout (`{"event": "watching" | "motion", "unix": ..., "monotonic": ...}`).
+
     python -m services.dexter_gateway.sim --port 50000 --root /tmp/dexter-fs
 """
 
@@ -84,6 +89,24 @@ class DexterSimStats:
     write_without_open: int = 0
     fifo_waits: int = 0
     log: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+
+
+STOP_BYTES_NOTE = "DexRun has no stop oplet: no stop bytes; a motion request after the stop is what must not come"
+
+
+@dataclass
+class StopWatch:
+    """What the simulator received since it was asked to watch for the bus stop (`DexterSim.watch_stop`)."""
+    armed_unix: float
+    armed_monotonic: float
+    commands: int = 0  # requests received since
+    motion: int = 0  # of them, requests that move the arm
+    first_motion: dict[str, Any] | None = None  # the first: {"unix", "monotonic", "request"}
+
+    def report(self) -> dict[str, Any]:
+        return {"armed_unix": self.armed_unix, "armed_monotonic": self.armed_monotonic, "stop_bytes": None,
+                "note": STOP_BYTES_NOTE, "commands": self.commands, "motion": self.motion,
+                "first_motion": self.first_motion}
 
 
 @dataclass
@@ -208,6 +231,8 @@ class DexterSim:
         self._garbage = b""
         self._errors: deque[tuple[int, int]] = deque()  # (error bits, oplet's code or 0 for any reply)
         self._running = threading.Event()  # cleared: hung (nothing accepted, read or answered)
+        self._watch: StopWatch | None = None
+        self.on_watch: Any = None  # called with each watch event's dict (the CLI prints it)
         self._running.set()
         # sockets
         self._lsock: socket.socket | None = None
@@ -303,6 +328,38 @@ class DexterSim:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
+    # -- the bus stop's watch (bench/stop.py) --------------------------------------------------------
+    def watch_stop(self) -> dict[str, Any]:
+        """Start (or restart) watching: from now on the first request that moves the arm is stamped."""
+        with self.lock:
+            self._watch = StopWatch(time.time(), time.monotonic())
+            event = {"event": "watching", **self._watch.report()}
+        if self.on_watch is not None:
+            self.on_watch(event)
+        return event
+
+    def stop_watch(self) -> dict[str, Any] | None:
+        """What the watch saw so far (None: not watching)."""
+        with self.lock:
+            return None if self._watch is None else self._watch.report()
+
+    def _watched(self, text: str, oplet: str, cmd: str, unix: float, mono: float) -> None:
+        toks = [t for t in cmd[1:].replace(",", " ").split(" ") if t]
+        event = None
+        with self.lock:
+            w = self._watch
+            if w is None:
+                return
+            w.commands += 1
+            if not p.moves(oplet, toks):
+                return
+            w.motion += 1
+            if w.first_motion is None:
+                w.first_motion = {"unix": unix, "monotonic": mono, "request": text}
+                event = {"event": "motion", **w.first_motion}
+        if event is not None and self.on_watch is not None:
+            self.on_watch(event)
+
     # -- state for tests -------------------------------------------------------------------------
     def angles_arcsec(self, now: float | None = None) -> list[float]:
         with self.lock:
@@ -396,6 +453,7 @@ class DexterSim:
     # -- one command (the recv buffer) -------------------------------------------------------------
     def handle(self, data: bytes) -> bytes | None:
         """One recv buffer -> the reply bytes, or None when DexRun sends none."""
+        unix, mono = time.time(), time.monotonic()
         self.stats.commands += 1
         head = data[:255]
         end = head.find(b";")
@@ -408,6 +466,8 @@ class DexterSim:
         while len(parts) < 5:
             parts.append("")
         job, instr, start, _end, cmd = parts
+        if self._watch is not None:
+            self._watched(text, cmd[:1], cmd, unix, mono)
         with self.lock:
             if self._drop > 0 and self._drop_oplet in (0, ord(cmd[:1] or "\x00")):
                 self._drop -= 1
@@ -847,12 +907,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--firmware", choices=[f.value for f in Firmware], default=Firmware.NEWEST.value)
     ap.add_argument("--idle-close-s", type=float, default=30.0)
     ap.add_argument("--max-speed", type=float, default=30.0, help="deg/s")
+    ap.add_argument("--watch-stop", action="store_true",
+                    help="SIGUSR1 starts watching for the bus stop: JSON lines on stdout (watching, then the first "
+                    "request that moves the arm; DexRun has no stop bytes)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("ROBOBUS_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     sim = DexterSim(DexterSimConfig(host=args.host, port=args.port, root=args.root, firmware=Firmware(args.firmware),
                                     idle_close_s=args.idle_close_s, max_speed_deg_s=args.max_speed)).start()
     log.info("simulated Dexter listening", extra={"port": sim.port, "root": str(sim.root)})
     print(f"dexter-sim: DexRun ({sim.firmware}) on {args.host}:{sim.port}, files in {sim.root}", flush=True)
+    if args.watch_stop:
+        sim.on_watch = lambda event: print(json.dumps(event), flush=True)
+        signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=sim.watch_stop, daemon=True).start())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -34,6 +34,10 @@ transfer runs at the robot's block round trip, not at the speed of hand-offs bet
   probe per probe period once it is `unreachable`. The link keeps no liveness rule or state of its own;
   `config_fault` says only that the configuration is wrong (the host name does not resolve), for the service
   to report as a fault.
+* **The bus stop** (`motion_stopped`, `stop_motion`): DexRun has no oplet, parameter or register that halts a
+  move in progress (reference dexter.md §4: `w` drains the FIFO before it writes), so the link's stop is that no
+  motion request (`protocol.moves`) leaves it while the stop is active: each is checked right before its write,
+  under a lock the stop action takes, and the ones waiting for their turn are answered `stopped` at once.
 * **Keepalive within the budget**: with nothing else on the link, a `g` goes out after
   min(`keepalive_s`, `liveness_s` - `reply_timeout_s`) of silence, so that a hung arm shows within one
   liveness budget even with no status polling (its `g` times out and the link is reset).
@@ -62,6 +66,7 @@ from services.dexter_gateway.protocol import (
     Request,
     build_request,
     decode_reply,
+    moves,
     resolve_param,
 )
 from shared.link import LinkPolicy, SupervisedLink
@@ -118,6 +123,7 @@ class DexterLinkStats:
     stale_replies: int = 0
     keepalives: int = 0
     busy: int = 0
+    stopped: int = 0  # motion requests the bus stop kept from the arm (queued, or checked at the write)
     rtt_last_ms: float = 0.0
     rtt_avg_ms: float = 0.0  # exponentially weighted, 1/16
     rtt_max_ms: float = 0.0
@@ -134,6 +140,8 @@ class LinkReply:
 class _Turn:
     granted: threading.Event = field(default_factory=threading.Event)
     abandoned: bool = False
+    motion: bool = False  # its request moves the arm (`protocol.moves`)
+    stopped: str = ""  # the bus stop took its turn away: why
 
 
 @dataclass
@@ -196,6 +204,7 @@ ChangeHandler = Callable[[], None]  # serving or config_fault changed
 ReplyHandler = Callable[[LinkReply], None]
 DecodeErrorHandler = Callable[[str], None]
 Cancelled = Callable[[], bool]
+MotionStopped = Callable[[], str]  # why motion may not be sent now ("" when it may)
 
 
 class DexterLink:
@@ -204,7 +213,8 @@ class DexterLink:
     def __init__(self, name: str, config: DexterLinkConfig, *, supervisor: SupervisedLink | None = None,
                  on_change: ChangeHandler | None = None, on_reply: ReplyHandler | None = None,
                  on_decode_error: DecodeErrorHandler | None = None,
-                 keepalive_args: Callable[[], Sequence[str]] | None = None) -> None:
+                 keepalive_args: Callable[[], Sequence[str]] | None = None,
+                 motion_stopped: MotionStopped | None = None) -> None:
         self.name = name
         self.config = config
         self.stats = DexterLinkStats()
@@ -217,6 +227,9 @@ class DexterLink:
         self.on_reply = on_reply or (lambda r: None)
         self.on_decode_error = on_decode_error or (lambda what: None)
         self.keepalive_args = keepalive_args or (lambda: ())
+        # the bus stop's state, read where it is kept (the node's stop latch): never a copy of it here
+        self.motion_stopped = motion_stopped or (lambda: "")
+        self._motion_lock = threading.Lock()  # a motion request's check and write; the stop action waits on it
         self._sock: socket.socket | None = None
         self._asm = ReplyAssembler()
         self._instr = 0
@@ -269,7 +282,7 @@ class DexterLink:
     def submit(self, req: Request, *, timeout_s: float | None = None, cancelled: Cancelled | None = None
                ) -> LinkReply:
         self._check_up()
-        self._acquire(cancelled)
+        self._acquire(cancelled, moves(req.oplet, req.args))
         try:
             self._check_up()
             rep = self._exchange(req, self.timeout_for(req) if timeout_s is None else timeout_s)
@@ -291,6 +304,29 @@ class DexterLink:
         finally:
             if h.held:
                 self._release()
+
+    def stop_motion(self, why: str) -> float:
+        """The bus stop's action on the link (the stop is already active where `motion_stopped` reads it): wait
+        for a motion request's write in progress to leave, answer the motion requests waiting for their turn
+        `stopped` (nothing of them is sent). Returns the Unix time from which no motion request leaves the link.
+        What was sent before stays sent: DexRun runs its queued moves to their end."""
+        with self._motion_lock:
+            at = time.time()
+        with self._lock:
+            keep: deque[_Turn] = deque()
+            for t in self._turns:
+                if t.motion and not t.abandoned:
+                    t.abandoned = True
+                    t.stopped = why
+                    self.stats.stopped += 1
+                    t.granted.set()
+                else:
+                    keep.append(t)
+            dropped = len(self._turns) - len(keep)
+            self._turns = keep
+        if dropped:
+            log.warning("bus stop: queued motion requests dropped", extra={"arm": self.name, "dropped": dropped})
+        return at
 
     def close(self) -> None:
         """Refuse new commands, fail the queued ones; the one in flight finishes; close the socket."""
@@ -320,7 +356,7 @@ class DexterLink:
         self._lost.set()
 
     # -- turns: FIFO, bounded ------------------------------------------------------------------------
-    def _acquire(self, cancelled: Cancelled | None) -> None:
+    def _acquire(self, cancelled: Cancelled | None, motion: bool = False) -> None:
         with self._lock:
             if not self._held and not self._turns:
                 self._held = True
@@ -329,7 +365,7 @@ class DexterLink:
                 self.stats.busy += 1
                 raise DexterLinkError("busy", f"arm {self.name}: {self.config.queue_limit} commands already queued "
                                       "(one runs at a time)")
-            turn = _Turn()
+            turn = _Turn(motion=motion)
             self._turns.append(turn)
         while not turn.granted.wait(0.1):
             if (cancelled is not None and cancelled()) or self._closing.is_set():
@@ -338,6 +374,9 @@ class DexterLink:
                         turn.abandoned = True
                         self._turns.remove(turn)
                         break
+        if turn.stopped:  # taken out of the queue by `stop_motion`: it never had the turn
+            raise DexterLinkError("stopped", f"arm {self.name}: the bus stop came while this motion request waited "
+                                  f"for the link ({turn.stopped}): nothing was sent")
         if turn.abandoned or self._closing.is_set():
             if turn.granted.is_set() and not turn.abandoned:
                 self._release()
@@ -398,6 +437,25 @@ class DexterLink:
         sock = self._sock
         if sock is None:
             raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {self.message}")
+        if moves(req.oplet, req.args):
+            with self._motion_lock:  # the check and the write as one: `stop_motion` returns after both
+                why = self.motion_stopped()
+                if why:
+                    self.stats.stopped += 1
+                    raise DexterLinkError("stopped", f"arm {self.name}: {why}: nothing was sent")
+                req, t0 = self._write(sock, req)
+        else:
+            req, t0 = self._write(sock, req)
+        self._last_tx = t0
+        self.stats.commands += 1
+        if timeout_s > self.config.reply_timeout_s:
+            # DexRun answers this one only when it is done (F, w, RunFile, z, a move into a full FIFO): the arm owes
+            # no reply before then, and the strict stop-and-wait holds every status poll behind it
+            self.sup.expect_silence(timeout_s)
+        return _Sent(req, sock, t0, t0 + timeout_s, timeout_s)
+
+    def _write(self, sock: socket.socket, req: Request) -> tuple[Request, float]:
+        """Number the command with our next instruction id and write it (the caller holds the turn)."""
         self._instr = self._instr + 1 if self._instr < MAX_INSTRUCTION_ID else 1
         req = Request(req.oplet, req.args, self.config.job_id, self._instr, req.start_ms, req.end)
         t0 = time.monotonic()
@@ -406,13 +464,7 @@ class DexterLink:
         except OSError as exc:
             self._lose(f"send failed: {exc}")
             raise DexterLinkError("unavailable", f"link to arm {self.name} lost: {exc}") from None
-        self._last_tx = t0
-        self.stats.commands += 1
-        if timeout_s > self.config.reply_timeout_s:
-            # DexRun answers this one only when it is done (F, w, RunFile, z, a move into a full FIFO): the arm owes
-            # no reply before then, and the strict stop-and-wait holds every status poll behind it
-            self.sup.expect_silence(timeout_s)
-        return _Sent(req, sock, t0, t0 + timeout_s, timeout_s)
+        return req, t0
 
     def _await(self, sent: _Sent, until: float | None) -> LinkReply | None:
         """Read until the reply to `sent` is in (decoded, matched); None if `until` (monotonic) comes first

@@ -79,15 +79,17 @@ class Gateway:
 
 
 def start_gateway(broker: Broker, sim: DexterSim, arm: dict[str, Any] | None = None, node: str = NODE,
-                  **env: str) -> Gateway:
-    client = RpcClient(broker.settings(), name="dexter-tests")
+                  root: str = "robobus", **env: str) -> Gateway:
+    """The gateway on `sim`, under topic root `root` (a test of the bus stop uses a root of its own: the stop is
+    per root, retained)."""
+    client = RpcClient(broker.settings(topic_root=root), name="dexter-tests")
     client.connect()
     bus = BusRecorder()
-    client.subscribe_before(f"robobus/{node}/#", bus.on)
+    client.subscribe_before(f"{root}/{node}/#", bus.on)
     cfg = {"id": "arm1", "host": "127.0.0.1", "port": sim.port, "reply_timeout_s": 1.0, "reconnect_min_s": 0.05,
            "reconnect_max_s": 0.5, "queue_limit": 4, **(arm or {})}
     full_env = {"ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_DEXTER_ARMS": json.dumps([cfg]),
-                "ROBOBUS_HEALTH_INTERVAL_S": "0.5", "ROBOBUS_NODE": node, **env}
+                "ROBOBUS_HEALTH_INTERVAL_S": "0.5", "ROBOBUS_NODE": node, "ROBOBUS_TOPIC_ROOT": root, **env}
     gw = Gateway(NodeProcess(GATEWAY, full_env), sim, bus, client, node=node)
     ok = bus.wait_json("/arm1/health", lambda h: bool(h["connection"]), timeout=20)
     assert ok, "gateway did not connect to the simulated arm:\n" + gw.proc.text()
