@@ -79,6 +79,7 @@ def boot_service(broker: Broker, palm: Palm) -> tuple[Node, CanBootService]:
     svc = build(node, settings)
     node.start()
     assert node.session.wait_ready(10)
+    assert node.stop_latch.known_event.wait(10)  # flash and reset need the bus stop's state
     return node, svc
 
 
@@ -231,6 +232,7 @@ def test_no_palm_fails_clearly(broker_session: Broker, client: RpcClient) -> Non
     build(node, settings)
     node.start()
     assert node.session.wait_ready(10)
+    assert node.stop_latch.known_event.wait(10)  # flash and reset need the bus stop's state
     try:
         _rep, result = client.call_job("boot-nopalm", "motors", "flash", {"board": 3, "hex": SMALL_HEX},
                                        lambda e: None, timeout=30)

@@ -59,6 +59,7 @@ def bare_node(broker_session: Broker, client: RpcClient) -> Iterator[Any]:
         w.svc = build(node, settings)
         node.start()
         assert node.session.wait_ready(10)
+        assert node.stop_latch.known_event.wait(10)  # flash and reset need the bus stop's state
         made.append(node)
         return w
 
