@@ -50,6 +50,12 @@ class RoiModuleConfig(BaseModel):
                           "0 Nm); configures the module")
     liveness_s: float | None = Field(None, gt=0, le=60,
                                      description="This module's liveness budget in s (default: roi_liveness_s)")
+    stop_outputs: dict[int, Literal[0, 1]] = Field(
+        default_factory=dict, description="GPIO: the level each of these output pins is set to when the bus stop "
+                                          "becomes active (pins that drive something that moves), e.g. {\"3\": 0}; "
+                                          "each must be an output in pin_modes. While the stop is active these "
+                                          "pins take no set_pin_output / set_pin_mode (stopped). Other pins are "
+                                          "left as they are")
     length_feedback: Literal["auto", "on", "off"] = Field(
         "auto", description="Actuator: GET_CURRENT_LENGTH replies as the measured position: on, off, or auto (from "
                             "the first non-zero length the module answers; released firmware answers 0)")
@@ -69,6 +75,16 @@ class RoiModuleConfig(BaseModel):
             raise ValueError(f"module {self.name!r}: pin_modes is a GPIO setting, this module is {self.type}")
         if self.initial_mode is not None and self.type != "odrive":
             raise ValueError(f"module {self.name!r}: initial_mode is an ODrive setting, this module is {self.type}")
+        if self.stop_outputs and self.type != "gpio":
+            raise ValueError(f"module {self.name!r}: stop_outputs is a GPIO setting, this module is {self.type}")
+        for pin in sorted(self.stop_outputs):
+            if pin not in p.GPIO_OUTPUT_PINS:
+                raise ValueError(f"module {self.name!r}: stop_outputs pin {pin} cannot be an output; valid: 0..7, "
+                                 "10..15")
+            if self.pin_modes.get(pin) != "output":
+                raise ValueError(f"module {self.name!r}: stop_outputs pin {pin} must be an output in pin_modes "
+                                 f"({{\"{pin}\": \"output\"}}), so that the service makes it one at start and "
+                                 "after every reset and the stop's SET_OUTPUT is not refused")
         if self.length_feedback != "auto" and self.type != "actuator":
             raise ValueError(f"module {self.name!r}: length_feedback is an actuator setting, this module is "
                              f"{self.type}")

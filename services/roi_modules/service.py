@@ -65,7 +65,9 @@ from services.roi_modules.transport import (
 )
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 from shared.link import LinkPolicy, LinkState
+from shared.messages import StopState
 from shared.node import NODE_DEVICE
+from shared.stop import LATER
 
 log = logging.getLogger("robobus.roi")
 
@@ -75,6 +77,8 @@ API = ServiceAPI("roi-modules", device_doc="one ROI module (GPIO, ODrive or actu
 # a move job is also refused while another runs (busy) and ends with timeout when never in tolerance
 _MODULE = [ErrorCode.UNAVAILABLE, ErrorCode.DEVICE_ERROR]
 _MOVE = [*_MODULE, ErrorCode.BUSY, ErrorCode.TIMEOUT]
+# a GPIO pin configured in `stop_outputs` drives something that moves: refused with `stopped` during the bus stop
+_PIN = [*_MODULE, ErrorCode.STOPPED]
 PIN_STATES = API.state("pin_states", RoiPinStates, doc="GPIO: pin modes, on change")
 PIN_VALUES = API.state("pin_values", RoiPinValues, doc="GPIO: pin values after each read sweep")
 STATE = API.state("state", RoiMotionState, rate_hz=20,
@@ -84,24 +88,30 @@ POWER = API.state("power", RoiOdrivePower, rate_hz=2, doc="ODrive: bus voltage a
 TEMPERATURE = API.state("temperature", RoiOdriveTemperature, rate_hz=2, doc="ODrive: FET and motor temperature")
 LINK = API.state("link", RoiLinkStats, rate_hz=1, doc="The module's UDP link counters")
 FAULT = API.event("fault", RoiFault, doc="Disconnection, reconnection, module reset, module error")
-SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, errors=_MODULE,
+SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, errors=_PIN,
                              doc="GPIO: drive an output pin 0/1; the pin must first be made an output with "
-                                 "set_pin_mode (mode output), else the module refuses it (device_error)")
-SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, errors=_MODULE,
-                           doc="GPIO: input, input_pullup or output")
-GOTO_POSITION = API.command("goto_position", RoiGotoPosition, RoiAck, errors=_MODULE,
+                                 "set_pin_mode (mode output), else the module refuses it (device_error). A pin "
+                                 "in the module's stop_outputs: refused while the bus stop is active (stopped)")
+SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, errors=_PIN,
+                           doc="GPIO: input, input_pullup or output. A pin in the module's stop_outputs: refused "
+                               "while the bus stop is active (stopped)")
+GOTO_POSITION = API.command("goto_position", RoiGotoPosition, RoiAck, errors=_MODULE, motion=True,
                             doc="ODrive (rev, position mode, TRAP_TRAJ) or actuator (%); returns when acknowledged")
-GOTO_RELATIVE = API.command("goto_relative_position", RoiGotoPosition, RoiAck, errors=_MODULE,
+GOTO_RELATIVE = API.command("goto_relative_position", RoiGotoPosition, RoiAck, errors=_MODULE, motion=True,
                             doc="Relative to the current position; sent as an absolute set-point (resend-safe)")
-SET_VELOCITY = API.command("set_velocity", RoiSetVelocity, RoiAck, errors=_MODULE,
+SET_VELOCITY = API.command("set_velocity", RoiSetVelocity, RoiAck, errors=_MODULE, motion=True,
                            doc="ODrive: velocity mode (VEL_RAMP); actuator: the velocity of later moves")
-SET_TORQUE = API.command("set_torque", RoiSetTorque, RoiAck, errors=_MODULE, doc="ODrive: torque mode (TORQUE_RAMP)")
-CLEAR_ERRORS = API.command("clear_errors", RoiEmpty, RoiAck, errors=_MODULE,
-                           doc="ODrive: clear errors, closed loop again")
+SET_TORQUE = API.command("set_torque", RoiSetTorque, RoiAck, errors=_MODULE, motion=True,
+                         doc="ODrive: torque mode (TORQUE_RAMP)")
+CLEAR_ERRORS = API.command("clear_errors", RoiEmpty, RoiAck, errors=_MODULE, motion=True,
+                           doc="ODrive: clear errors, closed loop again (the axis may move to its set-point: "
+                               "a motion command)")
 QUEUE_GENERAL = API.command("queue_general_packet", RoiQueueGeneral, RoiRawReply,
-                            errors=[*_MODULE, ErrorCode.FORBIDDEN],
+                            errors=[*_MODULE, ErrorCode.FORBIDDEN, ErrorCode.STOPPED],
                             doc="Raw general packet; answered with the module's decoded reply. On an ODrive or "
-                                "actuator module only getters: a setter moves the motor (forbidden)")
+                                "actuator module only getters: a setter moves the motor (forbidden). On a GPIO "
+                                "module, SET_OUTPUT / SET_PIN_MODE to a pin of its stop_outputs is refused while "
+                                "the bus stop is active (stopped)")
 QUEUE_SYSADMIN = API.command("queue_sysadmin_packet", RoiQueueSysAdmin, RoiRawReply, errors=_MODULE,
                              doc="Raw SysAdmin packet; answered with the module's decoded reply")
 PING = API.command("ping", RoiEmpty, RoiPong, errors=_MODULE, doc="SysAdmin PING: operable and module type")
@@ -109,9 +119,9 @@ STATUS_REPORT = API.command("status_report", RoiEmpty, RoiStatusReport, errors=_
                             doc="SysAdmin STATUS_REPORT, decoded")
 BLACKLIST = API.command("blacklist", RoiBlacklistRequest, RoiBlacklistReply, errors=_MODULE,
                         doc="SysAdmin BLACK_LIST add/remove/list (the firmware never answers it)")
-GO_TO_POSITION = API.job("go_to_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE,
+GO_TO_POSITION = API.job("go_to_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE, motion=True,
                          doc="Move and follow: progress = position/velocity; done within tolerance; cancel stops")
-GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE,
+GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE, motion=True,
                          doc="As go_to_position, relative to the position at the start")
 
 ENV_PREFIX = "ROBOBUS_ROI_"
@@ -519,6 +529,71 @@ class RoiModule:
     async def stop(self) -> None:
         """Fail-safe: zero demands."""
 
+    # -- the bus stop (docs/kit.md, "Stopping everything"; the README's "Stopping everything") ------------------
+    def stop_packets(self) -> list[p.GeneralPacket]:
+        """The module's stop, in the order it goes out; the cache (what a reset gets re-sent) becomes what the
+        stop leaves. CommandError: nothing can be sent (its message says why)."""
+        return []
+
+    def stop_problems(self, pkts: list[p.GeneralPacket], replies: list[p.GeneralPacket]) -> list[str]:
+        """What the module's replies to the stop's packets say was not applied (nothing: an empty list)."""
+        return []
+
+    async def on_bus_stop(self, stop: StopState) -> Any:
+        """The device's stop action (Device.on_stop), on the service's loop. The stop's packets are written to
+        the socket at once, ahead of whatever the module's queue holds (transport.send_now), and the time they
+        left is what the deadman reports, once the module has acknowledged them (its reply is the ack, reference
+        roi.md §5.4). A packet unanswered within one resend timeout: the whole stop is sent again, in order,
+        with the resend ladder. Not acknowledged, refused by the module, or nothing that can be sent: the
+        node's stop answer and the health say so."""
+        tr = self.svc.transport
+        await tr.opened.wait()  # a node that starts under the stop: its sockets first
+        latch = self.node.stop_latch
+        if self.kind_mismatch:
+            latch.report(self.dev.name, None, None, f"nothing sent: {self.mismatch_message()}")
+            return LATER
+        try:
+            pkts = self.stop_packets()
+            t, futs = tr.send_now(self.cfg.octet, pkts)
+        except (CommandError, RequestLost) as exc:
+            latch.report(self.dev.name, None, None, exc.message if isinstance(exc, CommandError) else str(exc))
+            return LATER
+        await asyncio.wait(futs, timeout=self.svc.settings.roi_timeout_s)
+        tr.forget(self.cfg.octet, pkts, futs)
+        replies = [f.result() for f in futs if f.done() and not f.cancelled()]
+        problems: list[str] = []
+        if len(replies) < len(pkts):
+            log.info("stop not acknowledged at once: sent again with resends", extra={"device": self.cfg.name})
+            replies = []
+            for pkt in pkts:
+                try:
+                    replies.append(await self.request(pkt, f"stop (action 0x{pkt.action:04x})"))
+                except CommandError as exc:
+                    problems.append(exc.message)
+                    break
+        if not problems:
+            problems = self.stop_problems(pkts, replies)
+        if problems:
+            self.dev.stop_written(at=t, error="the stop was sent, but " + "; ".join(problems))
+            return LATER
+        return t
+
+    def raw_stop_gate(self, pkt: p.GeneralPacket) -> int | None:
+        """A raw packet that drives a stop output (GPIO): through the bus stop's gate (see `stop_pin_gate`)."""
+        return None
+
+    def stop_pin_gate(self, pin: int) -> int | None:
+        """A pin of `stop_outputs` drives something that moves: refused with `stopped` while the bus stop is
+        active (`unavailable` until the node has read it). The activation count, for `stop_pin_done`."""
+        if pin in self.cfg.stop_outputs:
+            return self.node.stop_latch.admit()
+        return None
+
+    def stop_pin_done(self, gen: int | None) -> None:
+        """After a gated command: if the stop came meanwhile, the stop action runs again (the kit's rule)."""
+        if gen is not None:
+            self.node.stop_latch.done(self.dev, gen)
+
     # -- commands common to every module ---------------------------------------------------------------------
     def bind_typed(self, spec: Any, handler: Any) -> None:
         """Bind a command that sends general packets: refused (device_error) while a module of another type
@@ -548,11 +623,14 @@ class RoiModule:
         why = self.raw_motion(pkt)
         if why:
             raise CommandError(ErrorCode.FORBIDDEN, f"{self.cfg.name}: {why}")
+        gen = self.raw_stop_gate(pkt)
         try:
             rep = (await self.svc.transport.general(self.cfg.octet, pkt, retries=req.retries) if req.wait_reply
                    else await self.svc.transport.general_once(self.cfg.octet, pkt))
         except RequestLost as exc:
             raise _unavailable(exc, "general packet") from None
+        finally:
+            self.stop_pin_done(gen)
         if rep is None:
             return RoiRawReply(replied=False)
         self.on_raw_reply(pkt, rep)
@@ -632,6 +710,30 @@ class GpioModule(RoiModule):
         self.cursor = 0
         self.bind_typed(SET_PIN_OUTPUT, self.cmd_set_pin_output)
         self.bind_typed(SET_PIN_MODE, self.cmd_set_pin_mode)
+        if cfg.stop_outputs:  # a motion device: the bus stop sets these pins (other pins are left as they are)
+            self.dev.on_stop(self.on_bus_stop)
+
+    def stop_packets(self) -> list[p.GeneralPacket]:
+        """SET_OUTPUT of each stop output first (the pins are outputs: pin_modes), then, for a module that lost
+        its pin modes (reset, not yet re-configured, where that first SET_OUTPUT is refused), SET_PIN_MODE
+        output and SET_OUTPUT again (reference roi.md §3.5: SET_OUTPUT fails unless the pin is an output)."""
+        outs, again = [], []
+        for pin, level in sorted(self.cfg.stop_outputs.items()):
+            self.outputs[pin] = level
+            self.values[pin] = level
+            outs.append(p.GeneralPacket(pin, p.GpioAction.SET_OUTPUT, bytes([level])))
+            again += [p.GeneralPacket(pin, p.GpioAction.SET_PIN_MODE, bytes([p.PinMode.OUTPUT])), outs[-1]]
+        return outs + again
+
+    def stop_problems(self, pkts: list[p.GeneralPacket], replies: list[p.GeneralPacket]) -> list[str]:
+        n = len(self.cfg.stop_outputs)
+        return [f"the module refused {p.GpioAction(pkt.action).name} {pkt.sub_device_id} (reply {r.payload[0]})"
+                for pkt, r in zip(pkts[n:], replies[n:], strict=False) if r.payload[0] != 1]
+
+    def raw_stop_gate(self, pkt: p.GeneralPacket) -> int | None:
+        if pkt.action in (p.GpioAction.SET_OUTPUT, p.GpioAction.SET_PIN_MODE):
+            return self.stop_pin_gate(pkt.sub_device_id)
+        return None
 
     def blank_advice(self) -> str:
         return ("A GPIO module is configured by its first successful set_pin_mode: send one, or give the module "
@@ -687,7 +789,11 @@ class GpioModule(RoiModule):
 
     async def cmd_set_pin_mode(self, req: RoiSetPinMode) -> RoiAck:
         mode = PIN_MODE_CODES[req.mode]
-        await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_PIN_MODE, bytes([mode])), "SET_PIN_MODE")
+        gen = self.stop_pin_gate(req.pin)
+        try:
+            await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_PIN_MODE, bytes([mode])), "SET_PIN_MODE")
+        finally:
+            self.stop_pin_done(gen)
         self.modes[req.pin] = mode
         if mode != p.PinMode.OUTPUT:
             self.outputs.pop(req.pin, None)
@@ -698,9 +804,13 @@ class GpioModule(RoiModule):
         if self.modes[req.pin] not in (0, p.PinMode.OUTPUT):
             raise CommandError(ErrorCode.INVALID_REQUEST, f"pin {req.pin} is {PIN_MODE_NAMES[self.modes[req.pin]]}; "
                                                           "set_pin_mode output first")
-        await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_OUTPUT, bytes([req.value])), "SET_OUTPUT")
-        self.outputs[req.pin] = req.value
-        self.values[req.pin] = req.value
+        gen = self.stop_pin_gate(req.pin)
+        try:
+            await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_OUTPUT, bytes([req.value])), "SET_OUTPUT")
+            self.outputs[req.pin] = req.value
+            self.values[req.pin] = req.value
+        finally:
+            self.stop_pin_done(gen)
         return RoiAck(accepted=True, detail=f"pin {req.pin} = {req.value}")
 
 
@@ -716,6 +826,7 @@ class MotionModule(RoiModule, ABC):
         self.bind_typed(SET_VELOCITY, self.cmd_set_velocity)
         self.dev.bind_job(GO_TO_POSITION, self.job_absolute, self.admit_job)
         self.dev.bind_job(GO_TO_RELATIVE, self.job_relative, self.admit_job)
+        self.dev.on_stop(self.on_bus_stop)
 
     @property
     @abstractmethod
@@ -936,6 +1047,24 @@ class OdriveModule(MotionModule):
         await self.modes("velocity")
         await self.set_value("velocity", p.OdriveAction.SET_VELOCITY, 0.0)
 
+    def stop_packets(self) -> list[p.GeneralPacket]:
+        """The bus stop (reference roi.md §3.6): velocity 0 first (it stops a velocity-mode axis at once), the
+        torque feed-forward 0, then velocity mode with VEL_RAMP and velocity 0 again, so that the axis ends in
+        velocity mode at 0 rev/s whatever mode it was in. The ROI protocol has no code for the ODrive's IDLE
+        state (only the module's own watchdog idles the axis, and the released firmware is built without it,
+        §6.3): the axis stays in closed loop, held at 0 rev/s."""
+        cm, im = p.COMMAND_MODES["velocity"]
+        self.cache.pop("position", None)  # a reset gets the stopped demand re-sent, not an old target
+        self.cache.update({"control_mode": cm, "input_mode": im, "torque": 0.0, "velocity": 0.0})
+        self.torque_sp = 0.0
+        return [p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0), p.odrive_request(p.OdriveAction.SET_TORQUE, 0.0),
+                p.odrive_request(p.OdriveAction.SET_CONTROL_MODE, cm),
+                p.odrive_request(p.OdriveAction.SET_INPUT_MODE, im), p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0)]
+
+    def stop_problems(self, pkts: list[p.GeneralPacket], replies: list[p.GeneralPacket]) -> list[str]:
+        return [f"the module refused {p.OdriveAction(pkt.action).name} (reply {r.payload[0]})"
+                for pkt, r in zip(pkts, replies, strict=False) if r.payload[0] != 1]
+
 
 class ActuatorModule(MotionModule):
     """§3.7: lengths in encoder ticks. The released firmware implements no getter (GET_CURRENT_LENGTH is
@@ -1082,6 +1211,20 @@ class ActuatorModule(MotionModule):
             raise CommandError(ErrorCode.INVALID_REQUEST, "an actuator takes no torque_feedforward")
         await self.set_speed(abs(req.velocity))
         return RoiAck(accepted=True, detail=f"moves at {abs(req.velocity)} %/s")
+
+    def stop_packets(self) -> list[p.GeneralPacket]:
+        """The bus stop: the ROI actuator protocol has no stop code (reference roi.md §3.7), so the actuator is
+        held where it is, SET_ABSOLUTE_LENGTH at the measured (or estimated) position. The firmware answers
+        every setter [0] = 0: the reply acknowledges, it does not confirm."""
+        self.estimate()
+        if self.position is None:
+            raise CommandError(ErrorCode.UNAVAILABLE, "nothing sent: the actuator's position is unknown (no length "
+                                                      "feedback, no move since the service started), so there is "
+                                                      "no length to hold it at, and the ROI actuator protocol has "
+                                                      "no stop code")
+        self.target = self.position
+        return [p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_ABSOLUTE_LENGTH,
+                                p.u16(self.ticks(self.position)))]
 
     async def stop(self) -> None:
         """No stop in the firmware: hold at the measured (or estimated) position."""

@@ -26,12 +26,18 @@ replies, reboot into BLANK_STATE, a module error (ODrive error bits), offline, a
 octet (`replace`). Actuators answer GET_CURRENT_LENGTH with their length only with `actuator_length` (a
 firmware that implements the getter; the released one answers [0] = 0), and `actuator_max_speed` caps them at
 a motor's top speed.
+
+Stop bytes, for the bus stop's tests and bench: once armed (`watch_stop()`, or `--watch-stop` on the command
+line, re-armed by SIGHUP), each module stamps the first datagram it receives that stops it (ODrive: SET_VELOCITY
+0.0; actuator: a length setter, the hold; GPIO: SET_OUTPUT) with the Unix and monotonic time it arrived
+(`stop_stamps()`; on the command line one JSON line per module on stdout).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import logging
 import math
 import random
@@ -40,7 +46,8 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from services.roi_modules import protocol as p
@@ -59,6 +66,17 @@ class Faults:
     corrupt_rate: float = 0.0  # probability that a reply leaves with a wrong checksum
     duplicate: bool = False  # send every reply twice (the second one matches nothing)
     offline: bool = False  # unplugged: nothing is answered
+
+
+@dataclass(frozen=True)
+class StopStamp:
+    """The first stop bytes a module received after the watch was armed."""
+
+    octet: int
+    kind: str
+    action: int
+    unix: float
+    monotonic: float
 
 
 @dataclass
@@ -154,6 +172,10 @@ class ModuleFirmware:
     def handle(self, pkt: p.GeneralPacket, now: float) -> p.GeneralPacket:
         return pkt.reply()
 
+    def is_stop(self, pkt: p.GeneralPacket) -> bool:
+        """The datagram stops this module (what the stop watch stamps)."""
+        return False
+
     def handle_sysadmin(self, pkt: p.SysAdminPacket, now: float) -> p.SysAdminPacket | None:
         """sysAdminHandler: the reply keeps meta and origin (§2.6); None when the reply would be BLANK."""
         self.tick(now)
@@ -186,6 +208,9 @@ class GpioFirmware(ModuleFirmware):
         # what the outside world drives onto a digital input (None: floating); tests may set these
         self.external: list[int | None] = [None] * p.GPIO_COUNT
         self.analog = {pin: (137 * (pin - 9) + self.octet) % 1024 for pin in p.ANALOG_PINS}
+
+    def is_stop(self, pkt: p.GeneralPacket) -> bool:
+        return pkt.action == p.GpioAction.SET_OUTPUT
 
     def read(self, pin: int) -> int:
         if self.modes[pin] == p.PinMode.OUTPUT:
@@ -295,6 +320,9 @@ class OdriveFirmware(ModuleFirmware):
         self.t_model = max(self.t_model, now)
         self.paused = False  # AXIS_STATE_CLOSED_LOOP_CONTROL
 
+    def is_stop(self, pkt: p.GeneralPacket) -> bool:
+        return pkt.action == p.OdriveAction.SET_VELOCITY and pkt.sub_device_id == 0 and p.read_f32(pkt.payload) == 0.0
+
     def set_error(self, bits: int, operable: bool) -> None:
         self.errors = bits
         self.error = bits != 0
@@ -369,6 +397,9 @@ class ActuatorFirmware(ModuleFirmware):
         self.target = [0.0] * p.ACTUATOR_CHANNELS
         self.speed = [0.0] * p.ACTUATOR_CHANNELS
         self.t_model = self.boot_time
+
+    def is_stop(self, pkt: p.GeneralPacket) -> bool:
+        return pkt.action in (p.ActuatorAction.SET_ABSOLUTE_LENGTH, p.ActuatorAction.SET_RELATIVE_LENGTH)
 
     def advance(self, now: float) -> None:
         dt = now - self.t_model
@@ -445,6 +476,9 @@ class RoiSim:
         self._next_tick = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watching = False
+        self._stamps: dict[int, StopStamp] = {}
+        self._on_stamp: Callable[[StopStamp], None] | None = None
         now = time.monotonic()
         for spec in modules:
             if spec.octet in self.modules:
@@ -566,6 +600,11 @@ class RoiSim:
                     return  # import failed (< 6 bytes): nothing to handle
                 fw.counters.general_rx += 1
                 fw.counters.bad_checksum_rx += not ok
+                if self._watching and octet not in self._stamps and fw.is_stop(pkt):
+                    stamp = StopStamp(octet, _kind_name(fw), pkt.action, time.time(), now)
+                    self._stamps[octet] = stamp
+                    if self._on_stamp is not None:
+                        self._on_stamp(stamp)
                 out = fw.handle_general(pkt, now).encode()
                 dest = (addr[0], p.GENERAL_PORT)  # always the general port (§6.2)
             else:
@@ -593,6 +632,20 @@ class RoiSim:
                 heapq.heappush(self._delayed, _Delayed(time.monotonic() + delay, self._seq, sock, out, dest))
             else:
                 self._sendto(sock, out, dest)
+
+    # -- the stop watch (thread-safe) ------------------------------------------------------------------
+    def watch_stop(self, on_stamp: Callable[[StopStamp], None] | None = None) -> None:
+        """Arm the watch (again): forget the stamps so far; each module stamps the first stop bytes it receives
+        from now on. `on_stamp(stamp)` is called on the simulator's thread as each one arrives."""
+        with self.lock:
+            self._stamps.clear()
+            self._on_stamp = on_stamp
+            self._watching = True
+
+    def stop_stamps(self) -> dict[int, StopStamp]:
+        """octet -> its first stop bytes since the watch was armed."""
+        with self.lock:
+            return dict(self._stamps)
 
     # -- fault injection and inspection (thread-safe) --------------------------------------------------
     def call(self, octet: int, fn: Any) -> Any:
@@ -646,6 +699,10 @@ class RoiSim:
         self._socks.clear()
 
 
+def _kind_name(fw: ModuleFirmware) -> str:
+    return next(k for k, t in KINDS.items() if t == fw.module_type)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m services.roi_modules.sim",
                                  description="Simulated ROI modules on <prefix>.<octet>, ports 57344/57664")
@@ -663,6 +720,10 @@ def main(argv: list[str] | None = None) -> None:
                          "answer 0, as the released firmware does")
     ap.add_argument("--actuator-max-speed", type=float, default=None,
                     help="ticks/s an actuator moves at most, whatever velocity is commanded")
+    ap.add_argument("--watch-stop", action="store_true",
+                    help="print one JSON line on stdout per module when it receives its first stop bytes "
+                         '({"event": "stop_bytes", "octet", "kind", "action", "unix", "monotonic"}); SIGHUP '
+                         "re-arms the watch")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s roi-sim %(message)s")
     specs = [SimModuleSpec.parse(t.strip()) for t in args.modules.split(",") if t.strip()]
@@ -672,6 +733,11 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sim._stop.set())
     signal.signal(signal.SIGUSR1, lambda *_: sim.set_loss(args.signal_loss))
     signal.signal(signal.SIGUSR2, lambda *_: sim.set_loss(0.0))
+    if args.watch_stop:
+        def emit(stamp: StopStamp) -> None:
+            print(json.dumps({"event": "stop_bytes", **asdict(stamp)}), flush=True)
+        sim.watch_stop(emit)
+        signal.signal(signal.SIGHUP, lambda *_: sim.watch_stop(emit))
     log.info("serving %d modules on %s.x: %s", len(specs), args.prefix,
              ", ".join(f"{s.kind}@{s.octet}" for s in specs))
     try:

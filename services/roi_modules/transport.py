@@ -20,6 +20,9 @@ requests with the same key could not be told apart); different modules are serve
 per-module queue a command goes before the maintain loop's background traffic (`background_traffic()`), and
 a background request whose reply is overdue hands the module to a waiting command before it resends, so a
 command never waits out a 50 ms resend timer of maintain traffic (see `_Slot`).
+
+The bus stop does not queue at all (`send_now`): its datagrams are written to the socket at once, whatever the
+module's request in flight, and their replies are taken as they come.
 """
 
 from __future__ import annotations
@@ -205,7 +208,9 @@ class RoiTransport:
         self.on_decode_error = on_decode_error
         self._pending: dict[Key, _Pending] = {}
         self._slots: dict[tuple[int, int], _Slot] = {}
+        self._echo: dict[Key, deque[asyncio.Future[p.GeneralPacket]]] = {}  # send_now's replies awaited
         self._transports: dict[int, asyncio.DatagramTransport] = {}
+        self.opened = asyncio.Event()  # both sockets bound (set by open(), on the loop)
         self._prefix_dot = cfg.prefix + "."
 
     async def open(self) -> None:
@@ -218,14 +223,20 @@ class RoiTransport:
                 self.close()
                 raise OSError(exc.errno, f"cannot bind {self.cfg.host_address}:{port}: {exc.strerror}") from None
             self._transports[port] = tr
+        self.opened.set()
 
     def close(self) -> None:
         for tr in self._transports.values():
             tr.close()
         self._transports.clear()
+        self.opened.clear()
         for pend in self._pending.values():
             if not pend.fut.done():
                 pend.fut.cancel()
+        for futs in self._echo.values():
+            for f in futs:
+                f.cancel()
+        self._echo.clear()
 
     def address(self, octet: int) -> str:
         return module_address(self.cfg.prefix, octet)
@@ -257,6 +268,52 @@ class RoiTransport:
         resend ladder); None when none came. Silence is not counted as a lost request."""
         key = (octet, self.cfg.sysadmin_port, -1, p.sysadmin_reply_action(pkt.action))
         return await self._request(key, pkt.encode(), 0, False, wait_s)  # type: ignore[no-any-return]
+
+    def send_now(self, octet: int, pkts: list[p.GeneralPacket]) -> tuple[float, list[asyncio.Future[p.GeneralPacket]]]:
+        """The bus stop's write (on the loop): every packet sent at once, in order, ahead of the module's queue
+        (a request in flight keeps its slot; this does not wait for it). Returns the Unix time the last one left
+        the socket and one future per packet for its reply. A reply goes to a request waiting with the same key
+        first (nothing tells the two apart), else to these, in order: a future that stays unanswered is the
+        caller's to resend (`general`) and to `forget`. RequestLost when the transport is closed."""
+        tr = self._transports.get(self.cfg.general_port)
+        if tr is None:
+            raise RequestLost("the transport is closed")
+        link = self.links[octet]
+        loop = asyncio.get_running_loop()
+        dest = (self.address(octet), self.cfg.general_port)
+        futs: list[asyncio.Future[p.GeneralPacket]] = []
+        for pkt in pkts:
+            fut: asyncio.Future[p.GeneralPacket] = loop.create_future()
+            self._echo.setdefault((octet, self.cfg.general_port, pkt.sub_device_id, pkt.action), deque()).append(fut)
+            futs.append(fut)
+            tr.sendto(pkt.encode(), dest)
+            link.sent += 1
+        return time.time(), futs
+
+    def forget(self, octet: int, pkts: list[p.GeneralPacket], futs: list[asyncio.Future[p.GeneralPacket]]) -> None:
+        """Stop waiting for send_now's replies that did not come (`futs` as it returned them)."""
+        for pkt, fut in zip(pkts, futs, strict=True):
+            if fut.done():
+                continue
+            fut.cancel()
+            key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
+            q = self._echo.get(key)
+            if q is not None:
+                with contextlib.suppress(ValueError):
+                    q.remove(fut)
+                if not q:
+                    del self._echo[key]
+
+    def _take_echo(self, key: Key) -> asyncio.Future[p.GeneralPacket] | None:
+        q = self._echo.get(key)
+        while q:
+            fut = q.popleft()
+            if not fut.done():
+                if not q:
+                    del self._echo[key]
+                return fut
+        self._echo.pop(key, None)
+        return None
 
     async def _request(self, key: Key, data: bytes, retries: int | None, counts: bool,
                        wait_s: float | None = None) -> Any:
@@ -355,7 +412,10 @@ class RoiTransport:
                     log.exception("garbage callback failed")
             return
         pend = self._pending.get(key)
-        if pend is None or pend.fut.done():
+        waiter: asyncio.Future[Any] | None = pend.fut if pend is not None and not pend.fut.done() else None
+        if waiter is None and port == self.cfg.general_port and self._echo:
+            waiter = self._take_echo(key)  # a reply to the bus stop's write (send_now)
+        if waiter is None:
             link.unmatched += 1
             self.totals.unmatched += 1
             return
@@ -367,7 +427,7 @@ class RoiTransport:
                 self.on_reply(octet, port, pkt)
             except Exception:
                 log.exception("reply callback failed")
-        pend.fut.set_result(pkt)
+        waiter.set_result(pkt)
 
 
 def _expire(fut: asyncio.Future[Any]) -> None:

@@ -139,26 +139,31 @@ DEFAULT_MODULES = [
 
 def make_rig(broker: Broker, modules: list[dict[str, Any]] | None = None,
              sim_modules: list[SimModuleSpec] | None = None, sim: RoiSim | None = None, bus_delay_s: float = 0.0,
-             **settings: Any) -> Rig:
+             root: str = "robobus", **settings: Any) -> Rig:
     """The service beside simulated modules, returned once the node is online on the bus.
 
     Online means its birth (the retained `status`) was seen: the kit publishes it only after the broker has
     acknowledged the command subscription. Before that a command is dropped by the broker, unanswered (issue
-    #11: a test that waited only for the modules' side commanded a node whose subscription was not in yet)."""
+    #11: a test that waited only for the modules' side commanded a node whose subscription was not in yet).
+    It also waits until the node has read the bus stop of its `root` (motion commands are `unavailable` before).
+    A test that sets the stop gives the rig a root of its own: the stop is retained, per root."""
     modules = modules or DEFAULT_MODULES
     if sim is None:
         specs = sim_modules or [SimModuleSpec(m["octet"], m["type"]) for m in modules]
         sim = RoiSim(fresh_prefix(), specs, seed=3).start()
     node = f"{NODE}-{next(_rigs)}"  # rigs alive at once must not answer each other's commands
     kw: dict[str, Any] = {"node": node, "mqtt_url": broker.url, "roi_network": sim.prefix, "roi_modules": modules,
-                          "roi_status_every": 10, "health_interval_s": 1.0, **settings}
-    client = RpcClient(broker.settings(), name="roi-tests")
+                          "roi_status_every": 10, "health_interval_s": 1.0, "topic_root": root, **settings}
+    client = RpcClient(broker.settings(topic_root=root), name="roi-tests")
     client.connect()
     bus = BusRecorder()
-    client.subscribe_before(f"robobus/{node}/#", bus.on)
+    client.subscribe_before(f"{root}/{node}/#", bus.on)
     service = ServiceThread(RoiSettings(**kw), bus_delay_s)
     rig = Rig(sim, service, client, bus, node)
     if bus.wait("/status", lambda d: d["online"] is True, timeout=20) is None:
         rig.close()
         raise AssertionError(f"node {node} did not come online on the bus within 20 s")
+    if not service.node.stop_latch.known_event.wait(20):
+        rig.close()
+        raise AssertionError(f"node {node} did not read the bus stop within 20 s")
     return rig

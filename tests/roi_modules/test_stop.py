@@ -1,0 +1,349 @@
+"""The bus-wide software stop (docs/kit.md, "Stopping everything") on roi-modules, against the simulator's wire:
+the ODrive set to velocity mode at 0 rev/s, the actuator held where it is, the GPIO pins of `stop_outputs` set
+(other pins left as they are), each module stamping the stop bytes it received; motion commands (typed and raw)
+refused with `stopped` and nothing sent; read-only commands answered; the release moves nothing; a node that
+starts while the stop is active comes up stopped; a stop lost on the wire is sent again; a module that does not
+answer shows in the stop answer. Each test has a topic root of its own (the stop is retained, per root)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from services.roi_modules import protocol as p
+from services.roi_modules.models import RoiModuleConfig
+from services.roi_modules.sim import RoiSim, SimModuleSpec
+from shared.messages import StopState
+from shared.rpc import RpcClient
+from shared.stop import answer_topic, stop_topic
+from tests.fixtures import Broker
+from tests.roi_modules.conftest import fresh_prefix, wait_until
+from tests.roi_modules.harness import Rig, make_rig
+
+DEADLINE = 20.0  # generous: the machine is shared
+_roots = itertools.count()
+MODULES: list[dict[str, Any]] = [
+    {"name": "io", "octet": 10, "type": "gpio", "pin_modes": {"3": "output", "4": "output"}, "stop_outputs": {"3": 0}},
+    {"name": "io2", "octet": 11, "type": "gpio", "pin_modes": {"5": "output"}},
+    {"name": "wheel", "octet": 20, "type": "odrive", "max_velocity": 20.0, "initial_mode": "velocity"},
+    {"name": "arm", "octet": 30, "type": "actuator"},
+]
+MOTION = ("io", "wheel", "arm")
+
+
+def fresh_root() -> str:
+    return f"roistop{os.getpid()}x{next(_roots)}/robobus"
+
+
+def set_stop(rig: Rig, active: bool, reason: str = "test") -> StopState:
+    stop = StopState(active=active, source="tester", reason=reason, ts=time.time())
+    assert rig.client.session.publish_wait(stop_topic(rig.client.root), stop.model_dump_json(), qos=1, retain=True)
+    return stop
+
+
+def clear_stop(rig: Rig) -> None:
+    rig.client.session.publish_wait(stop_topic(rig.client.root), b"", qos=1, retain=True)
+
+
+def answer(rig: Rig, stop: StopState) -> dict[str, Any]:
+    """The node's answer to `stop` once every device has reported."""
+    suffix = answer_topic(rig.client.root, rig.node)[len(f"{rig.client.root}/{rig.node}"):]
+
+    def settled(a: dict[str, Any]) -> bool:
+        return a["stop_ts"] == stop.ts and a["active"] == stop.active and not any(d["pending"] for d in a["devices"])
+    a = rig.bus.wait(suffix, settled, timeout=DEADLINE)
+    assert a is not None, rig.bus.latest(suffix)
+    return a
+
+
+def health(rig: Rig, device: str) -> dict[str, Any]:
+    return rig.bus.latest(f"/{device}/health") or {}
+
+
+def operational(rig: Rig, *devices: str) -> bool:
+    return all(health(rig, d).get("operational") is True for d in devices)
+
+
+def wheel(rig: Rig) -> tuple[int, int, float, float, float]:
+    state: tuple[int, int, float, float, float] = rig.sim.call(
+        20, lambda f: (f.control_mode, f.input_mode, f.vel_sp, f.torque_sp, f.vel))
+    return state
+
+
+def polled(rig: Rig, octet: int, n: int = 10) -> None:
+    """Wait until the service has sent `n` more general datagrams to the module (its maintain ticks)."""
+    start = rig.sim.call(octet, lambda f: f.counters.general_rx)
+    assert wait_until(lambda: rig.sim.call(octet, lambda f: f.counters.general_rx) >= start + n, DEADLINE)
+
+
+@pytest.fixture
+def rig(broker_session: Broker) -> Iterator[Rig]:
+    r = make_rig(broker_session, MODULES, root=fresh_root())
+    try:
+        assert wait_until(lambda: operational(r, "io", "io2", "wheel", "arm"), DEADLINE), \
+            {n: health(r, n).get("state") for n in ("io", "io2", "wheel", "arm")}
+        yield r
+    finally:
+        clear_stop(r)
+        r.close()
+
+
+def moving(rig: Rig) -> None:
+    """Every motion module doing something the stop must end; io2 (no stop_outputs) with an output set."""
+    assert rig.call("wheel", "set_velocity", {"velocity": 5.0, "torque_feedforward": 0.2}).ok
+    # the first move starts the actuator's estimate at its target: 0 %, where the simulated actuator boots
+    assert rig.call("arm", "goto_position", {"position": 0.0}).ok
+    assert rig.call("arm", "goto_position", {"position": 90.0, "velocity_feedforward": 5.0}).ok
+    assert rig.call("io", "set_pin_output", {"pin": 3, "value": 1}).ok
+    assert rig.call("io", "set_pin_output", {"pin": 4, "value": 1}).ok
+    assert rig.call("io2", "set_pin_output", {"pin": 5, "value": 1}).ok
+    assert wait_until(lambda: wheel(rig)[4] > 1.0, DEADLINE)
+    assert wait_until(lambda: rig.sim.call(30, lambda f: f.length[0]) > 0.5, DEADLINE)
+
+
+def test_the_stop_reaches_every_motion_module_on_its_wire(rig: Rig) -> None:
+    moving(rig)
+    unmatched = {o: rig.service.svc.transport.links[o].unmatched for o in (10, 20, 30)}
+    rig.sim.watch_stop()
+    stop = set_stop(rig, True, "cell door open")
+    a = answer(rig, stop)
+    devices = {d["device"]: d for d in a["devices"]}
+    assert sorted(devices) == sorted(MOTION)  # io2 has no stop_outputs: not a motion device
+    stamps = rig.sim.stop_stamps()
+    assert sorted(stamps) == [10, 20, 30], stamps
+    for name, octet in (("io", 10), ("wheel", 20), ("arm", 30)):
+        d = devices[name]
+        assert d["stopped"] and not d["pending"] and d["error"] == "", d
+        # the deadman reports when the stop was written, not when it was acknowledged or decided
+        assert stop.ts <= d["written_ts"] <= a["ts"]
+        assert abs(d["written_ts"] - stamps[octet].unix) < 1.0, (d, stamps[octet])
+    # ODrive: velocity mode, VEL_RAMP, 0 rev/s, no torque feed-forward; the axis comes to rest
+    assert wheel(rig)[:4] == (p.ControlMode.VELOCITY, p.InputMode.VELOCITY_RAMP, 0.0, 0.0)
+    assert wait_until(lambda: abs(wheel(rig)[4]) < 1e-6, DEADLINE)
+    # actuator: held where it was (target = length once it settles), far short of the 90 % it was sent to
+    assert wait_until(lambda: rig.sim.call(30, lambda f: abs(f.target[0] - f.length[0]) < 1.0), DEADLINE)
+    assert rig.sim.call(30, lambda f: f.target[0]) < 0.9 * p.ACTUATOR_FIRMWARE_MAX_TICKS - 5
+    # GPIO: the stop output set, the other outputs left as they are
+    assert rig.sim.call(10, lambda f: (f.outputs[3], f.outputs[4])) == (0, 1)
+    assert rig.sim.call(11, lambda f: f.outputs[5]) == 1
+    # the replies to the stop's own write are replies, not stray datagrams
+    assert {o: rig.service.svc.transport.links[o].unmatched for o in (10, 20, 30)} == unmatched
+    for name in MOTION:
+        h = rig.bus.wait(f"/{name}/health", lambda d: d["state"] == "stopped" and not d["details"]["stop"]["pending"])
+        assert h is not None, health(rig, name)
+        assert not h["operational"] and not h["error"] and h["connection"]
+        assert h["details"]["stop"]["source"] == "tester" and "cell door open" in h["error_message"]
+    assert health(rig, "io2")["state"] != "stopped"
+
+
+def test_motion_commands_are_refused_and_send_nothing_read_only_commands_work(rig: Rig) -> None:
+    moving(rig)
+    stop = set_stop(rig, True)
+    answer(rig, stop)
+    before = (wheel(rig)[:4], rig.sim.call(30, lambda f: (f.target[0], f.speed[0])),
+              rig.sim.call(10, lambda f: (list(f.modes), list(f.outputs))))
+    refused: list[tuple[str, str, dict[str, Any]]] = [
+        ("wheel", "set_velocity", {"velocity": 3.0}), ("wheel", "set_torque", {"torque": 0.5}),
+        ("wheel", "goto_position", {"position": 10.0}), ("wheel", "goto_relative_position", {"position": 1.0}),
+        ("wheel", "clear_errors", {}), ("wheel", "go_to_position", {"position": 10.0}),
+        ("wheel", "go_to_relative_position", {"position": 1.0}),
+        ("arm", "goto_position", {"position": 10.0}), ("arm", "set_velocity", {"velocity": 50.0}),
+        ("arm", "go_to_position", {"position": 10.0}),
+        ("io", "set_pin_output", {"pin": 3, "value": 1}), ("io", "set_pin_mode", {"pin": 3, "mode": "input"}),
+        # raw: the stop output's setters
+        ("io", "queue_general_packet", {"sub_device_id": 3, "action": p.GpioAction.SET_OUTPUT, "payload_hex": "01"}),
+        ("io", "queue_general_packet", {"sub_device_id": 3, "action": p.GpioAction.SET_PIN_MODE,
+                                        "payload_hex": bytes([p.PinMode.INPUT]).hex()}),
+    ]
+    for device, command, payload in refused:
+        rep = rig.call(device, command, payload)
+        assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped", (device, command, rep.raw)
+        assert "tester" in rep.error["message"]
+    # a raw ODrive setter stays forbidden (always, not only during the stop)
+    rep = rig.call("wheel", "queue_general_packet", {"action": p.OdriveAction.SET_VELOCITY,
+                                                     "payload_hex": p.f32(3.0).hex()})
+    assert not rep.ok and rep.error is not None and rep.error["code"] == "forbidden"
+    polled(rig, 20)
+    after = (wheel(rig)[:4], rig.sim.call(30, lambda f: (f.target[0], f.speed[0])),
+             rig.sim.call(10, lambda f: (list(f.modes), list(f.outputs))))
+    assert after == before
+    # read-only commands, and outputs that are not stop outputs, work during the stop
+    assert rig.call("wheel", "ping").unwrap()["module_type"] == p.ModuleType.O_DRIVE
+    assert rig.call("arm", "status_report").ok
+    rep = rig.call("wheel", "queue_general_packet", {"action": p.OdriveAction.GET_CONTROL_MODE}).unwrap()
+    assert bytes.fromhex(rep["payload_hex"])[0] == p.ControlMode.VELOCITY
+    rep = rig.call("io", "queue_general_packet", {"sub_device_id": 3, "action": p.GpioAction.READ}).unwrap()
+    assert bytes.fromhex(rep["payload_hex"])[0] == 0
+    assert rig.call("io", "set_pin_output", {"pin": 4, "value": 0}).ok
+    assert rig.call("io", "queue_general_packet", {"sub_device_id": 4, "action": p.GpioAction.SET_OUTPUT,
+                                                   "payload_hex": "01"}).ok
+    assert rig.call("io2", "set_pin_output", {"pin": 5, "value": 0}).ok
+    assert rig.sim.call(10, lambda f: f.outputs[4]) == 1 and rig.sim.call(11, lambda f: f.outputs[5]) == 0
+
+
+def test_the_release_moves_nothing_until_a_new_command(rig: Rig) -> None:
+    moving(rig)
+    answer(rig, set_stop(rig, True))
+    assert wait_until(lambda: abs(wheel(rig)[4]) < 1e-6, DEADLINE)
+    held = rig.sim.call(30, lambda f: f.target[0])
+    rig.sim.watch_stop()
+    release = set_stop(rig, False)
+    a = answer(rig, release)
+    assert all(not d["stopped"] for d in a["devices"])
+    assert wait_until(lambda: all(health(rig, n).get("state") != "stopped" for n in MOTION), DEADLINE)
+    polled(rig, 20)
+    polled(rig, 30)
+    assert wheel(rig)[:4] == (p.ControlMode.VELOCITY, p.InputMode.VELOCITY_RAMP, 0.0, 0.0)
+    assert abs(wheel(rig)[4]) < 1e-6
+    assert rig.sim.call(30, lambda f: f.target[0]) == held
+    assert rig.sim.call(10, lambda f: f.outputs[3]) == 0
+    assert rig.sim.stop_stamps() == {}  # nothing stop-like either: nothing was sent to move or hold anything
+    # a new command moves again
+    assert rig.call("wheel", "set_velocity", {"velocity": 2.0}).ok
+    assert wait_until(lambda: wheel(rig)[4] > 0.5, DEADLINE)
+    assert rig.call("io", "set_pin_output", {"pin": 3, "value": 1}).ok
+    assert rig.sim.call(10, lambda f: f.outputs[3]) == 1
+
+
+def test_a_node_started_while_the_stop_is_active_comes_up_stopped(broker_session: Broker) -> None:
+    root = fresh_root()
+    sim = RoiSim(fresh_prefix(), [SimModuleSpec(20, "odrive"), SimModuleSpec(10, "gpio")], seed=5).start()
+    # a module left running by a service that is gone: velocity mode at 4 rev/s
+    def running(f: Any) -> None:
+        f.configured, f.control_mode, f.vel_sp = True, p.ControlMode.VELOCITY, 4.0
+    sim.call(20, running)
+    assert wait_until(lambda: sim.call(20, lambda f: f.vel) > 1.0, DEADLINE)
+    sim.watch_stop()
+    setter = RpcClient(broker_session.settings(topic_root=root), name="roi-stop-setter")
+    setter.connect()
+    try:
+        stop = StopState(active=True, source="tester", reason="before start", ts=time.time())
+        assert setter.session.publish_wait(stop_topic(root), stop.model_dump_json(), qos=1, retain=True)
+        rig = make_rig(broker_session, [{"name": "wheel", "octet": 20, "type": "odrive"},
+                                        {"name": "io", "octet": 10, "type": "gpio", "pin_modes": {"2": "output"},
+                                         "stop_outputs": {"2": 1}}], sim=sim, root=root)
+        try:
+            a = answer(rig, stop)
+            assert {d["device"]: (d["stopped"], d["error"]) for d in a["devices"]} == \
+                {"wheel": (True, ""), "io": (True, "")}
+            assert sorted(sim.stop_stamps()) == [10, 20]
+            assert wait_until(lambda: abs(sim.call(20, lambda f: f.vel)) < 1e-6, DEADLINE)
+            assert sim.call(20, lambda f: (f.control_mode, f.vel_sp)) == (p.ControlMode.VELOCITY, 0.0)
+            assert wait_until(lambda: sim.call(10, lambda f: (f.modes[2], f.outputs[2])) == (p.PinMode.OUTPUT, 1),
+                              DEADLINE)
+            assert rig.bus.wait("/wheel/health", lambda d: d["state"] == "stopped") is not None
+            rep = rig.call("wheel", "set_velocity", {"velocity": 1.0})
+            assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped"
+        finally:
+            clear_stop(rig)
+            rig.close()
+    finally:
+        setter.close()
+        sim.close()
+
+
+def test_a_stop_lost_on_the_wire_is_sent_again(rig: Rig) -> None:
+    moving(rig)
+    rig.sim.set_faults(20, drop_next=3)  # the first stop datagrams never arrive
+    stop = set_stop(rig, True)
+    a = answer(rig, stop)
+    d = next(d for d in a["devices"] if d["device"] == "wheel")
+    assert d["error"] == "" and d["written_ts"] is not None, d
+    assert rig.sim.call(20, lambda f: f.counters.dropped) >= 3
+    assert wheel(rig)[:4] == (p.ControlMode.VELOCITY, p.InputMode.VELOCITY_RAMP, 0.0, 0.0)
+    assert wait_until(lambda: abs(wheel(rig)[4]) < 1e-6, DEADLINE)
+
+
+def test_a_module_that_does_not_answer_the_stop_shows_in_the_answer_and_health(rig: Rig) -> None:
+    rig.sim.set_faults(20, offline=True)
+    stop = set_stop(rig, True)
+    a = answer(rig, stop)
+    d = next(d for d in a["devices"] if d["device"] == "wheel")
+    assert d["stopped"] and "the stop was sent, but" in d["error"] and "no reply" in d["error"], d
+    h = rig.bus.wait("/wheel/health", lambda h: h["state"] == "stopped" and "stop action failed" in h["error_message"])
+    assert h is not None, health(rig, "wheel")
+
+
+def test_a_running_move_job_ends_stopped_and_the_axis_stops(rig: Rig) -> None:
+    assert rig.bus.wait("/wheel/state/state", lambda d: d["position"] is not None) is not None
+    mark = rig.bus.mark()
+    job = rig.call("wheel", "go_to_position", {"position": 500.0, "velocity_feedforward": 3.0, "timeout_s": 60})
+    job_id = job.unwrap()["job_id"]
+    assert wait_until(lambda: wheel(rig)[4] > 1.0, DEADLINE), (wheel(rig), rig.bus.since(mark, "job_result"),
+                                                               rig.bus.since(mark, "job_progress")[-1:])
+    answer(rig, set_stop(rig, True))
+    res = rig.bus.wait("/wheel/event/job_result", lambda d: d["job_id"] == job_id, mark)
+    assert res is not None and not res["ok"] and res["error"]["code"] == "stopped", res
+    assert wait_until(lambda: abs(wheel(rig)[4]) < 1e-6, DEADLINE)
+    assert wheel(rig)[2] == 0.0
+
+
+def test_stop_outputs_must_be_gpio_outputs() -> None:
+    RoiModuleConfig(name="io", octet=10, type="gpio", pin_modes={3: "output"}, stop_outputs={3: 0})
+    with pytest.raises(ValueError, match="must be an output in pin_modes"):
+        RoiModuleConfig(name="io", octet=10, type="gpio", pin_modes={3: "input"}, stop_outputs={3: 0})
+    with pytest.raises(ValueError, match="cannot be an output"):
+        RoiModuleConfig(name="io", octet=10, type="gpio", pin_modes={16: "output"}, stop_outputs={16: 0})
+    with pytest.raises(ValueError, match="GPIO setting"):
+        RoiModuleConfig(name="w", octet=20, type="odrive", stop_outputs={3: 0})
+
+
+def test_the_simulator_stamps_the_first_stop_bytes_and_prints_them() -> None:
+    prefix = fresh_prefix()
+    sim = RoiSim(prefix, [SimModuleSpec(20, "odrive"), SimModuleSpec(30, "actuator")]).start()
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            def send(octet: int, pkt: p.GeneralPacket) -> None:
+                n = sim.call(octet, lambda f: f.counters.general_rx)
+                s.sendto(pkt.encode(), (sim.address(octet), p.GENERAL_PORT))
+                assert wait_until(lambda: sim.call(octet, lambda f: f.counters.general_rx) > n, DEADLINE)
+            send(20, p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0))  # before the watch: not stamped
+            sim.watch_stop()
+            send(20, p.odrive_request(p.OdriveAction.SET_VELOCITY, 3.0))  # not a stop
+            send(30, p.GeneralPacket(0, p.ActuatorAction.GET_CURRENT_LENGTH))
+            assert sim.stop_stamps() == {}
+            t0 = time.time()
+            send(20, p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0))
+            send(20, p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0))
+            send(30, p.GeneralPacket(0, p.ActuatorAction.SET_ABSOLUTE_LENGTH, p.u16(10)))
+            stamps = sim.stop_stamps()
+            assert sorted(stamps) == [20, 30] and stamps[20].kind == "odrive"
+            assert stamps[20].action == p.OdriveAction.SET_VELOCITY and t0 <= stamps[20].unix <= stamps[30].unix
+            sim.watch_stop()
+            assert sim.stop_stamps() == {}
+    finally:
+        sim.close()
+    # the command line: one JSON line per module on stdout
+    prefix = fresh_prefix()
+    proc = subprocess.Popen([sys.executable, "-m", "services.roi_modules.sim", "--prefix", prefix, "--modules",
+                             "odrive:20", "--watch-stop"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(0.2)
+            s.bind(("127.0.0.1", 0))
+            # until the simulator answers: it is serving (its reply comes back to this socket's port 57344 only
+            # from a module; here the reply goes nowhere, so watch for the line instead)
+            line = ""
+            end = time.monotonic() + DEADLINE
+            os.set_blocking(proc.stdout.fileno(), False)
+            while not line and time.monotonic() < end:
+                s.sendto(p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0).encode(), (f"{prefix}.20", p.GENERAL_PORT))
+                time.sleep(0.05)
+                line = proc.stdout.readline()
+        rec = json.loads(line)
+        assert rec["event"] == "stop_bytes" and rec["octet"] == 20 and rec["kind"] == "odrive", rec
+        assert rec["action"] == p.OdriveAction.SET_VELOCITY and rec["unix"] > 0 and rec["monotonic"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
