@@ -25,9 +25,9 @@ SIGSTOPped DexRun). A request DexRun would crash on (a missing argument) is
 counted in `stats.crashes` and the connection is dropped, as the real process would die.
 
 The bus stop (bench/stop.py): DexRun has no stop oplet, so there are no stop bytes to stamp. Once asked to watch
-(`watch_stop()`, or SIGUSR1 with `--watch-stop`), the simulator stamps instead the first request that moves the arm
-(`protocol.moves`) it receives, which a stopped gateway must never send, and counts what arrives; `--watch-stop`
-prints each as one JSON line on stdout (`{"event": "watching" | "motion", "unix": ..., "monotonic": ...}`).
+(`watch_stop()`, or `--watch-stop` on the command line, re-armed by SIGHUP), the simulator stamps instead the first
+request that moves the arm (`protocol.moves`) it receives, which a stopped gateway must never send, and counts what
+arrives; `--watch-stop` prints each as one JSON line on stdout (`{"event": "watching" | "motion", ...}`).
 
     python -m services.dexter_gateway.sim --port 50000 --root /tmp/dexter-fs
 """
@@ -908,8 +908,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--idle-close-s", type=float, default=30.0)
     ap.add_argument("--max-speed", type=float, default=30.0, help="deg/s")
     ap.add_argument("--watch-stop", action="store_true",
-                    help="SIGUSR1 starts watching for the bus stop: JSON lines on stdout (watching, then the first "
-                    "request that moves the arm; DexRun has no stop bytes)")
+                    help="watch for the bus stop: JSON lines on stdout ({\"event\": \"watching\", ...} when armed, "
+                    "then {\"event\": \"motion\", \"unix\", \"monotonic\", \"request\"} at the first request that "
+                    "moves the arm: DexRun has no stop bytes); SIGHUP re-arms the watch")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("ROBOBUS_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     sim = DexterSim(DexterSimConfig(host=args.host, port=args.port, root=args.root, firmware=Firmware(args.firmware),
@@ -918,7 +919,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"dexter-sim: DexRun ({sim.firmware}) on {args.host}:{sim.port}, files in {sim.root}", flush=True)
     if args.watch_stop:
         sim.on_watch = lambda event: print(json.dumps(event), flush=True)
-        signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=sim.watch_stop, daemon=True).start())
+        sim.watch_stop()
+        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=sim.watch_stop, daemon=True).start())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

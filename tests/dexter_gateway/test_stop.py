@@ -342,13 +342,16 @@ def test_the_simulator_process_reports_its_watch_as_json_lines(tmp_path: Any) ->
                 return json.loads(text)  # type: ignore[no-any-return]
 
     try:
-        assert "dexter-sim" in lines.get(timeout=DEADLINE)
-        conn = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
-        conn.sendall(b"1 1 1 undefined a 3600 0 0 0 0;")  # before the watch: not stamped
-        assert len(conn.recv(240)) > 0
-        proc.send_signal(signal.SIGUSR1)
-        ev = line()
+        ev = line()  # armed at the start
         assert ev["event"] == "watching" and ev["stop_bytes"] is None and ev["motion"] == 0
+        conn = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+        conn.sendall(b"1 1 1 undefined a 3600 0 0 0 0;")
+        ev = line()
+        assert ev["event"] == "motion" and ev["request"].endswith("a 3600 0 0 0 0")
+        assert len(conn.recv(240)) > 0
+        proc.send_signal(signal.SIGHUP)  # re-armed: the move above is forgotten
+        ev = line()
+        assert ev["event"] == "watching" and ev["motion"] == 0 and ev["first_motion"] is None
         conn.sendall(b"1 2 1 undefined g;")
         assert len(conn.recv(240)) > 0
         t0 = time.time()
