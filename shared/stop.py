@@ -177,6 +177,13 @@ class StopLatch:
             self.known_event.set()
             if new == old and self._answer is not None:
                 return  # the same stop again (redelivered on reconnect): answered already
+            if (old is not None and old.active and new is not None and not new.active and new.ts < old.ts):
+                # a release older than the stop it would lift is stale: e.g. a fleet centre's retained release,
+                # sent down again when its bridge reconnects, after the site's operator set a newer stop
+                self.counters.decode_error()
+                log.warning("stale release ignored: older than the active stop",
+                            extra={"release_ts": new.ts, "stop_ts": old.ts, "source": new.source})
+                return
             self.state = new
             if new is not None and new.active:
                 self._last_active = new

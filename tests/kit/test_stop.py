@@ -444,3 +444,21 @@ def test_a_node_keeps_an_active_stop_across_a_lost_broker(broker: Broker) -> Non
             assert c.call("keeper", "wheel1", "move", {"speed": 2}, timeout=DEADLINE).ok
     finally:
         node.stop()
+
+
+def test_a_release_older_than_the_active_stop_is_stale_and_ignored(bus: Bus, mover: Any) -> None:
+    """A fleet centre's retained release, sent down again when its bridge reconnects, must not lift a newer stop
+    that the site's operator set meanwhile: a release older than the active stop is ignored (and counted)."""
+    node, _wheels = mover
+    old_release = StopState(active=False, source="centre", reason="release", ts=time.time() - 60)
+    stop = bus.set_stop(True, reason="person in the cell", source="site operator")
+    bus.wait_answer(node.name, stop)
+    before = node.counters.decode_errors
+    assert bus.client.session.publish_wait(stop_topic(bus.root), old_release.model_dump_json(), qos=1, retain=True)
+    assert wait_for(lambda: node.counters.decode_errors == before + 1, DEADLINE)
+    assert node.stop_latch.active
+    rep = call(bus, node, "wheel1", "move", {"speed": 1})
+    assert not rep.ok and rep.error["code"] == "stopped"
+    release = bus.set_stop(False)  # a current release lifts it
+    bus.wait_answer(node.name, release)
+    assert call(bus, node, "wheel1", "move", {"speed": 1}).ok
