@@ -270,3 +270,35 @@ def test_a_viewer_is_offered_the_release_and_shown_the_brokers_refusal(stack: St
     stack.set_stop(False)
     page.wait_for_selector("#stop-state[data-state=released]", timeout=T)
     page.wait_for_selector("article.device[data-device='wheel1'][data-health=ok]", timeout=T)
+
+
+def test_an_unreadable_stop_message_is_shown_as_an_active_stop_and_released_from_the_page(
+        stack: Stack, pages: dict[str, Any]) -> None:
+    """Garbage on {root}/_stop is held as an active stop by every node (shared/stop.py); the page says so, counts
+    it, shows the node's answer to it on the cards, and offers the release. A reason longer than the schema's
+    500 characters is cut, never a reason not to send."""
+    from playwright.sync_api import expect
+
+    page = pages["operator"]
+    stack.set_stop(False)
+    page.wait_for_selector("#stop-state[data-state=released]", timeout=T)
+    bad_before = page.evaluate("() => window.__robobusPerf.bad")
+    assert stack.operator.session.publish_wait(stop_topic(ROOT), b"{not json", qos=1, retain=True)
+    state = page.locator("#stop-state[data-state=active]")
+    expect(state).to_contain_text("unreadable stop message", timeout=T)
+    assert page.evaluate("() => window.__robobusPerf.bad") > bad_before
+    assert page.locator("#event-log li[data-event=unreadable]").count() >= 1
+    for dev in ("wheel1", "wheel2"):
+        page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=stopped]", timeout=T)
+        line = card(page, dev).locator(".stop-line[data-stop=stopped]")
+        line.wait_for(timeout=T)
+        assert "unreadable stop message" in line.inner_text()
+    assert page.locator("#release-button").is_visible()
+    page.fill("#stop-reason", "x" * 600)
+    page.click("#release-button")
+    assert outcome(page)[0] == "confirmed", outcome(page)
+    held = stack.retained_stop()
+    assert held is not None and held["active"] is False and held["reason"] == "x" * 500, held
+    for dev in ("wheel1", "wheel2"):
+        page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=ok]", timeout=T)
+    page.fill("#stop-reason", "")

@@ -203,10 +203,11 @@ class NodeView {
   }
 }
 
-// An answer to the stop the page shows (the same ts, source and active), not to an earlier one (retained).
+// An answer to the stop the page shows (the same ts, source and active), not to an earlier one (retained). An
+// unreadable stop message is held as the kit holds it (shared/stop.py): active, source "unknown", ts 0.
 function stopCurrent(a) {
   const s = stop.state;
-  return !!(a && s && !stop.bad && a.stop_ts === s.ts && a.active === s.active && a.source === s.source);
+  return !!(a && s && a.stop_ts === s.ts && a.active === s.active && a.source === s.source);
 }
 
 function insertSorted(parent, node, key, attr) {
@@ -864,7 +865,11 @@ function stopOutcome(outcome, text) {
 async function sendStop(active) {
   const what = active ? "stop" : "release";
   const source = `${link.username || "anonymous"} via dashboard ${location.host}`.slice(0, 200);
-  const state = { active, source, reason: $("#stop-reason").value.trim(), ts: Date.now() / 1000 };
+  // a reason too long for the schema is cut, never a reason not to stop (the input's maxlength is the schema's)
+  const input = $("#stop-reason");
+  const reason = input.value.trim();
+  const state = { active, source, reason: input.maxLength > 0 ? reason.slice(0, input.maxLength) : reason,
+                  ts: Date.now() / 1000 };
   const errs = contract.validate(contract.stop.schema, state);
   if (errs.length) { stopOutcome("failed", `${what} not sent: ${errs.map((e) => `${e.path} ${e.message}`).join("; ")}`); return; }
   if (stopSend) clearTimeout(stopSend.timer);
