@@ -347,3 +347,17 @@ def test_the_simulator_stamps_the_first_stop_bytes_and_prints_them() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_stop_output_that_is_no_longer_an_output_is_made_one(rig: Rig) -> None:
+    """The module lost the pin's mode behind the service's back (a reset it has not noticed yet): the stop's
+    first SET_OUTPUT is refused (reference roi.md §3.5), the stop makes the pin an output and sets it."""
+    assert rig.call("io", "set_pin_output", {"pin": 3, "value": 1}).ok
+
+    def lose_mode(f: Any) -> None:
+        f.modes[3] = p.PinMode.INPUT
+    rig.sim.call(10, lose_mode)
+    stop = set_stop(rig, True)
+    d = next(d for d in answer(rig, stop)["devices"] if d["device"] == "io")
+    assert d["error"] == "", d
+    assert rig.sim.call(10, lambda f: (f.modes[3], f.outputs[3])) == (p.PinMode.OUTPUT, 0)
