@@ -3,6 +3,20 @@
 root=${ROBOBUS_TOPIC_ROOT:-robobus}
 sleep "${1:-4}"
 robobus status --wait 1.5 || true
+# a blank ROI module is not broken: say what it means and what configures it
+blank=$(robobus status --wait 0.5 --json 2>/dev/null | python -c '
+import json, sys
+h = json.load(sys.stdin).get("health", {})
+print(" ".join(sorted(k for k, v in h.items() if v.get("state") == "blank_state" and not v.get("operational"))))' 2>/dev/null || true)
+if [ -n "$blank" ]; then
+  cat <<BLANK
+
+Blank module(s): $blank. A ROI module in blank state lost its configuration (powered up, or reset) and waits
+for its settings; the service pushes them at start and after every reset from its module settings (pin_modes
+for a GPIO module, initial_mode for an ODrive; services/roi_modules/README.md, "Blank modules"). A module
+that stays blank has none configured: add them, or configure it with set_pin_mode / set_velocity.
+BLANK
+fi
 cat <<MSG
 
 robobus is up. Where to look:
