@@ -24,6 +24,12 @@ it in the next chain at once, between two replies. While a motion deadline is ne
 set by the service's deadman) no camera image is started that could not be in before the deadline,
 so the deadman's stop never waits behind an image (at 115200 baud an image takes 278 ms).
 
+The bus stop (`write_stop`) does not wait for the poller at all: its `-0x09` chain is written at once, even
+while a reply (an image) is on the line. The F407 reads its input in order and answers a chain only once it
+has read all of it (Asercom2.c), so the stop is the next chain it reads, and `-0x09` has no reply: the reply
+the poller waits for is unchanged. The next chain repeats it (in case a line in progress swallowed it).
+Typed ASCII lines that move the robot and wait for their slot are dropped (`LineDropped`).
+
 Health is the kit's link supervisor's, as over WiFi (transport.py): the link reports attempt, opened,
 failed, data (a complete reply whose sensors block is plausible), garbage and closed. Its budget is
 `stale_timeout_s` plus the longest exchange on the line (the image chain's transfer while the image stream
@@ -75,6 +81,7 @@ from services.epuck_gateway.protocol import (
 from services.epuck_gateway.transport import (
     EpuckLinkStats,
     ErrorHandler,
+    OwedHandler,
     PacketsHandler,
     StateHandler,
     StateReporter,
@@ -120,6 +127,10 @@ class EpuckSerialConfig:
     stop_drain_s: float = 0.5
 
 
+class LineDropped(Exception):
+    """A typed ASCII line that moves the robot was waiting for its slot when the bus stop came: not written."""
+
+
 class EpuckSerialLink:
     """One robot over asercom v2. `run()` until `close()`; `request_write()` after changing the controller."""
 
@@ -141,6 +152,7 @@ class EpuckSerialLink:
         self.image_fps = default_image_fps(config.baud) if config.image_fps is None else config.image_fps
         self.motion_deadline: float | None = None  # time.monotonic() of the deadman's next stop, if any
         self._written: list[WrittenHandler] = []  # told when the next -0x09 has been written
+        self.owed_stop: OwedHandler | None = None  # a bus stop decided while the port was closed (write_stop)
         self._serial: serial.Serial | None = None
         self._fd = -1
         self._reader: AsercomReplyReader | None = None
@@ -152,7 +164,8 @@ class EpuckSerialLink:
         self._dirty = False
         self._next_image = 0.0
         self._task: asyncio.Task[None] | None = None
-        self._ascii: list[tuple[bytes, asyncio.Future[str]]] = []  # typed lines waiting for a slot between polls
+        # typed lines waiting for a slot between polls, and whether each moves the robot
+        self._ascii: list[tuple[bytes, asyncio.Future[str], bool]] = []
         self._line: bytearray | None = None  # the ASCII reply being read
         self._line_event = asyncio.Event()
 
@@ -177,12 +190,13 @@ class EpuckSerialLink:
         """An image's reply on the line at `baud` (8N1)."""
         return expected_size([get_image()], DEFAULT_IMAGE) * 10 / self.config.baud
 
-    async def ascii(self, line: bytes, timeout_s: float = 1.0) -> str:
-        """One ASCII-mode command (`D,200,200\r`) between two polls; the robot's reply lines, CR/LF stripped."""
+    async def ascii(self, line: bytes, timeout_s: float = 1.0, motion: bool = False) -> str:
+        """One ASCII-mode command (`D,200,200\r`) between two polls; the robot's reply lines, CR/LF stripped.
+        `motion`: the line moves the robot, so a bus stop that comes before it is written drops it (LineDropped)."""
         if not self.connected:
             raise ConnectionError(f"{self.config.port} is not open")
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._ascii.append((line, fut))
+        self._ascii.append((line, fut, motion))
         self._poke.set()
         return await asyncio.wait_for(fut, timeout_s + 2 * self._reply_timeout([]))
 
@@ -214,6 +228,39 @@ class EpuckSerialLink:
                 fut.set_exception(ConnectionError(f"write to {self.config.port} failed: {exc}"))
         finally:
             self._line = None
+
+    def write_stop(self, on_owed: OwedHandler) -> float | None:
+        """The bus stop, already in the controller (speeds 0, no one-shots): write it now in a chain of its own,
+        between or during the poller's exchanges (module doc), drop the waiting ASCII lines that move the robot,
+        and return the time it left. Port closed: None, and `on_owed(time)` when the next session's first chain
+        (its actuators with speeds 0) has been written."""
+        kept: list[tuple[bytes, asyncio.Future[str], bool]] = []
+        for line, fut, motion in self._ascii:
+            if not motion:
+                kept.append((line, fut, motion))
+            elif not fut.done():
+                fut.set_exception(LineDropped(f"the bus stop came before {line!r} was written: not sent"))
+        self._ascii = kept
+        if not self.connected or self._serial is None or self._closing:
+            self.owed_stop = on_owed
+            return None
+        self.stats.commands_requested += 1
+        data = encode_chain([set_all_actuators(self.controller.build())])
+        self.controller.drop_oneshots()  # applied once on arrival: nothing to clear (module doc)
+        try:
+            self._serial.write(data)
+        except (serial.SerialException, OSError) as exc:
+            self.owed_stop = on_owed
+            self._lose(f"write to {self.config.port} failed: {exc}")
+            return None
+        self.stats.commands_sent += 1
+        ts = time.time()
+        self._dirty = True  # the next chain repeats it: a robot stuck in a line may have swallowed this one
+        written, self._written = self._written, []
+        for cb in written:
+            cb(ts)
+        self._poke.set()
+        return ts
 
     async def close(self) -> None:
         """Stop the robot (speeds 0, LEDs off, stop sound) and close the port."""
@@ -302,7 +349,7 @@ class EpuckSerialLink:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await poller
             self.connected = False
-            for _line, fut in self._ascii:
+            for _line, fut, _motion in self._ascii:
                 if not fut.done():
                     fut.set_exception(ConnectionError(f"{self.config.port} closed"))
             self._ascii.clear()
@@ -360,7 +407,7 @@ class EpuckSerialLink:
         next_poll = time.monotonic()
         while not self._closing:
             while self._ascii:
-                line, fut = self._ascii.pop(0)
+                line, fut, _motion = self._ascii.pop(0)
                 if not fut.done():
                     await self._exchange_ascii(line, fut)
             now = time.monotonic()
@@ -380,6 +427,9 @@ class EpuckSerialLink:
                 ts = time.time()
                 for cb in written:
                     cb(ts)
+                owed, self.owed_stop = self.owed_stop, None
+                if owed is not None:  # a stop decided while the port was closed: a session's first chain is it
+                    owed(ts)
             try:
                 await asyncio.wait_for(asyncio.shield(self._reply), self._reply_timeout(chain))
             except TimeoutError:

@@ -77,11 +77,13 @@ from services.epuck_gateway.protocol import (
     finite,
     gyro_to_dps,
 )
-from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
+from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink, LineDropped
 from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig, link_policy
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI
 from shared.contract import NAME_RE
+from shared.messages import StopState
 from shared.node import NODE_DEVICE
+from shared.stop import LATER
 
 log = logging.getLogger("robobus.epuck")
 
@@ -96,7 +98,7 @@ LINK = API.state("link", EpuckLinkStats, doc="TCP link statistics, once a second
 FAULT = API.event("fault", EpuckFault)
 # every command needs the robot's TCP link (unavailable without it); the kit adds its own codes
 _LINK = [ErrorCode.UNAVAILABLE]
-SET_SPEED = API.command("set_speed", EpuckSetSpeed, EpuckActuators, errors=_LINK,
+SET_SPEED = API.command("set_speed", EpuckSetSpeed, EpuckActuators, errors=_LINK, motion=True,
                         doc="Wheel speeds, +-1000 steps/s; the robot moves for ROBOBUS_EPUCK_MOTION_TIMEOUT_MS "
                             "(default 1 s) after each set_speed: send it again within that time to keep it moving")
 SET_STEPS = API.command("set_steps", EpuckSetSteps, EpuckActuators, errors=_LINK,
@@ -107,11 +109,16 @@ SOUND = API.command("sound", EpuckSound, EpuckActuators, errors=_LINK,
                     doc="Play mario, underworld, star_wars, 4khz, 10khz, or stop")
 CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators, errors=_LINK,
                            doc="Calibrate the IR proximity sensors (keep objects away)")
-OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators, errors=_LINK,
-                       doc="Enable or disable the on-board obstacle avoidance")
+# the on-board behaviour drives the wheels itself (reference epuck2.md §3, settings bit1): motion; the bus stop
+# turns it off
+OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators, errors=_LINK, motion=True,
+                       doc="Enable or disable the on-board obstacle avoidance (it drives the wheels: a motion "
+                           "command, and the bus stop turns it off)")
 STREAM = API.command("stream", EpuckStream, EpuckActuators, errors=_LINK, doc="Image and sensors streams on/off")
-ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply, errors=[*_LINK, ErrorCode.TIMEOUT],
-                    doc="asercom ASCII mode, one typed line (`D,200,200`, `N`); robots on a serial port only")
+ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply,
+                    errors=[*_LINK, ErrorCode.TIMEOUT, ErrorCode.STOPPED],
+                    doc="asercom ASCII mode, one typed line (`D,200,200`, `N`); robots on a serial port only. A `D` "
+                        "line moves the robot: refused with `stopped` while the bus stop is active")
 FLASH = API.job("flash", EpuckFlashRequest, EpuckFlashResult,
                 errors=[*_LINK, ErrorCode.BUSY, ErrorCode.DEVICE_ERROR],
                 doc="Firmware update of the robot's main MCU through its onboard programmer (gdb-multiarch on the "
@@ -298,6 +305,7 @@ class EpuckRobot:
         old = self.link
         self.link = self._make_link()
         self.link.stats = old.stats  # counters run on across the update
+        self.link.owed_stop = old.owed_stop  # a bus stop decided meanwhile: the new link's first command
         self.link.start()
 
     async def stats_loop(self) -> None:
@@ -485,6 +493,34 @@ class EpuckRobot:
         d.bind(SNAPSHOT, self.cmd_snapshot)
         d.bind_job(FLASH, self._flash_job, self._admit_flash)
         d.bind(ASCII, self.cmd_ascii)
+        d.on_stop(self.bus_stop)
+
+    # -- the bus stop (docs/kit.md "Stopping everything") ---------------------------------------------
+    async def bus_stop(self, stop: StopState) -> Any:
+        """The robot's stop action, on the loop beside its link: speeds 0, the on-board obstacle avoidance off
+        (it drives the wheels itself), pending one-shots dropped, the deadman disarmed (nothing left to stop),
+        and the whole state written at once, past the image and the queue limits (transport.py and
+        serial_link.py `write_stop`). Returns the time the stop left, or LATER when the link is down: then the
+        next connection's first command (speeds 0 always) is the stop, reported when it leaves."""
+        self._cancel_motion_timer()
+        c = self.controller
+        c.set_speed(0, 0)
+        c.obstacle_avoidance = False
+        c.drop_oneshots()
+        at = self.link.write_stop(self._stop_reached)
+        log.warning("bus stop: robot stopped" if at is not None else
+                    "bus stop: robot not connected; its next connection's first command stops it",
+                    extra={"robot": self.cfg.id, "source": stop.source, "reason": stop.reason})
+        return LATER if at is None else at
+
+    def _stop_reached(self, at: float) -> None:
+        self.dev.stop_written(at=at)
+
+    def _motion_admitted(self) -> int:
+        """On the loop, as a motion change is about to be made: the kit's gate again (it raises `stopped` while
+        the bus stop is active). The kit's gate ran on the network thread; a stop that came between it and this
+        handler has had its action run on the loop already, and the change must not undo it."""
+        return self.node.stop_latch.admit()
 
     async def cmd_ascii(self, req: EpuckAsciiRequest) -> EpuckAsciiReply:
         link = self.link
@@ -498,11 +534,15 @@ class EpuckRobot:
         # upper-cases every letter but `b` and `g`. A line that moves the robot goes through the gateway's
         # own state, so the deadman covers it and the actuator state says what the robot does.
         cmd = letter if letter in ("b", "g") else letter.upper()
-        if cmd == "D":
+        motion = cmd == "D"  # the one line that moves the robot (`P` is refused, `S` stops it)
+        gen = 0
+        if motion:
             if len(args) != 2 or any(not -SPEED_LIMIT <= a <= SPEED_LIMIT for a in args):
                 # the firmware's sscanf leaves a missing speed at the value of an earlier ASCII `D`
                 raise CommandError(ErrorCode.INVALID_REQUEST, f"`D` takes two speeds, D,left,right, each within "
                                                               f"+-{SPEED_LIMIT} steps/s")
+            # a motion payload of a command that is not all motion: the bus stop's gate, the kit's `stopped`
+            gen = self._motion_admitted()
             # before the line goes: the deadman covers the robot even if its answer never comes
             self.controller.set_speed(args[0], args[1])
             self._arm_motion(args[0], args[1])
@@ -510,10 +550,17 @@ class EpuckRobot:
             raise CommandError(ErrorCode.INVALID_REQUEST, "`P` sets the motor step counters behind the gateway's "
                                                           "back: use the `set_steps` command")
         try:
-            reply = await link.ascii(ascii_command(letter, *args), req.timeout_s)
+            reply = await link.ascii(ascii_command(letter, *args), req.timeout_s, motion=motion)
+        except LineDropped:
+            self._motion_admitted()  # the stop that dropped it: `stopped`, as for a line that came after it
+            raise CommandError(ErrorCode.UNAVAILABLE, "the bus stop came and went before the line was written: "
+                                                      "not sent") from None
         except (TimeoutError, ConnectionError) as exc:
             raise CommandError(ErrorCode.TIMEOUT if isinstance(exc, TimeoutError) else ErrorCode.UNAVAILABLE,
                                str(exc) or f"no ASCII reply from {self.cfg.id}") from None
+        finally:
+            if motion:  # a stop that came while the line was out: its action again, as the kit does for motion
+                self.node.stop_latch.done(self.dev, gen)
         if cmd == "S":  # the firmware's stop: speeds 0 and the body LED off
             self.controller.set_speed(0, 0)
             self.controller.leds &= ~LED_BODY
@@ -591,6 +638,7 @@ class EpuckRobot:
 
     async def cmd_set_speed(self, req: EpuckSetSpeed) -> EpuckActuators:
         self._require_link()
+        self._motion_admitted()
         self.controller.set_speed(req.left, req.right)
         self._arm_motion(req.left, req.right)
         return self._send()
@@ -663,6 +711,7 @@ class EpuckRobot:
 
     async def cmd_obstacle(self, req: EpuckObstacleAvoidance) -> EpuckActuators:
         self._require_link()
+        self._motion_admitted()
         self.controller.obstacle_avoidance = req.enabled
         return self._send()
 

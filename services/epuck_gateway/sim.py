@@ -12,6 +12,11 @@ Behaviour copied from the ESP32 WiFi firmware as the reference describes it (sec
   due, a load profile for benchmarks);
 - on a disconnect the motors keep their last speeds (no watchdog on the robot).
 
+For the bus stop's measurements (`StopWatch`): once armed, a robot time-stamps the first stop it receives
+(a command that sets both wheel speeds to 0), when its bytes arrive, not when a cycle applies it. Armed in
+code with `robot.stop_watch.arm()`; from the command line, SIGUSR2 arms every robot and each prints
+`{"stop_seen": {"robot", "ts" (Unix time), "monotonic" (CLOCK_MONOTONIC, comparable across processes)}}`.
+
 Run several robots: python -m services.epuck_gateway.sim --count 2 --base-port 11000
 """
 
@@ -42,6 +47,7 @@ from services.epuck_gateway.protocol import (
     REQ_IMAGE,
     REQ_SENSORS,
     SENSORS_ID,
+    SET_STEPS,
     EpuckCommand,
 )
 from services.epuck_gateway.simworld import EpuckWorld
@@ -58,6 +64,39 @@ class EpuckSimConfig:
     stamp: bool = False  # benchmarks: magnetometer X carries the send time (unix time mod 1000 s)
     nodelay: bool = True  # the ESP32's lwIP uses Nagle; the sim does not, so latency figures are the gateway's
     image_holds_cycle: bool = True  # firmware: a cycle with the image requested waits for the image
+
+
+@dataclass(frozen=True)
+class StopSeen:
+    robot: str
+    ts: float  # time.time() the stop's bytes arrived
+    monotonic: float  # time.monotonic() of the same moment (CLOCK_MONOTONIC: one clock for every process)
+
+    def to_json(self) -> str:
+        return json.dumps({"stop_seen": {"robot": self.robot, "ts": self.ts, "monotonic": self.monotonic}})
+
+
+class StopWatch:
+    """The first stop a simulated robot receives after `arm()`: the bus stop's time to the wire, for benchmarks
+    and tests. `seen` stays None until then; `listener` (if set) is told once, on the simulator's thread."""
+
+    def __init__(self, robot: str) -> None:
+        self.robot = robot
+        self.armed = False
+        self.seen: StopSeen | None = None
+        self.listener: Callable[[StopSeen], None] | None = None
+
+    def arm(self) -> None:
+        self.seen = None
+        self.armed = True
+
+    def received(self, left: int, right: int) -> None:
+        """Bytes that set these wheel speeds have just arrived."""
+        if self.armed and left == 0 and right == 0:
+            self.armed = False
+            self.seen = StopSeen(self.robot, time.time(), time.monotonic())
+            if self.listener is not None:
+                self.listener(self.seen)
 
 
 @dataclass
@@ -100,6 +139,7 @@ class EpuckSimRobot:
         self._client: asyncio.StreamWriter | None = None
         self._inject: list[bytes] = []
         self._last_physics = time.monotonic()
+        self.stop_watch = StopWatch(name)
 
     # -- lifecycle (on the simulator's loop) ----------------------------------------------------
     async def start(self) -> None:
@@ -173,6 +213,8 @@ class EpuckSimRobot:
                     self.stats.bad_commands += 1
                     continue
                 cmd = EpuckCommand.decode(data)
+                if not cmd.settings & SET_STEPS:  # bytes 3..6 are speeds, not step counters
+                    self.stop_watch.received(cmd.left, cmd.right)
                 self.stats.commands += 1
                 self.stats.received.append(cmd)
                 self.stats.received_at.append(time.time())
@@ -332,6 +374,14 @@ def main(argv: list[str] | None = None) -> None:
                          image_holds_cycle=not a.free_sensors)
     sim = EpuckSimulator(a.count, a.host, a.base_port, cfg)
 
+    def arm_stop_watches() -> None:
+        for r in sim.robots:
+            r.stop_watch.arm()
+        print(json.dumps({"stop_watch_armed": {"ts": time.time(), "monotonic": time.monotonic()}}), flush=True)
+
+    for r in sim.robots:
+        r.stop_watch.listener = lambda seen: print(seen.to_json(), flush=True)
+
     async def run() -> None:
         await sim.start()
         ports = ", ".join(f"{r.name}@{a.host}:{r.port}" for r in sim.robots)
@@ -343,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
             loop.add_signal_handler(sig, stop.set)
         # SIGUSR1: print the counters and keep running (benchmarks read them mid-run)
         loop.add_signal_handler(signal.SIGUSR1, lambda: print(json.dumps({"stats": sim.summary()}), flush=True))
+        # SIGUSR2: time-stamp each robot's first stop from now on (one stop_seen line per robot)
+        loop.add_signal_handler(signal.SIGUSR2, arm_stop_watches)
         await stop.wait()
         await sim.stop()
         print(json.dumps({"stats": sim.summary()}), flush=True)

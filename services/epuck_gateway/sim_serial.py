@@ -15,6 +15,11 @@ A pty moves bytes at memory speed; `line_baud` makes the robot's output take its
 `inject_input()` puts bytes in the robot's input as if another program had written them into the port
 (GDB packets from a flasher: the robot is then left in the middle of an ASCII line).
 
+`stop_watch` (sim.StopWatch) time-stamps the first stop the robot receives once armed: a `-0x09` or a
+binary `-D` with both speeds 0, or an ASCII `S` or `D,0,0` line, when its bytes arrive (before a reply in
+progress lets the F407 read them). From the command line, SIGUSR2 arms every robot; each prints a
+`{"stop_seen": ...}` line.
+
 Run one: python -m services.epuck_gateway.sim_serial --link /tmp/robobus-epuck-serial1
 """
 
@@ -50,11 +55,12 @@ from services.epuck_gateway.protocol import (
     COMMAND_ID,
     IMAGE_HEIGHT,
     IMAGE_WIDTH,
+    SET_STEPS,
     EpuckCommand,
     EpuckRawSensors,
     ProtocolError,
 )
-from services.epuck_gateway.sim import initial_world
+from services.epuck_gateway.sim import StopWatch, initial_world
 from services.epuck_gateway.simworld import EpuckWorld
 
 log = logging.getLogger("robobus.epuck.sim_serial")
@@ -110,6 +116,7 @@ class EpuckSerialSimRobot:
         self._pacer: asyncio.TimerHandle | None = None
         self._line_t: float | None = None  # paced line: when it is done with the bytes written so far
         self._last_physics = time.monotonic()
+        self.stop_watch = StopWatch(name)
 
     # -- the device comes and goes ----------------------------------------------------------------------
     def plug(self) -> None:
@@ -176,8 +183,32 @@ class EpuckSerialSimRobot:
         return self._parser.in_line
 
     def _receive(self, data: bytes) -> None:
-        self._inbox.extend(self._parser.feed(data))
+        items = self._parser.feed(data)
+        if self.stop_watch.armed:
+            for item in items:
+                self._watch(item)
+        self._inbox.extend(items)
         self._work()
+
+    def _watch(self, item: list[AsercomCommand] | str) -> None:
+        """Tell the stop watch about the wheel speeds a received chain or line sets."""
+        if isinstance(item, str):
+            try:
+                letter, args = parse_ascii_reply(item)
+            except ProtocolError:
+                return
+            if letter.upper() == "S":
+                self.stop_watch.received(0, 0)
+            elif letter.upper() == "D" and len(args) == 2:
+                self.stop_watch.received(args[0], args[1])
+            return
+        for c in item:
+            if c.code == 0x09 and len(c.args) == 19 and not c.args[0] & SET_STEPS:
+                cmd = EpuckCommand.decode(bytes([COMMAND_ID, 0]) + c.args)
+                self.stop_watch.received(cmd.left, cmd.right)
+            elif c.code == ord("D") and len(c.args) == 4:
+                left, right = struct.unpack("<2h", c.args)
+                self.stop_watch.received(left, right)
 
     def _work(self) -> None:
         while self._inbox:
@@ -436,6 +467,13 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s epuck-serial-sim %(message)s")
     sim = EpuckSerialSimulator(a.count, a.link, EpuckSerialSimConfig(stamp=a.stamp))
+    for r in sim.robots:
+        r.stop_watch.listener = lambda seen: print(seen.to_json(), flush=True)
+
+    def arm_stop_watches() -> None:
+        for r in sim.robots:
+            r.stop_watch.arm()
+        print(json.dumps({"stop_watch_armed": {"ts": time.time(), "monotonic": time.monotonic()}}), flush=True)
 
     async def run() -> None:
         await sim.start()
@@ -444,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # SIGUSR2: time-stamp each robot's first stop from now on (one stop_seen line per robot)
+        loop.add_signal_handler(signal.SIGUSR2, arm_stop_watches)
         await stop.wait()
         await sim.stop()
 

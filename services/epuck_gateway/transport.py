@@ -19,6 +19,11 @@ one. With the robot's count off by at most the cycle in progress, and one livene
 stays below 5. A stop therefore leaves at once even when the robot's cycle is slow (0.5 fps images:
 one cycle per image, 2 s), and `request_write(on_written)` says when it left.
 
+The bus stop (`write_stop`) is written at once whatever the robot's queue holds: the firmware ends with the
+newest command either way (it takes them in order, or flushes all but the newest at 5), and a stop carries no
+one-shot, so nothing it coalesces over can be lost. A robot whose link is down keeps its last speeds (no
+watchdog on the robot); its stop is the next connection's first command, which always has speeds 0.
+
 Health is the kit's link supervisor's (shared/link.py, docs/kit.md "Health"): the link reports what
 happens (attempt, opened, failed, data, garbage, closed) and reconnects on the supervisor's back-off,
 probing once per probe period once the robot is `unreachable`. The budget it gives the supervisor is the
@@ -110,6 +115,9 @@ ErrorHandler = Callable[[FramingError], None]
 # Told when a requested write has left the gateway: the wall-clock time, or None when the link went down
 # before it could be written.
 WrittenHandler = Callable[[float | None], None]
+# Told when a stop owed to a robot whose link was down has left: the wall-clock time of the next connection's
+# first command (speeds 0).
+OwedHandler = Callable[[float], None]
 
 
 def budget_s(seconds: float) -> float:
@@ -216,6 +224,8 @@ class EpuckLink:
         self._untaken: collections.deque[int] = collections.deque()
         self._last_written = b""
         self._written: list[WrittenHandler] = []
+        self.owed_stop: OwedHandler | None = None  # a bus stop decided while the link was down (write_stop)
+        self._session_writes = 0  # commands written on this connection (the first must be alone: reference §3)
         self.motion_deadline: float | None = None  # the serial link's surface; a WiFi write never waits on a frame
         self._written_request = 0
         self._probed_at = -1.0
@@ -238,6 +248,23 @@ class EpuckLink:
             self._written.append(on_written)
         self._flush()
         return True
+
+    def write_stop(self, on_owed: OwedHandler) -> float | None:
+        """The bus stop, already in the controller (speeds 0, no one-shots): write the whole state now, past the
+        limit of untaken commands and even if it is the state last written, and return the time it left. The
+        robot applies it at its next cycle (the firmware takes one queued command per cycle, and flushes all but
+        the newest at 5 queued: reference epuck2.md §4, so the stop, written last, is what it ends with).
+        No link: None, and `on_owed(time)` when the next connection's first command (speeds 0) has left."""
+        if not self.connected or self._transport is None or self._closing:
+            self.owed_stop = on_owed
+            return None
+        self.stats.commands_requested += 1
+        if not self._accepted and self._session_writes <= 1:
+            # Only the connection's first command (speeds 0, from on_link_up) has gone: the robot holds the stop
+            # already, and a second command in the first's TCP segment would make it refuse both (reference §3).
+            self._dirty = True
+            return time.time()
+        return self._write_state(force=True)
 
     async def close(self) -> None:
         """Stop the robot (speeds 0, LEDs off, stop sound, request 0), wait for its 0x03, close."""
@@ -327,6 +354,7 @@ class EpuckLink:
         self._accepted = False
         self._dirty = False
         self._untaken.clear()
+        self._session_writes = 0
         # The robot sends nothing until its first command: send it at once, alone in its segment (the
         # firmware takes the first command only as exactly 21 bytes). Later writes wait for its packets.
         first = self.controller.on_link_up()
@@ -340,6 +368,9 @@ class EpuckLink:
         self._write(self._last_written)
         self._untaken.append(self.parser.packets)
         self.controller.sent(self.parser.packets, False)
+        owed, self.owed_stop = self.owed_stop, None
+        if owed is not None:  # a stop decided while the link was down: this first command (speeds 0) is it
+            owed(time.time())
         log.info("robot connected", extra={"robot": self.name, "host": self.config.host, "port": self.config.port})
         self._arm_watchdog(self.liveness.allowed_silence())
         try:
@@ -358,10 +389,15 @@ class EpuckLink:
     def _flush(self) -> None:
         if not (self._dirty and self._accepted) or self._closing or len(self._untaken) >= MAX_UNTAKEN:
             return  # the first command not answered yet, or the robot's queue is full enough: wait for a cycle
+        self._write_state(force=False)
+
+    def _write_state(self, force: bool) -> float:
+        """Write the controller's whole state (unless it is the state last written and not `force`); tell the
+        waiting listeners; the time it left."""
         cmd = self.controller.build()
         data = cmd.encode()
         self._dirty = False
-        if data != self._last_written:
+        if force or data != self._last_written:
             self._written_request = cmd.request
             self.liveness.set_request(cmd.request)
             self._set_budget()
@@ -370,7 +406,9 @@ class EpuckLink:
             mark = self.parser.packets + (1 if self.parser.in_packet else 0)
             self._untaken.append(mark)
             self.controller.sent(self.parser.packets, self.parser.in_packet)
-        self._tell_written(time.time())  # written now, or the robot already holds this very state
+        ts = time.time()
+        self._tell_written(ts)  # written now, or the robot already holds this very state
+        return ts
 
     def _tell_written(self, ts: float | None) -> None:
         written, self._written = self._written, []
@@ -443,6 +481,7 @@ class EpuckLink:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
             self.stats.commands_sent += 1
+            self._session_writes += 1
 
     # -- protocol callbacks -------------------------------------------------------------------
     def _on_lost(self, reason: str) -> None:
