@@ -133,7 +133,10 @@ def login(ctx: Any, stack: Stack, user: str) -> Any:
     expect(page.locator("#connect input[name=url]")).to_have_value(f"ws://127.0.0.1:{stack.ws_port}", timeout=T)
     page.fill("#connect input[name=password]", creds(stack.secrets, user)[1])
     page.click("#connect button[type=submit]")
-    page.wait_for_selector("#conn[data-state=connected]", timeout=T)
+    try:
+        page.wait_for_selector("#conn[data-state=connected]", timeout=T)
+    except Exception as exc:
+        raise AssertionError(f"{user} not connected: {page.inner_text('#conn')!r}; {errors}") from exc
     return page
 
 
