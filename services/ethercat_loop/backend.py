@@ -109,6 +109,11 @@ class HandBackend(ABC):
         """A count that moves with every valid status received (the service feeds the link supervisor from it,
         off the cycle); cheap: no decoding, no lock the cycle takes."""
 
+    def stop_sent_ns(self, seq: int) -> int | None:
+        """When the first frame built after bus stop number `seq` (control.BusStop, or a later one) left for the
+        palm (CLOCK_MONOTONIC ns); None while it has not. Cheap: the service asks until it has."""
+        return None
+
     def connected(self) -> bool:
         """info()["connected"], cheap enough to ask on every command (backends may answer from state
         their own threads keep current)."""

@@ -49,6 +49,7 @@ class DriverControls(Protocol):
     def queue_demands(self, demands: dict[int, int]) -> None: ...
     def set_mode(self, mode: ControlMode) -> None: ...
     def halt(self, enable: bool) -> None: ...
+    def bus_stop(self, seq: int) -> None: ...
     def queue_to_motors(self, kind: int, words: dict[int, int], config: bool) -> None: ...
     def set_can_direct(self, enable: bool, flush: bool) -> None: ...
     def queue_can_tx(self, frames: tuple[CanFrame, ...]) -> None: ...
@@ -111,6 +112,19 @@ class NullifyDemands(_Message):
 
     def apply(self, d: DriverControls) -> None:
         d.nullified = self.enable
+
+
+@dataclass(frozen=True)
+class BusStop(_Message):
+    """The bus-wide software stop (docs/kit.md, "Stopping everything"): every demand zero from the next frame on
+    and kept zero (the original `nullify_demand`'s effect), the demands held so far forgotten (nothing resumes
+    after the release: a motor moves again only on a new demand), queued jiggling dropped. `seq` numbers the
+    stops: the cycle reports when the first frame built after it left (`PalmDriver.stop_seq`)."""
+
+    seq: int
+
+    def apply(self, d: DriverControls) -> None:
+        d.bus_stop(self.seq)
 
 
 @dataclass(frozen=True)
@@ -292,5 +306,5 @@ class ReinitializeMotors(_Message):
         d.reinitialize()
 
 
-ControlMessage = (SetControlMode | SetDemands | NullifyDemands | SetMotorConfig | SystemControls | ResetMotors
+ControlMessage = (SetControlMode | SetDemands | NullifyDemands | BusStop | SetMotorConfig | SystemControls | ResetMotors
                   | SetTestMode | SetCanDirect | CanTx | Halt | SetPolling | ReinitializeMotors)

@@ -31,6 +31,7 @@ from services.ethercat_loop.protocol import (
     FromMotorDataType,
     FromMotorSlowDataType,
     PalmStatus,
+    SystemControl,
     ToMotorDataType,
     command_packer,
     flag_names,
@@ -180,6 +181,7 @@ class PalmDriver:
         self.can_direct = False
         self.halted = False
         self.nullified = False
+        self.stop_seq = 0  # the last bus stop applied (control.BusStop): the backends report its first frame
         self.non_demand_streak = 0
         self.start_ns: int | None = None
         self.phase = "init"
@@ -221,6 +223,22 @@ class PalmDriver:
         self.halted = enable
         if enable:
             self._zero_demands()
+
+    def bus_stop(self, seq: int) -> None:
+        """The bus stop: every demand zero from this cycle's frame on, and forgotten (the deadman's state too),
+        so nothing resumes by itself; a jiggle not yet sent is dropped (the other controls, resets and configs
+        move nothing). Demand frames go on every cycle, all zero, as long as no new demand comes."""
+        self.stop_seq = seq
+        self._zero_demands()
+        jiggle = int(SystemControl.INITIATE_JIGGLING)
+        kept: deque[tuple[int, dict[int, int]]] = deque(maxlen=self._controls.maxlen)
+        for kind, words in self._controls:
+            if kind == ToMotorDataType.SYSTEM_CONTROLS:
+                words = {m: v & ~jiggle for m, v in words.items() if v & ~jiggle}
+                if not words:
+                    continue
+            kept.append((kind, words))
+        self._controls = kept
 
     def queue_to_motors(self, kind: int, words: dict[int, int], config: bool) -> None:
         """One TO_MOTOR word per motor for one cycle: a config step (pushed whole, in order) or a system

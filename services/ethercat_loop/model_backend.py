@@ -62,6 +62,7 @@ class ModelBackend(HandBackend):
         self._batching = False  # quiescent: the thread sleeps through releases and runs them in a batch
         self._wakeup = threading.Event()
         self.error = ""
+        self._stop_sent = (0, 0)  # (bus stop number, CLOCK_MONOTONIC ns of the command that first carried it)
 
     # -- HandBackend ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -131,6 +132,10 @@ class ModelBackend(HandBackend):
             self._catch_up(time.monotonic_ns())  # a batch slept through counts its statuses when asked
             return int(self.driver.c["statuses"])
 
+    def stop_sent_ns(self, seq: int) -> int | None:
+        num, at = self._stop_sent  # one tuple: the number and its time together
+        return at if num >= seq else None
+
     def connected(self) -> bool:
         return self._running and self._no_status_run < self.error_after_lost
 
@@ -194,11 +199,15 @@ class ModelBackend(HandBackend):
 
     def _step(self, now_ns: int, apply_inbox: bool) -> None:
         """One cycle: messages (only at a woken release), driver, model, loss bookkeeping."""
+        applied = False
         if apply_inbox:
             while not self._inbox.empty():
                 self._inbox.get_nowait().apply(self.driver)
+                applied = True
         command = self.driver.cycle(self._status, now_ns)
         status: bytes | None = self.model.exchange(command)
+        if applied and self.driver.stop_seq != self._stop_sent[0]:  # a bus stop went out with this command
+            self._stop_sent = (self.driver.stop_seq, time.monotonic_ns())
         if self.lose_next > 0:
             self.lose_next -= 1
             status = None

@@ -17,6 +17,7 @@ from services.ethercat_loop.backend import BackendUnavailable, HandBackend, buil
 from services.ethercat_loop.bridge import BridgeLease, Lease, frame_in, frame_out
 from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.control import (
+    BusStop,
     CanFrame,
     CanRxFrame,
     CanTx,
@@ -71,23 +72,32 @@ from services.ethercat_loop.protocol import (
     EXPECTED_CHANNELS,
     NUM_MOTORS,
     SENSOR_NAMES,
+    CanDirection,
     EdcCommand,
     MotorFlag,
     SystemControl,
     config_crc,
     serious_flags,
     split_channel_word,
+    split_sid,
 )
 from services.ethercat_loop.settings import EthercatSettings, link_policy, overrun_threshold
 from services.ethercat_loop.snapshot import PalmSnapshot
 from shared import CommandError, Device, ErrorCode, Node, ServiceAPI, ServiceUnavailable
 from shared.link import LinkState, SupervisedLink
+from shared.messages import StopState
+from shared.stop import LATER
 
 __all__ = ["API", "EthercatSettings", "PalmService", "build", "make_backend"]
 log = logging.getLogger("robobus.ethercat")
 SEND_CAN_HOLDER = "_send_can"
 RECOVERY_STEPS_SHOWN = 12
 TEST_HOLDER = "_test_adc_channels"
+# the bus stop (docs/kit.md, "Stopping everything"): a BusStop the cycle has not confirmed is sent again this often
+# (lost with a cycle process that died, or submitted before the palm was in OP); the write is reported as failed
+# after STOP_WRITE_GRACE_S without a frame carrying it
+STOP_RESEND_S = 0.1
+STOP_WRITE_GRACE_S = 5.0
 
 
 
@@ -108,29 +118,36 @@ STOPPED = API.event("stopped", PalmStopped)
 _NORMAL = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY]
 SET_MODE = API.command("set_control_mode", PalmControlModeRequest, PalmAck, errors=_NORMAL,
                        doc="Torque or PWM control; switching zeroes every demand")
-SET_DEMANDS = API.command("set_demands", PalmDemandsRequest, PalmDemandsReply, errors=_NORMAL,
+SET_DEMANDS = API.command("set_demands", PalmDemandsRequest, PalmDemandsReply, errors=_NORMAL, motion=True,
                           doc="Demands by joint or motor id, range-checked for the mode; they expire after "
-                              "demand_timeout_ms (default 100) unless renewed")
+                              "demand_timeout_ms (default 100) unless renewed; refused while the bus stop is "
+                              "active")
 NULLIFY = API.command("nullify_demands", PalmNullifyRequest, PalmAck,
                       doc="Zero every demand now and, while enabled, keep them zero")
+# a config moves a motor held at a zero torque demand (new strain gauge references, sign, deadband): motion
 SET_CONFIG = API.command("set_motor_config", PalmMotorConfigRequest, PalmMotorConfigReply, errors=_NORMAL,
-                         doc="Push an FPID config (one type per cycle, then the CRC)")
-SYSTEM = API.command("system_controls", PalmSystemControlsRequest, PalmSystemControlsReply, errors=_NORMAL,
-                     doc="Reset motors, backlash compensation, gauge tracking, jiggle, write EEPROM")
+                         motion=True, doc="Push an FPID config (one type per cycle, then the CRC); refused while "
+                                          "the bus stop is active")
+SYSTEM = API.command("system_controls", PalmSystemControlsRequest, PalmSystemControlsReply,
+                     errors=[*_NORMAL, ErrorCode.STOPPED],
+                     doc="Reset motors, backlash compensation, gauge tracking, jiggle, write EEPROM; a jiggle "
+                         "moves the motors: refused with `stopped` while the bus stop is active")
 TEST_ADC = API.command("test_adc_channels", PalmAdcTestRequest, PalmAdcTestReply,
                        errors=[*_NORMAL, ErrorCode.TIMEOUT],
                        doc="The seed's TestADCChannelNumbers: read every sensor's ADC/channel id in "
                            "SENSOR_CHANNEL_NUMBERS mode and compare with the expected wiring")
-SEND_CAN = API.command("send_can", PalmSendCanRequest, PalmSendCanReply, errors=_NORMAL,
+SEND_CAN = API.command("send_can", PalmSendCanRequest, PalmSendCanReply, errors=[*_NORMAL, ErrorCode.STOPPED],
                        doc="The seed's SendCanMessage: send one frame in CAN direct mode and return the frames "
-                           "received within window_ms")
+                           "received within window_ms; a TO_MOTOR frame (SID bits 10:9 = 1: a demand, a control) "
+                           "is refused with `stopped` while the bus stop is active")
 LEASE = API.command("bridge_lease", PalmBridgeLeaseRequest, PalmBridgeLease, errors=_NORMAL,
                     doc="Take (or renew) the exclusive CAN bridge: CAN direct mode, demands zero, until released "
                         "or the holder is quiet for ttl_ms; `busy` if another holder has it")
 RELEASE = API.command("bridge_release", PalmBridgeReleaseRequest, PalmEmpty,
                       doc="Give the CAN bridge back; the hand returns to normal operation")
 CAN_TX = API.stream("can_tx", PalmCanTx, "in",
-                    doc="Frames for the leased CAN bridge (one per cycle to the wire); renews the lease")
+                    doc="Frames for the leased CAN bridge (one per cycle to the wire); renews the lease; while the "
+                        "bus stop is active, TO_MOTOR frames (SID bits 10:9 = 1) are dropped and counted")
 CAN_RX = API.stream("can_rx", PalmCanRx, "out", doc="Frames received through the leased CAN bridge")
 
 
@@ -185,6 +202,10 @@ class PalmService:
         # health: the kit's link supervisor (docs/kit.md, "Health"), fed from what this process reads of the
         # cycle (the count of valid statuses, the cycle process's starts, deaths and exits), never from the cycle
         self.link = self.dev.supervise_link(link_policy(settings))
+        # the bus stop: the last BusStop submitted, not yet confirmed by the cycle (number, since, last sent)
+        self._bus_stop_lock = threading.Lock()
+        self._bus_stop_no = 0
+        self._bus_stop_pending: tuple[int, float, float] | None = None
         self._fault_lock = threading.Lock()
         self._kind_fault = ""  # the backend's: not the palm configured
         self._device_faults = ""  # the palm's: serious motor flags, silent motors
@@ -205,6 +226,8 @@ class PalmService:
         d.bind(LEASE, self.bridge_lease)
         d.bind(RELEASE, self.bridge_release)
         d.on_stream(CAN_TX, self._on_can_tx)
+        # only enqueues (the control pipe, as nullify_demands): on the MQTT network thread, at once
+        d.on_stop(self._bus_stop, inline=True)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -227,6 +250,8 @@ class PalmService:
             now = time.monotonic()
             self._feed_link()
             self._check_lease(now)
+            if self._bus_stop_pending is not None:
+                self._check_bus_stop(now)
             names = [n for n, t in due.items() if now >= t]
             at = {n: due[n] for n in names}  # when each was meant to go: the kit's rate cap counts that
             for n in names:
@@ -248,6 +273,8 @@ class PalmService:
                     self._health(snap)
             # awake at least every fifth of the liveness budget, to feed the link whatever the state rates
             feed_by = now + min(0.05, self.settings.ethercat_liveness_s / 5)
+            if self._bus_stop_pending is not None:  # a stop's frame to report: look again soon
+                feed_by = now + 0.001
             self._stop.wait(max(0.0005, min(*due.values(), next_health, feed_by) - time.monotonic()))
 
     def _feed_link(self) -> None:
@@ -261,6 +288,64 @@ class PalmService:
                 self._heard_since = time.monotonic()
                 self._health(self.backend.snapshot(), arriving=True)
             self.link.data()
+
+    # -- the bus stop (docs/kit.md, "Stopping everything") ------------------------------------------------
+    def _bus_stop(self, stop: StopState) -> object:
+        """The palm's stop action, on the MQTT network thread: a BusStop down the control pipe, the path of
+        nullify_demands (the original driver's `nullify_demand`): from the next frame on every demand is zero, and
+        stays zero, sent every cycle. The kit refuses every demand meanwhile. Reported (`stop_written`) with the
+        time the first frame carrying it left, once the cycle says so (`_check_bus_stop`)."""
+        now = time.monotonic()
+        with self._bus_stop_lock:
+            self._bus_stop_no += 1
+            seq = self._bus_stop_no
+            self._bus_stop_pending = (seq, now, now)
+        self.backend.submit(BusStop(seq))
+        return LATER
+
+    def _check_bus_stop(self, now: float) -> None:
+        """Publisher thread, while a stop's frame is not reported: report it once the cycle sent it; send the
+        stop again while the cycle has not (a cycle process that died took it along, or the palm was not in OP
+        yet: a new cycle starts with zero demands anyway); give up, saying why, after STOP_WRITE_GRACE_S."""
+        with self._bus_stop_lock:
+            pending = self._bus_stop_pending
+        if pending is None:
+            return
+        seq, since, sent = pending
+        at_ns = self.backend.stop_sent_ns(seq)
+        error = ""
+        if at_ns is None:
+            connected = self.backend.connected()
+            if now - since < STOP_WRITE_GRACE_S:
+                if connected and now - sent >= STOP_RESEND_S:
+                    with self._bus_stop_lock:
+                        if self._bus_stop_pending == pending:
+                            self._bus_stop_pending = (seq, since, now)
+                    self.backend.submit(BusStop(seq))
+                return
+            error = ("the cycle did not report the stop's frame within "
+                     f"{STOP_WRITE_GRACE_S:.0f} s" if connected else
+                     "the palm is not in OP: no frame carried the stop (its motors get no demand at all, and stop "
+                     "on their own 20 ms no-demand timeout; a cycle that starts again starts with zero demands)")
+        with self._bus_stop_lock:
+            if self._bus_stop_pending != pending:
+                return  # a newer stop: its own report
+            self._bus_stop_pending = None
+        if error:
+            log.error("bus stop not confirmed on the wire: %s", error)
+            self.dev.stop_written(error=error)
+        else:
+            assert at_ns is not None
+            self.dev.stop_written(at=time.time() - (time.monotonic_ns() - at_ns) / 1e9)
+
+    def _motion_payload(self) -> int:
+        """The kit's gate (the node's stop latch) for a command that moves only with some payloads: `stopped`
+        while the bus stop is active, `unavailable` until the node has read it; the activation count for
+        `_motion_done`."""
+        return self.node.stop_latch.admit()
+
+    def _motion_done(self, gen: int) -> None:
+        self.node.stop_latch.done(self.dev, gen)
 
     def _apply_fault(self, kind: str | None = None, device: str | None = None) -> None:
         """The one `error` of the device: a palm of the wrong kind (the backend) and the faults the palm reports
@@ -537,10 +622,15 @@ class PalmService:
             bits |= SystemControl.EEPROM_WRITE
         if not bits and not req.reset:
             raise CommandError(ErrorCode.INVALID_REQUEST, "nothing to do: set reset or a control")
-        if req.reset:
-            self._submit(ResetMotors(motors))
-        if bits:
-            self._submit(SystemControls(motors, int(bits)))
+        gen = self._motion_payload() if req.jiggle else None  # jiggling moves the motors: the bus stop's gate
+        try:
+            if req.reset:
+                self._submit(ResetMotors(motors))
+            if bits:
+                self._submit(SystemControls(motors, int(bits)))
+        finally:
+            if gen is not None:
+                self._motion_done(gen)
         return PalmSystemControlsReply(motors=list(motors), controls=int(bits), reset=req.reset)
 
     def _wait_snapshot(self, pred: Any, timeout_s: float) -> PalmSnapshot | None:
@@ -582,6 +672,15 @@ class PalmService:
         data = bytes.fromhex(req.data)
         if req.length is not None:
             data = data[:req.length]
+        # a TO_MOTOR frame (a demand, a control) can move a motor: the bus stop's gate (reference §1.9)
+        gen = self._motion_payload() if split_sid(req.sid)[0] == CanDirection.TO_MOTOR else None
+        try:
+            return self._send_can(req, data)
+        finally:
+            if gen is not None:
+                self._motion_done(gen)
+
+    def _send_can(self, req: PalmSendCanRequest, data: bytes) -> PalmSendCanReply:
         lease = self.lease.acquire(SEND_CAN_HOLDER, req.window_ms + 2000, time.monotonic())
         try:
             with self._lease_lock:
@@ -640,8 +739,13 @@ class PalmService:
         if not self.lease.touch(msg.lease_id, time.monotonic()):
             self.node.count_decode_error(f"can_tx for lease {msg.lease_id!r}, which is not held")
             return
-        if msg.frames:
-            self.backend.submit(CanTx(tuple(frame_in(f) for f in msg.frames)))
+        frames = msg.frames
+        if frames and self.node.stop_latch.active:  # the bus stop: no TO_MOTOR frame (reference §1.9) leaves
+            frames = [f for f in frames if split_sid(f.sid)[0] != CanDirection.TO_MOTOR]
+            for _ in range(len(msg.frames) - len(frames)):
+                self.node.count_decode_error("can_tx: a TO_MOTOR frame dropped while the bus stop is active")
+        if frames:
+            self.backend.submit(CanTx(tuple(frame_in(f) for f in frames)))
 
     def _on_can_rx(self, frames: list[CanRxFrame]) -> None:
         with self._lease_lock:

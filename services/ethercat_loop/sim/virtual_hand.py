@@ -7,6 +7,13 @@ Run it on one end of a veth pair (netns.py does the plumbing):
 Faults are injected at run time through the control socket (`HandControl`), or from the start
 with --drop-every / --delay-every / --answer-twice / --late-us.
 
+The bus stop's stamp (tests, bench/stop.py): once armed (the control op `watch_stop`, or `--watch-stop`, re-armed
+by SIGHUP), the palm stamps the first demand frame (TO_MOTOR type DEMAND_TORQUE or DEMAND_PWM) whose 20 demands are
+all zero, with the kernel's receive time of that frame at the hand's port (CLOCK_MONOTONIC and Unix), its
+process-data frame number and how many demand frames with a non-zero demand came between the arming and it (0: the
+motors were at rest already). The op `stop_stamp` returns it (null until then); `--watch-stop` prints it as one
+JSON line on stdout (`{"event": "stop_bytes", ...}`).
+
 The palm firmware loads its status after it has processed the command (reference §1.10), so the
 status a master reads in frame N answers command N-1; the model runs after the reply has left, which
 also keeps the Python model's cost out of the master's round trip.
@@ -37,7 +44,14 @@ import numpy as np
 import numpy.typing as npt
 
 from services.ethercat_loop.loop_stats import percentiles
-from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, PalmCommand, ProtocolInfo, unpack_command
+from services.ethercat_loop.protocol import (
+    BRIDGE_PRODUCT_CODE,
+    PROTOCOLS,
+    PalmCommand,
+    ProtocolInfo,
+    ToMotorDataType,
+    unpack_command,
+)
 from services.ethercat_loop.sim.esc import AL_CODE_SM_WATCHDOG, OP, REG_FMMU0, SAFEOP, Esc, EscChain, ExpectedSm
 from services.ethercat_loop.sim.esc_frames import (
     ETH_HEADER_LEN,
@@ -184,6 +198,33 @@ class PalmFirmware:
         self.zero_run = 0  # consecutive commands with every motor demand at zero
         # (CLOCK_MONOTONIC ns, process-data frame number, command hex) of every command that differed
         self.changes: deque[tuple[int, int, str]] = deque(maxlen=50_000)
+        # the bus stop's stamp (module docstring): armed by watch_stop(), the first all-zero demand frame after it
+        self.watching = False
+        self.stop_stamp: dict[str, Any] | None = None
+        self.on_stamp: Callable[[dict[str, Any]], None] | None = None
+        self._moving_since_armed = 0  # demand frames with a non-zero demand since the watch was armed
+        self._demand_frames_since_armed = 0
+
+    def watch_stop(self) -> None:
+        """Arm the stop watch (again): forget the stamp; the next all-zero demand frame is stamped."""
+        self.stop_stamp = None
+        self._moving_since_armed = self._demand_frames_since_armed = 0
+        self.watching = True
+
+    def _watch_demands(self, cmd: PalmCommand, zero: bool, rx_ns: int) -> None:
+        if cmd.to_motor_data_type not in (ToMotorDataType.DEMAND_TORQUE, ToMotorDataType.DEMAND_PWM):
+            return
+        self._demand_frames_since_armed += 1
+        if not zero:
+            self._moving_since_armed += 1
+            return
+        self.watching = False
+        mono = time.monotonic_ns()
+        self.stop_stamp = {"monotonic_ns": rx_ns, "monotonic": rx_ns / 1e9, "unix": time.time() - (mono - rx_ns) / 1e9,
+                           "pd_frame": self.stats.pd_frames, "demand_frames": self._demand_frames_since_armed,
+                           "moving_frames_before": self._moving_since_armed}
+        if self.on_stamp is not None:
+            self.on_stamp(self.stop_stamp)
 
     def after_frame(self, now_ns: int) -> None:
         events = self.esc.take_sm_events()
@@ -196,6 +237,8 @@ class PalmFirmware:
         decoded = unpack_command(cmd, self.info.name)
         zero = isinstance(decoded, PalmCommand) and not any(decoded.motor_data)
         self.zero_run = self.zero_run + 1 if zero else 0
+        if self.watching and isinstance(decoded, PalmCommand):
+            self._watch_demands(decoded, zero, now_ns)
         status = self.model.exchange(cmd)
         self.esc.pdi_write(self.status_at, status[: self.info.status_size])
         self.stats.palm_cycles += 1
@@ -321,6 +364,11 @@ class VirtualHand:
             self.power_cycle(int(msg.get("off_ms", 300)), None if msg.get("serial") is None else int(msg["serial"]))
         elif op == "fmmus_off":
             self.palm.deactivate_fmmus()
+        elif op == "watch_stop":  # arm the bus stop's stamp (again)
+            self.firmware.watch_stop()
+            return {"ok": True, "watching": True}
+        elif op == "stop_stamp":  # the first all-zero demand frame since watch_stop (None: none yet)
+            return {"ok": True, "watching": self.firmware.watching, "stamp": self.firmware.stop_stamp}
         elif op == "changes":
             out: list[tuple[int, int, str]] = []
             while self.firmware.changes and len(out) < int(msg.get("max", 400)):
@@ -577,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="send every process-data reply this late (scheduled: the frames behind it are not held up)")
     p.add_argument("--garbage", action="store_true",
                    help="no slave: answer every EtherCAT frame with garbage (a non-EtherCAT frame, random datagrams)")
+    p.add_argument("--watch-stop", action="store_true",
+                   help="stamp the first all-zero demand frame (the bus stop's bytes) and print it as one JSON line "
+                        '({"event": "stop_bytes", "unix", "monotonic", ...}); SIGHUP re-arms the watch')
     p.add_argument("--fmmus-on-safeop", action="store_true",
                    help="FMMUs take effect only on the PRE-OP -> SAFE-OP transition (as some slaves do)")
     a = p.parse_args(argv)
@@ -601,6 +652,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    if a.watch_stop:
+        hand.firmware.on_stamp = lambda stamp: print(json.dumps({"event": "stop_bytes", **stamp}), flush=True)
+        hand.firmware.watch_stop()
+        signal.signal(signal.SIGHUP, lambda _s, _f: hand.firmware.watch_stop())
     print(f"virtual_hand: {opts.protocol} palm (product {palm_product(opts):#x}, serial {opts.serial}) "
           f"behind the bridge on {a.iface}", flush=True)
     # what exists now lives for the whole run: out of the collector's sight; young collections only,

@@ -239,6 +239,8 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
     ctl_poll = select.poll()
     ctl_poll.register(ctl.fileno(), select.POLLIN)
     submitted: list[int] = []  # submit times of the commands applied this cycle
+    k_stop_sent_ns, k_stop_seq = C["stop_sent_ns"], C["stop_seq"]
+    stop_seen = driver.stop_seq
     wc = master.counters
     period = cfg.period_ns
     sleeper = AbsoluteSleeper()
@@ -342,6 +344,10 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
             for t_sub in submitted:
                 h_cmd[min((sent_ns - t_sub) // 1000, HIST_US)] += 1
             submitted.clear()
+            if driver.stop_seq != stop_seen:  # a bus stop was applied: this frame carries it (zero demands)
+                stop_seen = driver.stop_seq
+                cnt[k_stop_sent_ns] = sent_ns  # the time first: a reader that sees the number sees its time
+                cnt[k_stop_seq] = stop_seen
         cycle += 1
         cnt[k_cycles] = cycle
         cnt[k_frames] = wc.frames

@@ -556,6 +556,13 @@ class ProcessBackend(HandBackend):
         shm = self._shm
         return shm.seq("raw") if shm is not None else 0
 
+    def stop_sent_ns(self, seq: int) -> int | None:
+        """The cycle writes the time, then the stop's number, in the cycle that sent its first frame."""
+        shm = self._shm
+        if shm is None or shm.get("stop_seq") < seq:
+            return None
+        return shm.get("stop_sent_ns")
+
     def connected(self, no_data: bool | None = None) -> bool:
         """Valid process data are being exchanged: the cycle is in OP (by its own account, kept current by
         the monitor thread every 50 ms) and the last `error_after_lost` cycles were not all without a valid

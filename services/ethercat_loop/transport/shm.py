@@ -34,6 +34,9 @@ COUNTERS = (
     "outages",  # runs of error_after_lost cycles without a valid status (motors cut out), counted as they begin
     "stale",  # replies that did not belong to the frame just sent (dropped; not the same as lost frames)
     "submits",  # by the MQTT side: control messages written whole to the pipe (the cycle reads it when this moved)
+    # the bus stop (control.BusStop): when the first frame built after stop number `stop_seq` left (CLOCK_MONOTONIC
+    # ns); written by the cycle, time first, only in a cycle that applied control messages
+    "stop_sent_ns", "stop_seq",
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64
