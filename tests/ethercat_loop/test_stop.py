@@ -236,12 +236,16 @@ def test_the_stop_zeroes_every_demand_on_the_wire_refuses_motion_and_the_release
         rep = rig.call(cmd, payload)
         assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped", (cmd, rep)
         assert "cell door open" in rep.error["message"]
-    # read-only commands answer; the mode switch too (it zeroes demands): its frame marks the end of the window
+    # read-only commands answer, and the commands that move nothing (the mode, nullify, a backlash control, whose
+    # frame marks the end of the window: the pipe is ordered, so a refused command's demand would be before it)
     rep = rig.call("test_adc_channels", {})
     assert rep.ok and rep.result["matches"] is True, rep
-    assert rig.call("set_control_mode", {"mode": "torque"}).ok
-    window = rig.until_on_wire(lambda c: c.to_motor_data_type == ToMotorDataType.DEMAND_TORQUE, "the mode switch")
-    assert all(demanding(c) and not any(c.motor_data) for c in window), window
+    assert rig.call("set_control_mode", {"mode": "pwm"}).ok  # the mode it is in: the held demands stay as they are
+    assert rig.call("nullify_demands", {"enable": True}).ok
+    assert rig.call("system_controls", {"motors": [3], "backlash": True}).ok
+    window = rig.until_on_wire(lambda c: c.to_motor_data_type == ToMotorDataType.SYSTEM_CONTROLS, "the control")
+    assert not any(moving(c) for c in window), window
+    assert all(c.motor_data[3] == SystemControl.BACKLASH_COMPENSATION_ENABLE for c in window[-1:]), window
 
     # the release: nothing moves by itself, not even when the demands are enabled again (nullify off): the demand
     # held before the stop (for 10 s) is forgotten; a backlash control marks the end of the window
@@ -250,7 +254,7 @@ def test_the_stop_zeroes_every_demand_on_the_wire_refuses_motion_and_the_release
     assert a["devices"][0]["stopped"] is False
     rig.health(lambda h: h.get("state") != "stopped", "health no longer stopped")
     assert rig.call("nullify_demands", {"enable": False}).ok
-    assert rig.call("system_controls", {"motors": [3], "backlash": True}).ok
+    assert rig.call("system_controls", {"motors": [3], "backlash": False}).ok
     window = rig.until_on_wire(lambda c: c.to_motor_data_type == ToMotorDataType.SYSTEM_CONTROLS, "the control")
     assert not any(moving(c) for c in window), window
     assert not any(moving(c) for c in rig.until_on_wire(demanding, "a demand frame after the control"))
