@@ -287,6 +287,19 @@ def test_a_node_started_while_the_stop_is_active_comes_up_stopped(rig_factory: C
     wait_for(lambda: rig.ctl.call("stats")["pd_frames"] > frames + 50, DEADLINE, "frames")
     assert not any(moving(decoded(c[2])) for c in rig.changes())
 
+    # the raw CAN bridge: the lease is granted (a flash may go on), but a TO_MOTOR frame (a demand to motor 3)
+    # never reaches the palm's bus while the stop is active; the data request sent behind it does
+    rep = rig.call("bridge_lease", {"holder": "tester", "ttl_ms": 5000})
+    assert rep.ok, rep.error
+    demand = make_sid(CanDirection.TO_MOTOR, 3, ToMotorDataType.DEMAND_PWM)
+    request = make_sid(CanDirection.DATA_REQUEST, 0, 3)
+    rig.client.session.publish(f"{rig.root}/{rig.node}/{DEV}/stream/can_tx", json.dumps(
+        {"lease_id": rep.result["lease_id"], "frames": [{"bus": 1, "sid": demand, "data": "6400"},
+                                                        {"bus": 1, "sid": request, "data": ""}]}), qos=1)
+    log = wait_for(lambda: [f for f in rig.ctl.call("can_log")["frames"] if f[2] == request], DEADLINE,
+                   "the data request on the palm's CAN bus")
+    assert log and not [f for f in rig.ctl.call("can_log")["frames"] if f[2] == demand]
+
 
 def test_the_driver_forgets_demands_and_drops_a_queued_jiggle_at_the_stop() -> None:
     """Sans-I/O: the stop's frame is the next one, with every demand zero; a queued jiggle does not leave (its

@@ -369,6 +369,9 @@ class VirtualHand:
             return {"ok": True, "watching": True}
         elif op == "stop_stamp":  # the first all-zero demand frame since watch_stop (None: none yet)
             return {"ok": True, "watching": self.firmware.watching, "stamp": self.firmware.stop_stamp}
+        elif op == "can_log":  # the frames the palm put on its CAN buses in CAN direct mode (the last 256)
+            log = getattr(self.firmware.model, "bus_log", None)
+            return {"ok": True, "frames": [[c, bus, sid, bytes(data).hex()] for c, bus, sid, data in list(log or ())]}
         elif op == "changes":
             out: list[tuple[int, int, str]] = []
             while self.firmware.changes and len(out) < int(msg.get("max", 400)):
