@@ -54,6 +54,9 @@ def procfile(tmp: Path) -> Path:
     # Home Assistant discovery runs only on request (ROBOBUS_HOMEASSISTANT=true), as in deploy/dev/run-local.sh
     if os.environ.get("ROBOBUS_HOMEASSISTANT", "false") != "true":
         text = "\n".join(line for line in text.splitlines() if not line.startswith("homeassistant:")) + "\n"
+    # and the recorder only when recording (ROBOBUS_RECORD=1), as deploy/dev/run-local.sh
+    if os.environ.get("ROBOBUS_RECORD", "0") != "1":
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("recorder:")) + "\n"
     out = tmp / "Procfile"
     out.write_text(text)
     return out

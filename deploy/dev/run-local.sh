@@ -19,4 +19,6 @@ else
 fi
 # Home Assistant discovery only on request: it publishes retained configs other tools would see.
 [ "${ROBOBUS_HOMEASSISTANT:-false}" = true ] || procs=$(echo "$procs" | grep -vx homeassistant)
+# The bus recorder only when asked to record (ROBOBUS_RECORD=1): idle, it would hold ~40 MB for nothing.
+[ "${ROBOBUS_RECORD:-0}" = 1 ] || procs=$(echo "$procs" | grep -vx recorder)
 exec python deploy/dev/supervise.py --procfile "$procfile" $(echo $procs)
