@@ -19,7 +19,7 @@ from playwright.sync_api import expect
 
 from services.can_bootloader.sim import make_intel_hex
 from shared.localbroker import REPO
-from shared.rpc import RpcClient
+from shared.rpc import RpcClient, wait_for
 from tests.dashboard.stack import DEVICES, NODES, SimStack, browser, browser_missing, sim_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -615,6 +615,63 @@ def test_losing_the_broker_turns_everything_stale_and_is_logged_once(
         assert not errors, errors
     finally:
         pg.close()
+
+
+def test_the_stop_button_stops_the_stacks_motion_devices(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """The header's STOP on `make run`'s stack (no ACL: anyone may stop): every node answers, each motion device
+    its answer lists shows STOPPED with the stop written on its card while its health says stopped, an e-puck's
+    set_speed from the form is refused `stopped`; the release returns them (tests/dashboard/test_stop_button.py
+    has the ACL's refusal)."""
+    _, client = stack
+    page.wait_for_selector("#stop-state[data-state=none], #stop-state[data-state=released]", timeout=T)
+    page.fill("#stop-reason", "robot arm in the way")
+    page.click("#stop-button")
+    page.wait_for_selector("#stop-result:not([data-outcome=none]):not([data-outcome=sending])", timeout=T)
+    assert page.get_attribute("#stop-result", "data-outcome") == "confirmed", page.inner_text("#stop-result")
+    stop = json.loads([p for _, p, _ in client.collect("robobus/_stop", 1.0)][-1])
+    assert stop["active"] and stop["source"].startswith("anonymous via dashboard ") and \
+        stop["reason"] == "robot arm in the way", stop
+    page.wait_for_selector(f"#stop-answers[data-answered='{len(NODES)}']", timeout=T)
+
+    def answers() -> dict[str, dict[str, Any]]:
+        got = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect("robobus/+/_node/state/stop", 1.0) if p}
+        return {n: a for n, a in got.items() if a["stop_ts"] == stop["ts"]}
+
+    # every device's stop action reported (a stop action that failed says why: the ROI actuator's, whose position
+    # is unknown after a start, has nothing it can send)
+    assert wait_for(lambda: all(not d["pending"] for a in answers().values() for d in a["devices"]), 20), answers()
+    failed = {(n, d["device"]) for n, a in answers().items() for d in a["devices"] if d["error"]}
+    motion = {(n, d["device"]) for n, a in answers().items() for d in a["devices"]}
+    assert ("epuck-gateway", "epuck1") in motion and ("epuck-gateway", "epuck1") not in failed, answers()
+    for node, dev in sorted(motion):
+        health = "error" if (node, dev) in failed else "stopped"  # STOP FAILED, or STOPPED
+        page.wait_for_selector(f"article.device[data-node='{node}'][data-device='{dev}'][data-health={health}]",
+                               timeout=T)
+        said = "failed" if (node, dev) in failed else "stopped"
+        line = card(page, node, dev).locator(f".stop-line[data-stop={said}]")
+        line.wait_for(state="attached", timeout=T)
+        assert "robot arm in the way" in (line.text_content() or "")  # (a card off screen is not laid out)
+    card(page, "epuck-gateway", "epuck1").locator(".stop-line[data-stop=stopped]").wait_for(timeout=T)
+    cmd = open_command(page, "epuck-gateway", "epuck1", "set_speed")
+    cmd.locator("input[name=left]").fill("100")
+    cmd.locator("input[name=right]").fill("100")
+    cmd.locator("button[type=submit]").click()
+    refused = cmd.locator("pre.reply[data-ok=false]")
+    refused.wait_for(timeout=T)
+    assert json.loads(refused.inner_text())["error"]["code"] == "stopped", refused.inner_text()
+    shoot(page, "bus-stop")
+
+    page.fill("#stop-reason", "")
+    page.click("#release-button")
+    page.wait_for_selector("#stop-state[data-state=released]", timeout=T)
+    for node, dev in sorted(motion):
+        page.wait_for_selector(f"article.device[data-node='{node}'][data-device='{dev}']:not([data-health=stopped])",
+                               timeout=T)
+        card(page, node, dev).locator(".stop-line[data-stop=released]").wait_for(timeout=T)
+    cmd.locator("input[name=left]").fill("0")
+    cmd.locator("input[name=right]").fill("0")
+    cmd.locator("button[type=submit]").click()
+    cmd.locator("pre.reply[data-ok=true]").wait_for(timeout=T)
 
 
 def test_killing_a_node_turns_it_offline_within_3_s(page: Any, stack: tuple[SimStack, RpcClient]) -> None:

@@ -282,7 +282,10 @@ class DeviceView {
     const h = this.health;
     if (!h) return ["unknown", "NO HEALTH", "off"];
     // held by the bus stop (the kit's overlay: docs/kit.md "Stopping everything"); not an error of the device
-    if (h.state === "stopped" && h.details && h.details.stop) return ["stopped", "STOPPED", "stopped"];
+    // its stop action failed: not known to be stopped (the stop line says why)
+    if (h.state === "stopped" && h.details && h.details.stop) {
+      return h.details.stop.error ? ["error", "STOP FAILED", "bad"] : ["stopped", "STOPPED", "stopped"];
+    }
     if (h.error) return ["error", "ERROR", "bad"];
     if (!h.connection) return ["error", "NOT CONNECTED", "bad"];
     if (!h.operational) return ["warn", "NOT OPERATIONAL", "warn"];
