@@ -13,7 +13,10 @@ private broker and free ports. Each simulator stamps the first stop bytes it rec
   arm, which a stopped gateway must never send. Their time is the node's stop answer (`written_ts` in
   `{root}/{node}/_node/state/stop`: when the gateway closed the link to motion), and the watch proves that no
   motion request arrives after the stop;
-- the hand: the palm model backend (in-process, no wire), so its time is the node's stop answer too.
+- the hand: the virtual EtherCAT hand on a veth pair of its own (services/ethercat_loop/sim/veth_hand.py, root
+  only; gone with its process), whose palm stamps the first all-zero demand frame after its control socket's
+  `watch_stop`; without root (or with `--hand model`) the palm model backend, in-process with no wire, and its time
+  is the node's stop answer.
 
 Each round: every motion device is put in motion (so a "same as last written" shortcut cannot skip the stop),
 the watches are armed, the stop is published (retained, QoS 1, as `robobus stop` does), every stamp and every
@@ -57,6 +60,8 @@ import paho.mqtt.client as mqtt
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from services.ethercat_loop import rig as ethercat_rig  # noqa: E402
+from services.ethercat_loop.sim.virtual_hand import HandControl  # noqa: E402
 from services.roi_modules import protocol as roi_p  # noqa: E402
 from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.messages import StopAnswer, StopState  # noqa: E402
@@ -188,6 +193,7 @@ class Figures:
     refused_stopped: int = 0
     not_refused: list[str] = field(default_factory=list)
     reached_wire: int = 0  # of them, bytes a simulator's watch saw while the stop was active
+    stop_errors: int = 0  # devices whose stop answer carried an error (e.g. not acknowledged in time)
 
     def summary(self, target_ms: float) -> dict[str, Any]:
         p50, p99 = percentile(self.times_ms, 50), percentile(self.times_ms, 99)
@@ -197,7 +203,8 @@ class Figures:
                 "max_ms": round(mx, 2), "target_p99_ms": target_ms, "ratio": round(p99 / target_ms, 3),
                 "met": met, "missing": self.missing, "early": self.early, "motion_probes": self.probes,
                 "refused_stopped": self.refused_stopped, "not_refused": len(self.not_refused),
-                "not_refused_examples": self.not_refused[:3], "reached_wire": self.reached_wire}
+                "not_refused_examples": self.not_refused[:3], "reached_wire": self.reached_wire,
+                "stop_errors": self.stop_errors}
 
 
 def ensure_stress_ng() -> str:
@@ -220,8 +227,10 @@ def ensure_stress_ng() -> str:
 class System:
     """The simulators and the four services, each in its own process."""
 
-    def __init__(self, tmp: Path, broker_url: str, robots: int, arms: int) -> None:
+    def __init__(self, tmp: Path, broker_url: str, robots: int, arms: int, virtual_hand: bool) -> None:
         self.tmp = tmp
+        self.virtual_hand = virtual_hand
+        self.hand_ctl: HandControl | None = None
         self.broker_url = broker_url
         self.procs: list[subprocess.Popen[Any]] = []
         self.logs: list[IO[str]] = []
@@ -289,9 +298,23 @@ class System:
             "ROBOBUS_ROI_MODULES": json.dumps(self.roi_modules)})
         self.service(DEXTER, "services.dexter_gateway", {
             "ROBOBUS_DEXTER_ARMS": json.dumps([{"id": a, "host": "127.0.0.1", "port": p} for a, p in ports.items()])})
-        self.service(HAND, "services.ethercat_loop", {
-            "ROBOBUS_ETHERCAT_BACKEND": "model", "ROBOBUS_ETHERCAT_DEVICE": HAND_DEVICE,
-            "ROBOBUS_ETHERCAT_DEMAND_TIMEOUT_MS": "10000"})  # demands held through a round (deadman 10 s)
+        hand_env = {"ROBOBUS_ETHERCAT_BACKEND": "model", "ROBOBUS_ETHERCAT_DEVICE": HAND_DEVICE,
+                    "ROBOBUS_ETHERCAT_DEMAND_TIMEOUT_MS": "10000"}  # demands held through a round (deadman 10 s)
+        if self.virtual_hand:
+            # the virtual hand on a veth pair that lives as long as its process (services/ethercat_loop/rig.py)
+            master_if = f"ecst{os.getpid() % 100000}"
+            control = str(self.tmp / "hand.sock")
+            self.sim("hand-sim", ["-m", "services.ethercat_loop.sim.veth_hand", "--master-if", master_if, "--",
+                                  *ethercat_rig.HAND_OPTS, "--control", control])
+            self.hand_ctl = HandControl(control)
+            self.hand_ctl.wait_ready(30)
+            hand_env.update({"ROBOBUS_ETHERCAT_BACKEND": "virtual", "ROBOBUS_ETHERCAT_IFNAME": master_if,
+                             "ROBOBUS_ETHERCAT_EXPECT_PROTOCOL": "0220",
+                             # a busy machine loses frames now and then: not what is measured here
+                             "ROBOBUS_ETHERCAT_OVERRUN_THRESHOLD": "1000000",
+                             "ROBOBUS_ETHERCAT_LOST_THRESHOLD": "1000000",
+                             "ROBOBUS_ETHERCAT_SILENT_MOTOR_MS": "600000"})
+        self.service(HAND, "services.ethercat_loop", hand_env)
 
     def devices(self) -> dict[str, list[str]]:
         return {EPUCK: self.robots, ROI: [str(m["name"]) for m in self.roi_modules], DEXTER: self.arms,
@@ -330,10 +353,12 @@ class Bench:
                     ROI: Figures("wire: the first stop datagram each module received"),
                     DEXTER: Figures("node's stop answer written_ts (DexRun has no stop bytes); the wire watch "
                                     "checks no motion request arrives"),
-                    HAND: Figures("node's stop answer written_ts (palm model backend: no wire)")}
+                    HAND: Figures("wire: the first all-zero demand frame at the virtual hand" if system.hand_ctl else
+                                  "node's stop answer written_ts (palm model backend: no wire)")}
         self.reported: dict[str, list[float]] = {s: [] for s in SERVICES}  # the answers' written_ts, every service
         self.read: dict[str, list[float]] = {s: [] for s in SERVICES}  # when each node read the stop (received_ts)
         self.move_failures: list[str] = []
+        self.watch_check_ok = False
         self.errors: list[str] = []
 
     # -- calls -------------------------------------------------------------------------------------------
@@ -432,6 +457,20 @@ class Bench:
                 raise RuntimeError(f"{arm}'s simulator did not arm its watch")
         return marks
 
+    def arm_hand(self) -> None:
+        if self.sys.hand_ctl is not None and not self.sys.hand_ctl.call("watch_stop").get("ok"):
+            raise RuntimeError("the virtual hand did not arm its stop watch")
+
+    def hand_stamp(self, timeout: float) -> dict[str, Any] | None:
+        """The virtual hand's first all-zero demand frame since its watch was armed (None: none by `timeout`)."""
+        assert self.sys.hand_ctl is not None
+        end = time.monotonic() + timeout
+        while True:
+            stamp: dict[str, Any] | None = self.sys.hand_ctl.call("stop_stamp").get("stamp")
+            if stamp is not None or time.monotonic() > end:
+                return stamp
+            time.sleep(0.005)
+
     def epuck_stamps(self, mark: int) -> dict[str, float]:
         assert self.sys.epuck_sim is not None
         out: dict[str, float] = {}
@@ -453,11 +492,45 @@ class Bench:
         return {arm: [e for e in self.sys.dexter_sims[arm].since(marks[arm]) if e.get("event") == "motion"]
                 for arm in self.sys.arms}
 
+    def probe(self, rnd: int, dx_marks: dict[str, int] | None,
+              since: float) -> tuple[list[tuple[Call, Reply | None]], dict[str, int]]:
+        """Every device's probe sequence (`sequences(stopped=True)`) with the watches armed: the replies, and per
+        service the devices whose watch saw bytes of it (Dexters: a motion request at or after `since`)."""
+        ep_mark, roi_mark = self.arm_epucks(), self.arm_roi()
+        if dx_marks is None:
+            dx_marks = self.arm_dexters()
+        results = self.run_sequences(self.sequences(rnd, stopped=True))
+        time.sleep(0.5)  # bytes that got through would be stamped by now
+        seen = {EPUCK: len(self.epuck_stamps(ep_mark)), ROI: len(self.roi_stamps(roi_mark)),
+                DEXTER: sum(1 for moves in self.dexter_motion(dx_marks).values()
+                            if any(float(m["unix"]) >= since for m in moves)), HAND: 0}
+        if self.sys.hand_ctl is not None:
+            # while stopped every demand frame on the wire is zero: armed now, the watch stamps the next one with
+            # none moving before it; a demand that got through stays on the wire for its 10 s deadman
+            self.arm_hand()
+            stamp = self.hand_stamp(2)
+            seen[HAND] = int(stamp is None or bool(stamp["moving_frames_before"]))
+        return results, seen
+
+    def check_watches(self) -> dict[str, str]:
+        """The probes sent with no stop active: each must be accepted and seen on every device's wire, or the
+        bench could not tell a motion command that got through while stopped. Per service "seen/devices"."""
+        results, seen = self.probe(0, None, time.time())
+        for (svc, dev, cmd, _payload), rep in results:
+            if rep is None or not rep.ok:
+                self.errors.append(f"watch check: {svc}/{dev} {cmd} not accepted: {rep.error if rep else 'no reply'}")
+        expect = {svc: len(devs) for svc, devs in self.sys.devices().items()}
+        if self.sys.hand_ctl is None:
+            expect[HAND] = 0  # the model backend has no wire
+        self.watch_check_ok = all(seen[s] == expect[s] for s in SERVICES)
+        return {s: f"{seen[s]}/{expect[s]}" for s in SERVICES}
+
     # -- one round ---------------------------------------------------------------------------------------
     def round(self, rnd: int) -> dict[str, float]:
         self.put_in_motion(rnd)
         time.sleep(0.2)  # the last motion bytes are on their wires before the watches are armed
         ep_mark, roi_mark, dx_marks = self.arm_epucks(), self.arm_roi(), self.arm_dexters()
+        self.arm_hand()
         n_ep, n_roi = len(self.sys.robots), len(self.sys.roi_modules)
 
         stop = StopState(active=True, source=SOURCE, reason=f"round {rnd}", ts=time.time())
@@ -468,6 +541,16 @@ class Bench:
         self.sys.roi_sim.wait(lambda ev: len({e.get("octet") for e in ev if e.get("event") == "stop_bytes"}
                                              - {ROI_SENTINEL}) >= n_roi, roi_mark, 10)
         answers = self.bus.wait_answers(stop, SERVICES, 10)
+        wire_hand = self.sys.hand_ctl is not None
+        if wire_hand:
+            stamp = self.hand_stamp(10)
+            f = self.fig[HAND]
+            if stamp is None:
+                f.missing += 1
+            elif float(stamp["unix"]) < t_pub or not stamp["moving_frames_before"]:
+                f.early += 1  # an all-zero frame before the stop, or the motors were not moving when armed
+            else:
+                f.times_ms.append(1000 * (float(stamp["unix"]) - t_pub))
         ep, roi = self.epuck_stamps(ep_mark), self.roi_stamps(roi_mark)
         worst: dict[str, float] = {}
         for svc, stamps, n in ((EPUCK, ep, n_ep), (ROI, roi, n_roi)):
@@ -482,22 +565,26 @@ class Bench:
             written = [d.written_ts for d in a.devices] if a is not None else []
             if a is None or len(a.devices) != len(self.sys.devices()[svc]) or any(w is None for w in written):
                 self.errors.append(f"round {rnd}: {svc} answered {a.model_dump() if a else None}")
-                if svc in (DEXTER, HAND):
+                if svc == DEXTER or (svc == HAND and not wire_hand):
                     self.fig[svc].missing += 1
                 continue
             self.read[svc].append(1000 * (a.received_ts - t_pub))
             errs = [f"{d.device}: {d.error}" for d in a.devices if d.error]
+            self.fig[svc].stop_errors += len(errs)
             if errs:
                 self.errors.append(f"round {rnd}: {svc} stop errors {errs[:3]}")
             ms = 1000 * (max(w for w in written if w is not None) - t_pub)
             self.reported[svc].append(ms)
-            if svc in (DEXTER, HAND):
-                worst[svc] = ms
+            if svc == DEXTER or (svc == HAND and not wire_hand):
                 self.fig[svc].times_ms.append(ms)
+        for svc in SERVICES:
+            if self.fig[svc].times_ms and len(self.fig[svc].times_ms) == rnd:
+                worst[svc] = self.fig[svc].times_ms[-1]
 
         # motion commands while stopped: refused `stopped`, nothing on a wire (watches armed again)
-        ep_mark2, roi_mark2 = self.arm_epucks(), self.arm_roi()
-        results = self.run_sequences(self.sequences(rnd, stopped=True))
+        results, seen = self.probe(rnd, dx_marks, t_pub)
+        for svc, n in seen.items():
+            self.fig[svc].reached_wire += n
         for (svc, dev, cmd, _payload), rep in results:
             f = self.fig[svc]
             f.probes += 1
@@ -506,13 +593,8 @@ class Bench:
             else:
                 f.not_refused.append(f"round {rnd} {dev} {cmd}: " + ("no reply" if rep is None else
                                      json.dumps(rep.error) if rep.error else "accepted"))
-        time.sleep(0.5)  # bytes that got through would be stamped by now
-        self.fig[EPUCK].reached_wire += len(self.epuck_stamps(ep_mark2))
-        self.fig[ROI].reached_wire += len(self.roi_stamps(roi_mark2))
         for arm, moves in self.dexter_motion(dx_marks).items():
-            late = [m for m in moves if float(m["unix"]) >= t_pub]
-            self.fig[DEXTER].reached_wire += len(late)
-            if len(moves) > len(late):
+            if any(float(m["unix"]) < t_pub for m in moves):
                 self.errors.append(f"round {rnd}: {arm} got a motion request after the watch was armed and before "
                                    "the stop (the bench's own move, late)")
 
@@ -535,18 +617,26 @@ def main() -> None:
     ap.add_argument("--hog", action="store_true", help="beside `stress-ng --cpu 2`")
     ap.add_argument("--robots", type=int, default=20)
     ap.add_argument("--arms", type=int, default=3)
+    ap.add_argument("--hand", choices=("auto", "virtual", "model"), default="auto",
+                    help="virtual: the virtual EtherCAT hand on a veth pair (root); model: the palm model backend, no "
+                         "wire; auto: virtual where this machine can (default)")
     a = ap.parse_args()
+    why_not = ethercat_rig.needs() if a.hand != "model" else "--hand model"
+    if a.hand == "virtual" and why_not:
+        raise SystemExit(f"--hand virtual: {why_not}")
+    virtual_hand = why_not is None
     rounds = a.rounds or (5 if a.quick else 25)
     target = TARGET_P99_HOG_MS if a.hog else TARGET_P99_QUIET_MS
     stress = ensure_stress_ng() if a.hog else None
     result: dict[str, Any] = {"bench": "stop", "rounds": rounds, "hog": a.hog, "robots": a.robots,
-                              "roi_modules": 50, "dexters": a.arms, "hand": "model backend"}
+                              "roi_modules": 50, "dexters": a.arms,
+                              "hand": "virtual hand on a veth pair" if virtual_hand else f"model backend ({why_not})"}
     hog: subprocess.Popen[bytes] | None = None
     with tempfile.TemporaryDirectory(prefix="robobus-bench-stop-") as tmpdir:
         tmp = Path(tmpdir)
         broker = Broker(free_port(), tmp)
         broker.start()
-        system = System(tmp, broker.url, a.robots, a.arms)
+        system = System(tmp, broker.url, a.robots, a.arms, virtual_hand)
         client = RpcClient(KitSettings(mqtt_url=broker.url), name="bench-stop")
         bench: Bench | None = None
         try:
@@ -572,6 +662,10 @@ def main() -> None:
                 hog = subprocess.Popen([stress, "--cpu", "2", "--timeout", "0", "--quiet"], start_new_session=True,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
+            result["watch_check"] = bench.check_watches()
+            print(f"the watches see the motion probes when no stop is active: {result['watch_check']} "
+                  f"({'every device' if bench.watch_check_ok else 'NOT every device: a leak could go unseen'})",
+                  flush=True)
             for rnd in range(1, rounds + 1):
                 worst = bench.round(rnd)
                 print(f"stop {rnd:2d}: " + ", ".join(f"{s} {worst[s]:.1f} ms" if s in worst else f"{s} -"
@@ -604,22 +698,24 @@ def main() -> None:
         read = f"{f['node_read_p50_ms']:.1f}/{f['node_read_p99_ms']:.1f}"
         print(f"{s:<16} {f['p50_ms']:>8.2f} {f['p99_ms']:>8.2f} {f['max_ms']:>8.2f} {f['ratio']:>6.2f}  "
               f"{'met' if f['met'] else 'NOT MET':<8} {read:>13}  {f['how']}"
-              + (f" ({f['missing']} missing, {f['early']} early)" if f["missing"] or f["early"] else ""))
+              + (f" ({f['missing']} missing, {f['early']} early)" if f["missing"] or f["early"] else "")
+              + (f" ({f['stop_errors']} devices answered the stop with an error)" if f["stop_errors"] else ""))
     print(f"motion commands sent while stopped: {probes}; refused 'stopped': "
           f"{sum(f.refused_stopped for f in bench.fig.values())}; not refused: "
           f"{sum(len(f.not_refused) for f in bench.fig.values())}; reached a simulator's wire: "
           f"{sum(f.reached_wire for f in bench.fig.values())} (target 0): {'met' if executed == 0 else 'NOT MET'}")
     print("read: from the publish to the node reading the stop (its answer's received_ts), ms")
-    print("hand: the palm model backend, no wire (its time is the node's stop answer); Dexters: DexRun has no stop "
-          "bytes (the node's stop answer; the watch checks no motion request arrives)")
+    print(f"hand: {result['hand']}; Dexters: DexRun has no stop bytes (the node's stop answer; the watch checks that "
+          "no motion request arrives)")
     if bench.move_failures:
         print(f"motion commands refused while not stopped ({len(bench.move_failures)}): {bench.move_failures[:3]}")
     for e in bench.errors[:10]:
         print(f"note: {e}")
     result.update(services=services, target_p99_ms=target, motion_probes=probes, motion_executed_while_stopped=executed,
                   move_failures=len(bench.move_failures), errors=len(bench.errors))
+    result["watch_check_ok"] = bench.watch_check_ok
     result["met"] = bool(all(f["met"] for f in services.values()) and executed == 0 and probes > 0
-                         and not bench.move_failures)
+                         and not bench.move_failures and bench.watch_check_ok)
     print(json.dumps(result))
 
 
