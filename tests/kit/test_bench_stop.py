@@ -1,0 +1,34 @@
+"""bench/stop.py end to end, shortened: every service on its simulators, the watches proved, each stop stamped on
+every device's wire (or answered, for Dexters and a hand without a wire), every motion command during the stop
+refused `stopped` with nothing on a wire. No speed figure is asserted here: that is the bench's own verdict."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_stop_bench_measures_every_service_and_finds_no_motion_while_stopped() -> None:
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "stop.py"), "--quick", "--robots", "3", "--arms", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "stop" and result["rounds"] == 5
+    # the watches see the probes when no stop is active: a probe that got through while stopped would be seen
+    assert result["watch_check_ok"], result["watch_check"]
+    assert set(result["services"]) == {"epuck-gateway", "roi-modules", "dexter-gateway", "ethercat-loop"}
+    for name, svc in result["services"].items():
+        assert svc["rounds"] == 5, (name, svc)  # a time for every stop: every device stamped or answered
+        assert svc["missing"] == 0 and svc["early"] == 0, (name, svc)
+        assert svc["motion_probes"] > 0 and svc["refused_stopped"] == svc["motion_probes"], (name, svc)
+        assert svc["reached_wire"] == 0, (name, svc)
+        assert svc["p50_ms"] > 0 and svc["max_ms"] >= svc["p99_ms"] >= svc["p50_ms"], (name, svc)
+    assert result["motion_executed_while_stopped"] == 0
+    assert result["move_failures"] == 0
