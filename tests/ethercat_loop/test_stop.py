@@ -319,3 +319,33 @@ def test_the_driver_forgets_demands_and_drops_a_queued_jiggle_at_the_stop() -> N
     assert all(not any(c.motor_data) for c in sent if demanding(c)) and any(demanding(c) for c in sent)
     d.nullified = False
     assert not any(decoded(d.cycle(None, 40_000_000).hex()).motor_data)
+
+
+def test_the_model_backend_reports_the_stop_and_zeroes_its_motors(broker_session: Broker, spawn: Any) -> None:
+    """`make run`'s backend (the palm model in the node's process): the same stop, reported with the time of the
+    command that carried it; the model's motors get zero demands; demands refused."""
+    root = f"ecstop{os.getpid()}x{next(_roots)}/robobus"
+    node = f"ecstopm{os.getpid()}"
+    client = RpcClient(broker_session.settings(topic_root=root), name=f"ecstop-model-{os.getpid()}")
+    client.connect()
+    try:
+        bus = Bus(client, f"{root}/{node}/#")
+        proc = spawn(["-m", "services.ethercat_loop"], {
+            "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node, "ROBOBUS_TOPIC_ROOT": root,
+            "ROBOBUS_ETHERCAT_BACKEND": "model", "ROBOBUS_HEALTH_INTERVAL_S": "1",
+            "ROBOBUS_ETHERCAT_DEMAND_TIMEOUT_MS": "10000", "ROBOBUS_STATE_RATES": json.dumps({"motors": 50})})
+        rig = Rig(root, node, client, bus, None, None, proc)  # type: ignore[arg-type]
+        rig.health(lambda h: h.get("state") == "running", "running")
+        stop_known(rig)
+        motors = f"{root}/{node}/{DEV}/state/motors"
+        assert rig.call("set_demands", {"motors": {"3": 200}}).ok
+        bus.wait(motors, lambda m: m["motors"][3]["demand_sent"] == 200, "the demand sent")
+        stop = rig.set_stop(True, "model")
+        d = rig.answer(stop)["devices"][0]
+        assert d["stopped"] and d["error"] == "" and d["written_ts"] >= stop.ts, d
+        bus.wait(motors, lambda m: all(x["demand_sent"] == 0 for x in m["motors"]), "zero demands")
+        rep = rig.call("set_demands", {"motors": {"3": 100}})
+        assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped", rep
+    finally:
+        client.session.publish_wait(stop_topic(root), b"", qos=1, retain=True)
+        client.close()
