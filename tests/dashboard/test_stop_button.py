@@ -75,7 +75,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     why = browser_missing()
     if why:
         pytest.skip(why)
-    from shared.dashboard.server import DashboardServer, PageConfig
+    from shared.dashboard.relay import Upstream
+    from shared.dashboard.server import DashboardServer, PageConfig, Relay
 
     exe = mosquitto_bin()
     assert exe
@@ -95,8 +96,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         node = NodeProcess(["-m", "tests.kit.motion_node"], {
             "ROBOBUS_MQTT_URL": f"mqtt://127.0.0.1:{port}", "ROBOBUS_MQTT_USERNAME": name,
             "ROBOBUS_MQTT_PASSWORD": password})
-        server = DashboardServer(build_document([motion_node.API]), PageConfig(ws_url=f"ws://127.0.0.1:{ws_port}"),
-                                 port=free_ports(1)[0]).start()
+        # the page's default broker is the server's relay, as `robobus dashboard` gives it (the viewer's page
+        # uses it: the broker's PUBACK reaches the page through it); the operator's goes to the websockets listener
+        server = DashboardServer(build_document([motion_node.API]), PageConfig(relay=True), port=free_ports(1)[0],
+                                 relay=Relay(Upstream("127.0.0.1", port))).start()
         st = Stack(d, port, ws_port, server, node, None)  # type: ignore[arg-type]
         operator = RpcClient(st.settings("operator"), name="stop-dash-test")
         operator.connect()
@@ -121,16 +124,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def login(ctx: Any, stack: Stack, user: str) -> Any:
-    """A page of the dashboard logged in to the broker as `user` (the deployment's password for it)."""
+    """A page of the dashboard logged in to the broker as `user` (the deployment's password for it): the
+    operator's on the broker's websockets listener, the viewer's through the dashboard's relay (/mqtt)."""
     page = ctx.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.errors = errors
-    page.goto(f"{stack.server.url}?username={user}")
+    ws = f"ws://127.0.0.1:{stack.ws_port}" if user == "operator" else stack.server.url.replace("http", "ws") + "mqtt"
+    page.goto(f"{stack.server.url}?username={user}&broker={ws}")  # (the pages share one browser's storage)
     page.wait_for_selector("#stop-button", timeout=T)
     from playwright.sync_api import expect
 
-    expect(page.locator("#connect input[name=url]")).to_have_value(f"ws://127.0.0.1:{stack.ws_port}", timeout=T)
+    expect(page.locator("#connect input[name=url]")).to_have_value(ws, timeout=T)
     page.fill("#connect input[name=password]", creds(stack.secrets, user)[1])
     page.click("#connect button[type=submit]")
     try:
@@ -246,7 +251,8 @@ def test_the_stop_button_stops_the_motion_devices_and_release_lets_them_move(sta
 
 def test_a_viewer_is_offered_the_release_and_shown_the_brokers_refusal(stack: Stack, pages: dict[str, Any]) -> None:
     """The page cannot know the ACL in advance: the viewer's page offers the release, the broker refuses it (MQTT 5
-    PUBACK 135 not authorized) and the page says so; the stop holds. The viewer's stop is refused the same way."""
+    PUBACK 135 not authorized, through the dashboard's relay) and the page says so; the stop holds. The viewer's
+    stop is refused the same way."""
     page = pages["viewer"]
     stop = stack.set_stop(True, "operator's stop")
     page.wait_for_selector("#stop-state[data-state=active]", timeout=T)
