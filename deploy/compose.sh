@@ -3,9 +3,10 @@
 #   compose.rt-group.yaml  kernel with CONFIG_RT_GROUP_SCHED=y and a dockerd started with --cpu-rt-runtime
 #   compose.rlimits.yaml   dockerd's own hard limits allow rtprio 90 and unlimited memlock
 #   compose.edge.yaml      the secrets folder has a bridge.conf (fleet edge)
+#   compose.edge-tls.yaml  ... and the fleet's CA, fleet-ca.crt (the bridge over TLS: the default)
 #   compose.vhand.yaml     ROBOBUS_VHAND=1: the realtime container against a virtual hand (deploy/vhand.sh)
 #   compose.wan.yaml       ROBOBUS_WAN_NETWORK is set (a fleet simulated on one host)
-#   compose.tls.yaml       the secrets folder has certs/server.crt
+#   compose.tls.yaml       the secrets folder has certs/server.crt (a centre always has: make_secrets --central)
 # and the profiles: COMPOSE_PROFILES (default `sim`); `sim` brings sim-roi / sim-dexter along once
 # services/roi_modules / services/dexter_gateway exist. Uses Debian's docker client (/usr/bin/docker) with
 # BuildKit when present: the client first on PATH may lack buildx.
@@ -45,7 +46,10 @@ if [ -n "${ROBOBUS_VHAND:-}" ]; then
   files+=(-f "$here/compose.vhand.yaml")
   [ -n "${rt_budget:-}" ] && files+=(-f "$here/compose.vhand.rt-group.yaml")
 fi
-[ -f "$secrets/bridge.conf" ] && files+=(-f "$here/compose.edge.yaml")
+if [ -f "$secrets/bridge.conf" ]; then
+  files+=(-f "$here/compose.edge.yaml")
+  [ -f "$secrets/fleet-ca.crt" ] && files+=(-f "$here/compose.edge-tls.yaml")
+fi
 if [ -n "${ROBOBUS_WAN_NETWORK:-}" ]; then
   files+=(-f "$here/compose.wan.yaml")
   /usr/bin/docker network inspect "$ROBOBUS_WAN_NETWORK" >/dev/null 2>&1 \

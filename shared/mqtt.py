@@ -32,7 +32,7 @@ from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.reasoncodes import ReasonCode
 
 from shared import mqtt_rx, paho_private
-from shared.settings import KitSettings
+from shared.settings import KitSettings, bound_client_id
 
 log = logging.getLogger("robobus.mqtt")
 
@@ -65,7 +65,7 @@ class MqttSession:
 
     def __init__(self, settings: KitSettings, client_id: str, will: Will | None = None) -> None:
         self.settings = settings
-        self.client_id = client_id
+        self.client_id = bound_client_id(settings.broker().username, client_id)
         self.connected = threading.Event()
         self.ready = threading.Event()  # connected AND the broker acknowledged every subscription
         self._pending_subacks: set[int] = set()
@@ -85,7 +85,7 @@ class MqttSession:
 
         c = mqtt.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=client_id,
+            client_id=self.client_id,
             protocol=mqtt.MQTTv5,
         )
         c.on_socket_open = _nodelay

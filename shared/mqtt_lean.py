@@ -25,7 +25,7 @@ from shared.mqtt_wire import (
     encode_disconnect,
     encode_publish,
 )
-from shared.settings import KitSettings
+from shared.settings import KitSettings, bound_client_id
 
 
 def open_socket(settings: KitSettings, timeout: float = 5.0) -> socket.socket:
@@ -49,7 +49,8 @@ def handshake(sock: socket.socket, reader: PacketReader, settings: KitSettings, 
               timeout: float = 10.0) -> tuple[ConnAck, list[Packet]]:
     """CONNECT and wait for the CONNACK; returns it and any packets that came in the same read."""
     b = settings.broker()
-    sock.sendall(encode_connect(client_id, keepalive=settings.mqtt_keepalive_s, clean_start=clean,
+    cid = bound_client_id(b.username, client_id)  # a broker that binds client ids to users accepts <user>-...
+    sock.sendall(encode_connect(cid, keepalive=settings.mqtt_keepalive_s, clean_start=clean,
                                 username=b.username, password=b.password, props=props))
     deadline = time.monotonic() + timeout
     while True:

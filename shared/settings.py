@@ -199,3 +199,11 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+def bound_client_id(username: str | None, client_id: str) -> str:
+    """The client id a broker that binds ids to users accepts (deploy/mosquitto/robobus_auth.c): the user's
+    name, or `<user>-...`. An id that is not already so gets the user's name in front; without a user, as is."""
+    if not username or client_id == username or client_id.startswith(f"{username}-"):
+        return client_id
+    return f"{username}-{client_id}"

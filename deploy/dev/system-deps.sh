@@ -4,6 +4,10 @@ set -euo pipefail
 need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v mosquitto_sub >/dev/null 2>&1 || need+=(mosquitto-clients)
+# the broker plugin (deploy/mosquitto/robobus_auth.c) is built against Debian's mosquitto 2.0 for host brokers too
+command -v gcc >/dev/null 2>&1 || need+=(gcc libc6-dev)
+[ -e /usr/include/mosquitto_plugin.h ] || need+=(mosquitto-dev)
+[ -e /usr/include/mosquitto.h ] || need+=(libmosquitto-dev)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v cyclictest >/dev/null 2>&1 || need+=(rt-tests)
 command -v node >/dev/null 2>&1 || need+=(nodejs)

@@ -45,10 +45,11 @@ def verdict(payload: bytes | None, hostname: str) -> str:
 def fetch_status(env: dict[str, str], topic: str) -> bytes | None:
     url = urlsplit(env.get("ROBOBUS_MQTT_URL", "mqtt://127.0.0.1:1883"))
     tls = url.scheme in ("mqtts", "ssl")
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"healthcheck-{uuid.uuid4().hex[:10]}",
-                         protocol=mqtt.MQTTv5)
     user = env.get("ROBOBUS_MQTT_USERNAME") or (unquote(url.username) if url.username else None)
     password = env.get("ROBOBUS_MQTT_PASSWORD") or (unquote(url.password) if url.password else None)
+    # the broker binds client ids to users (deploy/mosquitto/robobus_auth.c): <user>-...
+    cid = f"{user + '-' if user else ''}healthcheck-{uuid.uuid4().hex[:10]}"
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv5)
     if user is not None:
         client.username_pw_set(user, password)
     if tls:

@@ -23,10 +23,12 @@ class Probe:
     port: int
     username: str | None = None
     password: str | None = None
-    client_id: str = field(default_factory=lambda: f"probe-{uuid.uuid4().hex[:10]}")
+    client_id: str = ""  # default: <username>-probe-<random> (the broker binds client ids to users)
     received: list[tuple[str, bytes, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not self.client_id:
+            self.client_id = f"{self.username + '-' if self.username else ''}probe-{uuid.uuid4().hex[:10]}"
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
         if self.username is not None:
             self.client.username_pw_set(self.username, self.password)

@@ -49,12 +49,14 @@ class Stack:
     extra_env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     ws_port: int = field(default_factory=free_port)
+    tls_port: int = field(default_factory=free_port)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def env(self) -> dict[str, str]:
         return {"ROBOBUS_PROJECT": self.name, "ROBOBUS_SECRETS_DIR": str(self.secrets),
                 "ROBOBUS_BROKER_PORT": str(self.port), "ROBOBUS_BROKER_WS_PORT": str(self.ws_port),
+                "ROBOBUS_BROKER_TLS_PORT": str(self.tls_port),
                 "ROBOBUS_TOPIC_ROOT": self.root, "COMPOSE_PROFILES": self.profiles,
                 "ROBOBUS_HEALTHCHECK_INTERVAL": "2s", "ROBOBUS_COMPOSE_VERBOSE": "0", **self.extra_env}
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from tests.deploy.deployfiles import host_broker_conf, make_secrets
 from tests.deploy.mqttprobe import Probe, creds, start_host_broker
@@ -33,12 +36,22 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[in
     yield port, d
     proc.terminate()
     proc.wait(5)
+    if proc.stdout:
+        proc.stdout.close()
 
 
 def probe(port: int, d: Path, user: str | None) -> Probe:
     p = Probe("127.0.0.1", port, *(creds(d, user) if user else (None, None)))
     assert p.connect() == 0, f"{user} was refused"
     return p
+
+
+def request(p: Probe, topic: str, reply_to: str, payload: bytes = b"{}") -> None:
+    """A command as the kit sends it: MQTT 5 Response Topic and Correlation Data."""
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    props.ResponseTopic = reply_to
+    props.CorrelationData = uuid.uuid4().bytes
+    p.publish(topic, payload, props=props)
 
 
 def test_anonymous_and_wrong_password_are_refused(secure_broker):
@@ -95,6 +108,7 @@ def test_a_reply_reaches_only_the_client_that_asked(secure_broker):
     spy.subscribe(f"robobus/_client/{op.client_id}/reply")  # another client's replies: not delivered
     spy.subscribe("robobus/_client/#")
     ec = probe(port, d, "ethercat-loop")
+    request(op, "robobus/ethercat-loop/rh/cmd/get_state", mine)  # a node answers only requests it received
     ec.publish(mine, b'{"ok": true}')
     assert op.wait_for(lambda t, p, r: t == mine, SETTLE_S)
     time.sleep(0.5)  # the spy would have had it by now: same broker, same message
@@ -161,6 +175,7 @@ def test_the_recorder_reads_the_whole_bus_and_writes_nothing(secure_broker):
     rec.publish("robobus/ethercat-loop/rh/cmd/set_demands", b'{"from": "recorder"}')
     rec.publish("robobus/ethercat-loop/status", b'{"online": false}')
     ec, op = probe(port, d, "ethercat-loop"), probe(port, d, "operator")
+    request(op, "robobus/ethercat-loop/rh/cmd/get_state", f"robobus/_client/{op.client_id}/reply")
     ec.publish("robobus/ethercat-loop/rh/stream/can_rx", b"{}")
     ec.publish(f"robobus/_client/{op.client_id}/reply", b"{}")
     op.publish("robobus/ethercat-loop/rh/cmd/nullify_demands", b'{"from": "operator"}')
@@ -255,3 +270,133 @@ def test_robobus_stop_as_viewer_changes_nothing_and_as_operator_stops_the_node(s
         op = probe(port, d, "operator")
         op.client.publish("robobus/_stop", b"", qos=1, retain=True).wait_for_publish(10)
         op.close()
+
+
+NOT_AUTHORIZED = 135  # CONNACK / PUBACK reason code
+
+
+def test_a_client_id_belongs_to_its_user_no_session_takeover(secure_broker):
+    """A viewer that connects with an operator's client id (visible in the Response Topic of the operator's
+    commands, which the viewer reads) is refused at CONNECT: the operator stays connected and its replies reach
+    only it. Every user connects as `<user>` or `<user>-...`; any other id is refused too."""
+    port, d = secure_broker
+    op = probe(port, d, "operator")
+    assert op.client_id.startswith("operator-")
+    mine = f"robobus/_client/{op.client_id}/reply"
+    assert op.subscribe(mine) == [1]
+    thief = Probe("127.0.0.1", port, *creds(d, "viewer"), client_id=op.client_id)
+    assert thief.connect() == NOT_AUTHORIZED
+    thief.close()
+    for cid in ("robobus-cli-1234", "operator", "viewerx-1", "epuck-gateway-x"):  # not the viewer's
+        p = Probe("127.0.0.1", port, *creds(d, "viewer"), client_id=cid)
+        assert p.connect() == NOT_AUTHORIZED, cid
+        p.close()
+    ok = Probe("127.0.0.1", port, *creds(d, "viewer"), client_id="viewer")
+    assert ok.connect() == 0
+    ok.close()
+    time.sleep(0.5)  # a takeover would have closed the operator's connection by now
+    assert op.client.is_connected()
+    ec = probe(port, d, "ethercat-loop")
+    request(op, "robobus/ethercat-loop/rh/cmd/get_state", mine)
+    ec.publish(mine, b'{"ok": true}')
+    assert op.wait_for(lambda t, p, r: t == mine, SETTLE_S)
+    for p in (op, ec):
+        p.close()
+
+
+def test_the_kits_clients_use_ids_the_broker_accepts(secure_broker):
+    """shared.settings.bound_client_id: the kit's MqttSession (RpcClient, Node) and the recorder's lean client
+    put their user's name in front of their client id, and connect."""
+    from shared.mqtt_lean import LeanPublisher
+    from shared.rpc import RpcClient
+    from shared.settings import KitSettings, bound_client_id
+
+    port, d = secure_broker
+    assert bound_client_id("viewer", "robobus-cli-1") == "viewer-robobus-cli-1"
+    assert bound_client_id("viewer", "viewer-x") == "viewer-x" and bound_client_id(None, "a") == "a"
+    for user in ("viewer", "operator"):
+        u, pw = creds(d, user)
+        s = KitSettings(mqtt_url=f"mqtt://127.0.0.1:{port}", mqtt_username=u, mqtt_password=pw)
+        with RpcClient(s, name="robobus-cli") as c:
+            assert c.session.client_id.startswith(f"{user}-robobus-cli-"), c.session.client_id
+            assert c.reply_topic == f"robobus/_client/{c.session.client_id}/reply"
+            assert c.session.connected.wait(SETTLE_S)
+    u, pw = creds(d, "recorder")
+    lean = LeanPublisher(KitSettings(mqtt_url=f"mqtt://127.0.0.1:{port}", mqtt_username=u, mqtt_password=pw),
+                          "robobus-record-x")
+    lean.close()
+
+
+def test_make_secrets_refuses_a_user_named_like_anothers_client_ids(tmp_path):
+    with pytest.raises(SystemExit, match="bridge-site-a"):
+        make_secrets.main(["--dir", str(tmp_path), "--central", "--site", "site=site/robobus",
+                           "--site", "site-a=site-a/robobus"])
+
+
+def test_a_service_answers_only_requests_it_received(secure_broker):
+    """A compromised e-puck gateway cannot answer for the hand: a node may write a client's reply topic only
+    after a request naming it reached that node (published on {root}/<node>/<device>/cmd/<name> by someone
+    else); a node's command to itself grants nothing. Forged replies are refused (PUBACK 135)."""
+    port, d = secure_broker
+    op = probe(port, d, "operator")
+    mine = f"robobus/_client/{op.client_id}/reply"
+    assert op.subscribe(mine) == [1]
+    ec, epuck, roi = (probe(port, d, u) for u in ("ethercat-loop", "epuck-gateway", "roi-modules"))
+    request(op, "robobus/ethercat-loop/rh/cmd/get_state", mine)
+    epuck.publish(mine, b'{"from": "epuck before"}')  # it got no request from this client
+    request(roi, "robobus/roi-modules/m1/cmd/get_state", mine)  # its own command topic, naming op's replies
+    roi.publish(mine, b'{"from": "roi"}')
+    ec.publish(mine, b'{"from": "hand"}')  # the node that was asked
+    assert op.wait_for(lambda t, p, r: b"hand" in p, SETTLE_S)
+    request(op, "robobus/epuck-gateway/epuck1/cmd/get_state", mine)  # now the gateway was asked too
+    epuck.publish(mine, b'{"from": "epuck after"}')
+    assert op.wait_for(lambda t, p, r: b"epuck after" in p, SETTLE_S)
+    assert [p for t, p, _ in op.received] == [b'{"from": "hand"}', b'{"from": "epuck after"}'], op.received
+    refused: list[int] = []
+    epuck.client.on_publish = lambda c, u, mid, rc, props: refused.append(rc.value)
+    epuck.publish(f"robobus/_client/{roi.client_id}/reply", b"{}")
+    assert refused == [NOT_AUTHORIZED], refused  # the broker says so to the forger
+    for p in (op, ec, epuck, roi):
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def central_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    exe = mosquitto_bin()
+    if exe is None:
+        pytest.skip("mosquitto is not installed (make test installs it)")
+    d = tmp_path_factory.mktemp("central")
+    assert make_secrets.main(["--dir", str(d), "--central", "--site", "site-a=site-a/robobus",
+                              "--site", "site-b=site-b/robobus"]) == 0
+    port = free_port()
+    conf = d / "mosquitto.conf"
+    conf.write_text(host_broker_conf(d, port))
+    proc = start_host_broker(exe, conf, port, d)
+    yield port, d
+    proc.terminate()
+    proc.wait(5)
+    if proc.stdout:
+        proc.stdout.close()
+
+
+def test_a_site_cannot_write_its_own_reachability_at_the_centre(central_broker):
+    """{root}/_bridge/reachable is the centre's view (robobus fleet-watch): a site's bridge user may write its
+    nodes' topics, heartbeat and notification, but not that topic, nor anything of another site."""
+    port, d = central_broker
+    viewer = probe(port, d, "viewer")
+    assert viewer.subscribe("site-a/robobus/_bridge/#") == [1] and viewer.subscribe("site-b/robobus/#") == [1]
+    site = Probe("127.0.0.1", port, *creds(d, "bridge-site-a"), client_id="bridge-site-a")
+    assert site.connect() == 0
+    site.publish("site-a/robobus/_bridge/reachable", b"1")
+    site.publish("site-a/robobus/_bridge/reachable", b"0")
+    site.publish("site-b/robobus/ethercat-loop/status", b'{"online": false}')
+    site.publish("site-a/robobus/_bridge/uptime", b"42")  # its heartbeat: allowed
+    watch = probe(port, d, "fleet-watch")
+    watch.publish("site-a/robobus/_bridge/reachable", b"1")  # the centre's own view: allowed
+    assert viewer.wait_for(lambda t, p, r: t.endswith("/reachable"), SETTLE_S)
+    assert viewer.wait_for(lambda t, p, r: t.endswith("/uptime"), SETTLE_S)
+    time.sleep(0.5)
+    assert [(t, p) for t, p, _ in viewer.received] == [("site-a/robobus/_bridge/uptime", b"42"),
+                                                       ("site-a/robobus/_bridge/reachable", b"1")], viewer.received
+    for p in (viewer, site, watch):
+        p.close()

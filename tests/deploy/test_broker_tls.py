@@ -5,6 +5,7 @@ config and a throwaway CA: a client that trusts the CA connects over TLS with it
 from __future__ import annotations
 
 import ssl
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,3 +90,82 @@ def test_a_plain_client_on_the_tls_port_gets_no_session(tls_broker):
     assert dropped.wait(15), "the broker kept a plain connection on its TLS port"
     assert p.connack_rc is None
     p.client.loop_stop()
+
+
+def _edge(exe: str, tmp: Path, name: str, cport: int, central: Path,
+          *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A site's broker (a host mosquitto) with the bridge.conf that `make_secrets.py --bridge-to` writes for it,
+    the in-container path of the fleet's CA pointed at the site's copy."""
+    d = tmp / name
+    assert make_secrets.main(["--dir", str(d), "--root", "site-a/robobus", "--site", "site-a", "--bridge-to",
+                              f"localhost:{cport}", "--bridge-credentials", str(central / "bridge-site-a.env"),
+                              *extra]) == 0
+    bridge = (d / "bridge.conf").read_text()
+    port = free_port()
+    conf = d / "edge.conf"
+    conf.write_text(f"user root\nallow_anonymous true\npersistence false\nlistener {port} 127.0.0.1\n"
+                    + bridge.replace(make_secrets.BRIDGE_CA_IN_BROKER, str(d / make_secrets.FLEET_CA)))
+    return subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), bridge
+
+
+@pytest.fixture
+def tls_centre(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
+    """A fleet centre as make_secrets --central makes it: its CA and certificate, TLS listener (tls.conf)."""
+    exe = mosquitto_bin()
+    if exe is None:
+        pytest.skip("mosquitto is not installed (make test installs it)")
+    central = tmp_path / "central"
+    assert make_secrets.main(["--dir", str(central), "--central", "--site", "site-a=site-a/robobus"]) == 0
+    plain, tls = free_port(), free_port()
+    conf = central / "mosquitto.conf"
+    conf.write_text(host_broker_conf(central, plain, "\n" + tls_listener_conf(central / "certs", tls)))
+    proc = start_host_broker(exe, conf, plain, central)
+    yield exe, tls, central
+    proc.terminate()
+    proc.wait(5)
+    if proc.stdout:
+        proc.stdout.close()
+
+
+def heartbeat_seen(central: Path, plain_port_conf: Path, within_s: float) -> bool:
+    port = int(next(line.split()[1] for line in plain_port_conf.read_text().splitlines()
+                    if line.startswith("listener ") and "127.0.0.1" in line and "websockets" not in line))
+    viewer = Probe("127.0.0.1", port, *creds(central, "viewer"))
+    assert viewer.connect() == 0 and viewer.subscribe("site-a/robobus/_bridge/uptime") == [1]
+    try:
+        return viewer.wait_for(lambda t, p, r: not r, within_s)  # a live heartbeat, not a retained one
+    finally:
+        viewer.close()
+
+
+def test_a_site_bridges_to_the_centre_over_tls_with_the_fleets_ca(tls_centre, tmp_path):
+    """The default bridge: TLS 1.2+ to the centre's TLS listener, the centre's certificate checked against the
+    fleet's CA (make_secrets --central made both); the site's heartbeat arrives at the centre through it."""
+    exe, tls, central = tls_centre
+    assert (central / make_secrets.FLEET_CA).read_bytes() == (central / "certs" / "ca.crt").read_bytes()
+    edge, bridge = _edge(exe, tmp_path, "edge", tls, central, "--bridge-ca", str(central / make_secrets.FLEET_CA))
+    try:
+        assert f"bridge_cafile {make_secrets.BRIDGE_CA_IN_BROKER}" in bridge and "bridge_insecure false" in bridge
+        assert heartbeat_seen(central, central / "mosquitto.conf", 20.0), "no heartbeat over the TLS bridge"
+    finally:
+        edge.kill()  # a bridge retrying a refused handshake may sit out SIGTERM
+        edge.wait(5)
+
+
+def test_a_bridge_that_trusts_another_ca_does_not_connect_and_tls_is_the_default(tls_centre, tmp_path):
+    """A centre whose certificate the site's CA did not sign (a man in the middle) gets no bridge; and an edge
+    without the fleet's CA is refused by make_secrets unless plain MQTT is asked for by name."""
+    exe, tls, central = tls_centre
+    other = make_certs(tmp_path / "other-ca")
+    edge, _ = _edge(exe, tmp_path, "edge", tls, central, "--bridge-ca", str(other / "ca.crt"))
+    try:
+        assert not heartbeat_seen(central, central / "mosquitto.conf", 8.0)
+    finally:
+        edge.kill()  # a bridge retrying a refused handshake may sit out SIGTERM
+        edge.wait(5)
+    with pytest.raises(SystemExit, match="--bridge-ca"):
+        make_secrets.main(["--dir", str(tmp_path / "e2"), "--root", "site-a/robobus", "--site", "site-a",
+                           "--bridge-to", f"localhost:{tls}",
+                           "--bridge-credentials", str(central / "bridge-site-a.env")])
+    plain = make_secrets.bridge_conf("site-a", "site-a/robobus", "c:1883", "u", "p")
+    assert "bridge_cafile" not in plain and "PLAIN MQTT" in plain

@@ -85,7 +85,8 @@ def test_fleet_env_files_resolve(compose_ok, tmp_path, env_file):
             k, v = line.split("=", 1)
             env[k] = v.strip("'\"")
     profiles = env.pop("COMPOSE_PROFILES")
-    for k in ("ROBOBUS_SITE", "ROBOBUS_CENTRAL_ADDRESS", "ROBOBUS_BRIDGE_CREDENTIALS"):
+    for k in ("ROBOBUS_SITE", "ROBOBUS_CENTRAL_ADDRESS", "ROBOBUS_BRIDGE_CREDENTIALS", "ROBOBUS_BRIDGE_CA",
+              "ROBOBUS_CENTRAL_TLS_NAMES"):
         env.pop(k, None)  # up.sh's, not compose's
     sites = env.get("ROBOBUS_CENTRAL_SITES", "").split()
     central = ("--central", *[a for s in sites for a in ("--site", s)]) if sites else ()
@@ -96,6 +97,9 @@ def test_fleet_env_files_resolve(compose_ok, tmp_path, env_file):
         assert {k for k in given if k.startswith("ROBOBUS_")} <= env_names(FleetWatchSettings)
         assert FleetWatchSettings(fleet_sites=given["ROBOBUS_FLEET_SITES"]).roots() == \
             sorted(s.split("=", 1)[1] for s in sites)
+        # the sites reach the centre over TLS only: 8883 on every address, plain MQTT and websockets on loopback
+        ports = {int(p["target"]): p.get("host_ip", "0.0.0.0") for p in cfg["services"]["broker"]["ports"]}
+        assert ports == {1883: "127.0.0.1", 9001: "127.0.0.1", 8883: "0.0.0.0"}, ports
     if profiles == "hand":
         given = cfg["services"]["ethercat-loop"]["environment"]
         assert given["ROBOBUS_ETHERCAT_IFNAME"] == env["ROBOBUS_ETHERCAT_IFNAME"]

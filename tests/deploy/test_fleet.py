@@ -2,8 +2,10 @@
 its own env: topic root, secrets), each site's broker bridged to the centre over a shared docker network.
 One subscriber at the centre sees every site; a command sent at the centre reaches a device at a site and its
 reply comes back; a site cut off from the centre is seen as unreachable within seconds (`robobus fleet-watch`:
-{root}/_bridge/reachable; the bridge's own Will on {root}/_bridge/state follows within its longer bound), loses
-nothing it published with QoS 1 meanwhile, and is reachable and current again when the link returns."""
+{root}/_bridge/reachable; the bridge's own Will on {root}/_bridge/state follows within its longer bound), a
+command sent to it at the centre then is answered `unavailable` (deploy/fleet_gate.py), it loses nothing it
+published with QoS 1 meanwhile, and is reachable and current again when the link returns. The bridges use TLS
+with the fleet's CA."""
 
 from __future__ import annotations
 
@@ -45,13 +47,17 @@ def fleet(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
                     extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": "central",
                                "ROBOBUS_CENTRAL_SITES": " ".join(f"{s}={s}/robobus" for s in SITES),
                                "ROBOBUS_FLEET_WATCH_TIMEOUT_S": str(WATCH_TIMEOUT_S)})
-    central.make_secrets("--central", *[a for s in SITES for a in ("--site", f"{s}={s}/robobus")])
+    # the centre's certificate names the address the sites use (its alias on the shared network)
+    central.make_secrets("--central", *[a for s in SITES for a in ("--site", f"{s}={s}/robobus")],
+                         "--tls-name", "central")
     stacks = {"central": central}
     for site in SITES:
         st = Stack(f"robobus-{site}-{tag}", tmp_path_factory.mktemp(site), root=f"{site}/robobus",
                    extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": f"{site}-broker"})
-        st.make_secrets("--site", site, "--bridge-to", "central:1883",
-                        "--bridge-credentials", str(central.secrets / f"bridge-{site}.env"))
+        # over TLS (the default), checked against the fleet's CA: the centre's TLS listener, not its 1883
+        st.make_secrets("--site", site, "--bridge-to", "central:8883",
+                        "--bridge-credentials", str(central.secrets / f"bridge-{site}.env"),
+                        "--bridge-ca", str(central.secrets / make_secrets.FLEET_CA))
         stacks[site] = st
     try:
         # the three projects come up side by side: a site's bridge that reaches the centre before it listens
@@ -152,6 +158,13 @@ def test_a_cut_link_is_seen_at_the_centre_within_seconds_and_nothing_sent_meanwh
         assert watcher.wait_for(lambda t, p, r: t == reachable and p == b"0", WATCH_WITHIN_S, at_cut), \
             f"fleet-watch did not see site-a as unreachable within {WATCH_WITHIN_S} s"
         TIMINGS["fleet_watch_unreachable_s"] = time.monotonic() - cut_at
+        # a command at the centre for the cut site: answered at once by the centre's gate, not dropped
+        t0 = time.monotonic()
+        with RpcClient(central.settings("operator", topic_root=root), name="test-fleet-cut") as c:
+            rep = c.call("ethercat-loop", "rh", "nullify_demands", {}, timeout=30)
+        TIMINGS["fleet_unavailable_answer_s"] = time.monotonic() - t0
+        assert not rep.ok and rep.error and rep.error["code"] == "unavailable", rep
+        assert "site site-a (site-a/robobus) unreachable since" in rep.error["message"], rep.error
         # the bridge's own Will, still the authoritative "bridge down", within its (longer) bound
         assert watcher.wait_for(lambda t, p, r: t == state and p == b"0",
                                 UNREACHABLE_WITHIN_S - (time.monotonic() - cut_at), at_cut), \

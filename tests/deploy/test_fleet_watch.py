@@ -167,3 +167,74 @@ def test_on_real_brokers_a_frozen_edge_is_seen_unreachable_within_the_bound_and_
         stop.set()
         watch.join(10)
         viewer.close()
+
+
+def test_a_command_to_a_cut_site_is_answered_unavailable_at_the_centre(host_fleet):
+    """deploy/fleet_gate.py at the centre, under its own user: while the site is reachable the site's node answers
+    (the gate is silent); once fleet-watch says the site is cut off, a command sent at the centre is answered at
+    once with `unavailable`, naming the site and since when, to the caller's Response Topic and Correlation Data;
+    when the site is back, its node answers again."""
+    from shared.rpc import RpcClient
+    from shared.settings import KitSettings
+    from tests.deploy.deployfiles import DEPLOY, load
+
+    gate_mod = load("robobus_fleet_gate", DEPLOY / "fleet_gate.py")
+    cport, central, edge = host_fleet
+    eport = int(next(line.split()[1] for line in (central.parent / "edge.conf").read_text().splitlines()
+                     if line.startswith("listener ")))
+    sites = "site-a=site-a/robobus"
+    stop = threading.Event()
+    threads = []
+    for user, target in (("fleet-watch", run), ("fleet-gate", gate_mod.run)):
+        u, p = creds(central, user)
+        s = FleetWatchSettings(mqtt_url=f"mqtt://127.0.0.1:{cport}", mqtt_username=u, mqtt_password=p,
+                               fleet_sites=sites, fleet_watch_timeout_s=float(make_secrets.WATCH_TIMEOUT_S))
+        threads.append(threading.Thread(target=target, args=(s, stop), daemon=True))
+    # the site's node: answers every command it gets, at the edge broker (anonymous there)
+    node = Probe("127.0.0.1", eport)
+    assert node.connect() == 0
+
+    def answer(client, userdata, msg) -> None:  # type: ignore[no-untyped-def]
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+        props.CorrelationData = msg.properties.CorrelationData
+        client.publish(msg.properties.ResponseTopic, b'{"ok": true, "result": {"from": "site"}}', qos=1,
+                       properties=props)
+
+    node.client.on_message = answer
+    assert node.subscribe("site-a/robobus/+/+/cmd/+") == [1]
+    viewer = Probe("127.0.0.1", cport, *creds(central, "viewer"))
+    assert viewer.connect() == 0 and viewer.subscribe("site-a/robobus/_bridge/reachable") == [1]
+    u, p = creds(central, "operator")
+    op = KitSettings(mqtt_url=f"mqtt://127.0.0.1:{cport}", mqtt_username=u, mqtt_password=p,
+                     topic_root="site-a/robobus")
+    for t in threads:
+        t.start()
+    try:
+        assert viewer.wait_for(lambda t, p, r: p == b"1", 30), "site-a never reachable"
+        with RpcClient(op, name="robobus-cli") as c:
+            rep = c.call("ethercat-loop", "rh", "get_state", {}, timeout=30)
+            assert rep.ok and rep.result == {"from": "site"}, rep  # reachable: the site answers, not the gate
+            mark = viewer.mark()
+            os.kill(edge.pid, signal.SIGSTOP)
+            assert viewer.wait_for(lambda t, p, r: p == b"0", make_secrets.watch_bound_s() + 2.0, mark)
+            t0 = time.monotonic()
+            rep = c.call("ethercat-loop", "rh", "get_state", {}, timeout=30)
+            answered_s = time.monotonic() - t0
+            assert not rep.ok and rep.error and rep.error["code"] == "unavailable", rep
+            assert "site site-a (site-a/robobus) unreachable since" in rep.error["message"], rep.error
+            assert answered_s < 10, answered_s  # at once, not the caller's timeout (generous: a busy machine)
+            mark = viewer.mark()
+            os.kill(edge.pid, signal.SIGCONT)
+            assert viewer.wait_for(lambda t, p, r: p == b"1", 30, mark), "not reachable again"
+            rep = c.call("ethercat-loop", "rh", "get_state", {}, timeout=30)
+            assert rep.ok and rep.result == {"from": "site"}, rep
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(edge.pid, signal.SIGCONT)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for p in (node, viewer):
+            p.close()

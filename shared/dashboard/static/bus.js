@@ -58,6 +58,8 @@ export class Bus {
     this.watched.clear();
     this.root = root;
     this.stopTopic = `${root}/${this.stopName}`;
+    // a broker that binds client ids to users (deploy/mosquitto/robobus_auth.c) accepts <user>-... only
+    if (username && !this.clientId.startsWith(`${username}-`)) this.clientId = `${username}-${this.clientId}`;
     this.replyTopic = `${root}/_client/${this.clientId}/reply`;
     const opts = { protocolVersion: 5, clientId: this.clientId, clean: true, reconnectPeriod: 1000,
                    connectTimeout: 5000, keepalive: 15, properties: { sessionExpiryInterval: 0 } };

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""robobus fleet gate: at a fleet's centre, a command to a site that is cut off is answered at once with
+`unavailable` instead of being dropped.
+
+mosquitto's MQTT 5 bridges keep no session for a site while its link is down, so a command published at the
+centre then never reaches the site and nobody answers it. This process (profile `central`, compose service
+`fleet-gate`, broker user `fleet-gate`) reads each site's `{root}/_bridge/reachable` (retained, written by
+`robobus fleet-watch` alone: the centre's own view) and every command to the site's nodes,
+`{root}/+/+/cmd/+`; while the site is unreachable it answers each command that names a Response Topic with
+    {"ok": false, "error": {"code": "unavailable",
+                            "message": "site site-a (site-a/robobus) unreachable since 07:31:02 UTC: ..."}}
+and the command's Correlation Data, as a node answers (DESIGN.md "MQTT contract"), so `robobus call` and the
+dashboard at the centre show it. While the site is reachable it stays silent: the site's node answers.
+A command sent in the seconds between the cut and fleet-watch's verdict (deploy/README.md: at most
+make_secrets.watch_bound_s(), 6 s) gets no answer at all; the caller's own timeout applies.
+
+    ROBOBUS_FLEET_SITES='site-a=site-a/robobus ...' ROBOBUS_MQTT_URL=... python3 deploy/fleet_gate.py
+Settings: those of `robobus fleet-watch` (shared/fleet_watch.py FleetWatchSettings), the broker's credentials
+in ROBOBUS_MQTT_USERNAME / _PASSWORD; ROBOBUS_FLEET_WATCH_READY_FILE exists while subscribed (healthcheck).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from shared.fleet_watch import REACHABLE, FleetWatchSettings
+from shared.settings import bound_client_id, load_settings
+
+log = logging.getLogger("robobus.fleet_gate")
+CMD = "+/+/cmd/+"
+
+
+class Gate:
+    """Per site root: reachable or not, and since when (the time this gate learnt it; a state retained from
+    before the gate started is dated "before" its start)."""
+
+    def __init__(self, sites: dict[str, str], now: Any = time.time) -> None:
+        self.sites = sites  # root -> site name
+        self.now = now
+        self.started = now()
+        self.state: dict[str, tuple[bool, float, bool]] = {}  # root -> (reachable, since, since_is_exact)
+        self.answered = 0
+        self.lock = threading.Lock()
+
+    def root_of(self, topic: str) -> str | None:
+        """The site root a command topic ({root}/{node}/{device}/cmd/{name}) belongs to."""
+        parts = topic.split("/")
+        if len(parts) < 5 or parts[-2] != "cmd":
+            return None
+        root = "/".join(parts[:-4])
+        return root if root in self.sites else None
+
+    def reachability(self, root: str, payload: bytes, retained: bool) -> None:
+        value = payload.strip()
+        if value not in (b"0", b"1"):
+            log.warning("fleet-gate: %s/%s says %r (not 0 or 1): ignored", root, REACHABLE, payload[:40])
+            return
+        up = value == b"1"
+        with self.lock:
+            old = self.state.get(root)
+            if old is None or old[0] != up:
+                self.state[root] = (up, self.started if retained else self.now(), not retained)
+                log.warning("fleet-gate: site %s %s", root, "reachable: commands pass" if up else
+                            "unreachable: commands answered unavailable")
+
+    def refusal(self, root: str) -> bytes | None:
+        """The reply to a command for `root`, or None while the site is reachable (or not yet judged)."""
+        with self.lock:
+            st = self.state.get(root)
+        if st is None or st[0]:
+            return None
+        since = time.strftime("%H:%M:%S UTC", time.gmtime(st[1]))
+        when = f"since {since}" if st[2] else f"since before {since} (when this gate started)"
+        msg = (f"site {self.sites[root]} ({root}) unreachable {when}: its bridge to the centre is down, the "
+               "command was not delivered (commands are not queued for a cut site; send it again once "
+               f"{root}/{REACHABLE} is 1)")
+        return json.dumps({"ok": False, "error": {"code": "unavailable", "message": msg}}).encode()
+
+
+def sites_of(settings: FleetWatchSettings) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in settings.fleet_sites.split():
+        name, _, root = item.partition("=")
+        out[root or name] = name
+    return out
+
+
+def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
+    sites = sites_of(settings)
+    if not sites:
+        raise SystemExit("fleet-gate: no sites (ROBOBUS_FLEET_SITES='site-a=site-a/robobus ...')")
+    gate = Gate(sites)
+    b = settings.broker()
+    cid = bound_client_id(b.username, f"fleet-gate-{os.getpid()}")  # the broker binds client ids to users
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv5)
+    if b.username:
+        client.username_pw_set(b.username, b.password)
+    if b.tls:
+        client.tls_set(ca_certs=str(settings.mqtt_tls_ca) if settings.mqtt_tls_ca else None)
+    client.reconnect_delay_set(1, 5)
+    ready = settings.fleet_watch_ready_file
+
+    def on_connect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
+        if rc.is_failure:
+            log.error("fleet-gate: broker refused the connection: %s", rc)
+            return
+        c.subscribe([(f"{r}/{REACHABLE}", 1) for r in sites] + [(f"{r}/{CMD}", 1) for r in sites])
+
+    def on_subscribe(c: mqtt.Client, userdata: object, mid: int, rcs: list[Any], props: object) -> None:
+        refused = [str(rc) for rc in rcs if rc.is_failure]
+        if refused:
+            log.error("fleet-gate: subscriptions refused: %s", refused)
+        elif ready:
+            ready.touch()
+
+    def on_disconnect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
+        if ready:
+            ready.unlink(missing_ok=True)
+
+    def on_message(c: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if msg.topic.endswith(f"/{REACHABLE}"):
+            gate.reachability(msg.topic[: -len(REACHABLE) - 1], bytes(msg.payload), bool(msg.retain))
+            return
+        root = gate.root_of(msg.topic)
+        reply_to = getattr(msg.properties, "ResponseTopic", None) if msg.properties else None
+        if root is None or not reply_to or msg.retain:
+            return
+        body = gate.refusal(root)
+        if body is None:
+            return
+        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+        corr = getattr(msg.properties, "CorrelationData", None)
+        if corr is not None:
+            props.CorrelationData = corr
+        props.ContentType = "application/json"
+        c.publish(reply_to, body, qos=1, properties=props)
+        gate.answered += 1
+        log.info("fleet-gate: answered %s unavailable (site %s cut off)", msg.topic, root)
+
+    client.on_connect, client.on_subscribe = on_connect, on_subscribe
+    client.on_disconnect, client.on_message = on_disconnect, on_message
+    client.connect_async(b.host, b.port, keepalive=settings.mqtt_keepalive_s)
+    client.loop_start()
+    log.info("fleet-gate: %s", sorted(sites))
+    try:
+        stop.wait()
+    finally:
+        client.disconnect()
+        client.loop_stop()
+        if ready:
+            ready.unlink(missing_ok=True)
+        log.info("fleet-gate: stopped, %d commands answered unavailable", gate.answered)
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("ROBOBUS_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    run(load_settings(FleetWatchSettings), stop)
+
+
+if __name__ == "__main__":
+    main()
