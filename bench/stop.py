@@ -23,9 +23,12 @@ the watches are armed, the stop is published (retained, QoS 1, as `robobus stop`
 node's answer is collected; then, with the watches armed again, motion commands are sent to every device while
 the stop is active (each pair ends with the command whose bytes a watch stamps: a speed or a velocity then 0, a
 pin 1 then 0, an actuator move, a Dexter move): each must be refused `stopped` and none may reach a simulator;
-then the stop is released. Reported per service over the rounds: the time from the publish to the service's last
-device (p50, p99, max), with the ratio to the target and met / not met; the motion commands refused and those that
-reached a wire. Last line: one JSON object.
+then the stop is released. Before the rounds, the same probes are sent with no stop active and must be seen on
+every device's wire (so a probe that got through while stopped would be seen). Reported per service over the
+rounds: the time from the publish to the service's last device (p50, p99, max), with the ratio to the target and
+met / not met; beside it when the node read the stop (its answer's `received_ts`), its first device, and the times
+the node reported (`written_ts`); the motion commands refused and those that reached a wire. Last line: one JSON
+object.
 
     python bench/stop.py               # 25 rounds
     python bench/stop.py --quick       # 5 rounds
@@ -187,6 +190,7 @@ class Figures:
 
     how: str
     times_ms: list[float] = field(default_factory=list)
+    first_ms: list[float] = field(default_factory=list)  # the service's first device (the spread: last - first)
     missing: int = 0  # devices without a stamp / a written time in a round
     early: int = 0  # a stamp older than the publish (the device had been stopped by something else)
     probes: int = 0  # motion commands sent during the stop
@@ -204,7 +208,7 @@ class Figures:
                 "met": met, "missing": self.missing, "early": self.early, "motion_probes": self.probes,
                 "refused_stopped": self.refused_stopped, "not_refused": len(self.not_refused),
                 "not_refused_examples": self.not_refused[:3], "reached_wire": self.reached_wire,
-                "stop_errors": self.stop_errors}
+                "stop_errors": self.stop_errors, "first_device_p50_ms": round(percentile(self.first_ms, 50), 2)}
 
 
 def ensure_stress_ng() -> str:
@@ -564,6 +568,7 @@ class Bench:
                 f.early += 1  # an all-zero frame before the stop, or the motors were not moving when armed
             else:
                 f.times_ms.append(1000 * (float(stamp["unix"]) - t_pub))
+                f.first_ms.append(f.times_ms[-1])  # one device
         ep, roi = self.epuck_stamps(ep_mark), self.roi_stamps(roi_mark)
         worst: dict[str, float] = {}
         for svc, stamps, n in ((EPUCK, ep, n_ep), (ROI, roi, n_roi)):
@@ -573,6 +578,7 @@ class Bench:
             if len(stamps) == n:
                 worst[svc] = 1000 * (max(stamps.values()) - t_pub)
                 f.times_ms.append(worst[svc])
+                f.first_ms.append(1000 * (min(stamps.values()) - t_pub))
         for svc in SERVICES:
             a = answers.get(svc)
             written = [d.written_ts for d in a.devices] if a is not None else []
@@ -587,6 +593,8 @@ class Bench:
             if errs:
                 self.errors.append(f"round {rnd}: {svc} stop errors {errs[:3]}")
             ms = 1000 * (max(w for w in written if w is not None) - t_pub)
+            if svc == DEXTER or (svc == HAND and not wire_hand):
+                self.fig[svc].first_ms.append(1000 * (min(w for w in written if w is not None) - t_pub))
             self.reported[svc].append(ms)
             if svc == DEXTER or (svc == HAND and not wire_hand):
                 self.fig[svc].times_ms.append(ms)
@@ -717,7 +725,8 @@ def main() -> None:
           f"{sum(f.refused_stopped for f in bench.fig.values())}; not refused: "
           f"{sum(len(f.not_refused) for f in bench.fig.values())}; reached a simulator's wire: "
           f"{sum(f.reached_wire for f in bench.fig.values())} (target 0): {'met' if executed == 0 else 'NOT MET'}")
-    print("read: from the publish to the node reading the stop (its answer's received_ts), ms")
+    print("read: from the publish to the node reading the stop (its answer's received_ts), ms; first device p50: "
+          + ", ".join(f"{s} {f['first_device_p50_ms']:.1f} ms" for s, f in services.items()))
     print(f"hand: {result['hand']}; Dexters: DexRun has no stop bytes (the node's stop answer; the watch checks that "
           "no motion request arrives)")
     if bench.move_failures:
