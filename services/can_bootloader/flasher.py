@@ -7,9 +7,11 @@ A driver (transport.py, the tests, the benchmark) loops:
     flasher.tick(now)                   # timeouts; call at flasher.deadline() at the latest
     flasher.events()                    # phase changes, rewinds, warnings, the final result
 
-The sequence is the original SimpleMotorFlasher's (reference §4): magic packet, erase, per 32-byte block
+The sequence is the original SimpleMotorFlasher's (docs/reference/can_bootloader.md §4): magic packet, erase, per
+32-byte block
 WRITE_FLASH_ADDRESS + 4 × WRITE_FLASH_DATA, read-back of the whole image 8 bytes at a time, reset; then
-(robobus addition, seed 000 "BEWARE") a second magic packet proves the new firmware is bootloader-aware.
+(robobus addition, docs/reference/can_bootloader.md §3 "BEWARE") a second magic packet proves the new firmware is
+bootloader-aware.
 That check resends the magic packet at the reference's magic timing (100 ms) within its budget: an aware
 firmware that got the first one has already jumped into the bootloader (EEPROM[0xFF] = 0xFF), whose ACK may be
 the one lost, and every later magic packet reboots the bootloader and is ACKed again. When none is answered,
@@ -63,7 +65,8 @@ class Phase(StrEnum):
 
 
 class FlashConfig(BaseModel):
-    """Timeouts and retries; defaults are the original's where it had bounded ones (reference §4). The one
+    """Timeouts and retries; defaults are the original's where it had bounded ones (docs/reference/can_bootloader.md
+    §4). The one
     definition: the service's `can_flash` setting is this model (`window` and `check_bootloader_aware` come
     from ROBOBUS_CAN_WINDOW and the request instead)."""
 
@@ -552,7 +555,8 @@ class Flasher:
             msg = ("the new firmware is NOT bootloader-aware: it answered none of the "
                    f"{self.cfg.check_tries} magic packets after the reset, and the board does not answer READ_VERSION "
                    "(it is not in its bootloader), so this board can no longer be reflashed over CAN until "
-                   "EEPROM[0xFF] is set to 0xFF by hand (seed 000, BEWARE); unless the board has left the bus")
+                   "EEPROM[0xFF] is set to 0xFF by hand (docs/reference/can_bootloader.md §3, BEWARE); "
+                   "unless the board has left the bus")
             self._events.append(FlashWarning(msg))
             self._finish(True, "flashed, verified and reset; " + msg, address=None, aware=False)
         else:

@@ -1,6 +1,6 @@
 """Firmware images for the PIC18F2580 motor boards: Intel HEX in, a checked flash image out (pure, no I/O).
 
-Rules (reference §4 "Reading the image" and "PIC18 bootloader side"):
+Rules (docs/reference/can_bootloader.md §4.4 "Reading the image" and §4.5 "PIC18 bootloader side"):
 - the application region is 0x04C0 up to, not including, 0x7DC0 (what ERASE clears);
 - anything that would land in the bootloader (0x0000–0x047F), its vector area (0x0480–0x04BF), or past
   the region (0x7DC0–0x1FFFFF, the debugger area and unimplemented memory) is refused, before any frame

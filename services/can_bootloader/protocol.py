@@ -1,7 +1,8 @@
 """The PIC18F CAN bootloader wire format (sans-I/O: frames in, frames out, no bus, no clock).
 
-Source of truth: reference/shadow_ethercat.md §1.9 (SID layout) and §4 (the SimpleMotorFlasher
-sequence and its ACK rule `can_data_is_ack`), with seed 000 ("Bootloading protocole") for the
+Source of truth: docs/reference/can_bootloader.md §1 (SID layout) and §4 (the SimpleMotorFlasher
+sequence and its ACK rule `can_data_is_ack`), with seed 000 ("Bootloading protocole",
+docs/reference/can_bootloader.md §2) for the
 bootloader side. Where the two disagree the reference wins, and the spot is marked `reference over seed`.
 
 SID (11 bits) = direction[10:9] | motor id[8:5] | ACK[4] | command[3:0]; the bootloader direction is
@@ -106,7 +107,8 @@ def magic_packet(local_id: int) -> BootFrame:
 
 def erase_flash(local_id: int) -> BootFrame:
     # Reference over seed: the seed documents ERASE with length 0, but the original flasher sends
-    # length 1 with an unused (zero) data byte (reference §4 step 2); the bootloader echoes it back.
+    # length 1 with an unused (zero) data byte (docs/reference/can_bootloader.md §4.2 step 2); the bootloader echoes
+    # it back.
     return BootFrame(boot_sid(local_id, BootCommand.ERASE_FLASH), b"\x00")
 
 
@@ -145,7 +147,7 @@ def ack_for(request: BootFrame) -> BootFrame:
 
 
 def is_ack(sent: BootFrame, reply: BootFrame) -> bool:
-    """`can_data_is_ack` of the original (reference §4), without the READ data compare.
+    """`can_data_is_ack` of the original (docs/reference/can_bootloader.md §4), without the READ data compare.
 
     READ_FLASH: the reply SID must be exactly `0x600 | id<<5 | 0x10 | 1` with 8 data bytes (the original
     then compares the bytes with the image inside the ACK check; `read_matches` does that part).

@@ -34,8 +34,8 @@ class CanBootSettings(KitSettings):
     can_flash: FlashConfig = Field(default_factory=FlashConfig, description="Flasher timeouts and retries (the "
                                    "window comes from can_window, check_bootloader_aware from each request)")
     # the link (docs/kit.md, "Health"): the adapter is the link, boards answer only in their bootloader and only
-    # when asked. Budget: the bootloader's longest single answer is RESET's (1000 ms, reference shadow_ethercat.md
-    # §4; a frame's is 100 ms); the adapter is checked every budget/4 between exchanges and on every receive
+    # when asked. Budget: the bootloader's longest single answer is RESET's (1000 ms, docs/reference/can_bootloader.md
+    # §4.2; a frame's is 100 ms); the adapter is checked every budget/4 between exchanges and on every receive
     # turn (<= 20 ms) during one, so 1 s tells a dead adapter no later than the protocol would tell a dead board.
     can_liveness_s: float = Field(1.0, gt=0, description="Liveness budget: the adapter must prove healthy "
                                   "(a clean read, no error state; through the palm: ethercat-loop online) within "

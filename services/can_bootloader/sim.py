@@ -1,6 +1,6 @@
 """A PIC18F2580 motor board running the Shadow CAN bootloader: the device side of protocol.py.
 
-Model (reference §4 "PIC18 bootloader side", seed 000 "Bootloading protocole"):
+Model (docs/reference/can_bootloader.md §2, §3 and §4.5):
 - 32 KB program memory; ERASE clears 0x04C0 up to 0x7DC0 in 64-byte rows; WRITE_FLASH_DATA fills the
   32 TBLWT holding registers (TBLPTR<4:0>) and the 4th frame (`position == 32`) programs the 32-byte block
   at TBLPTR<21:5> after the TBLRDPOSTDEC, exactly as `write_flash_data()` does. Programming only clears bits
@@ -324,7 +324,7 @@ class BootBusSim:
         self.row_write_s = row_write_s
         self.erase_s = erase_s
         self.rx_buffers = rx_buffers
-        self.ignore_sent = ignore_sent  # udp_multicast loops our own frames back (reference/peers.md §6)
+        self.ignore_sent = ignore_sent  # udp_multicast loops our own frames back (docs/reference/peers.md §6.3)
         self.overflows = 0
         self._busy_until = 0.0
         self._queued_during_busy = 0
@@ -427,7 +427,7 @@ class BootBusSim:
 
 # -- test firmware -------------------------------------------------------------------------------------------
 SIMPLEMOTOR_FIRST = 0x04C0
-SIMPLEMOTOR_LAST = 0x7D4B  # released_firmware/simplemotor.hex spans 0x04C0–0x7D4B (reference §4)
+SIMPLEMOTOR_LAST = 0x7D4B  # released_firmware/simplemotor.hex spans 0x04C0–0x7D4B (docs/reference/can_bootloader.md §4)
 CONFIG_BYTES = {0x300001: bytes.fromhex("0E1E0081000F")}  # config words 0x300001–0x300006, skipped
 
 

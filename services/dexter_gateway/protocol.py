@@ -1,6 +1,6 @@
 """The DexRun socket protocol (Haddington Dynamics Dexter, TCP port 50000): pure codec, no I/O, no clock.
 
-Byte for byte after ../shared/reference/dexter.md (sections quoted as "§n"). Where DexRun branches
+Byte for byte after docs/reference/dexter.md (sections quoted as "§n"). Where DexRun branches
 differ, both are supported and the code says which behaviour it follows:
 
 * **stable** = `Stable_2020_02_04_ConeDrive` (the repo's default branch);

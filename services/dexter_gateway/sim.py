@@ -1,4 +1,5 @@
-"""A simulated Dexter: a DexRun TCP server that behaves like the firmware on the wire (dexter.md §1-§7, §11.5).
+"""A simulated Dexter: a DexRun TCP server that behaves like the firmware on the wire (docs/reference/dexter.md
+§1-§7, §11.5).
 
 Built the way DexRun's `StartServerSocketDDE` is: one server thread, `listen` → `accept` → a blocking
 `recv` loop → `close` → `accept` again. So, as on the robot:

@@ -6,7 +6,7 @@ reply, and hands the link to the next caller. No thread hop sits between a calle
 transfer runs at the robot's block round trip, not at the speed of hand-offs between threads.
 
 * **One command in flight.** DexRun treats each `recv` as one command, so a second command in the same
-  segment is lost (reference §1); the wiki: "wait for the status to be returned before sending the next
+  segment is lost (docs/reference/dexter.md §1); the wiki: "wait for the status to be returned before sending the next
   oplet". Callers queue in arrival order (FIFO, never interleaved); more than `queue_limit` waiting get
   `busy`.
 * **A reply timeout per command** (DDE has none, §8), longer where DexRun legitimately waits: `F`

@@ -1,6 +1,6 @@
 """Advanced sercom v2 (asercom2), the e-puck2's protocol over Bluetooth (selector 3) and USB (selector 8).
 
-Sans-I/O: request bytes out, reply bytes in, no port and no clock. Followed: reference/epuck2.md §6,
+Sans-I/O: request bytes out, reply bytes in, no port and no clock. Followed: docs/reference/epuck2.md §6,
 checked against the F407 firmware's `Asercom2.c` where §6 gives no size (noted per command below).
 
 Binary mode: each command is the two's complement of its letter or number (-'N' = 0xB2, -0x08 =
@@ -63,7 +63,7 @@ def get_all_sensors() -> AsercomCommand:
 
 
 def set_all_actuators(cmd: EpuckCommand) -> AsercomCommand:
-    """-0x09 + the 19 bytes of the WiFi command after its id and request byte (reference §3)."""
+    """-0x09 + the 19 bytes of the WiFi command after its id and request byte (docs/reference/epuck2.md §3)."""
     return AsercomCommand(0x09, cmd.encode()[2:], 0, "set_all_actuators")
 
 
@@ -272,7 +272,7 @@ def expected_size(commands: Sequence[AsercomCommand], image: tuple[int, int, int
 
 
 def sensors_packet(block: bytes, button: int) -> bytes:
-    """The 103-byte -0x08 block and the -0x0B button -> the 104-byte WiFi sensors layout (reference §1:
+    """The 103-byte -0x08 block and the -0x0B button -> the 104-byte WiFi sensors layout (docs/reference/epuck2.md §1:
     the ESP32 puts the button at offset 102 and moves the reserved byte to 103), so one decoder serves
     both transports."""
     if len(block) != ALL_SENSORS_SIZE:

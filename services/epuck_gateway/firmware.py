@@ -1,7 +1,8 @@
 """Firmware update of the e-puck2's main MCU (STM32F407, Cortex-M4) through its onboard programmer.
 
 The programmer (an STM32F413 running a Black Magic Probe derivative) serves GDB's remote protocol
-on one of the robot's USB serial ports (seed 003 "Robot firmware update": "The onboard programmer
+on one of the robot's USB serial ports (docs/reference/epuck2.md §9.1, seed 003 "Robot firmware update": "The onboard
+programmer
 run a GDB server, so we use GDB commands to upload a new firmware"). GCtronic's program script runs
 `target extended-remote PORT`, `monitor swdp_scan`, `attach 1`, `set mem inaccessible-by-default
 off`, `load`. Here `gdb-multiarch` (Debian) is driven through its machine interface (MI) so that
@@ -38,8 +39,9 @@ from pathlib import Path
 FLASH_BASE = 0x0800_0000
 FLASH_SIZE = 0x10_0000  # STM32F407xG: 1 MiB
 # Boot: with BOOT0 low the STM32F407 maps main flash at 0 and boots from the vector table at its start
-# (RM0090 §2.4); the table's word 0 is the initial main stack pointer, word 1 the reset handler's address
-# with bit 0 set (Thumb; ARMv7-M ARM §B1.5.3). The reference note epuck2.md has no flash map: these are
+# (docs/reference/epuck2.md §9.3; RM0090 §2.4); the table's word 0 is the initial main stack pointer, word 1 the
+# reset handler's address
+# with bit 0 set (Thumb; ARMv7-M ARM §B1.5.3). docs/reference/epuck2.md §9.2 has the flash map: these are
 # the STM32F407's datasheet facts (SRAM1+SRAM2 112+16 KiB at 0x20000000, CCM 64 KiB at 0x10000000).
 BOOT_ADDRESS = FLASH_BASE
 STACK_RAM = ((0x2000_0000, 0x2_0000, "SRAM"), (0x1000_0000, 0x1_0000, "CCM RAM"))

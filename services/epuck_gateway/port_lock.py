@@ -2,7 +2,7 @@
 
 An e-puck2 on USB shows two serial ports (the programmer's GDB server and the F407's asercom). Writing
 GDB packets into the asercom port leaves the robot waiting for the end of an ASCII line (reference
-epuck2.md §6: a positive first byte starts a line that only `\\r` or `\\n` ends), so a port in use by
+docs/reference/epuck2.md §6: a positive first byte starts a line that only `\\r` or `\\n` ends), so a port in use by
 one program must be refused by every other. The lock is `flock(LOCK_EX | LOCK_NB)` on the device
 itself, which is what pyserial's `exclusive=True` takes, so the gateway's links, a `robobus epuck
 flash` run on the same host and anything else that asks here agree whichever opened the port first.

@@ -1,7 +1,8 @@
 """e-puck2 WiFi protocol (selector 15, TCP port 1000), sans-I/O: codecs, stream parser, command state.
 
-Byte layouts follow ../shared/reference/epuck2.md (read from the ESP32 and F407 firmware) where it is
-more precise than the wiki text of seed 003. Nothing here touches a socket or a clock: the gateway's
+Byte layouts follow docs/reference/epuck2.md (read from the ESP32 and F407 firmware) where it is
+more precise than the wiki text of seed 003 (docs/reference/epuck2.md §0). Nothing here touches a socket or a clock:
+the gateway's
 transport, the simulator and the tests share this one implementation of the format.
 
 Robot -> host: 0x01 + 38400-byte QQVGA RGB565 image (big-endian 565 words), 0x02 + 104-byte sensors
@@ -28,7 +29,7 @@ IMAGE_SIZE = IMAGE_WIDTH * IMAGE_HEIGHT * 2  # 38400: RGB565, 2 bytes per pixel
 SENSORS_SIZE = 104
 COMMAND_SIZE = 21  # id included
 PAYLOAD_SIZES = {IMAGE_ID: IMAGE_SIZE, SENSORS_ID: SENSORS_SIZE, EMPTY_ID: 0}
-# 0x00 is "reserved" (seed 003) with no known size, so the parser treats it like any unknown id.
+# 0x00 is "reserved" (docs/reference/epuck2.md §4) with no known size, so the parser treats it like any unknown id.
 
 # The ESP32 sends an image as the id byte, then 9 x 4092 bytes and 1 x 1572 bytes (its SPI blocks).
 IMAGE_SEGMENTS = (4092,) * 9 + (1572,)
@@ -187,13 +188,13 @@ class EpuckRawSensors:
 
 _PROX_AMBIENT = struct.Struct("<16H")  # offsets 37..68: 8 proximity, 8 ambient
 _MICS = struct.Struct("<4H")  # offset 71
-ADC_MAX = 4095  # proximity, ambient and microphone volumes are 12-bit (reference epuck2.md §2)
+ADC_MAX = 4095  # proximity, ambient and microphone volumes are 12-bit (docs/reference/epuck2.md §2)
 
 
 def implausible_sensors(data: bytes | memoryview) -> str:
     """Why a 104-byte sensors packet cannot come from an e-puck2 ('' when it can). The WiFi stream has no
     checksum or identification, and random bytes hold the packet ids 0x01/0x02/0x03 (a device speaking another
-    protocol, a stream out of step); a robot's packet keeps these fields in range (reference epuck2.md §2):
+    protocol, a stream out of step); a robot's packet keeps these fields in range (docs/reference/epuck2.md §2):
     reserved byte 103 always 0, button 0/1, selector 0..15, SD state 0/1, proximity, ambient and microphone
     volumes 0..4095. Random bytes pass them all with a probability below 1e-20."""
     if len(data) != SENSORS_SIZE:

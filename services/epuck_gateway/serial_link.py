@@ -94,7 +94,7 @@ from shared.link import SupervisedLink
 
 log = logging.getLogger("robobus.epuck.serial")
 
-# Resynchronisation (reference epuck2.md §6, as Asercom2.c reads its input): 0x00 ends a binary chain the
+# Resynchronisation (docs/reference/epuck2.md §6, as Asercom2.c reads its input): 0x00 ends a binary chain the
 # robot may be stuck in (and is ignored by an idle robot); `\r` ends an ASCII line it may be stuck in (a
 # robot that was idle skips it and takes the next byte as the start of a line); `C\r` is then a whole
 # line in every case, a harmless query (the selector) whose answer `c,N\r\n` marks the point from which

@@ -109,7 +109,7 @@ SOUND = API.command("sound", EpuckSound, EpuckActuators, errors=_LINK,
                     doc="Play mario, underworld, star_wars, 4khz, 10khz, or stop")
 CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators, errors=_LINK,
                            doc="Calibrate the IR proximity sensors (keep objects away)")
-# the on-board behaviour drives the wheels itself (reference epuck2.md §3, settings bit1): motion; the bus stop
+# the on-board behaviour drives the wheels itself (docs/reference/epuck2.md §3, settings bit1): motion; the bus stop
 # turns it off
 OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators, errors=_LINK, motion=True,
                        doc="Enable or disable the on-board obstacle avoidance (it drives the wheels: a motion "
@@ -530,7 +530,7 @@ class EpuckRobot:
         self._require_link()
         letter, *fields = req.line.split(",")
         args = [int(a) for a in fields]
-        # What the firmware will make of the line (reference epuck2.md §6, Asercom2.c's ASCII mode): it
+        # What the firmware will make of the line (docs/reference/epuck2.md §6, Asercom2.c's ASCII mode): it
         # upper-cases every letter but `b` and `g`. A line that moves the robot goes through the gateway's
         # own state, so the deadman covers it and the actuator state says what the robot does.
         cmd = letter if letter in ("b", "g") else letter.upper()

@@ -1,6 +1,6 @@
 """Simulated e-puck2 on a serial port: the F407's asercom v2 (selector 8 = USB, 3 = Bluetooth) on a pty.
 
-The device side of asercom2 as `Asercom2.c` runs it (reference §6): it prints its welcome banner when
+The device side of asercom2 as `Asercom2.c` runs it (docs/reference/epuck2.md §6): it prints its welcome banner when
 it starts, answers a binary chain (negative codes ended by 0x00) with every reply concatenated, LSB
 first, applies -0x09 once when it arrives, and answers ASCII lines (`D,200,200\\r` -> `d\\r\\n`).
 The world (motion, sensors, camera) is the WiFi simulator's `EpuckWorld`.

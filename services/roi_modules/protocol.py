@@ -1,6 +1,6 @@
 """The ROI ("Roobot Over IP") wire format: pure code, no I/O, no clock.
 
-Followed byte for byte: ../shared/reference/roi.md (§2 packet layouts, §3 code tables), which reads the
+Followed byte for byte: docs/reference/roi.md (§2 packet layouts, §3 code tables), which reads the
 firmware at UA-NASA-Robotics/Roobot-Over-IP a1c7216 (values identical at HEAD). Where the seed
 (002, InterfaceReadMe.md) and the note disagree, the note wins (it says the firmware sends millivolts, not
 V x 100, and the MAC is STATUS bytes 8..13, not 7..12).

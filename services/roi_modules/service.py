@@ -1,6 +1,6 @@
 """roi-modules' MQTT surface: every configured ROI module is one device (health, state, commands, jobs).
 
-One asyncio loop runs the transport and one maintain task per module (reference roi.md §4): while the module
+One asyncio loop runs the transport and one maintain task per module (docs/reference/roi.md §4): while the module
 answers, every 100 ms a poll that feeds the module's 500 ms watchdog (ODrive GET_ALL, actuator
 GET_CURRENT_LENGTH, GPIO READs), and a STATUS_REPORT at start, every 128 ticks and after the module comes back;
 while it does not, one STATUS_REPORT probe per probe period (the link supervisor's rhythm), never the resend
@@ -177,7 +177,8 @@ class RoiSettings(KitSettings):
         return self.roi_timeout_s * (self.roi_max_retries + 1)
 
     def liveness_s(self, module: RoiModuleConfig) -> float:
-        """The module's liveness budget (README, "Health"). Reference roi.md §3.8/§4.4/§5.4: a module answers a
+        """The module's liveness budget (README, "Health"). Reference docs/reference/roi.md §3.8/§4.4/§5.4: a module
+        answers a
         poll every 100 ms; its own watchdog gives up on the host after 500 ms; one request is abandoned after
         11 sends 50 ms apart (0.55 s). 1 s is two module watchdog periods (ten polls) and holds one fully lost
         request plus the next poll; the 12.8 s status period is no liveness signal (the polls are)."""
@@ -543,7 +544,8 @@ class RoiModule:
         """The device's stop action (Device.on_stop), on the service's loop. The stop's packets are written to
         the socket at once, ahead of whatever the module's queue holds (transport.send_now), and the time they
         left is what the deadman reports, once the module has acknowledged them (its reply is the ack, reference
-        roi.md §5.4). A packet unanswered within one resend timeout: the whole stop is sent again, in order,
+        docs/reference/roi.md §5.4). A packet unanswered within one resend timeout: the whole stop is sent again, in
+        order,
         with the resend ladder. Not acknowledged, refused by the module, or nothing that can be sent: the
         node's stop answer and the health say so."""
         tr = self.svc.transport
@@ -716,7 +718,7 @@ class GpioModule(RoiModule):
     def stop_packets(self) -> list[p.GeneralPacket]:
         """SET_OUTPUT of each stop output first (the pins are outputs: pin_modes), then, for a module that lost
         its pin modes (reset, not yet re-configured, where that first SET_OUTPUT is refused), SET_PIN_MODE
-        output and SET_OUTPUT again (reference roi.md §3.5: SET_OUTPUT fails unless the pin is an output)."""
+        output and SET_OUTPUT again (docs/reference/roi.md §3.5: SET_OUTPUT fails unless the pin is an output)."""
         outs, again = [], []
         for pin, level in sorted(self.cfg.stop_outputs.items()):
             self.outputs[pin] = level
@@ -1048,7 +1050,7 @@ class OdriveModule(MotionModule):
         await self.set_value("velocity", p.OdriveAction.SET_VELOCITY, 0.0)
 
     def stop_packets(self) -> list[p.GeneralPacket]:
-        """The bus stop (reference roi.md §3.6): velocity 0 first (it stops a velocity-mode axis at once), the
+        """The bus stop (docs/reference/roi.md §3.6): velocity 0 first (it stops a velocity-mode axis at once), the
         torque feed-forward 0, then velocity mode with VEL_RAMP and velocity 0 again, so that the axis ends in
         velocity mode at 0 rev/s whatever mode it was in. The ROI protocol has no code for the ODrive's IDLE
         state (only the module's own watchdog idles the axis, and the released firmware is built without it,
@@ -1213,7 +1215,7 @@ class ActuatorModule(MotionModule):
         return RoiAck(accepted=True, detail=f"moves at {abs(req.velocity)} %/s")
 
     def stop_packets(self) -> list[p.GeneralPacket]:
-        """The bus stop: the ROI actuator protocol has no stop code (reference roi.md §3.7), so the actuator is
+        """The bus stop: the ROI actuator protocol has no stop code (docs/reference/roi.md §3.7), so the actuator is
         held where it is, SET_ABSOLUTE_LENGTH at the measured (or estimated) position. The firmware answers
         every setter [0] = 0: the reply acknowledges, it does not confirm."""
         self.estimate()

@@ -1,7 +1,7 @@
 """Simulated ROI modules: the firmware's side of the wire, one UDP peer per module octet.
 
 Each module binds <prefix>.<octet>:57344 and :57664 (loopback 127.0.2.x for `make run`, another 127.x.y
-prefix per test) and behaves as the firmware does (reference roi.md §6, Modules/*/src at a1c7216):
+prefix per test) and behaves as the firmware does (docs/reference/roi.md §6, Modules/*/src at a1c7216):
 - a general datagram is imported with the checksum ignored (§2.4) and **always** answered with 64 bytes to
   the sender's address on port 57344, whatever port it came from (§6.2); blacklisted sources are dropped;
 - SysAdmin: PING -> PONG [operable, type], STATUS_REPORT -> 14 bytes, BLACK_LIST is applied but never

@@ -1,6 +1,6 @@
 """The ROI UDP network: one process owns both sockets (57344 general, 57664 SysAdmin) on the host's address.
 
-The reply is the acknowledgement (reference roi.md §5.4): a request is resent every `timeout_s` (50 ms) up to
+The reply is the acknowledgement (docs/reference/roi.md §5.4): a request is resent every `timeout_s` (50 ms) up to
 `max_retries` (10) times, then abandoned and counted as lost.
 
 Whether a module is alive is not decided here: the transport reports every matched reply (`on_reply`) and

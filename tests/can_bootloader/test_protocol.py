@@ -1,4 +1,4 @@
-"""Wire format: byte vectors from reference §1.9/§4, hypothesis round trips, garbage."""
+"""Wire format: byte vectors from docs/reference/can_bootloader.md §1/§2/§4, hypothesis round trips, garbage."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from services.can_bootloader import protocol as p
 
 
 def test_sid_layout_vectors() -> None:
-    # 0x600 | (motor_id << 5) | command; ACK bit 0x10 (reference §1.9, §4)
+    # 0x600 | (motor_id << 5) | command; ACK bit 0x10 (docs/reference/can_bootloader.md §1, §2)
     assert p.magic_packet(8) == p.BootFrame(0x70A, bytes.fromhex("55AA55AA55AA55AA"))
     assert p.erase_flash(0) == p.BootFrame(0x602, b"\x00")  # length 1, unused byte (reference step 2)
     assert p.write_flash_address(3, 0x04C0) == p.BootFrame(0x665, bytes.fromhex("C00400"))

@@ -135,7 +135,7 @@ RED = "rgb(179, 38, 30)"  # style.css --bad
 
 def test_badge_and_health_message_agree(page: Any) -> None:
     """The health's message is coloured as the badge is: the actuator in its blank state is operational without
-    error (reference roi.md §3.7: its firmware never reports itself configured), so its badge is green and its
+    error (docs/reference/roi.md §3.7: its firmware never reports itself configured), so its badge is green and its
     message a plain note, never red beside a green badge; a module that is not operational says so in amber."""
     arm = card(page, "roi-modules", "roi_arm")
     page.wait_for_selector("article[data-device='roi_arm'] .error-message:not(:empty)", timeout=T)

@@ -1,4 +1,4 @@
-"""DexRun codec: byte vectors from the reference notes (dexter.md, seed 004), hypothesis round trips, garbage."""
+"""DexRun codec: byte vectors from docs/reference/dexter.md (with seed 004), hypothesis round trips, garbage."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def reply_bytes(values: dict[int, int]) -> bytes:
 # -- requests ---------------------------------------------------------------------------------------
 
 def test_request_matches_dde_example_and_is_256_zero_padded() -> None:
-    # dexter.md §2: `1 5 1712345678901 undefined a 0 0 0 0 0;`
+    # docs/reference/dexter.md §2: `1 5 1712345678901 undefined a 0 0 0 0 0;`
     req = p.build_request("a", [0, 0, 0, 0, 0], job_id=1, instruction_id=5, start_ms=1712345678901)
     raw = req.encode()
     assert len(raw) == 256
@@ -30,14 +30,15 @@ def test_request_matches_dde_example_and_is_256_zero_padded() -> None:
 
 
 def test_move_to_wiki_example() -> None:
-    # dexter.md §4: `1 1 1 1 M 0 500000 100000 0 0 -1 1 1 1`
+    # docs/reference/dexter.md §4: `1 1 1 1 M 0 500000 100000 0 0 -1 1 1 1`
     req = p.Request("M", ("0", "500000", "100000", "0", "0", "-1", "1", "1", "1"), end="1")
     assert req.encode().rstrip(b"\x00") == b"1 1 1 1 M 0 500000 100000 0 0 -1 1 1 1;"
     p.check_oplet("M", req.args, Firmware.STABLE)
 
 
 def test_read_request_wiki_form() -> None:
-    # seed 004: `1 1 1 0 r 0 /srv/samba/share/AdcCenters.txt`, with the terminator DexRun needs
+    # docs/reference/dexter.md §3.4 (seed 004): `1 1 1 0 r 0 /srv/samba/share/AdcCenters.txt`, with the terminator
+    # DexRun needs
     req = p.Request("r", ("0", "/srv/samba/share/AdcCenters.txt"), end="0")
     assert req.text() == "1 1 1 0 r 0 /srv/samba/share/AdcCenters.txt;"
 
@@ -206,7 +207,8 @@ WIKI_BLOCK2 = b"00\r\n0x4920000\r\n0x73a0000\r\n0x5000000\r\n0x51e0000\r\n"
 
 
 def test_read_reply_wiki_packets() -> None:
-    # seed 004 packet #1: job 1, instruction 1, 'r' (114), error 0, PAYLOAD_LENGTH 62, data from byte 28
+    # docs/reference/dexter.md §3.4 (seed 004) packet #1: job 1, instruction 1, 'r' (114), error 0, PAYLOAD_LENGTH
+    # 62, data from byte 28
     base = [1, 1, 1543452381, 148000, 114, 0] + [0] * 54
     raw = bytearray(p.read_reply_ints(base, WIKI_BLOCK1, 0))
     assert len(raw) == 240 and raw[16] == 114 and raw[24:28] == (62).to_bytes(4, "little")
@@ -224,7 +226,7 @@ def test_read_reply_wiki_packets() -> None:
 
 
 def test_pom_wiki_block() -> None:
-    # seed 004: the first #POM block as decimal bytes
+    # docs/reference/dexter.md §3.4 (seed 004): the first #POM block as decimal bytes
     dec = [91, 91, 49, 46, 48, 48, 48, 48, 48, 48, 44, 32, 48, 46, 48, 48, 48, 48, 48, 48, 44, 32, 48, 46, 48, 48,
            48, 48, 48, 48, 44, 32, 48, 46, 48, 48, 48, 48, 48, 48, 93, 44, 91, 45, 48, 46, 48, 48, 48, 48, 48, 48, 44,
            32, 49, 46, 48, 48, 48, 48, 48, 48]

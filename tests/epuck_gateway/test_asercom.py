@@ -1,4 +1,4 @@
-"""asercom v2 codec: byte vectors from reference/epuck2.md §6 (and §1/§3 for the shared layouts),
+"""asercom v2 codec: byte vectors from docs/reference/epuck2.md §6 (and §1/§3 for the shared layouts),
 random segmentation, hypothesis round trips, garbage."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ROI wire format: byte vectors from reference roi.md §2/§3, the original's defects, round trips, garbage."""
+"""ROI wire format: byte vectors from docs/reference/roi.md §2/§3, the original's defects, round trips, garbage."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The simulator on real UDP sockets, driven by a bare client: firmware behaviour as reference roi.md §3/§6."""
+"""The simulator on real UDP sockets, driven by a bare client: firmware behaviour as docs/reference/roi.md §3/§6."""
 
 from __future__ import annotations
 
