@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -89,6 +89,7 @@ class Rig:
     ctl: HandControl
     ns: VethNetns
     proc: NodeProcess
+    unread: list[PalmCommand] = field(default_factory=list)  # logged commands not yet looked at by until_on_wire
 
     def call(self, cmd: str, payload: dict[str, Any] | None = None) -> Reply:
         return self.client.call(self.node, DEV, cmd, payload or {}, timeout=DEADLINE)
@@ -121,8 +122,9 @@ class Rig:
         seen: list[PalmCommand] = []
         end = time.monotonic() + DEADLINE
         while time.monotonic() < end:
-            for c in self.changes():
-                cmd = decoded(c[2])
+            self.unread += [decoded(c[2]) for c in self.changes()]
+            while self.unread:
+                cmd = self.unread.pop(0)  # what comes after the match stays for the next call
                 seen.append(cmd)
                 if pred(cmd):
                     return seen
@@ -226,6 +228,7 @@ def test_the_stop_zeroes_every_demand_on_the_wire_refuses_motion_and_the_release
 
     # motion refused with `stopped`, typed and raw; nothing of it reaches the palm
     rig.changes()
+    rig.unread.clear()
     refused: list[tuple[str, dict[str, Any]]] = [
         ("set_demands", {"motors": {"3": 100}}),
         ("set_motor_config", {"motors": [3], "torque_limit": 300}),
