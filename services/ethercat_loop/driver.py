@@ -4,7 +4,8 @@
 command bytes; control messages (control.py) change it through its `DriverControls` operations
 (`msg.apply(driver)`); `snapshot()` is a picklable view (snapshot.py).
 
-Fixed defects of the original (reference §2.3): demands expire (deadman) and a halt zeroes them (the
+Fixed defects of the original (docs/reference/shadow_ethercat.md §2.3): demands expire (deadman) and a halt zeroes
+them (the
 original ignored its halt flag); torque is not updated from SLOW_MISC/READBACK replies, whose `torque`
 word holds a type; a demand is sent at least every MAX_NON_DEMAND_CYCLES cycles so queued configs or
 controls can never starve the motors into their 20 ms no-demand stop; queues are bounded.
@@ -370,7 +371,7 @@ class PalmDriver:
                 c["motor_missing"] += 1
                 continue
             half = mid >> 1
-            # bit motor_id/2 of had_errors, as the original reads it (reference §2.3)
+            # bit motor_id/2 of had_errors, as the original reads it (docs/reference/shadow_ethercat.md §2.3)
             if had_errors & (1 << half):
                 m.data_errors += 1
                 c["motor_data_errors"] += 1

@@ -4,7 +4,8 @@
 bytes the host wrote and returns the status + CAN-bridge bytes the palm loaded. The model backend
 (model_backend.py) calls it directly; the virtual EtherCAT hand (sim/) calls it behind its mailboxes.
 
-What it models (reference §1, §2.3, seed 001): EDC_command, data type and parity echoed; the requested
+What it models (docs/reference/shadow_ethercat.md §1, §1.10, §2.3): EDC_command, data type and parity echoed; the
+requested
 data type answered by the polled parity with arrived/error bits; torque that follows the demand and
 joints that tendons pull; the 20 ms no-demand stop; config with CRC; system controls; slow data;
 sensor channel-number test mode; CAN direct mode, where the bridge frame goes onto a simulated CAN bus
@@ -389,7 +390,8 @@ class PalmModel:
             half = m.id >> 1
             packets[2 * half], packets[2 * half + 1] = m.answer(kind)
             if m.data_error:
-                # the driver tests bit motor_id/2 of had_errors (reference §2.3); we set that bit
+                # the driver tests bit motor_id/2 of had_errors (docs/reference/shadow_ethercat.md §2.3); we set that
+                # bit
                 errors |= 1 << half
         return (kind, which, arrived, errors, *packets)
 

@@ -1,6 +1,6 @@
 """Shadow Dexterous Hand palm protocol (0220 / 0230): pure codecs, enums and tables. No I/O, no clock.
 
-Every layout here follows ../shared/reference/shadow_ethercat.md §1 byte for byte (packed, little-endian,
+Every layout here follows docs/reference/shadow_ethercat.md §1 byte for byte (packed, little-endian,
 enums 4 bytes). The seed's 0200 `..._PALM_EDC_INCOMING/OUTGOING` structs (44-byte command, MOTOR_DATA_OUT
 motor[20] status) come from an old mainpage only; no current firmware uses them, so they are not here.
 
@@ -32,7 +32,8 @@ class EdcCommand(IntEnum):
     SENSOR_DATA = 1
     SENSOR_CHANNEL_NUMBERS = 2
     SENSOR_ADC_CHANNEL_CS = 3
-    # Followed the reference over seed 000: the seed's old mainpage has TEST_RESULTS = 4 and
+    # Followed the current header over seed 000 (docs/reference/shadow_ethercat.md §1.1): the seed's old mainpage has
+    # TEST_RESULTS = 4 and
     # CAN_TEST_MODE = 5; current headers comment TEST_RESULTS out, so CAN direct mode is 4.
     CAN_DIRECT_MODE = 4
 
@@ -110,7 +111,7 @@ CONFIG_LAST = ToMotorDataType.CONFIG_DEADBAND_SIGN
 CONFIG_TYPES = tuple(ToMotorDataType(v) for v in range(CONFIG_FIRST, CONFIG_LAST + 1))
 SYSTEM_RESET_MAGIC = 0x5200
 
-# Valid ranges of motor_data per TO_MOTOR type (reference §1.8), as signed int16 values.
+# Valid ranges of motor_data per TO_MOTOR type (docs/reference/shadow_ethercat.md §1.8), as signed int16 values.
 DEMAND_RANGES: dict[ToMotorDataType, tuple[int, int]] = {
     ToMotorDataType.DEMAND_TORQUE: (-0x7FFF, 0x7FFF),
     ToMotorDataType.DEMAND_PWM: (-0x3FF, 0x3FF),
@@ -202,7 +203,8 @@ ACTUATED_JOINTS: tuple[str, ...] = (
 )
 
 # SENSOR_CHANNEL_NUMBERS test mode: each sensor reports (channel << 8) | adc. Only LFJ5 = 0x0605
-# (channel 6 of ADC 5) is documented (seed 000); the rest is our palm model's wiring, and the
+# (channel 6 of ADC 5) is documented (docs/reference/shadow_ethercat.md §1.1, seed 000); the rest is our palm model's
+# wiring, and the
 # `test_adc_channels` command compares against this table.
 _CHANNEL_GROUPS: tuple[tuple[tuple[str, ...], int, int], ...] = (
     (("FFJ1", "FFJ2", "FFJ3", "FFJ4"), 1, 0),
@@ -347,7 +349,8 @@ class ProtocolInfo:
 
     @property
     def sync_managers(self) -> tuple[tuple[int, int, int], ...]:
-        """(physical address, length, control byte) of SM0..SM3, all mailbox mode (reference §2.2)."""
+        """(physical address, length, control byte) of SM0..SM3, all mailbox mode
+        (docs/reference/shadow_ethercat.md §2.2)."""
         c, s = self.command_struct_size, self.status_struct_size
         return ((0x1000, c, 0x26), (0x1000 + c, CAN_BRIDGE_SIZE, 0x26),
                 (0x1000 + c + CAN_BRIDGE_SIZE, s, 0x02), (0x1000 + CAN_BRIDGE_SIZE + c + s, CAN_BRIDGE_SIZE, 0x02))

@@ -233,7 +233,7 @@ class PalmService:
     def start(self) -> None:
         self.backend.start()  # returns at once: the backend brings the palm up on the link's rhythm
         if self.settings.ethercat_push_config_on_start:
-            # typical motor_board_effort_controllers values (reference §3.3)
+            # typical motor_board_effort_controllers values (docs/reference/shadow_ethercat.md §3.3)
             self._submit(SetMotorConfig(tuple(range(NUM_MOTORS)), MotorConfig(
                 torque_limit=400, torque_limiter_gain=64, max_pwm=500, f=500, p=6200, deadband=5)))
 
@@ -672,7 +672,8 @@ class PalmService:
         data = bytes.fromhex(req.data)
         if req.length is not None:
             data = data[:req.length]
-        # a TO_MOTOR frame (a demand, a control) can move a motor: the bus stop's gate (reference §1.9)
+        # a TO_MOTOR frame (a demand, a control) can move a motor: the bus stop's gate
+        # (docs/reference/shadow_ethercat.md §1.9)
         gen = self._motion_payload() if split_sid(req.sid)[0] == CanDirection.TO_MOTOR else None
         try:
             return self._send_can(req, data)
@@ -740,7 +741,8 @@ class PalmService:
             self.node.count_decode_error(f"can_tx for lease {msg.lease_id!r}, which is not held")
             return
         frames = msg.frames
-        if frames and self.node.stop_latch.active:  # the bus stop: no TO_MOTOR frame (reference §1.9) leaves
+        # the bus stop: no TO_MOTOR frame (docs/reference/shadow_ethercat.md §1.9) leaves
+        if frames and self.node.stop_latch.active:
             frames = [f for f in frames if split_sid(f.sid)[0] != CanDirection.TO_MOTOR]
             for _ in range(len(msg.frames) - len(frames)):
                 self.node.count_decode_error("can_tx: a TO_MOTOR frame dropped while the bus stop is active")

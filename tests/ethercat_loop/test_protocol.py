@@ -1,4 +1,5 @@
-"""Codec vectors built from the reference tables (shadow_ethercat.md §1), a distinct value in every field,
+"""Codec vectors built from the reference tables (docs/reference/shadow_ethercat.md §1), a distinct value in every
+field,
 plus hypothesis round trips and garbage."""
 
 import struct

@@ -1,9 +1,9 @@
 """SII EEPROM images for the virtual slaves (ETG.2010 layout): pure builders and a parser.
 
 Words 0x08/0x0A/0x0C/0x0E hold vendor, product, revision and serial (the hand serial is the palm's
-word 0x0E, reference §0). Categories start at word 0x40. SOEM derives the process-data mapping
+word 0x0E, docs/reference/shadow_ethercat.md §0). Categories start at word 0x40. SOEM derives the process-data mapping
 from the SyncManager category (41) plus the bit totals of the RxPDO (51) / TxPDO (50) categories,
-and reads only the first category of each type (reference §8), so each direction's PDOs live in
+and reads only the first category of each type (docs/reference/shadow_ethercat.md §8), so each direction's PDOs live in
 one category.
 """
 

@@ -14,7 +14,7 @@ process-data frame number and how many demand frames with a non-zero demand came
 motors were at rest already). The op `stop_stamp` returns it (null until then); `--watch-stop` prints it as one
 JSON line on stdout (`{"event": "stop_bytes", ...}`).
 
-The palm firmware loads its status after it has processed the command (reference §1.10), so the
+The palm firmware loads its status after it has processed the command (docs/reference/shadow_ethercat.md §1.10), so the
 status a master reads in frame N answers command N-1; the model runs after the reply has left, which
 also keeps the Python model's cost out of the master's round trip.
 """
@@ -68,7 +68,8 @@ PACKET_OUTGOING = 4
 SO_TIMESTAMPNS = 35  # <asm-generic/socket.h>; Python's socket module does not export it
 ANSWER_HIST_US = 5000
 GC_EVERY_FRAMES = 1000  # a young-generation collection, right after a frame was answered
-DEFAULT_VENDOR = 0x00000530  # no public source gives Shadow's vendor id (reference §2.1); a placeholder
+# no public source gives Shadow's vendor id (docs/reference/shadow_ethercat.md §2.1); a placeholder
+DEFAULT_VENDOR = 0x00000530
 DEFAULT_SERIAL = 1234
 DEFAULT_REVISION = 0x00000001
 

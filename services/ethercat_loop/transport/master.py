@@ -1,6 +1,7 @@
 """The pysoem master for the Shadow hand: open the NIC, find the palm behind the bridge, map its
 process data (from the SII, or by programming the four mailbox SyncManagers and two FMMUs the way
-the original EML driver did, reference §2.2), bring the bus to OP and back, and exchange one frame
+the original EML driver did, docs/reference/shadow_ethercat.md §2.2), bring the bus to OP and back, and exchange one
+frame
 per cycle with a working-counter check and a receive timeout well under the period.
 
 Blocking calls only; the realtime cycle (transport/cycle.py) owns the timing: once per period it
@@ -49,7 +50,7 @@ ETHERTYPE = b"\x88\xa4"  # EtherCAT
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4  # a packet socket's address type for a frame this host sent
 ETH_HEADER, ECAT_HEADER, DATAGRAM_HEADER = 14, 2, 10  # a process-data reply: frame, EtherCAT, LRW datagram
-LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (reference §2.2)
+LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (docs/reference/shadow_ethercat.md §2.2)
 SIOCGSTAMPNS = 0x8907  # the receive time of the last frame read from a socket (CLOCK_REALTIME)
 _TIMESPEC = struct.Struct("<qq")
 _TIMESPEC_ZERO = bytes(_TIMESPEC.size)
@@ -351,7 +352,8 @@ class EthercatMaster:
         return _Bus(m, palm, info, ident, slaves, [_read_sm_fmmu(s) for s in slaves])
 
     def _program_sms(self, palm: Any, info: ProtocolInfo) -> None:
-        """EML's configuration (reference §2.2): 4 mailbox SMs, FMMU0 writes the command + CAN bridge,
+        """EML's configuration (docs/reference/shadow_ethercat.md §2.2): 4 mailbox SMs, FMMU0 writes the command +
+        CAN bridge,
         FMMU1 reads the status + CAN bridge, at logical 0x10000. Done in PRE-OP, then SAFE-OP again."""
         for n, (start, length, control) in enumerate(info.sync_managers):
             self._config_write(palm, REG_SM0 + 8 * n, sm_register_block(start, length, control), f"SM{n}")
