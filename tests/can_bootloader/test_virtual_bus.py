@@ -61,7 +61,10 @@ def test_realistic_image_with_pic_timing(bus_pair: Any) -> None:
     board = sim.board(8)
     assert board.app_image(IMAGE.base, IMAGE.end) == IMAGE.data and board.eeprom[0xFF] == FLAG_RUN_APP
     assert sim.overflows == 0  # window 2 never has more than the PIC's two receive buffers waiting
-    assert port.frames_sent == 2 + 5 * len(IMAGE.write_blocks()) + len(IMAGE.chunks()) + 3
+    # every frame once; on a busy machine a late ACK may also make the flasher resend (a counted retry: at most a
+    # block's 5 frames each) and the post-reset check resend its magic packet every 100 ms (at most 10 in its budget)
+    exact = 2 + 5 * len(IMAGE.write_blocks()) + len(IMAGE.chunks()) + 3
+    assert exact <= port.frames_sent <= exact + 5 * f.snapshot().retries + 10, (port.frames_sent, exact)
 
 
 def test_overflowing_receive_buffers_are_survived(bus_pair: Any) -> None:

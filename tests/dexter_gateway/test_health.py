@@ -215,8 +215,11 @@ def test_a_long_wait_for_the_motion_to_end_is_not_a_silent_arm(broker_session: B
     proc, client, bus = _start(broker_session, node, arm)
     try:
         assert bus.wait_json("/arm1/health", lambda d: d["operational"], timeout=30), proc.text()
-        rep = client.call(node, "arm1", "move_all_joints", {"joints_deg": [90, 0, 0, 0, 0]})
-        assert rep.ok, rep.error
+        # a motion command is answered `unavailable` until the node has read the bus stop's state: wait for it
+        moved: list[Any] = []
+        assert wait_until(lambda: moved.append(client.call(node, "arm1", "move_all_joints",
+                                                           {"joints_deg": [90, 0, 0, 0, 0]})) or moved[-1].ok,
+                          30), moved[-1].error
         mark = bus.mark()
         t0 = time.monotonic()
         _acc, res = client.call_job(node, "arm1", "wait_motion_done", {}, lambda e: None, timeout=60)
