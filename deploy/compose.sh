@@ -14,7 +14,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
-secrets=${ROBOBUS_SECRETS_DIR:-$here/secrets}
+# absolute: compose resolves relative paths against deploy/, the caller means its own directory
+secrets=$(realpath -m "${ROBOBUS_SECRETS_DIR:-$here/secrets}")
 export ROBOBUS_SECRETS_DIR=$secrets
 files=(-f "$here/compose.yaml")
 notes=()
@@ -32,7 +33,7 @@ if [ -n "$rt_group" ]; then
     files+=(-f "$here/compose.rt-group.yaml")
     rt_budget=1
   else
-    notes+=("dockerd has no --cpu-rt-runtime: ethercat-loop gets no SCHED_FIFO (its health says so)")
+    notes+=("dockerd has no realtime budget (no --cpu-rt-runtime): ethercat-loop's SCHED_FIFO will be refused although the container has SYS_NICE (the cause is the budget, cpu_rt_runtime; fix: dockerd --cpu-rt-runtime=950000 or \"cpu-rt-runtime\": 950000 in /etc/docker/daemon.json, restart dockerd, make up)")
   fi
 fi
 if [ -n "$dockerd_pid" ] && [ "${ROBOBUS_RLIMITS:-auto}" != "off" ]; then

@@ -27,13 +27,18 @@ eval "$("$here/dev/ensure-docker.sh")"
 say "base image $ROBOBUS_BASE_IMAGE"
 
 # 4. secrets, the profile's settings, the fleet network
-secrets_args=(--dir "${ROBOBUS_SECRETS_DIR:-$here/secrets}" --root "${ROBOBUS_TOPIC_ROOT:-robobus}")
+export ROBOBUS_SECRETS_DIR; ROBOBUS_SECRETS_DIR=$(realpath -m "${ROBOBUS_SECRETS_DIR:-$here/secrets}")
+secrets_args=(--dir "$ROBOBUS_SECRETS_DIR" --root "${ROBOBUS_TOPIC_ROOT:-robobus}")
 if [ -n "${ROBOBUS_CENTRAL_SITES:-}" ]; then          # this host is a fleet's centre: "site-a=site-a/robobus ..."
   secrets_args+=(--central)
   for s in $ROBOBUS_CENTRAL_SITES; do secrets_args+=(--site "$s"); done
+  for n in ${ROBOBUS_CENTRAL_TLS_NAMES:-} ${ROBOBUS_WAN_ALIAS:-}; do secrets_args+=(--tls-name "$n"); done
 elif [ -n "${ROBOBUS_CENTRAL_ADDRESS:-}" ]; then      # this host is a fleet edge: bridge to HOST:PORT
   secrets_args+=(--site "${ROBOBUS_SITE:?set ROBOBUS_SITE}" --bridge-to "$ROBOBUS_CENTRAL_ADDRESS"
                  --bridge-credentials "${ROBOBUS_BRIDGE_CREDENTIALS:?set ROBOBUS_BRIDGE_CREDENTIALS}")
+  if [ "${ROBOBUS_BRIDGE_TLS:-on}" = off ]; then secrets_args+=(--bridge-plain)
+  else secrets_args+=(--bridge-ca "${ROBOBUS_BRIDGE_CA:?set ROBOBUS_BRIDGE_CA to the fleet-ca.crt of the centre, or ROBOBUS_BRIDGE_TLS=off}")
+  fi
 fi
 python3 "$here/make_secrets.py" "${secrets_args[@]}"
 if [[ ",$COMPOSE_PROFILES," == *,dexter,* ]] && [ -z "${ROBOBUS_DEXTER_ARMS:-}" ]; then
@@ -51,20 +56,54 @@ for p in "${ROBOBUS_BROKER_PORT:-1883}" "${ROBOBUS_BROKER_WS_PORT:-9001}"; do
   fi
 done
 
-# 5. build and up
+# The hand profile on a real NIC: an interface that is not there means no hand (ethercat-loop starts and its
+# health says the link is down); say so now, and again at the end.
+hand_note=""
+if [[ ",$COMPOSE_PROFILES," == *,hand,* ]] && [ -z "${ROBOBUS_VHAND:-}" ] \
+   && [ "${ROBOBUS_ETHERCAT_BACKEND:-nic}" = nic ] && [ ! -e "/sys/class/net/${ROBOBUS_ETHERCAT_IFNAME:-eth1}" ]; then
+  hand_note="profile hand: no network interface '${ROBOBUS_ETHERCAT_IFNAME:-eth1}' on this host, so ethercat-loop reaches no hand (its container runs; its devices' health says the link is down). Set ROBOBUS_ETHERCAT_IFNAME to the hand's NIC (ip link), or try deploy/vhand.sh up (a virtual hand)."
+  say "WARNING: $hand_note"
+fi
+
+# 5. build and up: one line per image and per container (ROBOBUS_UP_VERBOSE=1: compose's own output)
+project=${ROBOBUS_PROJECT:-robobus}
+quiet=(--progress quiet)
+[ "${ROBOBUS_UP_VERBOSE:-0}" = 1 ] && quiet=()
 start=$(date +%s.%N)
-"$here/compose.sh" build
+if [ ${#quiet[@]} -gt 0 ]; then
+  log=$(mktemp /tmp/robobus-build.XXXXXX.log)
+  if ! "$here/compose.sh" "${quiet[@]}" build >"$log" 2>&1; then
+    tail -40 "$log"; say "build failed (whole log: $log)"; exit 1
+  fi
+  rm -f "$log"
+else
+  "$here/compose.sh" build
+fi
 built=$(date +%s.%N)
-"$here/compose.sh" up -d --wait --wait-timeout "${ROBOBUS_UP_TIMEOUT_S:-300}" --remove-orphans
+"$here/compose.sh" config --images 2>/dev/null | sort -u | while read -r img; do
+  size=$(/usr/bin/docker image inspect -f '{{.Size}}' "$img" 2>/dev/null || echo 0)
+  awk -v i="$img" -v s="$size" 'BEGIN { printf "robobus: image %s, %.0f MB\n", i, s / 1e6 }'
+done
+# the project's own dangling images (an old build a new one replaced): every robobus image has this label
+/usr/bin/docker image prune -f --filter label=io.robobus.image >/dev/null 2>&1 || true
+if ! "$here/compose.sh" "${quiet[@]}" up -d --wait --wait-timeout "${ROBOBUS_UP_TIMEOUT_S:-300}" --remove-orphans; then
+  "$here/compose.sh" ps --all --format 'table {{.Service}}\t{{.Status}}'
+  say "not every container became healthy: deploy/compose.sh logs SERVICE"; exit 1
+fi
 done_=$(date +%s.%N)
-"$here/compose.sh" ps --format 'table {{.Service}}\t{{.Status}}'
+"$here/compose.sh" ps --format '{{.Service}}\t{{.Status}}' | while IFS=$'\t' read -r svc status; do
+  say "$svc: $status"
+done
 awk -v a="$start" -v b="$built" -v c="$done_" \
   'BEGIN { printf "robobus: built in %.1f s, every container healthy %.1f s later\n", b - a, c - b }'
 port=${ROBOBUS_BROKER_PORT:-1883}
+sdir=${ROBOBUS_SECRETS_DIR:-deploy/secrets}
 cat <<MSG
-robobus is up (profiles: $COMPOSE_PROFILES). Broker: mqtt://127.0.0.1:$port, websockets ws://127.0.0.1:${ROBOBUS_BROKER_WS_PORT:-9001}
-  operator credentials (commands):  ${ROBOBUS_SECRETS_DIR:-deploy/secrets}/operator.env
-  read-only credentials:            ${ROBOBUS_SECRETS_DIR:-deploy/secrets}/viewer.env
-  set -a; . deploy/secrets/operator.env; set +a; ROBOBUS_MQTT_URL=mqtt://127.0.0.1:$port .venv/bin/robobus status
+robobus is up (project $project, profiles: $COMPOSE_PROFILES). Broker: mqtt://127.0.0.1:$port, websockets ws://127.0.0.1:${ROBOBUS_BROKER_WS_PORT:-9001}
+  operator credentials (commands):  $sdir/operator.env
+  read-only credentials:            $sdir/viewer.env
+  set -a; . $sdir/operator.env; set +a; ROBOBUS_MQTT_URL=mqtt://127.0.0.1:$port .venv/bin/robobus status
+  mosquitto_sub -h 127.0.0.1 -p $port -u viewer -P "\$(sed -n 's/^ROBOBUS_MQTT_PASSWORD=//p' $sdir/viewer.env)" -i viewer-\$\$ -v -t '${ROBOBUS_TOPIC_ROOT:-robobus}/+/status'
   make down   stops everything (broker data and secrets are kept)
 MSG
+[ -z "$hand_note" ] || say "WARNING: $hand_note"

@@ -3,7 +3,8 @@
 # starts the stack and, once the hand's container runs, puts a veth pair into its network namespace
 # (ethercat-loop shares that namespace: one end is its EtherCAT "NIC", the other the hand's).
 #   deploy/vhand.sh up [compose up options]      deploy/vhand.sh down
-# Root: creating the pair needs CAP_NET_ADMIN on the host. Same settings as deploy/compose.sh.
+# Root: creating the pair needs CAP_NET_ADMIN on the host. Same settings as deploy/compose.sh. `up` needs no prior
+# `make up`: it starts docker, makes the secrets and builds the images when missing, as deploy/up.sh does.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 export ROBOBUS_VHAND=1 COMPOSE_PROFILES=${COMPOSE_PROFILES:-hand}
@@ -31,6 +32,12 @@ link() {  # while compose brings the stack up: a (re)created hand container gets
 case "${1:-}" in
   up)
     shift
+    # what `make up` would have done first: docker, a base image, the secrets, the images
+    eval "$("$here/dev/ensure-docker.sh")"
+    export ROBOBUS_SECRETS_DIR; ROBOBUS_SECRETS_DIR=$(realpath -m "${ROBOBUS_SECRETS_DIR:-$here/secrets}")
+    python3 "$here/make_secrets.py" --dir "$ROBOBUS_SECRETS_DIR" --root "${ROBOBUS_TOPIC_ROOT:-robobus}" >/dev/null
+    echo "robobus: building the images (a minute the first time)" >&2
+    "$here/compose.sh" --progress quiet build
     link &
     linker=$!
     trap 'kill "$linker" 2>/dev/null || true' EXIT

@@ -22,3 +22,5 @@ USER nobody
 # SIGTERM closes the current file cleanly (summary, indexes); a SIGKILL leaves one `robobus recover` repairs.
 STOPSIGNAL SIGTERM
 CMD ["python", "-m", "shared.record_cli", "record", "--wait-broker", "0"]
+# every robobus image: `make up` prunes the dangling ones (an old build a new one replaced) by this label
+LABEL io.robobus.image="1"

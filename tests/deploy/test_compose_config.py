@@ -88,6 +88,8 @@ def test_fleet_env_files_resolve(compose_ok, tmp_path, env_file):
     for k in ("ROBOBUS_SITE", "ROBOBUS_CENTRAL_ADDRESS", "ROBOBUS_BRIDGE_CREDENTIALS", "ROBOBUS_BRIDGE_CA",
               "ROBOBUS_CENTRAL_TLS_NAMES"):
         env.pop(k, None)  # up.sh's, not compose's
+    for k in ("ROBOBUS_SECRETS_DIR", "ROBOBUS_PROJECT", "ROBOBUS_WAN_NETWORK"):
+        env.pop(k, None)  # the test's own (a temporary folder, a project of its own; no shared network made)
     sites = env.get("ROBOBUS_CENTRAL_SITES", "").split()
     central = ("--central", *[a for s in sites for a in ("--site", s)]) if sites else ()
     cfg = config(tmp_path, profiles, central, **env)
@@ -124,3 +126,20 @@ def test_the_recorder_has_its_own_user_a_volume_and_rotation_from_the_environmen
     assert any(v["target"] == "/recordings" for v in rec["volumes"])
     assert rec["read_only"] and rec["user"] == "65534:65534"
     assert "recorder" not in config(tmp_path, "sim")["services"]  # only with the profile
+
+
+def test_the_one_host_fleet_site_fits_the_centre(tmp_path):
+    """deploy/fleet/site-sim.env is a site deploy/fleet/central.env knows, on ports of its own, in a project and a
+    secrets folder of its own, bridged over TLS to the centre's alias on the shared network."""
+    def env(name: str) -> dict[str, str]:
+        pairs = (line.split("=", 1) for line in (DEPLOY / "fleet" / name).read_text().splitlines()
+                 if "=" in line and not line.startswith("#"))
+        return {k: v.strip("'\"") for k, v in pairs}
+
+    site, centre = env("site-sim.env"), env("central.env")
+    assert f"{site['ROBOBUS_SITE']}={site['ROBOBUS_TOPIC_ROOT']}" in centre["ROBOBUS_CENTRAL_SITES"].split()
+    ports = ("ROBOBUS_BROKER_PORT", "ROBOBUS_BROKER_WS_PORT", "ROBOBUS_BROKER_TLS_PORT")
+    assert not {site[p] for p in ports} & {"1883", "9001", "8883"}  # the centre's (defaults)
+    assert site["ROBOBUS_PROJECT"] != "robobus" and site["ROBOBUS_SECRETS_DIR"] != "deploy/secrets"
+    assert site["ROBOBUS_CENTRAL_ADDRESS"].endswith(":8883") and site["ROBOBUS_BRIDGE_CA"].endswith("fleet-ca.crt")
+    assert site["ROBOBUS_CENTRAL_ADDRESS"].split(":")[0] == "central"  # the README's ROBOBUS_WAN_ALIAS for the centre

@@ -162,3 +162,23 @@ def test_stop_is_fail_safe_every_node_says_offline_on_shutdown(sim: Stack, tmp_p
             break
     for n in ("epuck-gateway", "ethercat-loop", "can-bootloader"):
         assert seen[n]["online"] is False and seen[n].get("reason") == "shutdown", (n, seen[n])
+
+
+def test_make_down_clears_the_retained_device_data_and_keeps_the_offline_statuses(sim: Stack):
+    """deploy/down.sh (`make down`): after it, a broker started again on the same data holds no health or state of
+    the stopped nodes' devices (a later profile never shows them as current), but each node's status, offline."""
+    from tests.deploy.deployfiles import DEPLOY
+
+    root = sim.root
+    with RpcClient(sim.settings("viewer"), name="test-deploy-before-down") as c:
+        before = {t for t, _, r in c.collect(f"{root}/#", 3.0) if r}
+    assert any(t.endswith("/health") for t in before) and any("/state/" in t for t in before), sorted(before)
+    out = run([str(DEPLOY / "down.sh")], sim.env, timeout=300)
+    assert "cleared the retained device data" in out.stdout, out.stdout + out.stderr
+    sim.up("broker")  # the same broker data volume (down.sh keeps it)
+    with RpcClient(sim.settings("viewer"), name="test-deploy-after-down") as c:
+        after = {t: p for t, p, r in c.collect(f"{root}/#", 3.0) if r}
+    devices = [t for t in after if len(t[len(root) + 1:].split("/")) > 2]
+    assert not devices, devices
+    for node in expected_nodes():
+        assert json.loads(after[f"{root}/{node}/status"])["online"] is False, (node, after.get(f"{root}/{node}/status"))
