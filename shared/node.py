@@ -41,6 +41,7 @@ from shared.stop import StopLatch
 log = logging.getLogger("robobus.node")
 
 NODE_DEVICE = "_node"  # reserved device name for the node's own state (kit statistics)
+BIRTH_WAIT_MAX_S = 2.0  # the birth waits for the bus stop's state at most this long after a (re)connect
 
 __all__ = ["HEALTH_FIELDS", "NODE_DEVICE", "Device", "JobCancelled", "JobContext", "Node",
            "describe_validation_error", "dump"]
@@ -212,7 +213,26 @@ class Node:
 
     def _on_connected(self) -> None:
         self._session_no += 1
-        self._publish_status()
+        session = self._session_no
+        born = threading.Event()
+
+        def birth() -> None:
+            if session == self._session_no and not self._stopped and not born.is_set():
+                born.set()
+                self._publish_status()
+
+        def birth_anyway() -> None:
+            if not born.is_set() and session == self._session_no and self.session.connected.is_set():
+                log.warning("the bus stop's state is not known yet: online anyway (motion commands are answered "
+                            "unavailable until it is)", extra={"node": self.name})
+                birth()
+
+        # online once the bus stop's state is known (one round trip): a client that sees the node online may
+        # send a motion command at once; a broker that never lets the node know still sees it online, later
+        self.stop_latch.when_known(birth)
+        timer = threading.Timer(BIRTH_WAIT_MAX_S, birth_anyway)
+        timer.daemon = True
+        timer.start()
         for dev in list(self.devices.values()):
             dev.publish_health()
             for slot in list(dev.slots.values()):  # a restarted broker may have lost retained values

@@ -118,6 +118,7 @@ class StopLatch:
         self._sync_token = b""
         self._sync_no = 0
         self.known_event = threading.Event()  # set with `known` (tests and tools wait on it)
+        self._when_known: list[Callable[[], None]] = []
         session.subscribe(self.topic, self._on_stop, qos=1)
         session.subscribe(self._sync_topic, self._on_sync, qos=1)
         session.on_connect(self._on_connect)
@@ -168,7 +169,33 @@ class StopLatch:
                              reason=f"unreadable stop message on {self.topic} ({why[:200]}): held stopped until "
                                     "a valid release", ts=0.0)
 
+    def when_known(self, fn: Callable[[], None]) -> None:
+        """Call `fn` once the stop state is known (at once if it is): the node's birth waits for it, so that a
+        client that sees the node online is never told `unavailable` for a motion command."""
+        with self._lock:
+            if not self.known:
+                self._when_known.append(fn)
+                return
+        fn()
+
+    def _fire_known(self) -> None:
+        with self._lock:
+            if not self.known or not self._when_known:
+                return
+            fns, self._when_known = self._when_known, []
+        for fn in fns:
+            try:
+                fn()
+            except Exception:
+                log.exception("a callback waiting for the stop state failed")
+
     def _on_stop(self, msg: mqtt.MQTTMessage) -> None:
+        try:
+            self._on_stop_message(msg)
+        finally:
+            self._fire_known()  # after the state (and an activation) is applied
+
+    def _on_stop_message(self, msg: mqtt.MQTTMessage) -> None:
         new = self._parse(bytes(msg.payload))
         received = time.time()
         with self._lock:
@@ -335,6 +362,7 @@ class StopLatch:
             self.known = True
             self.known_event.set()
         log.info("bus stop state read: no stop on the broker", extra={"topic": self.topic})
+        self._fire_known()
 
     def _on_disconnect(self) -> None:
         with self._lock:

@@ -462,3 +462,33 @@ def test_a_release_older_than_the_active_stop_is_stale_and_ignored(bus: Bus, mov
     release = bus.set_stop(False)  # a current release lifts it
     bus.wait_answer(node.name, release)
     assert call(bus, node, "wheel1", "move", {"speed": 1}).ok
+
+
+def test_a_node_says_online_only_once_it_knows_the_stop_state(bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The birth waits for the stop's state (one round trip after the subscriptions), so a client that sees the
+    node online is never answered `unavailable` for a motion command; a node that cannot learn it (here: its
+    round trip suppressed) still says online, after BIRTH_WAIT_MAX_S, and answers `unavailable` meanwhile."""
+    import shared.node as node_mod
+    from shared.stop import StopLatch
+
+    # a node that knows: online, and a motion command at once is accepted
+    node, _ = start_node(bus, name="born")
+    try:
+        status = f"{bus.root}/born/status"
+        assert wait_for(lambda: (bus.latest(status) or {}).get("online") is True, DEADLINE)
+        assert node.stop_latch.known
+        assert call(bus, node, "wheel1", "move", {"speed": 1}).ok
+    finally:
+        node.stop()
+    # a node that cannot know: no birth before the wait is over
+    monkeypatch.setattr(StopLatch, "_on_connect", lambda self: None)
+    t0 = time.monotonic()
+    node2, _ = start_node(bus, name="unborn")
+    try:
+        status2 = f"{bus.root}/unborn/status"
+        assert wait_for(lambda: (bus.latest(status2) or {}).get("online") is True, DEADLINE)
+        assert time.monotonic() - t0 >= node_mod.BIRTH_WAIT_MAX_S * 0.9, "online before the stop state was known"
+        rep = call(bus, node2, "wheel1", "move", {"speed": 1})
+        assert not rep.ok and rep.error["code"] == "unavailable"
+    finally:
+        node2.stop()
