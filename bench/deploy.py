@@ -164,6 +164,9 @@ def main() -> None:
     ap.add_argument("--cycle-only", action="store_true", help="only part 3 (the cycle inside vs outside), e.g. to "
                     "repeat that comparison several times without the sim stack")
     ap.add_argument("--rtt-only", action="store_true", help="only parts 1 and 2 (up, command round trips)")
+    ap.add_argument("--uplink", action="store_true", help="only part 4: a simulated site's uplink to a centre "
+                    "(the sim profile of make up, bridged over TLS), default budget vs full rate")
+    ap.add_argument("--uplink-seconds", type=float, default=30.0, help="part 4: each window")
     a = ap.parse_args()
     if a.quick:
         a.seconds, a.calls, a.rounds = 20.0, 200, 3
@@ -175,10 +178,13 @@ def main() -> None:
                            "load_before": os.getloadavg()[0]}
     tmp = Path(tempfile.mkdtemp(prefix="robobus-bench-deploy-"))
 
-    if not a.cycle_only:
-        up_and_round_trips(a, out, tmp)
-    if not a.rtt_only:
-        cycle_inside_vs_outside(a, out, tmp)
+    if a.uplink:
+        uplink(a, out, tmp)
+    else:
+        if not a.cycle_only:
+            up_and_round_trips(a, out, tmp)
+        if not a.rtt_only:
+            cycle_inside_vs_outside(a, out, tmp)
     out["load_after"] = os.getloadavg()[0]
     print(json.dumps(out))
 
@@ -239,6 +245,86 @@ def up_and_round_trips(a: argparse.Namespace, out: dict[str, Any], tmp: Path) ->
         print(f"command round trip {k:16s} p50 {statistics.median(v):.2f} ms, p99 {pct(v, .99):.2f} ms ({len(v)})")
     print(f"ratio container / host {out['rtt_ratio_container_over_host']} (target <= {RTT_RATIO_TARGET}); "
           f"without docker-proxy (the broker's container address) {out['rtt_ratio_direct_over_host']}")
+
+
+UPLINK_TARGET_MBIT_S = 0.3  # a site's default uplink (LTE, shared lab Wi-Fi)
+HEALTH_WITHIN_S = 2.0  # the centre sees every device's health within this of a change
+
+
+def wan_tx_bytes(container: str, network: str) -> int:
+    """Bytes the container sent on its interface in `network` (the fleet's link, TLS and MQTT included)."""
+    mac = run([DOCKER, "inspect", "-f", f'{{{{(index .NetworkSettings.Networks "{network}").MacAddress}}}}',
+               container]).stdout.strip()
+    listing = run([DOCKER, "exec", container, "sh", "-c", "for i in /sys/class/net/*; do "
+                   "echo $(cat $i/address) $(cat $i/statistics/tx_bytes); done"]).stdout
+    for line in listing.splitlines():
+        addr, _, n = line.partition(" ")
+        if addr == mac:
+            return int(n)
+    raise RuntimeError(f"no interface with {mac} in {container}: {listing}")
+
+
+def uplink(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
+    """4: a centre and a site running `make up`'s sim profile, bridged over TLS on a shared docker network; the
+    bytes the site's broker sends on that link per second (network level: TLS, MQTT and bridge traffic) in a
+    window with the default budget (deploy/uplink.py) and one at full rate (the centre's `_uplink/set`), and how
+    late each device's health reaches the centre (its `ts` against the arrival, one clock)."""
+    tag = f"{os.getpid()}"
+    wan = f"robobus-bench-wan-{tag}"
+    central = Stack(f"robobus-bench-central-{tag}", tmp / "central", profiles="central",
+                    extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": "central",
+                               "ROBOBUS_CENTRAL_SITES": "site-a=site-a/robobus"})
+    site = Stack(f"robobus-bench-site-{tag}", tmp / "site", root="site-a/robobus",
+                 extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": "site-a-broker"})
+    central.make_secrets("--central", "--site", "site-a=site-a/robobus", "--tls-name", "central")
+    site.make_secrets("--site", "site-a", "--bridge-to", "central:8883", "--bridge-credentials",
+                      str(central.secrets / "bridge-site-a.env"), "--bridge-ca", str(central.secrets / "fleet-ca.crt"))
+    run([DOCKER, "network", "create", wan])
+    windows: dict[str, dict[str, Any]] = {}
+    try:
+        central.build()
+        site.build()
+        central.up()
+        site.up()
+        broker = site.container_id("broker")
+        nodes = expected_nodes()
+        wait_online(central.settings("viewer", topic_root="site-a/robobus"), nodes, 120)
+        for name, request in (("default", None), ("full_rate", b'{"state_hz": 0, "drop": [], "for_s": 600}')):
+            with RpcClient(central.settings("operator", topic_root="site-a/robobus"), name="bench-uplink") as c:
+                if request is not None:
+                    c.session.publish("site-a/robobus/_uplink/set", request, qos=1, now=True)
+                time.sleep(5.0)  # the budget applies, the link settles
+                late: list[float] = []
+                topics: set[str] = set()
+
+                def on(msg: Any, late: list[float] = late, topics: set[str] = topics) -> None:
+                    topics.add(msg.topic)
+                    if msg.topic.endswith("/health") and not msg.retain:
+                        with contextlib.suppress(ValueError, KeyError, TypeError):
+                            late.append(time.time() - float(json.loads(msg.payload)["ts"]))
+
+                c.session.subscribe("site-a/robobus/#", on, qos=0)
+                b0, t0 = wan_tx_bytes(broker, wan), time.monotonic()
+                time.sleep(a.uplink_seconds)
+                b1, t1 = wan_tx_bytes(broker, wan), time.monotonic()
+                c.session.unsubscribe("site-a/robobus/#")
+            mbit = (b1 - b0) * 8 / (t1 - t0) / 1e6
+            windows[name] = {"mbit_s": round(mbit, 3), "bytes": b1 - b0, "seconds": round(t1 - t0, 1),
+                             "health_msgs": len(late), "health_late_max_s": round(max(late), 3) if late else None,
+                             "image_topics": sorted(t for t in topics if t.endswith("/image"))}
+            print(f"uplink {name}: {mbit:.3f} Mbit/s over {t1 - t0:.0f} s ({b1 - b0} bytes, TLS + MQTT); "
+                  f"{len(late)} health messages at the centre, latest {windows[name]['health_late_max_s']} s "
+                  f"after their ts; image topics {windows[name]['image_topics'] or 'none'}")
+    finally:
+        site.down()
+        central.down()
+        run([DOCKER, "network", "rm", wan], check=False)
+    d = windows["default"]
+    out["uplink"] = windows
+    ok = d["mbit_s"] <= UPLINK_TARGET_MBIT_S and d["health_late_max_s"] is not None and \
+        d["health_late_max_s"] <= HEALTH_WITHIN_S
+    print(f"default uplink {d['mbit_s']} Mbit/s (target <= {UPLINK_TARGET_MBIT_S}), health at the centre within "
+          f"{d['health_late_max_s']} s (target <= {HEALTH_WITHIN_S}): {'met' if ok else 'NOT MET'}")
 
 
 def cycle_inside_vs_outside(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:

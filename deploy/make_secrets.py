@@ -3,7 +3,8 @@
 
 Writes into a secrets folder (default deploy/secrets/, never committed):
     passwd          mosquitto password file: one user per service node, `operator`, `viewer`, `recorder` (PBKDF2-SHA512,
-                    the `$7$` format of mosquitto_passwd), plus one `bridge-<site>` user per site at a centre
+                    the `$7$` format of mosquitto_passwd), `uplink` at a bridged site; at a centre one
+                    `bridge-<site>` user per site, `fleet-watch` and `fleet-gate`
     acl             mosquitto ACL file (below)
     <user>.env      ROBOBUS_MQTT_USERNAME / ROBOBUS_MQTT_PASSWORD for that user (compose `env_file`, the CLI)
     bridge.env      at an edge: the credentials its bridge uses at the centre
@@ -80,6 +81,12 @@ USES: dict[str, tuple[Grant, ...]] = {
 BRIDGE_OUT = ("+/status", "+/+/health", "+/+/state/+", "+/+/event/+", "_client/+/reply", "_bridge/uptime",
               "_bridge/state")
 BRIDGE_IN = "+/+/cmd/+"
+# A site's states cross the bridge only through deploy/uplink.py (its budget: a capped rate per state topic, no
+# camera frames): it republishes {root}/<state> as UPLINK_PREFIX{root}/<state>, which the bridge maps back to
+# {root}/<state> at the centre. The centre's {root}/_uplink/set (the operator's request for another budget)
+# comes in.
+UPLINK_PREFIX = "_uplink/"
+UPLINK_SET = "_uplink/set"
 
 
 def check_client_id_prefixes(users: list[str]) -> None:
@@ -136,7 +143,7 @@ def central_acl(sites: dict[str, str]) -> str:
         # replies to the centre's requests, its heartbeat and its bridge notification; in its nodes' commands.
         # Not {root}/_bridge/reachable: that is the centre's own view (fleet-watch), which no site may write.
         out += [f"user bridge-{site}", *(f"topic write {root}/{t}" for t in BRIDGE_OUT),
-                f"topic read {root}/{BRIDGE_IN}", ""]
+                f"topic read {root}/{BRIDGE_IN}", f"topic read {root}/{UPLINK_SET}", ""]
     # the centre's watcher (robobus fleet-watch): reads each site's heartbeat, says whether it is reachable
     out += ["user fleet-watch"]
     for root in sorted(sites.values()):
@@ -150,7 +157,7 @@ def central_acl(sites: dict[str, str]) -> str:
     for root in sorted(sites.values()):
         # no write of {root}/_stop here: the bus stop is not bridged (a stale retained copy crossing a bridge
         # that reconnects could release a newer stop); a site's stop is set on the site's own broker
-        out += [*observer_reads(root), f"topic write {root}/+/+/cmd/+"]
+        out += [*observer_reads(root), f"topic write {root}/+/+/cmd/+", f"topic write {root}/{UPLINK_SET}"]
     out += ["topic read $SYS/#", "", "user viewer"]
     for root in sorted(sites.values()):
         out += observer_reads(root)
@@ -220,8 +227,10 @@ def bridge_conf(site: str, root: str, address: str, username: str, password: str
         "notifications_local_only false",
         f"notification_topic {root}/_bridge/state",
         f"topic uptime out 0 $SYS/broker/ {root}/_bridge/",
-        *(f"topic {root}/{t} out 1" for t in BRIDGE_OUT if not t.startswith("_bridge/")),
+        *(f"topic {root}/{t} out 1" for t in BRIDGE_OUT if not t.startswith("_bridge/") and "/state/" not in t),
+        f"topic +/+/state/+ out 0 {UPLINK_PREFIX}{root}/ {root}/",  # states: deploy/uplink.py's budget, QoS 0
         f"topic {root}/{BRIDGE_IN} in 1",
+        f"topic {root}/{UPLINK_SET} in 1",
         "",
     ])
 
@@ -386,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         nodes = parse_pairs(args.node, "--node") or {s: s for s in SERVICES}
         users = [*nodes, "operator", "viewer", "recorder"]
         acl = Acl(args.root, nodes).text()
+        if args.bridge_to:  # the site's uplink (deploy/uplink.py): reads states, writes their bridged copies
+            users.append("uplink")
+            acl += "\n".join(["", "user uplink", f"topic read {args.root}/+/+/state/+",
+                              f"topic write {UPLINK_PREFIX}{args.root}/+/+/state/+",
+                              f"topic read {args.root}/{UPLINK_SET}", ""])
     check_client_id_prefixes(users)
     lines = [f"{u}:{hash_password(user_password(folder, u, args.rotate))}" for u in users]
     write_private(folder / "passwd", "\n".join(lines) + "\n", owner=BROKER_UID)

@@ -35,7 +35,8 @@ UNREACHABLE_WITHIN_S = make_secrets.unreachable_bound_s() + UNREACHABLE_MARGIN_S
 # the cut, plus one heartbeat period; the same margin for delivery on a loaded machine.
 WATCH_TIMEOUT_S = make_secrets.WATCH_TIMEOUT_S
 WATCH_WITHIN_S = make_secrets.watch_bound_s(WATCH_TIMEOUT_S) + UNREACHABLE_MARGIN_S
-SITES = {"site-a": ["ethercat-loop-sim"], "site-b": ["epuck-sim", "epuck-gateway-sim"]}
+# each site's states reach the centre through its uplink (deploy/uplink.py: compose.edge.yaml)
+SITES = {"site-a": ["ethercat-loop-sim", "uplink"], "site-b": ["epuck-sim", "epuck-gateway-sim", "uplink"]}
 NODES = {"site-a": ["ethercat-loop"], "site-b": ["epuck-gateway"]}
 
 

@@ -192,7 +192,14 @@ def test_a_command_to_a_cut_site_is_answered_unavailable_at_the_centre(host_flee
         threads.append(threading.Thread(target=target, args=(s, stop), daemon=True))
     # the site's node: answers every command it gets, at the edge broker (anonymous there)
     node = Probe("127.0.0.1", eport)
-    assert node.connect() == 0
+    deadline = time.monotonic() + 15
+    while True:  # the edge's broker may still be starting
+        try:
+            assert node.connect() == 0
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the edge's broker did not start"
+            time.sleep(0.1)
 
     def answer(client, userdata, msg) -> None:  # type: ignore[no-untyped-def]
         from paho.mqtt.packettypes import PacketTypes
