@@ -296,9 +296,12 @@ def uplink(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
                 time.sleep(5.0)  # the budget applies, the link settles
                 late: list[float] = []
                 topics: set[str] = set()
+                by_topic: dict[str, int] = {}
 
-                def on(msg: Any, late: list[float] = late, topics: set[str] = topics) -> None:
+                def on(msg: Any, late: list[float] = late, topics: set[str] = topics,
+                       by_topic: dict[str, int] = by_topic) -> None:
                     topics.add(msg.topic)
+                    by_topic[msg.topic] = by_topic.get(msg.topic, 0) + len(msg.topic) + len(msg.payload)
                     if msg.topic.endswith("/health") and not msg.retain:
                         with contextlib.suppress(ValueError, KeyError, TypeError):
                             late.append(time.time() - float(json.loads(msg.payload)["ts"]))
@@ -309,6 +312,9 @@ def uplink(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
                 b1, t1 = wan_tx_bytes(broker, wan), time.monotonic()
                 c.session.unsubscribe("site-a/robobus/#")
             mbit = (b1 - b0) * 8 / (t1 - t0) / 1e6
+            top = sorted(by_topic.items(), key=lambda kv: -kv[1])[:8]
+            print(f"uplink {name}: payload + topic bytes at the centre {sum(by_topic.values())} in "
+                  f"{len(by_topic)} topics; most: " + ", ".join(f"{t.split('/', 2)[-1]} {n}" for t, n in top))
             windows[name] = {"mbit_s": round(mbit, 3), "bytes": b1 - b0, "seconds": round(t1 - t0, 1),
                              "health_msgs": len(late), "health_late_max_s": round(max(late), 3) if late else None,
                              "image_topics": sorted(t for t in topics if t.endswith("/image"))}

@@ -6,14 +6,17 @@ through this process (compose service `uplink`, added with the bridge by compose
 `uplink`). It reads `{root}/+/+/state/+` on the site's broker and republishes each state topic under
 `_uplink/{root}/...`, which the bridge maps back to `{root}/...` at the centre (make_secrets.bridge_conf), at
 QoS 0 (the newest value wins) and:
-  - at most ROBOBUS_UPLINK_STATE_HZ messages per second per state topic (default 2; 0: no cap), always ending
-    on the newest value (a suppressed message is sent when the topic's next slot opens: nothing stays stale);
+  - at most ROBOBUS_UPLINK_STATE_HZ messages per second per state topic (default 2; 0: no cap) and at most
+    ROBOBUS_UPLINK_STATE_BYTES_S bytes per second per state topic (default 4096; 0: no cap: a 12 kB state goes
+    once every 3 s), always ending on the newest value (a held-back message goes when the topic's next slot
+    opens: nothing stays stale);
   - never the state names in ROBOBUS_UPLINK_DROP (default "image": the e-puck camera's JPEG frames);
     streams are not bridged at all.
 Full rate on demand: an operator at the centre publishes `{root}/_uplink/set` (bridged in), e.g.
     {"state_hz": 0, "drop": [], "for_s": 60}
-(every field optional: state_hz 0 = no cap, drop = state names not forwarded, for_s = how long, default 300,
-at most 3600); then the defaults again. An unreadable request is logged and counted, nothing else changes.
+(every field optional: state_hz 0 = no cap, state_bytes_s likewise (missing: no cap when state_hz is 0, else the
+default), drop = state names not forwarded, for_s = how long, default 300, at most 3600); then the defaults.
+An unreadable request is logged and counted, nothing else changes.
 The retain flag and MQTT 5 properties (Content Type) of each state are kept.
 
     ROBOBUS_TOPIC_ROOT=site-a/robobus ROBOBUS_MQTT_URL=... python3 deploy/uplink.py
@@ -44,6 +47,7 @@ MAX_FOR_S = 3600.0
 
 class UplinkSettings(KitSettings):
     uplink_state_hz: float = Field(2.0, ge=0, le=1000, description="States per second per topic (0: no cap)")
+    uplink_state_bytes_s: float = Field(4096.0, ge=0, description="State bytes per second per topic (0: no cap)")
     uplink_drop: str = Field("image", description="State names never forwarded (space-separated)")
     uplink_ready_file: Path | None = Field(None, description="Exists while subscribed (the healthcheck)")
 
@@ -51,13 +55,14 @@ class UplinkSettings(KitSettings):
 class Budget:
     """Per state topic: when it was last forwarded and the newest message held back since."""
 
-    def __init__(self, state_hz: float, drop: set[str], send: Any, now: Any = time.monotonic) -> None:
-        self.default_hz, self.default_drop = state_hz, set(drop)
-        self.hz, self.drop = state_hz, set(drop)
+    def __init__(self, state_hz: float, drop: set[str], send: Any, now: Any = time.monotonic,
+                 bytes_s: float = 0.0) -> None:
+        self.default_hz, self.default_drop, self.default_bytes_s = state_hz, set(drop), bytes_s
+        self.hz, self.drop, self.bytes_s = state_hz, set(drop), bytes_s
         self.until = 0.0  # a requested budget applies until then
         self.send = send  # (topic, payload, retain, properties) -> None
         self.now = now
-        self.last: dict[str, float] = {}
+        self.next: dict[str, float] = {}  # topic -> when its next message may go
         self.held: dict[str, tuple[bytes, bool, Any]] = {}
         self.counts = {"forwarded": 0, "held_back": 0, "dropped": 0, "bad_requests": 0}
         self.lock = threading.Lock()
@@ -69,8 +74,8 @@ class Budget:
                 self.counts["dropped"] += 1
                 return
             t = self.now()
-            if self.hz <= 0 or t - self.last.get(topic, -1e9) >= 1.0 / self.hz:
-                self.last[topic] = t
+            if t >= self.next.get(topic, -1e9):
+                self.next[topic] = t + self._gap(len(payload))
                 self.held.pop(topic, None)
                 self.counts["forwarded"] += 1
             else:  # the newest value waits for the topic's next slot (an older one held is replaced)
@@ -79,6 +84,10 @@ class Budget:
                 return
         self.send(topic, payload, retain, props)
 
+    def _gap(self, size: int) -> float:
+        """How long a topic waits after a message of `size` bytes: its rate cap, or its byte budget if longer."""
+        return max(1.0 / self.hz if self.hz > 0 else 0.0, size / self.bytes_s if self.bytes_s > 0 else 0.0)
+
     def tick(self) -> None:
         """Send what is due; back to the defaults when a requested budget ends."""
         due: list[tuple[str, tuple[bytes, bool, Any]]] = []
@@ -86,10 +95,12 @@ class Budget:
             t = self.now()
             if self.until and t >= self.until:
                 self.hz, self.drop, self.until = self.default_hz, set(self.default_drop), 0.0
+                self.bytes_s = self.default_bytes_s
+                self.next.clear()
                 log.info("uplink: back to the default budget (%s Hz per state, not %s)", self.hz, sorted(self.drop))
             for topic, held in list(self.held.items()):
-                if self.hz <= 0 or t - self.last.get(topic, -1e9) >= 1.0 / self.hz:
-                    self.last[topic] = t
+                if t >= self.next.get(topic, -1e9):
+                    self.next[topic] = t + self._gap(len(held[0]))
                     del self.held[topic]
                     self.counts["forwarded"] += 1
                     due.append((topic, held))
@@ -103,10 +114,11 @@ class Budget:
             if not isinstance(req, dict):
                 raise ValueError("not a JSON object")
             hz = float(req.get("state_hz", self.default_hz))
+            bytes_s = float(req.get("state_bytes_s", 0.0 if hz == 0 else self.default_bytes_s))
             drop = req.get("drop", sorted(self.default_drop))
             for_s = float(req.get("for_s", 300.0))
-            if not (0 <= hz <= 1000) or not (0 < for_s <= MAX_FOR_S):
-                raise ValueError("state_hz 0..1000, for_s 0..3600")
+            if not (0 <= hz <= 1000) or not (0 < for_s <= MAX_FOR_S) or bytes_s < 0:
+                raise ValueError("state_hz 0..1000, state_bytes_s >= 0, for_s 0..3600")
             if not isinstance(drop, list) or not all(isinstance(d, str) for d in drop):
                 raise ValueError("drop: a list of state names")
         except (ValueError, TypeError) as e:
@@ -115,8 +127,10 @@ class Budget:
             log.warning("uplink: unreadable request %r: %s", payload[:200], e)
             return f"refused: {e}"
         with self.lock:
-            self.hz, self.drop, self.until = hz, set(drop), self.now() + for_s
-        log.warning("uplink: %s Hz per state (0: no cap), not %s, for %.0f s", hz, sorted(drop), for_s)
+            self.hz, self.drop, self.until, self.bytes_s = hz, set(drop), self.now() + for_s, bytes_s
+            self.next.clear()
+        log.warning("uplink: %s Hz and %s B/s per state (0: no cap), not %s, for %.0f s", hz, bytes_s, sorted(drop),
+                    for_s)
         return "ok"
 
 
@@ -135,7 +149,8 @@ def run(settings: UplinkSettings, stop: threading.Event) -> None:
     def send(topic: str, payload: bytes, retain: bool, props: Any) -> None:
         client.publish(PREFIX + topic, payload, qos=0, retain=retain, properties=props)
 
-    budget = Budget(settings.uplink_state_hz, set(settings.uplink_drop.split()), send)
+    budget = Budget(settings.uplink_state_hz, set(settings.uplink_drop.split()), send,
+                    bytes_s=settings.uplink_state_bytes_s)
 
     def on_connect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
         if rc.is_failure:
@@ -165,8 +180,8 @@ def run(settings: UplinkSettings, stop: threading.Event) -> None:
     client.on_disconnect, client.on_message = on_disconnect, on_message
     client.connect_async(b.host, b.port, keepalive=settings.mqtt_keepalive_s)
     client.loop_start()
-    log.info("uplink: %s states at <= %s Hz per topic (0: no cap), never %s", root, settings.uplink_state_hz,
-             sorted(budget.drop))
+    log.info("uplink: %s states at <= %s Hz and %s B/s per topic (0: no cap), never %s", root,
+             settings.uplink_state_hz, settings.uplink_state_bytes_s, sorted(budget.drop))
     try:
         while not stop.wait(0.05):
             budget.tick()

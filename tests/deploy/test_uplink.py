@@ -51,6 +51,17 @@ def test_at_most_hz_per_topic_and_always_ending_on_the_newest_value():
     assert len(sent) == len(got)  # nothing sent twice
 
 
+def test_a_large_state_waits_for_its_byte_budget():
+    clock, sent = Clock(), []
+    b = uplink.Budget(2.0, set(), lambda t, p, r, props: sent.append((t, p)), clock, bytes_s=4096)
+    big = b"x" * 12288  # 3 s of a 4 kB/s budget
+    for _ in range(1000):  # 100 Hz for 10 s
+        b.state("r/n/d/state/motors", big, False, None)
+        clock.t += 0.01
+        b.tick()
+    assert 3 <= len(sent) <= 5, len(sent)  # once every 3 s, not twice a second
+
+
 def test_full_rate_on_request_then_the_default_again_and_bad_requests_are_counted():
     b, clock, sent = budget(2.0)
     assert b.request(b'{"state_hz": 0, "drop": [], "for_s": 10}') == "ok"
