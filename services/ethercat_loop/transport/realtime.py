@@ -13,6 +13,7 @@ import ctypes.util
 import errno
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 CLOCK_MONOTONIC = 1
 TIMER_ABSTIME = 1
@@ -89,11 +90,48 @@ def apply_realtime(rt: RtSettings) -> list[str]:
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt.priority))
         except OSError as exc:
             warnings.append(f"SCHED_FIFO priority {rt.priority} refused ({exc}): the cycle runs at normal "
-                            "priority, expect jitter (needs CAP_SYS_NICE or an rtprio ulimit)")
+                            f"priority, expect jitter ({why_no_fifo(has_cap_sys_nice(), rt_runtime_us())})")
     return warnings
 
 
-def current_policy() -> str:
-    pol = os.sched_getscheduler(0)
-    names = {os.SCHED_OTHER: "SCHED_OTHER", os.SCHED_FIFO: "SCHED_FIFO", os.SCHED_RR: "SCHED_RR"}
-    return f"{names.get(pol, str(pol))}/{os.sched_getparam(0).sched_priority}"
+CAP_SYS_NICE = 23
+
+
+def has_cap_sys_nice(status: str | None = None) -> bool:
+    """CAP_SYS_NICE in this process's effective capabilities (/proc/self/status CapEff)."""
+    try:
+        text = status if status is not None else Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    return False
+
+
+def rt_runtime_us(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """The realtime budget of this process's cpu cgroup (RT group scheduling, cgroup v1's cpu.rt_runtime_us), or
+    None where there is none to read (no RT group scheduling: only the rtprio limit and the capability count)."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "cpu" in controllers.split(","):
+                for mount in ("cpu,cpuacct", "cpu"):
+                    f = Path(cgroup_root, mount, path.lstrip("/"), "cpu.rt_runtime_us")
+                    if f.exists():
+                        return int(f.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def why_no_fifo(cap: bool, budget_us: int | None) -> str:
+    """The likely cause of a refused SCHED_FIFO, and its fix: with CAP_SYS_NICE, on a kernel with RT group
+    scheduling, it is a cgroup without a realtime budget (a container's cpu_rt_runtime), not a capability."""
+    if cap and budget_us == 0:
+        return ("the process has CAP_SYS_NICE, but its cgroup has no realtime budget (cpu.rt_runtime_us = 0, RT "
+                "group scheduling): give it one, e.g. dockerd --cpu-rt-runtime=950000 and cpu_rt_runtime on the "
+                "service (deploy/compose.rt-group.yaml)")
+    if cap:
+        return "the process has CAP_SYS_NICE; check the kernel's realtime limits (sched_rt_runtime_us, cgroups)"
+    return "needs CAP_SYS_NICE or an rtprio ulimit"
