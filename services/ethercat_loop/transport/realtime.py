@@ -135,3 +135,9 @@ def why_no_fifo(cap: bool, budget_us: int | None) -> str:
     if cap:
         return "the process has CAP_SYS_NICE; check the kernel's realtime limits (sched_rt_runtime_us, cgroups)"
     return "needs CAP_SYS_NICE or an rtprio ulimit"
+
+
+def current_policy() -> str:
+    pol = os.sched_getscheduler(0)
+    names = {os.SCHED_OTHER: "SCHED_OTHER", os.SCHED_FIFO: "SCHED_FIFO", os.SCHED_RR: "SCHED_RR"}
+    return f"{names.get(pol, str(pol))}/{os.sched_getparam(0).sched_priority}"
