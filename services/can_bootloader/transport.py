@@ -114,7 +114,7 @@ class CanPort:
                 raise NotOpen(f"CAN bus {self.number} is not open")
             try:
                 state = bus.state
-            except NotImplementedError:
+            except NotImplementedError:  # interfaces without a bus state (virtual, udp_multicast): the read proves it
                 state = can.BusState.ACTIVE
             except (can.CanError, OSError) as exc:
                 raise self._failed(f"state unreadable: {exc}") from exc
