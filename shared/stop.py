@@ -17,7 +17,8 @@ motion command or job that was running when the stop came gets the device's stop
 so that a command racing the stop cannot leave the device moving. A release (`active: false`) removes the
 overlay; nothing moves by itself: a device moves again only on a new command.
 
-Start-up and reconnects: until the node knows the stop state, a motion command is answered `unavailable` (not
+Start-up and reconnects: until the node knows the stop state, a motion command waits for it (at most
+`ADMIT_WAIT_S`; an `inline` handler on the network thread cannot wait) and is then answered `unavailable` (not
 `stopped`: no stop may exist, and `stopped` tells a client to wait for a release that may never come). The node
 knows it once a `{root}/_stop` message arrived, or once a message it sends itself after the broker acknowledged
 its subscriptions comes back: the broker queues a subscription's retained message while it handles the
@@ -54,6 +55,9 @@ log = logging.getLogger("robobus.stop")
 STOP = "_stop"
 ANSWER_STATE = "stop"  # {root}/{node}/_node/state/stop
 SYNC_PAYLOAD = b'{"ok":true,"result":{}}'  # a valid reply, as RpcClient's own settle message
+# a motion command that comes before the stop state is known (a client that acts on a device's health before the
+# node's birth) waits this long for it: the state is normally known within a round trip of the connect
+ADMIT_WAIT_S = 2.0
 
 
 def stop_topic(root: str) -> str:
@@ -119,6 +123,7 @@ class StopLatch:
         self._sync_no = 0
         self.known_event = threading.Event()  # set with `known` (tests and tools wait on it)
         self._when_known: list[Callable[[], None]] = []
+        self._net_thread: int | None = None  # the network thread (seen on connect): it must never wait
         session.subscribe(self.topic, self._on_stop, qos=1)
         session.subscribe(self._sync_topic, self._on_sync, qos=1)
         session.on_connect(self._on_connect)
@@ -138,6 +143,13 @@ class StopLatch:
         if s is not None and s.active:
             raise CommandError(ErrorCode.STOPPED, f"the bus stop is active ({describe(s)}): motion commands are "
                                                   "refused until it is released (robobus stop --release)")
+        if not self.known and threading.get_ident() != self._net_thread:
+            self.known_event.wait(ADMIT_WAIT_S)  # the stop message, when it comes, arrives on the network thread
+            gen = self.generation
+            s = self.state
+            if s is not None and s.active:
+                raise CommandError(ErrorCode.STOPPED, f"the bus stop is active ({describe(s)}): motion commands "
+                                                      "are refused until it is released (robobus stop --release)")
         if not self.known:
             raise CommandError(ErrorCode.UNAVAILABLE, f"the node has not read the bus stop ({self.topic}) since "
                                                       "it connected; try again")

@@ -292,6 +292,29 @@ def test_a_node_started_under_an_active_stop_comes_up_stopped(bus: Bus, broker_s
         node.stop()
 
 
+def test_a_motion_command_before_the_stop_state_is_known_waits_for_it(bus: Bus, broker_session: Broker,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that acts on a device's health before the node's birth: its motion command waits for the stop
+    state (no stop here) and runs, instead of a refusal it would have to retry."""
+    import shared.stop as stop_mod
+
+    monkeypatch.setattr(stop_mod, "ADMIT_WAIT_S", DEADLINE)  # the connect may be slow on a busy machine
+    node = Node(API, broker_session.settings(topic_root=bus.root, node="eager", health_interval_s=0.5))
+    wheels = build(node)
+    out: list[bytes] = []
+    early = threading.Thread(target=lambda: out.append(node.dispatcher.dispatch("wheel1", "move", b'{"speed": 3}')))
+    early.start()  # before the node is connected: it waits in the gate
+    time.sleep(0.2)
+    assert not out and not wheels["wheel1"].writes
+    node.start()
+    try:
+        early.join(DEADLINE)
+        assert out, "the early command was refused or never returned"
+        assert wheels["wheel1"].writes and wheels["wheel1"].writes[-1][1] == 3.0
+    finally:
+        node.stop()
+
+
 def test_without_a_stop_the_node_knows_by_its_round_trip(bus: Bus, broker_session: Broker) -> None:
     """No retained stop: the node learns so from the message it sends itself after its subscriptions."""
     node, _ = start_node(bus, name="free")
