@@ -11,13 +11,14 @@ MCAPCLI := .venv-mcapcli
 TSEXAMPLE := examples/typescript
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps run test lint pytest bench bench-quick schema schema-check chaos soak prove screenshots clean help
+.PHONY: setup system-deps run test lint pytest bench bench-quick perf-table schema schema-check chaos soak prove screenshots clean help
 
 help:
 	@echo "make run     start a local mosquitto and every service on simulators"
 	@echo "make test    lint + the whole test suite"
 	@echo "make lint    ruff + mypy"
-	@echo "make bench   benchmarks (bench/*.py); BENCH_ARGS=--quick for a short run"
+	@echo "make bench   every benchmark, each writing bench/results/<bench>.json; BENCH_ARGS=--quick for short runs"
+	@echo "make perf-table  render docs/performance.md and README.md's Performance table from bench/results/"
 	@echo "make schema  write docs/asyncapi.yaml and docs/schemas/*.json (ROOT=site1/robobus: for that root)"
 	@echo "make up      the whole system in containers (COMPOSE_PROFILES=sim|hand|epuck); make down stops it"
 	@echo "make conformance  every service against the same fault script (table of health transitions)"
@@ -93,8 +94,18 @@ schema: setup
 schema-check: setup
 	$(BIN)/robobus schema --out docs --check
 
+# Every bench prints its figures against their targets and writes its result (bench/results.py) to
+# bench/results/<bench>[-<variant>].json: the committed last run, which perf-table renders (a bench run by hand
+# writes to build/bench/ unless ROBOBUS_BENCH_RESULTS says otherwise). BENCHES="epuck roi" runs only those.
+# ethercat_cycle needs root and deploy docker: without them they say so and write nothing.
+BENCHES ?= rpc ethercat_cycle ethercat_model_idle flash epuck roi dexter stop record dashboard deploy footprint
 bench: setup
-	@set -e; for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b $(BENCH_ARGS); done
+	@set -e; for b in $(BENCHES); do echo "== bench/$$b.py $(BENCH_ARGS)"; \
+	  ROBOBUS_BENCH_RESULTS=bench/results $(BIN)/python bench/$$b.py $(BENCH_ARGS); done
+	@$(MAKE) --no-print-directory perf-table
+
+perf-table: $(STAMP)
+	$(BIN)/python bench/perf_table.py
 
 # A virtual Shadow hand (bridge + 0220 palm) on a veth pair in namespace robobus-ec, for
 # ROBOBUS_ETHERCAT_BACKEND=virtual (root). VHAND_ARGS="--protocol 0230"; tear down with
