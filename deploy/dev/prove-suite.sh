@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The busy-machine proof of issue #16: the whole suite (`make test`) RUNS times in a row with a CPU hog on
+# The busy-machine proof: the whole suite (`make test`) RUNS times in a row with a CPU hog on
 # one core (`stress-ng --cpu 1`), then RUNS times on a quiet machine; every run must be green. Prints one line
 # per run and a summary; each run's output is kept under $OUT (default .prove/<timestamp>/).
 # Usage: deploy/dev/prove-suite.sh [RUNS]   (or `make prove RUNS=3`; MODES="busy quiet" selects the halves)

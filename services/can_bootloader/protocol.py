@@ -1,9 +1,9 @@
 """The PIC18F CAN bootloader wire format (sans-I/O: frames in, frames out, no bus, no clock).
 
 Source of truth: docs/reference/can_bootloader.md §1 (SID layout) and §4 (the SimpleMotorFlasher
-sequence and its ACK rule `can_data_is_ack`), with seed 000 ("Bootloading protocole",
-docs/reference/can_bootloader.md §2) for the
-bootloader side. Where the two disagree the reference wins, and the spot is marked `reference over seed`.
+sequence and its ACK rule `can_data_is_ack`), with the bootloader's own documentation ("Bootloading protocole",
+docs/reference/can_bootloader.md §2; "the seed" below) for the bootloader side. Where the two disagree §4 wins,
+and the spot is marked `reference over seed`.
 
 SID (11 bits) = direction[10:9] | motor id[8:5] | ACK[4] | command[3:0]; the bootloader direction is
 3, so every request is `0x600 | (local_id << 5) | command` and every answer sets the ACK bit 0x10.

@@ -125,7 +125,7 @@ RUN_FILE = API.job("run_file", DexterRunFile, DexterRunFileResult, errors=_FILES
                    doc="`S RunFile <path>`: run a file of oplets")
 
 
-# The inline path (issue #12): the short commands run on paho's network thread, which sends the request itself
+# The inline path: the short commands run on paho's network thread, which sends the request itself
 # when the arm's link is idle and waits at most this long for the reply (a DexRun `h` answers in ~50-100 µs on
 # loopback); past it, the wait goes to the command pool (`Deferred`) with the link's turn, so a silent robot holds
 # the node's MQTT no longer than this. Capped by the kit's own hand-over wait (`command_handoff_ms`: how long

@@ -1,4 +1,4 @@
-"""The three WiFi link defects of issue #14, each against a simulated robot set to the same behaviour.
+"""The three WiFi link defects, each against a simulated robot set to the same behaviour.
 
 - slow images (1 fps with sensors riding on each image, as the firmware's cycle does) must not flap
   the link, yet a robot that sends nothing at all is found within the allowed silence;

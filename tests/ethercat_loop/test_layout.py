@@ -1,4 +1,4 @@
-"""The rooms of ethercat-loop (issue 10): no import cycles, the codec pure, the transport and the simulator
+"""The rooms of ethercat-loop: no import cycles, the codec pure, the transport and the simulator
 independent of the MQTT surface, logging under `robobus.*` and configured only by the kit."""
 
 import ast

@@ -1,4 +1,4 @@
-"""The master's rule for a slave that does not answer at its station address (issue 16's outage: SOEM's
+"""The master's rule for a slave that does not answer at its station address (an outage seen on a busy host: SOEM's
 recover sent to a slow, healthy bridge left it without its address). Pure: the AL state reads are
 stubbed, no NIC; what is checked is whether the master acts (calls the slave's recover)."""
 

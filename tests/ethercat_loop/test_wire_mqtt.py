@@ -69,7 +69,7 @@ def wire_node(broker_session: Broker, spawn: Any,
     if unprivileged and shutil.which("setpriv") is None:
         pytest.skip("needs setpriv (util-linux) to drop CAP_SYS_NICE and CAP_IPC_LOCK")
     node = f"wire{os.getpid()}"
-    # the stricter slave of issue 19: FMMUs take effect only on PRE-OP -> SAFE-OP
+    # the stricter slave: FMMUs take effect only on PRE-OP -> SAFE-OP
     with hand("0220", ["--serial", "4242", "--fmmus-on-safeop"]) as (ns, ctl):
         env = {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_NODE": node, "ROBOBUS_ETHERCAT_BACKEND": "virtual",
                "ROBOBUS_ETHERCAT_IFNAME": ns.master_if, "ROBOBUS_ETHERCAT_NETNS": ns.name,

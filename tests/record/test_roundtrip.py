@@ -25,7 +25,7 @@ from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
 from shared.localbroker import Broker
 from shared.rpc import RpcClient, wait_for
 
-TIMING_TOLERANCE_MS = 5.0  # issue 17: inter-message timing within 5 ms of the original at rate 1
+TIMING_TOLERANCE_MS = 5.0  # the target: inter-message timing within 5 ms of the original at rate 1
 # Asserted for 90 % of the intervals: on this shared 2-core machine (load average 10-20 while other
 # suites run) any process, the broker and this test's subscriber included, is preempted for tens of ms
 # now and then, which no replayer can undo; bench/record.py reports the p99 and the load beside it.

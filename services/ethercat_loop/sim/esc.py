@@ -112,7 +112,7 @@ class Esc:
         self.name = name
         # like some slaves (and unlike an ET1200, which applies FMMU writes at once): FMMUs take effect only
         # when the slave goes PRE-OP -> SAFE-OP, so a master that writes them after the SAFE-OP request gets
-        # a working counter of 0 for ever (issue 19)
+        # a working counter of 0 for ever
         self.fmmus_on_safeop = fmmus_on_safeop
         self._fmmus_live: set[int] = set()
         self.mem = bytearray(0x2000)
@@ -183,7 +183,7 @@ class Esc:
         self._set_al(req, error=False, code=AL_CODE_NONE)
 
     def deactivate_fmmus(self) -> None:
-        """Fault: the FMMUs stop mapping while the AL state stays as it is (the picture of issue 19)."""
+        """Fault: the FMMUs stop mapping while the AL state stays as it is (working counter 0, every slave in OP)."""
         self._fmmus_live = set()
         for i in range(self.n_fmmu):
             self.mem[REG_FMMU0 + 16 * i + 12] &= 0xFE

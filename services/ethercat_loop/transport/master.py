@@ -103,7 +103,7 @@ class MasterConfig:
 
 @dataclass(frozen=True)
 class RecoveryPolicy:
-    """How the master escalates (issue 19). A slave out of OP first gets the cheap step (acknowledge an
+    """How the master escalates. A slave out of OP first gets the cheap step (acknowledge an
     error, SAFE-OP -> OP); when that is not enough, or the working counter stays wrong while every slave
     claims OP, every slave goes through INIT -> PRE-OP -> SAFE-OP -> OP with its SyncManagers written
     before the PRE-OP request and its FMMUs before the SAFE-OP request (the order a standard ESC expects:
@@ -687,7 +687,7 @@ class EthercatMaster:
                 # a read at its address that got no answer in time is a slow answer (a stalled host: the
                 # hand's answers reach 20 ms on this VM), not a slave gone. Counting it sent SOEM's recover
                 # (temporary station address, identity check) to a healthy slave, which, cut short by the
-                # same stall, left it without its address: seconds of "not in OP" (issue 16's 4 s outage)
+                # same stall, left it without its address: seconds of "not in OP" (a 4 s outage)
                 continue
             n = self._sightings[i] = self._sightings.get(i, 0) + 1
             silent = silent or st == pysoem.NONE_STATE
