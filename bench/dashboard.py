@@ -12,7 +12,7 @@ two views: the top of the page (the overview and the first device cards), and th
   - main-thread time spent handling MQTT messages and drawing (the page's own counters), per second;
   - the renderer's main-thread busy time (Chrome's Performance.getMetrics TaskDuration);
   - CPU of every chromium process together (/proc), the "% of one core in the browser" of the target.
-Targets (issue #15): >= 30 fps and <= 25 % of one core in the browser. Last line: one JSON object.
+Targets: >= 30 fps and <= 25 % of one core in the browser. Last line: one JSON object.
 
     python bench/dashboard.py            # 30 s per view
     python bench/dashboard.py --quick    # 10 s per view
@@ -40,6 +40,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from results import Figure, report, variant_name  # noqa: E402
 
 from tests.dashboard.stack import (  # noqa: E402
     NODES,
@@ -145,7 +147,12 @@ def main() -> None:
               "targets": {"fps_ge_30": worst_fps >= TARGET_FPS,
                           "browser_cpu_le_25pct": worst_cpu <= TARGET_BROWSER_CPU_PCT}}
     result["pass"] = all(result["targets"].values())  # type: ignore[attr-defined]
-    print(json.dumps(result))
+    report("dashboard", result, [
+        Figure("every chromium process, worst view", round(worst_cpu, 1), "% of a core", "<=",
+               TARGET_BROWSER_CPU_PCT),
+        Figure("frames per second of the page, worst view", round(worst_fps, 1), "fps", ">=", TARGET_FPS),
+    ], variant=variant_name("quick" if a.quick else "", "three" if a.stack == "three" else "",
+                            "direct" if a.direct else ""))
 
 
 if __name__ == "__main__":

@@ -13,18 +13,18 @@ time, as DexRun does), then, in interleaved rounds (the machine is shared: all s
    rotating), one call each, so that every call of every side meets the same moment of the machine and comes
    after other traffic, as a command from a bus does.
 
-Targets (issue 12): MQTT round trip p99 <= 3 ms, and p50 <= 1.5 x raw p50 + one broker hop (the bare echo's
+Targets: MQTT round trip p99 <= 3 ms, and p50 <= 1.5 x raw p50 + one broker hop (the bare echo's
 p50), judged call by call (4); file transfer >= 0.8 x the raw client's blocks per second. The back-to-back
 ratio (1-3) is printed as well: there the raw client's tight loop keeps its simulator hot on one CPU, and its
 p50 is a third to a quarter of its call-by-call p50 on a 2-vCPU VM, where waking a task on the other, idle
-vCPU costs tens of us (bench/dexter_wakeups.py; services/dexter_gateway/README.md, session 8); the bare bridge
+vCPU costs tens of us (bench/dexter_wakeups.py; services/dexter_gateway/README.md); the bare bridge
 misses that back-to-back bound too. Last line: one JSON object.
 
     python bench/dexter.py            # 2000 round trips a side and phase, a 128 KiB file (2115 blocks)
     python bench/dexter.py --quick    # 500 round trips, a 64 KiB file (1057 blocks)
 
 The file is long enough to be measured: at ~10 K blocks/s, 16 KiB (265 blocks) took ~25 ms a side, where one
-scheduler delay on this shared machine moved the ratio from 0.4 to 1.6 between runs (issue 12, session 5).
+scheduler delay on a shared machine moved the ratio from 0.4 to 1.6 between runs.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from results import Figure, report, variant_name  # noqa: E402
 from rpc import BareClient, bare_round_trips, serve_bare_loop  # noqa: E402  (bench/rpc.py: the bare paho echo)
 
 from services.dexter_gateway import protocol as p  # noqa: E402
@@ -366,7 +367,14 @@ def main() -> None:
           f"blocks/s  ratio {res['write_ratio']:.2f} (target >= {TARGET_FILE_RATIO})")
     print(f"file read    raw {res['raw_read_blocks_s']:.0f} blocks/s  gateway {res['gw_read_blocks_s']:.0f} "
           f"blocks/s  ratio {res['read_ratio']:.2f} (target >= {TARGET_FILE_RATIO})")
-    print(json.dumps(res))
+    report("dexter", res, [
+        Figure("`heartbeat` p50 ÷ (1.5 × raw p50 + broker hop), call by call", res["turn_mqtt_p50_over_bound"],
+               "×", "<=", 1.0),
+        Figure("`heartbeat` p99, call by call", res["turn_mqtt_p99_ms"], "ms", "<=", TARGET_P99_MS),
+        Figure("`heartbeat` p99, back to back", res["mqtt_p99_ms"], "ms", "<=", TARGET_P99_MS),
+        Figure("file write, gateway ÷ raw socket", res["write_ratio"], "×", ">=", TARGET_FILE_RATIO),
+        Figure("file read, gateway ÷ raw socket", res["read_ratio"], "×", ">=", TARGET_FILE_RATIO),
+    ], variant=variant_name("quick" if a.quick else ""))
 
 
 if __name__ == "__main__":

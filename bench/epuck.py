@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from results import Figure, report, variant_name
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -43,8 +44,8 @@ from shared.mqtt import MqttSession, unique_client_id  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
 
-TARGET_CPU_PCT = 30.0  # issue #16
-TARGET_P99_MS = 10.0  # issue #16
+TARGET_CPU_PCT = 30.0
+TARGET_P99_MS = 10.0
 LAG_GROWTH_LIMIT_MS = 5.0  # p50 of the last third minus p50 of the first third
 
 
@@ -272,7 +273,14 @@ def main() -> None:
           f"frames {frames_received}/{frames_sent} ({after_stop} after the stop); lag growth {growth:+.2f} ms; "
           f"ratio to target: CPU {cpu_pct / TARGET_CPU_PCT:.2f}, p99 {p99 / TARGET_P99_MS:.2f}; "
           f"lost robots seen within {1000 * max(rec.lost.values(), default=float('nan')):.0f} ms")
-    print(json.dumps(result))
+    dropped = max(0, frames_sent - frames_received - after_stop)
+    report("epuck", result, [
+        Figure(f"gateway CPU, {a.robots} robots", round(cpu_pct, 1), "% of a core", "<=", TARGET_CPU_PCT),
+        Figure("sensor latency p99", round(p99, 2), "ms", "<=", TARGET_P99_MS),
+        Figure("lag growth (p50, last third - first third)", round(growth, 2), "ms", "<=", LAG_GROWTH_LIMIT_MS),
+        Figure("camera frames dropped", dropped, "", "<=", 0),
+        Figure("lost robots seen within", round(max(rec.lost.values(), default=float("inf")), 3), "s", "<=", 1.0),
+    ], variant=variant_name("quick" if a.quick else "", f"robots{a.robots}" if a.robots != 20 else ""))
 
 
 TARGET_SERIAL_HZ = 50.0  # a serial robot should be polled at least as often as the WiFi sensors stream
@@ -356,7 +364,11 @@ def serial_main(a: argparse.Namespace) -> None:
     result["pass"] = all(result["targets"].values())  # type: ignore[attr-defined]
     print(f"{a.serial} serial robot(s): slowest {slowest:.0f} polls/s ({slowest / TARGET_SERIAL_HZ:.1f}x the 50 Hz "
           f"target); sensor latency p50 {p50:.2f} ms, p99 {p99:.2f} ms; gateway CPU {cpu_pct:.1f} % of one core")
-    print(json.dumps(result))
+    report("epuck", result, [
+        Figure("serial: slowest robot's polls", slowest, "/s", ">=", TARGET_SERIAL_HZ),
+        Figure("serial: sensor latency p99", round(p99, 2), "ms", "<=", TARGET_SERIAL_P99_MS),
+        Figure(f"serial: gateway CPU, {a.serial} robots", round(cpu_pct, 1), "% of a core"),
+    ], variant=variant_name(f"serial{a.serial}", "quick" if a.quick else ""))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ demand; the palm model cycling, joints state published at its default rate, heal
     python bench/ethercat_model_idle.py [--seconds 60] [--quick] [--settle 5] [--repo PATH]
 
 `--repo PATH` runs the node from another checkout with its own .venv (e.g. the "before" tree), so before and
-after are measured by the same script. Target (issue 16): <= 10 % of one core. Last line: one JSON object.
+after are measured by the same script. Target: <= 10 % of one core. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from results import Figure, report, variant_name  # noqa: E402
 
 from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
@@ -90,7 +92,10 @@ def main() -> None:
            "loadavg": os.getloadavg()}
     print(f"ethercat-loop on the palm model, idle {t1 - t0:.0f} s: {100 * frac:.1f} % of a core "
           f"(target <= {100 * TARGET_CORE_FRACTION:.0f} %, ratio {frac / TARGET_CORE_FRACTION:.2f})")
-    print(json.dumps(out))
+    report("ethercat_model_idle", out, [
+        Figure("`make run`'s ethercat-loop on the palm model, idle", round(100 * frac, 1), "% of a core", "<=",
+               100 * TARGET_CORE_FRACTION),
+    ], variant=variant_name("quick" if a.quick else "", "other-repo" if Path(a.repo).resolve() != REPO else ""))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import can  # noqa: E402
+from results import Figure, report, variant_name  # noqa: E402
 
 from services.can_bootloader.flasher import FlashConfig, Flasher  # noqa: E402
 from services.can_bootloader.image import load_intel_hex  # noqa: E402
@@ -196,7 +197,13 @@ def main() -> None:
         "quick": args.quick,
         "total_s": round(time.monotonic() - t_all, 1),
     }
-    print(json.dumps(summary))
+    report("flash", summary, [
+        Figure(f"{IMAGE.size // 1000} KB image over the palm's CAN bridge, flash + verify ÷ the cycle bound",
+               best["ratio"], "×", "<=", 1.3),
+        Figure("the same through the bridge", best["seconds"], "s"),
+        Figure("palm cycles per frame", best["palm_cycles_per_frame"], "", "<=", 1.3),
+        Figure("flash + verify on a direct CAN bus (window 2, PIC erase included)", virt["seconds"], "s"),
+    ], variant=variant_name("quick" if args.quick else ""))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
+from results import Figure, report, variant_name  # noqa: E402
 
 from shared.localbroker import free_port  # noqa: E402
 from shared.registry import service_plugins  # noqa: E402
@@ -206,12 +207,21 @@ def main() -> None:
     print(f"total CPU {100 * total_core:.1f} % / {100 * TARGET_TOTAL_CORE:.0f} % of a core = "
           f"{total_core / TARGET_TOTAL_CORE:.2f}: {'met' if met_core else 'not met'}")
     print(f"each service <= {TARGET_SERVICE_MB:.0f} MB: {'met' if not over else 'not met (' + ', '.join(over) + ')'}")
-    print(json.dumps({"bench": "footprint", "processes": rows, "total_rss_mb": round(total_mb, 1),
-                      "total_cpu_core": round(total_core, 4), "window_s": round(window, 1),
-                      "load": round(os.getloadavg()[0], 2),
-                      "targets": {"total_rss_mb": TARGET_TOTAL_MB, "total_cpu_core": TARGET_TOTAL_CORE,
-                                  "service_rss_mb": TARGET_SERVICE_MB},
-                      "met": {"total_rss": met_mb, "total_cpu": met_core, "service_rss": not over}}))
+    result = {"bench": "footprint", "processes": rows, "total_rss_mb": round(total_mb, 1),
+              "total_cpu_core": round(total_core, 4), "window_s": round(window, 1),
+              "load": round(os.getloadavg()[0], 2),
+              "targets": {"total_rss_mb": TARGET_TOTAL_MB, "total_cpu_core": TARGET_TOTAL_CORE,
+                          "service_rss_mb": TARGET_SERVICE_MB},
+              "met": {"total_rss": met_mb, "total_cpu": met_core, "service_rss": not over}}
+    service_rows: list[dict[str, Any]] = [r for r in rows if r["process"] in service_mods]
+    biggest = max(service_rows, key=lambda r: float(r["rss_mb"]), default=None)
+    report("footprint", result, [
+        Figure(f"`make run` idle, {len(rows)} processes: resident memory", round(total_mb), "MB", "<=",
+               TARGET_TOTAL_MB),
+        Figure("`make run` idle: CPU", round(100 * total_core, 1), "% of a core", "<=", 100 * TARGET_TOTAL_CORE),
+        Figure(f"largest service process ({biggest['process'] if biggest else '-'})",
+               float(biggest["rss_mb"]) if biggest else None, "MB", "<=", TARGET_SERVICE_MB),
+    ], variant=variant_name("quick" if a.quick else ""))
 
 
 if __name__ == "__main__":

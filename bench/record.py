@@ -13,7 +13,7 @@
 
     python bench/record.py [--quick] [--rates 20000,30000,40000] [--seconds 10]
 
-Targets (issue 17): >= 20,000 msg/s of 1 KB JSON without loss; replay timing error p99 <= 2 ms.
+Targets: >= 20,000 msg/s of 1 KB JSON without loss; replay timing error p99 <= 2 ms.
 Last line: one JSON object with the figures and the ratios to target.
 """
 
@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from mcap.reader import make_reader  # noqa: E402
+from results import Figure, report, variant_name  # noqa: E402
 
 from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.mqtt_wire import (  # noqa: E402
@@ -115,7 +116,7 @@ class RecorderProc:
     def __init__(self, url: str, out: Path, filters: list[str]) -> None:
         # keepalive 300 s: the backlog step stops the recorder (SIGSTOP) longer than the default 15 s x 1.5
         env = {**os.environ, "ROBOBUS_MQTT_URL": url, "PYTHONUNBUFFERED": "1", "ROBOBUS_MQTT_KEEPALIVE_S": "300"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.record_cli", "record", "-o", str(out),
+        self.proc = subprocess.Popen([sys.executable, "-m", "shared.tools.record_cli", "record", "-o", str(out),
                                       *filters], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.subscribed = threading.Event()
@@ -358,7 +359,7 @@ def _replay_timing(broker: Broker, out: Path, arrived_file: Path, recorded: list
         if sub.stdout.readline().strip() != "ready":
             raise RuntimeError("the subscriber did not subscribe")
         env = {**os.environ, "ROBOBUS_MQTT_URL": broker.url}
-        rp = subprocess.run([sys.executable, "-m", "shared.record_cli", "replay", str(out), "--root", "replayed",
+        rp = subprocess.run([sys.executable, "-m", "shared.tools.record_cli", "replay", str(out), "--root", "replayed",
                              *(["--realtime"] if realtime else [])],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds * 3 + 120)
         if rp.returncode != 0:
@@ -454,7 +455,12 @@ def main() -> None:
         "replay_realtime_broker_fifo_p99_ratio_to_target": round(timing_rtb["err_p99_ms"] / TARGET_P99_MS, 2),
         "loadavg_1m_before": round(load0, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
     }
-    print(json.dumps(result))
+    report("record", result, [
+        Figure("recorded without loss, 1 KB JSON, offered rate", best, "msg/s", ">=", TARGET_RATE),
+        Figure("recorded from a broker backlog", drain["drain_msgs_per_s"], "msg/s", ">=", TARGET_RATE),
+        Figure("replay timing error p99", timing["err_p99_ms"], "ms", "<=", TARGET_P99_MS),
+        Figure("replay --realtime timing error p99", timing_rt["err_p99_ms"], "ms", "<=", TARGET_P99_MS),
+    ], variant=variant_name("quick" if args.quick else ""))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import paho.mqtt.client as mqtt
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from results import Figure, report, variant_name  # noqa: E402
+
 from services.roi_modules import protocol as p  # noqa: E402
 from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
@@ -254,7 +256,13 @@ def main() -> None:
                     except subprocess.TimeoutExpired:
                         proc.kill()
             broker.kill()
-    print(json.dumps(result))
+    report("roi", result, [
+        Figure("service CPU, 50 modules", result.get("cpu_pct"), "% of a core", "<=", TARGET_CPU_PCT),
+        Figure("command round trip p99", result.get("rpc_p99_ms"), "ms", "<=", TARGET_P99_MS),
+        Figure("commands failed", result.get("rpc_failed"), "", "<=", 0),
+        Figure("requests abandoned under 5 % loss", result.get("loss_abandoned"), "", "<=", 0),
+        Figure("command round trip p99 under 5 % loss", result.get("loss_rpc_p99_ms"), "ms"),
+    ], variant=variant_name("quick" if a.quick else ""))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ their own processes, as they would in production.
 
     python bench/rpc.py [--quick] [--calls N] [--messages N]
 
-Targets (issue 2): p50 <= 1 ms, p99 <= 5 ms; (issue 16, on a quiet machine) kit/bare p50 <= 1.15 and p99 <= 1.5,
+Targets: p50 <= 1 ms, p99 <= 5 ms; (on a quiet machine) kit/bare p50 <= 1.15 and p99 <= 1.5,
 >= 25,000 validated 40-field messages/s delivered.
 Last line: one JSON object with the figures and ratios.
 """
@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from pydantic import BaseModel, create_model  # noqa: E402
+from results import Figure, report, variant_name  # noqa: E402
 
 from shared import Node, ServiceAPI  # noqa: E402
 from shared.localbroker import Broker, free_port  # noqa: E402
@@ -270,7 +271,13 @@ def main() -> None:
           f"p99 {res['kit_bare_p99_ratio']} (target 1.5)")
     print(f"validated 40-field publishes: {res['validated_delivered_per_s']}/s delivered "
           f"({res['validated_publish_per_s']}/s handed to paho)")
-    print(json.dumps(res))
+    report("rpc", res, [
+        Figure("kit ÷ bare paho round trip, p50", res["kit_bare_p50_ratio"], "×", "<=", 1.15),
+        Figure("kit ÷ bare paho round trip, p99", res["kit_bare_p99_ratio"], "×", "<=", 1.5),
+        Figure("kit round trip, p50", res["kit_p50_ms"], "ms", "<=", 1.0),
+        Figure("kit round trip, p99", res["kit_p99_ms"], "ms", "<=", 5.0),
+        Figure("validated 40-field state messages delivered", res["validated_delivered_per_s"], "/s", ">=", 25000),
+    ], variant=variant_name("quick" if a.quick else ""))
 
 
 if __name__ == "__main__":
