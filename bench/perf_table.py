@@ -81,6 +81,13 @@ def load_text(d: dict[str, Any]) -> str:
     return " / ".join(f"{x:.2f}" for x in la) if la else "-"
 
 
+def load_1min(d: dict[str, Any]) -> str:
+    """The 1-minute load average when the run started, and the machine's cores: how busy the machine was."""
+    m = d.get("machine", {})
+    la = m.get("load_avg_1_5_15_at_start") or []
+    return f"{la[0]:.2f} ({m.get('cores', '?')} cores)" if la else "-"
+
+
 def summary_table(docs: list[dict[str, Any]]) -> list[str]:
     """One row per judged figure: command, figure, measured, target, ratio, met / not met."""
     lines = ["| command | figure | measured | target | ratio | |", "|---|---|---|---|---|---|"]
@@ -111,7 +118,8 @@ def missing_benches(docs: list[dict[str, Any]], bench_dir: Path = BENCH_DIR) -> 
 def readme_table(docs: list[dict[str, Any]], per_run: int = README_FIGURES) -> list[str]:
     """One row per run: its first `per_run` judged figures (each bench lists its headline figures first), and how
     many of all its targets were met; every figure is in docs/performance.md."""
-    lines = ["| command | figure | measured | target | ratio | |", "|---|---|---|---|---|---|"]
+    lines = ["| command | figure | measured | target | ratio | | load at start |",
+             "|---|---|---|---|---|---|---|"]
     for d in docs:
         judged = [f for f in d["figures"] if f.get("op") is not None]
         if not judged:
@@ -121,7 +129,7 @@ def readme_table(docs: list[dict[str, Any]], per_run: int = README_FIGURES) -> l
                                                            ratio_text, lambda f: verdict(f.get("met")))]
         if len(judged) > len(head):
             cells[-1] += f" ({sum(1 for f in judged if f.get('met'))} of {len(judged)} met)"
-        lines.append(f"| `{short_command(d['command'])}` | " + " | ".join(cells) + " |")
+        lines.append(f"| `{short_command(d['command'])}` | " + " | ".join(cells) + f" | {load_1min(d)} |")
     return lines
 
 
