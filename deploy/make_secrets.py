@@ -22,7 +22,8 @@ The ACL (anonymous access is off in the broker config):
   - every client reads (and may write) the replies to its own requests, {root}/_client/<its client id>/reply;
   - `operator` (CLI, dashboards that command) reads every node's topics and sends any command;
   - the bus stop {root}/_stop (shared/stop.py): `operator` alone sets and releases it; every service node and
-    `viewer` read it, none writes it;
+    `viewer` read it, none writes it; at a fleet's centre the operator writes each site's {root}/_stop and the
+    site's bridge user reads it (the bridge carries it in to the site);
   - `viewer` (read-only dashboards) reads every node's topics and writes nothing;
   neither reads other clients' replies (observer_reads);
   - `recorder` (compose profile `record`, `robobus record`) reads everything under {root}/# (what it
@@ -81,6 +82,10 @@ USES: dict[str, tuple[Grant, ...]] = {
 BRIDGE_OUT = ("+/status", "+/+/health", "+/+/state/+", "+/+/event/+", "_client/+/reply", "_bridge/uptime",
               "_bridge/state")
 BRIDGE_IN = "+/+/cmd/+"
+# The bus stop (shared/stop.py) comes in too: the centre's operator stops (and releases) a site through its bridge.
+# The centre's retained copy comes down again whenever the bridge (re)connects: a node ignores a release older than
+# the stop it holds, so a stale release from the centre never lifts a newer stop set at the site.
+BRIDGE_STOP = "_stop"
 # A site's states cross the bridge only through deploy/uplink.py (its budget: a capped rate per state topic, no
 # camera frames): it republishes {root}/<state> as UPLINK_PREFIX{root}/<state>, which the bridge maps back to
 # {root}/<state> at the centre. The centre's {root}/_uplink/set (the operator's request for another budget)
@@ -143,7 +148,8 @@ def central_acl(sites: dict[str, str]) -> str:
         # replies to the centre's requests, its heartbeat and its bridge notification; in its nodes' commands.
         # Not {root}/_bridge/reachable: that is the centre's own view (fleet-watch), which no site may write.
         out += [f"user bridge-{site}", *(f"topic write {root}/{t}" for t in BRIDGE_OUT),
-                f"topic read {root}/{BRIDGE_IN}", f"topic read {root}/{UPLINK_SET}", ""]
+                f"topic read {root}/{BRIDGE_IN}", f"topic read {root}/{UPLINK_SET}",
+                f"topic read {root}/{BRIDGE_STOP}", ""]
     # the centre's watcher (robobus fleet-watch): reads each site's heartbeat, says whether it is reachable
     out += ["user fleet-watch"]
     for root in sorted(sites.values()):
@@ -155,9 +161,9 @@ def central_acl(sites: dict[str, str]) -> str:
                 f"topic write {root}/_client/+/reply"]
     out += ["", "user operator"]
     for root in sorted(sites.values()):
-        # no write of {root}/_stop here: the bus stop is not bridged (a stale retained copy crossing a bridge
-        # that reconnects could release a newer stop); a site's stop is set on the site's own broker
-        out += [*observer_reads(root), f"topic write {root}/+/+/cmd/+", f"topic write {root}/{UPLINK_SET}"]
+        # the bus stop of each site (bridged in): the operator alone sets and releases it, as at a site
+        out += [*observer_reads(root), f"topic write {root}/+/+/cmd/+", f"topic write {root}/{UPLINK_SET}",
+                f"topic write {root}/{BRIDGE_STOP}"]
     out += ["topic read $SYS/#", "", "user viewer"]
     for root in sorted(sites.values()):
         out += observer_reads(root)
@@ -199,8 +205,10 @@ def unreachable_bound_s(keepalive_s: int = BRIDGE_KEEPALIVE_S) -> int:
 def bridge_conf(site: str, root: str, address: str, username: str, password: str, cafile: str | None = None) -> str:
     """The edge side of a fleet bridge (mosquitto `connection` block), MQTT 5 so that Response Topic and
     Correlation Data cross it. Out: what a centre watches (status, health, state, events, replies); in:
-    commands for this site's nodes. Streams stay local. cleansession false: the centre keeps the bridge's
-    session and this broker queues QoS 1 messages for it while the link is down (max_queued_messages).
+    commands for this site's nodes and the bus stop {root}/_stop (the centre's operator stops the site; the
+    site's own operator still sets and releases it on the site's broker). Streams stay local. cleansession
+    false: the centre keeps the bridge's session and this broker queues QoS 1 messages for it while the link is
+    down (max_queued_messages).
     The bridge's Will at the centre says "0" on {root}/_bridge/state when the link drops; "1" when back.
     Out too: this broker's $SYS/broker/uptime as {root}/_bridge/uptime, the heartbeat `robobus fleet-watch`
     watches at the centre.
@@ -231,6 +239,7 @@ def bridge_conf(site: str, root: str, address: str, username: str, password: str
         f"topic +/+/state/+ out 0 {UPLINK_PREFIX}{root}/ {root}/",  # states: deploy/uplink.py's budget, QoS 0
         f"topic {root}/{BRIDGE_IN} in 1",
         f"topic {root}/{UPLINK_SET} in 1",
+        f"topic {root}/{BRIDGE_STOP} in 1",  # the centre's bus stop for this site (retained, QoS 1)
         "",
     ])
 

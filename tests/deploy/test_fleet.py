@@ -4,8 +4,9 @@ One subscriber at the centre sees every site; a command sent at the centre reach
 reply comes back; a site cut off from the centre is seen as unreachable within seconds (`robobus fleet-watch`:
 {root}/_bridge/reachable; the bridge's own Will on {root}/_bridge/state follows within its longer bound), a
 command sent to it at the centre then is answered `unavailable` (deploy/fleet_gate.py), it loses nothing it
-published with QoS 1 meanwhile, and is reachable and current again when the link returns. The bridges use TLS
-with the fleet's CA."""
+published with QoS 1 meanwhile, and is reachable and current again when the link returns. The centre's operator
+stops one site through its bridge (the bus stop, {root}/_stop) and releases it; a viewer at the centre cannot.
+The bridges use TLS with the fleet's CA."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from shared.messages import StopState
 from shared.rpc import RpcClient
+from shared.stop import StopRound, send_stop
 from tests.deploy.conftest import TIMINGS
 from tests.deploy.deployfiles import make_secrets
 from tests.deploy.mqttprobe import Probe, creds
@@ -126,6 +129,81 @@ def test_a_command_at_the_centre_reaches_a_site_and_the_reply_comes_back(fleet):
         with RpcClient(central.settings("operator", topic_root=f"{site}/robobus"), name="test-fleet-op") as c:
             rep = c.call(node, device, cmd, payload, timeout=30)
         assert rep.ok, (site, rep)
+
+
+def test_the_bus_stop_comes_in_over_the_bridge_and_only_the_centres_operator_writes_it():
+    conf = make_secrets.bridge_conf("s", "s/robobus", "c:8883", "u", "p").splitlines()
+    assert "topic s/robobus/_stop in 1" in conf
+    assert not any(line.startswith("topic") and "_stop" in line and " out " in line for line in conf)
+    acl = make_secrets.central_acl({"s": "s/robobus"})
+    users = {b.split("\n", 1)[0]: b.splitlines()[1:] for b in acl.split("\n\n") if b.startswith("user ")}
+    assert "topic read s/robobus/_stop" in users["user bridge-s"]
+    assert "topic write s/robobus/_stop" in users["user operator"]
+    for user in ("viewer", "fleet-watch", "fleet-gate"):
+        assert not any("write" in line and line.endswith("/_stop") for line in users[f"user {user}"]), user
+
+
+STOP_TIMEOUT_S = 30.0  # the answers come up through the site's uplink (2 Hz per state topic): well within this
+
+
+def _stop(settings, active: bool, source: str, reason: str = "") -> StopRound:
+    with RpcClient(settings, name="test-fleet-stop") as c:
+        return send_stop(c, StopState(active=active, source=source, reason=reason, ts=time.time()), STOP_TIMEOUT_S)
+
+
+def _answered(rnd: StopRound, node: str, active: bool) -> None:
+    assert not rnd.silent() and not rnd.failed(), (rnd.online, rnd.silent(), rnd.failed(), rnd.answers)
+    a = rnd.answers[node]
+    assert a.active is active and a.devices, a
+    assert all(d.stopped is active and not d.pending and not d.error for d in a.devices), a
+
+
+def test_the_centre_stops_one_site_through_its_bridge_and_releases_it(fleet):
+    """The centre's operator stops site-a: site-a's nodes answer stopped (their answers come up to the centre), its
+    motion commands are refused `stopped`, site-b keeps moving; the centre's release lifts it. A viewer at the
+    centre cannot stop a site. The site's own operator still stops and releases its own site."""
+    central, site = fleet["central"], fleet["site-a"]
+    root_a = "site-a/robobus"
+    op_a = central.settings("operator", topic_root=root_a)
+    op_b = central.settings("operator", topic_root="site-b/robobus")
+    demand = ("ethercat-loop", "rh", "set_demands", {"motors": {"0": 0}})
+    speed = ("epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0})
+    # what site-a's own broker sees on its stop topic
+    local = Probe("127.0.0.1", site.port, *creds(site.secrets, "viewer"))
+    assert local.connect() == 0
+    local.subscribe(f"{root_a}/_stop")
+    at_start = local.mark()
+    # a viewer at the centre: its stop is refused by the centre's broker and crosses no bridge
+    viewer = Probe("127.0.0.1", central.port, *creds(central.secrets, "viewer"))
+    assert viewer.connect() == 0
+    forged = StopState(active=True, source="viewer-forged", reason="", ts=time.time()).model_dump_json().encode()
+    viewer.publish(f"{root_a}/_stop", forged, qos=1)
+    viewer.close()
+    try:
+        rnd = _stop(op_a, True, "centre-operator", "fleet test")
+        _answered(rnd, "ethercat-loop", True)
+        # the operator's stop crossed the bridge, the viewer's (published before it, on the same path) did not
+        assert local.wait_for(lambda t, p, r: b"centre-operator" in p, 30, at_start), local.received
+        assert not any(b"viewer-forged" in p for _, p, _ in list(local.received)), local.received
+        with RpcClient(op_a, name="test-fleet-op") as c:
+            rep = c.call(*demand, timeout=30)
+        assert not rep.ok and rep.error and rep.error["code"] == "stopped", rep
+        assert "centre-operator" in rep.error["message"], rep.error
+        with RpcClient(op_b, name="test-fleet-op") as c:  # the other site keeps moving
+            rep = c.call(*speed, timeout=30)
+        assert rep.ok, rep
+        rnd = _stop(op_a, False, "centre-operator")
+        _answered(rnd, "ethercat-loop", False)
+        with RpcClient(op_a, name="test-fleet-op") as c:
+            rep = c.call(*demand, timeout=30)
+        assert rep.ok, rep
+        # the site's own operator, on the site's broker, still stops and releases its site
+        rnd = _stop(site.settings("operator"), True, "site-operator")
+        _answered(rnd, "ethercat-loop", True)
+        rnd = _stop(site.settings("operator"), False, "site-operator")
+        _answered(rnd, "ethercat-loop", False)
+    finally:
+        local.close()
 
 
 def test_a_cut_link_is_seen_at_the_centre_within_seconds_and_nothing_sent_meanwhile_is_lost(fleet):
