@@ -78,12 +78,11 @@ from services.epuck_gateway.protocol import (
     gyro_to_dps,
 )
 from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink, LineDropped
+from services.epuck_gateway.stop_pass import StopPass
 from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig, link_policy
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI
 from shared.contract import NAME_RE
-from shared.messages import StopState
 from shared.node import NODE_DEVICE
-from shared.stop import LATER
 
 log = logging.getLogger("robobus.epuck")
 
@@ -224,8 +223,9 @@ class EpuckRobot:
     """One robot's device on the bus, wired to its link."""
 
     def __init__(self, node: Node, cfg: EpuckWifiRobot | EpuckSerialRobot, settings: EpuckSettings,
-                 pool: ThreadPoolExecutor) -> None:
+                 pool: ThreadPoolExecutor, stop_pass: StopPass) -> None:
         self.cfg = cfg
+        self.stop_pass = stop_pass
         self.settings = settings
         self.dev = node.device(cfg.id)
         self.node = node
@@ -493,25 +493,22 @@ class EpuckRobot:
         d.bind(SNAPSHOT, self.cmd_snapshot)
         d.bind_job(FLASH, self._flash_job, self._admit_flash)
         d.bind(ASCII, self.cmd_ascii)
-        d.on_stop(self.bus_stop)
+        d.on_stop(self.stop_pass.action(self.cfg.id), inline=True)  # one pass for every robot (stop_pass.py)
 
     # -- the bus stop (docs/kit.md "Stopping everything") ---------------------------------------------
-    async def bus_stop(self, stop: StopState) -> Any:
-        """The robot's stop action, on the loop beside its link: speeds 0, the on-board obstacle avoidance off
-        (it drives the wheels itself), pending one-shots dropped, the deadman disarmed (nothing left to stop),
-        and the whole state written at once, past the image and the queue limits (transport.py and
-        serial_link.py `write_stop`). Returns the time the stop left, or LATER when the link is down: then the
-        next connection's first command (speeds 0 always) is the stop, reported when it leaves."""
+    def stop_now(self) -> float | None:
+        """The robot's part of the gateway's stop pass (EpuckGateway.stop_pass, on the loop beside its link):
+        speeds 0, the on-board obstacle avoidance off (it drives the wheels itself), pending one-shots dropped,
+        the deadman disarmed (nothing left to stop), and the whole state written at once, past the image and the
+        queue limits (transport.py and serial_link.py `write_stop`). Returns the time the stop left, or None
+        when the link is down: then the next connection's first command (speeds 0 always) is the stop,
+        reported when it leaves (`_stop_reached`)."""
         self._cancel_motion_timer()
         c = self.controller
         c.set_speed(0, 0)
         c.obstacle_avoidance = False
         c.drop_oneshots()
-        at = self.link.write_stop(self._stop_reached)
-        log.warning("bus stop: robot stopped" if at is not None else
-                    "bus stop: robot not connected; its next connection's first command stops it",
-                    extra={"robot": self.cfg.id, "source": stop.source, "reason": stop.reason})
-        return LATER if at is None else at
+        return self.link.write_stop(self._stop_reached)
 
     def _stop_reached(self, at: float) -> None:
         self.dev.stop_written(at=at)
@@ -821,7 +818,35 @@ class EpuckGateway:
         # a busy machine delayed the loop past the online status, CONNACK and SUBACK on paho's thread.)
         self.pool = ThreadPoolExecutor(max_workers=max(1, settings.epuck_encode_workers),
                                        thread_name_prefix="epuck-encode")
-        self.robots = [EpuckRobot(node, cfg, settings, self.pool) for cfg in settings.epuck_robots]
+        self.stop_pass = StopPass(node, self._stop_pass)
+        self.robots = [EpuckRobot(node, cfg, settings, self.pool, self.stop_pass) for cfg in settings.epuck_robots]
+        self.by_id = {r.cfg.id: r for r in self.robots}
+
+    def _stop_pass(self, due: dict[str, int]) -> None:
+        """The bus stop of the robots `due` (name -> the stop's activation count), on the loop: every robot's stop
+        written one after another with nothing in between (WiFi robots first: a WiFi write never blocks, a serial
+        one can wait for a full line), each stamped as it left; then the reports."""
+        robots = sorted((self.by_id[n] for n in due if n in self.by_id), key=lambda r: r.cfg.transport != "wifi")
+        done: list[tuple[EpuckRobot, float | None, str]] = []
+        for r in robots:
+            try:
+                done.append((r, r.stop_now(), ""))
+            except Exception as exc:  # one robot's failure must not keep the stop from the others
+                log.exception("bus stop: writing the stop failed", extra={"robot": r.cfg.id})
+                done.append((r, None, f"{type(exc).__name__}: {exc}"))
+        latch = self.node.stop_latch
+        for r, at, error in done:
+            if error:
+                latch.report(r.cfg.id, due[r.cfg.id], None, error)
+            elif at is not None:
+                latch.report(r.cfg.id, due[r.cfg.id], at)
+            # None: the link is down; its next connection's first command is the stop (`_stop_reached`)
+        owed = [r.cfg.id for r, at, error in done if at is None and not error]
+        stop = latch.state
+        log.warning("bus stop: robots stopped in one pass",
+                    extra={"robots": [r.cfg.id for r, at, _ in done if at is not None], "owed": owed,
+                           "pass": self.stop_pass.passes, "source": stop.source if stop else "",
+                           "reason": stop.reason if stop else ""})
 
     async def serve(self) -> None:
         await serve(self.robots, self.pool)

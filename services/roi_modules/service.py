@@ -55,6 +55,7 @@ from services.roi_modules.models import (
     RoiSetVelocity,
     RoiStatusReport,
 )
+from services.roi_modules.stop_pass import StopPass
 from services.roi_modules.transport import (
     LinkStats,
     RequestLost,
@@ -65,9 +66,7 @@ from services.roi_modules.transport import (
 )
 from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
 from shared.link import LinkPolicy, LinkState
-from shared.messages import StopState
 from shared.node import NODE_DEVICE
-from shared.stop import LATER
 
 log = logging.getLogger("robobus.roi")
 
@@ -540,26 +539,16 @@ class RoiModule:
         """What the module's replies to the stop's packets say was not applied (nothing: an empty list)."""
         return []
 
-    async def on_bus_stop(self, stop: StopState) -> Any:
-        """The device's stop action (Device.on_stop), on the service's loop. The stop's packets are written to
-        the socket at once, ahead of whatever the module's queue holds (transport.send_now), and the time they
-        left is what the deadman reports, once the module has acknowledged them (its reply is the ack, reference
-        docs/reference/roi.md §5.4). A packet unanswered within one resend timeout: the whole stop is sent again, in
-        order,
-        with the resend ladder. Not acknowledged, refused by the module, or nothing that can be sent: the
-        node's stop answer and the health say so."""
+    async def confirm_stop(self, gen: int, pkts: list[p.GeneralPacket], t: float,
+                           futs: list[asyncio.Future[p.GeneralPacket]]) -> None:
+        """After the service's stop pass wrote this module's stop datagrams (RoiService.stop_pass, at `t`, ahead
+        of whatever the module's queue holds: transport.send_now_many): the time they left is what the node's
+        stop answer reports, once the module has acknowledged them (its reply is the ack, reference
+        docs/reference/roi.md §5.4). A packet unanswered within one resend timeout: the whole stop is sent again,
+        in order, with the resend ladder. Not acknowledged or refused by the module: the node's stop answer and
+        the health say so."""
         tr = self.svc.transport
-        await tr.opened.wait()  # a node that starts under the stop: its sockets first
         latch = self.node.stop_latch
-        if self.kind_mismatch:
-            latch.report(self.dev.name, None, None, f"nothing sent: {self.mismatch_message()}")
-            return LATER
-        try:
-            pkts = self.stop_packets()
-            t, futs = tr.send_now(self.cfg.octet, pkts)
-        except (CommandError, RequestLost) as exc:
-            latch.report(self.dev.name, None, None, exc.message if isinstance(exc, CommandError) else str(exc))
-            return LATER
         await asyncio.wait(futs, timeout=self.svc.settings.roi_timeout_s)
         tr.forget(self.cfg.octet, pkts, futs)
         replies = [f.result() for f in futs if f.done() and not f.cancelled()]
@@ -576,9 +565,9 @@ class RoiModule:
         if not problems:
             problems = self.stop_problems(pkts, replies)
         if problems:
-            self.dev.stop_written(at=t, error="the stop was sent, but " + "; ".join(problems))
-            return LATER
-        return t
+            latch.report(self.dev.name, gen, None, "the stop was sent, but " + "; ".join(problems))
+        else:
+            latch.report(self.dev.name, gen, t)
 
     def raw_stop_gate(self, pkt: p.GeneralPacket) -> int | None:
         """A raw packet that drives a stop output (GPIO): through the bus stop's gate (see `stop_pin_gate`)."""
@@ -713,7 +702,7 @@ class GpioModule(RoiModule):
         self.bind_typed(SET_PIN_OUTPUT, self.cmd_set_pin_output)
         self.bind_typed(SET_PIN_MODE, self.cmd_set_pin_mode)
         if cfg.stop_outputs:  # a motion device: the bus stop sets these pins (other pins are left as they are)
-            self.dev.on_stop(self.on_bus_stop)
+            self.dev.on_stop(svc.stop_pass.action(self.dev.name), inline=True)  # RoiService.stop_pass
 
     def stop_packets(self) -> list[p.GeneralPacket]:
         """SET_OUTPUT of each stop output first (the pins are outputs: pin_modes), then, for a module that lost
@@ -828,7 +817,7 @@ class MotionModule(RoiModule, ABC):
         self.bind_typed(SET_VELOCITY, self.cmd_set_velocity)
         self.dev.bind_job(GO_TO_POSITION, self.job_absolute, self.admit_job)
         self.dev.bind_job(GO_TO_RELATIVE, self.job_relative, self.admit_job)
-        self.dev.on_stop(self.on_bus_stop)
+        self.dev.on_stop(svc.stop_pass.action(self.dev.name), inline=True)  # RoiService.stop_pass
 
     @property
     @abstractmethod
@@ -1255,12 +1244,58 @@ class RoiService:
             on_garbage=self._on_garbage, on_decode_error=self._on_decode_error)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
+        self.stop_pass = StopPass(node, self._stop_pass)
+        self.by_name: dict[str, RoiModule] = {}
+        self._confirming: set[asyncio.Task[None]] = set()
 
     def build_modules(self) -> None:
         for cfg in self.settings.roi_modules:
             mod = MODULE_CLASSES[cfg.type](self, cfg)
             self.modules.append(mod)
             self.by_octet.setdefault(cfg.octet, []).append(mod)
+            self.by_name[mod.dev.name] = mod
+
+    # -- the bus stop (docs/kit.md, "Stopping everything"; the README's "Stopping everything") ------------------
+    def _stop_pass(self, due: dict[str, int]) -> None:
+        """The bus stop of the modules `due` (name -> the stop's activation count), on the loop: every module's
+        stop datagrams written at once (transport.send_now_many), then each module's acknowledgements awaited on
+        their own (`confirm_stop`). A node that starts under the stop: once its sockets are bound."""
+        if not self.transport.opened.is_set():
+            self._confirm(self._stop_when_open(due))
+            return
+        latch = self.node.stop_latch
+        batch: list[tuple[RoiModule, int, list[p.GeneralPacket]]] = []
+        for name, gen in due.items():
+            m = self.by_name.get(name)
+            if m is None:
+                continue
+            if m.kind_mismatch:
+                latch.report(name, gen, None, f"nothing sent: {m.mismatch_message()}")
+                continue
+            try:
+                batch.append((m, gen, m.stop_packets()))
+            except CommandError as exc:
+                latch.report(name, gen, None, exc.message)
+            except Exception as exc:  # one module's failure must not keep the stop from the others
+                log.exception("bus stop: the module's stop failed", extra={"device": name})
+                latch.report(name, gen, None, f"{type(exc).__name__}: {exc}")
+        try:
+            sent = self.transport.send_now_many([(m.cfg.octet, pkts) for m, _, pkts in batch])
+        except RequestLost as exc:
+            for m, gen, _ in batch:
+                latch.report(m.dev.name, gen, None, str(exc))
+            return
+        for (m, gen, pkts), (t, futs) in zip(batch, sent, strict=True):
+            self._confirm(m.confirm_stop(gen, pkts, t, futs))
+
+    async def _stop_when_open(self, due: dict[str, int]) -> None:
+        await self.transport.opened.wait()
+        self._stop_pass(due)
+
+    def _confirm(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._confirming.add(task)  # held: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._confirming.discard)
 
     def _live(self, octet: int) -> bool:
         return any(m.live for m in self.by_octet.get(octet, ()))

@@ -21,8 +21,9 @@ per-module queue a command goes before the maintain loop's background traffic (`
 a background request whose reply is overdue hands the module to a waiting command before it resends, so a
 command never waits out a 50 ms resend timer of maintain traffic (see `_Slot`).
 
-The bus stop does not queue at all (`send_now`): its datagrams are written to the socket at once, whatever the
-module's request in flight, and their replies are taken as they come.
+The bus stop does not queue at all (`send_now_many`): every module's datagrams are written to the socket at once,
+each module's first before any module's second, whatever the module's request in flight, and their replies are
+taken as they come.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class RoiTransport:
         self.on_decode_error = on_decode_error
         self._pending: dict[Key, _Pending] = {}
         self._slots: dict[tuple[int, int], _Slot] = {}
-        self._echo: dict[Key, deque[asyncio.Future[p.GeneralPacket]]] = {}  # send_now's replies awaited
+        self._echo: dict[Key, deque[asyncio.Future[p.GeneralPacket]]] = {}  # send_now_many's replies awaited
         self._transports: dict[int, asyncio.DatagramTransport] = {}
         self.opened = asyncio.Event()  # both sockets bound (set by open(), on the loop)
         self._prefix_dot = cfg.prefix + "."
@@ -269,29 +270,41 @@ class RoiTransport:
         key = (octet, self.cfg.sysadmin_port, -1, p.sysadmin_reply_action(pkt.action))
         return await self._request(key, pkt.encode(), 0, False, wait_s)  # type: ignore[no-any-return]
 
-    def send_now(self, octet: int, pkts: list[p.GeneralPacket]) -> tuple[float, list[asyncio.Future[p.GeneralPacket]]]:
-        """The bus stop's write (on the loop): every packet sent at once, in order, ahead of the module's queue
-        (a request in flight keeps its slot; this does not wait for it). Returns the Unix time the last one left
-        the socket and one future per packet for its reply. A reply goes to a request waiting with the same key
-        first (nothing tells the two apart), else to these, in order: a future that stays unanswered is the
-        caller's to resend (`general`) and to `forget`. RequestLost when the transport is closed."""
+    def send_now_many(self, batch: list[tuple[int, list[p.GeneralPacket]]]
+                      ) -> list[tuple[float, list[asyncio.Future[p.GeneralPacket]]]]:
+        """The bus stop's write (on the loop), for every module of `batch` (octet, its packets in order) at once:
+        each module's first packet, then each module's second, and so on (a module's first datagram stops it, or
+        most of it: an ODrive in velocity mode; none waits behind another module's whole sequence), every packet
+        ahead of its module's queue (a request in flight keeps its slot; this does not wait for it). Returns per
+        entry the Unix time its last packet left the socket and one future per packet for its reply. A reply
+        goes to a request waiting with the same key first (nothing tells the two apart), else to these, in
+        order: a future that stays unanswered is the caller's to resend (`general`) and to `forget`.
+        RequestLost when the transport is closed."""
         tr = self._transports.get(self.cfg.general_port)
         if tr is None:
             raise RequestLost("the transport is closed")
-        link = self.links[octet]
         loop = asyncio.get_running_loop()
-        dest = (self.address(octet), self.cfg.general_port)
-        futs: list[asyncio.Future[p.GeneralPacket]] = []
-        for pkt in pkts:
-            fut: asyncio.Future[p.GeneralPacket] = loop.create_future()
-            self._echo.setdefault((octet, self.cfg.general_port, pkt.sub_device_id, pkt.action), deque()).append(fut)
-            futs.append(fut)
-            tr.sendto(pkt.encode(), dest)
-            link.sent += 1
-        return time.time(), futs
+        port = self.cfg.general_port
+        out: list[tuple[float, list[asyncio.Future[p.GeneralPacket]]]] = [(0.0, []) for _ in batch]
+        dests = [(self.address(octet), port) for octet, _ in batch]
+        for i in range(max((len(pkts) for _, pkts in batch), default=0)):
+            for n, (octet, pkts) in enumerate(batch):
+                if i >= len(pkts):
+                    continue
+                pkt = pkts[i]
+                fut: asyncio.Future[p.GeneralPacket] = loop.create_future()
+                self._echo.setdefault((octet, port, pkt.sub_device_id, pkt.action), deque()).append(fut)
+                tr.sendto(pkt.encode(), dests[n])
+                self.links[octet].sent += 1
+                out[n][1].append(fut)
+                if i == len(pkts) - 1:
+                    out[n] = (time.time(), out[n][1])
+        now = time.time()
+        return [(t or now, futs) for t, futs in out]
 
     def forget(self, octet: int, pkts: list[p.GeneralPacket], futs: list[asyncio.Future[p.GeneralPacket]]) -> None:
-        """Stop waiting for send_now's replies that did not come (`futs` as it returned them)."""
+        """Stop waiting for send_now_many's replies that did not come (`futs` as it returned them for the module
+        at `octet`)."""
         for pkt, fut in zip(pkts, futs, strict=True):
             if fut.done():
                 continue
@@ -414,7 +427,7 @@ class RoiTransport:
         pend = self._pending.get(key)
         waiter: asyncio.Future[Any] | None = pend.fut if pend is not None and not pend.fut.done() else None
         if waiter is None and port == self.cfg.general_port and self._echo:
-            waiter = self._take_echo(key)  # a reply to the bus stop's write (send_now)
+            waiter = self._take_echo(key)  # a reply to the bus stop's write (send_now_many)
         if waiter is None:
             link.unmatched += 1
             self.totals.unmatched += 1

@@ -1,0 +1,104 @@
+"""The bus stop for every motion module of the service in one pass on its loop (docs/kit.md "Stopping everything").
+
+The kit calls a motion device's stop action once per device when the stop becomes active, and again for one
+device after a motion command that ran across the stop. Given a coroutine action, it schedules one coroutine per
+device on the loop: each its own hand-off from the MQTT network thread, its own task, started one loop iteration
+later, with the loop's other work (fifty maintain loops, their replies and publishes) in between, so the last
+module's stop left 20-45 ms after the first (bench/stop.py). Here the action is inline (it only enqueues, on the
+network thread): the first call of an activation puts every motion module in one pass, scheduled with one
+hand-off; the pass runs as one loop callback that writes every module's stop datagrams at once
+(transport.send_now_many: each module's first datagram before any module's second), each module stamped as its
+datagrams left; the acknowledgements are awaited afterwards, per module, and the reports follow them.
+
+No module is written twice by one activation: the kit's own call for a module the activation's pass already
+covers does nothing. Any other call (a motion command that ran across the stop: the kit's `done`; a module made
+during the stop) puts that module in the next pass, so the stop is written again after whatever the command sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from shared import Node
+from shared.messages import StopState
+from shared.stop import LATER
+
+log = logging.getLogger("robobus.roi.stop")
+
+# Run on the loop with the devices due (name -> the stop activation count they are due for); it writes and
+# reports each one (StopLatch.report with that count).
+PassRunner = Callable[[dict[str, int]], None]
+
+
+class StopPass:
+    """Gathers the stop actions of one activation into one pass on the loop."""
+
+    def __init__(self, node: Node, run: PassRunner) -> None:
+        self.node = node
+        self._run_pass = run
+        self._lock = threading.Lock()
+        self._members: list[str] = []  # the devices whose stop action is this pass's, in their order
+        self._gen: int | None = None  # the activation whose calls are covered by its pass
+        self._covered: set[str] = set()  # the devices of that activation whose own call has not come yet
+        self._due: dict[str, int] = {}
+        self._scheduled = False
+        self.passes = 0  # passes run (logs and tests)
+
+    def action(self, name: str) -> Callable[[StopState], Any]:
+        """The inline stop action of device `name` (`Device.on_stop(..., inline=True)`)."""
+        with self._lock:
+            if name not in self._members:
+                self._members.append(name)
+
+        def stop_action(stop: StopState) -> Any:
+            self.request(name)
+            return LATER  # the pass reports the write (StopLatch.report)
+
+        return stop_action
+
+    def request(self, name: str) -> None:
+        """On the kit's thread: `name` must be stopped (again). Never blocks."""
+        gen = self.node.stop_latch.generation
+        loop = self.node.loop
+        if loop is None or not loop.is_running():
+            raise RuntimeError("the service's event loop is not running")
+        with self._lock:
+            if gen != self._gen:  # a new activation: every device in one pass
+                self._gen = gen
+                self._covered = set(self._members)
+                self._covered.discard(name)
+                for n in self._members:
+                    self._due[n] = gen
+                self._due[name] = gen
+            elif name in self._covered:
+                self._covered.discard(name)  # the activation's own call: its pass has it (done or to come)
+                return
+            else:
+                self._due[name] = gen  # a stop again (a command ran across it), or a device made meanwhile
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop closed meanwhile
+            with self._lock:
+                self._scheduled = False
+            raise
+
+    def _run(self) -> None:
+        with self._lock:
+            due, self._due = self._due, {}
+            self._scheduled = False
+        if not due:
+            return
+        self.passes += 1
+        try:
+            self._run_pass(due)
+        except Exception:
+            log.exception("bus stop pass failed", extra={"devices": sorted(due)})
+            latch = self.node.stop_latch
+            for name, gen in due.items():
+                latch.report(name, gen, None, "the stop pass failed (see the service's log)")
