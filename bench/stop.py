@@ -738,7 +738,15 @@ def main() -> None:
     result["watch_check_ok"] = bench.watch_check_ok
     result["met"] = bool(all(f["met"] for f in services.values()) and executed == 0 and probes > 0
                          and not bench.move_failures and bench.watch_check_ok)
-    print(json.dumps(result))
+    from results import Figure, report, variant_name  # the results of every bench (bench/results.py)
+
+    report("stop", result, [
+        *(Figure(f"the bus stop's publish to the last device, {s}, p99", services[s]["p99_ms"], "ms", "<=", target)
+          for s in SERVICES),
+        Figure("motion commands executed while stopped", executed, "", "<=", 0),
+    ], variant=variant_name("quick" if a.quick else "", "hog" if a.hog else "",
+                            f"robots{a.robots}" if a.robots != 20 else "", f"arms{a.arms}" if a.arms != 3 else "",
+                            "model-hand" if not virtual_hand else ""))
 
 
 if __name__ == "__main__":
