@@ -186,7 +186,24 @@ def main() -> None:
         if not a.rtt_only:
             cycle_inside_vs_outside(a, out, tmp)
     out["load_after"] = os.getloadavg()[0]
-    print(json.dumps(out))
+    from results import Figure, report, variant_name  # the results of every bench (bench/results.py)
+
+    figures: list[Figure] = []
+    if "rtt_ratio_container_over_host" in out:
+        figures.append(Figure("command round trip p50, containerised ÷ host broker",
+                              out["rtt_ratio_container_over_host"], "×", "<=", RTT_RATIO_TARGET))
+    if "cycle" in out:
+        figures += [Figure("EtherCAT wake-up p99, container ÷ outside", out["wake_p99_ratio_container_over_outside"],
+                           "×", "<=", WAKE_RATIO_TARGET),
+                    Figure("lost frames/min, container - outside: the 95 % interval's low end",
+                           out["cycle"]["lost_per_min_diff_ci95"][0], "/min", "<=", 0)]
+    if "uplink" in out:
+        d = out["uplink"]["default"]
+        figures += [Figure("a site's default uplink", d["mbit_s"], "Mbit/s", "<=", UPLINK_TARGET_MBIT_S),
+                    Figure("health at the centre within", d["health_late_max_s"], "s", "<=", HEALTH_WITHIN_S)]
+    report("deploy", out, figures, variant=variant_name(
+        "quick" if a.quick else "", "uplink" if a.uplink else "", "cycle-only" if a.cycle_only else "",
+        "rtt-only" if a.rtt_only else ""))
 
 
 def up_and_round_trips(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
