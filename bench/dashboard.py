@@ -20,7 +20,7 @@ Targets: >= 30 fps and <= 25 % of one core in the browser. Last line: one JSON o
     python bench/dashboard.py --quick --direct   # the page on the broker's websockets listener, not the relay
 
 The page connects as `robobus dashboard` serves it by default: through the dashboard server's relay (/mqtt,
-one websocket frame per 50 ms at most, shared/dashboard/relay.py); `--direct` puts it on mosquitto's
+one websocket frame per 50 ms at most, shared/tools/dashboard/relay.py); `--direct` puts it on mosquitto's
 websockets listener (one frame per MQTT packet), the path of the figures before the relay. The relay's own
 CPU (the `robobus dashboard` process) is reported beside the browser's, not in it: it runs on the server.
 

@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from loss_stats import BLOCK_S, BURST_MIN, compare  # noqa: E402
 
-from shared.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
+from shared.tools.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 from tests.deploy.stack import DOCKER, Stack, expected_nodes, run  # noqa: E402  (the tests' compose helper)
 
 DEPLOY = REPO / "deploy"

@@ -51,8 +51,8 @@ from rpc import BareClient, bare_round_trips, serve_bare_loop  # noqa: E402  (be
 
 from services.dexter_gateway import protocol as p  # noqa: E402
 from services.dexter_gateway.transport import DexterLink, DexterLinkConfig  # noqa: E402
-from shared.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 from shared.rpc import RpcClient, wait_for  # noqa: E402
+from shared.tools.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 
 TARGET_P99_MS = 3.0
 TARGET_RATIO = 1.5

@@ -53,7 +53,8 @@ def install_tracer(out: str) -> None:
     from services.dexter_gateway import protocol
     from services.dexter_gateway import service as svc
     from services.dexter_gateway import transport as tr
-    from shared import dispatch, mqtt
+    from shared import dispatch
+    from shared.mqtt import session as mqtt
 
     ns = time.monotonic_ns
     rec: dict[bytes, dict[str, int]] = {}
@@ -158,9 +159,9 @@ def main() -> None:
     import dexter as bd
     from rpc import bare_round_trips
 
-    from shared.localbroker import Broker, free_port
-    from shared.mqtt import reply_properties
+    from shared.mqtt.session import reply_properties
     from shared.rpc import _Waiter, wait_for
+    from shared.tools.localbroker import Broker, free_port
 
     ns = time.monotonic_ns
     rounds, per = 4, max(a.calls // 4, 1)

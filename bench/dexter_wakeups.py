@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import dexter as bd  # noqa: E402  (bench/dexter.py: the same simulators, clients and gateway)
 
-from shared.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 from shared.rpc import wait_for  # noqa: E402
+from shared.tools.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 
 EVENT = re.compile(r"\s*\S+\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+(\S+):\s+(.*)")
 

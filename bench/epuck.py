@@ -39,10 +39,10 @@ from results import Figure, report, variant_name
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shared.localbroker import Broker, free_port  # noqa: E402
-from shared.mqtt import MqttSession, unique_client_id  # noqa: E402
+from shared.mqtt.session import MqttSession, unique_client_id  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
+from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 TARGET_CPU_PCT = 30.0
 TARGET_P99_MS = 10.0

@@ -64,10 +64,10 @@ from services.ethercat_loop.sim.esc_frames import Cmd, FrameError, parse_datagra
 from services.ethercat_loop.sim.netns import VethNetns  # noqa: E402
 from services.ethercat_loop.sim.virtual_hand import realtime_minus_monotonic  # noqa: E402
 from services.ethercat_loop.transport.netns import enter_netns  # noqa: E402
-from shared.localbroker import Broker, NodeProcess, can_netns, free_port, mosquitto_bin  # noqa: E402
-from shared.mqtt import reply_properties  # noqa: E402
+from shared.mqtt.session import reply_properties  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
+from shared.tools.localbroker import Broker, NodeProcess, can_netns, free_port, mosquitto_bin  # noqa: E402
 
 NODE = "bench-ecat"
 CYCLE_PHASE_NS = 1_000_000  # spread of the demand client's send times (the cycle period)

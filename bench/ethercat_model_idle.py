@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 
 from results import Figure, report, variant_name  # noqa: E402
 
-from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
+from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 TARGET_CORE_FRACTION = 0.10
 NODE = "ethercat-loop"

@@ -42,8 +42,8 @@ from services.can_bootloader.settings import BRIDGE_WINDOW  # noqa: E402
 from services.can_bootloader.sim import BootBoardSet, BootBusSim, make_boards, make_intel_hex  # noqa: E402
 from services.can_bootloader.transport import CanBusConfig, CanPort  # noqa: E402
 from shared import Node  # noqa: E402
-from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
+from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 HEX = make_intel_hex()
 IMAGE = load_intel_hex(HEX)

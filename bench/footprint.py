@@ -35,8 +35,8 @@ import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from results import Figure, report, variant_name  # noqa: E402
 
-from shared.localbroker import free_port  # noqa: E402
 from shared.registry import service_plugins  # noqa: E402
+from shared.tools.localbroker import free_port  # noqa: E402
 
 TARGET_TOTAL_MB = 400.0
 TARGET_TOTAL_CORE = 0.20

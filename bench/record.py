@@ -39,8 +39,7 @@ sys.path.insert(0, str(REPO))
 from mcap.reader import make_reader  # noqa: E402
 from results import Figure, report, variant_name  # noqa: E402
 
-from shared.localbroker import Broker, free_port  # noqa: E402
-from shared.mqtt_wire import (  # noqa: E402
+from shared.mqtt.wire import (  # noqa: E402
     ConnAck,
     PacketReader,
     PubAck,
@@ -50,6 +49,7 @@ from shared.mqtt_wire import (  # noqa: E402
     encode_publish,
     encode_subscribe,
 )
+from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 TOPICS = 20
 PAYLOAD = 1000

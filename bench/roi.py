@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO))
 from results import Figure, report, variant_name  # noqa: E402
 
 from services.roi_modules import protocol as p  # noqa: E402
-from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
+from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 TARGET_CPU_PCT = 25.0
 TARGET_P99_MS = 5.0

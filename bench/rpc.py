@@ -36,9 +36,9 @@ from pydantic import BaseModel, create_model  # noqa: E402
 from results import Figure, report, variant_name  # noqa: E402
 
 from shared import Node, ServiceAPI  # noqa: E402
-from shared.localbroker import Broker, free_port  # noqa: E402
-from shared.mqtt import _nodelay, reply_properties  # noqa: E402
+from shared.mqtt.session import _nodelay, reply_properties  # noqa: E402
 from shared.rpc import RpcClient, wait_for  # noqa: E402
+from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 # A 40-field state model: floats, ints, bools and strings, like a motor or sensor record.
 _FIELDS: dict[str, tuple[type, object]] = {}

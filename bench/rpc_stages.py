@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO))
 import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
-from shared.localbroker import Broker, free_port  # noqa: E402
-from shared.mqtt import _nodelay, reply_properties  # noqa: E402
+from shared.mqtt.session import _nodelay, reply_properties  # noqa: E402
+from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 ns = time.perf_counter_ns
 Stamps = dict[bytes, dict[str, int]]
@@ -120,7 +120,7 @@ def _bench_rpc() -> Any:
 def serve_kit(url: str) -> None:
     import shared.dispatch as dispatch
     from shared import Node
-    from shared.mqtt import MqttSession
+    from shared.mqtt.session import MqttSession
     from shared.settings import KitSettings
 
     D = dispatch.CommandDispatcher
@@ -249,7 +249,7 @@ def kit_client(url: str, n: int, command: str) -> Stamps:
         S.at(corr, "c_released")
 
     RpcClient._on_reply = on_reply_  # type: ignore[method-assign]
-    from shared.mqtt import MqttSession
+    from shared.mqtt.session import MqttSession
 
     write_now = MqttSession.write_now
 

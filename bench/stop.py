@@ -66,11 +66,11 @@ sys.path.insert(0, str(REPO))
 from services.ethercat_loop import rig as ethercat_rig  # noqa: E402
 from services.ethercat_loop.sim.virtual_hand import HandControl  # noqa: E402
 from services.roi_modules import protocol as roi_p  # noqa: E402
-from shared.localbroker import Broker, free_port  # noqa: E402
 from shared.messages import StopAnswer, StopState  # noqa: E402
 from shared.rpc import Reply, RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
 from shared.stop import stop_topic  # noqa: E402
+from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 TARGET_P99_QUIET_MS = 20.0
 TARGET_P99_HOG_MS = 50.0

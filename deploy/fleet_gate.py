@@ -15,7 +15,7 @@ A command sent in the seconds between the cut and fleet-watch's verdict (deploy/
 make_secrets.watch_bound_s(), 6 s) gets no answer at all; the caller's own timeout applies.
 
     ROBOBUS_FLEET_SITES='site-a=site-a/robobus ...' ROBOBUS_MQTT_URL=... python3 deploy/fleet_gate.py
-Settings: those of `robobus fleet-watch` (shared/fleet_watch.py FleetWatchSettings), the broker's credentials
+Settings: those of `robobus fleet-watch` (shared/tools/fleet_watch.py FleetWatchSettings), the broker's credentials
 in ROBOBUS_MQTT_USERNAME / _PASSWORD; ROBOBUS_FLEET_WATCH_READY_FILE exists while subscribed (healthcheck).
 """
 
@@ -34,8 +34,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from shared.fleet_watch import REACHABLE, FleetWatchSettings
 from shared.settings import bound_client_id, load_settings
+from shared.tools.fleet_watch import REACHABLE, FleetWatchSettings
 
 log = logging.getLogger("robobus.fleet_gate")
 CMD = "+/+/cmd/+"

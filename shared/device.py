@@ -32,7 +32,7 @@ from shared.errors import CommandError, ErrorCode
 from shared.jobs import JobCancelled, JobContext
 from shared.link import LinkPolicy, SupervisedLink
 from shared.messages import CancelReply, CancelRequest, ErrorInfo, Health, JobAccepted, JobResult
-from shared.mqtt import MqttSession
+from shared.mqtt.session import MqttSession
 from shared.payloads import describe_validation_error, dump, error_info
 from shared.ratecap import FlushSchedule, RateSlot
 from shared.settings import KitSettings

@@ -23,7 +23,7 @@ from shared.counters import Counters
 from shared.device import Device
 from shared.errors import CommandError, ErrorCode
 from shared.messages import JobAccepted
-from shared.mqtt import MqttSession, PublishProperties
+from shared.mqtt.session import MqttSession, PublishProperties
 from shared.payloads import Serialized, describe_validation_error, dump, error_info
 from shared.stop import StopLatch
 from shared.workers import CommandPool
@@ -104,7 +104,7 @@ class CommandDispatcher:
 
     def handle(self, topic: str, device_name: str, command: str, payload: bytes | bytearray, response_topic: str | None,
                correlation: bytes | None, qos: int = 1) -> None:
-        """Validate, run, answer; the reply is packed once and written by this thread (shared/mqtt.py)."""
+        """Validate, run, answer; the reply is packed once and written by this thread (shared/mqtt/session.py)."""
         try:
             body = OK_PREFIX + self.dispatch(device_name, command, payload) + b"}"
             self.counters.ok()

@@ -32,7 +32,7 @@ from shared.dispatch import CommandDispatcher
 from shared.errors import CommandError, ErrorCode
 from shared.jobs import JobCancelled, JobContext
 from shared.messages import NodeStats, Status
-from shared.mqtt import MqttSession, Will, unique_client_id
+from shared.mqtt.session import MqttSession, Will, unique_client_id
 from shared.payloads import content_props, describe_validation_error, dump
 from shared.ratecap import FlushSchedule, RateSlot
 from shared.settings import KitSettings, hostname

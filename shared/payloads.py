@@ -9,7 +9,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared.errors import CommandError, ErrorCode
 from shared.messages import ErrorInfo
-from shared.mqtt import reply_properties
+from shared.mqtt.session import reply_properties
 
 log = logging.getLogger("robobus.node")
 

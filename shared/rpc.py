@@ -16,7 +16,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from shared.mqtt import MqttSession, reply_properties, unique_client_id
+from shared.mqtt.session import MqttSession, reply_properties, unique_client_id
 from shared.settings import KitSettings
 
 

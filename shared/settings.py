@@ -10,9 +10,8 @@ import socket
 import sys
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -24,20 +23,11 @@ from pydantic_settings import (
 )
 
 from shared.contract import NAME_RE
+from shared.mqtt.address import BrokerAddress as BrokerAddress
+from shared.mqtt.address import bound_client_id as bound_client_id
+from shared.mqtt.address import parse_broker_url as parse_broker_url
 
 CONFIG_ENV = "ROBOBUS_CONFIG"
-
-
-class BrokerAddress(BaseModel):
-    scheme: str
-    host: str
-    port: int
-    username: str | None
-    password: str | None
-
-    @property
-    def tls(self) -> bool:
-        return self.scheme in ("mqtts", "ssl")
 
 
 class KitSettings(BaseSettings):
@@ -148,26 +138,6 @@ class ConfigFileError(ValueError):
     pass
 
 
-def parse_broker_url(url: str) -> BrokerAddress:
-    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
-    if parts.scheme not in ("mqtt", "tcp", "mqtts", "ssl"):
-        raise ValueError(f"unsupported broker scheme {parts.scheme!r} (use mqtt:// or mqtts://)")
-    if not parts.hostname:
-        raise ValueError("broker URL has no host")
-    try:
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"broker URL port: {exc}") from None
-    tls = parts.scheme in ("mqtts", "ssl")
-    return BrokerAddress(
-        scheme=parts.scheme,
-        host=parts.hostname,
-        port=port or (8883 if tls else 1883),
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-    )
-
-
 S = TypeVar("S", bound=KitSettings)
 
 
@@ -199,11 +169,3 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
 
 def hostname() -> str:
     return socket.gethostname()
-
-
-def bound_client_id(username: str | None, client_id: str) -> str:
-    """The client id a broker that binds ids to users accepts (deploy/mosquitto/robobus_auth.c): the user's
-    name, or `<user>-...`. An id that is not already so gets the user's name in front; without a user, as is."""
-    if not username or client_id == username or client_id.startswith(f"{username}-"):
-        return client_id
-    return f"{username}-{client_id}"

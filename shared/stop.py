@@ -47,7 +47,7 @@ from pydantic import ValidationError
 from shared.counters import Counters
 from shared.errors import CommandError, ErrorCode
 from shared.messages import StopAnswer, StopDeviceAnswer, StopState
-from shared.mqtt import MqttSession, reply_properties
+from shared.mqtt.session import MqttSession, reply_properties
 from shared.payloads import describe_validation_error
 
 log = logging.getLogger("robobus.stop")

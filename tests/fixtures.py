@@ -1,6 +1,6 @@
 """The pytest plugin every robobus test shares (loaded by tests/conftest.py): a real mosquitto on a free
 loopback port (`broker_session` for the session, `broker` a test's own to kill or restart), a connected
-`client`, and `spawn` for nodes in subprocesses. The helpers behind them live in shared/localbroker.py and
+`client`, and `spawn` for nodes in subprocesses. The helpers behind them live in shared/tools/localbroker.py and
 are re-exported here for the tests."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from shared.localbroker import (
+from shared.rpc import RpcClient
+from shared.tools.localbroker import (
     REPO,
     Broker,
     NodeProcess,
@@ -24,7 +25,6 @@ from shared.localbroker import (
     is_root,
     mosquitto_bin,
 )
-from shared.rpc import RpcClient
 
 __all__ = ["REPO", "Broker", "NodeProcess", "broker", "broker_session", "can_netns", "client", "free_port",
            "is_root", "mosquitto_bin", "spawn"]

@@ -21,6 +21,6 @@ RUN mkdir -p /recordings && chown 65534:65534 /recordings
 USER nobody
 # SIGTERM closes the current file cleanly (summary, indexes); a SIGKILL leaves one `robobus recover` repairs.
 STOPSIGNAL SIGTERM
-CMD ["python", "-m", "shared.record_cli", "record", "--wait-broker", "0"]
+CMD ["python", "-m", "shared.tools.record_cli", "record", "--wait-broker", "0"]
 # every robobus image: `make up` prunes the dangling ones (an old build a new one replaced) by this label
 LABEL io.robobus.image="1"

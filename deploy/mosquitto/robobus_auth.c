@@ -1,7 +1,7 @@
 /* robobus broker plugin (mosquitto 2.0 plugin API v5): binds client ids to users and replies to requests.
  *
  * 1. Client ids belong to users. A client of user U must connect with the client id U or U-<anything>
- *    (the kit's clients: "<user>-<what>-<random>", shared/mqtt.py bound_client_id). Any other id is refused
+ *    (the kit's clients: "<user>-<what>-<random>", shared/mqtt/session.py bound_client_id). Any other id is refused
  *    at CONNECT (CONNACK 135 not authorized), so no user can take over, or kick off, another user's session,
  *    and `pattern ... {root}/_client/%c/reply` in the ACL file is a reply topic of that user only.
  *    make_secrets.py refuses user names where one is another's prefix followed by '-'.

@@ -1,4 +1,4 @@
-"""CLI contributed by can-bootloader (loaded by `robobus`, see shared/cli.py `_load_plugins`).
+"""CLI contributed by can-bootloader (loaded by `robobus`, see shared/tools/cli.py `_load_plugins`).
 
     robobus flash firmware.hex --board 8          flash one board, with a progress bar
     robobus flash firmware.hex --boards 0-19      flash several (the two buses in parallel)
@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from shared.cli import Broker, Root, _client, console, err_console, run_job_with_progress
+from shared.tools.cli import Broker, Root, _client, console, err_console, run_job_with_progress
 
 NodeOpt = Annotated[str, typer.Option("--node", help="can-bootloader node name")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="can-bootloader device name")]

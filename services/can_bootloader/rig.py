@@ -1,5 +1,5 @@
-"""can-bootloader on simulated motor boards, each in its own process (shared/simrig.py): what the conformance suite
-(tests/conformance/) runs every fault against.
+"""can-bootloader on simulated motor boards, each in its own process (shared/tools/simrig.py): what the conformance
+suite (tests/conformance/) runs every fault against.
 
 The bus is python-can's `udp_multicast` (the one python-can interface here that two processes share without a
 kernel module: `virtual` is one process only, no vcan module, socketcand needs SocketCAN on its server), on an
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from shared.simrig import Ports, RigCommand, SimRig
+from shared.tools.simrig import Ports, RigCommand, SimRig
 
 GROUP = "239.74.163.2"  # python-can's IPv4 default group; the port (per rig) keeps stacks apart
 # the link is the adapter: on udp_multicast the node's own socket, healthy with or without peers
@@ -42,7 +42,7 @@ def _needs() -> str | None:
     try:
         import can
 
-        from shared.localbroker import free_port
+        from shared.tools.localbroker import free_port
 
         bus = can.Bus(interface="udp_multicast", channel=GROUP, port=free_port())
         bus.shutdown()

@@ -1,4 +1,4 @@
-"""The dexter-gateway on its DexRun simulator, each in its own process (shared/simrig.py): what the conformance
+"""The dexter-gateway on its DexRun simulator, each in its own process (shared/tools/simrig.py): what the conformance
 suite (tests/conformance/) runs every fault against. The arm runs on the service's default budget and rhythm."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from services.dexter_gateway.models import DexterArmConfig
-from shared.simrig import Ports, RigCommand, SimRig
+from shared.tools.simrig import Ports, RigCommand, SimRig
 
 _DEFAULTS = DexterArmConfig(id="dexter1", host="127.0.0.1")
 
@@ -23,7 +23,7 @@ RIG = SimRig(
     node_env=_arms,
     # once unreachable the arm is probed once per probe period; the probe's connect and `g` answer in ms
     return_s=_DEFAULTS.probe_period_s + _DEFAULTS.reply_timeout_s,
-    garbage_sim=lambda ports: ["-m", "shared.simrig", "garbage-tcp", "--port", str(ports["dexrun"])],
+    garbage_sim=lambda ports: ["-m", "shared.tools.simrig", "garbage-tcp", "--port", str(ports["dexrun"])],
     read_command=RigCommand("dexter1", "heartbeat"),
     not_applicable={"wrong_kind": "DexRun has no identification (no version or kind in any reply): another "
                                   "device at its port is garbage to the gateway (the garbage fault)"},

@@ -29,7 +29,7 @@ from services.epuck_gateway.firmware import (
     check_elf,
     flash_firmware,
 )
-from shared.cli import Broker, Root, _client, console, err_console, run_job_with_progress
+from shared.tools.cli import Broker, Root, _client, console, err_console, run_job_with_progress
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_PROGRAMMER, EXIT_TIMEOUT = 1, 2, 3, 4
 

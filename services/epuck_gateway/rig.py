@@ -1,4 +1,4 @@
-"""The epuck-gateway on its WiFi simulator (one e-puck2 on TCP), each in its own process (shared/simrig.py): what
+"""The epuck-gateway on its WiFi simulator (one e-puck2 on TCP), each in its own process (shared/tools/simrig.py): what
 the conformance suite (tests/conformance/) runs every fault against."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 from services.epuck_gateway.sim import EpuckSimConfig
 from services.epuck_gateway.transport import EpuckLinkConfig, budget_s
-from shared.simrig import Ports, RigCommand, SimRig
+from shared.tools.simrig import Ports, RigCommand, SimRig
 
 
 def _robots(ports: Ports) -> dict[str, str]:
@@ -27,7 +27,7 @@ RIG = SimRig(
     sim=lambda ports: ["-m", "services.epuck_gateway.sim", "--count", "1", "--base-port", str(ports["epuck"])],
     node_env=_robots,
     return_s=8.0,
-    garbage_sim=lambda ports: ["-m", "shared.simrig", "garbage-tcp", "--port", str(ports["epuck"])],
+    garbage_sim=lambda ports: ["-m", "shared.tools.simrig", "garbage-tcp", "--port", str(ports["epuck"])],
     read_command=RigCommand("epuck1", "stream", {"image": True, "sensors": True}),
     not_applicable={"wrong_kind": "the e-puck2's WiFi protocol has no identification: a device of another kind is "
                                   "garbage to it (implausible packets: see garbage)"},

@@ -1,4 +1,4 @@
-"""ethercat-loop on the virtual hand, each in its own process (shared/simrig.py): what the conformance suite
+"""ethercat-loop on the virtual hand, each in its own process (shared/tools/simrig.py): what the conformance suite
 (tests/conformance/) runs every fault against.
 
 The device side is `sim/veth_hand.py`: the virtual hand (a software EtherCAT slave: the bridge, then the palm)
@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 from services.ethercat_loop.settings import EthercatSettings
-from shared.simrig import Argv, Ports, RigCommand, SimRig
+from shared.tools.simrig import Argv, Ports, RigCommand, SimRig
 
 _DEFAULTS = EthercatSettings()
 HAND = ["-m", "services.ethercat_loop.sim.veth_hand"]

@@ -1,10 +1,10 @@
-"""roi-modules on its simulator, each in its own process (shared/simrig.py): what the conformance suite
+"""roi-modules on its simulator, each in its own process (shared/tools/simrig.py): what the conformance suite
 (tests/conformance/) runs every fault against.
 
 Two modules, a GPIO module (octet 10) and an ODrive (octet 20), configured as `make run` does so that they come up
 operational, on a loopback /24 of the rig's own (127.198.<n>, n from the test process's id: the ROI ports are fixed,
 so the address is what keeps this rig apart from other tests and other runs). The garbage device is the generic
-peer (`python -m shared.simrig garbage-udp`) on both ROI ports of both addresses; the device of the wrong kind is
+peer (`python -m shared.tools.simrig garbage-udp`) on both ROI ports of both addresses; the device of the wrong kind is
 the ROI simulator with the two module types swapped (a GPIO module at the ODrive's octet and the other way round).
 
 `python -m services.roi_modules.rig garbage --prefix P --octets 10,20` runs those garbage peers in one process.
@@ -17,8 +17,8 @@ import os
 import threading
 
 from services.roi_modules import protocol as p
-from shared import simrig
-from shared.simrig import Ports, RigCommand, SimRig
+from shared.tools import simrig
+from shared.tools.simrig import Ports, RigCommand, SimRig
 
 PREFIX = f"127.198.{os.getpid() % 250 + 1}"
 OCTETS = (10, 20)

@@ -21,8 +21,8 @@ from services.can_bootloader.service import API, CanBootService, CanBootSettings
 from services.can_bootloader.sim import FLAG_RUN_APP, BootBoardSet, make_boards, make_intel_hex
 from services.can_bootloader.transport import CanBusConfig
 from shared import Node
-from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient, wait_for
+from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import Broker
 
 palm_loop = pytest.importorskip("services.ethercat_loop.service")
@@ -151,7 +151,7 @@ def test_full_path_flash(broker_session: Broker, palm: Palm, client: RpcClient) 
 def test_can_send_cli(broker_session: Broker, palm: Palm) -> None:
     """`robobus can send SID LEN HEXDATA` through ethercat-loop's send_can (the seed's SendCanMessage)."""
     env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "COLUMNS": "200"}
-    args = [sys.executable, "-m", "shared.cli", "can", "send", "0x664", "0", "--bus", "2", "--node", palm.name,
+    args = [sys.executable, "-m", "shared.tools.cli", "can", "send", "0x664", "0", "--bus", "2", "--node", palm.name,
             "--device", palm.device]
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr

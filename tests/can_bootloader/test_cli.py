@@ -22,7 +22,7 @@ SMALL_HEX = make_intel_hex(0x1000, 0x13FF)
 
 def robobus(broker: Broker, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ROBOBUS_MQTT_URL": broker.url, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "shared.tools.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=90)
 
 

@@ -47,7 +47,7 @@ def test_rig_node_and_boards_in_two_processes(broker_session: Broker, client: Rp
     separate processes on udp_multicast. Reads and a flash cross the processes; with the boards' process gone the
     adapter is still the healthy link (connection stays true, no error) and a read answers `timeout`."""
     from services.can_bootloader.rig import RIG
-    from shared.simrig import Ports
+    from shared.tools.simrig import Ports
 
     why = RIG.needs() if RIG.needs else None
     assert why is None, why  # python-can[multicast] is in the can extra

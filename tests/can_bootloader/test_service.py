@@ -15,8 +15,8 @@ from services.can_bootloader.image import load_intel_hex
 from services.can_bootloader.service import API
 from services.can_bootloader.settings import CanBootSettings
 from services.can_bootloader.sim import FLAG_RUN_APP, FLAG_STAY, make_intel_hex
-from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient, wait_for
+from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import Broker
 
 HEX = make_intel_hex()

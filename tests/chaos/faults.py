@@ -17,7 +17,7 @@ from typing import Any
 
 from shared.contract import CANCEL
 from shared.errors import ErrorCode
-from shared.mqtt import reply_properties
+from shared.mqtt.session import reply_properties
 from shared.registry import service_apis
 from tests.chaos.stack import SimStack
 

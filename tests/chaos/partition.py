@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from shared.localbroker import REPO, mosquitto_bin
+from shared.tools.localbroker import REPO, mosquitto_bin
 from tests.chaos.faults import BROKER_RETURN_S, EPUCK_MOTION_TIMEOUT_S, SLACK_S, FaultResult, _fmt
 
 KEEPALIVE_S = 5  # the partitioned node's MQTT keepalive: the broker gives up after 1.5 x this

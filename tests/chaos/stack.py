@@ -22,10 +22,10 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from shared.localbroker import REPO, Broker, free_port
 from shared.registry import service_names
 from shared.rpc import RpcClient
 from shared.settings import KitSettings
+from shared.tools.localbroker import REPO, Broker, free_port
 
 PROCFILE = REPO / "deploy" / "Procfile.sim"
 # the harness runs its own broker; the banner only prints; the dashboard is an HTTP server on a fixed port

@@ -22,7 +22,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from shared.localbroker import REPO, free_port
+from shared.tools.localbroker import REPO, free_port
 from tests.fixtures import mosquitto_bin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -23,11 +23,11 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from shared.localbroker import REPO, Broker, free_port
 from shared.registry import service_plugins
 from shared.rpc import RpcClient
 from shared.settings import KitSettings
-from shared.simrig import Ports, SimRig
+from shared.tools.localbroker import REPO, Broker, free_port
+from shared.tools.simrig import Ports, SimRig
 
 STABLE_CODES = {"unavailable", "timeout", "device_error", "busy", "stopped"}
 # process start-up (a Python interpreter and the kit) on a busy 2-core machine, on top of every deadline that

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.simrig import SimRig
+from shared.tools.simrig import SimRig
 from tests.conformance import faults
 from tests.conformance.harness import Stack, Verdict, rigs, table
 from tests.fixtures import mosquitto_bin

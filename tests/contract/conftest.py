@@ -19,8 +19,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from shared.localbroker import Broker, NodeProcess, free_port, mosquitto_bin
 from shared.rpc import wait_for
+from shared.tools.localbroker import Broker, NodeProcess, free_port, mosquitto_bin
 
 EPUCK_NODE = "epuck-gateway"
 CAN_NODE = "can-bootloader"

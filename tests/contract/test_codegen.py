@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from shared.asyncapi import build_document, render_yaml
 from shared.contract import ServiceAPI
+from shared.tools.asyncapi import build_document, render_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 MODELINA = REPO / "tests/contract/modelina"

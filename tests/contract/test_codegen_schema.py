@@ -1,4 +1,4 @@
-"""shared/codegen_schema.py on its own: names, and a nullable field accepts exactly what it did."""
+"""shared/tools/codegen_schema.py on its own: names, and a nullable field accepts exactly what it did."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.codegen_schema import name_inline_schemas, pascal
+from shared.tools.codegen_schema import name_inline_schemas, pascal
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False) | st.text(max_size=8),

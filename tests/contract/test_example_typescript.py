@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.asyncapi import build_document, render_yaml
+from shared.tools.asyncapi import build_document, render_yaml
 from tests.contract.conftest import CAN_NODE, EPUCK_NODE, ROBOT, Stack
 
 REPO = Path(__file__).resolve().parents[2]

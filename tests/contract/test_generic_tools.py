@@ -28,9 +28,9 @@ import pytest
 import yaml
 
 from shared import Node
-from shared.asyncapi import ASYNCAPI_VERSION, build_document, render_yaml
-from shared.localbroker import NodeProcess
 from shared.rpc import RpcClient, wait_for
+from shared.tools.asyncapi import ASYNCAPI_VERSION, build_document, render_yaml
+from shared.tools.localbroker import NodeProcess
 from tests.contract.conftest import CAN_NODE, EPUCK_NODE, ROBOT, Stack
 from tests.fixtures import Broker
 from tests.kit.echo_node import API as ECHO_API
@@ -167,7 +167,7 @@ def test_a_root_with_a_wildcard_or_an_empty_level_is_refused() -> None:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "shared.tools.cli", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=TIMEOUT_S, env={**os.environ, **(env or {})})
 
 
@@ -189,8 +189,8 @@ def test_the_cli_and_make_give_the_document_for_a_root(tmp_path: Path) -> None:
 
 
 def test_the_dashboard_serves_the_document_for_its_root() -> None:
-    _need(REPO / "shared/dashboard/node_modules")
-    proc = NodeProcess(["-m", "shared.cli", "dashboard", "--root", ROOT, "--port", "0"],
+    _need(REPO / "shared/tools/dashboard/node_modules")
+    proc = NodeProcess(["-m", "shared.tools.cli", "dashboard", "--root", ROOT, "--port", "0"],
                        {"ROBOBUS_DASHBOARD_RELAY": "false", "ROBOBUS_MQTT_URL": "mqtt://127.0.0.1:1"})
     try:
         assert wait_for(lambda: re.search(r"robobus dashboard: (http://\S+)", proc.text()) is not None, 60), \
@@ -276,7 +276,7 @@ def test_modelinas_default_java_classes_compile_with_javac(defaults: dict[str, A
 
 def test_the_document_is_the_newest_asyncapi_version_the_parser_and_modelina_both_read(tmp_path: Path) -> None:
     """3.0.0 while Modelina reads no 3.1.0 (the parser does): when an installed Modelina does, this fails and
-    the document moves on (ASYNCAPI_VERSION in shared/asyncapi.py)."""
+    the document moves on (ASYNCAPI_VERSION in shared/tools/asyncapi.py)."""
     _need(MODELINA / "node_modules/@asyncapi/modelina")
     script = ("import specs from '@asyncapi/specs'; import { AsyncAPIInputProcessor } from '@asyncapi/modelina';"
               "console.log(JSON.stringify({parser: Object.keys(specs.schemas),"

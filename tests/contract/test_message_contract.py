@@ -14,9 +14,9 @@ import jsonschema
 import pytest
 
 from services.can_bootloader.sim import make_intel_hex
-from shared.asyncapi import REPLY_QOS, ContractValidator, build_document
-from shared.localbroker import NodeProcess
 from shared.rpc import wait_for
+from shared.tools.asyncapi import REPLY_QOS, ContractValidator, build_document
+from shared.tools.localbroker import NodeProcess
 from tests.contract.conftest import CAN_NODE, EPUCK_NODE, GHOST, ROBOT, Seen, Stack, Tap
 
 CAN_DEVICE = "motors"  # can-bootloader's default device

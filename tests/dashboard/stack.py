@@ -24,9 +24,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from shared.localbroker import REPO, mosquitto_bin
 from shared.rpc import RpcClient, wait_for
 from shared.settings import KitSettings
+from shared.tools.localbroker import REPO, mosquitto_bin
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -76,7 +76,7 @@ def browser_missing() -> str | None:
         import playwright.sync_api  # noqa: F401
     except ImportError:
         return "Python playwright is not installed (pip install -e '.[dashboard]')"
-    from shared.dashboard.server import MissingAssets, vendor_files
+    from shared.tools.dashboard.server import MissingAssets, vendor_files
 
     try:
         vendor_files()
@@ -215,7 +215,7 @@ class SimStack:
         goes to the broker's websockets listener with `?broker=` + broker.ws_url. `port`: again on the port of
         an earlier run."""
         port = port or free_ports(1)[0]
-        self.spawn("dashboard", ["-m", "shared.cli", "dashboard", "--port", str(port)])
+        self.spawn("dashboard", ["-m", "shared.tools.cli", "dashboard", "--port", str(port)])
         self.dashboard_url = f"http://127.0.0.1:{port}/"
         assert wait_for(lambda: _listening(port), 20), self.procs["dashboard"].text()
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from shared.asyncapi import build_document
-from shared.dashboard.relay import Upstream
-from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
-from shared.localbroker import REPO
 from shared.rpc import wait_for
+from shared.tools.asyncapi import build_document
+from shared.tools.dashboard.relay import Upstream
+from shared.tools.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
+from shared.tools.localbroker import REPO
 from tests.dashboard.stack import WsBroker, browser, browser_missing, free_ports
 
 
@@ -126,7 +126,7 @@ def test_the_docs_name_the_relay_as_the_pages_default_broker() -> None:
     """`robobus dashboard` gives the page its relay (/mqtt) unless a websockets URL is set: its start line, its
     --help, the setting's description and the README say so, not a broker's :9001 listener (the page's fallback
     only with ROBOBUS_DASHBOARD_RELAY=false)."""
-    from shared.dashboard.cli import DashboardSettings
+    from shared.tools.dashboard.cli import DashboardSettings
 
     def relay_first(text: str) -> bool:
         """The relay named as the default; :9001, if at all, only as the case without the relay."""
@@ -135,20 +135,20 @@ def test_the_docs_name_the_relay_as_the_pages_default_broker() -> None:
 
     desc = DashboardSettings.model_fields["dashboard_ws_url"].description or ""
     assert "relay" in desc and relay_first(desc), desc
-    readme = (REPO / "shared" / "dashboard" / "README.md").read_text()
+    readme = (REPO / "shared" / "tools" / "dashboard" / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `ROBOBUS_DASHBOARD_WS_URL`"))
     assert relay_first(row), row
     running = readme.split("## Running it")[1].split("### Settings")[0]
     assert "ws://127.0.0.1:8080/mqtt" in running and "broker: the relay" in running, running
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROBOBUS_DASHBOARD_")}
     env["ROBOBUS_MQTT_URL"] = "mqtt://127.0.0.1:1"  # the relay dials the broker per page: none needed here
-    helptext = subprocess.run([sys.executable, "-m", "shared.cli", "dashboard", "--help"], cwd=REPO, env=env,
+    helptext = subprocess.run([sys.executable, "-m", "shared.tools.cli", "dashboard", "--help"], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=60, check=True).stdout
     words = " ".join("".join(" " if c in "│╭╮╰╯─" else c for c in helptext).split())  # rich's box, unwrapped
     assert "default: the relay at /mqtt" in words, helptext
     port = free_ports(1)[0]
     with tempfile.TemporaryFile() as out:
-        p = subprocess.Popen([sys.executable, "-m", "shared.cli", "dashboard", "--port", str(port)], cwd=REPO,
+        p = subprocess.Popen([sys.executable, "-m", "shared.tools.cli", "dashboard", "--port", str(port)], cwd=REPO,
                              env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             def started() -> bool:

@@ -18,8 +18,8 @@ import pytest
 from playwright.sync_api import expect
 
 from services.can_bootloader.sim import make_intel_hex
-from shared.localbroker import REPO
 from shared.rpc import RpcClient, wait_for
+from shared.tools.localbroker import REPO
 from tests.dashboard.stack import DEVICES, NODES, SimStack, browser, browser_missing, sim_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -18,9 +18,9 @@ import jsonschema
 import pytest
 
 from shared import __version__
-from shared.dashboard.homeassistant import FieldCatalog, device_entities
-from shared.localbroker import REPO, Broker
 from shared.rpc import RpcClient, wait_for
+from shared.tools.dashboard.homeassistant import FieldCatalog, device_entities
+from shared.tools.localbroker import REPO, Broker
 
 # What Home Assistant's MQTT discovery needs of every entity we publish (binary_sensor and sensor platforms).
 AVAILABILITY = {"type": "array", "minItems": 1, "items": {
@@ -121,7 +121,7 @@ def test_chosen_fields_are_checked_against_the_document() -> None:
 
 
 def _ha(env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "shared.cli", "homeassistant", *args], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "shared.tools.cli", "homeassistant", *args], cwd=REPO,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -213,7 +213,7 @@ def test_configs_of_vanished_devices_are_removed(broker_session: Broker, client:
     leaves its node's device list, whose health is cleared, or whose node's status is cleared, has every
     config removed, also when that happened while the discovery process was not running; a node merely
     offline keeps its entities."""
-    from shared.dashboard.homeassistant import Discovery, HomeAssistantSettings
+    from shared.tools.dashboard.homeassistant import Discovery, HomeAssistantSettings
 
     tag = f"{os.getpid()}x{time.monotonic_ns() % 100000}"
     root, prefix, node = f"hadel{tag}", f"hadelp{tag}", "gw"
@@ -357,8 +357,8 @@ def test_sensors_follow_the_states_a_device_publishes(broker_session: Broker, cl
     """A GPIO module's health and its `link` state on the bus: the link's sensors are announced and fed from the
     process's republished topic; an earlier run's `power` sensor for it (a state it never publishes) is removed
     once its states have settled; the `power` sensors come as soon as the state does."""
-    from shared.dashboard import homeassistant
-    from shared.dashboard.homeassistant import Discovery, HomeAssistantSettings
+    from shared.tools.dashboard import homeassistant
+    from shared.tools.dashboard.homeassistant import Discovery, HomeAssistantSettings
 
     monkeypatch.setattr(homeassistant, "SETTLE_S", 1.0)
     tag = f"{os.getpid()}s{time.monotonic_ns() % 100000}"

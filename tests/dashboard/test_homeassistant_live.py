@@ -23,8 +23,8 @@ from typing import Any
 import jinja2
 import pytest
 
-from shared.localbroker import Broker, NodeProcess
 from shared.rpc import RpcClient, wait_for
+from shared.tools.localbroker import Broker, NodeProcess
 from tests.dashboard.stack import ROI_MODULES, free_ports, roi_prefix
 
 UNAVAILABLE = "unavailable"
@@ -145,7 +145,7 @@ def stack(broker_session: Broker) -> Iterator[Stack]:
         "roi-sim": ["-m", "services.roi_modules.sim", "--prefix", net, "--modules",
                     ",".join(f"{kind}:{octet}" for _, octet, kind in ROI_MODULES)],
         "roi-modules": ["-m", "services.roi_modules"],
-        "homeassistant": ["-m", "shared.cli", "homeassistant"],
+        "homeassistant": ["-m", "shared.tools.cli", "homeassistant"],
     }
     env = {
         "epuck-sim": {},

@@ -15,11 +15,11 @@ import jinja2
 import paho.mqtt.client as mqtt
 
 from shared import Node, __version__
-from shared.dashboard.homeassistant import Discovery, HomeAssistantSettings, stop_entities
-from shared.localbroker import Broker
 from shared.messages import StopState
 from shared.rpc import RpcClient, wait_for
 from shared.stop import answer_topic, stop_topic
+from shared.tools.dashboard.homeassistant import Discovery, HomeAssistantSettings, stop_entities
+from shared.tools.localbroker import Broker
 from tests.kit.motion_node import API, build
 
 JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined)

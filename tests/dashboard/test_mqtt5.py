@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from shared.asyncapi import build_document
-from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig
+from shared.tools.asyncapi import build_document
+from shared.tools.dashboard.server import DashboardServer, MissingAssets, PageConfig
 from tests.dashboard.stack import browser, browser_missing
 
 # Runs in the page: a client whose socket is a recorder, fed crafted frames through receive().

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from wsproto.utilities import generate_accept_token
 
-from shared.asyncapi import build_document
-from shared.dashboard import relay
-from shared.dashboard.relay import Upstream
-from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
-from shared.localbroker import mosquitto_bin
 from shared.rpc import wait_for
+from shared.tools.asyncapi import build_document
+from shared.tools.dashboard import relay
+from shared.tools.dashboard.relay import Upstream
+from shared.tools.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
+from shared.tools.localbroker import mosquitto_bin
 from tests.dashboard.stack import WsBroker
 
 

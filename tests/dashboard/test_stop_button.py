@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from shared.asyncapi import build_document
-from shared.localbroker import NodeProcess, mosquitto_bin
 from shared.messages import StopState
 from shared.rpc import RpcClient, wait_for
 from shared.settings import KitSettings
 from shared.stop import stop_topic
+from shared.tools.asyncapi import build_document
+from shared.tools.localbroker import NodeProcess, mosquitto_bin
 from tests.dashboard.stack import browser, browser_missing, free_ports
 from tests.deploy.deployfiles import host_broker_conf, make_secrets
 from tests.deploy.mqttprobe import creds
@@ -75,8 +75,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     why = browser_missing()
     if why:
         pytest.skip(why)
-    from shared.dashboard.relay import Upstream
-    from shared.dashboard.server import DashboardServer, PageConfig, Relay
+    from shared.tools.dashboard.relay import Upstream
+    from shared.tools.dashboard.server import DashboardServer, PageConfig, Relay
 
     exe = mosquitto_bin()
     assert exe

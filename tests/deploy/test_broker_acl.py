@@ -233,9 +233,9 @@ def test_robobus_stop_as_viewer_changes_nothing_and_as_operator_stops_the_node(s
     import sys
 
     from shared import Node
-    from shared.localbroker import REPO
     from shared.rpc import wait_for
     from shared.settings import KitSettings
+    from shared.tools.localbroker import REPO
     from tests.kit.motion_node import API, build
 
     port, d = secure_broker
@@ -249,7 +249,7 @@ def test_robobus_stop_as_viewer_changes_nothing_and_as_operator_stops_the_node(s
         u, pw = creds(d, who)
         env = {**os.environ, "ROBOBUS_MQTT_URL": f"mqtt://127.0.0.1:{port}", "ROBOBUS_MQTT_USERNAME": u,
                "ROBOBUS_MQTT_PASSWORD": pw, "COLUMNS": "200"}
-        return subprocess.run([sys.executable, "-m", "shared.cli", "stop", *args], cwd=REPO, env=env,
+        return subprocess.run([sys.executable, "-m", "shared.tools.cli", "stop", *args], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=120)
 
     try:
@@ -307,7 +307,7 @@ def test_a_client_id_belongs_to_its_user_no_session_takeover(secure_broker):
 def test_the_kits_clients_use_ids_the_broker_accepts(secure_broker):
     """shared.settings.bound_client_id: the kit's MqttSession (RpcClient, Node) and the recorder's lean client
     put their user's name in front of their client id, and connect."""
-    from shared.mqtt_lean import LeanPublisher
+    from shared.mqtt.lean import LeanPublisher
     from shared.rpc import RpcClient
     from shared.settings import KitSettings, bound_client_id
 

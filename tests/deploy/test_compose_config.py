@@ -17,8 +17,8 @@ from services.dexter_gateway.service import DexterSettings
 from services.epuck_gateway.service import EpuckSettings
 from services.ethercat_loop.settings import EthercatSettings
 from services.roi_modules.service import RoiSettings
-from shared.fleet_watch import FleetWatchSettings
-from shared.recorder import RecorderSettings
+from shared.tools.fleet_watch import FleetWatchSettings
+from shared.tools.recorder import RecorderSettings
 from tests.deploy.deployfiles import DEPLOY, REPO
 from tests.deploy.stack import Stack
 

@@ -136,7 +136,7 @@ def test_the_recorder_records_the_sim_stack_into_its_volume(sim: Stack, tmp_path
     run([DOCKER, "cp", f"{cid}:/recordings", str(tmp_path)])
     files = sorted((tmp_path / "recordings").glob("*.mcap"))
     assert files, list((tmp_path / "recordings").iterdir())
-    from shared.replay import inspect
+    from shared.tools.replay import inspect
     topics: set[str] = set()
     for f in files:
         topics |= {ch.topic for ch in inspect(f).channels}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.fleet_watch import FleetWatchSettings, Watcher, run
+from shared.tools.fleet_watch import FleetWatchSettings, Watcher, run
 from tests.deploy.deployfiles import host_broker_conf, make_secrets
 from tests.deploy.mqttprobe import Probe, creds
 from tests.fixtures import free_port, mosquitto_bin

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from services.ethercat_loop.settings import EthercatSettings
-from shared.localbroker import Broker, NodeProcess
 from shared.rpc import RpcClient
+from shared.tools.localbroker import Broker, NodeProcess
 from tests.deploy.conftest import TIMINGS
 from tests.deploy.deployfiles import DEPLOY
 from tests.deploy.stack import DOCKER, Stack, run

@@ -13,8 +13,8 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from services.dexter_gateway.sim import DexterSim, DexterSimConfig
-from shared.localbroker import Broker, NodeProcess
 from shared.rpc import Reply, RpcClient
+from shared.tools.localbroker import Broker, NodeProcess
 
 NODE = "dexter-gateway"
 GATEWAY = ["-m", "services.dexter_gateway"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.dexter_gateway.service import API
-from shared.asyncapi import build_document, render_yaml
+from shared.tools.asyncapi import build_document, render_yaml
 
 VALIDATOR = Path(__file__).resolve().parents[2] / "tests/contract/asyncapi-validate"
 COMMANDS = ("move_all_joints", "move_all_joints_relative", "pid_move_all_joints", "move_to", "move_to_straight",

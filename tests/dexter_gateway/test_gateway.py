@@ -12,9 +12,9 @@ import pytest
 
 from services.dexter_gateway import protocol as p
 from services.dexter_gateway.sim import DexterSim, DexterSimConfig
-from shared.asyncapi import ContractValidator, build_document
-from shared.localbroker import Broker
 from shared.rpc import RpcClient
+from shared.tools.asyncapi import ContractValidator, build_document
+from shared.tools.localbroker import Broker
 from tests.dexter_gateway.conftest import NODE, Gateway, start_gateway, stop_gateway, wait_until
 
 

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from services.dexter_gateway.sim import DexterSim, DexterSimConfig
-from shared.localbroker import REPO, Broker, NodeProcess, free_port
 from shared.rpc import RpcClient
+from shared.tools.localbroker import REPO, Broker, NodeProcess, free_port
 from tests.dexter_gateway.conftest import GATEWAY, BusRecorder, wait_until
 
 # short timings so the tests do not wait the defaults out; the same rules as the defaults (models.py)
@@ -159,7 +159,7 @@ def test_an_idle_arm_stays_operational_without_status_polling(broker_session: Br
 
 def test_garbage_at_the_port_is_counted_never_connected_never_an_error(broker_session: Broker) -> None:
     port = free_port()
-    peer = subprocess.Popen([sys.executable, "-m", "shared.simrig", "garbage-tcp", "--port", str(port)], cwd=REPO)
+    peer = subprocess.Popen([sys.executable, "-m", "shared.tools.simrig", "garbage-tcp", "--port", str(port)], cwd=REPO)
     arm = {"id": "arm1", "host": "127.0.0.1", "port": port, **FAST}
     proc, client, bus = _start(broker_session, "dexter-garbage", arm)
     try:

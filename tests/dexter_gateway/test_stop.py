@@ -26,12 +26,12 @@ from services.dexter_gateway import protocol as p
 from services.dexter_gateway.service import API, STOP_NOTE
 from services.dexter_gateway.sim import DexterSim, DexterSimConfig
 from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError
-from shared.asyncapi import ContractValidator, build_document
 from shared.contract import command_errors
 from shared.errors import ErrorCode
 from shared.messages import StopState
 from shared.rpc import RpcClient, wait_for
 from shared.stop import answer_topic, stop_topic
+from shared.tools.asyncapi import ContractValidator, build_document
 from tests.dexter_gateway.conftest import Gateway, start_gateway, stop_gateway, wait_until
 from tests.fixtures import Broker
 

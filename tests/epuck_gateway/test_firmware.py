@@ -157,7 +157,7 @@ def test_no_programmer_or_no_robot_is_a_clear_error(elf: Path, tmp_path: Path) -
 
 @needs_gdb
 def test_cli_flashes_a_robot_on_this_computer(elf: Path, programmer: ProgrammerSim, tmp_path: Path) -> None:
-    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    robobus = [sys.executable, "-c", "from shared.tools.cli import main; main()", "epuck", "flash"]
     done = subprocess.run([*robobus, programmer.link, str(elf)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "verified" in done.stdout
@@ -260,7 +260,7 @@ def test_an_unbootable_image_is_refused_before_any_packet_unless_forced(
     with pytest.raises(NotBootable):
         flash_firmware(programmer.link, high, timeout_s=60)
     assert programmer.session.stats.packets == 0
-    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    robobus = [sys.executable, "-c", "from shared.tools.cli import main; main()", "epuck", "flash"]
     refused = subprocess.run([*robobus, programmer.link, str(high)], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--force" in refused.stderr, refused.stderr
     assert programmer.session.stats.packets == 0
@@ -287,7 +287,7 @@ def test_progress_counts_the_bytes_written_to_flash_and_ends_full(big_elf: Path,
 
 @needs_gdb
 def test_cli_bar_ends_full_at_the_bytes_written(big_elf: Path, programmer: ProgrammerSim) -> None:
-    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    robobus = [sys.executable, "-c", "from shared.tools.cli import main; main()", "epuck", "flash"]
     done = subprocess.run([*robobus, programmer.link, str(big_elf)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     written = programmer.session.stats.bytes_written
@@ -367,7 +367,7 @@ def test_the_port_going_away_during_the_load_says_so_and_the_robots_state(big_el
 @needs_gdb
 def test_cli_a_hung_programmer_is_exit_4_with_the_robots_state(big_elf: Path, tmp_path: Path) -> None:
     sim = faulty(tmp_path, hang_at_write=2)
-    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    robobus = [sys.executable, "-c", "from shared.tools.cli import main; main()", "epuck", "flash"]
     try:
         done = subprocess.run([*robobus, sim.link, str(big_elf), "--stall-timeout", "1"], capture_output=True,
                               text=True, timeout=200)
@@ -381,7 +381,7 @@ def test_cli_a_hung_programmer_is_exit_4_with_the_robots_state(big_elf: Path, tm
 @needs_gdb
 def test_cli_refuses_a_port_another_process_holds(elf: Path, programmer: ProgrammerSim) -> None:
     """The gateway's serial links hold their port's lock (port_lock); a local flash takes the same lock."""
-    robobus = [sys.executable, "-c", "from shared.cli import main; main()", "epuck", "flash"]
+    robobus = [sys.executable, "-c", "from shared.tools.cli import main; main()", "epuck", "flash"]
     with hold_port(programmer.link):  # as the gateway's link to this port does
         done = subprocess.run([*robobus, programmer.link, str(elf)], capture_output=True, text=True, timeout=120)
     out = " ".join(done.stderr.split())

@@ -15,8 +15,8 @@ from services.epuck_gateway.image import rgb565_image
 from services.epuck_gateway.protocol import SOUND_MARIO
 from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
 from services.epuck_gateway.sim_serial import EpuckSerialSimThread
-from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient
+from shared.tools.asyncapi import ContractValidator, build_document
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until
 from tests.fixtures import Broker
 

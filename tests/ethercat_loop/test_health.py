@@ -10,8 +10,8 @@ from services.ethercat_loop.model_backend import ModelBackend
 from services.ethercat_loop.service import API, build
 from services.ethercat_loop.settings import EthercatSettings
 from shared import Node
-from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import wait_for
+from shared.tools.asyncapi import ContractValidator, build_document
 
 REFUSED = ("SCHED_FIFO priority 80 refused ([Errno 1] Operation not permitted): the cycle runs at normal "
            "priority, expect jitter (needs CAP_SYS_NICE or an rtprio ulimit)")

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient, wait_for
+from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import NodeProcess
 
 NODE = "hand-a"

@@ -22,7 +22,7 @@ from services.ethercat_loop.rig import needs
 from services.ethercat_loop.service import API, build
 from services.ethercat_loop.settings import EthercatSettings
 from shared import Node
-from shared.localbroker import REPO
+from shared.tools.localbroker import REPO
 from tests.ethercat_loop.wire_fixtures import wait_for
 
 pytestmark = pytest.mark.root

@@ -18,8 +18,8 @@ import pytest
 from services.ethercat_loop.backend import STOP_ZERO_CYCLES
 from services.ethercat_loop.protocol import PalmCommand, unpack_command
 from services.ethercat_loop.sim.virtual_hand import HandControl
-from shared.asyncapi import ContractValidator, build_document
 from shared.rpc import RpcClient
+from shared.tools.asyncapi import ContractValidator, build_document
 from tests.ethercat_loop.wire_fixtures import hand, skip_without_netns, wait_for
 from tests.fixtures import Broker, NodeProcess
 

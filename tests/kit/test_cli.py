@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def robobus(broker: Broker, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ROBOBUS_MQTT_URL": broker.url, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "shared.tools.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60, input=stdin)
 
 
@@ -57,10 +57,10 @@ def test_watch_prints_live_messages(broker_session: Broker, echo_node: Node) -> 
 
 def test_schema_check(tmp_path: Path) -> None:
     env = {**os.environ}
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "schema", "--out", str(tmp_path)], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-m", "shared.tools.cli", "schema", "--out", str(tmp_path)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "asyncapi.yaml").exists() and list((tmp_path / "schemas").glob("*.json"))
-    c = subprocess.run([sys.executable, "-m", "shared.cli", "schema", "--out", str(tmp_path), "--check"],
+    c = subprocess.run([sys.executable, "-m", "shared.tools.cli", "schema", "--out", str(tmp_path), "--check"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert c.returncode == 0

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from shared import Node
-from shared.asyncapi import ContractValidator, build_document, discover_apis, render_yaml, write_docs
 from shared.registry import service_names, service_plugins
 from shared.rpc import RpcClient
+from shared.tools.asyncapi import ContractValidator, build_document, discover_apis, render_yaml, write_docs
 from tests.fixtures import Broker
 from tests.kit.echo_node import API as ECHO_API
 from tests.kit.echo_node import build

@@ -10,7 +10,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from shared.mqtt import MqttSession, PublishProperties, reply_properties, unique_client_id
+from shared.mqtt.session import MqttSession, PublishProperties, reply_properties, unique_client_id
 from shared.rpc import Reply, RpcClient, _Waiter, wait_for
 from tests.fixtures import Broker
 
@@ -57,7 +57,7 @@ def _session(broker: Broker, name: str) -> MqttSession:
 
 
 def test_the_shortcuts_are_active_with_the_installed_paho(broker_session: Broker) -> None:
-    """On the installed (tested) paho every shortcut is on; on another paho shared/paho_private.py turns them off
+    """On the installed (tested) paho every shortcut is on; on another paho shared/mqtt/paho_private.py turns them off
     (with one warning) and tests/kit/test_paho_private.py names what moved."""
     s = _session(broker_session, "shortcuts")
     try:

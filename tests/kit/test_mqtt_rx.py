@@ -1,4 +1,4 @@
-"""shared/mqtt_rx.py decodes received PUBLISH packets past paho's own routine: each packet must come out exactly
+"""shared/mqtt/rx.py decodes received PUBLISH packets past paho's own routine: each packet must come out exactly
 as paho's decoder makes it (the same fields, properties and bytes), and whatever paho refuses it must refuse the
 same way. Checked on generated packets, well-formed and not."""
 
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from paho.mqtt import _packet
 
-from shared.mqtt import MqttSession, reply_properties, unique_client_id
-from shared.mqtt_rx import ReceivedProperties, decode_publish
+from shared.mqtt.rx import ReceivedProperties, decode_publish
+from shared.mqtt.session import MqttSession, reply_properties, unique_client_id
 from shared.rpc import wait_for
 from tests.fixtures import Broker
 

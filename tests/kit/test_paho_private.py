@@ -1,4 +1,4 @@
-"""shared/paho_private.py holds every use of paho's private API, behind one version check. These tests fail loudly
+"""shared/mqtt/paho_private.py holds every use of paho's private API, behind one version check. These tests fail loudly
 when a paho upgrade moves what it relies on (a name, a method's parameters, a field's type, a routine it copies),
 when the installed paho is not a version it was tested with, and when another kit module reaches into paho; and
 they check that on an untested paho the kit falls back to paho's public behaviour, warns once, and still works."""
@@ -25,11 +25,12 @@ from paho.mqtt import _packet
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from shared import Node, paho_private
-from shared.mqtt import MqttSession, PublishProperties, reply_properties, unique_client_id
-from shared.mqtt_rx import ReceivedProperties
-from shared.replay import PahoPublisher
+from shared import Node
+from shared.mqtt import paho_private
+from shared.mqtt.rx import ReceivedProperties
+from shared.mqtt.session import MqttSession, PublishProperties, reply_properties, unique_client_id
 from shared.rpc import RpcClient, wait_for
+from shared.tools.replay import PahoPublisher
 from tests.fixtures import Broker
 from tests.kit.echo_node import API, build
 
@@ -74,7 +75,7 @@ def test_the_installed_paho_is_a_tested_version_within_the_pin() -> None:
     version = paho_private.paho_version()
     assert version == paho.mqtt.__version__
     assert version in paho_private.TESTED_VERSIONS, (
-        f"paho-mqtt {version} is installed but shared/paho_private.py was tested with "
+        f"paho-mqtt {version} is installed but shared/mqtt/paho_private.py was tested with "
         f"{paho_private.TESTED_VERSIONS}: the kit's fast paths are OFF. Run tests/kit; if they pass, add it")
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     (pin,) = [Requirement(d) for d in deps if Requirement(d).name == "paho-mqtt"]
@@ -84,7 +85,7 @@ def test_the_installed_paho_is_a_tested_version_within_the_pin() -> None:
 
 def test_every_private_name_is_there_with_its_kind_and_signature() -> None:
     lacking = paho_private.missing()
-    assert lacking == [], "paho moved what shared/paho_private.py relies on:\n  " + "\n  ".join(lacking)
+    assert lacking == [], "paho moved what shared/mqtt/paho_private.py relies on:\n  " + "\n  ".join(lacking)
     assert paho_private.verdict().enabled
 
 
@@ -92,7 +93,7 @@ def test_every_private_name_is_there_with_its_kind_and_signature() -> None:
 def test_the_routines_the_kit_copies_or_wraps_are_unchanged(name: str) -> None:
     source = inspect.getsource(_ROUTINES[name])
     assert hashlib.sha256(source.encode()).hexdigest()[:16] == FINGERPRINTS[name], (
-        f"paho-mqtt {paho.mqtt.__version__} changed {name}: re-read it against shared/paho_private.py")
+        f"paho-mqtt {paho.mqtt.__version__} changed {name}: re-read it against shared/mqtt/paho_private.py")
 
 
 def test_paho_calls_the_routines_the_kit_replaces_through_self() -> None:
@@ -157,7 +158,7 @@ def _private_uses(path: Path) -> list[str]:
 
 def test_no_other_kit_module_uses_paho_internals() -> None:
     found = [use for p in sorted(SHARED.rglob("*.py")) if p.name != "paho_private.py" for use in _private_uses(p)]
-    assert found == [], "paho's private API outside shared/paho_private.py:\n  " + "\n  ".join(found)
+    assert found == [], "paho's private API outside shared/mqtt/paho_private.py:\n  " + "\n  ".join(found)
 
 
 def test_the_scan_sees_what_it_looks_for(tmp_path: Path) -> None:
@@ -172,7 +173,7 @@ def test_the_scan_sees_what_it_looks_for(tmp_path: Path) -> None:
 
 def test_every_paho_internal_used_in_paho_private_is_declared() -> None:
     """What `missing()` checks is what the module uses: a client's `_name` and a lowercase `mqtt.name`."""
-    tree = ast.parse((SHARED / "paho_private.py").read_text())
+    tree = ast.parse((SHARED / "mqtt" / "paho_private.py").read_text())
     declared = set(paho_private.CLIENT_METHODS) | set(paho_private.CLIENT_ATTRIBUTES)
     used_client = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
                    and n.value.id in ("client", "c") and n.attr.startswith("_")}

@@ -16,12 +16,12 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from shared import Node
-from shared.asyncapi import ContractValidator, build_document
 from shared.contract import command_errors
 from shared.errors import CommandError, ErrorCode
 from shared.messages import StopAnswer, StopState
 from shared.rpc import RpcClient, wait_for
 from shared.stop import answer_topic, stop_topic
+from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import Broker
 from tests.kit import motion_node
 from tests.kit.motion_node import API, Wheel, build

@@ -26,7 +26,7 @@ DEADLINE = 20.0
 
 def robobus(broker: Broker, root: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_TOPIC_ROOT": root, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "shared.cli", "stop", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "shared.tools.cli", "stop", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -116,7 +116,7 @@ def test_status_says_when_the_stop_is_active(broker_session: Broker, site: Any) 
     env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_TOPIC_ROOT": root, "COLUMNS": "200"}
 
     def status(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "shared.cli", "status", *args], cwd=REPO, env=env,
+        return subprocess.run([sys.executable, "-m", "shared.tools.cli", "status", *args], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=120)
 
     assert "bus stop ACTIVE" not in status().stdout

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shared.bus_catalog import TopicCatalog, load_document
-from shared.mqtt_wire import Publish
-from shared.recorder import Recorder, RecordOptions
+from shared.mqtt.wire import Publish
+from shared.tools.bus_catalog import TopicCatalog, load_document
+from shared.tools.recorder import Recorder, RecordOptions
 
 _DOC: dict[str, Any] | None = None
 

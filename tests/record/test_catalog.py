@@ -8,8 +8,8 @@ import jsonschema
 from pydantic import BaseModel
 
 from shared import ServiceAPI
-from shared.asyncapi import build_document, standalone_schema
-from shared.bus_catalog import TopicCatalog
+from shared.tools.asyncapi import build_document, standalone_schema
+from shared.tools.bus_catalog import TopicCatalog
 from tests.record.helpers import document
 
 

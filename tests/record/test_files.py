@@ -13,10 +13,10 @@ import pytest
 from mcap.reader import make_reader
 from typer.testing import CliRunner
 
-from shared.bus_catalog import TopicCatalog
-from shared.record_cli import app
-from shared.recorder import PROPS_TOPIC, RECORDING_META, Recorder, RecordOptions
-from shared.replay import RecordingError, Replayer, ReplayOptions, inspect, recover
+from shared.tools.bus_catalog import TopicCatalog
+from shared.tools.record_cli import app
+from shared.tools.recorder import PROPS_TOPIC, RECORDING_META, Recorder, RecordOptions
+from shared.tools.replay import RecordingError, Replayer, ReplayOptions, inspect, recover
 from tests.record.helpers import document, make_recording, pub
 
 HEALTH = json.dumps({"connection": True, "operational": True, "state": "running", "error": False,
@@ -233,7 +233,7 @@ def test_replay_realtime_is_for_the_pass_only(tmp_path: Path) -> None:
 def test_timer_slack_is_for_the_pass_only(tmp_path: Path) -> None:
     """The publishing thread sleeps with 1 ns of timer slack (sleeps end when asked, not up to 50 us
     later) during the pass, and gets its own slack back after it."""
-    from shared.replay import _set_timer_slack
+    from shared.tools.replay import _set_timer_slack
 
     path = tmp_path / "a.mcap"
     make_recording(path, [(i * 0.002, pub("robobus/n/d/state/x", str(i))) for i in range(5)])
@@ -255,7 +255,7 @@ def test_wait_until_spins_to_the_due_time_and_stops_at_once() -> None:
     """With a spin, the wait never ends before the due time; a stop ends it at once however far it is."""
     import time
 
-    from shared.replay import SPIN_NS, _wait_until
+    from shared.tools.replay import SPIN_NS, _wait_until
 
     stop = threading.Event()
     for ahead in (0, SPIN_NS // 2, 3 * SPIN_NS):

@@ -12,12 +12,12 @@ from typing import Any
 
 from mcap.reader import make_reader
 
-from shared.localbroker import Broker, NodeProcess
-from shared.mqtt import reply_properties
-from shared.replay import RecordingError, inspect, recover
+from shared.mqtt.session import reply_properties
 from shared.rpc import RpcClient, wait_for
+from shared.tools.localbroker import Broker, NodeProcess
+from shared.tools.replay import RecordingError, inspect, recover
 
-RECORD = ["-m", "shared.record_cli", "record"]
+RECORD = ["-m", "shared.tools.record_cli", "record"]
 
 
 def start_recorder(spawn: Any, broker: Broker, out: Path, *args: str, **env: str) -> NodeProcess:
@@ -135,7 +135,7 @@ def test_recording_resumes_after_the_broker_restarts(broker: Broker, spawn: Any,
 
 
 def test_no_broker_exits_3_with_one_clear_line(spawn: Any, tmp_path: Path) -> None:
-    from shared.localbroker import free_port
+    from shared.tools.localbroker import free_port
 
     proc = spawn([*RECORD, "-o", str(tmp_path / "x.mcap"), "--wait-broker", "1"],
                  {"ROBOBUS_MQTT_URL": f"mqtt://127.0.0.1:{free_port()}"})
@@ -174,14 +174,14 @@ def test_a_full_disk_stops_the_recorder_with_a_clear_error(broker_session: Broke
     import subprocess
     import sys
 
-    from shared.localbroker import REPO
+    from shared.tools.localbroker import REPO
 
     root = f"full{time.monotonic_ns() % 10**9}"
     out = tmp_path / "full.mcap"
     env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_RECORD_FLUSH_S": "0.1",
            "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.record_cli", "record", "-o", str(out), "--root", root], cwd=REPO,
+        [sys.executable, "-m", "shared.tools.record_cli", "record", "-o", str(out), "--root", root], cwd=REPO,
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000)))
     try:

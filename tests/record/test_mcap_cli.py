@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.replay import inspect
+from shared.tools.replay import inspect
 from tests.record.helpers import make_recording, pub
 
 REPO = Path(__file__).resolve().parents[2]

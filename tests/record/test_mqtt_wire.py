@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.mqtt_wire import (
+from shared.mqtt.wire import (
     PINGREQ_PACKET,
     ConnAck,
     Disconnect,

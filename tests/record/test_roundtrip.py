@@ -22,8 +22,8 @@ import paho.mqtt.client as mqtt
 from mcap.reader import make_reader
 
 from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
-from shared.localbroker import Broker
 from shared.rpc import RpcClient, wait_for
+from shared.tools.localbroker import Broker
 
 TIMING_TOLERANCE_MS = 5.0  # the target: inter-message timing within 5 ms of the original at rate 1
 # Asserted for 90 % of the intervals: on this shared 2-core machine (load average 10-20 while other
@@ -38,7 +38,7 @@ def test_record_a_live_stack_and_replay_it_under_another_root(
     new_root = f"{root}-replay"
     out = tmp_path / "stack.mcap"
     base = {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_TOPIC_ROOT": root}
-    rec = spawn(["-m", "shared.record_cli", "record", "-o", str(out)], base)
+    rec = spawn(["-m", "shared.tools.record_cli", "record", "-o", str(out)], base)
     assert wait_for(lambda: any("subscribed" in line for line in rec.output), 60), rec.text()
 
     sim = EpuckSimThread(2, EpuckSimConfig(sensors_hz=20, image_fps=2)).start()
@@ -99,7 +99,7 @@ def test_record_a_live_stack_and_replay_it_under_another_root(
     expected = [(new_root + t[len(root):], d, lt) for t, d, lt in recorded if "/cmd/" not in t]
     with RpcClient(broker_session.settings(), name="replay-sub") as sub:
         sub.subscribe_before(f"{new_root}/#", on)
-        rp = spawn(["-m", "shared.record_cli", "replay", str(out), "--root", new_root],
+        rp = spawn(["-m", "shared.tools.record_cli", "replay", str(out), "--root", new_root],
                    {"ROBOBUS_MQTT_URL": broker_session.url})
         rp.proc.wait(120)
         assert rp.proc.returncode == 0, rp.text()

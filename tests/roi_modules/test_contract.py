@@ -11,7 +11,7 @@ import pytest
 
 from services.roi_modules.service import API
 from shared import messages
-from shared.asyncapi import build_document, render_yaml
+from shared.tools.asyncapi import build_document, render_yaml
 
 VALIDATOR = Path(__file__).resolve().parents[2] / "tests/contract/asyncapi-validate"
 

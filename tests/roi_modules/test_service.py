@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from services.roi_modules import protocol as p
 from services.roi_modules.service import API, RoiSettings
 from services.roi_modules.sim import OdriveFirmware, RoiSim, SimModuleSpec
-from shared.asyncapi import ContractValidator, build_document
+from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import Broker
 from tests.roi_modules.conftest import fresh_prefix, wait_until
 from tests.roi_modules.harness import NODE, Rig, make_rig

@@ -9,7 +9,7 @@ straight into a `Properties` that shares the tables (as `mqtt.PublishProperties`
 checks; anything unusual (an identifier paho would refuse, a value out of its range, a length that runs past the
 properties, a repeated property) is handed to paho's own decoder, so that what paho refuses it still refuses, in
 its own words. `tests/kit/test_mqtt_rx.py` checks both against paho, byte for byte, on generated packets.
-What this needs of paho's internals (its `_handle_publish`, its own decoder) is in `shared.paho_private`, and only
+What this needs of paho's internals (its `_handle_publish`, its own decoder) is in `shared.mqtt.paho_private`, and only
 used while that module's version check allows it.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from shared import paho_private
-from shared.paho_private import PublishPacket, SharedTablesProperties
+from shared.mqtt import paho_private
+from shared.mqtt.paho_private import PublishPacket, SharedTablesProperties
 
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!L")

@@ -1,4 +1,4 @@
-"""Lean MQTT 5 connections on shared.mqtt_wire, for the two paths where paho's per-message cost shows:
+"""Lean MQTT 5 connections on shared.mqtt.wire, for the two paths where paho's per-message cost shows:
 the recorder's subscriber (20 K msg/s) and the replayer's publisher (a publish goes out on the
 caller's thread, straight to the socket, with no hand-off to a network thread: timing stays exact).
 
@@ -13,7 +13,8 @@ import threading
 import time
 from typing import Any
 
-from shared.mqtt_wire import (
+from shared.mqtt.address import ClientSettings, bound_client_id
+from shared.mqtt.wire import (
     PINGREQ_PACKET,
     ConnAck,
     Disconnect,
@@ -25,10 +26,9 @@ from shared.mqtt_wire import (
     encode_disconnect,
     encode_publish,
 )
-from shared.settings import KitSettings, bound_client_id
 
 
-def open_socket(settings: KitSettings, timeout: float = 5.0) -> socket.socket:
+def open_socket(settings: ClientSettings, timeout: float = 5.0) -> socket.socket:
     b = settings.broker()
     sock = socket.create_connection((b.host, b.port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -44,7 +44,7 @@ def open_socket(settings: KitSettings, timeout: float = 5.0) -> socket.socket:
     return sock
 
 
-def handshake(sock: socket.socket, reader: PacketReader, settings: KitSettings, client_id: str, *,
+def handshake(sock: socket.socket, reader: PacketReader, settings: ClientSettings, client_id: str, *,
               clean: bool = True, props: dict[str, Any] | None = None,
               timeout: float = 10.0) -> tuple[ConnAck, list[Packet]]:
     """CONNECT and wait for the CONNACK; returns it and any packets that came in the same read."""
@@ -76,7 +76,7 @@ class LeanPublisher:
     """Publishes from the caller's thread; a reader thread takes PUBACKs and answers keepalive.
     QoS 0 and 1; waits for room when the broker's Receive Maximum of unacknowledged QoS 1 is reached."""
 
-    def __init__(self, settings: KitSettings, client_id: str) -> None:
+    def __init__(self, settings: ClientSettings, client_id: str) -> None:
         self.settings = settings
         self.sock = open_socket(settings)
         ack, _ = handshake(self.sock, PacketReader(), settings, client_id)

@@ -328,7 +328,7 @@ def schema(
         "--running-root", help="Like --root with this machine's ROBOBUS_TOPIC_ROOT (default robobus)")] = False,
 ) -> None:
     """Write the AsyncAPI 3.0 document and the JSON Schemas of every message."""
-    from shared.asyncapi import build_document, render_yaml, write_docs
+    from shared.tools.asyncapi import build_document, render_yaml, write_docs
 
     if running_root:
         if root is not None:

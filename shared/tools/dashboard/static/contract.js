@@ -2,7 +2,7 @@
 // Nothing here names a service: a new service shows up in the dashboard by being in the document.
 //
 // The document's channels are `<root>/{node}/{device}/<kind>/<name>` with ids `<service>_<kind>_<name>`
-// (shared/asyncapi.py); the service is the id with `_<kind>_<name>` cut off. <root> is the `{root}`
+// (shared/tools/asyncapi.py); the service is the id with `_<kind>_<name>` cut off. <root> is the `{root}`
 // parameter, or the root itself in the document the server makes for its root (`site1/robobus/{node}/...`).
 
 const DEVICE_ADDRESS = /^(?:\{root\}|[^{}]+)\/\{node\}\/\{device\}\/(state|event|cmd|stream)\/([^/]+)$/;

@@ -1,6 +1,6 @@
 """`robobus record` / `replay` / `inspect` / `recover`: the bus in MCAP files.
 
-Registered as `robobus.cli` entry points (pyproject.toml); `python -m shared.record_cli` runs the same
+Registered as `robobus.cli` entry points (pyproject.toml); `python -m shared.tools.record_cli` runs the same
 commands without the rest of the CLI (the `recorder` process of `make run` and compose uses it).
 
     robobus record -o run.mcap                     # everything under the topic root, until Ctrl-C
@@ -94,9 +94,9 @@ def record(
                   f"{os.environ.get('ROBOBUS_RECORD_PATH', 'recordings/')})", highlight=False)
         _stop_on_signals().wait()
         return
-    from shared.bus_catalog import TopicCatalog, load_document
     from shared.logs import setup_logging
-    from shared.recorder import LeanSubscriber, Recorder, RecorderSettings, RecordOptions
+    from shared.tools.bus_catalog import TopicCatalog, load_document
+    from shared.tools.recorder import LeanSubscriber, Recorder, RecorderSettings, RecordOptions
 
     overrides: dict[str, Any] = {}
     if broker:
@@ -231,8 +231,8 @@ def replay(
     broker: Broker = None,
 ) -> None:
     """Republish a recording with its original timing (or scaled), optionally under another root."""
-    from shared.recorder import RecorderSettings
-    from shared.replay import RecordingError, Replayer, ReplayOptions, connect_publisher
+    from shared.tools.recorder import RecorderSettings
+    from shared.tools.replay import RecordingError, Replayer, ReplayOptions, connect_publisher
 
     if rate < 0:
         raise typer.BadParameter("--rate must be >= 0")
@@ -284,7 +284,7 @@ def inspect_cmd(
     """Topics, message counts, rates, time range and the schema of every channel of a recording."""
     from dataclasses import asdict
 
-    from shared.replay import RecordingError, inspect
+    from shared.tools.replay import RecordingError, inspect
 
     try:
         s = inspect(file)
@@ -320,7 +320,7 @@ def recover_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the repaired file")],
 ) -> None:
     """Repair a file a killed recorder left: keep every whole record, write a complete indexed file."""
-    from shared.replay import recover
+    from shared.tools.replay import recover
 
     r = recover(file, output)
     note = f" (reading stopped at: {r.error})" if r.error else " (the input was complete)"

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from shared.asyncapi import standalone_schema
+from shared.tools.asyncapi import standalone_schema
 
 log = logging.getLogger("robobus.record")
 
@@ -183,8 +183,8 @@ def load_document(path: Path | None = None) -> dict[str, Any]:
     one built from every registered service; when some service cannot be imported here (its extra is
     not installed: a recorder image needs none), the repository's generated docs/asyncapi.yaml if there
     is one, else the document of the services that did import."""
-    from shared.asyncapi import build_document
     from shared.registry import service_plugins
+    from shared.tools.asyncapi import build_document
 
     if path is not None:
         doc: dict[str, Any] = yaml.safe_load(path.read_text())
@@ -198,7 +198,7 @@ def load_document(path: Path | None = None) -> dict[str, Any]:
             missing.append(f"{plugin.name} ({exc})")
     if not missing:
         return build_document(apis)
-    shipped = Path(__file__).resolve().parent.parent / "docs" / "asyncapi.yaml"
+    shipped = Path(__file__).resolve().parents[2] / "docs" / "asyncapi.yaml"
     if shipped.is_file():
         log.warning("not importable here: %s; schemas from %s", ", ".join(missing), shipped)
         loaded: dict[str, Any] = yaml.safe_load(shipped.read_text())

@@ -27,7 +27,6 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from shared.codegen_schema import name_inline_schemas, pascal
 from shared.contract import NAME_RE, BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
 from shared.messages import (
     CancelReply,
@@ -42,6 +41,7 @@ from shared.messages import (
     StopState,
 )
 from shared.registry import service_apis
+from shared.tools.codegen_schema import name_inline_schemas, pascal
 
 REF = "#/components/schemas/{model}"
 # 3.0.0, not 3.1.0: the parser here (@asyncapi/parser 3.6.3) takes 3.1.0, but Modelina 5.10.1 (the latest release,

@@ -8,7 +8,7 @@ side channel; Response Topics under the recorded root are moved to the new root 
 
 Timing: each message has a due time t0 + (log_time - first) / rate on the monotonic clock (absolute, so
 a late message does not shift the ones after it); the publishing thread sleeps until then and writes
-the PUBLISH to the socket itself (shared.mqtt_lean), with the next messages already decoded by a
+the PUBLISH to the socket itself (shared.mqtt.lean), with the next messages already decoded by a
 read-ahead thread that filled its queue before the clock started.
 """
 
@@ -36,12 +36,12 @@ from mcap.records import Attachment, Channel, Message, Metadata, Schema
 from mcap.stream_reader import StreamReader
 from mcap.writer import CompressionType, IndexType, Writer
 
-from shared.bus_catalog import META_CONTENT_TYPE, META_KIND, META_QOS, META_RECEIVES, META_RETAIN
-from shared.mqtt import MqttSession, reply_properties, unique_client_id
-from shared.mqtt_lean import LeanPublisher
-from shared.mqtt_wire import MqttProtocolError
-from shared.recorder import PROPS_TOPIC, RECORDING_META
+from shared.mqtt.lean import LeanPublisher
+from shared.mqtt.session import MqttSession, reply_properties, unique_client_id
+from shared.mqtt.wire import MqttProtocolError
 from shared.settings import KitSettings
+from shared.tools.bus_catalog import META_CONTENT_TYPE, META_KIND, META_QOS, META_RECEIVES, META_RETAIN
+from shared.tools.recorder import PROPS_TOPIC, RECORDING_META
 
 log = logging.getLogger("robobus.replay")
 

@@ -9,7 +9,7 @@
   (paho's Properties builds its tables per object and re-packs per publish) and read without those tables when
   received (mqtt_rx.py); a reply or a request is written to the socket by the publishing thread itself, one
   writer at a time, instead of waking paho's network thread. What these need of paho's internals is in
-  `shared.paho_private`, behind its version check: on a paho it was not tested with they are off and paho's
+  `shared.mqtt.paho_private`, behind its version check: on a paho it was not tested with they are off and paho's
   public behaviour is used.
 """
 
@@ -31,8 +31,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.reasoncodes import ReasonCode
 
-from shared import mqtt_rx, paho_private
-from shared.settings import KitSettings, bound_client_id
+from shared.mqtt import paho_private
+from shared.mqtt import rx as mqtt_rx
+from shared.mqtt.address import ClientSettings, bound_client_id
 
 log = logging.getLogger("robobus.mqtt")
 
@@ -63,7 +64,7 @@ def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
 class MqttSession:
     """One paho client with remembered subscriptions and connect hooks."""
 
-    def __init__(self, settings: KitSettings, client_id: str, will: Will | None = None) -> None:
+    def __init__(self, settings: ClientSettings, client_id: str, will: Will | None = None) -> None:
         self.settings = settings
         self.client_id = bound_client_id(settings.broker().username, client_id)
         self.connected = threading.Event()

@@ -7,7 +7,7 @@ It serves:
     /                       the page (static/index.html)
     /static/<file>          the app's ES modules and style sheet (no build step)
     /vendor/<file>          Ajv's browser bundle from the node_modules `make setup` installs
-    /api/asyncapi.json      the contract (shared.asyncapi.build_document()): states, events, command forms
+    /api/asyncapi.json      the contract (shared.tools.asyncapi.build_document()): states, events, command forms
     /api/config.json        the default broker URL and topic root for the connect form
     /mqtt                   the relay (websocket upgrade, subprotocol mqtt), when a relay upstream is given
 Only names known at start are served (no paths from the request touch the file system)."""
@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from shared.dashboard.relay import Refused, RelayStats, Session, Upstream, accept, handshake
+from shared.tools.dashboard.relay import Refused, RelayStats, Session, Upstream, accept, handshake
 
 log = logging.getLogger("robobus.dashboard")
 
 HERE = Path(__file__).resolve().parent
 STATIC = HERE / "static"
 NODE_MODULES = HERE / "node_modules"
-# Browser bundles of the npm packages in shared/dashboard/package.json (UMD, used as shipped). The MQTT client
+# Browser bundles of the npm packages in shared/tools/dashboard/package.json (UMD, used as shipped). The MQTT client
 # is the page's own (static/mqtt5.js): mqtt.js's bundle cost more CPU per message than the page itself.
 VENDOR = {
     "ajv2020.min.js": "ajv-dist/dist/ajv2020.min.js",

@@ -17,9 +17,9 @@ from typing import Annotated, Any
 import typer
 from pydantic import Field
 
-from shared.dashboard.relay import Upstream
-from shared.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
 from shared.settings import KitSettings, load_settings
+from shared.tools.dashboard.relay import Upstream
+from shared.tools.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
 
 # What the page connects to when no websockets URL is set: server.PageConfig and app.js's main() decide it.
 WS_URL_DOC = ("Broker websockets URL the page starts with; empty = this server's relay, "
@@ -61,7 +61,7 @@ def dashboard(
     root: Annotated[str | None, typer.Option(help="Topic root (ROBOBUS_TOPIC_ROOT)")] = None,
 ) -> None:
     """Serve the browser dashboard: every node and device, live state, commands, jobs, events."""
-    from shared.asyncapi import build_document
+    from shared.tools.asyncapi import build_document
 
     overrides: dict[str, Any] = {k: v for k, v in (("dashboard_host", host), ("dashboard_port", port),
                                                    ("dashboard_ws_url", ws_url), ("topic_root", root))

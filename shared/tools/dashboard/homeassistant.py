@@ -7,7 +7,7 @@ operational, problem) and text sensors for the health state and message, read fr
 and sensors for the numeric fields of the device's JSON states. Everything is re-published when Home Assistant
 announces itself on `{prefix}/status` ("online"), as Home Assistant asks integrations to do after it restarts.
 
-State sensors tell the truth (shared/dashboard/README.md, "Home Assistant discovery", has the rules):
+State sensors tell the truth (shared/tools/dashboard/README.md, "Home Assistant discovery", has the rules):
 - Announced only for what the device publishes. A service's contract declares its states per service, not per
   device kind (roi-modules' `power` exists for an ODrive, never for a GPIO module), so the process subscribes to
   each JSON state of a device once its health shows up, and announces a state's sensors when that state's topic
@@ -63,7 +63,7 @@ import typer
 from pydantic import Field
 
 from shared.contract import ServiceAPI, StateSpec
-from shared.mqtt import MqttSession, Will, unique_client_id
+from shared.mqtt.session import MqttSession, Will, unique_client_id
 from shared.settings import KitSettings, load_settings
 
 log = logging.getLogger("robobus.homeassistant")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.localbroker import free_port
+from shared.tools.localbroker import free_port
 
 
 class Ports:
@@ -55,7 +55,7 @@ class SimRig:
     needs: Callable[[], str | None] | None = None  # None, or why the rig cannot run on this machine
 
 
-# -- generic misbehaving peers: `python -m shared.simrig garbage-tcp --port P` -------------------------------
+# -- generic misbehaving peers: `python -m shared.tools.simrig garbage-tcp --port P` -------------------------------
 def _garbage_tcp(host: str, port: int, rate_hz: float) -> None:
     """Accepts every connection and answers with random bytes, forever: a device that speaks no protocol."""
     import os
@@ -101,7 +101,7 @@ def _garbage_udp(host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m shared.simrig", description="generic misbehaving device peers")
+    ap = argparse.ArgumentParser(prog="python -m shared.tools.simrig", description="generic misbehaving device peers")
     ap.add_argument("kind", choices=["garbage-tcp", "garbage-udp"])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)

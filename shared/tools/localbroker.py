@@ -18,7 +18,7 @@ from typing import Any
 
 from shared.settings import KitSettings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

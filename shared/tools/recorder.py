@@ -22,7 +22,7 @@ What a file holds:
   an attachment, so the file explains itself.
 
 A chunk is closed at least every `flush_s` (default 1 s) and the file flushed to the OS, so a recorder
-killed with SIGKILL loses at most that much; `robobus recover` (shared.replay.recover) turns such a
+killed with SIGKILL loses at most that much; `robobus recover` (shared.tools.replay.recover) turns such a
 file into a complete one. Rotation (size or duration) closes the file cleanly and starts the next
 numbered part, carrying the latest retained message of each topic so every part stands alone.
 """
@@ -46,21 +46,9 @@ from typing import IO, Any, Literal
 from mcap.writer import CompressionType, IndexType, Writer
 from pydantic import Field, field_validator
 
-from shared.bus_catalog import (
-    JSON,
-    META_CANDIDATES,
-    META_CHANNEL,
-    META_CONTENT_TYPE,
-    META_KIND,
-    META_QOS,
-    META_RECEIVES,
-    META_RETAIN,
-    META_TOPIC,
-    TopicCatalog,
-)
-from shared.mqtt import unique_client_id
-from shared.mqtt_lean import handshake, open_socket
-from shared.mqtt_wire import (
+from shared.mqtt.lean import handshake, open_socket
+from shared.mqtt.session import unique_client_id
+from shared.mqtt.wire import (
     PINGREQ_PACKET,
     Disconnect,
     MqttProtocolError,
@@ -72,6 +60,18 @@ from shared.mqtt_wire import (
     encode_subscribe,
 )
 from shared.settings import KitSettings
+from shared.tools.bus_catalog import (
+    JSON,
+    META_CANDIDATES,
+    META_CHANNEL,
+    META_CONTENT_TYPE,
+    META_KIND,
+    META_QOS,
+    META_RECEIVES,
+    META_RETAIN,
+    META_TOPIC,
+    TopicCatalog,
+)
 
 log = logging.getLogger("robobus.record")
 
@@ -382,7 +382,7 @@ class Recorder:
 
 # -- the subscriber -------------------------------------------------------------------------------
 class LeanSubscriber:
-    """An MQTT 5 subscriber on a plain (or TLS) socket, built on shared.mqtt_wire.
+    """An MQTT 5 subscriber on a plain (or TLS) socket, built on shared.mqtt.wire.
 
     QoS 1 with Retain As Published; PUBACKs go out in one write per receive batch, after the batch
     is written to the recorder. A persistent session (Session Expiry) means the broker queues our QoS 1

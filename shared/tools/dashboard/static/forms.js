@@ -134,7 +134,7 @@ function objectFields(contract, schema, path) {
   };
 }
 
-// The document's command summary is the doc string with "Error codes: a, b." appended (shared/asyncapi.py).
+// The document's command summary is the doc string with "Error codes: a, b." appended (shared/tools/asyncapi.py).
 export function splitDoc(summary) {
   const m = /^(.*?)\s*Error codes: ([^]*?)\.?$/s.exec(summary || "");
   return m ? { text: m[1], errors: m[2] } : { text: summary || "", errors: "" };
