@@ -97,12 +97,14 @@ schema-check: setup
 # Every bench prints its figures against their targets and writes its result (bench/results.py) to
 # bench/results/<bench>[-<variant>].json: the committed last run, which perf-table renders (a bench run by hand
 # writes to build/bench/ unless ROBOBUS_BENCH_RESULTS says otherwise). BENCHES="epuck roi" runs only those.
-# ethercat_cycle needs root and deploy docker: without them they say so and write nothing.
+# ethercat_cycle and deploy need root (deploy docker too): without them they say so and write nothing. A bench
+# that fails does not stop the others; `make bench` names it at the end and fails.
 BENCHES ?= rpc ethercat_cycle ethercat_model_idle flash epuck roi dexter stop record dashboard deploy footprint
 bench: setup
-	@set -e; for b in $(BENCHES); do echo "== bench/$$b.py $(BENCH_ARGS)"; \
-	  ROBOBUS_BENCH_RESULTS=bench/results $(BIN)/python bench/$$b.py $(BENCH_ARGS); done
-	@$(MAKE) --no-print-directory perf-table
+	@failed=""; for b in $(BENCHES); do echo "== bench/$$b.py $(BENCH_ARGS)"; \
+	  ROBOBUS_BENCH_RESULTS=bench/results $(BIN)/python bench/$$b.py $(BENCH_ARGS) || failed="$$failed $$b"; done; \
+	  $(MAKE) --no-print-directory perf-table; \
+	  if [ -n "$$failed" ]; then echo "make bench: failed:$$failed"; exit 1; fi
 
 perf-table: $(STAMP)
 	$(BIN)/python bench/perf_table.py
