@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.can_bootloader.service import API, CanBootSettings, build
+from services.can_bootloader.api import API
+from services.can_bootloader.service import build
+from services.can_bootloader.settings import CanBootSettings
 from shared import run_service
 
 

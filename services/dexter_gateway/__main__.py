@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.dexter_gateway.service import API, DexterSettings, build
+from services.dexter_gateway.api import API
+from services.dexter_gateway.service import build
+from services.dexter_gateway.settings import DexterSettings
 from shared import run_service
 
 
