@@ -45,7 +45,7 @@ from shared.tools.localbroker import Broker, NodeProcess, free_port  # noqa: E40
 from tests.deploy.stack import DOCKER, Stack, expected_nodes, run  # noqa: E402  (the tests' compose helper)
 
 DEPLOY = REPO / "deploy"
-# Targets (issue 13): the containerised command path within 1.5 x the host's; lost frames in the container
+# Targets: the containerised command path within 1.5 x the host's; lost frames in the container
 # no higher than outside; wake-up p99 in the container within 1.5 x outside.
 RTT_RATIO_TARGET = 1.5
 WAKE_RATIO_TARGET = 1.5

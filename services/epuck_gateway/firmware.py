@@ -1,7 +1,7 @@
 """Firmware update of the e-puck2's main MCU (STM32F407, Cortex-M4) through its onboard programmer.
 
 The programmer (an STM32F413 running a Black Magic Probe derivative) serves GDB's remote protocol
-on one of the robot's USB serial ports (docs/reference/epuck2.md §9.1, seed 003 "Robot firmware update": "The onboard
+on one of the robot's USB serial ports (docs/reference/epuck2.md §9.1, the wiki's "Robot firmware update": "The onboard
 programmer
 run a GDB server, so we use GDB commands to upload a new firmware"). GCtronic's program script runs
 `target extended-remote PORT`, `monitor swdp_scan`, `attach 1`, `set mem inaccessible-by-default

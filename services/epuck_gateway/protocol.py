@@ -1,7 +1,7 @@
 """e-puck2 WiFi protocol (selector 15, TCP port 1000), sans-I/O: codecs, stream parser, command state.
 
 Byte layouts follow docs/reference/epuck2.md (read from the ESP32 and F407 firmware) where it is
-more precise than the wiki text of seed 003 (docs/reference/epuck2.md §0). Nothing here touches a socket or a clock:
+more precise than the wiki's text (docs/reference/epuck2.md §0). Nothing here touches a socket or a clock:
 the gateway's
 transport, the simulator and the tests share this one implementation of the format.
 

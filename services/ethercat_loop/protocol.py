@@ -32,7 +32,7 @@ class EdcCommand(IntEnum):
     SENSOR_DATA = 1
     SENSOR_CHANNEL_NUMBERS = 2
     SENSOR_ADC_CHANNEL_CS = 3
-    # Followed the current header over seed 000 (docs/reference/shadow_ethercat.md §1.1): the seed's old mainpage has
+    # Followed the current header over the old mainpage (docs/reference/shadow_ethercat.md §1.1), which has
     # TEST_RESULTS = 4 and
     # CAN_TEST_MODE = 5; current headers comment TEST_RESULTS out, so CAN direct mode is 4.
     CAN_DIRECT_MODE = 4
@@ -203,7 +203,7 @@ ACTUATED_JOINTS: tuple[str, ...] = (
 )
 
 # SENSOR_CHANNEL_NUMBERS test mode: each sensor reports (channel << 8) | adc. Only LFJ5 = 0x0605
-# (channel 6 of ADC 5) is documented (docs/reference/shadow_ethercat.md §1.1, seed 000); the rest is our palm model's
+# (channel 6 of ADC 5) is documented (docs/reference/shadow_ethercat.md §1.1); the rest is our palm model's
 # wiring, and the
 # `test_adc_channels` command compares against this table.
 _CHANNEL_GROUPS: tuple[tuple[tuple[str, ...], int, int], ...] = (

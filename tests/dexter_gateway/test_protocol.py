@@ -1,4 +1,4 @@
-"""DexRun codec: byte vectors from docs/reference/dexter.md (with seed 004), hypothesis round trips, garbage."""
+"""DexRun codec: byte vectors from docs/reference/dexter.md (§3.4 included), hypothesis round trips, garbage."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def test_move_to_wiki_example() -> None:
 
 
 def test_read_request_wiki_form() -> None:
-    # docs/reference/dexter.md §3.4 (seed 004): `1 1 1 0 r 0 /srv/samba/share/AdcCenters.txt`, with the terminator
-    # DexRun needs
+    # docs/reference/dexter.md §3.4, the wiki's example: `1 1 1 0 r 0 /srv/samba/share/AdcCenters.txt`, with the
+    # terminator DexRun needs
     req = p.Request("r", ("0", "/srv/samba/share/AdcCenters.txt"), end="0")
     assert req.text() == "1 1 1 0 r 0 /srv/samba/share/AdcCenters.txt;"
 
@@ -207,7 +207,7 @@ WIKI_BLOCK2 = b"00\r\n0x4920000\r\n0x73a0000\r\n0x5000000\r\n0x51e0000\r\n"
 
 
 def test_read_reply_wiki_packets() -> None:
-    # docs/reference/dexter.md §3.4 (seed 004) packet #1: job 1, instruction 1, 'r' (114), error 0, PAYLOAD_LENGTH
+    # docs/reference/dexter.md §3.4, the wiki's packet #1: job 1, instruction 1, 'r' (114), error 0, PAYLOAD_LENGTH
     # 62, data from byte 28
     base = [1, 1, 1543452381, 148000, 114, 0] + [0] * 54
     raw = bytearray(p.read_reply_ints(base, WIKI_BLOCK1, 0))
@@ -226,7 +226,7 @@ def test_read_reply_wiki_packets() -> None:
 
 
 def test_pom_wiki_block() -> None:
-    # docs/reference/dexter.md §3.4 (seed 004): the first #POM block as decimal bytes
+    # docs/reference/dexter.md §3.4 (the wiki's example): the first #POM block as decimal bytes
     dec = [91, 91, 49, 46, 48, 48, 48, 48, 48, 48, 44, 32, 48, 46, 48, 48, 48, 48, 48, 48, 44, 32, 48, 46, 48, 48,
            48, 48, 48, 48, 44, 32, 48, 46, 48, 48, 48, 48, 48, 48, 93, 44, 91, 45, 48, 46, 48, 48, 48, 48, 48, 48, 44,
            32, 49, 46, 48, 48, 48, 48, 48, 48]
