@@ -109,12 +109,21 @@ def missing_benches(docs: list[dict[str, Any]]) -> list[str]:
     return [b for b in ORDER if b not in have]
 
 
+def headline_runs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per bench and variant: a full run supersedes the `--quick` run of the same variant."""
+    def key(d: dict[str, Any]) -> tuple[str, str]:
+        return d["bench"], "-".join(p for p in d.get("variant", "").split("-") if p and p != "quick")
+
+    full = {key(d) for d in docs if "quick" not in d.get("variant", "").split("-")}
+    return [d for d in docs if "quick" not in d.get("variant", "").split("-") or key(d) not in full]
+
+
 def readme_table(docs: list[dict[str, Any]], per_run: int = README_FIGURES) -> list[str]:
-    """One row per run: its first `per_run` judged figures (each bench lists its headline figures first), and how
-    many of all its targets were met; every figure is in docs/performance.md."""
+    """One row per bench and variant (headline_runs): its first `per_run` judged figures (each bench lists its
+    headline figures first), and how many of all its targets were met; every figure is in docs/performance.md."""
     lines = ["| command | figure | measured | target | ratio | | load at start |",
              "|---|---|---|---|---|---|---|"]
-    for d in docs:
+    for d in headline_runs(docs):
         judged = [f for f in d["figures"] if f.get("op") is not None]
         if not judged:
             continue

@@ -104,3 +104,17 @@ def test_the_table_is_rendered_from_the_results_and_a_hand_edit_is_caught(tmp_pa
     doc.write_text(d.replace("6.2 ms", "4.9 ms"))
     readme.write_text(text)
     assert perf_table.main([*args, "--check"]) == 1
+
+
+def test_a_full_run_supersedes_the_quick_run_of_the_same_variant_in_the_readme() -> None:
+    def run(variant: str, cmd: str) -> dict[str, object]:
+        return {**_result("epuck", variant, cmd, [Figure("cpu", 20.0, "%", "<=", 30.0)], [1.0, 1.0, 1.0]),
+                "_file": f"epuck-{variant}.json"}
+
+    docs = [run("quick", "python bench/epuck.py --quick"), run("", "python bench/epuck.py"),
+            run("quick-robots50", "python bench/epuck.py --quick --robots 50")]
+    docs[1]["variant"] = ""
+    rows = perf_table.readme_table(docs)[2:]
+    assert [r.split(" | ")[0] for r in rows] == ["| `bench/epuck.py`", "| `bench/epuck.py --quick --robots 50`"]
+    assert "bench/epuck.py --quick`" in perf_table.render_doc(docs)  # the document keeps every run
+
