@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from loss_stats import BLOCK_S, BURST_MIN, compare  # noqa: E402
+from results import Figure, report, variant_name  # noqa: E402  (notes the machine's load when imported)
 
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
@@ -186,8 +187,6 @@ def main() -> None:
         if not a.rtt_only:
             cycle_inside_vs_outside(a, out, tmp)
     out["load_after"] = os.getloadavg()[0]
-    from results import Figure, report, variant_name  # the results of every bench (bench/results.py)
-
     figures: list[Figure] = []
     if "rtt_ratio_container_over_host" in out:
         figures.append(Figure("command round trip p50, containerised ÷ host broker",

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import paho.mqtt.client as mqtt
+from results import Figure, report, variant_name  # notes the machine's load when imported: at the start
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -738,8 +739,6 @@ def main() -> None:
     result["watch_check_ok"] = bench.watch_check_ok
     result["met"] = bool(all(f["met"] for f in services.values()) and executed == 0 and probes > 0
                          and not bench.move_failures and bench.watch_check_ok)
-    from results import Figure, report, variant_name  # the results of every bench (bench/results.py)
-
     report("stop", result, [
         *(Figure(f"the bus stop's publish to the last device, {s}, p99", services[s]["p99_ms"], "ms", "<=", target)
           for s in SERVICES),
