@@ -6,6 +6,7 @@
 - while the stop is active, motion commands (set_speed, obstacle_avoidance, an ASCII `D`) are refused with
   `stopped` and send nothing; read-only commands work; the release moves nothing, a new command does;
 - an ASCII `D` waiting for its slot on the serial line when the stop comes is dropped, never written;
+- every robot's stop is written in one pass on the loop, WiFi robots first, each robot once;
 - a gateway that starts while the stop is active comes up stopped;
 - the simulators' stop watch, armed from the command line (SIGUSR2), prints the time the stop arrived.
 
@@ -197,6 +198,60 @@ def test_the_stop_reaches_every_robot_at_once_and_holds_it_until_a_new_command(
         site.close()
         fast.close()
         slow.close()
+        bt.close()
+
+
+def stop_passes(text: str) -> list[dict[str, Any]]:
+    """The gateway's "robots stopped in one pass" records (ROBOBUS_LOG_JSON=1)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{") and "robots stopped in one pass" in line:
+            out.append(json.loads(line))
+    return out
+
+
+def test_every_robot_is_stopped_in_one_pass(broker_session: Broker, spawn: Any,
+                                          tmp_path: Path) -> None:
+    """Five WiFi robots and a Bluetooth one, all driving: the stop is one pass over every robot on the loop
+    (services/epuck_gateway/stop_pass.py), the WiFi robots first (a serial write can wait for its line), each
+    robot stamped as its stop left; every robot's wire carries it; the kit's own calls for the robots the pass
+    covered write nothing more (the pass is the only one, and each robot's answer is that pass's time)."""
+    wifi = EpuckSimThread(5, EpuckSimConfig(sensors_hz=50, image_fps=10)).start()
+    bt = EpuckSerialSimThread(1, str(tmp_path / "ttyBT"), EpuckSerialSimConfig(selector=3, line_baud=115200)).start()
+    robots = {f"w{i}": r for i, r in enumerate(wifi.robots)}
+    sr = bt.robots[0]
+    site = Site(broker_session)
+    try:
+        proc = start_gateway(site, spawn, [{"id": n, "host": "127.0.0.1", "port": r.port} for n, r in robots.items()]
+                             + [{"id": "bt", "transport": "serial", "port": sr.link, "baud": 115200}],
+                             ROBOBUS_LOG_JSON="1")
+        streaming(site, proc, *robots, "bt")
+        for n in robots:
+            assert site.call(n, "set_speed", {"left": 200, "right": 200}).ok
+        assert site.call("bt", "set_speed", {"left": 200, "right": 200}).ok
+        assert wait_until(lambda: all(r.world.speed_left == 200 for r in [*robots.values(), sr]), DEADLINE)
+        for r in [*robots.values(), sr]:
+            r.stop_watch.arm()
+        stop = site.set_stop(True, reason="one pass")
+        assert wait_until(lambda: all(r.stop_watch.seen for r in [*robots.values(), sr]), DEADLINE), proc.text()
+        answer = site.wait_answer(stop)
+        written = {d["device"]: d["written_ts"] for d in answer["devices"]}
+        assert set(written) == {*robots, "bt"} and all(w is not None for w in written.values()), answer
+        # one pass, naming every robot once, WiFi first; each robot's time is the one its write in it took
+        assert wait_until(lambda: stop_passes(proc.text()), DEADLINE), proc.text()
+        passes = stop_passes(proc.text())
+        assert len(passes) == 1, passes
+        assert passes[0]["robots"] == [*robots, "bt"] and passes[0]["owed"] == [], passes[0]
+        assert passes[0]["reason"] == "one pass"
+        assert written["bt"] >= max(written[n] for n in robots), written
+        for n, r in robots.items():
+            seen = r.stop_watch.seen
+            assert seen is not None and abs(seen.ts - written[n]) < 1.0, (n, seen, written[n])
+        assert wait_until(lambda: all(r.world.speed_left == 0 for r in [*robots.values(), sr]), DEADLINE)
+        assert proc.alive()
+    finally:
+        site.close()
+        wifi.close()
         bt.close()
 
 
