@@ -220,6 +220,7 @@ def test_every_robot_is_stopped_in_one_pass(broker_session: Broker, spawn: Any,
     bt = EpuckSerialSimThread(1, str(tmp_path / "ttyBT"), EpuckSerialSimConfig(selector=3, line_baud=115200)).start()
     robots = {f"w{i}": r for i, r in enumerate(wifi.robots)}
     sr = bt.robots[0]
+    every: list[EpuckSimRobot | EpuckSerialSimRobot] = [*robots.values(), sr]
     site = Site(broker_session)
     try:
         proc = start_gateway(site, spawn, [{"id": n, "host": "127.0.0.1", "port": r.port} for n, r in robots.items()]
@@ -229,11 +230,11 @@ def test_every_robot_is_stopped_in_one_pass(broker_session: Broker, spawn: Any,
         for n in robots:
             assert site.call(n, "set_speed", {"left": 200, "right": 200}).ok
         assert site.call("bt", "set_speed", {"left": 200, "right": 200}).ok
-        assert wait_until(lambda: all(r.world.speed_left == 200 for r in [*robots.values(), sr]), DEADLINE)
-        for r in [*robots.values(), sr]:
+        assert wait_until(lambda: all(r.world.speed_left == 200 for r in every), DEADLINE)
+        for r in every:
             r.stop_watch.arm()
         stop = site.set_stop(True, reason="one pass")
-        assert wait_until(lambda: all(r.stop_watch.seen for r in [*robots.values(), sr]), DEADLINE), proc.text()
+        assert wait_until(lambda: all(r.stop_watch.seen for r in every), DEADLINE), proc.text()
         answer = site.wait_answer(stop)
         written = {d["device"]: d["written_ts"] for d in answer["devices"]}
         assert set(written) == {*robots, "bt"} and all(w is not None for w in written.values()), answer
@@ -247,7 +248,7 @@ def test_every_robot_is_stopped_in_one_pass(broker_session: Broker, spawn: Any,
         for n, r in robots.items():
             seen = r.stop_watch.seen
             assert seen is not None and abs(seen.ts - written[n]) < 1.0, (n, seen, written[n])
-        assert wait_until(lambda: all(r.world.speed_left == 0 for r in [*robots.values(), sr]), DEADLINE)
+        assert wait_until(lambda: all(r.world.speed_left == 0 for r in every), DEADLINE)
         assert proc.alive()
     finally:
         site.close()
