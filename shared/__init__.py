@@ -9,6 +9,7 @@ shared.mqtt.wire) does not load the whole kit."""
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -20,7 +21,17 @@ if TYPE_CHECKING:
     from shared.node import Node
     from shared.settings import KitSettings, load_settings
 
-__version__ = "0.1.0"
+
+def _installed_version() -> str:
+    """robobus's version: pyproject.toml's `version`, read from the installed package's metadata (the one place
+    it is written). A source tree that was never installed says so instead of guessing."""
+    try:
+        return version("robobus")
+    except PackageNotFoundError:
+        return "0+not-installed"
+
+
+__version__ = _installed_version()
 
 _HOME = {
     "BinarySpec": "shared.contract",

@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from shared import __version__
 from shared.contract import ServiceAPI, check_name
 from shared.counters import Counters
 from shared.device import HEALTH_FIELDS, Device
@@ -51,8 +52,6 @@ class Node:
     """The process-wide bus side of a service. Build, add devices, bind handlers, then `run()`."""
 
     def __init__(self, api: ServiceAPI, settings: KitSettings, version: str | None = None) -> None:
-        from shared import __version__
-
         self.api = api
         self.settings = settings
         self.version = version or __version__

@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from shared import __version__
 from shared.contract import NAME_RE, BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
 from shared.messages import (
     CancelReply,
@@ -359,8 +360,6 @@ def build_document(apis: Iterable[ServiceAPI] | None = None, root: str | None = 
     """The document of `apis` (default: every registered service). `root`: the document for that topic root,
     written into every address (the one a deployment with a multi-level root hands to generic tools);
     None: the `{root}` parameter (the committed docs/asyncapi.yaml)."""
-    from shared import __version__
-
     b = DocBuilder("robobus", __version__, root)
     b.kit()
     for api in apis if apis is not None else discover_apis():

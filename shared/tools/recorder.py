@@ -46,6 +46,7 @@ from typing import IO, Any, Literal
 from mcap.writer import CompressionType, IndexType, Writer
 from pydantic import Field, field_validator
 
+from shared import __version__
 from shared.mqtt.lean import handshake, open_socket
 from shared.mqtt.session import unique_client_id
 from shared.mqtt.wire import (
@@ -227,8 +228,6 @@ class Recorder:
         return p.with_name(f"{p.stem}-{self.part:04d}{p.suffix or '.mcap'}") if self.rotating else p
 
     def _open(self) -> McapFile:
-        from shared import __version__
-
         path = self._part_path()
         meta = {
             "root": self.catalog.root, "filters": json.dumps(list(self.opts.filters)), "broker": self.opts.broker,

@@ -62,6 +62,7 @@ import paho.mqtt.client as mqtt
 import typer
 from pydantic import Field
 
+from shared import __version__
 from shared.contract import ServiceAPI, StateSpec
 from shared.mqtt.session import MqttSession, Will, unique_client_id
 from shared.settings import KitSettings, load_settings
@@ -721,7 +722,6 @@ def homeassistant(
     root: Annotated[str | None, typer.Option(help="Topic root (ROBOBUS_TOPIC_ROOT)")] = None,
 ) -> None:
     """Publish Home Assistant MQTT discovery configs for every robobus device, until stopped."""
-    from shared import __version__
     from shared.logs import setup_logging
 
     overrides = {k: v for k, v in (("homeassistant_prefix", prefix), ("mqtt_url", broker), ("topic_root", root))
