@@ -218,11 +218,14 @@ class Device:
         self.stop_inline = inline
         self.stop_note = note
         self._motion = True
+        self.node.stop_latch.adopt(self)  # a device made while the stop is active is stopped at once
 
     def stop_written(self, at: float | None = None, error: str = "") -> None:
         """The current stop reached the device at `at` (Unix time, default now), or failed (`error`): shows in
-        the node's stop answer and the device's health."""
-        self.node.stop_latch.report(self.name, None, time.time() if at is None else at, error)
+        the node's stop answer and the device's health. A failure stamps no write time: the stop did not reach
+        the device."""
+        written = None if error else (time.time() if at is None else at)
+        self.node.stop_latch.report(self.name, None, written, error)
 
     def cancel_motion_jobs(self, why: str) -> None:
         for job_id, ctx in list(self.running.items()):
@@ -244,7 +247,9 @@ class Device:
         if inline and inspect.iscoroutinefunction(handler):
             raise ValueError(f"command {spec.name!r}: an inline handler must be synchronous")
         self.commands[spec.name] = (spec, handler)
-        self._motion = self._motion or spec.motion
+        if spec.motion and not self._motion:
+            self._motion = True
+            self.node.stop_latch.adopt(self)
         if inline:
             self.inline.add(spec.name)
         else:
@@ -256,7 +261,9 @@ class Device:
         if self.node.api.jobs.get(spec.name) is not spec:
             raise KeyError(f"job {spec.name!r} is not declared on {self.node.api.service}'s API")
         self.jobs[spec.name] = (spec, run, admit)
-        self._motion = self._motion or spec.motion
+        if spec.motion and not self._motion:
+            self._motion = True
+            self.node.stop_latch.adopt(self)
         if CANCEL.name not in self.commands:
             self.commands[CANCEL.name] = (CANCEL, self._cancel)
 

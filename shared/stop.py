@@ -249,6 +249,20 @@ class StopLatch:
             d.publish_health()
         self._publish_answer()
 
+    def adopt(self, dev: MotionDevice) -> None:
+        """A device that became a motion device (its stop action or a motion command bound) while the stop is
+        active: made after the activation (a robot found later, a module added at run time), it is stopped now,
+        and the answer lists it. Before the node knows the stop state, or with no stop, nothing to do."""
+        with self._lock:
+            stop = self._last_active
+            if self.state is None or not self.state.active or stop is None or self._answer is None:
+                return
+            gen = self.generation
+            self._entries[dev.name] = StopDeviceAnswer(device=dev.name, stopped=True, pending=True)
+        log.warning("a motion device made during the bus stop: stopping it", extra={"device": dev.name})
+        self._run_action(dev, stop, gen)
+        self._publish_answer()
+
     def _release(self, stop: StopState | None, received: float) -> None:
         devs = [d for d in self.devices() if d.motion]
         log.warning("bus stop released", extra={"source": stop.source if stop else "", "devices": len(devs)})

@@ -20,7 +20,7 @@ from shared.contract import command_errors
 from shared.errors import CommandError, ErrorCode
 from shared.messages import StopAnswer, StopState
 from shared.rpc import RpcClient, wait_for
-from shared.stop import answer_topic, stop_topic
+from shared.stop import LATER, answer_topic, stop_topic
 from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import Broker
 from tests.kit import motion_node
@@ -253,6 +253,48 @@ def test_a_write_reported_later_shows_pending_then_written(bus: Bus) -> None:
         h = bus.health(node.name, "wheel2")
         assert wait_for(lambda: ((bus.health(node.name, "wheel2") or {}).get("details", {}).get("stop", {})
                                  .get("written_ts")) is not None, DEADLINE), h
+    finally:
+        node.stop()
+
+
+def test_a_failed_write_reported_later_stamps_no_write_time(bus: Bus) -> None:
+    """`stop_written(error=...)`: the stop did not reach the device, so the answer has the error and no
+    `written_ts` (a time there would tell an operator the device was stopped)."""
+    node, _ = start_node(bus, name="failing", devices=("wheel1",), sensors=())
+    dev = node.devices["wheel1"]
+    dev.on_stop(lambda stop: LATER)
+    try:
+        assert node.stop_latch.known_event.wait(DEADLINE)
+        stop = bus.set_stop(True, reason="deadman")
+        bus.wait_answer(node.name, stop, settled=False)
+        dev.stop_written(error="the robot's socket is closed")
+        final = bus.wait_answer(node.name, stop)
+        entry = {d["device"]: d for d in final["devices"]}["wheel1"]
+        assert entry["error"] == "the robot's socket is closed" and entry["written_ts"] is None, entry
+    finally:
+        node.stop()
+
+
+def test_a_motion_device_made_during_an_active_stop_is_stopped_at_once(bus: Bus) -> None:
+    """A robot found, or a module added, while the stop is active: its stop action runs when it is given one,
+    the node's answer lists it, its health says stopped, and its motion commands are refused."""
+    node, _ = start_node(bus, name="grows", devices=("wheel1",), sensors=())
+    try:
+        assert node.stop_latch.known_event.wait(DEADLINE)
+        stop = bus.set_stop(True, reason="found later")
+        bus.wait_answer(node.name, stop)
+        late = build(node, devices=("wheel9",), sensors=())  # binds its motion command, then its stop action
+        final = bus.wait_answer(node.name, stop)
+        assert wait_for(lambda: late["wheel9"].stops, DEADLINE)
+        assert wait_for(lambda: {d["device"]: d for d in (bus.answered(node.name, stop) or final)["devices"]}
+                        .get("wheel9", {}).get("written_ts") is not None, DEADLINE), bus.latest(
+                            answer_topic(bus.root, node.name))
+        entry = {d["device"]: d for d in bus.wait_answer(node.name, stop)["devices"]}["wheel9"]
+        assert entry["stopped"] and not entry["error"], entry
+        assert wait_for(lambda: (bus.health(node.name, "wheel9") or {}).get("state") == "stopped", DEADLINE)
+        rep = call(bus, node, "wheel9", "move", {"speed": 2})
+        assert not rep.ok and rep.error["code"] == "stopped"
+        assert all(speed == 0.0 for _, speed in late["wheel9"].writes)
     finally:
         node.stop()
 
