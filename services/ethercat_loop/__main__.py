@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.ethercat_loop.service import API, EthercatSettings, build
+from services.ethercat_loop.api import API
+from services.ethercat_loop.service import build
+from services.ethercat_loop.settings import EthercatSettings
 from shared import run_service
 
 

@@ -13,6 +13,27 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from services.ethercat_loop.api import (
+    API,
+    CAN_RX,
+    CAN_TX,
+    EXTRAS,
+    JOINTS,
+    LEASE,
+    LOOP,
+    MOTOR_FAULT,
+    MOTORS,
+    NULLIFY,
+    RELEASE,
+    SEND_CAN,
+    SET_CONFIG,
+    SET_DEMANDS,
+    SET_MODE,
+    STOPPED,
+    SYSTEM,
+    TACTILE,
+    TEST_ADC,
+)
 from services.ethercat_loop.backend import BackendUnavailable, HandBackend, build_driver
 from services.ethercat_loop.bridge import BridgeLease, Lease, frame_in, frame_out
 from services.ethercat_loop.calibration import HandCalibration
@@ -83,7 +104,7 @@ from services.ethercat_loop.protocol import (
 )
 from services.ethercat_loop.settings import EthercatSettings, link_policy, overrun_threshold
 from services.ethercat_loop.snapshot import PalmSnapshot
-from shared import CommandError, Device, ErrorCode, Node, ServiceAPI, ServiceUnavailable
+from shared import CommandError, Device, ErrorCode, Node, ServiceUnavailable
 from shared.link import LinkState, SupervisedLink
 from shared.messages import StopState
 from shared.stop import LATER
@@ -98,57 +119,6 @@ TEST_HOLDER = "_test_adc_channels"
 # after STOP_WRITE_GRACE_S without a frame carrying it
 STOP_RESEND_S = 0.1
 STOP_WRITE_GRACE_S = 5.0
-
-
-
-# ------------------------------------------------------------------------------------------- the contract
-API = ServiceAPI("ethercat-loop", device_doc="one Shadow Dexterous Hand palm (EtherCAT, protocol 0220/0230)",
-                 doc="Drives a Shadow hand palm at 1 kHz over EtherCAT; leases its CAN bridge to can-bootloader.")
-JOINTS = API.state("joints", PalmJoints, rate_hz=100,
-                   doc="Calibrated joint positions (rad) and the raw sensor words")
-MOTORS = API.state("motors", PalmMotors, rate_hz=10,
-                   doc="The 20 motors: torque, demands, flags, temperature, current, voltage, slow data")
-TACTILE = API.state("tactile", PalmTactile, rate_hz=25, doc="Fingertip tactile sensors")
-EXTRAS = API.state("palm_extras", PalmExtras, rate_hz=10, doc="IMU, auxiliary analog inputs, palm idle time")
-LOOP = API.state("loop_stats", EthercatLoopStats, rate_hz=1,
-                 doc="Cycle period, jitter p50/p99/max, overruns, drops and lost frames per 1 s window")
-MOTOR_FAULT = API.event("motor_fault", PalmMotorFault)
-STOPPED = API.event("stopped", PalmStopped)
-# error codes beyond the kit's: the palm not in OP (unavailable), the CAN bridge leased (busy)
-_NORMAL = [ErrorCode.UNAVAILABLE, ErrorCode.BUSY]
-SET_MODE = API.command("set_control_mode", PalmControlModeRequest, PalmAck, errors=_NORMAL,
-                       doc="Torque or PWM control; switching zeroes every demand")
-SET_DEMANDS = API.command("set_demands", PalmDemandsRequest, PalmDemandsReply, errors=_NORMAL, motion=True,
-                          doc="Demands by joint or motor id, range-checked for the mode; they expire after "
-                              "demand_timeout_ms (default 100) unless renewed; refused while the bus stop is "
-                              "active")
-NULLIFY = API.command("nullify_demands", PalmNullifyRequest, PalmAck,
-                      doc="Zero every demand now and, while enabled, keep them zero")
-# a config moves a motor held at a zero torque demand (new strain gauge references, sign, deadband): motion
-SET_CONFIG = API.command("set_motor_config", PalmMotorConfigRequest, PalmMotorConfigReply, errors=_NORMAL,
-                         motion=True, doc="Push an FPID config (one type per cycle, then the CRC); refused while "
-                                          "the bus stop is active")
-SYSTEM = API.command("system_controls", PalmSystemControlsRequest, PalmSystemControlsReply,
-                     errors=[*_NORMAL, ErrorCode.STOPPED],
-                     doc="Reset motors, backlash compensation, gauge tracking, jiggle, write EEPROM; a jiggle "
-                         "moves the motors: refused with `stopped` while the bus stop is active")
-TEST_ADC = API.command("test_adc_channels", PalmAdcTestRequest, PalmAdcTestReply,
-                       errors=[*_NORMAL, ErrorCode.TIMEOUT],
-                       doc="The seed's TestADCChannelNumbers: read every sensor's ADC/channel id in "
-                           "SENSOR_CHANNEL_NUMBERS mode and compare with the expected wiring")
-SEND_CAN = API.command("send_can", PalmSendCanRequest, PalmSendCanReply, errors=[*_NORMAL, ErrorCode.STOPPED],
-                       doc="The seed's SendCanMessage: send one frame in CAN direct mode and return the frames "
-                           "received within window_ms; a TO_MOTOR frame (SID bits 10:9 = 1: a demand, a control) "
-                           "is refused with `stopped` while the bus stop is active")
-LEASE = API.command("bridge_lease", PalmBridgeLeaseRequest, PalmBridgeLease, errors=_NORMAL,
-                    doc="Take (or renew) the exclusive CAN bridge: CAN direct mode, demands zero, until released "
-                        "or the holder is quiet for ttl_ms; `busy` if another holder has it")
-RELEASE = API.command("bridge_release", PalmBridgeReleaseRequest, PalmEmpty,
-                      doc="Give the CAN bridge back; the hand returns to normal operation")
-CAN_TX = API.stream("can_tx", PalmCanTx, "in",
-                    doc="Frames for the leased CAN bridge (one per cycle to the wire); renews the lease; while the "
-                        "bus stop is active, TO_MOTOR frames (SID bits 10:9 = 1) are dropped and counted")
-CAN_RX = API.stream("can_rx", PalmCanRx, "out", doc="Frames received through the leased CAN bridge")
 
 
 # ------------------------------------------------------------------------------------------- the service
