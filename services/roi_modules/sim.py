@@ -30,12 +30,17 @@ a motor's top speed.
 Stop bytes, for the bus stop's tests and bench: once armed (`watch_stop()`, or `--watch-stop` on the command
 line, re-armed by SIGHUP), each module stamps the first datagram it receives that stops it (ODrive: SET_VELOCITY
 0.0; actuator: a length setter, the hold; GPIO: SET_OUTPUT) with the Unix and monotonic time it arrived
-(`stop_stamps()`; on the command line one JSON line per module on stdout).
+(`stop_stamps()`; on the command line one JSON line per module on stdout), and every such datagram goes in the
+order they reached the modules' sockets (`stop_log()`). The time is the kernel's, taken as the datagram reached
+the module's socket (SO_TIMESTAMPNS), not the moment this one thread for every module got round to reading it:
+a real module reads its own socket, and fifty modules' stops queued behind one another here are the simulator's
+delay, not the sender's (where the kernel gives no time: when it was read).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import logging
@@ -44,6 +49,7 @@ import random
 import selectors
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +59,17 @@ from typing import Any
 from services.roi_modules import protocol as p
 
 log = logging.getLogger("robobus.roi.sim")
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux: the kernel's receive time of each datagram
+_ANC_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
+
+
+def _arrival(anc: list[tuple[int, int, bytes]]) -> float | None:
+    """The kernel's receive time (SCM_TIMESTAMPNS: a struct timespec, Unix time) of a datagram, if it gave one."""
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack_from("@qq", data)
+            return float(sec) + float(nsec) / 1e9
+    return None
 
 WATCHDOG_S = 0.5  # WatchdogConstants::WATCHDOG_TIMEOUT = MAINTAIN_SLEEP_TIME x 5
 KINDS = {"gpio": p.ModuleType.GENERAL_GPIO, "odrive": p.ModuleType.O_DRIVE, "actuator": p.ModuleType.ACTUATOR}
@@ -478,6 +495,7 @@ class RoiSim:
         self._thread: threading.Thread | None = None
         self._watching = False
         self._stamps: dict[int, StopStamp] = {}
+        self._stop_log: list[StopStamp] = []
         self._on_stamp: Callable[[StopStamp], None] | None = None
         now = time.monotonic()
         for spec in modules:
@@ -501,6 +519,8 @@ class RoiSim:
                     self.close()
                     raise
                 s.setblocking(False)
+                with contextlib.suppress(OSError):  # the kernel's arrival time of each datagram (the stop watch)
+                    s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
                 self._socks.append(s)
                 self.sel.register(s, selectors.EVENT_READ, (octet, port))
 
@@ -547,12 +567,12 @@ class RoiSim:
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
                 for _ in range(64):  # drain what is there, then look at the other sockets
                     try:
-                        data, addr = sock.recvfrom(2048)
+                        data, anc, _flags, addr = sock.recvmsg(2048, _ANC_SPACE)
                     except (BlockingIOError, InterruptedError):
                         break
                     except OSError:
                         break
-                    self._on_datagram(octet, port, sock, data, addr)
+                    self._on_datagram(octet, port, sock, data, addr, _arrival(anc))
             self._send_due()
             now = time.monotonic()
             if now >= self._next_tick:  # the firmware's loop: the watchdog runs without traffic too
@@ -574,7 +594,9 @@ class RoiSim:
         except OSError as exc:  # nobody listens there (ICMP) or the socket is closed: like a real module, move on
             log.debug("reply not sent", extra={"to": addr, "error": str(exc)})
 
-    def _on_datagram(self, octet: int, port: int, sock: socket.socket, data: bytes, addr: tuple[str, int]) -> None:
+    def _on_datagram(self, octet: int, port: int, sock: socket.socket, data: bytes, addr: tuple[str, int],
+                     arrived: float | None = None) -> None:
+        """`arrived`: the Unix time the datagram reached the module's socket (the kernel's), if known."""
         with self.lock:
             fw = self.modules[octet]
             f = fw.faults
@@ -600,11 +622,15 @@ class RoiSim:
                     return  # import failed (< 6 bytes): nothing to handle
                 fw.counters.general_rx += 1
                 fw.counters.bad_checksum_rx += not ok
-                if self._watching and octet not in self._stamps and fw.is_stop(pkt):
-                    stamp = StopStamp(octet, _kind_name(fw), pkt.action, time.time(), now)
-                    self._stamps[octet] = stamp
-                    if self._on_stamp is not None:
-                        self._on_stamp(stamp)
+                if self._watching and fw.is_stop(pkt):
+                    unix = time.time()
+                    at = unix if arrived is None else min(arrived, unix)
+                    stamp = StopStamp(octet, _kind_name(fw), pkt.action, at, now - (unix - at))
+                    self._stop_log.append(stamp)
+                    if octet not in self._stamps:
+                        self._stamps[octet] = stamp
+                        if self._on_stamp is not None:
+                            self._on_stamp(stamp)
                 out = fw.handle_general(pkt, now).encode()
                 dest = (addr[0], p.GENERAL_PORT)  # always the general port (§6.2)
             else:
@@ -639,8 +665,14 @@ class RoiSim:
         from now on. `on_stamp(stamp)` is called on the simulator's thread as each one arrives."""
         with self.lock:
             self._stamps.clear()
+            self._stop_log.clear()
             self._on_stamp = on_stamp
             self._watching = True
+
+    def stop_log(self) -> list[StopStamp]:
+        """Every stop datagram received since the watch was armed, in the order it reached its module."""
+        with self.lock:
+            return sorted(self._stop_log, key=lambda st: st.unix)
 
     def stop_stamps(self) -> dict[int, StopStamp]:
         """octet -> its first stop bytes since the watch was armed."""

@@ -3,7 +3,9 @@ the ODrive set to velocity mode at 0 rev/s, the actuator held where it is, the G
 (other pins left as they are), each module stamping the stop bytes it received; motion commands (typed and raw)
 refused with `stopped` and nothing sent; read-only commands answered; the release moves nothing; a node that
 starts while the stop is active comes up stopped; a stop lost on the wire is sent again; a module that does not
-answer shows in the stop answer. Each test has a topic root of its own (the stop is retained, per root)."""
+answer shows in the stop answer; every module's first stop datagram leaves before any module's second (one pass);
+the simulator stamps a stop with the time it reached the module's socket. Each test has a topic root of its own (the
+stop is retained, per root)."""
 
 from __future__ import annotations
 
@@ -143,6 +145,47 @@ def test_the_stop_reaches_every_motion_module_on_its_wire(rig: Rig) -> None:
         assert not h["operational"] and not h["error"] and h["connection"]
         assert h["details"]["stop"]["source"] == "tester" and "cell door open" in h["error_message"]
     assert health(rig, "io2")["state"] != "stopped"
+
+
+def test_every_module_gets_its_first_stop_datagram_before_any_gets_its_second(rig: Rig) -> None:
+    """One pass for every motion module (services/roi_modules/stop_pass.py, transport.send_now_many): each module's
+    first stop datagram leaves before any module's second, so no module waits behind another's whole sequence
+    (the GPIO module's three, the ODrive's five). Seen on the wire: the kernel's arrival time at each module's
+    socket (the simulator's stop_log); the GPIO's SET_OUTPUT and the ODrive's SET_VELOCITY 0 come first and
+    again last in their module's sequence."""
+    moving(rig)
+    rig.sim.watch_stop()
+    stop = set_stop(rig, True, "order")
+    answer(rig, stop)
+    seen: dict[int, list[float]] = {}
+    for st in rig.sim.stop_log():
+        seen.setdefault(st.octet, []).append(st.unix)
+    assert sorted(seen) == [10, 20, 30], seen
+    assert len(seen[10]) >= 2 and len(seen[20]) >= 2, seen
+    last_first = max(times[0] for times in seen.values())
+    first_second = min(times[1] for times in seen.values() if len(times) > 1)
+    assert last_first < first_second, seen
+
+
+def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_it_got_round_to_it() -> None:
+    """One thread serves every simulated module: a stop it reads late (here: while a test holds the simulator's
+    lock) is stamped with the time it reached the module's socket (the kernel's), not when it was read."""
+    prefix = fresh_prefix()
+    sim = RoiSim(prefix, [SimModuleSpec(20, "odrive")]).start()
+    try:
+        sim.watch_stop()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            with sim.lock:  # the simulator's thread cannot handle the datagram until this is released
+                t0 = time.time()
+                s.sendto(p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0).encode(), (sim.address(20), p.GENERAL_PORT))
+                t1 = time.time()  # loopback: the datagram is in the module's socket when sendto returns
+                time.sleep(0.3)  # (ordering only: the simulator's thread is waiting for the lock)
+            assert wait_until(lambda: 20 in sim.stop_stamps(), DEADLINE)
+        stamp = sim.stop_stamps()[20]
+        assert t0 <= stamp.unix <= t1, (t0, stamp.unix, t1)
+        assert [st.unix for st in sim.stop_log()] == [stamp.unix]
+    finally:
+        sim.close()
 
 
 def test_motion_commands_are_refused_and_send_nothing_read_only_commands_work(rig: Rig) -> None:
