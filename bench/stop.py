@@ -7,8 +7,10 @@ private broker and free ports. Each simulator stamps the first stop bytes it rec
 
 - e-pucks: the first command that sets both wheel speeds to 0 (services/epuck_gateway/sim.py, SIGUSR2 arms);
 - ROI modules: the first stop datagram (ODrive SET_VELOCITY 0, actuator length setter, GPIO SET_OUTPUT; every
-  GPIO module has a `stop_outputs` pin here) (services/roi_modules/sim.py `--watch-stop`, SIGHUP re-arms; the
-  re-arm is confirmed by a sentinel module that only this bench talks to);
+  GPIO module has a `stop_outputs` pin here), stamped with the kernel's time of its arrival at the module's socket
+  (one simulator thread serves all 51 modules: when it got round to reading each one is its own delay)
+  (services/roi_modules/sim.py `--watch-stop`, SIGHUP re-arms; the re-arm is confirmed by a sentinel module that
+  only this bench talks to);
 - Dexters: DexRun has no stop oplet, so there are no stop bytes: the watch stamps the first request that moves the
   arm, which a stopped gateway must never send. Their time is the node's stop answer (`written_ts` in
   `{root}/{node}/_node/state/stop`: when the gateway closed the link to motion), and the watch proves that no
