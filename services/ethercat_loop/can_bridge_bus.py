@@ -1,12 +1,15 @@
 """python-can interface `robobus_bridge`: the hand palm's CAN bridge, reached over MQTT through ethercat-loop.
 
+ethercat-loop's client side of its own bridge: any python-can user (can-bootloader is one) reaches the palm's
+CAN buses through it; it talks to ethercat-loop over MQTT only, with the models of this package's contract.
+
     bus = can.Bus(interface="robobus_bridge", channel="1",            # palm CAN bus 1 or 2
                   mqtt_url="mqtt://127.0.0.1:1883", node="ethercat-loop", device="rh")
 
 Registered through python-can's `can.interface` entry point (pyproject.toml), so every python-can user,
 can-bootloader included, opens it like any adapter and cannot tell the difference.
 
-ethercat-loop's contract (its service.py): `cmd/bridge_lease` {holder, ttl_ms} -> {lease_id, expires_in_ms}
+ethercat-loop's contract (api.py): `cmd/bridge_lease` {holder, ttl_ms} -> {lease_id, expires_in_ms}
 (`busy` when someone else holds it; renews for the same holder), `cmd/bridge_release` {lease_id};
 `stream/can_tx` {lease_id, frames: [{bus, sid, data}]} (queued, one frame to the wire per 1 ms cycle, renews
 the lease) and `stream/can_rx` {lease_id, frames: [{bus, sid, data, cycle}]}.
@@ -36,7 +39,7 @@ from shared.messages import Status
 from shared.rpc import RpcClient
 from shared.settings import KitSettings, hostname
 
-log = logging.getLogger("robobus.can_bootloader.bridge")
+log = logging.getLogger("robobus.ethercat.can_bridge")
 
 DEFAULT_NODE = "ethercat-loop"
 DEFAULT_DEVICE = "rh"  # ethercat-loop's default device name (its `ethercat_device` setting)
