@@ -59,6 +59,9 @@ class EthercatSettings(KitSettings):
     ethercat_rt_priority: int = Field(80, ge=0, le=99, description="SCHED_FIFO priority of the cycle process "
                                       "(0: normal scheduling)")
     ethercat_cpus: list[int] = Field(default_factory=list, description="CPU affinity of the cycle process")
+    ethercat_mqtt_rt_priority: int = Field(0, ge=0, le=99, description="SCHED_FIFO priority of the MQTT process "
+                                           "(every thread), below the cycle's: its receive path then waits for "
+                                           "no ordinary process on a busy host (0: normal scheduling)")
     ethercat_lock_memory: bool = Field(True, description="mlockall in the cycle process")
     ethercat_recv_timeout_us: int = Field(500, ge=50, le=100_000, description="Receive timeout per frame, "
                                           "well under the period")

@@ -37,7 +37,7 @@ from services.ethercat_loop.transport.cycle import (
     _Stop,
 )
 from services.ethercat_loop.transport.master import MasterConfig
-from services.ethercat_loop.transport.realtime import RtSettings
+from services.ethercat_loop.transport.realtime import RtSettings, current_policy, process_fifo
 from services.ethercat_loop.transport.shm import RAW_HEAD, C, SharedBlock
 from shared.link import SupervisedLink
 
@@ -94,6 +94,8 @@ class ProcessBackend(HandBackend):
         # its own (tests, the bench), a private one, whose back-off paces the reconnects all the same
         self.link: LinkEvents = SupervisedLink(link_policy(settings), lambda _fields: None)
         self._own_link = True  # start() blocks until OP and raises, as a caller without a link expects
+        self._mqtt_warnings: list[str] = []  # what the MQTT process was refused (ethercat_mqtt_rt_priority)
+        self._mqtt_policy = ""
 
     def attach_link(self, link: LinkEvents) -> None:
         self.link = link
@@ -128,6 +130,14 @@ class ProcessBackend(HandBackend):
         # the GIL, up to the switch interval (5 ms by default) while the state publisher decodes joints.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         s = self.settings
+        # the receive path at a realtime priority below the cycle's (README "Priorities on a busy host")
+        mqtt_prio = s.ethercat_mqtt_rt_priority
+        if s.ethercat_rt_priority and mqtt_prio >= s.ethercat_rt_priority:
+            mqtt_prio = s.ethercat_rt_priority - 1
+        self._mqtt_warnings = process_fifo(mqtt_prio)
+        for w in self._mqtt_warnings:
+            log.warning("%s", w)
+        self._mqtt_policy = current_policy()
         period_ms = self.period_ns / 1e6
         self._cfg = CycleConfig(
             s, self._cal, self._master_config(), RtSettings(s.ethercat_rt_priority, tuple(s.ethercat_cpus),
@@ -503,8 +513,9 @@ class ProcessBackend(HandBackend):
             "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,
             "dropped_submits": self.dropped_submits, "bad_raw_reads": self.bad_raw_reads, "restarts": self.restarts,
         }
-        return win.model_copy(update={"totals": totals, "realtime": {"policy": self._state.policy,
-                                                                     "warnings": list(self._state.warnings)}})
+        return win.model_copy(update={"totals": totals, "realtime": {
+            "policy": self._state.policy, "mqtt_policy": self._mqtt_policy,
+            "warnings": list(self._state.warnings) + self._mqtt_warnings}})
 
     def _overrun_view(self) -> dict[str, Any]:
         """The kept overrun records (cycle_shm.OVERRUN_FIELDS: release in CLOCK_MONOTONIC ns, then µs after
@@ -530,7 +541,8 @@ class ProcessBackend(HandBackend):
                 "state": self._link_state(no_data),
                 "error": self._restarting or st.error or st.fatal, "no_data": no_data,
                 "issue": self._restarting or st.state_issue, "restarts": self.restarts, "last_exit": self.last_exit,
-                "recovery": dict(st.recovery) if st.recovery else None, "warnings": list(st.warnings),
+                "recovery": dict(st.recovery) if st.recovery else None,
+                "warnings": list(st.warnings) + self._mqtt_warnings,
                 "mapping": ident.get("mapping"), "slaves": ident.get("slaves"), "realtime_policy": st.policy}
 
     def _link_state(self, no_data: bool) -> str:

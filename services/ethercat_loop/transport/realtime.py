@@ -91,7 +91,34 @@ def apply_realtime(rt: RtSettings) -> list[str]:
         except OSError as exc:
             warnings.append(f"SCHED_FIFO priority {rt.priority} refused ({exc}): the cycle runs at normal "
                             f"priority, expect jitter ({why_no_fifo(has_cap_sys_nice(), rt_runtime_us())})")
+    elif os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
+        # normal scheduling asked for, a realtime policy inherited (an MQTT process at SCHED_FIFO starts us)
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     return warnings
+
+
+def process_fifo(priority: int) -> list[str]:
+    """SCHED_FIFO `priority` for every thread of this process (a thread started later inherits its starter's
+    policy, so the whole process runs at it); 0 leaves the process as it is. Returns the warnings for what was
+    refused. For the MQTT process of the wire backends: its receive path (paho's thread -> handler -> control
+    pipe) then waits for no ordinary process of a busy host; below the cycle and the virtual hand, it never
+    delays either of them. Every thread, not one: a single realtime thread would wait for the GIL held by a
+    thread the host's load keeps off the CPU."""
+    if priority <= 0:
+        return []
+    refused: list[str] = []
+    for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(priority))
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+        except OSError as exc:
+            refused.append(str(exc))
+    if refused:
+        return [f"SCHED_FIFO priority {priority} for the MQTT process refused ({refused[0]}): its receive path "
+                f"runs at normal priority and waits behind a busy host's load "
+                f"({why_no_fifo(has_cap_sys_nice(), rt_runtime_us())})"]
+    return []
 
 
 CAP_SYS_NICE = 23
