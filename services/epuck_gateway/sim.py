@@ -13,7 +13,9 @@ Behaviour copied from the ESP32 WiFi firmware as the reference describes it (sec
 - on a disconnect the motors keep their last speeds (no watchdog on the robot).
 
 For the bus stop's measurements (`StopWatch`): once armed, a robot time-stamps the first stop it receives
-(a command that sets both wheel speeds to 0), when its bytes arrive, not when a cycle applies it. Armed in
+(a command that sets both wheel speeds to 0), when its bytes arrive, not when a cycle applies it: the kernel's
+time of the newest bytes of the read that carried it (SO_TIMESTAMPNS), not the moment this one loop serving
+every robot got round to it (a robot's radio reads its own socket). Armed in
 code with `robot.stop_watch.arm()`; from the command line, SIGUSR2 arms every robot and each prints
 `{"stop_seen": {"robot", "ts" (Unix time), "monotonic" (CLOCK_MONOTONIC, comparable across processes)}}`.
 
@@ -31,6 +33,7 @@ import logging
 import math
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -55,6 +58,35 @@ from services.epuck_gateway.simworld import EpuckWorld
 log = logging.getLogger("robobus.epuck.sim")
 T = TypeVar("T")
 QUEUE_FLUSH = 5  # firmware: with >= 5 commands queued, the older ones are dropped
+
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux: the kernel's receive time of the bytes read
+_ANC_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
+
+
+class _StampedSocket(socket.socket):
+    """A connection whose reads note the kernel's arrival time of the newest bytes read (`arrival`, Unix time;
+    None where the kernel gives none): asyncio's transport reads with `recv`, which this answers with recvmsg."""
+
+    arrival: float | None = None
+
+    @classmethod
+    def adopt(cls, conn: socket.socket) -> socket.socket:
+        try:
+            conn.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        except OSError:
+            return conn  # no kernel times here: stamped when read
+        s = cls(conn.family, conn.type, conn.proto, fileno=conn.detach())
+        s.setblocking(False)
+        return s
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        data, anc, _flags, _addr = self.recvmsg(bufsize, _ANC_SPACE, flags)
+        for level, kind, cmsg in anc:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(cmsg) >= 16:
+                sec, nsec = struct.unpack_from("@qq", cmsg)
+                self.arrival = float(sec) + float(nsec) / 1e9
+        return data
 
 
 @dataclass
@@ -90,11 +122,13 @@ class StopWatch:
         self.seen = None
         self.armed = True
 
-    def received(self, left: int, right: int) -> None:
-        """Bytes that set these wheel speeds have just arrived."""
+    def received(self, left: int, right: int, arrived: float | None = None) -> None:
+        """Bytes that set these wheel speeds have arrived: now, or at `arrived` (Unix time) when known."""
         if self.armed and left == 0 and right == 0:
             self.armed = False
-            self.seen = StopSeen(self.robot, time.time(), time.monotonic())
+            unix, mono = time.time(), time.monotonic()
+            at = unix if arrived is None else min(arrived, unix)
+            self.seen = StopSeen(self.robot, at, mono - (unix - at))
             if self.listener is not None:
                 self.listener(self.seen)
 
@@ -184,6 +218,7 @@ class EpuckSimRobot:
         assert self._sock is not None
         while True:
             conn, peer = await loop.sock_accept(self._sock)
+            conn = _StampedSocket.adopt(conn)
             if self.config.nodelay:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.stats.connections += 1
@@ -200,6 +235,7 @@ class EpuckSimRobot:
 
     async def _session(self, conn: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=conn)
+        stamped = conn if isinstance(conn, _StampedSocket) else None
         self._client = writer
         self.connected = True
         queue: collections.deque[EpuckCommand] = collections.deque()
@@ -214,7 +250,7 @@ class EpuckSimRobot:
                     continue
                 cmd = EpuckCommand.decode(data)
                 if not cmd.settings & SET_STEPS:  # bytes 3..6 are speeds, not step counters
-                    self.stop_watch.received(cmd.left, cmd.right)
+                    self.stop_watch.received(cmd.left, cmd.right, stamped.arrival if stamped else None)
                 self.stats.commands += 1
                 self.stats.received.append(cmd)
                 self.stats.received_at.append(time.time())

@@ -8,7 +8,8 @@
 - an ASCII `D` waiting for its slot on the serial line when the stop comes is dropped, never written;
 - every robot's stop is written in one pass on the loop, WiFi robots first, each robot once;
 - a gateway that starts while the stop is active comes up stopped;
-- the simulators' stop watch, armed from the command line (SIGUSR2), prints the time the stop arrived.
+- the simulators' stop watch, armed from the command line (SIGUSR2), prints the time the stop arrived, the time its
+  bytes reached the robot's socket, however late the simulator's loop reads them.
 
 Each test has its own topic root: a stop is per root, and no other test may see it.
 """
@@ -367,6 +368,31 @@ def test_the_simulator_prints_when_the_first_stop_arrived_after_sigusr2() -> Non
         sim.wait(10)
         reader.join(5)
     assert sum("stop_seen" in x for x in lines) == 1
+
+
+def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_its_loop_got_round_to_it() -> None:
+    """One loop serves every simulated robot: a stop it reads late (here: its loop held up by a test) is stamped with
+    the time its bytes reached the robot's socket (the kernel's), not when the loop read them."""
+    sim = EpuckSimThread(1, EpuckSimConfig(sensors_hz=50, image_fps=0)).start()
+    robot = sim.robots[0]
+    try:
+        with socket.create_connection(("127.0.0.1", robot.port), timeout=10) as s:
+            s.sendall(EpuckCommand(request=0, left=200, right=200).encode())
+            assert s.recv(1) == b"\x03"  # the robot took its first command
+            robot.stop_watch.arm()
+            release = threading.Event()
+            sim.loop.call_soon_threadsafe(release.wait, DEADLINE)  # the simulator's loop is held up
+            t0 = time.time()
+            s.sendall(EpuckCommand(request=0, left=0, right=0).encode())
+            t1 = time.time()  # loopback: the bytes are in the robot's socket when sendall returns
+            time.sleep(0.3)  # (ordering only: the loop is still held up)
+            assert robot.stop_watch.seen is None
+            release.set()
+            assert wait_until(lambda: robot.stop_watch.seen is not None, DEADLINE)
+        seen = robot.stop_watch.seen
+        assert seen is not None and t0 <= seen.ts <= t1, (t0, seen, t1)
+    finally:
+        sim.close()
 
 
 def test_the_serial_simulator_sees_every_kind_of_stop(tmp_path: Path) -> None:
