@@ -53,11 +53,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: shared.registry, standard library only
+from shared.registry import service_names
+
 PBKDF2_ITERATIONS = 101  # mosquitto_passwd's default for `$7$`
 BROKER_UID = 1883  # the mosquitto user of deploy/docker/broker.Dockerfile
 
-# Every service of the repository, by its default node name (= service name).
-SERVICES = ("ethercat-loop", "can-bootloader", "epuck-gateway", "roi-modules", "dexter-gateway")
+def registered_services() -> list[str]:
+    """Every registered service, by its default node name (= its service name): the service registry's list
+    (shared/registry.py: the `robobus.services` entry points, or this checkout's pyproject.toml where robobus
+    is not installed), so a service registered once gets its broker user and ACL here too."""
+    return service_names()
 
 
 @dataclass(frozen=True)
@@ -350,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", type=Path, default=Path(__file__).resolve().parent / "secrets")
     ap.add_argument("--root", default=os.environ.get("ROBOBUS_TOPIC_ROOT", "robobus"), help="topic root of this host")
-    ap.add_argument("--node", action="append", default=[], help="NAME[=SERVICE]: a node (default: every service)")
+    ap.add_argument("--node", action="append", default=[],
+                    help="NAME[=SERVICE]: a node (default: every registered service)")
     ap.add_argument("--central", action="store_true", help="a fleet's central broker (with --site)")
     ap.add_argument("--site", action="append", default=[], help="SITE=ROOT, e.g. site-a=site-a/robobus")
     ap.add_argument("--bridge-to", metavar="HOST:PORT", help="edge: bridge this host's broker to the centre")
@@ -401,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               creds["ROBOBUS_MQTT_USERNAME"],
                                                               creds["ROBOBUS_MQTT_PASSWORD"], cafile),
                           owner=BROKER_UID)
-        nodes = parse_pairs(args.node, "--node") or {s: s for s in SERVICES}
+        nodes = parse_pairs(args.node, "--node") or {s: s for s in registered_services()}
         users = [*nodes, "operator", "viewer", "recorder"]
         acl = Acl(args.root, nodes).text()
         if args.bridge_to:  # the site's uplink (deploy/uplink.py): reads states, writes their bridged copies
