@@ -7,7 +7,7 @@
 - Callbacks must not block: the session only dispatches, callers hand slow work to threads.
 - Hot path (docs/kit.md, "Hot paths"): handlers resolved once per topic; PUBLISH properties packed once when built
   (paho's Properties builds its tables per object and re-packs per publish) and read without those tables when
-  received (mqtt_rx.py); a reply or a request is written to the socket by the publishing thread itself, one
+  received (rx.py); a reply or a request is written to the socket by the publishing thread itself, one
   writer at a time, instead of waking paho's network thread. What these need of paho's internals is in
   `shared.mqtt.paho_private`, behind its version check: on a paho it was not tested with they are off and paho's
   public behaviour is used.

@@ -45,7 +45,7 @@ FINGERPRINTS = {
     "Client._packet_queue": "e298fa9ab31e5f79",  # copied in coalesce_wakes
     "Client._packet_write": "d097b7b51bed128d",  # called by packet_writer's caller: drains until empty or blocked
     "Client.loop_write": "57c360e5ae749fd9",  # wrapped by serialize_writes
-    "decode_publish": "50c158487fa3d96e",  # paho_decode_publish; mqtt_rx.decode_publish accepts what it accepts
+    "decode_publish": "50c158487fa3d96e",  # paho_decode_publish; shared.mqtt.rx.decode_publish accepts what it accepts
     "Properties.__init__": "39440951e379274d",  # SharedTablesProperties: the tables are all it builds
     "Properties.pack": "e5c3c9f3b95fb939",  # reads the tables through self
     "Properties.__setattr__": "c52d27783e26c0b2",  # the same; the table names are its "private vars"
