@@ -557,8 +557,15 @@ class RoiModule:
             log.info("stop not acknowledged at once: sent again with resends", extra={"device": self.cfg.name})
             replies = []
             for pkt in pkts:
+                what = f"stop (action 0x{pkt.action:04x})"
                 try:
-                    replies.append(await self.request(pkt, f"stop (action 0x{pkt.action:04x})"))
+                    self.check_kind()
+                    # the whole resend ladder even for a module that looks silent: replies held up on a busy host
+                    # (the ack of every module's stop at once) must not make a delivered stop read as failed
+                    replies.append(await tr.general(self.cfg.octet, pkt, insist=True))
+                except RequestLost as exc:
+                    problems.append(_unavailable(exc, what).message)
+                    break
                 except CommandError as exc:
                     problems.append(exc.message)
                     break

@@ -243,10 +243,14 @@ class RoiTransport:
         return module_address(self.cfg.prefix, octet)
 
     # -- requests ------------------------------------------------------------------------------------
-    async def general(self, octet: int, pkt: p.GeneralPacket, *, retries: int | None = None) -> p.GeneralPacket:
-        """Send a general request; the module's reply (same subDeviceID and action) or RequestLost."""
+    async def general(self, octet: int, pkt: p.GeneralPacket, *, retries: int | None = None,
+                      insist: bool = False) -> p.GeneralPacket:
+        """Send a general request; the module's reply (same subDeviceID and action) or RequestLost. `insist`: the
+        whole resend ladder even to a module that is not live (the bus stop's resends)."""
         key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
-        reply: p.GeneralPacket = await self._request(key, pkt.encode(), retries, True)
+        if insist and retries is None:
+            retries = self.cfg.max_retries
+        reply: p.GeneralPacket = await self._request(key, pkt.encode(), retries, True, insist=insist)
         return reply
 
     async def general_once(self, octet: int, pkt: p.GeneralPacket) -> p.GeneralPacket | None:
@@ -329,7 +333,7 @@ class RoiTransport:
         return None
 
     async def _request(self, key: Key, data: bytes, retries: int | None, counts: bool,
-                       wait_s: float | None = None) -> Any:
+                       wait_s: float | None = None, insist: bool = False) -> Any:
         octet, port = key[0], key[1]
         link = self.links.get(octet)
         if link is None:
@@ -350,7 +354,7 @@ class RoiTransport:
         sends = 0
         try:
             for attempt in range(retries + 1):
-                if attempt and self.live is not None and not self.live(octet):
+                if attempt and not insist and self.live is not None and not self.live(octet):
                     break  # the module stopped answering meanwhile: no more resends to it
                 if attempt and not urgent and slot.command_waiting(key, data):
                     # our reply is overdue (lost, or the module is slow): let the waiting command go first

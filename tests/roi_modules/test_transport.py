@@ -130,6 +130,53 @@ def test_lost_requests_are_resent_then_abandoned(sim: RoiSim) -> None:
     assert [e for e in events if e[0] == 20] == [(20, "reply")] * 4
 
 
+def test_the_stops_resends_insist_on_a_module_that_is_not_live(sim: RoiSim) -> None:
+    """The bus stop's resends (`insist`): the whole ladder even while the caller says the module is not live (its
+    replies held up on a busy host must not make a delivered stop read as failed); other requests: one send."""
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        link = tr.links[20]
+        sim.set_faults(20, drop_next=1)
+        with pytest.raises(RequestLost):  # not live: one send, lost
+            await tr.general(20, p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0))
+        assert link.sent == 1
+        sim.set_faults(20, drop_next=2)
+        rep = await tr.general(20, p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0), insist=True)
+        assert rep.action == p.OdriveAction.SET_VELOCITY  # the third send (or, on a busy host, a later one)
+        assert link.resent >= 2
+        return events
+
+    run(sim, body, live=lambda octet: False, timeout_s=COUNTING_TIMEOUT_S)
+
+
+def test_send_now_many_writes_every_modules_first_packet_before_any_second(sim: RoiSim) -> None:
+    """The bus stop's write: each module's packets in their order, each module's first before any module's second
+    (as they reach the modules' sockets: the simulator's stop_log, kernel times); one reply future per packet,
+    each module's time the moment its last packet left."""
+    async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
+        sim.watch_stop()
+        gpio = [p.GeneralPacket(3, p.GpioAction.SET_OUTPUT, b"\x00"),
+                p.GeneralPacket(3, p.GpioAction.SET_PIN_MODE, bytes([p.PinMode.OUTPUT])),
+                p.GeneralPacket(3, p.GpioAction.SET_OUTPUT, b"\x00")]
+        odrive = [p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0), p.odrive_request(p.OdriveAction.SET_TORQUE, 0.0),
+                  p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0)]
+        t0 = time.time()
+        sent = tr.send_now_many([(10, gpio), (20, odrive), (30, [])])
+        assert [len(futs) for _, futs in sent] == [3, 3, 0]
+        assert t0 <= sent[0][0] and t0 <= sent[1][0]
+        for octet, pkts, (_, futs) in ((10, gpio, sent[0]), (20, odrive, sent[1])):
+            done, _ = await asyncio.wait(futs, timeout=5.0)
+            assert len(done) == len(futs)
+            assert [f.result().action for f in futs] == [pkt.action for pkt in pkts]
+            tr.forget(octet, pkts, futs)
+        return events
+
+    run(sim, body)
+    log = [(st.octet, st.action) for st in sim.stop_log()]
+    # SET_OUTPUT and SET_VELOCITY 0 are what the simulator logs as stops: GPIO's 1st and 3rd, ODrive's 1st and 3rd
+    assert log == [(10, p.GpioAction.SET_OUTPUT), (20, p.OdriveAction.SET_VELOCITY), (10, p.GpioAction.SET_OUTPUT),
+                   (20, p.OdriveAction.SET_VELOCITY)], log
+
+
 def test_unmatched_and_corrupt_replies_are_counted(sim: RoiSim) -> None:
     async def body(tr: RoiTransport, events):  # type: ignore[no-untyped-def]
         sim.set_faults(10, duplicate=True)
