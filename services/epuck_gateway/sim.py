@@ -115,15 +115,20 @@ class StopWatch:
     def __init__(self, robot: str) -> None:
         self.robot = robot
         self.armed = False
+        self.armed_at = 0.0
         self.seen: StopSeen | None = None
         self.listener: Callable[[StopSeen], None] | None = None
 
     def arm(self) -> None:
         self.seen = None
+        self.armed_at = time.time()
         self.armed = True
 
     def received(self, left: int, right: int, arrived: float | None = None) -> None:
-        """Bytes that set these wheel speeds have arrived: now, or at `arrived` (Unix time) when known."""
+        """Bytes that set these wheel speeds have arrived: now, or at `arrived` (Unix time) when known. Bytes that
+        arrived before the watch was armed (read late) are not its business."""
+        if arrived is not None and arrived < self.armed_at:
+            return
         if self.armed and left == 0 and right == 0:
             self.armed = False
             unix, mono = time.time(), time.monotonic()

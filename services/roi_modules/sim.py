@@ -496,6 +496,7 @@ class RoiSim:
         self._watching = False
         self._stamps: dict[int, StopStamp] = {}
         self._stop_log: list[StopStamp] = []
+        self._armed_at = 0.0
         self._on_stamp: Callable[[StopStamp], None] | None = None
         now = time.monotonic()
         for spec in modules:
@@ -622,7 +623,7 @@ class RoiSim:
                     return  # import failed (< 6 bytes): nothing to handle
                 fw.counters.general_rx += 1
                 fw.counters.bad_checksum_rx += not ok
-                if self._watching and fw.is_stop(pkt):
+                if self._watching and fw.is_stop(pkt) and (arrived is None or arrived >= self._armed_at):
                     unix = time.time()
                     at = unix if arrived is None else min(arrived, unix)
                     stamp = StopStamp(octet, _kind_name(fw), pkt.action, at, now - (unix - at))
@@ -666,6 +667,7 @@ class RoiSim:
         with self.lock:
             self._stamps.clear()
             self._stop_log.clear()
+            self._armed_at = time.time()  # a datagram that arrived before (read late) is not this watch's
             self._on_stamp = on_stamp
             self._watching = True
 

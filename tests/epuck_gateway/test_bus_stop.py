@@ -372,7 +372,8 @@ def test_the_simulator_prints_when_the_first_stop_arrived_after_sigusr2() -> Non
 
 def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_its_loop_got_round_to_it() -> None:
     """One loop serves every simulated robot: a stop it reads late (here: its loop held up by a test) is stamped with
-    the time its bytes reached the robot's socket (the kernel's), not when the loop read them."""
+    the time its bytes reached the robot's socket (the kernel's), not when the loop read them; bytes that reached
+    it before the watch was armed are not the watch's."""
     sim = EpuckSimThread(1, EpuckSimConfig(sensors_hz=50, image_fps=0)).start()
     robot = sim.robots[0]
     try:
@@ -389,8 +390,20 @@ def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_its_loop_got_roun
             assert robot.stop_watch.seen is None
             release.set()
             assert wait_until(lambda: robot.stop_watch.seen is not None, DEADLINE)
-        seen = robot.stop_watch.seen
-        assert seen is not None and t0 <= seen.ts <= t1, (t0, seen, t1)
+            seen = robot.stop_watch.seen
+            assert seen is not None and t0 <= seen.ts <= t1, (t0, seen, t1)
+            # bytes that arrived before the watch was armed, read after: not this watch's stop
+            release.clear()
+            sim.loop.call_soon_threadsafe(release.wait, DEADLINE)
+            taken = robot.stats.commands
+            s.sendall(EpuckCommand(request=0, left=0, right=0).encode())
+            time.sleep(0.3)  # (ordering only: the bytes are in, the loop still held up)
+            robot.stop_watch.arm()
+            release.set()
+            assert wait_until(lambda: robot.stats.commands > taken, DEADLINE)
+            assert robot.stop_watch.seen is None and robot.stop_watch.armed
+            s.sendall(EpuckCommand(request=0, left=0, right=0).encode())
+            assert wait_until(lambda: robot.stop_watch.seen is not None, DEADLINE)
     finally:
         sim.close()
 

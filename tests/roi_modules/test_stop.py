@@ -169,7 +169,8 @@ def test_every_module_gets_its_first_stop_datagram_before_any_gets_its_second(ri
 
 def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_it_got_round_to_it() -> None:
     """One thread serves every simulated module: a stop it reads late (here: while a test holds the simulator's
-    lock) is stamped with the time it reached the module's socket (the kernel's), not when it was read."""
+    lock) is stamped with the time it reached the module's socket (the kernel's), not when it was read; one that
+    reached it before the watch was armed is not the watch's."""
     prefix = fresh_prefix()
     sim = RoiSim(prefix, [SimModuleSpec(20, "odrive")]).start()
     try:
@@ -184,6 +185,15 @@ def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_it_got_round_to_i
         stamp = sim.stop_stamps()[20]
         assert t0 <= stamp.unix <= t1, (t0, stamp.unix, t1)
         assert [st.unix for st in sim.stop_log()] == [stamp.unix]
+        # a stop that reached the module before the watch was armed, read after: not this watch's
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            with sim.lock:
+                n = sim.modules[20].counters.general_rx
+                s.sendto(p.odrive_request(p.OdriveAction.SET_VELOCITY, 0.0).encode(), (sim.address(20), p.GENERAL_PORT))
+                time.sleep(0.3)  # (ordering only: the datagram is in, the simulator's thread waits for the lock)
+                sim.watch_stop()
+            assert wait_until(lambda: sim.call(20, lambda f: f.counters.general_rx) > n, DEADLINE)
+            assert sim.stop_stamps() == {} and sim.stop_log() == []
     finally:
         sim.close()
 
