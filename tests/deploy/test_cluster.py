@@ -1,0 +1,210 @@
+"""A clustered centre: three ejabberd nodes (mod_mqtt, MQTT 5.0; one ejabberd cluster: deploy/compose.cluster.yaml)
+and two simulated sites, each its own compose project whose broker bridges to the cluster, listing every node
+(site-a: node 1 first, site-b: node 3 first). A site's telemetry is seen at the centre through any node; a command
+from a client on node 1 reaches the site bridged to node 3 and its reply comes back; when the node a site is
+bridged to is killed, the bridge is on another node within 10 s and no QoS 1 message the site sent meanwhile is
+lost. What ejabberd does differently from the single mosquitto centre: deploy/README.md, "A clustered centre"."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shared.rpc import RpcClient
+from shared.settings import KitSettings
+from tests.deploy.deployfiles import DEPLOY, make_secrets
+from tests.deploy.mqttprobe import Probe, creds
+from tests.deploy.stack import DOCKER, Stack, run
+from tests.fixtures import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NODES = ("ejabberd1", "ejabberd2", "ejabberd3")
+SITES = {"site-a": ["ethercat-loop-sim", "uplink"], "site-b": ["epuck-sim", "epuck-gateway-sim", "uplink"]}
+# each site's bridge: its main node first, then the others in turn (make_secrets.bridge_conf)
+SITE_NODES = {"site-a": ("ejabberd1", "ejabberd2", "ejabberd3"), "site-b": ("ejabberd3", "ejabberd1", "ejabberd2")}
+FAILOVER_WITHIN_S = 10.0
+
+
+@dataclass
+class Cluster:
+    name: str
+    secrets: Path
+    wan: str
+    ports: dict[str, int]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"ROBOBUS_PROJECT": self.name, "ROBOBUS_SECRETS_DIR": str(self.secrets),
+                "ROBOBUS_WAN_NETWORK": self.wan, "ROBOBUS_HEALTHCHECK_INTERVAL": "1s",
+                **{f"ROBOBUS_CLUSTER_PORT_{i + 1}": str(self.ports[n]) for i, n in enumerate(NODES)}}
+
+    def compose(self, *args: str, timeout: float = 600, check: bool = True):
+        return run([DOCKER, "compose", "-f", str(DEPLOY / "compose.cluster.yaml"), "--profile", "cluster", *args],
+                   self.env, timeout, check)
+
+    def settings(self, node: str, user: str = "operator", **kw: object) -> KitSettings:
+        u, p = creds(self.secrets, user)
+        return KitSettings(mqtt_url=f"mqtt://127.0.0.1:{self.ports[node]}", mqtt_username=u, mqtt_password=p,
+                           **kw)  # type: ignore[arg-type]
+
+    def probe(self, node: str, user: str = "viewer") -> Probe:
+        p = Probe("127.0.0.1", self.ports[node], *creds(self.secrets, user))
+        assert p.connect() == 0, f"{user} refused by {node}"
+        return p
+
+
+@pytest.fixture(scope="module")
+def cluster(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, dict[str, Stack]]]:
+    tag = f"{os.getpid()}"
+    wan = f"robobus-cwan-{tag}"
+    centre = Cluster(f"robobus-cluster-{tag}", tmp_path_factory.mktemp("cluster"), wan,
+                     {n: free_port() for n in NODES})
+    run(["python3", str(DEPLOY / "make_secrets.py"), "--dir", str(centre.secrets), "--central", "--cluster",
+         *[a for s in SITES for a in ("--site", f"{s}={s}/robobus")]])
+    sites: dict[str, Stack] = {}
+    for site in SITES:
+        st = Stack(f"robobus-c{site}-{tag}", tmp_path_factory.mktemp(site), root=f"{site}/robobus",
+                   extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": f"{site}-broker"})
+        # plain MQTT on the docker network (the cluster's listener has no TLS: deploy/README.md)
+        st.make_secrets("--site", site, "--bridge-to", ",".join(f"{n}:1883" for n in SITE_NODES[site]),
+                        "--bridge-credentials", str(centre.secrets / f"bridge-{site}.env"), "--bridge-plain")
+        sites[site] = st
+    run([DOCKER, "network", "create", wan])
+    try:
+        centre.compose("build")  # cached after the first run
+        centre.compose("up", "-d", "--wait", "--wait-timeout", "300", timeout=400)
+        with ThreadPoolExecutor(len(sites)) as pool:
+            for f in [pool.submit(sites[s].up, "broker", *services) for s, services in SITES.items()]:
+                f.result()
+        yield centre, sites
+    finally:
+        for st in sites.values():
+            st.down()
+        centre.compose("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=180)
+        run([DOCKER, "network", "rm", wan], check=False)
+
+
+def test_the_generated_bridge_lists_every_node_and_keeps_the_first_as_its_main_one():
+    conf = make_secrets.bridge_conf("s", "s/robobus", "n1:1883,n2:1883,n3:1883", "u", "p").splitlines()
+    assert "address n1:1883 n2:1883 n3:1883" in conf and "round_robin false" in conf
+    assert "round_robin false" not in make_secrets.bridge_conf("s", "s/robobus", "c:1883", "u", "p")
+
+
+def test_the_cluster_config_carries_the_centres_acl():
+    acl = make_secrets.central_acl({"s": "s/robobus"})
+    publish, subscribe = make_secrets.ejabberd_access(acl)
+    assert publish["s/robobus/+/+/cmd/+"] == {"operator"}
+    assert publish["s/robobus/_stop"] == {"operator"}
+    assert subscribe["s/robobus/_stop"] >= {"bridge-s", "operator", "viewer"}
+    assert publish["+/_client/%c/reply"] == {"*"}
+    assert "viewer" not in {u for users in publish.values() for u in users}
+
+
+def test_each_sites_telemetry_is_seen_at_the_centre_through_any_node(cluster):
+    centre, _ = cluster
+    probes = {n: centre.probe(n) for n in NODES}
+    try:
+        for p in probes.values():
+            for site in SITES:
+                assert p.subscribe(f"{site}/robobus/+/+/health")[0] < 0x80
+        for node, p in probes.items():
+            for site in SITES:  # health is published every 5 s (and on each change)
+                assert p.wait_for(lambda t, pl, r, s=site: t.startswith(f"{s}/robobus/") and not r, 60), \
+                    (node, site, p.topics()[-10:])
+    finally:
+        for p in probes.values():
+            p.close()
+
+
+def test_a_command_from_a_client_on_node_1_reaches_the_site_bridged_to_node_3(cluster):
+    centre, _ = cluster
+    with RpcClient(centre.settings("ejabberd1", topic_root="site-b/robobus"), name="test-cluster-op") as c:
+        rep = c.call("epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}, timeout=30)
+    assert rep.ok, rep
+    with RpcClient(centre.settings("ejabberd3", topic_root="site-a/robobus"), name="test-cluster-op") as c:
+        rep = c.call("ethercat-loop", "rh", "nullify_demands", {}, timeout=30)
+    assert rep.ok, rep
+
+
+def test_a_viewer_at_the_cluster_cannot_command_or_stop_a_site(cluster):
+    centre, sites = cluster
+    site = sites["site-a"]
+    root = "site-a/robobus"
+    viewer = centre.probe("ejabberd2")
+    operator = centre.probe("ejabberd2", "operator")
+    local = Probe("127.0.0.1", site.port, *creds(site.secrets, "operator"))
+    assert local.connect() == 0
+    try:
+        # mod_mqtt checks a subscription's filter: the viewer reads the nodes' topics, not all of a root
+        assert viewer.subscribe(f"{root}/+/status")[0] < 0x80
+        assert viewer.subscribe(f"{root}/#")[0] >= 0x80
+        local.subscribe(f"{root}/ethercat-loop/rh/cmd/+")
+        local.subscribe(f"{root}/_stop")
+        viewer.publish(f"{root}/ethercat-loop/rh/cmd/nullify_demands", b'{"from": "viewer"}')
+        viewer.publish(f"{root}/_stop", b'{"from": "viewer"}')
+        # the operator's, published after the viewer's were answered, on the same node and bridge: it arrives
+        operator.publish(f"{root}/ethercat-loop/rh/cmd/nullify_demands", b"{}")
+        assert local.wait_for(lambda t, p, r: t.endswith("/cmd/nullify_demands") and p == b"{}", 30)
+        assert not any(b"viewer" in p for _, p, _ in list(local.received)), local.received
+    finally:
+        for p in (viewer, operator, local):
+            p.close()
+
+
+def test_killing_the_node_a_site_is_bridged_to_moves_the_bridge_and_loses_no_qos1_message(cluster):
+    centre, sites = cluster
+    site = sites["site-a"]
+    root = "site-a/robobus"
+    watcher = centre.probe("ejabberd2")
+    watcher.subscribe(f"{root}/+/+/event/probe")
+    watcher.subscribe(f"{root}/_bridge/state")
+    pub = Probe("127.0.0.1", site.port, *creds(site.secrets, "ethercat-loop"))
+    assert pub.connect() == 0
+    sent: list[int] = []
+    stop = threading.Event()
+
+    def publish() -> None:  # numbered QoS 1 events at ~20/s from the site, before, during and after the kill
+        i = 0
+        while not stop.is_set():
+            pub.client.publish(f"{root}/ethercat-loop/rh/event/probe", json.dumps({"seq": i}).encode(), qos=1)
+            sent.append(i)
+            i += 1
+            time.sleep(0.05)
+
+    def seqs() -> set[int]:
+        return {json.loads(p)["seq"] for t, p, _ in list(watcher.received) if t.endswith("/event/probe")}
+
+    th = threading.Thread(target=publish, daemon=True)
+    th.start()
+    try:
+        assert watcher.wait_for(lambda t, p, r: t.endswith("/event/probe"), 30), "no event through the cluster"
+        at_kill = watcher.mark()
+        node1 = centre.compose("ps", "-q", "ejabberd1").stdout.strip()
+        killed = time.monotonic()
+        run([DOCKER, "kill", node1])
+        assert watcher.wait_for(lambda t, p, r: t == f"{root}/_bridge/state" and p == b"1" and not r, 30, at_kill), \
+            "the bridge did not come back on another node"
+        failover_s = time.monotonic() - killed
+        assert failover_s <= FAILOVER_WITHIN_S, f"the bridge took {failover_s:.1f} s to reach another node"
+        time.sleep(2)  # events after the reconnect too (not a timing assertion)
+    finally:
+        stop.set()
+        th.join(10)
+    n = len(sent)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(seqs()) < n:
+        time.sleep(0.2)
+    missing = sorted(set(range(n)) - seqs())
+    assert not missing, f"{len(missing)} of {n} QoS 1 messages lost: {missing[:20]}"
+    print(f"cluster failover: {failover_s:.1f} s, {n} QoS 1 messages, none lost")
+    pub.close()
+    watcher.close()
