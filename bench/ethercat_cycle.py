@@ -731,7 +731,7 @@ def run_once(a: argparse.Namespace, plan: Plan) -> dict[str, Any]:
                 "late_starts": end.get("late_starts", 0) - start_stats.get("late_starts", 0),
                 "recent_overruns": end.get("recent_overruns", []),
                 "cycles": end.get("cycles", 0), "note": "wake/cpu/rtt percentiles cover the whole node run",
-                # an outage (issue 16: one run of four lost the link for ~4 s): what the recovery did in the
+                # an outage (the link lost for seconds while frames still flow): what the recovery did in the
                 # window, and its last steps as health reported them
                 "link": {**{k: end.get(k, 0) - start_stats.get(k, 0)
                             for k in ("no_status", "stale", "left_op", "recoveries", "escalations", "rescans")},
