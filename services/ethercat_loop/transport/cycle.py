@@ -195,132 +195,184 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
         raise SystemExit(LOST_EXIT)
 
 
+# counter indices (shm.C), resolved once: the loop writes a dozen counters a period
+K_COMMANDS_APPLIED = C["commands_applied"]
+K_CONSECUTIVE_NO_STATUS = C["consecutive_no_status"]
+K_CPU_NS_MAX = C["cpu_ns_max"]
+K_CPU_NS_SUM = C["cpu_ns_sum"]
+K_CYCLES = C["cycles"]
+K_DECODE_ERRORS = C["decode_errors"]
+K_DROPPED = C["dropped"]
+K_ESCALATIONS = C["escalations"]
+K_FRAMES = C["frames"]
+K_HEALTH_ERROR = C["health_error"]
+K_HEARTBEAT_NS = C["heartbeat_ns"]
+K_IN_OP = C["in_op"]
+K_LATE = C["late"]
+K_LATE_STARTS = C["late_starts"]
+K_LEFT_OP = C["left_op"]
+K_LOST = C["lost"]
+K_MAX_CONSECUTIVE_NO_STATUS = C["max_consecutive_no_status"]
+K_NO_STATUS = C["no_status"]
+K_OUTAGES = C["outages"]
+K_OVERRUN_LATE_WAKE = C["overrun_late_wake"]
+K_OVERRUN_LOST_FRAME = C["overrun_lost_frame"]
+K_OVERRUN_SLACK_WORK = C["overrun_slack_work"]
+K_OVERRUN_SLOW_EXCHANGE = C["overrun_slow_exchange"]
+K_OVERRUNS = C["overruns"]
+K_PERIOD_NS = C["period_ns"]
+K_RECOVERIES = C["recoveries"]
+K_RESCANS = C["rescans"]
+K_RTT_NS_MAX = C["rtt_ns_max"]
+K_SKIPPED_CYCLES = C["skipped_cycles"]
+K_SNAPSHOTS = C["snapshots"]
+K_STALE = C["stale"]
+K_STARTED_NS = C["started_ns"]
+K_STATE_CHECKS = C["state_checks"]
+K_STOP_SENT_NS = C["stop_sent_ns"]
+K_STOP_SEQ = C["stop_seq"]
+K_SUBMITS = C["submits"]
+K_WAKE_NS_MAX = C["wake_ns_max"]
+K_WKC_ERRORS = C["wkc_errors"]
+_mono, _cpu_time = time.monotonic_ns, time.thread_time_ns  # one global lookup each, not a module's attribute
+
+
 def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock, ctl: Connection,
          events: Connection, st: _CycleState, publish: Callable[[], None], stopping: list[str]) -> None:
-    # counter indices as locals: the loop writes a dozen counters a period
-    k_commands_applied = C["commands_applied"]
-    k_consecutive_no_status = C["consecutive_no_status"]
-    k_cpu_ns_max = C["cpu_ns_max"]
-    k_cpu_ns_sum = C["cpu_ns_sum"]
-    k_cycles = C["cycles"]
-    k_decode_errors = C["decode_errors"]
-    k_dropped = C["dropped"]
-    k_escalations = C["escalations"]
-    k_frames = C["frames"]
-    k_health_error = C["health_error"]
-    k_heartbeat_ns = C["heartbeat_ns"]
-    k_in_op = C["in_op"]
-    k_late = C["late"]
-    k_late_starts = C["late_starts"]
-    k_left_op = C["left_op"]
-    k_lost = C["lost"]
-    k_max_consecutive_no_status = C["max_consecutive_no_status"]
-    k_no_status = C["no_status"]
-    k_outages = C["outages"]
-    k_overrun_late_wake = C["overrun_late_wake"]
-    k_overrun_lost_frame = C["overrun_lost_frame"]
-    k_overrun_slack_work = C["overrun_slack_work"]
-    k_overrun_slow_exchange = C["overrun_slow_exchange"]
-    k_overruns = C["overruns"]
-    k_period_ns = C["period_ns"]
-    k_recoveries = C["recoveries"]
-    k_rescans = C["rescans"]
-    k_rtt_ns_max = C["rtt_ns_max"]
-    k_skipped_cycles = C["skipped_cycles"]
-    k_snapshots = C["snapshots"]
-    k_stale = C["stale"]
-    k_started_ns = C["started_ns"]
-    k_state_checks = C["state_checks"]
-    k_wake_ns_max = C["wake_ns_max"]
-    k_wkc_errors = C["wkc_errors"]
-    cnt, h_wake, h_cpu, h_rtt = shm.counters_mv, shm.hist_mv["wake"], shm.hist_mv["cpu"], shm.hist_mv["rtt"]
-    h_cmd = shm.hist_mv["command"]
-    # one poll object for the whole run: Connection.poll(0) builds a selector per call (~15 µs a cycle)
-    ctl_poll = select.poll()
-    ctl_poll.register(ctl.fileno(), select.POLLIN)
-    submitted: list[int] = []  # submit times of the commands applied this cycle
-    k_stop_sent_ns, k_stop_seq = C["stop_sent_ns"], C["stop_seq"]
-    stop_seen = driver.stop_seq
-    wc = master.counters
-    period = cfg.period_ns
-    sleeper = AbsoluteSleeper()
-    mono, cpu_clock, loads, dumps = time.monotonic_ns, time.thread_time_ns, pickle.loads, pickle.dumps
-    cnt[k_period_ns] = period
-    slack_check = min(SLACK_STATE_CHECK_NS, period * 2 // 5)
-    snap_cost = SLACK_SNAPSHOT_NS  # decaying maximum of what a snapshot took
-    status: bytes | None = None
-    statuses_seen = -1
-    halting = False
-    check_due = cfg.state_check_every
-    snapshot_due = cfg.snapshot_every
-    recovery_seen = master.recovery_seq
-    rescan_after, rescan_backoff = 0, 0
-    gc.disable()
-    # releases on the CLOCK_MONOTONIC grid of the period (multiples of it; for a period dividing 1 s, on
-    # the full second): a phase other processes can know, e.g. a latency probe woken just before it
-    deadline = (mono() // period + 2) * period
-    cnt[k_started_ns] = deadline
-    cycle = int(cnt[k_cycles])  # 0, or where a cycle process that died stopped counting
-    quarter = period // 4
-    submits_at, drained = C["submits"], 0
-    write_raw = shm.raw_writer()
-    no_exchange = Exchange(None, -1, 0, lost=False)
-    while True:
-        sleeper.sleep_until(deadline)
-        wake = mono()
-        cpu0 = cpu_clock()
-        lat = wake - deadline
-        h_wake[min(lat // 1000, HIST_US)] += 1
-        if lat > cnt[k_wake_ns_max]:
-            cnt[k_wake_ns_max] = lat
-        # ---- the reply to the frame sent at the last release: in the socket's queue long since (the
-        # cycle does not sleep a second time per period waiting for it); its round trip is the kernel's
-        # receive time. A reply not back yet is waited for at most a quarter period into this one.
-        if master.pending:
-            ex = master.receive(deadline + quarter)
-            t_ex = mono()
-            status = ex.status
-            if ex.rtt_ns >= 0:  # a reply older than its send is stale (counted by the master), never an index
-                h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
-            cnt[k_lost] = wc.lost
-            cnt[k_stale] = wc.stale
-            cnt[k_late] = wc.late
-            cnt[k_wkc_errors] = wc.wkc_errors
-            cnt[k_rtt_ns_max] = wc.rtt_max_ns
-            if status is None:
-                cnt[k_no_status] += 1
-                run = cnt[k_consecutive_no_status] + 1
-                cnt[k_consecutive_no_status] = run
-                if run > cnt[k_max_consecutive_no_status]:
-                    cnt[k_max_consecutive_no_status] = run
-                if run == cfg.error_after:
-                    cnt[k_health_error] = 1
-                    cnt[k_outages] += 1
-                    st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
-                    publish()
-            elif cnt[k_consecutive_no_status]:
-                cnt[k_consecutive_no_status] = 0
-                if cnt[k_health_error]:
-                    cnt[k_health_error] = 0
-                    st.error = ""
-                    publish()
-        else:  # nothing in flight (the first cycle, or after a re-scan)
-            ex = no_exchange
-            t_ex = wake
-            status = None
-        # ---- control messages, then the command: a demand that arrived before the tick goes out now ----
-        # read the pipe only when the MQTT side's count of messages written moved (no poll syscall in most
-        # periods), and every EOF_CHECK_EVERY cycles anyway, for its EOF (the MQTT process gone)
-        announced = cnt[submits_at] - drained
-        if announced > 0 or cycle % EOF_CHECK_EVERY == 0:
+    _Cycle(cfg, master, driver, shm, ctl, events, st, publish, stopping).run()
+
+
+class _Cycle:
+    """The loop of the cycle process, one period at a time. `run` sleeps to each release and calls, in order:
+    `read` (the reply to the last frame: loss, WKC, outage bookkeeping), `apply` (the control messages), update
+    (`driver.cycle`: the driver builds the command from that status), `write` (the frame goes out; the
+    counters, the raw status and the CAN events for the MQTT side), `slack` (state check, re-scan, snapshot, only
+    in the period's slack) and `close` (CPU time, the next release, overrun accounting). What one period hands
+    the next lives in the attributes; what one period's steps hand each other is passed as arguments."""
+
+    __slots__ = ("cfg", "check_due", "cnt", "ctl", "ctl_poll", "cycle", "drained", "driver", "events", "h_cmd",
+                 "h_cpu", "h_rtt", "h_wake", "halting", "master", "no_exchange", "period", "publish", "quarter",
+                 "recovery_seen", "rescan_after", "rescan_backoff", "shm", "slack_check", "snap_cost",
+                 "snapshot_due", "st", "statuses_seen", "stop_seen", "stopping", "submitted", "wc", "write_raw")
+
+    def __init__(self, cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock,
+                 ctl: Connection, events: Connection, st: _CycleState, publish: Callable[[], None],
+                 stopping: list[str]) -> None:
+        self.cfg, self.master, self.driver, self.shm, self.ctl, self.events = cfg, master, driver, shm, ctl, events
+        self.st, self.publish, self.stopping = st, publish, stopping
+        self.cnt, self.h_wake, self.h_cpu = shm.counters_mv, shm.hist_mv["wake"], shm.hist_mv["cpu"]
+        self.h_rtt, self.h_cmd = shm.hist_mv["rtt"], shm.hist_mv["command"]
+        # one poll object for the whole run: Connection.poll(0) builds a selector per call (~15 µs a cycle)
+        self.ctl_poll = select.poll()
+        self.ctl_poll.register(ctl.fileno(), select.POLLIN)
+        self.submitted: list[int] = []  # submit times of the commands applied this cycle
+        self.stop_seen = driver.stop_seq
+        self.wc = master.counters
+        self.period = cfg.period_ns
+        self.quarter = cfg.period_ns // 4
+        self.slack_check = min(SLACK_STATE_CHECK_NS, cfg.period_ns * 2 // 5)
+        self.snap_cost = SLACK_SNAPSHOT_NS  # decaying maximum of what a snapshot took
+        self.statuses_seen = -1
+        self.halting = False
+        self.check_due = cfg.state_check_every
+        self.snapshot_due = cfg.snapshot_every
+        self.recovery_seen = master.recovery_seq
+        self.rescan_after, self.rescan_backoff = 0, 0
+        self.cycle = int(self.cnt[K_CYCLES])  # 0, or where a cycle process that died stopped counting
+        self.drained = 0
+        self.write_raw = shm.raw_writer()
+        self.no_exchange = Exchange(None, -1, 0, lost=False)
+
+    def run(self) -> None:
+        cnt, h_wake, period = self.cnt, self.h_wake, self.period
+        mono, cpu_clock = _mono, _cpu_time
+        # update: the driver's own step, the last status in, the command out
+        read, apply, update, write, slack, close = self.read, self.apply, self.driver.cycle, self.write, \
+            self.slack, self.close
+        driver_c, zero_cycles = self.driver.c, self.cfg.zero_cycles
+        sleeper = AbsoluteSleeper()
+        cnt[K_PERIOD_NS] = period
+        gc.disable()
+        # releases on the CLOCK_MONOTONIC grid of the period (multiples of it; for a period dividing 1 s, on
+        # the full second): a phase other processes can know, e.g. a latency probe woken just before it
+        deadline = (mono() // period + 2) * period
+        cnt[K_STARTED_NS] = deadline
+        while True:
+            sleeper.sleep_until(deadline)
+            wake = mono()
+            cpu0 = cpu_clock()
+            lat = wake - deadline
+            h_wake[min(lat // 1000, HIST_US)] += 1
+            if lat > cnt[K_WAKE_NS_MAX]:
+                cnt[K_WAKE_NS_MAX] = lat
+            ex, t_ex, status = read(deadline, wake)
+            apply()
+            # the status of the last exchange answers the command before it (the palm loads it after the
+            # command arrived), so building the command here loses nothing and saves a period of latency
+            sent_ns = write(update(status, wake), status, wake)
+            if self.halting and driver_c["halt_zero_cycles"] >= zero_cycles:
+                self.finish_stop()
+                return
+            slack_work, after = slack(deadline, status)
+            if after != deadline:  # a re-scan: back on the grid (the stop is a re-scan, not an overrun)
+                deadline = wake = after
+            deadline = close(deadline, wake, lat, cpu0, ex, t_ex, sent_ns, slack_work)
+
+    def read(self, deadline: int, wake: int) -> tuple[Exchange, int, bytes | None]:
+        """The reply to the frame sent at the last release: in the socket's queue long since (the cycle does not
+        sleep a second time per period waiting for it); its round trip is the kernel's receive time. A reply not
+        back yet is waited for at most a quarter period into this one. Returns (exchange, when it was read,
+        the valid status or None)."""
+        master = self.master
+        if not master.pending:  # nothing in flight (the first cycle, or after a re-scan)
+            return self.no_exchange, wake, None
+        cnt, wc = self.cnt, self.wc
+        ex = master.receive(deadline + self.quarter)
+        t_ex = _mono()
+        status = ex.status
+        if ex.rtt_ns >= 0:  # a reply older than its send is stale (counted by the master), never an index
+            self.h_rtt[min(ex.rtt_ns // 1000, HIST_US)] += 1
+        cnt[K_LOST] = wc.lost
+        cnt[K_STALE] = wc.stale
+        cnt[K_LATE] = wc.late
+        cnt[K_WKC_ERRORS] = wc.wkc_errors
+        cnt[K_RTT_NS_MAX] = wc.rtt_max_ns
+        if status is None:
+            cnt[K_NO_STATUS] += 1
+            run = cnt[K_CONSECUTIVE_NO_STATUS] + 1
+            cnt[K_CONSECUTIVE_NO_STATUS] = run
+            if run > cnt[K_MAX_CONSECUTIVE_NO_STATUS]:
+                cnt[K_MAX_CONSECUTIVE_NO_STATUS] = run
+            if run == self.cfg.error_after:
+                cnt[K_HEALTH_ERROR] = 1
+                cnt[K_OUTAGES] += 1
+                self.st.error = f"no valid status for {run} cycles (lost {wc.lost}, WKC errors {wc.wkc_errors})"
+                self.publish()
+        elif cnt[K_CONSECUTIVE_NO_STATUS]:
+            cnt[K_CONSECUTIVE_NO_STATUS] = 0
+            if cnt[K_HEALTH_ERROR]:
+                cnt[K_HEALTH_ERROR] = 0
+                self.st.error = ""
+                self.publish()
+        return ex, t_ex, status
+
+    def apply(self) -> None:
+        """The control messages, applied to the driver before it builds the command: a demand that arrived before
+        the tick goes out now. The pipe is read only when the MQTT side's count of messages written moved (no
+        poll syscall in most periods), and every EOF_CHECK_EVERY cycles anyway, for its EOF (the MQTT process
+        gone). A stop (message, SIGTERM or EOF) zeroes every demand from this cycle on."""
+        cnt = self.cnt
+        announced = cnt[K_SUBMITS] - self.drained
+        if announced > 0 or self.cycle % EOF_CHECK_EVERY == 0:
             limit = min(max(announced, 1), MAX_MSGS_PER_CYCLE)
             n = 0
-            while n < limit and ctl_poll.poll(0):  # readable, or EOF (POLLHUP)
+            ctl, poll, driver, stopping = self.ctl, self.ctl_poll.poll, self.driver, self.stopping
+            while n < limit and poll(0):  # readable, or EOF (POLLHUP)
                 n += 1
-                drained += 1
+                self.drained += 1
                 try:
                     data = ctl.recv_bytes()
-                    msg = loads(memoryview(data)[SUBMIT_STAMP.size :])
+                    msg = pickle.loads(memoryview(data)[SUBMIT_STAMP.size :])
                 except (EOFError, OSError):
                     stopping.append("parent gone")
                     break
@@ -328,118 +380,137 @@ def _run(cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: Shar
                     stopping.append(msg.reason)
                 else:  # validated once, by the service, before it was submitted
                     msg.apply(driver)
-                    cnt[k_commands_applied] += 1
-                    submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
-        if stopping and not halting:
-            Halt(True).apply(driver)
-            halting = True
-            st.state = "stopping"
-            publish()
-        # the status of the last exchange answers the command before it (the palm loads it after the
-        # command arrived), so building the command here loses nothing and saves a period of latency
-        command = driver.cycle(status, wake)
-        # ---- the wire: the command goes out now; its reply is read at the next release ----
-        sent_ns = master.send(command)
+                    cnt[K_COMMANDS_APPLIED] += 1
+                    self.submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
+        if self.stopping and not self.halting:
+            Halt(True).apply(self.driver)
+            self.halting = True
+            self.st.state = "stopping"
+            self.publish()
+
+    def write(self, command: bytes, status: bytes | None, wake: int) -> int:
+        """The command goes out now (its reply is read at the next release); then what the MQTT side reads: how
+        long the applied commands waited for their frame, the counters, every valid status raw (a few µs: it
+        decodes joints there, so the costly full driver snapshot can run at a fraction of the rate), the CAN
+        frames received. Returns the send time."""
+        cnt, driver = self.cnt, self.driver
+        sent_ns = self.master.send(command)
+        submitted = self.submitted
         if submitted:  # how long the applied commands waited for their frame (the cycle's share of the latency)
+            h_cmd = self.h_cmd
             for t_sub in submitted:
                 h_cmd[min((sent_ns - t_sub) // 1000, HIST_US)] += 1
             submitted.clear()
-            if driver.stop_seq != stop_seen:  # a bus stop was applied: this frame carries it (zero demands)
-                stop_seen = driver.stop_seq
-                cnt[k_stop_sent_ns] = sent_ns  # the time first: a reader that sees the number sees its time
-                cnt[k_stop_seq] = stop_seen
-        cycle += 1
-        cnt[k_cycles] = cycle
-        cnt[k_frames] = wc.frames
-        cnt[k_dropped] = driver.c["dropped"]
-        cnt[k_decode_errors] = driver.c["decode_errors"]
-        if status is not None and driver.c["statuses"] != statuses_seen:
-            # every valid status goes to the MQTT side raw (a few µs); it decodes joints there, so the
-            # costly full driver snapshot can run at a fraction of the rate
-            statuses_seen = driver.c["statuses"]
-            write_raw(driver.cycle_no, wake, statuses_seen, status)
-        if halting and driver.c["halt_zero_cycles"] >= cfg.zero_cycles:  # that many zero commands exchanged
-            master.settle(mono() + period)  # the last of them answered (or lost) before leaving OP
-            st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
-                              "demands_sent_last": [m.demand_sent for m in driver.motors],
-                              "reason": stopping[0]}
-            shm.write_slot("snapshot", dumps(driver.snapshot(joints=False), 5))
-            publish()
-            return
-        rx = driver.take_can_rx()
-        if rx:
-            _send_events(events, rx, cnt)
-        # ---- slack work, only with enough of the period left: it may wait a cycle, the next tick may not ----
+            if driver.stop_seq != self.stop_seen:  # a bus stop was applied: this frame carries it (zero demands)
+                self.stop_seen = driver.stop_seq
+                cnt[K_STOP_SENT_NS] = sent_ns  # the time first: a reader that sees the number sees its time
+                cnt[K_STOP_SEQ] = self.stop_seen
+        self.cycle += 1
+        cnt[K_CYCLES] = self.cycle
+        cnt[K_FRAMES] = self.wc.frames
+        dc = driver.c
+        cnt[K_DROPPED] = dc["dropped"]
+        cnt[K_DECODE_ERRORS] = dc["decode_errors"]
+        if status is not None and dc["statuses"] != self.statuses_seen:
+            self.statuses_seen = dc["statuses"]
+            self.write_raw(driver.cycle_no, wake, self.statuses_seen, status)
+        if not self.halting or dc["halt_zero_cycles"] < self.cfg.zero_cycles:
+            rx = driver.take_can_rx()
+            if rx:
+                _send_events(self.events, rx, cnt)
+        return sent_ns
+
+    def finish_stop(self) -> None:
+        """That many zero commands exchanged: the last of them answered (or lost) before leaving OP."""
+        driver = self.driver
+        self.master.settle(_mono() + self.period)
+        self.st.stop_report = {"zero_demand_cycles": driver.c["halt_zero_cycles"],
+                               "demands_sent_last": [m.demand_sent for m in driver.motors],
+                               "reason": self.stopping[0]}
+        self.shm.write_slot("snapshot", pickle.dumps(driver.snapshot(joints=False), 5))
+        self.publish()
+
+    def slack(self, deadline: int, status: bytes | None) -> tuple[bool, int]:
+        """Slack work, only with enough of the period left: it may wait a cycle, the next tick may not. Returns
+        (some was done, the release: `deadline`, or after a re-scan the period boundary before now)."""
+        cnt, master, st, period = self.cnt, self.master, self.st, self.period
+        mono = _mono
         slack_work = False
-        check_due -= 1
-        snapshot_due -= 1
-        recheck = (status is None or st.state_issue) and cycle % 10 == 0
-        if master.rescan_needed and not halting and mono() >= rescan_after:
+        self.check_due -= 1
+        self.snapshot_due -= 1
+        recheck = (status is None or st.state_issue) and self.cycle % 10 == 0
+        if master.rescan_needed and not self.halting and mono() >= self.rescan_after:
             # a full re-scan stops the cycle for as long as it takes: only ever while no valid data flow
             slack_work = True
-            rescan_after = _rescan(master, st, publish, cnt, rescan_backoff)
-            rescan_backoff = 0 if not master.rescan_needed else min(5_000_000_000, max(rescan_backoff * 2,
-                                                                                       100_000_000))
-            deadline = mono() // period * period  # back on the grid: the stop is a re-scan, not an overrun
-            wake = deadline
-            cnt[k_rescans] = wc.rescans
-        elif (check_due <= 0 or recheck) and master.is_open and deadline + period - mono() > slack_check:
-            check_due = cfg.state_check_every
+            self.rescan_after = _rescan(master, st, self.publish, cnt, self.rescan_backoff)
+            self.rescan_backoff = 0 if not master.rescan_needed else min(5_000_000_000, max(
+                self.rescan_backoff * 2, 100_000_000))
+            deadline = mono() // period * period
+            cnt[K_RESCANS] = self.wc.rescans
+        elif (self.check_due <= 0 or recheck) and master.is_open and deadline + period - mono() > self.slack_check:
+            self.check_due = self.cfg.state_check_every
             slack_work = True
-            cnt[k_state_checks] += 1
+            cnt[K_STATE_CHECKS] += 1
             # never past the period: a slave that stopped answering must not stall the cycle for SOEM's
             # 2 ms per datagram (the reads that do not fit count as no evidence, not as a problem)
             issue = master.check_states(deadline + period - CHECK_RESERVE_NS)
             master.refresh_clock_offset()
-            cnt[k_recoveries] = wc.recoveries
-            cnt[k_left_op] = wc.left_op
-            cnt[k_escalations] = wc.escalations
-            cnt[k_in_op] = 0 if issue else 1
-            changed = issue != st.state_issue or master.recovery_seq != recovery_seen
-            if changed:
-                recovery_seen = master.recovery_seq
+            wc = self.wc
+            cnt[K_RECOVERIES] = wc.recoveries
+            cnt[K_LEFT_OP] = wc.left_op
+            cnt[K_ESCALATIONS] = wc.escalations
+            cnt[K_IN_OP] = 0 if issue else 1
+            if issue != st.state_issue or master.recovery_seq != self.recovery_seen:
+                self.recovery_seen = master.recovery_seq
                 st.state_issue = issue
-                st.state = "recovering" if issue else ("stopping" if halting else "op")
+                st.state = "recovering" if issue else ("stopping" if self.halting else "op")
                 st.recovery = _recovery_view(master)
-                publish()
-        left = deadline + period - mono()
+                self.publish()
         # start a snapshot only in 2x what recent ones took (a slowly decaying maximum: one took 2x its
         # usual on this VM); after another snapshot interval of refusals, anyway
-        fits = left > min(snap_cost * 2, period * 4 // 5)
-        if snapshot_due <= 0 and (fits or snapshot_due < -cfg.snapshot_every):
-            snapshot_due = cfg.snapshot_every
+        if self.snapshot_due <= 0 and (deadline + period - mono() > min(self.snap_cost * 2, period * 4 // 5)
+                                       or self.snapshot_due < -self.cfg.snapshot_every):
+            self.snapshot_due = self.cfg.snapshot_every
             slack_work = True
             t_snap = mono()
-            shm.write_slot("snapshot", dumps(driver.snapshot(joints=False), 5))
-            snap_cost = max(snap_cost * 31 // 32, mono() - t_snap, SLACK_SNAPSHOT_NS // 2)
-            cnt[k_snapshots] += 1
-        cpu = cpu_clock() - cpu0
-        h_cpu[min(cpu // 1000, HIST_US)] += 1
-        cnt[k_cpu_ns_sum] += cpu
-        if cpu > cnt[k_cpu_ns_max]:
-            cnt[k_cpu_ns_max] = cpu
-        now = mono()
-        cnt[k_heartbeat_ns] = now
+            self.shm.write_slot("snapshot", pickle.dumps(self.driver.snapshot(joints=False), 5))
+            self.snap_cost = max(self.snap_cost * 31 // 32, mono() - t_snap, SLACK_SNAPSHOT_NS // 2)
+            cnt[K_SNAPSHOTS] += 1
+        return slack_work, deadline
+
+    def close(self, deadline: int, wake: int, lat: int, cpu0: int, ex: Exchange, t_ex: int, sent_ns: int,
+              slack_work: bool) -> int:
+        """The period's CPU time, the heartbeat, and the next release (`realtime.next_deadline`): an overrun skips
+        to the next period boundary, counted with what the cycle was doing. Returns the next release."""
+        cnt, period = self.cnt, self.period
+        cpu = _cpu_time() - cpu0
+        self.h_cpu[min(cpu // 1000, HIST_US)] += 1
+        cnt[K_CPU_NS_SUM] += cpu
+        if cpu > cnt[K_CPU_NS_MAX]:
+            cnt[K_CPU_NS_MAX] = cpu
+        now = _mono()
+        cnt[K_HEARTBEAT_NS] = now
         release = deadline
         deadline, skipped = next_deadline(deadline, wake, now, period)
         if skipped:
             # what the cycle was doing, µs after its release (a fixed-size record written in place)
-            shm.put_overrun(int(cnt[k_overruns]), release, lat // 1000, (sent_ns - release) // 1000,
-                            (t_ex - release) // 1000, (now - release) // 1000, skipped, ex.lost, slack_work)
-            cnt[k_overruns] += 1
-            cnt[k_skipped_cycles] += skipped
+            self.shm.put_overrun(int(cnt[K_OVERRUNS]), release, lat // 1000, (sent_ns - release) // 1000,
+                                 (t_ex - release) // 1000, (now - release) // 1000, skipped, ex.lost, slack_work)
+            cnt[K_OVERRUNS] += 1
+            cnt[K_SKIPPED_CYCLES] += skipped
             if lat >= period:
-                cnt[k_overrun_late_wake] += 1
+                cnt[K_OVERRUN_LATE_WAKE] += 1
             if ex.lost:
-                cnt[k_overrun_lost_frame] += 1
+                cnt[K_OVERRUN_LOST_FRAME] += 1
             elif ex.rtt_ns > period // 2:
-                cnt[k_overrun_slow_exchange] += 1
+                cnt[K_OVERRUN_SLOW_EXCHANGE] += 1
             if slack_work:
-                cnt[k_overrun_slack_work] += 1
+                cnt[K_OVERRUN_SLACK_WORK] += 1
         elif now > deadline:
-            cnt[k_late_starts] += 1  # ran past the next release: it starts now, late (its latency is in "wake")
-        elif cycle % 1000 == 0 and deadline - mono() > period // 2:
+            cnt[K_LATE_STARTS] += 1  # ran past the next release: it starts now, late (its latency is in "wake")
+        elif self.cycle % 1000 == 0 and deadline - _mono() > period // 2:
             gc.collect(0)  # young objects only, and only with half a period of slack left
+        return deadline
 
 
 def _continue_counts(master: EthercatMaster, shm: SharedBlock) -> None:
