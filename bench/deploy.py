@@ -16,6 +16,14 @@
    CPU 0), interleaved: --rounds rounds of one --seconds window per side. Per-second lost frames, bursts
    (>= loss_stats.BURST_MIN in one second) apart from isolated losses, and whether the container loses more:
    a block bootstrap interval of the difference and a sign test over rounds (bench/loss_stats.py).
+4. --uplink: a simulated site's uplink to a centre (bytes on the fleet link, default budget and full rate).
+5. --centre: how many sites a centre holds at the default uplink budget: the messages per second one simulated
+   site (`make up`'s sim profile, bridged with the default budget) brings to a mosquitto centre, against each
+   centre's capacity on this machine: the messages per second (QoS 1, 200 bytes, the shape of a site's health,
+   status and events) a single mosquitto centre, and the three-node ejabberd cluster (deploy/compose.cluster.yaml;
+   publishers on nodes 1 and 2, the subscriber on node 3: every message crosses the cluster), deliver to one
+   subscriber at the centre while --centre-publishers processes publish as fast as they are acknowledged. The
+   load generator shares the machine with the brokers: the figures are this machine's, not the brokers' limits.
 Needs root and docker (deploy/dev/ensure-docker.sh installs/starts what is missing). Last line: one JSON object.
 """
 
@@ -168,6 +176,9 @@ def main() -> None:
     ap.add_argument("--uplink", action="store_true", help="only part 4: a simulated site's uplink to a centre "
                     "(the sim profile of make up, bridged over TLS), default budget vs full rate")
     ap.add_argument("--uplink-seconds", type=float, default=30.0, help="part 4: each window")
+    ap.add_argument("--centre", action="store_true", help="only part 5: sites per centre, mosquitto vs the cluster")
+    ap.add_argument("--centre-seconds", type=float, default=20.0, help="part 5: each window")
+    ap.add_argument("--centre-publishers", type=int, default=2, help="part 5: publisher processes")
     a = ap.parse_args()
     if a.quick:
         a.seconds, a.calls, a.rounds = 20.0, 200, 3
@@ -181,6 +192,8 @@ def main() -> None:
 
     if a.uplink:
         uplink(a, out, tmp)
+    elif a.centre:
+        centre_capacity(a, out, tmp)
     else:
         if not a.cycle_only:
             up_and_round_trips(a, out, tmp)
@@ -200,8 +213,16 @@ def main() -> None:
         d = out["uplink"]["default"]
         figures += [Figure("a site's default uplink", d["mbit_s"], "Mbit/s", "<=", UPLINK_TARGET_MBIT_S),
                     Figure("health at the centre within", d["health_late_max_s"], "s", "<=", HEALTH_WITHIN_S)]
+    if "centre" in out:
+        c = out["centre"]
+        figures += [Figure("a site's messages at the centre (default budget)", c["site_msgs_s"], "msg/s"),
+                    Figure("mosquitto centre: capacity", c["mosquitto"]["msgs_s"], "msg/s"),
+                    Figure("ejabberd cluster (3 nodes): capacity", c["cluster"]["msgs_s"], "msg/s"),
+                    Figure("mosquitto centre: sites", c["mosquitto"]["sites"], "sites"),
+                    Figure("ejabberd cluster: sites", c["cluster"]["sites"], "sites")]
     report("deploy", out, figures, variant=variant_name(
-        "quick" if a.quick else "", "uplink" if a.uplink else "", "cycle-only" if a.cycle_only else "",
+        "quick" if a.quick else "", "uplink" if a.uplink else "", "centre" if a.centre else "",
+        "cycle-only" if a.cycle_only else "",
         "rtt-only" if a.rtt_only else ""))
 
 
@@ -347,6 +368,153 @@ def uplink(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
         d["health_late_max_s"] <= HEALTH_WITHIN_S
     print(f"default uplink {d['mbit_s']} Mbit/s (target <= {UPLINK_TARGET_MBIT_S}), health at the centre within "
           f"{d['health_late_max_s']} s (target <= {HEALTH_WITHIN_S}): {'met' if ok else 'NOT MET'}")
+
+
+def _load_publisher(port: int, user: str, password: str, cid: str, topic: str, seconds: float, sent: Any) -> None:
+    """One publisher process: QoS 1, 200-byte messages, as fast as the broker acknowledges (100 in flight)."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv5)
+    c.username_pw_set(user, password)
+    c.max_inflight_messages_set(100)
+    c.max_queued_messages_set(200)
+    c.connect("127.0.0.1", port, keepalive=30)
+    c.loop_start()
+    payload = b"x" * 200
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        info = c.publish(topic, payload, qos=1)
+        if info.rc != 0:  # the queue is full: the broker has not acknowledged enough yet
+            time.sleep(0.001)
+            continue
+        n += 1
+    with sent.get_lock():
+        sent.value += n
+    c.disconnect()
+    c.loop_stop()
+
+
+def broker_capacity(pub_ports: list[int], sub_port: int, secrets: Path, seconds: float, publishers: int
+                    ) -> dict[str, Any]:
+    """Messages per second one subscriber receives while `publishers` processes publish (QoS 1) as `bridge-site-a`
+    (what a site's bridge may write) on `pub_ports` in turn; the subscriber (`viewer`) on `sub_port`. The rate is
+    counted over the window less its first and last 2 s."""
+    import multiprocessing
+
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from tests.deploy.mqttprobe import creds
+
+    user, password = creds(secrets, "bridge-site-a")
+    vu, vp = creds(secrets, "viewer")
+    topic = "site-a/robobus/load/dev/event/load"
+    stamps: list[float] = []
+    sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"viewer-bench-{os.getpid()}", protocol=mqtt.MQTTv5)
+    sub.username_pw_set(vu, vp)
+    sub.on_message = lambda c, u, m: stamps.append(time.monotonic())
+    sub.connect("127.0.0.1", sub_port, keepalive=30)
+    sub.loop_start()
+    sub.subscribe("site-a/robobus/+/+/event/+", qos=1)
+    time.sleep(1.0)
+    ctx = multiprocessing.get_context("fork")
+    sent = ctx.Value("q", 0)
+    procs = [ctx.Process(target=_load_publisher, args=(pub_ports[i % len(pub_ports)], user, password,
+                                                      f"bridge-site-a-load{i}", topic, seconds, sent))
+             for i in range(publishers)]
+    t0 = time.monotonic()
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join(seconds + 60)
+    time.sleep(3.0)  # what is still in flight
+    sub.disconnect()
+    sub.loop_stop()
+    lo, hi = t0 + 2.0, t0 + seconds - 2.0
+    window = [t for t in stamps if lo <= t <= hi]
+    rate = len(window) / (hi - lo) if hi > lo else 0.0
+    return {"msgs_s": round(rate), "sent": sent.value, "received": len(stamps), "publishers": publishers,
+            "seconds": seconds}
+
+
+def site_message_rate(a: argparse.Namespace, tmp: Path) -> float:
+    """Messages per second one simulated site (the sim profile, default uplink budget) brings to a mosquitto
+    centre, counted at the centre over --centre-seconds after the link settled."""
+    tag = f"{os.getpid()}"
+    wan = f"robobus-bench-cwan-{tag}"
+    central = Stack(f"robobus-bench-ccentral-{tag}", tmp / "rate-central", profiles="central",
+                    extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": "central",
+                               "ROBOBUS_CENTRAL_SITES": "site-a=site-a/robobus"})
+    site = Stack(f"robobus-bench-csite-{tag}", tmp / "rate-site", root="site-a/robobus",
+                 extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": "site-a-broker"})
+    central.make_secrets("--central", "--site", "site-a=site-a/robobus", "--tls-name", "central")
+    site.make_secrets("--site", "site-a", "--bridge-to", "central:8883", "--bridge-credentials",
+                      str(central.secrets / "bridge-site-a.env"), "--bridge-ca", str(central.secrets / "fleet-ca.crt"))
+    run([DOCKER, "network", "create", wan])
+    try:
+        central.build()
+        site.build()
+        central.up()
+        site.up()
+        wait_online(central.settings("viewer", topic_root="site-a/robobus"), expected_nodes(), 120)
+        with RpcClient(central.settings("operator", topic_root="site-a/robobus"), name="bench-centre") as c:
+            time.sleep(5.0)
+            count = [0]
+            c.session.subscribe("site-a/robobus/#", lambda msg: count.__setitem__(0, count[0] + 1), qos=1)
+            time.sleep(2.0)  # the retained messages the subscription brings are not the rate
+            n0, t0 = count[0], time.monotonic()
+            time.sleep(a.centre_seconds)
+            n1, t1 = count[0], time.monotonic()
+        rate = (n1 - n0) / (t1 - t0)
+        print(f"centre: one simulated site brings {rate:.1f} messages/s to the centre (default uplink budget, "
+              f"{n1 - n0} in {t1 - t0:.0f} s)")
+        return rate
+    finally:
+        site.down()
+        central.down()
+        run([DOCKER, "network", "rm", wan], check=False)
+
+
+def centre_capacity(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
+    """5: one site's message rate at the default budget, each centre's capacity, and the sites each holds."""
+    site_rate = site_message_rate(a, tmp)
+    res: dict[str, Any] = {"site_msgs_s": round(site_rate, 1)}
+    mosq = Stack(f"robobus-bench-mcentre-{os.getpid()}", tmp / "mosquitto", profiles="central",
+                 extra_env={"ROBOBUS_CENTRAL_SITES": "site-a=site-a/robobus"})
+    mosq.make_secrets("--central", "--site", "site-a=site-a/robobus")
+    try:
+        mosq.up("broker")
+        res["mosquitto"] = broker_capacity([mosq.port], mosq.port, mosq.secrets, a.centre_seconds,
+                                           a.centre_publishers)
+    finally:
+        mosq.down()
+    print(f"centre: a single mosquitto delivers {res['mosquitto']['msgs_s']} messages/s")
+    secrets = tmp / "cluster"
+    run(["python3", str(DEPLOY / "make_secrets.py"), "--dir", str(secrets), "--central", "--cluster", "--site",
+         "site-a=site-a/robobus"])
+    ports = [free_port() for _ in range(3)]
+    wan = f"robobus-bench-clwan-{os.getpid()}"
+    env = {"ROBOBUS_PROJECT": f"robobus-bench-cluster-{os.getpid()}", "ROBOBUS_SECRETS_DIR": str(secrets),
+           "ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_HEALTHCHECK_INTERVAL": "1s",
+           **{f"ROBOBUS_CLUSTER_PORT_{i + 1}": str(p) for i, p in enumerate(ports)}}
+    compose = [DOCKER, "compose", "-f", str(DEPLOY / "compose.cluster.yaml"), "--profile", "cluster"]
+    run([DOCKER, "network", "create", wan])
+    try:
+        run([*compose, "build"], env)
+        run([*compose, "up", "-d", "--wait", "--wait-timeout", "300"], env, timeout=400)
+        res["cluster"] = broker_capacity(ports[:2], ports[2], secrets, a.centre_seconds, a.centre_publishers)
+    finally:
+        run([*compose, "down", "-v", "-t", "5"], env, check=False)
+        run([DOCKER, "network", "rm", wan], check=False)
+    print(f"centre: the three-node ejabberd cluster delivers {res['cluster']['msgs_s']} messages/s across nodes")
+    for k in ("mosquitto", "cluster"):
+        res[k]["sites"] = int(res[k]["msgs_s"] // site_rate) if site_rate > 0 else None
+    print(f"centre: at {site_rate:.1f} messages/s per site, a single mosquitto holds {res['mosquitto']['sites']} "
+          f"sites, the ejabberd cluster {res['cluster']['sites']} (this machine, {a.centre_publishers} publisher "
+          "processes beside the brokers)")
+    out["centre"] = res
 
 
 def cycle_inside_vs_outside(a: argparse.Namespace, out: dict[str, Any], tmp: Path) -> None:
