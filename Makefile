@@ -9,6 +9,10 @@ DASH   := shared/tools/dashboard
 MODELINA := tests/contract/modelina
 MCAPCLI := .venv-mcapcli
 TSEXAMPLE := examples/typescript
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist; most tests wait on sockets, so more than the cores);
+# tests/conftest.py keeps each module, and the docker tests together, in one process. PYTEST_WORKERS=0 (or
+# PYTEST_ARGS=-n0) runs it in one process; PYTEST_ARGS adds to the command line (e.g. -k, -x).
+PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
 
 .PHONY: setup system-deps run test lint pytest bench bench-quick perf-table schema schema-check chaos soak prove screenshots clean help
@@ -75,9 +79,11 @@ lint: setup
 	$(BIN)/mypy shared services $(wildcard bench/*.py)
 
 pytest: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
-test: lint pytest
+# pytest prints the slowest 15 tests and, from ROBOBUS_TEST_T0, the wall time of the whole `make test`
+test:
+	@ROBOBUS_TEST_T0=$$(date +%s.%N) $(MAKE) --no-print-directory lint pytest
 
 # The busy-machine proof: the whole suite RUNS times with a CPU hog on one core, RUNS times quiet.
 RUNS ?= 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -288,7 +289,9 @@ def test_progress_counts_the_bytes_written_to_flash_and_ends_full(big_elf: Path,
 @needs_gdb
 def test_cli_bar_ends_full_at_the_bytes_written(big_elf: Path, programmer: ProgrammerSim) -> None:
     robobus = [sys.executable, "-c", "from shared.tools.cli import main; main()", "epuck", "flash"]
-    done = subprocess.run([*robobus, programmer.link, str(big_elf)], capture_output=True, text=True, timeout=120)
+    # wide enough that rich does not wrap the line at a long temporary path (pytest-xdist's popen-gwN/ adds one)
+    done = subprocess.run([*robobus, programmer.link, str(big_elf)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "400"})
     assert done.returncode == 0, done.stderr
     written = programmer.session.stats.bytes_written
     assert f"{written} bytes to write" in done.stdout
