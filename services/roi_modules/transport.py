@@ -289,22 +289,30 @@ class RoiTransport:
             raise RequestLost("the transport is closed")
         loop = asyncio.get_running_loop()
         port = self.cfg.general_port
-        out: list[tuple[float, list[asyncio.Future[p.GeneralPacket]]]] = [(0.0, []) for _ in batch]
-        dests = [(self.address(octet), port) for octet, _ in batch]
-        for i in range(max((len(pkts) for _, pkts in batch), default=0)):
-            for n, (octet, pkts) in enumerate(batch):
-                if i >= len(pkts):
-                    continue
-                pkt = pkts[i]
+        # everything but the writes first (bytes, reply futures: no reply is read before this returns), so that
+        # the datagrams leave back to back
+        rounds: list[list[tuple[int, bytes, tuple[str, int], bool]]] = []
+        futs: list[list[asyncio.Future[p.GeneralPacket]]] = []
+        for n, (octet, pkts) in enumerate(batch):
+            dest = (self.address(octet), port)
+            futs.append([])
+            for i, pkt in enumerate(pkts):
                 fut: asyncio.Future[p.GeneralPacket] = loop.create_future()
                 self._echo.setdefault((octet, port, pkt.sub_device_id, pkt.action), deque()).append(fut)
-                tr.sendto(pkt.encode(), dests[n])
-                self.links[octet].sent += 1
-                out[n][1].append(fut)
-                if i == len(pkts) - 1:
-                    out[n] = (time.time(), out[n][1])
+                futs[n].append(fut)
+                if i == len(rounds):
+                    rounds.append([])
+                rounds[i].append((n, pkt.encode(), dest, i == len(pkts) - 1))
+        left = [0.0] * len(batch)
+        for writes in rounds:
+            for n, data, dest, last in writes:
+                tr.sendto(data, dest)
+                if last:
+                    left[n] = time.time()
+        for octet, pkts in batch:
+            self.links[octet].sent += len(pkts)
         now = time.time()
-        return [(t or now, futs) for t, futs in out]
+        return [(t or now, f) for t, f in zip(left, futs, strict=True)]
 
     def forget(self, octet: int, pkts: list[p.GeneralPacket], futs: list[asyncio.Future[p.GeneralPacket]]) -> None:
         """Stop waiting for send_now_many's replies that did not come (`futs` as it returned them for the module
