@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,7 +22,32 @@ from shared.settings import KitSettings
 REPO = Path(__file__).resolve().parents[2]
 
 
+_PICK = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return lo, hi
+
+
 def free_port() -> int:
+    """A TCP port nothing listens on, below the kernel's ephemeral range (ip_local_port_range). A port from
+    that range, as `bind(0)` gives, may be handed to any client socket on the host between this choice and the
+    bind of the process it is for (seen with several test processes side by side); a port below it is taken
+    only by a listener, which the check here sees. Where the range leaves no room, the kernel chooses."""
+    lo, _ = _ephemeral_range()
+    if lo - 1 > 20000:
+        for _ in range(200):
+            port = _PICK.randrange(20000, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))  # any address: also refused where a listener holds 127.0.0.1:port only
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
