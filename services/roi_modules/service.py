@@ -1345,7 +1345,7 @@ class RoiService:
         if self._stopped:
             return
         self._stopped = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._confirming]:
             t.cancel()
         if self.transport._transports:
             stops = [m.stop() for m in self.modules if isinstance(m, MotionModule) and m.live
