@@ -8,6 +8,11 @@ home=/var/lib/ejabberd
 mkdir -p /run/ejabberd && chown ejabberd: /run/ejabberd
 printf '%s' "${ROBOBUS_EJABBERD_COOKIE:?}" > "$home/.erlang.cookie"
 chown ejabberd: "$home/.erlang.cookie"; chmod 400 "$home/.erlang.cookie"
+# the centre's TLS certificate and key (make_secrets.py: certs/), one PEM for ejabberd's `certfiles`
+if [ -f /robobus/certs/server.crt ]; then
+  cat /robobus/certs/server.crt /robobus/certs/ca.crt /robobus/certs/server.key > "$home/robobus.pem"
+  chown ejabberd: "$home/robobus.pem"; chmod 400 "$home/robobus.pem"
+fi
 ctl() { su ejabberd -s /bin/sh -c "ejabberdctl --node $node $*"; }
 export ERLANG_NODE=$node
 su ejabberd -s /bin/sh -c "ERLANG_NODE=$node ejabberdctl --node $node foreground" &

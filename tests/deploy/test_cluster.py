@@ -1,6 +1,7 @@
 """A clustered centre: three ejabberd nodes (mod_mqtt, MQTT 5.0; one ejabberd cluster: deploy/compose.cluster.yaml)
 and two simulated sites, each its own compose project whose broker bridges to the cluster, listing every node
-(site-a: node 1 first, site-b: node 3 first). A site's telemetry is seen at the centre through any node; a command
+(site-a: node 1 first, site-b: node 3 first), over TLS with the fleet's CA. A site's telemetry is seen at the
+centre through any node; a command
 from a client on node 1 reaches the site bridged to node 3 and its reply comes back; when the node a site is
 bridged to is killed, the bridge is on another node within 10 s and no QoS 1 message the site sent meanwhile is
 lost. What ejabberd does differently from the single mosquitto centre: deploy/README.md, "A clustered centre"."""
@@ -74,9 +75,10 @@ def cluster(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     for site in SITES:
         st = Stack(f"robobus-c{site}-{tag}", tmp_path_factory.mktemp(site), root=f"{site}/robobus",
                    extra_env={"ROBOBUS_WAN_NETWORK": wan, "ROBOBUS_WAN_ALIAS": f"{site}-broker"})
-        # plain MQTT on the docker network (the cluster's listener has no TLS: deploy/README.md)
-        st.make_secrets("--site", site, "--bridge-to", ",".join(f"{n}:1883" for n in SITE_NODES[site]),
-                        "--bridge-credentials", str(centre.secrets / f"bridge-{site}.env"), "--bridge-plain")
+        # over TLS (the nodes' 8883), each node's name checked against the fleet's CA
+        st.make_secrets("--site", site, "--bridge-to", ",".join(f"{n}:8883" for n in SITE_NODES[site]),
+                        "--bridge-credentials", str(centre.secrets / f"bridge-{site}.env"),
+                        "--bridge-ca", str(centre.secrets / make_secrets.FLEET_CA))
         sites[site] = st
     run([DOCKER, "network", "create", wan])
     try:
@@ -96,7 +98,10 @@ def cluster(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
 def test_the_generated_bridge_lists_every_node_and_keeps_the_first_as_its_main_one():
     conf = make_secrets.bridge_conf("s", "s/robobus", "n1:1883,n2:1883,n3:1883", "u", "p").splitlines()
     assert "address n1:1883 n2:1883 n3:1883" in conf and "round_robin false" in conf
-    assert "round_robin false" not in make_secrets.bridge_conf("s", "s/robobus", "c:1883", "u", "p")
+    # a clean session at the node it moves to (no copy from the dead one), the queue kept here
+    assert "cleansession true" in conf and "local_cleansession false" in conf
+    single = make_secrets.bridge_conf("s", "s/robobus", "c:1883", "u", "p").splitlines()
+    assert "round_robin false" not in single and "cleansession false" in single
 
 
 def test_the_cluster_config_carries_the_centres_acl():
@@ -120,6 +125,31 @@ def test_each_sites_telemetry_is_seen_at_the_centre_through_any_node(cluster):
             for site in SITES:  # health is published every 5 s (and on each change)
                 assert p.wait_for(lambda t, pl, r, s=site: t.startswith(f"{s}/robobus/") and not r, 60), \
                     (node, site, p.topics()[-10:])
+    finally:
+        for p in probes.values():
+            p.close()
+
+
+def test_fleet_status_each_sites_heartbeat_at_every_node_and_its_nodes_online_at_its_main_node(cluster):
+    """The fleet's status: each site's heartbeat ({root}/_bridge/uptime, every 2 s) reaches every node, so a watcher
+    on any node sees every site; the retained statuses of a site's nodes are read at the node its bridge is on
+    (ejabberd indexes retained messages per node: deploy/README.md)."""
+    centre, _ = cluster
+    probes = {n: centre.probe(n) for n in NODES}
+    try:
+        for p in probes.values():
+            for site in SITES:
+                assert p.subscribe(f"{site}/robobus/_bridge/uptime", qos=0)[0] < 0x80
+        for node, p in probes.items():
+            for site in SITES:
+                assert p.wait_for(lambda t, pl, r, s=site: t == f"{s}/robobus/_bridge/uptime" and not r, 30), \
+                    (node, site)
+        for site, node in (("site-a", "ethercat-loop"), ("site-b", "epuck-gateway")):
+            main = probes[SITE_NODES[site][0]]
+            main.subscribe(f"{site}/robobus/+/status")
+            status = f"{site}/robobus/{node}/status"
+            assert main.wait_for(lambda t, pl, r, st=status: t == st and r and json.loads(pl)["online"], 30), \
+                (site, main.topics()[-10:])
     finally:
         for p in probes.values():
             p.close()
