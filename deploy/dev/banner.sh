@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Printed by `make run` once the nodes are up: where to look.
+# Printed by `make run` once the nodes are up: where to look. Then it exits (a one-shot: the supervisor does
+# not start it again), so that no process is left holding memory for nothing.
 root=${ROBOBUS_TOPIC_ROOT:-robobus}
 sleep "${1:-4}"
 robobus status --wait 1.5 || true
@@ -27,4 +28,3 @@ robobus is up. Where to look:
   broker: $ROBOBUS_MQTT_URL   websockets for other dashboards: ws://127.0.0.1:9001
 Ctrl-C stops everything.
 MSG
-exec sleep infinity

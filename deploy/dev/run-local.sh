@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make run`: a local mosquitto (unless ROBOBUS_MQTT_URL names another broker) and every service on
-# its simulator, under supervisord (deploy/dev/supervise.py reads deploy/Procfile.sim): what dies is started
-# again, the broker included; Ctrl-C stops the nodes first, then the broker.
+# its simulator, under one small supervisor process (deploy/dev/supervise.py reads deploy/Procfile.sim): what dies
+# is started again, the broker included; Ctrl-C stops the nodes first, then the broker.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH:/usr/sbin"
@@ -21,4 +21,5 @@ fi
 [ "${ROBOBUS_HOMEASSISTANT:-false}" = true ] || procs=$(echo "$procs" | grep -vx homeassistant)
 # The bus recorder only when asked to record (ROBOBUS_RECORD=1): idle, it would hold ~40 MB for nothing.
 [ "${ROBOBUS_RECORD:-0}" = 1 ] || procs=$(echo "$procs" | grep -vx recorder)
-exec python deploy/dev/supervise.py --procfile "$procfile" $(echo $procs)
+# -S: the supervisor needs the standard library alone (no site-packages, ~2 MB less resident)
+exec python -S deploy/dev/supervise.py --procfile "$procfile" $(echo $procs)

@@ -1,92 +1,240 @@
-"""`make run`'s process supervisor: every process of deploy/Procfile.sim under supervisord.
+"""`make run`'s process supervisor: every process of deploy/Procfile.sim, watched by this one small process.
 
 The Procfile stays the one list of `make run`'s processes (the chaos harness and the dashboard tests read it
-too); this script turns it into a supervisord configuration and runs supervisord in the foreground:
+too); this script starts each line, through bash (for `${VAR:-default}`), which execs the program, so the pid
+watched and signalled is the program's own:
 
 - a process that dies is started again: at once if it had run for `startsecs`, else after a back-off that grows
-  by a second a try; after `startretries` quick deaths in a row supervisord gives up on it with one line
+  by a second a try; after `STARTRETRIES` quick deaths in a row it gives up on it with one line
   ("gave up: NAME entered FATAL state ...") and everything else goes on running;
+- a one-shot (the banner) runs once and is never started again;
 - the broker is a process like any other: killed, it is started again and the nodes reconnect by themselves;
-- Ctrl-C or SIGTERM stops the nodes first (their fail-safe hooks still reach the broker and publish
-  `online: false, reason: shutdown`), then the broker, last;
-- one supervisord process watches them all (no wrapper process per child).
+- Ctrl-C, SIGTERM or SIGHUP stops the nodes first (SIGTERM to each one's process group, SIGKILL after `STOP_WAIT_S`:
+  their fail-safe hooks still reach the broker and publish `online: false, reason: shutdown`), then the broker,
+  last; then it exits 0;
+- every child runs in a process group of its own (a Ctrl-C in the terminal reaches this process alone, which
+  stops the nodes before the broker) and writes to this process's stdout itself (no pipe, no copy).
 
-Usage: supervise.py [--procfile FILE] [--rundir DIR] [NAME ...]   (no NAME: every process of the Procfile)
+Not supervisord: its XML-RPC server, supervisorctl's machinery and their imports hold ~25 MB resident that
+`make run` never uses; this process is the standard library only (~12 MB, run with `python -S`).
+
+Usage: supervise.py [--procfile FILE] [--rundir DIR] [--startretries N] [NAME ...]
+(no NAME: every process of the Procfile)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import select
+import signal
 import sys
-from pathlib import Path
+import time
+from types import FrameType
 
-REPO = Path(__file__).resolve().parents[2]
+# The standard library's lighter parts only (no subprocess, pathlib or dataclasses: ~3 MB resident between them)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LINE = re.compile(r"^([A-Za-z0-9_-]+):\s*(.+)$")
-# `A=1 B=2 cmd`: bash keeps leading assignments in the exec'd command's environment, so the pid supervisord
-# watches (and signals) is the program's own, not a shell's
+# `A=1 B=2 cmd`: bash keeps leading assignments in the exec'd command's environment, so the pid watched (and
+# signalled) is the program's own, not a shell's
 _ASSIGNMENTS = re.compile(r"^((?:[A-Za-z_][A-Za-z0-9_]*=(?:'[^']*'|\"[^\"]*\"|\S+)\s+)*)")
 BROKER = "broker"
-# processes that print once and idle: never restarted
+# processes that print once and exit: never restarted
 ONE_SHOT = {"banner"}
 # a node must stay up this long for its start to count as good (then a later death restarts it at once)
-NODE_STARTSECS = 3
-# quick deaths in a row before supervisord gives up on a process (back-off 1 s, 2 s, ... between them)
+NODE_STARTSECS = 3.0
+BROKER_STARTSECS = 1.0
+# quick deaths in a row before the supervisor gives up on a process (back-off 1 s, 2 s, ... between them)
 STARTRETRIES = 8
+# a process asked to stop (SIGTERM) is killed (SIGKILL) after this
+STOP_WAIT_S = 10.0
+# Ctrl-C, `kill`, the terminal closed: each stops everything in order
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def read_procfile(path: Path) -> dict[str, str]:
+def read_procfile(path: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    for line in path.read_text().splitlines():
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         m = _LINE.match(line.strip())
         if m:
             out[m.group(1)] = m.group(2)
     return out
 
 
-def _quote(command: str) -> str:
-    """A Procfile line as one supervisord `command=`: run by bash (for `${VAR:-default}`), which execs it."""
-    line = _ASSIGNMENTS.sub(r"\1exec ", command, count=1)
-    # supervisord splits `command` with shlex and expands %(...)s: a double-quoted bash -c argument,
-    # with the characters special to either escaped
-    escaped = line.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
-    return f'/bin/bash -c "{escaped}"'
+def _shell_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
 
 
-def render(procs: dict[str, str], rundir: Path) -> str:
-    common = ("autorestart={restart}\nstartsecs={startsecs}\nstartretries={retries}\n"
-              "stopsignal=TERM\nstopwaitsecs=10\nstopasgroup=true\nkillasgroup=true\n"
-              f"directory={REPO}\nredirect_stderr=true\n"
-              "stdout_logfile=/dev/stdout\nstdout_logfile_maxbytes=0\n")
-    # Every writer opens /dev/stdout itself, in append mode (supervisord's own log too, hence `silent`): with
-    # `make run > file` a writer through the inherited descriptor would write over the others' lines.
-    user = "user=root\n" if os.geteuid() == 0 else ""  # said, so that supervisord does not warn about it
-    parts = [
-        "[supervisord]\nnodaemon=true\nsilent=true\nlogfile=/dev/stdout\nlogfile_maxbytes=0\nloglevel=info\n"
-        f"pidfile={rundir / 'supervisord.pid'}\nchildlogdir={rundir}\n{user}",
-    ]
-    nodes = []
-    for name, command in procs.items():
-        one_shot = name in ONE_SHOT
-        fields = common.format(restart="false" if one_shot else "true",
-                               startsecs=0 if one_shot else (1 if name == BROKER else NODE_STARTSECS),
-                               retries=STARTRETRIES)
-        # the broker starts first and stops last: lower priority is started earlier and stopped later
-        prio = 1 if name == BROKER else 100
-        parts.append(f"[program:{name}]\ncommand={_quote(command)}\npriority={prio}\n{fields}")
-        if name != BROKER:
-            nodes.append(name)
-    if nodes:
-        # one group: on shutdown supervisord stops a group's processes together, and a group at a time
-        parts.append(f"[group:robobus]\nprograms={','.join(nodes)}\npriority=100\n")
-    return "\n".join(parts)
+def exec_line(command: str) -> str:
+    """A Procfile line as bash runs it: its leading assignments, then `exec` the program."""
+    return _ASSIGNMENTS.sub(r"\1exec ", command, count=1)
+
+
+class Program:
+    """One line of the Procfile and the state of its process."""
+
+    def __init__(self, name: str, command: str, startsecs: float, one_shot: bool) -> None:
+        self.name = name
+        self.command = command
+        self.startsecs = startsecs
+        self.one_shot = one_shot
+        self.pid: int | None = None  # the running process (its process group has the same id)
+        self.status: int | None = None  # its exit status, once reaped
+        self.started = 0.0
+        self.quick_deaths = 0
+        self.start_at = math.inf  # monotonic time of the next start; inf: none due
+        self.fatal = False
+
+    def poll(self) -> bool:
+        """Whether the process has ended (then reaped, `status` set)."""
+        if self.pid is None or self.status is not None:
+            return True
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 0
+        if pid == 0:
+            return False
+        self.status = os.waitstatus_to_exitcode(status)
+        return True
+
+
+def log(message: str) -> None:
+    now = time.time()
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now * 1000) % 1000:03d} supervise: "
+          f"{message}", flush=True)
+
+
+class Supervisor:
+    def __init__(self, procs: dict[str, str], cwd: str = REPO, startretries: int = STARTRETRIES) -> None:
+        self.cwd = cwd
+        self.startretries = startretries
+        # the broker first: started before the nodes, stopped after them
+        names = sorted(procs, key=lambda n: n != BROKER)
+        self.programs = [Program(n, procs[n], BROKER_STARTSECS if n == BROKER else NODE_STARTSECS, n in ONE_SHOT)
+                         for n in names]
+        self.stopping = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if signum in STOP_SIGNALS:
+            self.stopping = True
+
+    def spawn(self, p: Program) -> None:
+        p.start_at = math.inf
+        # a session (and process group) of its own; stdin /dev/null; stderr to this process's stdout; the
+        # supervisor's own descriptors (the wake-up pipe) are close-on-exec
+        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, 1, 2)]
+        bash = "/bin/bash"
+        try:
+            p.pid = os.posix_spawn(bash, [bash, "-c", f"cd {_shell_quote(self.cwd)} && {exec_line(p.command)}"],
+                                   os.environ, file_actions=actions, setsid=True)
+        except OSError as exc:  # no bash: counted as a quick death
+            log(f"spawnerr: cannot start {p.name!r}: {exc}")
+            self._died(p, uptime=0.0)
+            return
+        p.status = None
+        p.started = time.monotonic()
+        log(f"spawned: {p.name!r} with pid {p.pid}")
+
+    def _died(self, p: Program, uptime: float) -> None:
+        if p.one_shot or self.stopping:
+            return
+        if uptime >= p.startsecs:
+            p.quick_deaths = 0
+            p.start_at = time.monotonic()
+            return
+        p.quick_deaths += 1
+        if p.quick_deaths > self.startretries:
+            p.fatal = True
+            log(f"gave up: {p.name} entered FATAL state, too many start retries too quickly")
+            return
+        p.start_at = time.monotonic() + p.quick_deaths  # back-off: 1 s, 2 s, ...
+
+    def reap(self) -> None:
+        for p in self.programs:
+            if p.pid is None or not p.poll():
+                continue
+            uptime = time.monotonic() - p.started
+            p.pid = None
+            code = p.status
+            expected = p.one_shot and code == 0
+            log(f"exited: {p.name} (exit status {code}; {'expected' if expected else 'not expected'})")
+            self._died(p, uptime)
+
+    def run(self) -> int:
+        signal.set_wakeup_fd(self._wake_w)
+        for sig in (*STOP_SIGNALS, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+        for p in self.programs:
+            self.spawn(p)
+        while not self.stopping:
+            now = time.monotonic()
+            for p in self.programs:
+                if p.pid is None and p.start_at <= now:
+                    self.spawn(p)
+            due = min((p.start_at for p in self.programs), default=math.inf)
+            # woken by a signal (a child's death, Ctrl-C) through the wake-up pipe; a minute at most
+            timeout = max(0.0, min(due - time.monotonic(), 60.0))
+            try:
+                select.select([self._wake_r], [], [], timeout)
+            except InterruptedError:
+                pass
+            self._drain()
+            self.reap()
+        self.stop()
+        return 0
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def stop(self) -> None:
+        """The nodes first, together; the broker last."""
+        nodes = [p for p in self.programs if p.name != BROKER]
+        broker = [p for p in self.programs if p.name == BROKER]
+        for group in (nodes, broker):
+            running = [p for p in group if p.pid is not None]
+            for p in running:
+                self._signal(p, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_WAIT_S
+            while not all(p.poll() for p in running) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for p in running:
+                if not p.poll():
+                    log(f"killing: {p.name} (not stopped within {STOP_WAIT_S:g} s)")
+                    self._signal(p, signal.SIGKILL)
+                    while not p.poll():
+                        time.sleep(0.05)
+            for p in running:
+                log(f"stopped: {p.name} (exit status {p.status})")
+                p.pid = None
+
+    @staticmethod
+    def _signal(p: Program, sig: signal.Signals) -> None:
+        """The program's whole process group (its own children too, e.g. the EtherCAT cycle process)."""
+        assert p.pid is not None
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--procfile", type=Path, default=REPO / "deploy" / "Procfile.sim")
-    ap.add_argument("--rundir", type=Path, default=REPO / "run")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--procfile", default=os.path.join(REPO, "deploy", "Procfile.sim"))
+    ap.add_argument("--rundir", default=os.path.join(REPO, "run"), help="where the supervisor's pid file goes")
+    ap.add_argument("--startretries", type=int, default=STARTRETRIES,
+                    help="quick deaths in a row before giving up on a process (default %(default)s)")
     ap.add_argument("names", nargs="*", help="processes to run (default: all of the Procfile)")
     args = ap.parse_args(argv)
     procs = read_procfile(args.procfile)
@@ -96,12 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.names:
         procs = {n: c for n, c in procs.items() if n in args.names}
-    args.rundir.mkdir(parents=True, exist_ok=True)
-    conf = args.rundir / "supervisord.conf"
-    conf.write_text(render(procs, args.rundir.resolve()))
-    supervisord = Path(sys.executable).with_name("supervisord")
-    os.execv(str(supervisord), [str(supervisord), "-c", str(conf)])
-    return 0  # not reached
+    os.makedirs(args.rundir, exist_ok=True)
+    with open(os.path.join(args.rundir, "supervise.pid"), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    return Supervisor(procs, startretries=args.startretries).run()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`make run`'s process supervisor (deploy/dev/supervise.py: supervisord over deploy/Procfile.sim), run as
+"""`make run`'s process supervisor (deploy/dev/supervise.py over deploy/Procfile.sim), run as
 `make run` runs it, on a private broker port: the broker killed -9 comes back and the nodes reconnect; a node
 killed -9 comes back; one process dying stops nothing else; SIGINT stops the nodes (each says
 `reason: shutdown` on a broker still up), then the broker, and leaves no process behind."""
@@ -101,7 +101,7 @@ def supervised(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, S
                ROBOBUS_TOPIC_ROOT="robobus")
     log = tmp_path / "supervisor.log"
     with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "deploy/dev/supervise.py"), "--rundir",
+        proc = subprocess.Popen([sys.executable, "-S", str(REPO / "deploy/dev/supervise.py"), "--rundir",
                                  str(tmp_path / "run"), "broker", *NODES], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     statuses = Statuses(port)
@@ -110,7 +110,7 @@ def supervised(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, S
         yield proc, port, statuses, log
     finally:
         statuses.close()
-        # supervisord's children are in process groups of their own: a SIGKILL of supervisord alone would
+        # the supervisor's children are in process groups of their own: a SIGKILL of the supervisor alone would
         # leave them running, so stop it as Ctrl-C does, and kill what is left of its children after
         children = list(_children(proc.pid).values()) if proc.poll() is None else []
         if proc.poll() is None:
