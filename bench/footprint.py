@@ -1,7 +1,7 @@
 """Footprint of `make run`: resident memory and CPU of every process of the whole simulated system, idle.
 
 Starts what `make run` starts (deploy/dev/supervise.py over deploy/Procfile.sim: the broker, every service on its
-simulator, the dashboard, the recorder, the banner, under one supervisord), on free ports and a private broker so
+simulator, the dashboard and the banner, under one supervisor process), on free ports and a private broker so
 that it runs beside anything; waits until every registered service has a node online; then samples every process
 of the tree (the supervisor, its children and theirs, e.g. the EtherCAT cycle process) for `--seconds`: resident
 memory (VmRSS, the mean of the samples) and CPU (utime + stime over the window, as a fraction of one core).
@@ -16,10 +16,12 @@ object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,13 +46,33 @@ TARGET_SERVICE_MB = 45.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 # the Procfile's fixed addresses, replaced by free ones so the bench runs beside a `make run`
-FIXED_PORTS = ("50000", "11000", "8080")
+FIXED_PORTS = ("50000", "8080")
+# the e-puck simulator's robots: on consecutive ports from its --base-port
+EPUCK_BASE_PORT, EPUCK_ROBOTS = 11000, 2
+
+
+def _free_run(count: int) -> int:
+    """The first of `count` consecutive free ports."""
+    for _ in range(100):
+        base = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base + 1, base + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def procfile(tmp: Path) -> Path:
     text = (REPO / "deploy" / "Procfile.sim").read_text()
     for fixed in FIXED_PORTS:
         text = re.sub(rf"\b{fixed}\b", str(free_port()), text)
+    base = _free_run(EPUCK_ROBOTS)  # every robot's port moves: the gateway reaches each of them
+    for i in range(EPUCK_ROBOTS):
+        text = re.sub(rf"\b{EPUCK_BASE_PORT + i}\b", str(base + i), text)
     text = text.replace("/tmp/robobus-epuck-serial", str(tmp / "epuck-serial"))
     # Home Assistant discovery runs only on request (ROBOBUS_HOMEASSISTANT=true), as in deploy/dev/run-local.sh
     if os.environ.get("ROBOBUS_HOMEASSISTANT", "false") != "true":
@@ -90,9 +112,10 @@ def tree(root: int) -> dict[int, str]:
 def _name(argv: list[str]) -> str:
     if "-m" in argv and argv.index("-m") + 1 < len(argv):
         mod = argv[argv.index("-m") + 1]
-        return mod.replace("services.", "").replace("shared.", "") + (" " + argv[-1] if mod.endswith("cycle") else "")
+        name = mod.replace("services.", "").replace("shared.tools.", "").replace("shared.", "")
+        return name + (" " + argv[-1] if mod.endswith("cycle") else "")
     joined = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(argv))
-    for key in ("supervisord", "mosquitto", "robobus dashboard", "banner", "sleep"):
+    for key in ("supervise", "mosquitto", "dashboard", "banner", "sleep"):
         if key in joined:
             return key
     return joined[:40]
@@ -153,7 +176,8 @@ def main() -> None:
         env = {**os.environ, "ROBOBUS_MOSQUITTO_CONF": str(conf), "ROBOBUS_MQTT_URL": f"mqtt://127.0.0.1:{port}",
                "ROBOBUS_ROI_NETWORK": f"127.{40 + os.getpid() % 200}.9",
                "PATH": f"{REPO / '.venv' / 'bin'}:/usr/sbin:{os.environ.get('PATH', '')}"}
-        sup = subprocess.Popen([sys.executable, str(REPO / "deploy/dev/supervise.py"), "--procfile",
+        # as deploy/dev/run-local.sh starts it (-S: the supervisor needs no site-packages)
+        sup = subprocess.Popen([sys.executable, "-S", str(REPO / "deploy/dev/supervise.py"), "--procfile",
                                 str(procfile(tmp)), "--rundir", str(tmp / "run")],
                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
