@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -56,6 +57,52 @@ def free_ephemeral_ports(commands: dict[str, str]) -> dict[str, str]:
         port = str(free_port())
         out = {n: re.sub(rf"\b{fixed}\b", port, c) for n, c in out.items()}
     return out
+
+
+# The Procfile's other fixed resources, which a `make run` (or another run of this stack) on the same host
+# holds: the e-puck simulator's two ports, the serial simulator's link, and the ROI network (its ports are
+# fixed by the protocol). The stack takes its own of each, so that it runs beside them.
+EPUCK_FIXED_PORTS = ("11000", "11001")
+EPUCK_FIXED_LINK = "/tmp/robobus-epuck-serial"
+ROI_PORTS = (57344, 57664)
+ROI_OCTETS = (10, 20, 30, 100)  # the Procfile's modules and the node's host octet
+
+
+def _bindable(host: str, port: int, kind: socket.SocketKind = socket.SOCK_STREAM) -> bool:
+    with socket.socket(socket.AF_INET, kind) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def consecutive_free_ports(n: int) -> list[int]:
+    for _ in range(200):
+        base = free_port()
+        ports = [base + i for i in range(n)]
+        if all(_bindable("", p) for p in ports[1:]):
+            return ports
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def free_roi_network() -> str:
+    """A loopback /24 whose ROI addresses and ports are free: 127.100-149.x, a range no other test uses."""
+    for n in range(200):
+        pid = os.getpid() + n * 7919
+        prefix = f"127.{100 + pid % 50}.{(pid // 50) % 250 + 1}"
+        if all(_bindable(f"{prefix}.{o}", port, socket.SOCK_DGRAM) for o in ROI_OCTETS for port in ROI_PORTS):
+            return prefix
+    raise RuntimeError("no free loopback network for the ROI simulator")
+
+
+def own_resources(commands: dict[str, str], workdir: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The Procfile's commands on ports, a link and a ROI network of this stack's own; the environment to set."""
+    out = free_ephemeral_ports(commands)
+    for fixed, port in zip(EPUCK_FIXED_PORTS, consecutive_free_ports(len(EPUCK_FIXED_PORTS)), strict=True):
+        out = {n: re.sub(rf"\b{fixed}\b", str(port), c) for n, c in out.items()}
+    out = {n: c.replace(EPUCK_FIXED_LINK, str(workdir / "epuck-serial")) for n, c in out.items()}
+    return out, {"ROBOBUS_ROI_NETWORK": free_roi_network()}
 
 
 @dataclass
@@ -143,9 +190,11 @@ class SimStack:
         self.workdir = Path(tempfile.mkdtemp(prefix="robobus-chaos-"))
         self.broker = Broker(free_port(), self.workdir)
         self.root = root
+        commands, own_env = own_resources(procfile_commands(), self.workdir)
         env = {**os.environ, "ROBOBUS_MQTT_URL": self.broker.url, "ROBOBUS_TOPIC_ROOT": root,
-               "PYTHONUNBUFFERED": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}:/usr/sbin"}
-        self.procs = {n: Proc(n, c, env) for n, c in free_ephemeral_ports(procfile_commands()).items()}
+               "PYTHONUNBUFFERED": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}:/usr/sbin",
+               **own_env}
+        self.procs = {n: Proc(n, c, env) for n, c in commands.items()}
         self.seen = Seen()
         self.observer: RpcClient | None = None
         self.expected_nodes: set[str] = set()
