@@ -409,25 +409,43 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--free-sensors", action="store_true",
                    help="benchmarks: sensors every cycle and images when due, instead of the firmware's cycle that "
                         "waits for each image (a heavier load profile)")
+    p.add_argument("--serial-count", type=int, default=0,
+                   help="also this many robots on serial ports (sim_serial's), in this same process")
+    p.add_argument("--serial-link", default="/tmp/robobus-epuck-serial",
+                   help="path prefix of the serial robots' port symlinks; robot N is <link>N")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s epuck-sim %(message)s")
     cfg = EpuckSimConfig(sensors_hz=a.sensors_hz, image_fps=a.image_fps, stamp=a.stamp,
                          image_holds_cycle=not a.free_sensors)
     sim = EpuckSimulator(a.count, a.host, a.base_port, cfg)
+    # The serial robots beside the WiFi ones (make run's demo): peers of the same gateway that need no process
+    # of their own, where a second one would hold ~35 MB more (an interpreter, asyncio, numpy for the camera).
+    # Imported here: sim_serial builds on this module.
+    serial = None
+    if a.serial_count > 0:
+        from services.epuck_gateway.sim_serial import EpuckSerialSimConfig, EpuckSerialSimulator
+
+        serial = EpuckSerialSimulator(a.serial_count, a.serial_link, EpuckSerialSimConfig(stamp=a.stamp))
+    watched = [*(r.stop_watch for r in sim.robots), *(r.stop_watch for r in (serial.robots if serial else []))]
 
     def arm_stop_watches() -> None:
-        for r in sim.robots:
-            r.stop_watch.arm()
+        for w in watched:
+            w.arm()
         print(json.dumps({"stop_watch_armed": {"ts": time.time(), "monotonic": time.monotonic()}}), flush=True)
 
-    for r in sim.robots:
-        r.stop_watch.listener = lambda seen: print(seen.to_json(), flush=True)
+    for w in watched:
+        w.listener = lambda seen: print(seen.to_json(), flush=True)
 
     async def run() -> None:
         await sim.start()
         ports = ", ".join(f"{r.name}@{a.host}:{r.port}" for r in sim.robots)
+        ready: dict[str, object] = {"ready": True, "robots": {r.name: r.port for r in sim.robots}}
+        if serial is not None:
+            await serial.start()
+            ports += "".join(f", {r.name}@{r.link}" for r in serial.robots)
+            ready["ports"] = {r.name: r.link for r in serial.robots}
         log.info(f"serving {ports}")
-        print(json.dumps({"ready": True, "robots": {r.name: r.port for r in sim.robots}}), flush=True)
+        print(json.dumps(ready), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -437,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
         # SIGUSR2: time-stamp each robot's first stop from now on (one stop_seen line per robot)
         loop.add_signal_handler(signal.SIGUSR2, arm_stop_watches)
         await stop.wait()
+        if serial is not None:
+            await serial.stop()
         await sim.stop()
         print(json.dumps({"stats": sim.summary()}), flush=True)
 
