@@ -825,7 +825,7 @@ class EpuckGateway:
     def _stop_pass(self, due: dict[str, int]) -> None:
         """The bus stop of the robots `due` (name -> the stop's activation count), on the loop: every robot's stop
         written one after another with nothing in between (WiFi robots first: a WiFi write never blocks, a serial
-        one can wait for a full line), each stamped as it left; then the reports."""
+        one can wait for a full line), each stamped as it left; the reports in the loop's next turn."""
         robots = sorted((self.by_id[n] for n in due if n in self.by_id), key=lambda r: r.cfg.transport != "wifi")
         done: list[tuple[EpuckRobot, float | None, str]] = []
         for r in robots:
@@ -834,6 +834,11 @@ class EpuckGateway:
             except Exception as exc:  # one robot's failure must not keep the stop from the others
                 log.exception("bus stop: writing the stop failed", extra={"robot": r.cfg.id})
                 done.append((r, None, f"{type(exc).__name__}: {exc}"))
+        # the reports (the answer and the health, published per robot) after the pass: its caller waits for the
+        # writes only (stop_pass.py)
+        asyncio.get_running_loop().call_soon(self._report_pass, due, done)
+
+    def _report_pass(self, due: dict[str, int], done: list[tuple[EpuckRobot, float | None, str]]) -> None:
         latch = self.node.stop_latch
         for r, at, error in done:
             if error:

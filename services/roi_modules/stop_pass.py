@@ -8,7 +8,9 @@ module's stop left 20-45 ms after the first (bench/stop.py). Here the action is 
 network thread): the first call of an activation puts every motion module in one pass, scheduled with one
 hand-off; the pass runs as one loop callback that writes every module's stop datagrams at once
 (transport.send_now_many: each module's first datagram before any module's second), each module stamped as its
-datagrams left; the acknowledgements are awaited afterwards, per module, and the reports follow them.
+datagrams left; the acknowledgements are awaited afterwards, per module, and the reports follow them. The kit's
+call that scheduled the pass waits for its writes (at most PASS_WAIT_S): the kit's thread would otherwise go on
+with the activation's per-device health publishes and take the GIL from the pass at every switch interval.
 
 No module is written twice by one activation: the kit's own call for a module the activation's pass already
 covers does nothing. Any other call (a motion command that ran across the stop: the kit's `done`; a module made
@@ -17,6 +19,7 @@ during the stop) puts that module in the next pass, so the stop is written again
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -28,17 +31,19 @@ from shared.stop import LATER
 
 log = logging.getLogger("robobus.roi.stop")
 
-# Run on the loop with the devices due (name -> the stop activation count they are due for); it writes and
-# reports each one (StopLatch.report with that count).
+# Run on the loop with the devices due (name -> the stop activation count they are due for); it writes each one,
+# and reports it (StopLatch.report with that count) once the writes are done, in a later turn of the loop.
 PassRunner = Callable[[dict[str, int]], None]
+PASS_WAIT_S = 0.1  # the longest the kit's thread waits for the pass it scheduled (StopPass.request)
 
 
 class StopPass:
     """Gathers the stop actions of one activation into one pass on the loop."""
 
-    def __init__(self, node: Node, run: PassRunner) -> None:
+    def __init__(self, node: Node, run: PassRunner, wait_s: float = PASS_WAIT_S) -> None:
         self.node = node
         self._run_pass = run
+        self.wait_s = wait_s
         self._lock = threading.Lock()
         self._members: list[str] = []  # the devices whose stop action is this pass's, in their order
         self._gen: int | None = None  # the activation whose calls are covered by its pass
@@ -60,7 +65,8 @@ class StopPass:
         return stop_action
 
     def request(self, name: str) -> None:
-        """On the kit's thread: `name` must be stopped (again). Never blocks."""
+        """On the kit's thread: `name` must be stopped (again). The call that schedules a pass waits for its
+        writes (at most `wait_s`), unless it is on the loop itself; the others return at once."""
         gen = self.node.stop_latch.generation
         loop = self.node.loop
         if loop is None or not loop.is_running():
@@ -81,24 +87,38 @@ class StopPass:
             if self._scheduled:
                 return
             self._scheduled = True
+        written = threading.Event()
         try:
-            loop.call_soon_threadsafe(self._run)
+            loop.call_soon_threadsafe(self._run, written)
         except RuntimeError:  # the loop closed meanwhile
             with self._lock:
                 self._scheduled = False
             raise
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop:
+            # Hold the kit's thread (the MQTT network thread) until the pass has written: it would otherwise go on
+            # with the activation's per-device health publishes and take the GIL from the pass every switch
+            # interval, and on a busy host each hand-back waits for a CPU (measured: a pass of 0.5 ms of work took
+            # 3-12 ms). Bounded: a loop that does not run the pass in time is not waited for.
+            written.wait(self.wait_s)
 
-    def _run(self) -> None:
+    def _run(self, written: threading.Event) -> None:
         with self._lock:
             due, self._due = self._due, {}
             self._scheduled = False
-        if not due:
-            return
-        self.passes += 1
         try:
-            self._run_pass(due)
-        except Exception:
-            log.exception("bus stop pass failed", extra={"devices": sorted(due)})
-            latch = self.node.stop_latch
-            for name, gen in due.items():
-                latch.report(name, gen, None, "the stop pass failed (see the service's log)")
+            if not due:
+                return
+            self.passes += 1
+            try:
+                self._run_pass(due)
+            except Exception:
+                log.exception("bus stop pass failed", extra={"devices": sorted(due)})
+                latch = self.node.stop_latch
+                for name, gen in due.items():
+                    latch.report(name, gen, None, "the stop pass failed (see the service's log)")
+        finally:
+            written.set()

@@ -1,7 +1,8 @@
 """The bus stop's one pass (services/epuck_gateway/stop_pass.py, and its copy in services/roi_modules): every device
 of an activation in one pass on the loop, whatever the order in which the kit's calls come and the loop runs; no
 device written twice by one activation; a stop again (a command that ran across it) gets a pass of its own; a
-failure is reported for each device, not swallowed.
+failure is reported for each device, not swallowed; the kit's call that scheduled a pass waits for its writes,
+except on the loop itself.
 
 The kit's side is a stand-in here (the latch's activation count and its reports): what is tested is the order of
 the calls against a real loop running in its own thread. Every wait is on a condition; "no pass came" is proved by
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,12 +46,12 @@ class Node:
 class Rig:
     """A loop in a thread, a StopPass on it whose passes are recorded, and the loop's order as a marker."""
 
-    def __init__(self, module: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, module: Any, loop: asyncio.AbstractEventLoop, wait_s: float = 0.0) -> None:
         self.loop = loop
         self.node = Node(loop)
         self.passes: list[dict[str, int]] = []
         self.fail = False
-        self.sp = module.StopPass(self.node, self._run)
+        self.sp = module.StopPass(self.node, self._run, wait_s=wait_s)
         self.actions = {name: self.sp.action(name) for name in ("a", "b", "c")}
 
     def _run(self, due: dict[str, int]) -> None:
@@ -160,3 +162,42 @@ def test_no_running_loop_is_an_error_the_kit_reports(module: Any) -> None:
     sp = module.StopPass(Node(None), lambda due: None)
     with pytest.raises(RuntimeError, match="loop is not running"):
         sp.action("a")(STOP)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_the_call_that_schedules_a_pass_returns_once_it_has_written(module: Any,
+                                                                     loop: asyncio.AbstractEventLoop) -> None:
+    """The kit's thread waits for the pass it scheduled (so that its own work after the stop actions does not take
+    the GIL from the pass); the other calls of the activation return at once."""
+    rig = Rig(module, loop, wait_s=DEADLINE)
+    rig.call("a")
+    assert rig.passes == [{"a": 1, "b": 1, "c": 1}]  # written by the time the call returned: no settle needed
+    rig.call("b")
+    rig.call("c")
+    rig.settle()
+    assert len(rig.passes) == 1
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_call_on_the_loop_itself_does_not_wait_for_the_pass(module: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """A motion command handler on the loop that ran across the stop (the kit's `done`): its call schedules a pass
+    and returns; waiting there would hold up the very loop that runs the pass (for the whole `wait_s`)."""
+    rig = Rig(module, loop, wait_s=DEADLINE)
+    rig.call("a")
+    order: list[str] = []
+    returned = threading.Event()
+
+    took: list[float] = []
+
+    def on_loop() -> None:
+        t0 = time.monotonic()
+        rig.call("a")  # the activation's own call for `a` came first: this one is a stop again
+        took.append(time.monotonic() - t0)
+        order.append("returned")
+        returned.set()
+
+    loop.call_soon_threadsafe(on_loop)
+    assert returned.wait(2 * DEADLINE)
+    rig.settle()
+    assert took[0] < DEADLINE / 2, took  # waiting would have held the loop for the whole DEADLINE
+    assert order == ["returned"] and rig.passes[1:] == [{"a": 1}], (order, rig.passes)
