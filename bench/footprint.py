@@ -4,7 +4,9 @@ Starts what `make run` starts (deploy/dev/supervise.py over deploy/Procfile.sim:
 simulator, the dashboard and the banner, under one supervisor process), on free ports and a private broker so
 that it runs beside anything; waits until every registered service has a node online; then samples every process
 of the tree (the supervisor, its children and theirs, e.g. the EtherCAT cycle process) for `--seconds`: resident
-memory (VmRSS, the mean of the samples) and CPU (utime + stime over the window, as a fraction of one core).
+memory (VmRSS, the mean of the samples) and CPU (utime + stime over the window, as a fraction of one core); and,
+at the end of the window, what the memory is made of: the process's own (heap, stacks) and mapped files (the
+interpreter, shared libraries and extension modules, whose pages the processes share), and its threads.
 
     python bench/footprint.py [--seconds 30] [--quick]
 
@@ -131,6 +133,23 @@ def sample(pid: int) -> tuple[int, float] | None:
     return int(statm[1]) * PAGE_KB, (int(stat[11]) + int(stat[12])) / CLK_TCK
 
 
+def makeup(pid: int) -> dict[str, float]:
+    """What a process's resident memory is made of (MB): its own (heap, stacks: RssAnon) and mapped files
+    (the interpreter, shared libraries, extension modules: RssFile, partly shared with the other processes);
+    and its threads."""
+    out: dict[str, float] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                out[key] = round(int(value.split()[0]) / 1024, 1)
+            elif key == "Threads":
+                out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
 def wait_online(port: int, services: set[str], timeout: float) -> float:
     seen: dict[str, bool] = {}
     lock = threading.Lock()
@@ -197,6 +216,7 @@ def main() -> None:
                 time.sleep(1.0)
             window = time.monotonic() - t0
             last = {pid: s for pid in first if (s := sample(pid)) is not None}
+            made = {pid: makeup(pid) for pid in last}
         finally:
             sup.send_signal(signal.SIGTERM)
             try:
@@ -209,13 +229,14 @@ def main() -> None:
             continue
         mb = sum(rss[pid]) / len(rss[pid]) / 1024
         rows.append({"pid": pid, "process": pids[pid], "rss_mb": round(mb, 1),
-                     "cpu_core": round((last[pid][1] - cpu0) / window, 4)})
+                     "cpu_core": round((last[pid][1] - cpu0) / window, 4), "anon_mb": made[pid].get("RssAnon"),
+                     "file_mb": made[pid].get("RssFile"), "threads": made[pid].get("Threads")})
     rows.sort(key=lambda r: -r["rss_mb"])
     service_mods = {p.module.rsplit(".", 1)[0].replace("services.", "") for p in service_plugins()}
     total_mb = sum(r["rss_mb"] for r in rows)
     total_core = sum(r["cpu_core"] for r in rows)
     print(f"`make run` idle, {len(rows)} processes, {window:.0f} s window ({online_s:.1f} s to every node online)")
-    print(f"{'process':<44} {'RSS MB':>8} {'CPU % core':>11}")
+    print(f"{'process':<44} {'RSS MB':>8} {'CPU % core':>11}   {'own MB':>7} {'files MB':>9} {'threads':>8}")
     over = []
     for r in rows:
         is_service = r["process"] in service_mods
@@ -223,7 +244,8 @@ def main() -> None:
         if is_service and r["rss_mb"] > TARGET_SERVICE_MB:
             flag = f"  > {TARGET_SERVICE_MB:.0f} MB"
             over.append(r["process"])
-        print(f"{r['process']:<44} {r['rss_mb']:>8.1f} {100 * r['cpu_core']:>11.1f}{flag}")
+        print(f"{r['process']:<44} {r['rss_mb']:>8.1f} {100 * r['cpu_core']:>11.1f}   {r['anon_mb'] or 0:>7.1f} "
+              f"{r['file_mb'] or 0:>9.1f} {r['threads'] or 0:>8}{flag}")
     met_mb, met_core = total_mb <= TARGET_TOTAL_MB, total_core <= TARGET_TOTAL_CORE
     print(f"{'total':<44} {total_mb:>8.1f} {100 * total_core:>11.1f}")
     print(f"total RSS {total_mb:.0f} MB / {TARGET_TOTAL_MB:.0f} MB = {total_mb / TARGET_TOTAL_MB:.2f}: "
