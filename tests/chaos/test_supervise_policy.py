@@ -20,7 +20,7 @@ import pytest
 
 from shared.tools.localbroker import REPO
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SUPERVISE = REPO / "deploy" / "dev" / "supervise.py"
 DEADLINE_S = 60.0  # generous for a busy machine: each wait below takes a few seconds on a quiet one
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) supervise: (.*)$")
