@@ -105,8 +105,11 @@ class Program:
 
 def log(message: str) -> None:
     now = time.time()
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now * 1000) % 1000:03d} supervise: "
-          f"{message}", flush=True)
+    try:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now * 1000) % 1000:03d} supervise: "
+              f"{message}", flush=True)
+    except OSError:  # the terminal or pipe is gone: the processes are still to be watched and stopped
+        pass
 
 
 class Supervisor:
@@ -129,12 +132,14 @@ class Supervisor:
     def spawn(self, p: Program) -> None:
         p.start_at = math.inf
         # a session (and process group) of its own; stdin /dev/null; stderr to this process's stdout; the
-        # supervisor's own descriptors (the wake-up pipe) are close-on-exec
+        # supervisor's own descriptors (the wake-up pipe) are close-on-exec; the signals Python ignores (SIGPIPE,
+        # SIGXFSZ) back to their defaults, as subprocess does
         actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, 1, 2)]
         bash = "/bin/bash"
         try:
             p.pid = os.posix_spawn(bash, [bash, "-c", f"cd {_shell_quote(self.cwd)} && {exec_line(p.command)}"],
-                                   os.environ, file_actions=actions, setsid=True)
+                                   os.environ, file_actions=actions, setsid=True,
+                                   setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
         except OSError as exc:  # no bash: counted as a quick death
             log(f"spawnerr: cannot start {p.name!r}: {exc}")
             self._died(p, uptime=0.0)
