@@ -4,7 +4,7 @@ The kit calls a motion device's stop action once per device when the stop become
 device after a motion command that ran across the stop. Given a coroutine action, it schedules one coroutine per
 device on the loop: each its own hand-off from the MQTT network thread, its own task, started one loop iteration
 later, with the loop's other work (twenty robots' packets, JPEG encoding) in between, so the last robot's stop
-left 7-15 ms after the first (bench/stop.py). Here the action is inline (it only enqueues, on the network thread):
+left 7-15 ms after the first (bench/stop.py). Here the action is inline (on the network thread):
 the first call of an activation puts every robot of the gateway in one pass, scheduled with one hand-off; the
 pass runs as one loop callback that writes every robot's stop, one after another with nothing in between, each
 stamped as it is written; the reports (the node's stop answer, the health) come after the last write. The kit's

@@ -4,7 +4,7 @@ The kit calls a motion device's stop action once per device when the stop become
 device after a motion command that ran across the stop. Given a coroutine action, it schedules one coroutine per
 device on the loop: each its own hand-off from the MQTT network thread, its own task, started one loop iteration
 later, with the loop's other work (fifty maintain loops, their replies and publishes) in between, so the last
-module's stop left 20-45 ms after the first (bench/stop.py). Here the action is inline (it only enqueues, on the
+module's stop left 20-45 ms after the first (bench/stop.py). Here the action is inline (on the
 network thread): the first call of an activation puts every motion module in one pass, scheduled with one
 hand-off; the pass runs as one loop callback that writes every module's stop datagrams at once
 (transport.send_now_many: each module's first datagram before any module's second), each module stamped as its
