@@ -5,13 +5,14 @@ into one clear line naming the field and exits with status 2, before anything co
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -31,9 +32,17 @@ CONFIG_ENV = "ROBOBUS_CONFIG"
 
 
 class KitSettings(BaseSettings):
-    """What every node needs. Environment: ROBOBUS_<FIELD>; file: ROBOBUS_CONFIG=path (.toml/.yaml/.json)."""
+    """What every node needs. Environment: ROBOBUS_<FIELD>; file: ROBOBUS_CONFIG=path (.toml/.yaml/.json).
+
+    A service's settings class names its section (`section = "roi"`: its fields are `roi_*`, its environment
+    `ROBOBUS_ROI_*`); the kit then refuses every environment variable and every config or keyword key in that
+    section that is not one of its settings, so a misspelt name is an error, never a default silently used.
+    `unchecked_env` lists variables in the section that are not settings but are read by something else (a
+    compose file's own variables)."""
 
     model_config = SettingsConfigDict(env_prefix="ROBOBUS_", extra="ignore", validate_default=True)
+    section: ClassVar[str] = ""
+    unchecked_env: ClassVar[frozenset[str]] = frozenset()
 
     mqtt_url: str = Field(
         "mqtt://127.0.0.1:1883", description="Broker URL: mqtt://[user:pass@]host[:port] or mqtts://..."
@@ -61,6 +70,25 @@ class KitSettings(BaseSettings):
     )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
     log_json: bool = Field(False, description="One JSON object per log line")
+    switch_interval_ms: float | None = Field(
+        None, gt=0, le=100,
+        description="The interpreter's thread switch interval (sys.setswitchinterval), set by run_service before "
+                    "the node starts; unset: Python's own (5 ms). A service whose threads hand work to one another "
+                    "at high rates sets a shorter default")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_keys(cls, data: Any) -> Any:
+        if cls.section and isinstance(data, dict):
+            unknown = unknown_settings(cls, data.keys(), os.environ)
+            if unknown:
+                known = sorted(n for n in setting_names(cls) if n.startswith(f"{cls.section}_"))
+                named = []
+                for k in unknown:
+                    close = difflib.get_close_matches(k.lower().removeprefix("robobus_"), known, n=1)
+                    named.append(f"{k} (did you mean {close[0]}?)" if close else k)
+                raise ValueError(f"unknown {cls.section} setting(s) {', '.join(named)}; known: {', '.join(known)}")
+        return data
 
     @field_validator("topic_root")
     @classmethod
@@ -138,14 +166,49 @@ class ConfigFileError(ValueError):
     pass
 
 
+def setting_names(cls: type[KitSettings]) -> set[str]:
+    """Every name a setting of `cls` is read by, lower case, without the ROBOBUS_ prefix: fields and aliases."""
+    names: set[str] = set()
+    for name, f in cls.model_fields.items():
+        names.add(name)
+        alias = f.validation_alias
+        choices = getattr(alias, "choices", None) or ([alias] if isinstance(alias, str) else [])
+        names.update(c.lower().removeprefix("robobus_") for c in choices if isinstance(c, str))
+    return names
+
+
+def unknown_settings(cls: type[KitSettings], keys: Any, environ: Any) -> list[str]:
+    """The keys (keyword or config-file keys, any case, '-' or '_') and environment variables in `cls`'s section
+    that name no setting of it, sorted."""
+    section = cls.section.lower()
+    known = setting_names(cls)
+    unknown = []
+    for k in keys:
+        if not isinstance(k, str):
+            continue
+        n = k.lower().replace("-", "_").removeprefix("robobus_")
+        if n.startswith(f"{section}_") and n not in known:
+            unknown.append(k)
+    prefix = f"ROBOBUS_{section.upper()}_"
+    skip = {v.upper() for v in cls.unchecked_env}
+    for k in environ:
+        u = k.upper()
+        if u.startswith(prefix) and u not in skip and u.removeprefix("ROBOBUS_").lower() not in known:
+            unknown.append(k)
+    return sorted(unknown)
+
+
 S = TypeVar("S", bound=KitSettings)
 
 
 def format_validation_error(exc: ValidationError, prefix: str = "ROBOBUS_") -> str:
     lines = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "settings"
-        first = str(err["loc"][0]).upper() if err["loc"] else ""
+        if not err["loc"]:  # a check of the whole settings (unknown names, settings that contradict each other)
+            lines.append(f"invalid settings: {err['msg'].removeprefix('Value error, ')}")
+            continue
+        field = ".".join(str(p) for p in err["loc"])
+        first = str(err["loc"][0]).upper()
         # fields with an alias already carry the full variable name
         env = first if first.startswith(prefix) else prefix + first
         got = err.get("input")

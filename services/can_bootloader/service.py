@@ -65,6 +65,7 @@ from services.can_bootloader.models import (
 from services.can_bootloader.settings import BRIDGE_INTERFACE, CanBootSettings, default_window
 from services.can_bootloader.transport import CanPort, TransportError
 from shared import CommandError, ErrorCode, JobContext, Node
+from shared.lifecycle import Hooks
 from shared.link import LinkPolicy, SupervisedLink
 from shared.messages import StopState
 from shared.stop import describe
@@ -120,6 +121,11 @@ class CanBootService:
         self.sims: list[Any] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
+    def hooks(self) -> Hooks:
+        """Nothing for run_service to drive: build() opens the buses and registers close() as the shutdown hook;
+        the link watcher and the jobs run on their own threads."""
+        return Hooks()
+
     def attach(self, node: Node) -> None:
         dev = node.device(self.settings.can_device)
         self.dev = dev

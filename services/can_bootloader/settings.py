@@ -4,6 +4,7 @@ ROBOBUS_CONFIG file."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field, model_validator
 
@@ -21,6 +22,8 @@ def _default_bus(n: int) -> CanBusConfig:
 class CanBootSettings(KitSettings):
     """can-bootloader configuration: ROBOBUS_CAN_* in the environment (nested values as JSON), or keys of a
     ROBOBUS_CONFIG file. Example: ROBOBUS_CAN_BUS1='{"interface": "socketcan", "channel": "can0"}'."""
+
+    section: ClassVar[str] = "can"  # any other ROBOBUS_CAN_* is refused (docs/kit.md, "Settings")
 
     can_device: str = Field("motors", description="Device name on MQTT")
     can_bus1: CanBusConfig | None = Field(default_factory=lambda: _default_bus(1),

@@ -88,6 +88,7 @@ from services.dexter_gateway.transport import (
 )
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
 from shared.dispatch import Deferred
+from shared.lifecycle import Hooks
 from shared.messages import StopState
 from shared.payloads import Serialized
 from shared.stop import describe
@@ -868,6 +869,9 @@ class DexterGateway:
         self.node = node
         self.settings = settings
         self.arms = [DexterArm(node, cfg, settings) for cfg in settings.dexter_arms]
+
+    def hooks(self) -> Hooks:
+        return Hooks(start=self.start, shutdown=self.shutdown)
 
     def start(self) -> None:
         for arm in self.arms:

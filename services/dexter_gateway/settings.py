@@ -3,6 +3,8 @@ ROBOBUS_CONFIG file."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from services.dexter_gateway import protocol as p
@@ -14,6 +16,8 @@ __all__ = ["DexterSettings"]
 
 class DexterSettings(KitSettings):
     """dexter-gateway configuration. Example: ROBOBUS_DEXTER_ARMS='[{"id": "dexter1", "host": "192.168.1.142"}]'."""
+
+    section: ClassVar[str] = "dexter"  # any other ROBOBUS_DEXTER_* is refused (docs/kit.md, "Settings")
 
     dexter_arms: list[DexterArmConfig] = Field(
         default_factory=lambda: [DexterArmConfig(id="dexter1", host="127.0.0.1")],

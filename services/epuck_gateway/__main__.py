@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.epuck_gateway.service import API, EpuckSettings, build
+from services.epuck_gateway.api import API
+from services.epuck_gateway.service import build
+from services.epuck_gateway.settings import EpuckSettings
 from shared import run_service
 
 

@@ -12,15 +12,31 @@ import asyncio
 import base64
 import contextlib
 import logging
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
-
+from services.epuck_gateway.api import (
+    API,
+    ASCII,
+    CALIBRATE_IR,
+    FAULT,
+    FLASH,
+    IMAGE,
+    IMAGE_INFO,
+    LEDS,
+    LINK,
+    OBSTACLE,
+    RGB_CMD,
+    SENSORS,
+    SET_SPEED,
+    SET_STEPS,
+    SNAPSHOT,
+    SOUND,
+    STREAM,
+)
 from services.epuck_gateway.asercom import ascii_command
 from services.epuck_gateway.firmware import (
     BadFirmware,
@@ -78,146 +94,13 @@ from services.epuck_gateway.protocol import (
     gyro_to_dps,
 )
 from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink, LineDropped
+from services.epuck_gateway.settings import EpuckSerialRobot, EpuckSettings, EpuckWifiRobot
 from services.epuck_gateway.stop_pass import StopPass
 from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig, link_policy
-from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI
-from shared.contract import NAME_RE
-from shared.node import NODE_DEVICE
+from shared import CommandError, ErrorCode, JobContext, Node
+from shared.lifecycle import Hooks
 
 log = logging.getLogger("robobus.epuck")
-
-API = ServiceAPI("epuck-gateway", device_doc="one e-puck2 robot on WiFi (TCP port 1000, selector 15)",
-                 doc="e-puck2 robots over WiFi: sensors, camera, motors, LEDs, sound")
-SENSORS = API.state("sensors", EpuckSensors,
-                    doc="Decoded sensors packet; rate cap ROBOBUS_EPUCK_SENSORS_HZ (default 50)")
-IMAGE = API.binary("image", "image/jpeg", doc="Camera, 160x120 JPEG; fps cap ROBOBUS_EPUCK_IMAGE_FPS (default 10), "
-                                              "quality ROBOBUS_EPUCK_JPEG_QUALITY")
-IMAGE_INFO = API.state("image_info", EpuckImageInfo, doc="Sequence, time and size of the latest image")
-LINK = API.state("link", EpuckLinkStats, doc="TCP link statistics, once a second and on change")
-FAULT = API.event("fault", EpuckFault)
-# every command needs the robot's TCP link (unavailable without it); the kit adds its own codes
-_LINK = [ErrorCode.UNAVAILABLE]
-SET_SPEED = API.command("set_speed", EpuckSetSpeed, EpuckActuators, errors=_LINK, motion=True,
-                        doc="Wheel speeds, +-1000 steps/s; the robot moves for ROBOBUS_EPUCK_MOTION_TIMEOUT_MS "
-                            "(default 1 s) after each set_speed: send it again within that time to keep it moving")
-SET_STEPS = API.command("set_steps", EpuckSetSteps, EpuckActuators, errors=_LINK,
-                        doc="Overwrite the motor step counters")
-LEDS = API.command("leds", EpuckLeds, EpuckActuators, errors=_LINK, doc="LED1/3/5/7, body and front LED on/off")
-RGB_CMD = API.command("rgb", EpuckRgb, EpuckActuators, errors=_LINK, doc="RGB LEDs 2/4/6/8, red/green/blue 0..100")
-SOUND = API.command("sound", EpuckSound, EpuckActuators, errors=_LINK,
-                    doc="Play mario, underworld, star_wars, 4khz, 10khz, or stop")
-CALIBRATE_IR = API.command("calibrate_ir", EpuckEmpty, EpuckActuators, errors=_LINK,
-                           doc="Calibrate the IR proximity sensors (keep objects away)")
-# the on-board behaviour drives the wheels itself (docs/reference/epuck2.md §3, settings bit1): motion; the bus stop
-# turns it off
-OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuators, errors=_LINK, motion=True,
-                       doc="Enable or disable the on-board obstacle avoidance (it drives the wheels: a motion "
-                           "command, and the bus stop turns it off)")
-STREAM = API.command("stream", EpuckStream, EpuckActuators, errors=_LINK, doc="Image and sensors streams on/off")
-ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply,
-                    errors=[*_LINK, ErrorCode.TIMEOUT, ErrorCode.STOPPED],
-                    doc="asercom ASCII mode, one typed line (`D,200,200`, `N`); robots on a serial port only. A `D` "
-                        "line moves the robot: refused with `stopped` while the bus stop is active")
-FLASH = API.job("flash", EpuckFlashRequest, EpuckFlashResult,
-                errors=[*_LINK, ErrorCode.BUSY, ErrorCode.DEVICE_ERROR],
-                doc="Firmware update of the robot's main MCU through its onboard programmer (gdb-multiarch on the "
-                    "gateway's host); the robot's link is paused and restored around it")
-SNAPSHOT = API.command("snapshot", EpuckSnapshotRequest, EpuckSnapshot, errors=[*_LINK, ErrorCode.TIMEOUT],
-                       doc="One fresh camera frame as PNG, base64 in the reply (png_base64)")
-
-
-class EpuckWifiRobot(BaseModel):
-    """A robot on WiFi (selector 15): the radio module's TCP server."""
-
-    id: str = Field(pattern=NAME_RE.pattern, description="Device name on the bus")
-    transport: Literal["wifi"] = "wifi"
-    host: str
-    port: int = Field(1000, ge=1, le=65535)
-    programmer: str | None = Field(None, description="Its programmer's GDB server port on this host, for `flash`")
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-class EpuckSerialRobot(BaseModel):
-    """A robot on Bluetooth SPP (/dev/rfcommN, selector 3) or USB (/dev/ttyACMn, selector 8): asercom v2."""
-
-    id: str = Field(pattern=NAME_RE.pattern, description="Device name on the bus")
-    transport: Literal["serial"]
-    port: str = Field(min_length=1, description="Serial device, e.g. /dev/ttyACM0 or /dev/serial/by-id/...")
-    baud: int = Field(115200, ge=1200, le=4_000_000)
-    poll_hz: float = Field(50.0, gt=0, le=1000, description="asercom is request/response: sensor polls per second")
-    image_fps: float | None = Field(None, ge=0, le=30,
-                                    description="Camera polls per second while the image stream is on; default "
-                                                "by baud: 0.5 below 230400 (Bluetooth: a 40x40 image is 278 ms of "
-                                                "a 115200 line), else 2")
-    programmer: str | None = Field(None, description="Its programmer's GDB server port on this host, for `flash`")
-
-    @property
-    def address(self) -> str:
-        return f"{self.port}@{self.baud}"
-
-
-def _transport_of(v: Any) -> str:
-    return str(v.get("transport", "wifi") if isinstance(v, dict) else getattr(v, "transport", "wifi"))
-
-
-EpuckRobotConfig = Annotated[Annotated[EpuckWifiRobot, Tag("wifi")] | Annotated[EpuckSerialRobot, Tag("serial")],
-                             Discriminator(_transport_of)]
-
-
-class EpuckSettings(KitSettings):
-    """ROBOBUS_EPUCK_ROBOTS='[{"id":"epuck1","host":"192.168.1.20"}]' and the knobs below (ROBOBUS_<FIELD>)."""
-
-    epuck_robots: list[EpuckRobotConfig] = Field(
-        min_length=1, description='The robots: {"id", "host", "port": 1000} on WiFi, or {"id", "transport": '
-                                  '"serial", "port": "/dev/ttyACM0", "baud": 115200} on Bluetooth/USB')
-    epuck_sensors_hz: float = Field(50.0, ge=0, le=1000, description="Sensors rate cap per robot; 0 = every packet")
-    epuck_image_fps: float = Field(10.0, ge=0, le=100, description="JPEG rate cap per robot; 0 = every frame")
-    epuck_jpeg_quality: int = Field(80, ge=1, le=95)
-    epuck_stream_image: bool = Field(True, description="Image stream on at start")
-    epuck_stream_sensors: bool = Field(True, description="Sensors stream on at start")
-    epuck_motion_timeout_ms: int = Field(1000, ge=50, le=60000, description="Stop a robot without a fresh set_speed")
-    epuck_connect_timeout_s: float = Field(3.0, gt=0, le=60)
-    epuck_flash_stall_s: float = Field(10.0, ge=0.5, le=600,
-                                       description="A firmware load or verify without progress for this long is "
-                                                   "given up (gdb stopped) and retried once")
-    epuck_reconnect_min_s: float = Field(0.2, gt=0, le=60, description="First wait after a failed attempt or a "
-                                                                      "lost link (doubling up to the max)")
-    epuck_reconnect_max_s: float = Field(2.0, gt=0, le=600)
-    epuck_probe_period_s: float = Field(2.0, gt=0, le=600,
-                                        description="An unreachable robot (no valid data for longer than its budget): "
-                                                    "one connection attempt per period")
-    epuck_stale_timeout_s: float = Field(0.8, gt=0, le=60,
-                                         description="Liveness budget: silence beyond the expected gap between packets "
-                                                     "(the image interval seen while images are requested) that "
-                                                     "makes a robot silent; a robot without a link is unreachable "
-                                                     "after this")
-    epuck_image_gap_max_s: float = Field(6.0, gt=0, le=120,
-                                         description="Longest image interval a healthy WiFi link may show (measured "
-                                                     "max 5.9 s)")
-    epuck_tcp_user_timeout_s: float = Field(10.0, gt=0, le=600,
-                                            description="Drop a connection whose robot stopped acknowledging for this "
-                                                        "long (TCP_USER_TIMEOUT), then reconnect")
-    epuck_encode_workers: int = Field(0, ge=0, le=32,
-                                      description="Threads encoding the JPEG stream; 0 = on the event loop (a "
-                                                  "160x120 frame is ~0.2 ms, less than the thread hand-offs). "
-                                                  "PNG snapshots always use a thread")
-
-    @field_validator("epuck_robots")
-    @classmethod
-    def _unique(cls, v: list[EpuckRobotConfig]) -> list[EpuckRobotConfig]:
-        ids = [r.id for r in v]
-        if NODE_DEVICE in ids:
-            raise ValueError(f"{NODE_DEVICE!r} is reserved for the node's own state")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"robot ids must be unique, got {ids}")
-        addrs = [r.address.split("@")[0] for r in v]
-        if len(set(addrs)) != len(addrs):  # a robot serves one client: two links would fight over it
-            raise ValueError(f"each robot address may appear once, got {addrs}")
-        return v
-
 
 class EpuckRobot:
     """One robot's device on the bus, wired to its link."""
@@ -853,12 +736,14 @@ class EpuckGateway:
                            "pass": self.stop_pass.passes, "source": stop.source if stop else "",
                            "reason": stop.reason if stop else ""})
 
+    def hooks(self) -> Hooks:
+        """One asyncio main: every link, handler and publisher runs on the node's loop."""
+        return Hooks(serve=self.serve)
+
     async def serve(self) -> None:
         await serve(self.robots, self.pool)
 
 
 def build(node: Node, settings: EpuckSettings) -> EpuckGateway:
-    # Cross-thread hand-offs (loop -> paho's network thread) wait for the GIL; a shorter switch interval
-    # keeps sensor latency low while the encoder threads are busy.
-    sys.setswitchinterval(0.001)
+    # the switch interval is the kit's setting (switch_interval_ms: 1 ms by default here, settings.py)
     return EpuckGateway(node, settings)

@@ -105,6 +105,7 @@ from services.ethercat_loop.protocol import (
 from services.ethercat_loop.settings import EthercatSettings, link_policy, overrun_threshold
 from services.ethercat_loop.snapshot import PalmSnapshot
 from shared import CommandError, Device, ErrorCode, Node, ServiceUnavailable
+from shared.lifecycle import Hooks
 from shared.link import LinkState, SupervisedLink
 from shared.messages import StopState
 from shared.stop import LATER
@@ -200,6 +201,10 @@ class PalmService:
         d.on_stop(self._bus_stop, inline=True)
 
     # -- lifecycle ------------------------------------------------------------------------------------
+    def hooks(self) -> Hooks:
+        """start() brings the palm up, run() publishes state until the node stops, shutdown() zeroes and leaves OP."""
+        return Hooks(start=self.start, run=self.run, shutdown=self.shutdown)
+
     def start(self) -> None:
         self.backend.start()  # returns at once: the backend brings the palm up on the link's rhythm
         if self.settings.ethercat_push_config_on_start:

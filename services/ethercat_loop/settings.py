@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 
@@ -14,6 +14,10 @@ from shared.settings import KitSettings
 
 class EthercatSettings(KitSettings):
     """ethercat-loop settings: ROBOBUS_ETHERCAT_* in the environment (or keys of ROBOBUS_CONFIG)."""
+
+    section: ClassVar[str] = "ethercat"  # any other ROBOBUS_ETHERCAT_* is refused (docs/kit.md, "Settings")
+    # deploy/compose.yaml's own variables (the container's cpuset, the realtime budget): read by compose, not here
+    unchecked_env: ClassVar[frozenset[str]] = frozenset({"ROBOBUS_ETHERCAT_CPUSET", "ROBOBUS_ETHERCAT_RT_RUNTIME_US"})
 
     backend: Literal["model", "virtual", "nic"] = Field(
         "model", validation_alias=AliasChoices("robobus_ethercat_backend", "ethercat_backend", "backend"),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.roi_modules.service import API, RoiSettings, build
+from services.roi_modules.api import API
+from services.roi_modules.service import build
+from services.roi_modules.settings import RoiSettings
 from shared import run_service
 
 

@@ -17,16 +17,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
-import sys
 import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
-
 from services.roi_modules import protocol as p
+from services.roi_modules.api import (
+    API,
+    BLACKLIST,
+    CLEAR_ERRORS,
+    FAULT,
+    GO_TO_POSITION,
+    GO_TO_RELATIVE,
+    GOTO_POSITION,
+    GOTO_RELATIVE,
+    LINK,
+    PIN_STATES,
+    PIN_VALUES,
+    PING,
+    POWER,
+    QUEUE_GENERAL,
+    QUEUE_SYSADMIN,
+    SET_PIN_MODE,
+    SET_PIN_OUTPUT,
+    SET_TORQUE,
+    SET_VELOCITY,
+    STATE,
+    STATUS_REPORT,
+    TEMPERATURE,
+)
 from services.roi_modules.models import (
     PIN_MODE_CODES,
     PIN_MODE_NAMES,
@@ -55,6 +75,7 @@ from services.roi_modules.models import (
     RoiSetVelocity,
     RoiStatusReport,
 )
+from services.roi_modules.settings import RoiSettings
 from services.roi_modules.stop_pass import StopPass
 from services.roi_modules.transport import (
     LinkStats,
@@ -62,156 +83,15 @@ from services.roi_modules.transport import (
     RoiTransport,
     TransportConfig,
     background_traffic,
-    check_prefix,
 )
-from shared import CommandError, ErrorCode, JobContext, KitSettings, Node, ServiceAPI, ServiceUnavailable
+from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
+from shared.lifecycle import Hooks
 from shared.link import LinkPolicy, LinkState
-from shared.node import NODE_DEVICE
 
 log = logging.getLogger("robobus.roi")
 
-API = ServiceAPI("roi-modules", device_doc="one ROI module (GPIO, ODrive or actuator) on the ROI UDP network",
-                 doc="ROI (Roobot Over IP) modules over UDP: health, state, commands, moves")
-# error codes beyond the kit's: the module not answering (unavailable) or refusing (device_error);
-# a move job is also refused while another runs (busy) and ends with timeout when never in tolerance
-_MODULE = [ErrorCode.UNAVAILABLE, ErrorCode.DEVICE_ERROR]
-_MOVE = [*_MODULE, ErrorCode.BUSY, ErrorCode.TIMEOUT]
-# a GPIO pin configured in `stop_outputs` drives something that moves: refused with `stopped` during the bus stop
-_PIN = [*_MODULE, ErrorCode.STOPPED]
-PIN_STATES = API.state("pin_states", RoiPinStates, doc="GPIO: pin modes, on change")
-PIN_VALUES = API.state("pin_values", RoiPinValues, doc="GPIO: pin values after each read sweep")
-STATE = API.state("state", RoiMotionState, rate_hz=20,
-                  doc="ODrive: position/velocity/torque (GET_ALL, every maintain tick); actuator: % (measured "
-                      "from GET_CURRENT_LENGTH where the module answers a length, else estimated)")
-POWER = API.state("power", RoiOdrivePower, rate_hz=2, doc="ODrive: bus voltage and current")
-TEMPERATURE = API.state("temperature", RoiOdriveTemperature, rate_hz=2, doc="ODrive: FET and motor temperature")
-LINK = API.state("link", RoiLinkStats, rate_hz=1, doc="The module's UDP link counters")
-FAULT = API.event("fault", RoiFault, doc="Disconnection, reconnection, module reset, module error")
-SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, errors=_PIN,
-                             doc="GPIO: drive an output pin 0/1; the pin must first be made an output with "
-                                 "set_pin_mode (mode output), else the module refuses it (device_error). A pin "
-                                 "in the module's stop_outputs: refused while the bus stop is active (stopped)")
-SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, errors=_PIN,
-                           doc="GPIO: input, input_pullup or output. A pin in the module's stop_outputs: refused "
-                               "while the bus stop is active (stopped)")
-GOTO_POSITION = API.command("goto_position", RoiGotoPosition, RoiAck, errors=_MODULE, motion=True,
-                            doc="ODrive (rev, position mode, TRAP_TRAJ) or actuator (%); returns when acknowledged")
-GOTO_RELATIVE = API.command("goto_relative_position", RoiGotoPosition, RoiAck, errors=_MODULE, motion=True,
-                            doc="Relative to the current position; sent as an absolute set-point (resend-safe)")
-SET_VELOCITY = API.command("set_velocity", RoiSetVelocity, RoiAck, errors=_MODULE, motion=True,
-                           doc="ODrive: velocity mode (VEL_RAMP); actuator: the velocity of later moves")
-SET_TORQUE = API.command("set_torque", RoiSetTorque, RoiAck, errors=_MODULE, motion=True,
-                         doc="ODrive: torque mode (TORQUE_RAMP)")
-CLEAR_ERRORS = API.command("clear_errors", RoiEmpty, RoiAck, errors=_MODULE, motion=True,
-                           doc="ODrive: clear errors, closed loop again (the axis may move to its set-point: "
-                               "a motion command)")
-QUEUE_GENERAL = API.command("queue_general_packet", RoiQueueGeneral, RoiRawReply,
-                            errors=[*_MODULE, ErrorCode.FORBIDDEN, ErrorCode.STOPPED],
-                            doc="Raw general packet; answered with the module's decoded reply. On an ODrive or "
-                                "actuator module only getters: a setter moves the motor (forbidden). On a GPIO "
-                                "module, SET_OUTPUT / SET_PIN_MODE to a pin of its stop_outputs is refused while "
-                                "the bus stop is active (stopped)")
-QUEUE_SYSADMIN = API.command("queue_sysadmin_packet", RoiQueueSysAdmin, RoiRawReply, errors=_MODULE,
-                             doc="Raw SysAdmin packet; answered with the module's decoded reply")
-PING = API.command("ping", RoiEmpty, RoiPong, errors=_MODULE, doc="SysAdmin PING: operable and module type")
-STATUS_REPORT = API.command("status_report", RoiEmpty, RoiStatusReport, errors=_MODULE,
-                            doc="SysAdmin STATUS_REPORT, decoded")
-BLACKLIST = API.command("blacklist", RoiBlacklistRequest, RoiBlacklistReply, errors=_MODULE,
-                        doc="SysAdmin BLACK_LIST add/remove/list (the firmware never answers it)")
-GO_TO_POSITION = API.job("go_to_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE, motion=True,
-                         doc="Move and follow: progress = position/velocity; done within tolerance; cancel stops")
-GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE, motion=True,
-                         doc="As go_to_position, relative to the position at the start")
-
-ENV_PREFIX = "ROBOBUS_ROI_"
 PHASE_SLOTS = 5  # maintain ticks go out in this many groups spread over the period (RoiService.serve)
 KIND_TYPES = {"gpio": p.ModuleType.GENERAL_GPIO, "odrive": p.ModuleType.O_DRIVE, "actuator": p.ModuleType.ACTUATOR}
-
-
-class RoiSettings(KitSettings):
-    """ROBOBUS_ROI_* (see the service README)."""
-
-    roi_network: str = Field("192.168.2", description="First three octets of the ROI network (firmware: 192.168.2)")
-    roi_host_octet: int = Field(100, ge=1, le=254, description="This host's octet; both ports are bound there")
-    roi_modules: list[RoiModuleConfig] = Field(min_length=1, description="The modules: name, octet, type, options")
-    roi_timeout_s: float = Field(0.05, gt=0, le=10, description="Resend a request unanswered for this long")
-    roi_max_retries: int = Field(10, ge=0, le=100, description="Resends before a request is abandoned (lost)")
-    roi_maintain_period_s: float = Field(0.1, gt=0, le=0.4,
-                                         description="Poll period; under the modules' 500 ms watchdog")
-    roi_liveness_s: float | None = Field(
-        None, gt=0, le=60, description="Liveness budget: a module with no valid reply for this long is silent or "
-                                       "unreachable (connection false). Default: 1 s (two module watchdog periods, "
-                                       "ten polls), or one whole resend ladder plus a poll period if that is longer")
-    roi_probe_period_s: float = Field(1.0, gt=0, le=60,
-                                      description="A module that does not answer: one STATUS_REPORT probe per period")
-    roi_status_every: int = Field(128, ge=1, le=100000, description="STATUS_REPORT every n maintain ticks")
-    roi_gpio_reads_per_tick: int = Field(4, ge=1, le=16, description="GPIO pins read per tick (round robin)")
-    roi_odrive_tolerance: float = Field(0.05, gt=0, description="Jobs: ODrive done within this many rev")
-    roi_actuator_tolerance: float = Field(0.5, gt=0, description="Jobs: actuator done within this many %")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_unknown_roi_keys(cls, data: Any) -> Any:
-        # §5.5: the launch file set `network-address`/`octet`, the code read other names, nobody noticed
-        if isinstance(data, dict):
-            known = set(cls.model_fields)
-            bad = [k for k in data if isinstance(k, str) and k.lower().replace("-", "_").startswith("roi")
-                   and k.lower() not in known]
-            # the environment source drops unknown variables before validation: look at them here
-            bad += [k for k in os.environ if k.upper().startswith(ENV_PREFIX)
-                    and k[len("ROBOBUS_"):].lower() not in known]
-            if bad:
-                ours = sorted(f for f in known if f.startswith("roi"))
-                raise ValueError(f"unknown roi setting(s) {sorted(bad)}; known: {ours}")
-        return data
-
-    @field_validator("roi_network")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        return check_prefix(v)
-
-    @property
-    def ladder_s(self) -> float:
-        """How long one request may go unanswered before it is abandoned: every send, timeout_s apart."""
-        return self.roi_timeout_s * (self.roi_max_retries + 1)
-
-    def liveness_s(self, module: RoiModuleConfig) -> float:
-        """The module's liveness budget (README, "Health"). Reference docs/reference/roi.md §3.8/§4.4/§5.4: a module
-        answers a
-        poll every 100 ms; its own watchdog gives up on the host after 500 ms; one request is abandoned after
-        11 sends 50 ms apart (0.55 s). 1 s is two module watchdog periods (ten polls) and holds one fully lost
-        request plus the next poll; the 12.8 s status period is no liveness signal (the polls are)."""
-        if module.liveness_s is not None:
-            return module.liveness_s
-        if self.roi_liveness_s is not None:
-            return self.roi_liveness_s
-        return max(1.0, self.ladder_s + self.roi_maintain_period_s)
-
-    @model_validator(mode="after")
-    def _modules(self) -> RoiSettings:
-        names = [m.name for m in self.roi_modules]
-        if NODE_DEVICE in names:
-            raise ValueError(f"{NODE_DEVICE!r} is reserved for the node's own state")
-        if len(set(names)) != len(names):
-            raise ValueError(f"module names must be unique, got {names}")
-        seen: dict[int, list[RoiModuleConfig]] = {}
-        for m in self.roi_modules:
-            budget = self.liveness_s(m)
-            if budget < self.ladder_s + self.roi_maintain_period_s:
-                raise ValueError(f"module {m.name!r}: liveness budget {budget:g} s is shorter than one request's "
-                                 f"resend ladder ({self.roi_max_retries + 1} x {self.roi_timeout_s:g} s) plus a "
-                                 f"maintain period ({self.roi_maintain_period_s:g} s): one lost request would "
-                                 "make an answering module silent")
-            if m.octet == self.roi_host_octet:
-                raise ValueError(f"module {m.name!r} has octet {m.octet}, this host's own (roi_host_octet)")
-            if m.type == "odrive" and m.channel != 0:
-                raise ValueError(f"module {m.name!r}: an ODrive module has one ODrive, channel 0")
-            seen.setdefault(m.octet, []).append(m)
-        for octet, ms in seen.items():
-            # one module per octet; only the two channels of one actuator module may share it
-            if len(ms) > 1 and not (all(m.type == "actuator" for m in ms) and len({m.channel for m in ms}) == len(ms)):
-                raise ValueError(f"octet {octet} is given to {[m.name for m in ms]}")
-        return self
 
 
 def _unavailable(exc: RequestLost, what: str) -> CommandError:
@@ -1318,6 +1198,10 @@ class RoiService:
     def _on_decode_error(self, what: str) -> None:
         self.node.count_decode_error(what)
 
+    def hooks(self) -> Hooks:
+        """One asyncio main (the transport, one maintain task per module); shutdown() stops the motion modules."""
+        return Hooks(serve=self.serve, shutdown=self.shutdown)
+
     async def serve(self) -> None:
         await self.transport.open()
         log.info("serving ROI modules", extra={"host": self.transport.cfg.host_address,
@@ -1372,9 +1256,7 @@ def check_bindable(host: str) -> None:
 
 
 def build(node: Node, settings: RoiSettings) -> RoiService:
-    # A command hops paho's thread -> the command pool -> this loop and back; each hop waits for the GIL,
-    # which a busy thread keeps up to the switch interval (5 ms by default): 1 ms keeps the round trip short.
-    sys.setswitchinterval(0.001)
+    # the switch interval is the kit's setting (switch_interval_ms: 1 ms by default here, settings.py)
     check_bindable(f"{settings.roi_network}.{settings.roi_host_octet}")
     svc = RoiService(node, settings)
     svc.build_modules()

@@ -15,6 +15,7 @@ import paho.mqtt.client as mqtt
 from services.roi_modules.service import API, RoiService, RoiSettings, build
 from services.roi_modules.sim import RoiSim, SimModuleSpec
 from shared import Node
+from shared.lifecycle import apply_process_settings
 from shared.rpc import RpcClient
 from tests.fixtures import Broker
 from tests.roi_modules.conftest import fresh_prefix, wait_until
@@ -69,6 +70,7 @@ class ServiceThread:
         self.settings = settings
         self.bus_delay_s = bus_delay_s  # connect to the broker this long after the modules are served
         self.node = Node(API, settings)
+        apply_process_settings(settings)  # as run_service does before build (the switch interval)
         self.svc: RoiService = build(self.node, settings)
         self.loop = asyncio.new_event_loop()
         self.node.attach_loop(self.loop)
