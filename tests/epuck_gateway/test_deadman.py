@@ -136,7 +136,10 @@ def test_at_bluetooth_speed_the_deadman_stop_is_not_held_behind_an_image(
             stopped = stop_after(robot, since)
             assert stopped is not None
             lateness.append(stopped - t_reply - timeout_s)
-        assert max(lateness) <= 0.15, [round(x, 3) for x in lateness]
+        # held behind an image, about half the deadlines fall in one and come up to 278 ms late (a quarter of the
+        # trials beyond 0.15 s); a busy machine may stall one trial: one outlier is allowed, none beyond an image
+        late = sorted(lateness)
+        assert late[-2] <= 0.15 and late[-1] <= 0.6, [round(x, 3) for x in lateness]
         link = bus.wait_json("/bt1/state/link", lambda d: d["sensors_per_s"] > 30)
         assert link is not None, "sensors starved by the camera at 115200 baud"
     finally:
