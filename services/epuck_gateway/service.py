@@ -95,10 +95,10 @@ from services.epuck_gateway.protocol import (
 )
 from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink, LineDropped
 from services.epuck_gateway.settings import EpuckSerialRobot, EpuckSettings, EpuckWifiRobot
-from services.epuck_gateway.stop_pass import StopPass
 from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig, link_policy
 from shared import CommandError, ErrorCode, JobContext, Node
 from shared.lifecycle import Hooks
+from shared.stop_pass import StopPass
 
 log = logging.getLogger("robobus.epuck")
 

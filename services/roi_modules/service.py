@@ -76,7 +76,6 @@ from services.roi_modules.models import (
     RoiStatusReport,
 )
 from services.roi_modules.settings import RoiSettings
-from services.roi_modules.stop_pass import StopPass
 from services.roi_modules.transport import (
     LinkStats,
     RequestLost,
@@ -87,6 +86,7 @@ from services.roi_modules.transport import (
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
 from shared.lifecycle import Hooks
 from shared.link import LinkPolicy, LinkState
+from shared.stop_pass import StopPass
 
 log = logging.getLogger("robobus.roi")
 

@@ -1,19 +1,22 @@
-"""The bus stop for every robot of the gateway in one pass on the service's loop (docs/kit.md "Stopping everything").
+"""The bus stop for every motion device of a service in one pass on its event loop (docs/kit.md "Stopping
+everything"): for services whose devices share one loop and whose stops are many small writes (an e-puck2 swarm's
+sockets, ROI modules' datagrams).
 
 The kit calls a motion device's stop action once per device when the stop becomes active, and again for one
 device after a motion command that ran across the stop. Given a coroutine action, it schedules one coroutine per
 device on the loop: each its own hand-off from the MQTT network thread, its own task, started one loop iteration
-later, with the loop's other work (twenty robots' packets, JPEG encoding) in between, so the last robot's stop
-left 7-15 ms after the first (bench/stop.py). Here the action is inline (on the network thread):
-the first call of an activation puts every robot of the gateway in one pass, scheduled with one hand-off; the
-pass runs as one loop callback that writes every robot's stop, one after another with nothing in between, each
-stamped as it is written; the reports (the node's stop answer, the health) come after the last write. The kit's
-call that scheduled the pass waits for its writes (at most PASS_WAIT_S): the kit's thread would otherwise go on
-with the activation's per-device health publishes and take the GIL from the pass at every switch interval.
+later, with the loop's other work (other devices' packets, JPEG encoding, maintain loops) in between, so the last
+device's stop left tens of milliseconds after the first (bench/stop.py). Here the action is inline (on the network
+thread): the first call of an activation puts every device of the pass in one pass, scheduled with one hand-off;
+the pass runs as one loop callback (the service's runner) that writes every device's stop, one after another with
+nothing in between, each stamped as it is written; the reports (the node's stop answer, the health) come after the
+last write. The kit's call that scheduled the pass waits for its writes (at most PASS_WAIT_S: an inline action
+that waits, bounded): the kit's thread would otherwise go on with the activation's per-device health publishes
+and take the GIL from the pass at every switch interval.
 
-No robot is written twice by one activation: the kit's own call for a robot the activation's pass already covers
-does nothing. Any other call (a motion command that ran across the stop: the kit's `done`; a device made during
-the stop) puts that robot in the next pass, so the stop is written again after whatever the command sent.
+No device is written twice by one activation: the kit's own call for a device the activation's pass already
+covers does nothing. Any other call (a motion command that ran across the stop: the kit's `done`; a device made
+during the stop) puts that device in the next pass, so the stop is written again after whatever the command sent.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from shared import Node
 from shared.messages import StopState
 from shared.stop import LATER
 
-log = logging.getLogger("robobus.epuck.stop")
+log = logging.getLogger("robobus.stop")
 
 # Run on the loop with the devices due (name -> the stop activation count they are due for); it writes each one,
 # and reports it (StopLatch.report with that count) once the writes are done, in a later turn of the loop.

@@ -1,4 +1,4 @@
-"""The bus stop's one pass (services/epuck_gateway/stop_pass.py, and its copy in services/roi_modules): every device
+"""The bus stop's one pass (shared/stop_pass.py, used by epuck-gateway and roi-modules): every device
 of an activation in one pass on the loop, whatever the order in which the kit's calls come and the loop runs; no
 device written twice by one activation; a stop again (a command that ran across it) gets a pass of its own; a
 failure is reported for each device, not swallowed; the kit's call that scheduled a pass waits for its writes,
@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from services.epuck_gateway import stop_pass as epuck_stop_pass
-from services.roi_modules import stop_pass as roi_stop_pass
+from shared import stop_pass
 from shared.messages import StopState
 from shared.stop import LATER
 
@@ -83,7 +82,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
         lp.close()
 
 
-MODULES = [pytest.param(epuck_stop_pass, id="epuck"), pytest.param(roi_stop_pass, id="roi")]
+MODULES = [pytest.param(stop_pass, id="kit")]
 
 
 @pytest.mark.parametrize("module", MODULES)
