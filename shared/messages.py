@@ -138,7 +138,8 @@ class StopDeviceAnswer(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     device: str
-    stopped: bool = Field(description="The device is held stopped (false after a release)")
+    stopped: bool = Field(description="The device is held stopped (false after a release that leaves no "
+                                      "stop active: a release of one channel leaves the other's)")
     pending: bool = Field(description="The service has not yet reported that the stop reached the device")
     written_ts: float | None = Field(
         default=None, description="Unix time (s) the stop reached the device, as the service reports it (its "
@@ -157,6 +158,10 @@ class StopAnswer(BaseModel):
     stop_ts: float = Field(description="The `ts` of the StopState answered")
     source: str
     reason: str
+    channel: Literal["site", "fleet"] = Field(
+        default="site", description="Where the StopState answered was read: 'site' ({root}/_stop, the site's own "
+                                    "stop) or 'fleet' ({root}/_stop/fleet, the fleet centre's stop, brought in by "
+                                    "the site's bridge). The node is stopped while either is active")
     received_ts: float = Field(description="Unix time (s) when the node read the StopState")
     devices: list[StopDeviceAnswer] = Field(description="The node's motion devices")
     ts: float

@@ -3,10 +3,19 @@
 It is a software stop: it never replaces a hardware emergency stop. docs/kit.md, "Stopping everything", is the
 user's side; this module is the one piece of code every service's stop goes through.
 
-    {root}/_stop                     StopState, retained, QoS 1: written by the operator role only (the ACL)
+    {root}/_stop                     StopState, retained, QoS 1: the site's stop, written by the operator role
+                                     only (the ACL)
+    {root}/_stop/fleet               StopState, retained, QoS 1: the fleet centre's stop of this site, written
+                                     only by the site's bridge (the centre's {root}/_stop, remapped)
     {root}/{node}/_node/state/stop   StopAnswer, retained: each node's answer, per motion device
 
-A node (`StopLatch`, made by shared/node.py) reads `{root}/_stop` with its other subscriptions. While the stop is
+The two topics are two latches ("channels", `site` and `fleet`): a node keeps one state per channel, each with its
+own stale-release guard and fail-safe parsing, and is stopped while ANY channel is active; the effective stop (what
+health, the `stopped` errors and the stop actions use) is the active one, the newest if both are. A release lifts
+only its own channel. So the centre's retained state, which the bridge brings down again on every reconnect, lands
+on its own channel and never replaces a stop the site's operator set.
+
+A node (`StopLatch`, made by shared/node.py) reads both topics with its other subscriptions. While the stop is
 active, the kit refuses every motion command and job (`CommandSpec.motion`) with `stopped` before its handler runs,
 cancels the running motion jobs, overlays each motion device's health (state `stopped`, source and reason), and
 calls each motion device's stop action (`Device.on_stop`) at once: on a thread of its own (default), on the MQTT
@@ -20,18 +29,21 @@ overlay; nothing moves by itself: a device moves again only on a new command.
 Start-up and reconnects: until the node knows the stop state, a motion command waits for it (at most
 `ADMIT_WAIT_S`; an `inline` handler on the network thread cannot wait) and is then answered `unavailable` (not
 `stopped`: no stop may exist, and `stopped` tells a client to wait for a release that may never come). The node
-knows it once a `{root}/_stop` message arrived, or once a message it sends itself after the broker acknowledged
-its subscriptions comes back: the broker queues a subscription's retained message while it handles the
-SUBSCRIBE, before it reads the node's next packet, and delivers one connection's QoS 1 messages in order. The
-message goes to the node's own reply topic, `{root}/_client/<client id>/reply`, which every client may use.
+knows it once a message arrived on each channel, or once a message it sends itself after the broker acknowledged
+its subscriptions (both stop topics among them) comes back: the broker queues a subscription's retained message
+while it handles the SUBSCRIBE, before it reads the node's next packet, and delivers one connection's QoS 1
+messages in order. The message goes to the node's own reply topic, `{root}/_client/<client id>/reply`, which every
+client may use.
 
-Fail safe: an unreadable message on `{root}/_stop` (not JSON, not a StopState) counts as an active stop (counted
-as a decode error) until a valid one replaces it; an empty retained message (the stop removed from the broker)
-counts as a release. A node that loses the broker stops its motion devices through their deadmen, as before."""
+Fail safe: an unreadable message on either topic (not JSON, not a StopState) counts as an active stop of its
+channel (counted as a decode error) until a valid one replaces it; an empty retained message (the stop removed
+from the broker) counts as a release of its channel. A node that loses the broker stops its motion devices through
+their deadmen, as before."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -53,6 +65,8 @@ from shared.payloads import describe_validation_error
 log = logging.getLogger("robobus.stop")
 
 STOP = "_stop"
+FLEET = "fleet"  # {root}/_stop/fleet: the fleet centre's stop, as the site's bridge brings it in
+SITE_CHANNEL, FLEET_CHANNEL = "site", "fleet"
 ANSWER_STATE = "stop"  # {root}/{node}/_node/state/stop
 SYNC_PAYLOAD = b'{"ok":true,"result":{}}'  # a valid reply, as RpcClient's own settle message
 # a motion command that comes before the stop state is known (a client that acts on a device's health before the
@@ -62,6 +76,10 @@ ADMIT_WAIT_S = 2.0
 
 def stop_topic(root: str) -> str:
     return f"{root}/{STOP}"
+
+
+def fleet_stop_topic(root: str) -> str:
+    return f"{root}/{STOP}/{FLEET}"
 
 
 def answer_topic(root: str, node: str) -> str:
@@ -97,6 +115,17 @@ def describe(stop: StopState) -> str:
     return f"{stop.source}: {stop.reason}" if stop.reason else stop.source
 
 
+class _Channel:
+    """One stop latch of a node: the site's ({root}/_stop) or the fleet centre's ({root}/_stop/fleet)."""
+
+    def __init__(self, name: str, topic: str, lift: str) -> None:
+        self.name = name
+        self.topic = topic
+        self.lift = lift  # how an operator releases it (said in the `stopped` errors)
+        self.state: StopState | None = None  # the latest valid message read on it (None: none on the broker)
+        self.read = False  # a message arrived on it since the last (re)connect
+
+
 class StopLatch:
     """One node's view of its root's stop: the gate of motion commands, the devices' stop actions, the answer."""
 
@@ -104,6 +133,10 @@ class StopLatch:
                  devices: Callable[[], Iterable[MotionDevice]], counters: Counters,
                  get_loop: Callable[[], asyncio.AbstractEventLoop | None]) -> None:
         self.topic = stop_topic(root)
+        self.fleet_topic = fleet_stop_topic(root)
+        self.channels = {SITE_CHANNEL: _Channel(SITE_CHANNEL, self.topic, "robobus stop --release"),
+                         FLEET_CHANNEL: _Channel(FLEET_CHANNEL, self.fleet_topic,
+                                                 f"at the fleet's centre: robobus stop --root {root} --release")}
         self.answer_topic = answer_topic(root, node)
         self.node = node
         self.service = service
@@ -111,10 +144,10 @@ class StopLatch:
         self.devices = devices
         self.counters = counters
         self.get_loop = get_loop
-        self.state: StopState | None = None  # the latest stop message read (None: none on the broker)
         self.known = False  # the stop state has been read since the last (re)connect
         self.generation = 0  # counts activations: a motion command admitted under an older one raced a stop
-        self._last_active: StopState | None = None
+        self._last_active: StopState | None = None  # the effective stop of the latest activation
+        self._last_read: _Channel | None = None  # the channel of the latest valid message (a release shows it)
         self._lock = threading.Lock()
         self._answer: StopAnswer | None = None
         self._entries: dict[str, StopDeviceAnswer] = {}
@@ -124,35 +157,63 @@ class StopLatch:
         self.known_event = threading.Event()  # set with `known` (tests and tools wait on it)
         self._when_known: list[Callable[[], None]] = []
         self._net_thread: int | None = None  # the network thread (seen on connect): it must never wait
-        session.subscribe(self.topic, self._on_stop, qos=1)
+        for ch in self.channels.values():  # both before the round trip that makes the state known (_on_connect)
+            session.subscribe(ch.topic, functools.partial(self._on_stop, ch), qos=1)
         session.subscribe(self._sync_topic, self._on_sync, qos=1)
         session.on_connect(self._on_connect)
         session.on_disconnect(self._on_disconnect)
 
+    def _effective(self) -> _Channel | None:
+        """The channel that holds the node stopped (the newest active stop), else the one read last with a
+        message (a release), else None."""
+        active = [ch for ch in self.channels.values() if ch.state is not None and ch.state.active]
+        if active:
+            return max(active, key=lambda ch: ch.state.ts if ch.state is not None else 0.0)
+        return self._last_read
+
+    @property
+    def state(self) -> StopState | None:
+        """The effective stop: the active one (the newest if both channels are active), else the latest release
+        read, else None (no stop message on the broker)."""
+        ch = self._effective()
+        return ch.state if ch is not None else None
+
+    @property
+    def channel(self) -> str:
+        """The channel of `state` ("site" or "fleet"; "" with no stop message)."""
+        ch = self._effective()
+        return ch.name if ch is not None and ch.state is not None else ""
+
     @property
     def active(self) -> bool:
-        s = self.state
-        return s is not None and s.active
+        return any(ch.state is not None and ch.state.active for ch in self.channels.values())
+
+    def _refusal(self) -> CommandError | None:
+        ch = self._effective()
+        s = ch.state if ch is not None else None
+        if ch is None or s is None or not s.active:
+            return None
+        which = "the bus stop" if ch.name == SITE_CHANNEL else f"the fleet's bus stop ({ch.topic})"
+        return CommandError(ErrorCode.STOPPED, f"{which} is active ({describe(s)}): motion commands are refused "
+                                               f"until it is released ({ch.lift})")
 
     # -- the gate (command threads) ------------------------------------------------------------
     def admit(self) -> int:
         """Before a motion command's handler (or a motion job's admit) runs: raise `stopped` while the stop is
         active, `unavailable` until the stop state is known; else the activation count to hand to `done`."""
         gen = self.generation  # read before the state: an activation sets the state first, then counts
-        s = self.state
-        if s is not None and s.active:
-            raise CommandError(ErrorCode.STOPPED, f"the bus stop is active ({describe(s)}): motion commands are "
-                                                  "refused until it is released (robobus stop --release)")
+        refused = self._refusal()
+        if refused is not None:
+            raise refused
         if not self.known and threading.get_ident() != self._net_thread:
             self.known_event.wait(ADMIT_WAIT_S)  # the stop message, when it comes, arrives on the network thread
             gen = self.generation
-            s = self.state
-            if s is not None and s.active:
-                raise CommandError(ErrorCode.STOPPED, f"the bus stop is active ({describe(s)}): motion commands "
-                                                      "are refused until it is released (robobus stop --release)")
+            refused = self._refusal()
+            if refused is not None:
+                raise refused
         if not self.known:
-            raise CommandError(ErrorCode.UNAVAILABLE, f"the node has not read the bus stop ({self.topic}) since "
-                                                      "it connected; try again")
+            raise CommandError(ErrorCode.UNAVAILABLE, f"the node has not read the bus stop ({self.topic} and "
+                                                      f"{self.fleet_topic}) since it connected; try again")
         return gen
 
     def done(self, dev: MotionDevice, gen: int) -> None:
@@ -168,7 +229,7 @@ class StopLatch:
         self._run_action(dev, stop, self.generation)
 
     # -- the stop message (network thread) -----------------------------------------------------
-    def _parse(self, payload: bytes) -> StopState | None:
+    def _parse(self, topic: str, payload: bytes) -> StopState | None:
         if not payload:
             return None
         try:
@@ -176,9 +237,9 @@ class StopLatch:
         except ValidationError as exc:
             why = describe_validation_error(exc)
             self.counters.decode_error()
-            log.error("unreadable stop message: held as an active stop", extra={"topic": self.topic, "error": why})
+            log.error("unreadable stop message: held as an active stop", extra={"topic": topic, "error": why})
             return StopState(active=True, source="unknown",
-                             reason=f"unreadable stop message on {self.topic} ({why[:200]}): held stopped until "
+                             reason=f"unreadable stop message on {topic} ({why[:200]}): held stopped until "
                                     "a valid release", ts=0.0)
 
     def when_known(self, fn: Callable[[], None]) -> None:
@@ -201,47 +262,57 @@ class StopLatch:
             except Exception:
                 log.exception("a callback waiting for the stop state failed")
 
-    def _on_stop(self, msg: mqtt.MQTTMessage) -> None:
+    def _on_stop(self, ch: _Channel, msg: mqtt.MQTTMessage) -> None:
         try:
-            self._on_stop_message(msg)
+            self._on_stop_message(ch, msg)
         finally:
             self._fire_known()  # after the state (and an activation) is applied
 
-    def _on_stop_message(self, msg: mqtt.MQTTMessage) -> None:
-        new = self._parse(bytes(msg.payload))
+    def _on_stop_message(self, ch: _Channel, msg: mqtt.MQTTMessage) -> None:
+        new = self._parse(ch.topic, bytes(msg.payload))
         received = time.time()
         with self._lock:
-            old = self.state
-            self.known = True
-            self.known_event.set()
+            old = ch.state
+            ch.read = True
+            if all(c.read for c in self.channels.values()):
+                self.known = True
+                self.known_event.set()
             if new == old and self._answer is not None:
                 return  # the same stop again (redelivered on reconnect): answered already
             if (old is not None and old.active and new is not None and not new.active and new.ts < old.ts):
-                # a release older than the stop it would lift is stale: e.g. a fleet centre's retained release,
-                # sent down again when its bridge reconnects, after the site's operator set a newer stop
+                # a release older than the stop it would lift is stale (each channel has its own guard)
                 self.counters.decode_error()
                 log.warning("stale release ignored: older than the active stop",
-                            extra={"release_ts": new.ts, "stop_ts": old.ts, "source": new.source})
+                            extra={"channel": ch.name, "release_ts": new.ts, "stop_ts": old.ts,
+                                   "source": new.source})
                 return
-            self.state = new
+            ch.state = new
+            if new is not None:
+                self._last_read = ch
+            effective = self.state
+            held = effective is not None and effective.active
             if new is not None and new.active:
-                self._last_active = new
+                self._last_active = effective
                 self.generation += 1
             gen = self.generation
-        if new is not None and new.active:
-            self._activate(new, gen, received)
+        if new is not None and new.active and effective is not None:
+            self._activate(ch, new, effective, gen, received)
+        elif held and effective is not None:
+            self._held(ch, new, effective, received)
         else:
-            self._release(new, received)
+            self._release(ch, new, received)
 
-    def _activate(self, stop: StopState, gen: int, received: float) -> None:
+    def _activate(self, ch: _Channel, msg: StopState, stop: StopState, gen: int, received: float) -> None:
+        """A stop on channel `ch` (message `msg`): every motion device's stop action runs with the effective stop
+        (`stop`: `msg`, or the other channel's newer active stop), and the node answers `msg`."""
         devs = [d for d in self.devices() if d.motion]
-        log.warning("bus stop active", extra={"source": stop.source, "reason": stop.reason,
+        log.warning("bus stop active", extra={"channel": ch.name, "source": msg.source, "reason": msg.reason,
                                               "devices": [d.name for d in devs]})
         with self._lock:
             self._entries = {d.name: StopDeviceAnswer(device=d.name, stopped=True, pending=True) for d in devs}
-            self._answer = StopAnswer(node=self.node, service=self.service, active=True, stop_ts=stop.ts,
-                                      source=stop.source, reason=stop.reason, received_ts=received, devices=[],
-                                      ts=received)
+            self._answer = StopAnswer(node=self.node, service=self.service, active=True, stop_ts=msg.ts,
+                                      source=msg.source, reason=msg.reason, channel=ch.name, received_ts=received,
+                                      devices=[], ts=received)
         for d in devs:  # the stop first, then what reports it
             self._run_action(d, stop, gen)
         for d in devs:
@@ -263,15 +334,35 @@ class StopLatch:
         self._run_action(dev, stop, gen)
         self._publish_answer()
 
-    def _release(self, stop: StopState | None, received: float) -> None:
+    def _held(self, ch: _Channel, stop: StopState | None, holder: StopState, received: float) -> None:
+        """A release on channel `ch` while the other channel's stop is active: it lifts only its own channel. The
+        devices stay stopped (their entries are the active stop's); the node answers the release with them."""
+        other = next(c for c in self.channels.values() if c is not ch)
+        log.warning("bus stop released on one channel: still stopped by the other",
+                    extra={"channel": ch.name, "source": stop.source if stop else "", "held_by": other.name,
+                           "holder": describe(holder)})
+        with self._lock:
+            self._answer = StopAnswer(
+                node=self.node, service=self.service, active=False, stop_ts=stop.ts if stop else 0.0,
+                source=stop.source if stop else "",
+                reason=(stop.reason if stop else "the stop message was removed") + (
+                    f" (still stopped by the {other.name} stop on {other.topic}: {describe(holder)})"),
+                channel=ch.name, received_ts=received, devices=[], ts=received)
+        for d in self.devices():
+            if d.motion:
+                d.publish_health()  # the overlay now names the stop that holds
+        self._publish_answer()
+
+    def _release(self, ch: _Channel, stop: StopState | None, received: float) -> None:
         devs = [d for d in self.devices() if d.motion]
-        log.warning("bus stop released", extra={"source": stop.source if stop else "", "devices": len(devs)})
+        log.warning("bus stop released", extra={"channel": ch.name, "source": stop.source if stop else "",
+                                                "devices": len(devs)})
         with self._lock:
             self._entries = {d.name: StopDeviceAnswer(device=d.name, stopped=False, pending=False) for d in devs}
             self._answer = StopAnswer(
                 node=self.node, service=self.service, active=False, stop_ts=stop.ts if stop else 0.0,
                 source=stop.source if stop else "", reason=stop.reason if stop else "the stop message was removed",
-                received_ts=received, devices=[], ts=received)
+                channel=ch.name, received_ts=received, devices=[], ts=received)
         for d in devs:
             d.publish_health()
         self._publish_answer()
@@ -357,12 +448,13 @@ class StopLatch:
 
     def overlay(self, device: str) -> dict[str, Any] | None:
         """The health fields a motion device shows while the stop is active (None: none)."""
-        s = self.state
-        if s is None or not s.active:
+        ch = self._effective()
+        s = ch.state if ch is not None else None
+        if ch is None or s is None or not s.active:
             return None
         entry = self._entries.get(device)
-        detail: dict[str, Any] = {"source": s.source, "reason": s.reason, "ts": s.ts}
-        message = f"bus stop by {describe(s)}"
+        detail: dict[str, Any] = {"source": s.source, "reason": s.reason, "ts": s.ts, "channel": ch.name}
+        message = f"bus stop by {describe(s)}" if ch.name == SITE_CHANNEL else f"fleet bus stop by {describe(s)}"
         if entry is not None:
             detail.update(pending=entry.pending, written_ts=entry.written_ts, error=entry.error)
             if entry.error:
@@ -372,7 +464,7 @@ class StopLatch:
 
     # -- knowing the state after a (re)connect ---------------------------------------------------
     def _on_connect(self) -> None:
-        """Network thread, once the broker acknowledged every subscription (`{root}/_stop` among them): a message
+        """Network thread, once the broker acknowledged every subscription (both stop topics among them): a message
         to ourselves; when it is back, the retained stop, or its absence, has been delivered."""
         with self._lock:
             self._sync_no += 1
@@ -387,15 +479,18 @@ class StopLatch:
                 return
             self.known = True
             self.known_event.set()
-        log.info("bus stop state read: no stop on the broker", extra={"topic": self.topic})
+        log.info("bus stop state read", extra={"topics": [self.topic, self.fleet_topic], "active": self.active})
         self._fire_known()
 
     def _on_disconnect(self) -> None:
         with self._lock:
             self._sync_token = b""
-            if not self.active:  # an active stop stays: a node never forgets a stop by losing the broker
-                self.known = False
-                self.known_event.clear()
+            # the channels' states stay (a node never forgets a stop by losing the broker; while one is active,
+            # `admit` refuses `stopped` before it asks whether the state is known); what is known is read again
+            for ch in self.channels.values():
+                ch.read = False
+            self.known = False
+            self.known_event.clear()
 
 
 # -- the client side: set or release the stop and gather the nodes' answers (`robobus stop`) ----------------------

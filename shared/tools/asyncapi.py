@@ -218,6 +218,20 @@ class DocBuilder:
                      "unreadable message counts as an active stop; an empty retained message as a release.",
                      retain=True, qos=1, kind="stop")
         self.operation("setStop", "receive", "stop", "Set or release the bus stop", qos=1, retain=True)
+        self.channel("stopFleet", "{root}/_stop/fleet",
+                     {"StopState": self.message("StopState", self.model(StopState), title="Bus stop",
+                                                summary="The latched software stop of this topic root")},
+                     "Retained, QoS 1: the fleet centre's stop of this site, a latch of its own beside `stop`: the "
+                     "site's bridge maps the centre's `{root}/_stop` to it, so that the centre's retained state, "
+                     "sent down again on every reconnect, never replaces the site's own stop. No client at the site "
+                     "writes it (the centre's operator sets and releases it, at the centre); every node reads it. "
+                     "A node is stopped while this or `stop` is active; a release lifts only its own channel. Read "
+                     "as `stop` is: an unreadable message counts as an active stop, an empty retained message as a "
+                     "release, a release older than the channel's active stop is ignored.",
+                     retain=True, qos=1, kind="stop")
+        self.operation("setFleetStop", "receive", "stopFleet",
+                       "The fleet centre sets or releases the bus stop (through the site's bridge)", qos=1,
+                       retain=True)
         self.channel("stopAnswer", "{root}/{node}/_node/state/stop",
                      {"StopAnswer": self.message("StopAnswer", self.model(StopAnswer), title="Stop answer",
                                                  summary="A node's answer to the latest stop or release")},

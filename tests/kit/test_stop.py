@@ -20,7 +20,7 @@ from shared.contract import command_errors
 from shared.errors import CommandError, ErrorCode
 from shared.messages import StopAnswer, StopState
 from shared.rpc import RpcClient, wait_for
-from shared.stop import LATER, answer_topic, stop_topic
+from shared.stop import LATER, answer_topic, fleet_stop_topic, stop_topic
 from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import Broker
 from tests.kit import motion_node
@@ -557,3 +557,99 @@ def test_a_node_says_online_only_once_it_knows_the_stop_state(bus: Bus, monkeypa
         assert not rep.ok and rep.error["code"] == "unavailable"
     finally:
         node2.stop()
+
+
+def _set(bus: Bus, topic: str, active: bool, source: str, reason: str = "", ts: float | None = None) -> StopState:
+    stop = StopState(active=active, source=source, reason=reason, ts=time.time() if ts is None else ts)
+    assert bus.client.session.publish_wait(topic, stop.model_dump_json(), qos=1, retain=True)
+    return stop
+
+
+def test_the_fleet_channel_is_a_latch_of_its_own(bus: Bus, mover: Any) -> None:
+    """{root}/_stop/fleet (the centre's stop, as the site's bridge brings it in) stops the node on its own; a release
+    on one channel lifts only that channel; the node moves again only once both are released, and never by itself.
+    The answer and the health say which channel holds the node."""
+    node, wheels = mover
+    site, fleet = stop_topic(bus.root), fleet_stop_topic(bus.root)
+    stop = _set(bus, fleet, True, "centre-operator", "fleet drill")
+    answer = bus.wait_answer(node.name, stop)
+    assert answer["channel"] == "fleet" and all(d["stopped"] for d in answer["devices"]), answer
+    assert wheels["wheel1"].stops and wheels["wheel1"].stops[-1][2] == stop
+    rep = call(bus, node, "wheel1", "move", {"speed": 1})
+    assert not rep.ok and rep.error["code"] == "stopped", rep.raw
+    assert "fleet drill" in rep.error["message"] and fleet in rep.error["message"], rep.error
+    assert wait_for(lambda: ((bus.health(node.name, "wheel1") or {}).get("details", {}).get("stop", {})
+                             .get("channel")) == "fleet", DEADLINE), bus.health(node.name, "wheel1")
+    # the site's release (newer than the fleet's stop) does not lift the fleet's stop
+    release = _set(bus, site, False, "site-operator")
+    a = bus.wait_answer(node.name, release)
+    assert a["channel"] == "site" and all(d["stopped"] for d in a["devices"]), a
+    assert "still stopped by the fleet stop" in a["reason"], a
+    assert node.stop_latch.active and node.stop_latch.channel == "fleet"
+    rep = call(bus, node, "wheel1", "move", {"speed": 1})
+    assert not rep.ok and rep.error["code"] == "stopped", rep.raw
+    # and the other way: the site's stop, then the fleet's release: still stopped, by the site
+    site_stop = _set(bus, site, True, "site-operator", "site drill")
+    bus.wait_answer(node.name, site_stop)
+    assert node.stop_latch.channel == "site"  # the newest active stop is the effective one
+    fleet_release = _set(bus, fleet, False, "centre-operator")
+    a = bus.wait_answer(node.name, fleet_release)
+    assert a["channel"] == "fleet" and all(d["stopped"] for d in a["devices"]), a
+    rep = call(bus, node, "wheel1", "move", {"speed": 1})
+    assert not rep.ok and rep.error["code"] == "stopped" and "site drill" in rep.error["message"], rep.raw
+    assert wait_for(lambda: ((bus.health(node.name, "wheel1") or {}).get("details", {}).get("stop", {})
+                             .get("channel")) == "site", DEADLINE), bus.health(node.name, "wheel1")
+    writes = len(wheels["wheel1"].writes)
+    # both released: released, and nothing moved by itself
+    released = _set(bus, site, False, "site-operator")
+    a = bus.wait_answer(node.name, released)
+    assert a["channel"] == "site" and not any(d["stopped"] for d in a["devices"]), a
+    assert not node.stop_latch.active
+    assert wait_for(lambda: (bus.health(node.name, "wheel1") or {}).get("state") != "stopped", DEADLINE)
+    assert len(wheels["wheel1"].writes) == writes
+    assert call(bus, node, "wheel1", "move", {"speed": 2}).ok
+    bus.validate_all()
+
+
+def test_a_stale_release_on_one_channel_is_ignored_by_that_channel(bus: Bus, mover: Any) -> None:
+    """Each channel has its own stale-release guard and its own fail-safe parsing."""
+    node, _ = mover
+    fleet = fleet_stop_topic(bus.root)
+    stop = _set(bus, fleet, True, "centre-operator")
+    bus.wait_answer(node.name, stop)
+    before = node.counters.decode_errors
+    _set(bus, fleet, False, "centre-operator", ts=stop.ts - 60)
+    assert wait_for(lambda: node.counters.decode_errors == before + 1, DEADLINE)
+    assert node.stop_latch.active
+    assert bus.client.session.publish_wait(fleet, b"{garbage", qos=1, retain=True)
+    assert wait_for(lambda: node.counters.decode_errors == before + 2, DEADLINE)
+    rep = call(bus, node, "wheel1", "move", {"speed": 1})
+    assert not rep.ok and rep.error["code"] == "stopped" and "unreadable" in rep.error["message"], rep.raw
+    release = _set(bus, fleet, False, "centre-operator")
+    bus.wait_answer(node.name, release)
+    assert call(bus, node, "wheel1", "move", {"speed": 1}).ok
+
+
+@pytest.mark.parametrize("stopped_on", ["site", "fleet"])
+def test_a_node_started_with_one_channel_stopped_and_the_other_released_comes_up_stopped(
+        bus: Bus, broker_session: Broker, stopped_on: str) -> None:
+    """The case of a site whose bridge reconnected after its operator stopped it: the site's retained stop on
+    {root}/_stop and the centre's retained release on {root}/_stop/fleet (newer: the release never lifts the
+    other channel). A node that starts then comes up stopped; so with the channels the other way round."""
+    site, fleet = stop_topic(bus.root), fleet_stop_topic(bus.root)
+    stop_topic_, release_topic = (site, fleet) if stopped_on == "site" else (fleet, site)
+    stop = _set(bus, stop_topic_, True, f"{stopped_on}-operator", "held")
+    _set(bus, release_topic, False, "other-operator", ts=stop.ts + 10)
+    node = Node(API, broker_session.settings(topic_root=bus.root, node="starter", health_interval_s=0.5))
+    wheels = build(node)
+    node.start()
+    try:
+        assert node.stop_latch.known_event.wait(DEADLINE)
+        assert node.stop_latch.active and node.stop_latch.channel == stopped_on
+        rep = bus.client.call("starter", "wheel1", "move", {"speed": 9}, timeout=DEADLINE)
+        assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped", rep.raw
+        assert all(speed == 0.0 for _, speed in wheels["wheel1"].writes)
+        assert wait_for(lambda: wheels["wheel1"].stops, DEADLINE)
+        assert wait_for(lambda: (bus.health("starter", "wheel1") or {}).get("state") == "stopped", DEADLINE)
+    finally:
+        node.stop()
