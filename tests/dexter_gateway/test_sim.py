@@ -120,14 +120,16 @@ def test_missing_argument_is_what_crashes_dexrun(sim: DexterSim) -> None:
 
 
 def test_fifo_full_withholds_the_reply_and_f_waits_for_it_to_drain() -> None:
-    with DexterSim(DexterSimConfig(port=0, max_speed_deg_s=100, acceleration_deg_s2=10000, fifo_depth=2)) as sim:
+    # 10 deg at 10 deg/s: ~1 s a move, so that a busy machine's stall between the first two commands cannot let
+    # the first move end before the FIFO is seen full
+    with DexterSim(DexterSimConfig(port=0, max_speed_deg_s=10, acceleration_deg_s2=10000, fifo_depth=2)) as sim:
         c = RawClient(sim.port)
         t0 = time.monotonic()
-        c.cmd("a", 36000, 0, 0, 0, 0)  # 10 deg: ~0.11 s
+        c.cmd("a", 36000, 0, 0, 0, 0)  # 10 deg: ~1 s
         c.cmd("a", 0, 0, 0, 0, 0)
         assert sim.fifo_len() == 2
         c.cmd("a", 36000, 0, 0, 0, 0)  # the FIFO is full: no reply until the first move ends
-        dur, _ = move_duration(10, 100, 10000)
+        dur, _ = move_duration(10, 10, 10000)
         assert time.monotonic() - t0 >= dur * 0.9 and sim.stats.fifo_waits >= 1
         c.cmd("F", timeout=10)
         assert sim.fifo_len() == 0 and time.monotonic() - t0 >= 3 * dur * 0.9
