@@ -23,7 +23,8 @@ The ACL (anonymous access is off in the broker config):
   - `operator` (CLI, dashboards that command) reads every node's topics and sends any command;
   - the bus stop {root}/_stop (shared/stop.py): `operator` alone sets and releases it; every service node and
     `viewer` read it, none writes it; at a fleet's centre the operator writes each site's {root}/_stop and the
-    site's bridge user reads it (the bridge carries it in to the site);
+    site's bridge user reads it; the bridge carries it in to the site as {root}/_stop/fleet, the fleet's own
+    latch, which every node and `viewer` read and no client writes (the bridge's publishes are the broker's own);
   - `viewer` (read-only dashboards) reads every node's topics and writes nothing;
   neither reads other clients' replies (observer_reads);
   - `recorder` (compose profile `record`, `robobus record`) reads everything under {root}/# (what it
@@ -90,9 +91,11 @@ BRIDGE_OUT = ("+/status", "+/+/health", "+/+/state/+", "+/+/event/+", "_client/+
               "_bridge/state")
 BRIDGE_IN = "+/+/cmd/+"
 # The bus stop (shared/stop.py) comes in too: the centre's operator stops (and releases) a site through its bridge.
-# The centre's retained copy comes down again whenever the bridge (re)connects: a node ignores a release older than
-# the stop it holds, so a stale release from the centre never lifts a newer stop set at the site.
+# The centre's {root}/_stop lands on the site's {root}/_stop/fleet, a latch of its own: the centre's retained copy,
+# which comes down again whenever the bridge (re)connects, never replaces the stop the site's operator set on
+# {root}/_stop (a node is stopped while either is active; a release lifts only its own channel).
 BRIDGE_STOP = "_stop"
+FLEET_STOP = "_stop/fleet"
 # A site's states cross the bridge only through deploy/uplink.py (its budget: a capped rate per state topic, no
 # camera frames): it republishes {root}/<state> as UPLINK_PREFIX{root}/<state>, which the bridge maps back to
 # {root}/<state> at the centre. The centre's {root}/_uplink/set (the operator's request for another budget)
@@ -111,12 +114,13 @@ def check_client_id_prefixes(users: list[str]) -> None:
                                  f"{b!r}'s client ids (the broker binds ids U and U-... to user U); rename one")
 
 
-def observer_reads(root: str) -> list[str]:
+def observer_reads(root: str, site: bool = True) -> list[str]:
     """What operator and viewer read under a root: every node's topics, but not other clients' replies
-    ({root}/_client/<id>/reply: a reply is its requester's business), which `{root}/#` would include."""
+    ({root}/_client/<id>/reply: a reply is its requester's business), which `{root}/#` would include. At a site
+    (`site`) also the fleet's stop latch, {root}/_stop/fleet (a centre has none: its operator writes {root}/_stop)."""
     return [f"topic read {root}/{t}" for t in ("+/status", "+/+/health", "+/+/state/#", "+/+/event/#",
-                                               "+/+/stream/#", "+/+/cmd/#", "_stop", "_bridge/state",
-                                               "_bridge/reachable", "_bridge/uptime")]
+                                               "+/+/stream/#", "+/+/cmd/#", "_stop", *((FLEET_STOP,) if site else ()),
+                                               "_bridge/state", "_bridge/reachable", "_bridge/uptime")]
 
 
 @dataclass
@@ -132,8 +136,9 @@ class Acl:
                "# (without write, the broker drops it and every client waits out the 5 s confirmation).",
                f"pattern readwrite {r}/_client/%c/reply", ""]
         for node, service in sorted(self.nodes.items()):
+            # the bus stop, both latches (the site's and the fleet centre's): every node obeys them, no node sets them
             out += [f"user {node}", f"topic readwrite {r}/{node}/#", f"topic write {r}/_client/+/reply",
-                    f"topic read {r}/_stop"]  # the bus stop: every node obeys it, no node sets it
+                    f"topic read {r}/{BRIDGE_STOP}", f"topic read {r}/{FLEET_STOP}"]
             for g in USES.get(service, ()):
                 out += [f"topic {acc} {r}/{g.node}/{suffix}" for acc, suffix in g.rules]
             out.append("")
@@ -169,11 +174,11 @@ def central_acl(sites: dict[str, str]) -> str:
     out += ["", "user operator"]
     for root in sorted(sites.values()):
         # the bus stop of each site (bridged in): the operator alone sets and releases it, as at a site
-        out += [*observer_reads(root), f"topic write {root}/+/+/cmd/+", f"topic write {root}/{UPLINK_SET}",
+        out += [*observer_reads(root, site=False), f"topic write {root}/+/+/cmd/+", f"topic write {root}/{UPLINK_SET}",
                 f"topic write {root}/{BRIDGE_STOP}"]
     out += ["topic read $SYS/#", "", "user viewer"]
     for root in sorted(sites.values()):
-        out += observer_reads(root)
+        out += observer_reads(root, site=False)
     out += ["topic read $SYS/#", ""]
     return "\n".join(out)
 
@@ -212,8 +217,9 @@ def unreachable_bound_s(keepalive_s: int = BRIDGE_KEEPALIVE_S) -> int:
 def bridge_conf(site: str, root: str, address: str, username: str, password: str, cafile: str | None = None) -> str:
     """The edge side of a fleet bridge (mosquitto `connection` block), MQTT 5 so that Response Topic and
     Correlation Data cross it. Out: what a centre watches (status, health, state, events, replies); in:
-    commands for this site's nodes and the bus stop {root}/_stop (the centre's operator stops the site; the
-    site's own operator still sets and releases it on the site's broker). Streams stay local. cleansession
+    commands for this site's nodes and the centre's bus stop {root}/_stop, mapped to the site's {root}/_stop/fleet
+    (the fleet's own latch: the centre's retained copy, sent again on each reconnect, never replaces the stop the
+    site's own operator sets and releases on {root}/_stop). Streams stay local. cleansession
     false: the centre keeps the bridge's session and this broker queues QoS 1 messages for it while the link is
     down (max_queued_messages).
     The bridge's Will at the centre says "0" on {root}/_bridge/state when the link drops; "1" when back.
@@ -254,7 +260,9 @@ def bridge_conf(site: str, root: str, address: str, username: str, password: str
         f"topic +/+/state/+ out 0 {UPLINK_PREFIX}{root}/ {root}/",  # states: deploy/uplink.py's budget, QoS 0
         f"topic {root}/{BRIDGE_IN} in 1",
         f"topic {root}/{UPLINK_SET} in 1",
-        f"topic {root}/{BRIDGE_STOP} in 1",  # the centre's bus stop for this site (retained, QoS 1)
+        # the centre's bus stop for this site (retained, QoS 1) onto the site's fleet latch: an empty pattern maps
+        # one topic to another (mosquitto.conf(5), "topic pattern ... local-prefix remote-prefix")
+        f'topic "" in 1 {root}/{FLEET_STOP} {root}/{BRIDGE_STOP}',
         "",
     ])
 

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -22,9 +23,11 @@ from shared.messages import StopState
 from shared.rpc import RpcClient
 from shared.stop import StopRound, send_stop
 from tests.deploy.conftest import TIMINGS
-from tests.deploy.deployfiles import make_secrets
-from tests.deploy.mqttprobe import Probe, creds
+from tests.deploy.deployfiles import host_broker_conf, make_secrets
+from tests.deploy.mqttprobe import Probe, creds, start_host_broker
 from tests.deploy.stack import DOCKER, Stack, run
+from tests.fixtures import free_port, mosquitto_bin
+from tests.kit.motion_node import API
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -131,16 +134,133 @@ def test_a_command_at_the_centre_reaches_a_site_and_the_reply_comes_back(fleet):
         assert rep.ok, (site, rep)
 
 
+def _users(acl: str) -> dict[str, list[str]]:
+    return {b.split("\n", 1)[0]: b.splitlines()[1:] for b in acl.split("\n\n") if b.startswith("user ")}
+
+
 def test_the_bus_stop_comes_in_over_the_bridge_and_only_the_centres_operator_writes_it():
     conf = make_secrets.bridge_conf("s", "s/robobus", "c:8883", "u", "p").splitlines()
-    assert "topic s/robobus/_stop in 1" in conf
-    assert not any(line.startswith("topic") and "_stop" in line and " out " in line for line in conf)
-    acl = make_secrets.central_acl({"s": "s/robobus"})
-    users = {b.split("\n", 1)[0]: b.splitlines()[1:] for b in acl.split("\n\n") if b.startswith("user ")}
+    # the centre's s/robobus/_stop lands on the site's own fleet latch, never on the site's s/robobus/_stop
+    assert [line for line in conf if line.startswith("topic") and "_stop" in line] == [
+        'topic "" in 1 s/robobus/_stop/fleet s/robobus/_stop']
+    users = _users(make_secrets.central_acl({"s": "s/robobus"}))
     assert "topic read s/robobus/_stop" in users["user bridge-s"]
     assert "topic write s/robobus/_stop" in users["user operator"]
     for user in ("viewer", "fleet-watch", "fleet-gate"):
         assert not any("write" in line and line.endswith("/_stop") for line in users[f"user {user}"]), user
+    assert not any("_stop/fleet" in line for lines in users.values() for line in lines)  # a site's topic only
+    # at the site: every node and the viewer read both latches; the operator writes the site's only; nobody
+    # writes the fleet's (the bridge's publishes are the broker's own)
+    site = _users(make_secrets.Acl("s/robobus", {"n1": "svc"}).text())
+    for user in ("n1", "viewer", "operator"):
+        assert "topic read s/robobus/_stop/fleet" in site[f"user {user}"], user
+    assert "topic write s/robobus/_stop" in site["user operator"]
+    assert not any("write" in line and "_stop/fleet" in line for lines in site.values() for line in lines)
+
+
+@pytest.fixture
+def host_fleet(tmp_path) -> Iterator[tuple[int, Path, int, Path]]:
+    """(centre port, centre secrets, site port, site secrets): host mosquittos with the generated config (ACL,
+    plugin), the site bridged to the centre with the generated bridge.conf (plain: the TLS bridge has its own test)."""
+    exe = mosquitto_bin()
+    if exe is None:
+        pytest.skip("mosquitto is not installed (make test installs it)")
+    central, edge = tmp_path / "central", tmp_path / "edge"
+    assert make_secrets.main(["--dir", str(central), "--central", "--site", "site-a=site-a/robobus"]) == 0
+    cport, eport = free_port(), free_port()
+    (central / "m.conf").write_text(host_broker_conf(central, cport))
+    assert make_secrets.main(["--dir", str(edge), "--root", "site-a/robobus", "--site", "site-a", "--bridge-to",
+                              f"127.0.0.1:{cport}", "--bridge-credentials", str(central / "bridge-site-a.env"),
+                              "--bridge-plain"]) == 0
+    (edge / "m.conf").write_text(host_broker_conf(edge, eport, (edge / "bridge.conf").read_text()))
+    procs = [start_host_broker(exe, central / "m.conf", cport, central),
+             start_host_broker(exe, edge / "m.conf", eport, edge)]
+    try:
+        yield cport, central, eport, edge
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(5)
+            if proc.stdout:
+                proc.stdout.close()
+
+
+def _retain(probe: Probe, topic: str, stop: StopState) -> None:
+    info = probe.client.publish(topic, stop.model_dump_json().encode(), qos=1, retain=True)
+    info.wait_for_publish(10)
+    assert info.is_published(), topic
+
+
+def test_a_bridge_reconnect_never_lifts_the_sites_own_stop(host_fleet):
+    """The centre's retained release comes down again each time the site's bridge reconnects; it lands on the
+    site's fleet latch ({root}/_stop/fleet), so the stop the site's operator set meanwhile on {root}/_stop stays
+    retained, and a node that starts after the reconnect comes up stopped. The centre's stop still stops the node
+    (on the fleet latch, read under the site's ACL), a site release does not lift it, the centre's release does."""
+    from shared import Node
+    from shared.rpc import wait_for
+    from shared.settings import KitSettings
+    from tests.kit.motion_node import build
+
+    cport, central, eport, edge = host_fleet
+    root = "site-a/robobus"
+    centre_op = Probe("127.0.0.1", cport, *creds(central, "operator"))
+    site_op = Probe("127.0.0.1", eport, *creds(edge, "operator"))
+    local = Probe("127.0.0.1", eport, *creds(edge, "viewer"))  # what the site's broker sees of its stops
+    for p in (centre_op, site_op, local):
+        assert p.connect() == 0
+    assert local.subscribe(f"{root}/_stop/#") == [1]
+    nodes: list[Node] = []
+
+    def start_node() -> Node:
+        user, password = creds(edge, "ethercat-loop")
+        node = Node(API, KitSettings(mqtt_url=f"mqtt://127.0.0.1:{eport}", mqtt_username=user,
+                                     mqtt_password=password, node="ethercat-loop", topic_root=root))
+        build(node, devices=("rh",), sensors=())
+        nodes.append(node)
+        node.start()
+        assert node.stop_latch.known_event.wait(30)
+        return node
+
+    try:
+        # the centre released the site (retained at the centre); it came in over the bridge
+        at = local.mark()
+        _retain(centre_op, f"{root}/_stop", StopState(active=False, source="centre-operator", ts=time.time()))
+        assert local.wait_for(lambda t, p, r: b"centre-operator" in p, 30, at), local.received
+        # then the site's operator stopped the site, on the site's broker
+        site_stop = StopState(active=True, source="site-operator", reason="person in the cell", ts=time.time())
+        _retain(site_op, f"{root}/_stop", site_stop)
+        assert local.wait_for(lambda t, p, r: b"site-operator" in p, 30, at)
+        # the bridge reconnects: its session at the centre taken over (as a cut link ends it), it connects again
+        # (restart_timeout) and its new subscription brings the centre's retained release down again
+        at = local.mark()
+        kick = Probe("127.0.0.1", cport, *creds(central, "bridge-site-a"), client_id="bridge-site-a")
+        assert kick.connect() == 0
+        kick.close()
+        assert local.wait_for(lambda t, p, r: b"centre-operator" in p, 60, at), \
+            f"the bridge did not reconnect and bring the centre's release: {local.received}"
+        # a node that starts now comes up stopped, by the site's own stop
+        node = start_node()
+        assert node.stop_latch.active, (node.stop_latch.state, local.received)
+        assert node.stop_latch.channel == "site" and node.stop_latch.state == site_stop
+        node.stop()
+        # the centre's stop still stops the site (on the fleet latch); the site's release does not lift it
+        node = start_node()
+        centre_stop = StopState(active=True, source="centre-operator", reason="fleet drill", ts=time.time())
+        _retain(centre_op, f"{root}/_stop", centre_stop)
+        assert wait_for(lambda: node.stop_latch.state == centre_stop, 30), node.stop_latch.state
+        assert node.stop_latch.channel == "fleet"
+        _retain(site_op, f"{root}/_stop", StopState(active=False, source="site-operator", ts=time.time()))
+        assert wait_for(lambda: node.stop_latch.channels["site"].state is not None
+                        and not node.stop_latch.channels["site"].state.active, 30)
+        assert node.stop_latch.active and node.stop_latch.state == centre_stop
+        # the centre's release lifts it
+        _retain(centre_op, f"{root}/_stop", StopState(active=False, source="centre-operator", ts=time.time()))
+        assert wait_for(lambda: not node.stop_latch.active, 30), node.stop_latch.state
+    finally:
+        for n in nodes:
+            n.stop()
+        for p in (centre_op, site_op, local):
+            p.close()
 
 
 STOP_TIMEOUT_S = 30.0  # the answers come up through the site's uplink (2 Hz per state topic): well within this
