@@ -5,7 +5,6 @@ into one clear line naming the field and exits with status 2, before anything co
 
 from __future__ import annotations
 
-import difflib
 import os
 import socket
 import sys
@@ -83,6 +82,8 @@ class KitSettings(BaseSettings):
             unknown = unknown_settings(cls, data.keys(), os.environ)
             if unknown:
                 known = sorted(n for n in setting_names(cls) if n.startswith(f"{cls.section}_"))
+                import difflib  # an error path: not resident in every service for it
+
                 named = []
                 for k in unknown:
                     close = difflib.get_close_matches(k.lower().removeprefix("robobus_"), known, n=1)

@@ -5,15 +5,17 @@ A backend counts (cycles, overruns, lost frames, ...) and keeps a 1 µs histogra
 in-process model and the realtime cycle process (whose counters live in shared memory) feed it the same
 way, with the same percentile routine.
 
-The model's histogram is a plain list (`new_histogram`): the model backend then runs without numpy, which
-would be a third of its process's resident memory (~15 MB) for one counter array. The realtime cycle's
-histograms are numpy arrays in shared memory; every routine here takes either.
+The model's histogram is a Counter of the occupied bins (`new_histogram`): the model backend then runs without
+numpy, which would be a third of its process's resident memory (~15 MB) for one counter array, and copies and
+differences a few hundred bins rather than 20 001. The realtime cycle's histograms are numpy arrays in shared
+memory; every routine here takes either.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, TypeAlias
 
 from services.ethercat_loop.models import EthercatLoopStats
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    Histogram: TypeAlias = npt.NDArray[np.int64] | list[int]
+    Histogram: TypeAlias = npt.NDArray[np.int64] | Counter[int]
 
 HIST_US = 20_000  # 1 µs bins up to 20 ms; the last bin holds everything later
 WINDOW_NS = 1_000_000_000
@@ -31,14 +33,16 @@ WINDOW_COUNTERS = ("cycles", "overruns", "lost", "no_status", "wkc_errors", "lat
                    "outages")
 
 
-def new_histogram() -> list[int]:
-    """An in-process histogram: a list, no numpy (see the module's docstring)."""
-    return [0] * (HIST_US + 1)
+def new_histogram() -> Counter[int]:
+    """An in-process histogram: bin -> count, no numpy (see the module's docstring)."""
+    return Counter()
 
 
 def _difference(a: Histogram, b: Histogram) -> Histogram:
-    if isinstance(a, list):
-        return [x - y for x, y in zip(a, b, strict=True)]
+    if isinstance(a, Counter) and isinstance(b, Counter):
+        return a - b  # counts only grow: what is left is what the window added
+    if isinstance(a, Counter) or isinstance(b, Counter):
+        raise TypeError("a window differences histograms of one kind")
     return a - b
 
 
@@ -48,8 +52,8 @@ def percentiles(hist: Histogram, qs: tuple[float, ...] = (0.5, 0.99, 0.999)) -> 
     # and holds the GIL while it runs. Copied first: the cycle process keeps counting while we read (numpy's
     # nonzero refuses an array whose count of non-zero elements changes under it).
     hist = hist.copy()
-    if isinstance(hist, list):
-        bins = [i for i, n in enumerate(hist) if n]
+    if isinstance(hist, Counter):
+        bins = sorted(i for i, n in hist.items() if n > 0)
         cum: list[int] = []
         running = 0
         for i in bins:

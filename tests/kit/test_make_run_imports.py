@@ -1,7 +1,8 @@
-"""What `make run`'s dashboard process loads (deploy/Procfile.sim starts it as `python -m shared.tools.dashboard`):
-the dashboard's own command, never the rest of the `robobus` CLI (its other sub-commands' modules: the services'
-CLIs, rich's tables) nor YAML; all of it would stay resident in an idle server. Checked in a fresh interpreter
-running the module as `python -m` does, up to the moment its server would start."""
+"""What `make run`'s processes load, each checked in a fresh interpreter: the dashboard (deploy/Procfile.sim starts
+it as `python -m shared.tools.dashboard`) its own command, never the rest of the `robobus` CLI (its other
+sub-commands' modules: the services' CLIs, rich's tables) nor YAML, up to the moment its server would start; a
+service's entry module no CLI library, no numpy and nothing the kit needs only on an error path (difflib). All of
+it would stay resident in an idle process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import subprocess
 import sys
 
+from shared.registry import service_plugins
 from shared.tools.localbroker import REPO, free_port
 
 _PROBE = r"""
@@ -48,3 +50,15 @@ def test_the_dashboard_module_serves_without_the_rest_of_the_cli() -> None:
     assert other_commands == [], other_commands
     assert not {"shared.tools.cli", "shared.tools.record_cli", "shared.tools.fleet_watch"} & loaded
     assert "yaml" not in loaded and "rich.table" not in loaded
+
+
+def test_each_service_entry_module_loads_no_cli_numpy_or_error_path_module() -> None:
+    for plugin in service_plugins():
+        package = plugin.module.rsplit(".", 1)[0]
+        probe = f"import json, sys\nimport {package}.__main__\nprint('MODULES ' + json.dumps(sorted(sys.modules)))\n"
+        out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("ROBOBUS_")})
+        assert out.returncode == 0, out.stderr[-3000:]
+        loaded = set(json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("MODULES "))[8:]))
+        unwanted = sorted(loaded & {"typer", "rich", "click", "numpy", "difflib", "shared.tools.cli"})
+        assert unwanted == [], f"{package}: {unwanted}"
