@@ -288,10 +288,10 @@ def test_the_centre_stops_one_site_through_its_bridge_and_releases_it(fleet):
     op_b = central.settings("operator", topic_root="site-b/robobus")
     demand = ("ethercat-loop", "rh", "set_demands", {"motors": {"0": 0}})
     speed = ("epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0})
-    # what site-a's own broker sees on its stop topic
+    # what site-a's own broker sees on its stop topics (its own latch and the fleet's)
     local = Probe("127.0.0.1", site.port, *creds(site.secrets, "viewer"))
     assert local.connect() == 0
-    local.subscribe(f"{root_a}/_stop")
+    local.subscribe(f"{root_a}/_stop/#")
     at_start = local.mark()
     # a viewer at the centre: its stop is refused by the centre's broker and crosses no bridge
     viewer = Probe("127.0.0.1", central.port, *creds(central.secrets, "viewer"))
@@ -302,8 +302,12 @@ def test_the_centre_stops_one_site_through_its_bridge_and_releases_it(fleet):
     try:
         rnd = _stop(op_a, True, "centre-operator", "fleet test")
         _answered(rnd, "ethercat-loop", True)
-        # the operator's stop crossed the bridge, the viewer's (published before it, on the same path) did not
+        # the operator's stop crossed the bridge onto the site's fleet latch (never onto the site's own), the
+        # viewer's (published before it, on the same path) did not cross
         assert local.wait_for(lambda t, p, r: b"centre-operator" in p, 30, at_start), local.received
+        assert all(t == f"{root_a}/_stop/fleet" for t, p, _ in list(local.received) if b"centre-operator" in p), \
+            local.received
+        assert rnd.answers["ethercat-loop"].channel == "fleet", rnd.answers
         assert not any(b"viewer-forged" in p for _, p, _ in list(local.received)), local.received
         with RpcClient(op_a, name="test-fleet-op") as c:
             rep = c.call(*demand, timeout=30)
@@ -324,6 +328,58 @@ def test_the_centre_stops_one_site_through_its_bridge_and_releases_it(fleet):
         _answered(rnd, "ethercat-loop", False)
     finally:
         local.close()
+
+
+def test_a_stop_set_at_the_site_survives_a_bridge_reconnect_and_holds_a_node_that_starts_after(fleet):
+    """The centre's retained release comes down again each time site-a's bridge reconnects. It lands on site-a's
+    fleet latch ({root}/_stop/fleet), so the stop site-a's operator set stays retained on {root}/_stop, and the
+    site's node, restarted after the reconnect, comes up stopped: it answers the site's stop and refuses motion."""
+    central, site = fleet["central"], fleet["site-a"]
+    root_a = "site-a/robobus"
+    op_a = central.settings("operator", topic_root=root_a)
+    demand = ("ethercat-loop", "rh", "set_demands", {"motors": {"0": 0}})
+    local = Probe("127.0.0.1", site.port, *creds(site.secrets, "viewer"))
+    assert local.connect() == 0
+    assert local.subscribe(f"{root_a}/_stop/#") == [1]
+    answers = Probe("127.0.0.1", site.port, *creds(site.secrets, "viewer"))
+    assert answers.connect() == 0
+    assert answers.subscribe(f"{root_a}/ethercat-loop/_node/state/stop") == [1]
+    try:
+        # the centre's release, retained at the centre (it crossed the bridge)
+        at = local.mark()
+        _answered(_stop(op_a, False, "centre-operator"), "ethercat-loop", False)
+        assert local.wait_for(lambda t, p, r: b"centre-operator" in p, 30, at), local.received
+        # the site's operator stops the site on the site's broker
+        site_stop = _stop(site.settings("operator"), True, "site-operator", "reconnect test")
+        _answered(site_stop, "ethercat-loop", True)
+        # the bridge reconnects: its session at the centre taken over (the link ends as a cut ends it), it connects
+        # again (restart_timeout) and its new subscription brings the centre's retained release down again
+        at = local.mark()
+        kick = Probe("127.0.0.1", central.port, *creds(central.secrets, "bridge-site-a"), client_id="bridge-site-a")
+        assert kick.connect() == 0
+        kick.close()
+        assert local.wait_for(lambda t, p, r: b"centre-operator" in p, 60, at), \
+            f"the bridge did not reconnect and bring the centre's release down: {local.received}"
+        # the site's node starts again after the reconnect: it comes up stopped, by the site's stop
+        restarted = time.time()
+        at = answers.mark()
+        run([DOCKER, "restart", "-t", "10", site.container_id("ethercat-loop-sim")])
+
+        def fresh(t: str, p: bytes, r: bool) -> bool:
+            a = json.loads(p) if p else {}
+            return bool(a) and a["received_ts"] >= restarted and a["stop_ts"] == site_stop.stop.ts
+
+        assert answers.wait_for(fresh, 120, at), answers.received[at:]
+        a = json.loads(next(p for t, p, r in reversed(answers.received) if fresh(t, p, r)))
+        assert a["active"] is True and a["channel"] == "site" and a["source"] == "site-operator", a
+        with RpcClient(site.settings("operator"), name="test-fleet-op") as c:
+            rep = c.call(*demand, timeout=60)
+        assert not rep.ok and rep.error and rep.error["code"] == "stopped", rep
+        assert "reconnect test" in rep.error["message"], rep.error
+    finally:
+        _stop(site.settings("operator"), False, "site-operator")
+        local.close()
+        answers.close()
 
 
 def test_a_cut_link_is_seen_at_the_centre_within_seconds_and_nothing_sent_meanwhile_is_lost(fleet):

@@ -649,7 +649,7 @@ def test_a_node_started_with_one_channel_stopped_and_the_other_released_comes_up
         rep = bus.client.call("starter", "wheel1", "move", {"speed": 9}, timeout=DEADLINE)
         assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped", rep.raw
         assert all(speed == 0.0 for _, speed in wheels["wheel1"].writes)
-        assert wait_for(lambda: wheels["wheel1"].stops, DEADLINE)
+        assert wait_for(lambda: bool(wheels["wheel1"].stops), DEADLINE)
         assert wait_for(lambda: (bus.health("starter", "wheel1") or {}).get("state") == "stopped", DEADLINE)
     finally:
         node.stop()
