@@ -188,7 +188,9 @@ def test_slow_state_rates_do_not_starve_the_link(broker_session, client):
     rates = {"joints": 1.0, "motors": 1.0, "tactile": 1.0, "palm_extras": 1.0, "loop_stats": 1.0}
     settings = EthercatSettings(mqtt_url=broker_session.url, node="hand-r", health_interval_s=1.0,
                                 state_rates=rates, ethercat_overrun_threshold=1_000_000,
-                                ethercat_liveness_s=0.15)  # shorter than the health check's period (0.25 s)
+                                # shorter than the states' 1 s period (what would feed the link without the
+                                # fix), long enough that a busy machine's stall of the publisher is not silence
+                                ethercat_liveness_s=0.6)
     node = Node(API, settings)
     svc = build(node, settings)
     health: list[dict] = []
