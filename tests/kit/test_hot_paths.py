@@ -212,8 +212,9 @@ def test_a_batch_is_written_by_its_thread_without_waking_the_network_thread(brok
             assert wait_for(lambda t=tick: f"{t}:4".encode() in got, 5), f"tick {tick} not written"
         # The batch's own thread writes it; the network thread is woken only when that thread cannot (the write
         # lock held by the network thread at that instant, or the socket taking part of it), which a busy machine
-        # makes happen now and then (a proof run beside stress-ng saw 1 of 50).
-        assert wakes[0] <= 5, f"the network thread was woken {wakes[0]} times for 50 ticks"
+        # makes happen now and then (1 of 50 beside stress-ng, 7 of 50 with the suite in parallel on a loaded
+        # machine). Without the batch's own write it is at least one wake a tick (50).
+        assert wakes[0] <= 15, f"the network thread was woken {wakes[0]} times for 50 ticks"
         assert [g for g in got if g.endswith(b":0")] == [f"{t}:0".encode() for t in range(50)]
     finally:
         pub.client._sockpairW = real
