@@ -11,6 +11,10 @@ Last line: one JSON object.
     python bench/epuck.py            # 60 s measured
     python bench/epuck.py --quick    # ~25 s in all
     python bench/epuck.py --serial 4 --quick   # asercom v2 over ptys: latency and achievable polling rate
+    python bench/epuck.py --robots 50 --image-fps 5   # the bigger swarm: its own CPU target (<= 40 %)
+
+Targets: 20 robots (sensors 50 Hz, images 10 fps) <= 30 % of one core; 50 robots (sensors 50 Hz, images 5 fps)
+<= 40 %; sensor latency p99 <= 10 ms, no lag growth, no frame dropped, every lost robot seen within 1 s.
 
 The WiFi robots run the `--free-sensors` profile (sensors every 20 ms and images when due, heavier
 than the firmware's cycle, where the sensors packet rides on each image). Serial mode polls each
@@ -44,7 +48,8 @@ from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
 from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
-TARGET_CPU_PCT = 30.0
+TARGET_CPU_PCT = 30.0  # 20 robots
+TARGET_CPU_PCT_SWARM = 40.0  # 50 robots or more (images at 5 fps)
 TARGET_P99_MS = 10.0
 LAG_GROWTH_LIMIT_MS = 5.0  # p50 of the last third minus p50 of the first third
 
@@ -235,6 +240,7 @@ def main() -> None:
     frames_sent = sum(r["images_sent"] for r in stats.values())
     cpu_pct = 100.0 * (cpu1 - cpu0) / (t1 - t0)
     p50, p99 = percentile(lat, 50), percentile(lat, 99)
+    cpu_target = TARGET_CPU_PCT_SWARM if a.robots >= 50 else TARGET_CPU_PCT
     result = {
         "bench": "epuck-gateway",
         "robots": a.robots,
@@ -261,8 +267,8 @@ def main() -> None:
         "lag_growing": bool(growth > LAG_GROWTH_LIMIT_MS),
         "lost_robot_detect_ms": {"robots_detected": len(rec.lost),
                                  "max": round(1000 * max(rec.lost.values(), default=float("nan")), 1)},
-        "ratio_to_target": {"cpu": round(cpu_pct / TARGET_CPU_PCT, 2), "p99": round(p99 / TARGET_P99_MS, 2)},
-        "targets": {"cpu_pct_le_30": cpu_pct <= TARGET_CPU_PCT, "p99_le_10ms": p99 <= TARGET_P99_MS,
+        "ratio_to_target": {"cpu": round(cpu_pct / cpu_target, 2), "p99": round(p99 / TARGET_P99_MS, 2)},
+        "targets": {f"cpu_pct_le_{cpu_target:.0f}": cpu_pct <= cpu_target, "p99_le_10ms": p99 <= TARGET_P99_MS,
                     "no_growing_lag": not growth > LAG_GROWTH_LIMIT_MS,
                     "no_frames_dropped": frames_sent - frames_received - after_stop <= 0},
     }
@@ -271,11 +277,11 @@ def main() -> None:
     result["pass"] = all(result["targets"].values())  # type: ignore[attr-defined]
     print(f"gateway CPU {cpu_pct:.1f} % of one core; sensor latency p50 {p50:.2f} ms, p99 {p99:.2f} ms; "
           f"frames {frames_received}/{frames_sent} ({after_stop} after the stop); lag growth {growth:+.2f} ms; "
-          f"ratio to target: CPU {cpu_pct / TARGET_CPU_PCT:.2f}, p99 {p99 / TARGET_P99_MS:.2f}; "
+          f"ratio to target: CPU {cpu_pct / cpu_target:.2f}, p99 {p99 / TARGET_P99_MS:.2f}; "
           f"lost robots seen within {1000 * max(rec.lost.values(), default=float('nan')):.0f} ms")
     dropped = max(0, frames_sent - frames_received - after_stop)
     report("epuck", result, [
-        Figure(f"gateway CPU, {a.robots} robots", round(cpu_pct, 1), "% of a core", "<=", TARGET_CPU_PCT),
+        Figure(f"gateway CPU, {a.robots} robots", round(cpu_pct, 1), "% of a core", "<=", cpu_target),
         Figure("sensor latency p99", round(p99, 2), "ms", "<=", TARGET_P99_MS),
         Figure("lag growth (p50, last third - first third)", round(growth, 2), "ms", "<=", LAG_GROWTH_LIMIT_MS),
         Figure("camera frames dropped", dropped, "", "<=", 0),
