@@ -139,4 +139,8 @@ def test_late_replies_are_counted_stale_and_leave_no_backlog() -> None:
         assert b._proc is not None and b._proc.poll() is None
     frames = t2["frames"] - t1["frames"]
     assert frames > 200 and t2["lost"] - t1["lost"] < frames * 0.1, (t1, t2)
-    assert t2["stale"] - t1["stale"] <= 5, (t1, t2)  # nothing left behind to be read later
+    # nothing left behind to be read later: a backlog makes every frame after it read an old reply (hundreds
+    # stale a second); what a loaded machine adds is a frame now and then whose reply missed its deadline
+    # (counted lost, then stale when it arrives): a few in a thousand
+    stale = t2["stale"] - t1["stale"]
+    assert stale <= max(5, frames // 50), (stale, frames, t1, t2)
