@@ -71,23 +71,33 @@ def status(
         "--expect-all", help="Exit 1 unless every registered service has a node online")] = False,
 ) -> None:
     """Every node and device, from the retained status and health topics; registered services with no
-    node online are named below the table."""
-    from shared.messages import StopState
-    from shared.stop import stop_topic
+    node online are named below the table. Below it, the bus stop: both latches (the site's {root}/_stop and
+    the fleet centre's {root}/_stop/fleet), each with who set it, why and when, and which nodes hold it."""
+    from shared.messages import StopAnswer
+    from shared.stop import ANSWER_STATE, FLEET_CHANNEL, SITE_CHANNEL, fleet_stop_topic, stop_topic
 
     c = _client(broker, root)
-    stop_msgs: list[bytes] = []
+    stop_msgs: dict[str, list[bytes]] = {SITE_CHANNEL: [], FLEET_CHANNEL: []}
+    answer_msgs: dict[str, bytes] = {}
+
+    def on_answer(m: Any) -> None:
+        answer_msgs[m.topic[len(c.root) + 1:].split("/", 1)[0]] = bytes(m.payload)
     try:
-        c.subscribe_before(stop_topic(c.root), lambda m: stop_msgs.append(bytes(m.payload)))  # retained: in now
+        # retained: in once each subscription is settled
+        c.subscribe_before(stop_topic(c.root), lambda m: stop_msgs[SITE_CHANNEL].append(bytes(m.payload)))
+        c.subscribe_before(fleet_stop_topic(c.root), lambda m: stop_msgs[FLEET_CHANNEL].append(bytes(m.payload)))
+        c.subscribe_before(f"{c.root}/+/_node/state/{ANSWER_STATE}", on_answer)
         msgs = c.collect(f"{c.root}/+/status", wait) + c.collect(f"{c.root}/+/+/health", wait)
     finally:
         c.close()
-    stop_state: StopState | None = None
-    if stop_msgs and stop_msgs[-1]:
-        try:
-            stop_state = StopState.model_validate_json(stop_msgs[-1])
-        except ValueError:
-            stop_state = StopState(active=True, source="unknown", reason="unreadable stop message", ts=0.0)
+    latches = {ch: _read_stop(p) for ch, p in stop_msgs.items()}
+    answers: dict[str, StopAnswer] = {}
+    for node_name, raw in answer_msgs.items():
+        if raw:
+            try:
+                answers[node_name] = StopAnswer.model_validate_json(raw)
+            except ValueError:
+                pass  # not an answer: the node is shown as not answering
     nodes: dict[str, dict[str, Any]] = {}
     health: dict[tuple[str, str], dict[str, Any]] = {}
     for topic, payload, _ in msgs:
@@ -100,39 +110,177 @@ def status(
             nodes[parts[0]] = data
         elif len(parts) == 3 and parts[2] == "health":
             health[(parts[0], parts[1])] = data
+    online = {n for n, st in nodes.items() if st.get("online")}
+    view = StopView(c.root, latches, answers, online)
     if as_json:
         print(json.dumps({"nodes": nodes, "health": {f"{n}/{d}": h for (n, d), h in health.items()},
-                          "stop": stop_state.model_dump() if stop_state else None}, indent=2))
+                          **view.as_json()}, indent=2))
         return
     table = Table(title=f"robobus on {c.session.broker.host}:{c.session.broker.port} (root {c.root})")
-    for col in ("node", "service", "online", "device", "conn", "oper", "state", "error", "updated"):
+    for col in ("node", "service", "online", "device", "conn", "oper", "state", "error", "updated", "bus stop"):
         table.add_column(col)
     for name in sorted(set(nodes) | {n for n, _ in health}):
         st = nodes.get(name, {})
-        online = st.get("online")
-        on = "[green]online[/]" if online else ("[red]offline[/]" if online is False else "?")
+        online_ = st.get("online")
+        on = "[green]online[/]" if online_ else ("[red]offline[/]" if online_ is False else "?")
         devs = sorted(d for n, d in health if n == name) or [""]
         for i, dev in enumerate(devs):
             h = health.get((name, dev), {})
             err = h.get("error_message", "") if h.get("error") else ""
+            state = str(h.get("state", ""))
+            held = (h.get("details") or {}).get("stop") if isinstance(h.get("details"), dict) else None
+            if state == "stopped" and isinstance(held, dict) and held.get("channel"):
+                state += f" ({held['channel']})"  # which latch holds it (shared/stop.py's health overlay)
             table.add_row(
                 name if i == 0 else "", st.get("service", "") if i == 0 else "", on if i == 0 else "",
-                dev, _yn(h.get("connection")), _yn(h.get("operational")), str(h.get("state", "")),
+                dev, _yn(h.get("connection")), _yn(h.get("operational")), state,
                 f"[red]{err}[/]" if err else "", _age(h.get("ts") or st.get("ts")),
+                view.node_text(name) if i == 0 else "",
             )
     if not nodes and not health:
         console.print(f"no robobus nodes under '{c.root}/' on this broker")
+        for line in view.lines():
+            console.print(line)
         raise typer.Exit(1)
     console.print(table)
-    if stop_state is not None and stop_state.active:
-        console.print(f"[red]bus stop ACTIVE[/] (set by {stop_state.source}"
-                      + (f": {stop_state.reason}" if stop_state.reason else "") + "): motion commands are refused "
-                      "until `robobus stop --release`")
+    for line in view.lines():
+        console.print(line)
     missing = sorted(set(service_names()) - {st.get("service") for st in nodes.values() if st.get("online")})
     if missing:
         console.print(f"registered services with no node online: {', '.join(missing)}")
     if expect_all and missing:
         raise typer.Exit(1)
+
+
+def _read_stop(payloads: list[bytes]) -> Any:
+    """The latest retained message of one stop latch, read as every node reads it (shared/stop.py): None when
+    there is none or it is empty (a release); an unreadable one is an active stop of source `unknown`."""
+    from shared.messages import StopState
+
+    if not payloads or not payloads[-1]:
+        return None
+    try:
+        return StopState.model_validate_json(payloads[-1])
+    except ValueError:
+        return StopState(active=True, source="unknown", reason="unreadable stop message", ts=0.0)
+
+
+class StopView:
+    """The bus stop as `robobus status` shows it: both latches (shared/stop.py: the site's `{root}/_stop` and
+    the fleet centre's `{root}/_stop/fleet`; a node is stopped while either is active) and the nodes' answers
+    ({root}/{node}/_node/state/stop), each answer naming the latch it answers (`channel`)."""
+
+    WHAT = {"site": "the site's stop", "fleet": "the fleet's stop"}
+
+    def __init__(self, root: str, latches: dict[str, Any], answers: dict[str, Any], online: set[str]) -> None:
+        from shared.stop import FLEET_CHANNEL, SITE_CHANNEL, fleet_stop_topic, stop_topic
+
+        self.root = root
+        self.latches = latches  # channel -> StopState | None
+        self.topics = {SITE_CHANNEL: stop_topic(root), FLEET_CHANNEL: fleet_stop_topic(root)}
+        self.answers = answers  # node -> StopAnswer
+        self.online = online
+
+    @property
+    def active(self) -> list[str]:
+        """The active latches, the newest stop first (the one the nodes name: their effective stop)."""
+        act = [ch for ch, s in self.latches.items() if s is not None and s.active]
+        return sorted(act, key=lambda ch: -self.latches[ch].ts)
+
+    def current(self, node: str) -> str:
+        """The latch whose present state the node's answer answers ("" if it answers none: an earlier one)."""
+        a = self.answers.get(node)
+        s = self.latches.get(a.channel) if a is not None else None
+        if a is None or s is None or (a.stop_ts, a.source, a.active) != (s.ts, s.source, s.active):
+            return ""
+        return str(a.channel)
+
+    def holds(self, node: str, channel: str) -> bool:
+        """The node's answer shows it held by the active latch `channel`: it answered that stop, or its answer to
+        the other latch's present state left its devices stopped (a node answers only the latest message)."""
+        cur = self.current(node)
+        if not cur:
+            return False
+        if cur == channel:
+            return True
+        a = self.answers[node]
+        return bool(a.active or any(d.stopped for d in a.devices))
+
+    def node_text(self, node: str) -> str:
+        a = self.answers.get(node)
+        cur = self.current(node)
+        if a is None or not cur:
+            if self.active and node in self.online:
+                return "[red]no answer to this stop[/]"
+            return f"answered an earlier {a.channel} {'stop' if a.active else 'release'}" if a is not None else ""
+        if any(d.error for d in a.devices):
+            mark = " [red](a stop action FAILED)[/]"
+        elif any(d.pending for d in a.devices):
+            mark = " [yellow](not yet written)[/]"
+        else:
+            mark = ""
+        if a.active:
+            return f"[magenta]stopped ({cur})[/]{mark}"
+        if any(d.stopped for d in a.devices):
+            return f"{cur} released, [magenta]still stopped[/]{mark}"
+        return f"released ({cur})"
+
+    def _latch_text(self, channel: str) -> str:
+        s = self.latches[channel]
+        if s is None:
+            return "none"
+        who = f"by {s.source}" + (f": {s.reason}" if s.reason else "")
+        when = f" at {datetime.fromtimestamp(s.ts).strftime('%Y-%m-%d %H:%M:%S')}" if s.ts else ""
+        return f"{'ACTIVE' if s.active else 'released'}{when} {who}"
+
+    def lines(self) -> list[str]:
+        from shared.stop import FLEET_CHANNEL, SITE_CHANNEL
+
+        out = []
+        site, fleet = self.latches[SITE_CHANNEL], self.latches[FLEET_CHANNEL]
+        if site is not None and site.active:
+            out.append(f"[red]bus stop ACTIVE[/] (set by {site.source}" + (f": {site.reason}" if site.reason else "")
+                       + "): motion commands are refused until `robobus stop --release`")
+        if fleet is not None and fleet.active:
+            out.append(f"[red]fleet bus stop ACTIVE[/] (set by {fleet.source}"
+                       + (f": {fleet.reason}" if fleet.reason else "") + f") on {self.topics[FLEET_CHANNEL]}: motion "
+                       "commands are refused until the fleet's centre releases it (`robobus stop --root "
+                       f"{self.root} --release` at the centre); `robobus stop --release` here lifts only the site's "
+                       "stop")
+        for ch in (SITE_CHANNEL, FLEET_CHANNEL):
+            line = f"  {ch:5} latch {self.topics[ch]}: {self._latch_text(ch)}"
+            if ch in self.active and self.online:
+                held = sorted(n for n in self.online if self.holds(n, ch))
+                line += f"; held by {len(held)} of {len(self.online)} online nodes" + (
+                    f" ({', '.join(held)})" if held else "")
+                silent = sorted(self.online - set(held))
+                if silent:
+                    line += f"; [red]not answered: {', '.join(silent)}[/]"
+            out.append(line)
+        act = self.active
+        if act:
+            out.append(f"[red]STOPPED[/] by {' and '.join(self.WHAT[ch] for ch in act)}")
+        else:
+            out.append("not stopped (neither latch is active)")
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        act = self.active
+        eff = self.latches[act[0]] if act else next(
+            (s for s in self.latches.values() if s is not None), None)
+        eff_channel = act[0] if act else next((ch for ch, s in self.latches.items() if s is not None), "")
+        return {
+            "stopped": bool(act),
+            "stopped_by": act,
+            # the effective stop: the one the nodes name (the newest active), else the latest release read
+            "stop": {**eff.model_dump(), "channel": eff_channel} if eff is not None else None,
+            "stop_latches": {ch: {"topic": self.topics[ch], "state": s.model_dump() if s is not None else None,
+                                  "held_by": sorted(n for n in self.online if s is not None and s.active
+                                                    and self.holds(n, ch))}
+                             for ch, s in self.latches.items()},
+            "stop_answers": {n: {**a.model_dump(), "answers_current": self.current(n) or None}
+                             for n, a in sorted(self.answers.items())},
+        }
 
 
 def _yn(v: Any) -> str:
@@ -301,11 +449,21 @@ def stop(
                     ans = f"[red]stop action failed: {d.error}[/]"
                 elif not release and d.pending:
                     ans = f"[yellow]stop sent, not yet confirmed within {timeout:g} s[/]"
+                elif release and d.stopped:  # the release lifted this latch only: the other one holds the device
+                    ans = "[magenta]released here, still stopped by the other latch[/]"
                 else:
                     ans = "[green]stopped[/]" if d.stopped else "released"
-                when = (f"+{(d.written_ts - state.ts) * 1000:.0f} ms" if d.written_ts is not None else "")
+                when = (f"+{(d.written_ts - state.ts) * 1000:.0f} ms" if d.written_ts is not None and not release
+                        else "")
                 table.add_row(node if i == 0 else "", d.device, ans, when)
         console.print(table)
+        held = sorted({a.reason.strip() for a in rnd.answers.values()
+                       if not a.active and any(d.stopped for d in a.devices)})
+        if release and held:
+            # shared/stop.py: a release lifts only its own latch ({root}/_stop here); the fleet centre's
+            # {root}/_stop/fleet is released at the centre
+            console.print("[magenta]still stopped[/]: this release lifts only the site's stop; the nodes answer: "
+                          + "; ".join(held))
         if not rnd.online:
             console.print(f"no node online under {c.root}/: the stop is latched and holds each node as it starts")
         elif silent:

@@ -1,5 +1,6 @@
 """`robobus stop` / `robobus stop --release` against a real broker and real nodes: the stop is set (retained), every
-online node's answer is printed per device, a node that does not answer is named, and the exit code says so."""
+online node's answer is printed per device, a node that does not answer is named, and the exit code says so.
+`robobus status` shows both latches of the stop: the site's {root}/_stop and the fleet centre's {root}/_stop/fleet."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from shared import Node
 from shared.messages import StopState
 from shared.rpc import RpcClient, wait_for
-from shared.stop import stop_topic
+from shared.stop import fleet_stop_topic, stop_topic
 from tests.fixtures import Broker
 from tests.kit.motion_node import API, build
 from tests.kit.test_cli import REPO
@@ -126,3 +127,67 @@ def test_status_says_when_the_stop_is_active(broker_session: Broker, site: Any) 
     assert "stopped" in r.stdout  # the devices' health
     j = json.loads(status("--json").stdout)
     assert j["stop"]["active"] is True and j["stop"]["reason"] == "inspection"
+
+
+def _status(broker: Broker, root: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_TOPIC_ROOT": root, "COLUMNS": "250"}
+    return subprocess.run([sys.executable, "-m", "shared.tools.cli", "status", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _answers(client: RpcClient, root: str) -> dict[str, dict[str, Any]]:
+    """The nodes' retained answers to the stop, as the broker holds them."""
+    return {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect(f"{root}/+/_node/state/stop", 0.5) if p}
+
+
+def _settled_on(client: RpcClient, root: str, stop: StopState, channel: str, nodes: set[str]) -> bool:
+    got = _answers(client, root)
+    return all(n in got and got[n]["channel"] == channel and got[n]["stop_ts"] == stop.ts
+               and got[n]["active"] == stop.active and not any(d["pending"] for d in got[n]["devices"])
+               for n in nodes)
+
+
+def test_status_says_when_only_the_fleets_stop_is_active(broker_session: Broker, site: Any) -> None:
+    """A retained stop on {root}/_stop/fleet alone (the centre's, as the site's bridge brings it in): the nodes are
+    stopped, and `robobus status` says so, by whom, and which nodes hold it; the site's release does not lift it."""
+    root, (arm, cart), client = site
+    assert "not stopped (neither latch is active)" in _status(broker_session, root).stdout
+    fleet = StopState(active=True, source="centre-op@hq", reason="fleet drill", ts=time.time())
+    assert client.session.publish_wait(fleet_stop_topic(root), fleet.model_dump_json(), qos=1, retain=True)
+    assert wait_for(lambda: arm.stop_latch.active and cart.stop_latch.active, DEADLINE)
+    assert wait_for(lambda: _settled_on(client, root, fleet, "fleet", {"arm", "cart"}), DEADLINE), \
+        _answers(client, root)
+
+    r = _status(broker_session, root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "fleet bus stop ACTIVE (set by centre-op@hq: fleet drill)" in out, out
+    assert f"robobus stop --root {root} --release` at the centre" in out, out
+    assert "STOPPED by the fleet's stop" in out, out
+    assert "bus stop ACTIVE (set by" not in out.replace("fleet bus stop ACTIVE (set by", ""), out  # not the site's
+    assert "held by 2 of 2 online nodes (arm, cart)" in out, out
+    assert "stopped (fleet)" in out, out  # the node's answer and the devices' health name the latch
+    j = json.loads(_status(broker_session, root, "--json").stdout)
+    assert j["stopped"] is True and j["stopped_by"] == ["fleet"], j
+    assert j["stop"]["active"] is True and j["stop"]["channel"] == "fleet" and j["stop"]["reason"] == "fleet drill"
+    assert j["stop_latches"]["site"]["state"] is None
+    assert j["stop_latches"]["fleet"]["held_by"] == ["arm", "cart"], j["stop_latches"]
+    assert j["stop_answers"]["arm"]["answers_current"] == "fleet"
+
+    # the site's release lifts only the site's latch: `robobus stop --release` says the devices stay stopped
+    rel = robobus(broker_session, root, "--release", "--source", "bob")
+    assert rel.returncode == 0, rel.stdout + rel.stderr
+    assert "still stopped" in rel.stdout and "fleet" in rel.stdout, rel.stdout
+    assert arm.stop_latch.active and cart.stop_latch.active
+    j = json.loads(_status(broker_session, root, "--json").stdout)
+    assert j["stopped_by"] == ["fleet"] and j["stop_latches"]["site"]["state"]["active"] is False, j
+    assert j["stop_latches"]["fleet"]["held_by"] == ["arm", "cart"], j  # their answer: the release, still stopped
+    out = _status(broker_session, root).stdout
+    assert "STOPPED by the fleet's stop" in out and "site  latch" in out and "released" in out, out
+
+    # both released: not stopped
+    done = StopState(active=False, source="centre-op@hq", reason="", ts=time.time())
+    assert client.session.publish_wait(fleet_stop_topic(root), done.model_dump_json(), qos=1, retain=True)
+    assert wait_for(lambda: not arm.stop_latch.active and not cart.stop_latch.active, DEADLINE)
+    j = json.loads(_status(broker_session, root, "--json").stdout)
+    assert j["stopped"] is False and j["stopped_by"] == [], j
