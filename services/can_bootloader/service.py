@@ -62,13 +62,14 @@ from services.can_bootloader.models import (
     FlashRequest,
     _Firmware,
 )
-from services.can_bootloader.settings import BRIDGE_INTERFACE, CanBootSettings, default_window
+from services.can_bootloader.settings import BRIDGE_INTERFACE, SIM_TRANSPORT, CanBootSettings, default_window
 from services.can_bootloader.transport import CanPort, TransportError
-from shared import CommandError, ErrorCode, JobContext, Node
+from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
 from shared.lifecycle import Hooks
 from shared.link import LinkPolicy, SupervisedLink
 from shared.messages import StopState
 from shared.stop import describe
+from shared.transports import TransportUnavailable, load_transport
 
 __all__ = ["API", "CanBootService", "CanBootSettings", "build"]
 
@@ -248,11 +249,14 @@ class CanBootService:
             self.link.stop("shutdown")  # final health: stopped, connection false, no valid data
 
     def start_sim(self) -> None:
-        """Simulated boards on the configured (virtual) buses, in this process (`make run`, demos)."""
-        from services.can_bootloader.sim import sims_on_ports  # late: only demos need the simulator
-
-        self.sims.extend(sims_on_ports(self.ports, self.settings.can_sim_boards, self.settings.can_sim_row_write_s,
-                                       self.settings.can_sim_erase_s))
+        """Simulated boards on the configured (virtual) buses, in this process (`make run`, demos): the transport
+        `can-bootloader.sim` (ROBOBUS_CAN_SIM), loaded by name (shared/transports.py) with the settings and the
+        ports."""
+        try:
+            boards = load_transport(API.service, SIM_TRANSPORT)
+        except TransportUnavailable as exc:
+            raise ServiceUnavailable(str(exc)) from None
+        self.sims.extend(boards(self.settings, self.ports))
 
     # -- health ------------------------------------------------------------------------------------------------
     def update_health(self) -> None:

@@ -11,8 +11,10 @@ from pydantic import Field, model_validator
 from services.can_bootloader.flasher import FlashConfig
 from services.can_bootloader.transport import CanBusConfig
 from shared import KitSettings
+from shared.transports import check_transport
 
 BRIDGE_INTERFACE = "robobus_bridge"
+SIM_TRANSPORT = "sim"  # the in-process demo boards: entry point `robobus.transports` can-bootloader.sim
 
 
 def _default_bus(n: int) -> CanBusConfig:
@@ -47,10 +49,17 @@ class CanBootSettings(KitSettings):
     can_backoff_max_s: float = Field(5.0, gt=0, description="Cap of the doubling waits between reopen attempts")
     can_probe_period_s: float = Field(5.0, gt=0, description="An unreachable bus (never opened within the "
                                       "budget): one open attempt per period")
-    can_sim: bool = Field(False, description="Run simulated boards on in-process virtual buses (make run, demos)")
+    can_sim: bool = Field(False, description="Run simulated boards on in-process virtual buses (make run, demos): "
+                          "the transport can-bootloader.sim (docs/kit.md, \"Transports\")")
     can_sim_boards: list[int] = Field(default_factory=lambda: list(range(20)))
     can_sim_erase_s: float = Field(0.968, ge=0, description="Simulated erase time (484 rows x 2 ms)")
     can_sim_row_write_s: float = Field(0.002, ge=0)
+
+    @model_validator(mode="after")
+    def _sim_registered(self) -> CanBootSettings:
+        if self.can_sim:
+            check_transport("can-bootloader", SIM_TRANSPORT)
+        return self
 
     @model_validator(mode="after")
     def _one_place_each(self) -> CanBootSettings:

@@ -31,11 +31,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.can_bootloader import protocol as p
 from services.can_bootloader.image import APP_END, APP_START, BLOCK, ERASE_ROW
 from services.can_bootloader.transport import CanPort
+
+if TYPE_CHECKING:
+    from services.can_bootloader.settings import CanBootSettings
 
 log = logging.getLogger("robobus.can_bootloader.sim")
 
@@ -444,6 +447,13 @@ def sims_on_ports(ports: Mapping[int, CanPort], board_ids: Iterable[int], row_wr
                                row_write_s=row_write_s, erase_s=erase_s,
                                ignore_sent=port.cfg.interface == "udp_multicast").start())
     return sims
+
+
+def demo_boards(settings: CanBootSettings, ports: Mapping[int, CanPort]) -> list[BootBusSim]:
+    """Transport `can-bootloader.sim` (ROBOBUS_CAN_SIM=true; entry point `robobus.transports`): the simulated
+    boards ROBOBUS_CAN_SIM_BOARDS names on the configured buses, in the service's process, started (`make run`,
+    demos). The service stops each (`stop()`, then `bus.shutdown()`) at shutdown."""
+    return sims_on_ports(ports, settings.can_sim_boards, settings.can_sim_row_write_s, settings.can_sim_erase_s)
 
 
 def make_firmware(first: int = SIMPLEMOTOR_FIRST, last: int = SIMPLEMOTOR_LAST, *, aware: bool = True,

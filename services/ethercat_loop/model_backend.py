@@ -16,12 +16,20 @@ import time
 from collections import deque
 from typing import Any
 
-from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable, CanRxHandler, HandBackend
+from services.ethercat_loop.backend import (
+    STOP_ZERO_CYCLES,
+    BackendUnavailable,
+    CanRxHandler,
+    HandBackend,
+    build_driver,
+)
+from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.control import CanRxFrame, ControlMessage, Halt
 from services.ethercat_loop.driver import PalmDriver
 from services.ethercat_loop.loop_stats import HIST_US, WINDOW_COUNTERS, LoopWindow, new_histogram
 from services.ethercat_loop.models import EthercatLoopStats
 from services.ethercat_loop.palm_model import CanNode, PalmModel
+from services.ethercat_loop.settings import EthercatSettings
 from services.ethercat_loop.snapshot import PalmSnapshot
 from services.ethercat_loop.transport.realtime import next_deadline
 
@@ -247,3 +255,14 @@ def load_can_nodes(spec: str, model: PalmModel) -> list[CanNode]:
         if not callable(getattr(n, "on_can_frame", None)):
             raise BackendUnavailable(f"{spec!r} made {n!r}, which has no on_can_frame(bus, sid, data)")
     return nodes
+
+
+def model_backend(settings: EthercatSettings, calibration: HandCalibration) -> ModelBackend:
+    """Transport `ethercat-loop.model` (ROBOBUS_ETHERCAT_BACKEND=model; entry point `robobus.transports`): the
+    driver against the palm model in this process, with the CAN peers ROBOBUS_ETHERCAT_CAN_NODES names."""
+    model = PalmModel(settings.ethercat_protocol, calibration=calibration)
+    for spec in settings.ethercat_can_nodes:
+        for peer in load_can_nodes(spec, model):
+            model.add_can_node(peer)
+    return ModelBackend(build_driver(settings, calibration), model, settings.ethercat_period_us * 1000,
+                        settings.ethercat_serial, settings.ethercat_error_after_lost)

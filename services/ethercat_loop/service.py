@@ -7,11 +7,9 @@ a publisher thread turns driver snapshots into state at the configured rates.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from services.ethercat_loop.api import (
     API,
@@ -34,7 +32,7 @@ from services.ethercat_loop.api import (
     TACTILE,
     TEST_ADC,
 )
-from services.ethercat_loop.backend import BackendUnavailable, HandBackend, build_driver
+from services.ethercat_loop.backend import BackendUnavailable, HandBackend
 from services.ethercat_loop.bridge import BridgeLease, Lease, frame_in, frame_out
 from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.control import (
@@ -53,7 +51,6 @@ from services.ethercat_loop.control import (
     SetTestMode,
     SystemControls,
 )
-from services.ethercat_loop.model_backend import ModelBackend, load_can_nodes
 from services.ethercat_loop.models import (
     EthercatLoopStats,
     MotorRef,
@@ -87,7 +84,6 @@ from services.ethercat_loop.models import (
     PalmSystemControlsRequest,
     PalmTactile,
 )
-from services.ethercat_loop.palm_model import PalmModel
 from services.ethercat_loop.protocol import (
     ACTUATED_JOINTS,
     EXPECTED_CHANNELS,
@@ -109,6 +105,7 @@ from shared.lifecycle import Hooks
 from shared.link import LinkState, SupervisedLink
 from shared.messages import StopState
 from shared.stop import LATER
+from shared.transports import TransportUnavailable, load_transport
 
 __all__ = ["API", "EthercatSettings", "PalmService", "build", "make_backend"]
 log = logging.getLogger("robobus.ethercat")
@@ -736,44 +733,17 @@ class PalmService:
 
 # ------------------------------------------------------------------------------------------- wiring
 def make_backend(settings: EthercatSettings, calibration: HandCalibration | None = None) -> HandBackend:
-    """The backend the settings ask for: `model` (driver + palm model in-process), `virtual` (the realtime
-    cycle process against the virtual hand: on ROBOBUS_ETHERCAT_IFNAME, or on a namespace + veth pair it
-    brings up itself at start) or `nic` (a real NIC)."""
+    """The backend ROBOBUS_ETHERCAT_BACKEND names, through the kit's transport loader (shared/transports.py,
+    entry points `ethercat-loop.<name>`): `model` (driver + palm model in-process), `virtual` (the realtime cycle
+    process against the virtual hand) or `nic` (a real NIC); each factory gets the settings and the calibration."""
     cal = calibration or HandCalibration.load(settings.ethercat_calibration)
-    if settings.backend == "model":
-        model = PalmModel(settings.ethercat_protocol, calibration=cal)
-        for spec in settings.ethercat_can_nodes:
-            for peer in load_can_nodes(spec, model):
-                model.add_can_node(peer)
-        return ModelBackend(build_driver(settings, cal), model, settings.ethercat_period_us * 1000,
-                            settings.ethercat_serial, settings.ethercat_error_after_lost)
-    try:  # late: pysoem and the realtime machinery, which the model backend does not need
-        from services.ethercat_loop.transport.process_backend import ProcessBackend
-    except ImportError as exc:
+    try:
+        factory = load_transport(API.service, settings.backend)
+        return cast(HandBackend, factory(settings, cal))
+    except TransportUnavailable as exc:
+        raise BackendUnavailable(str(exc)) from exc
+    except ImportError as exc:  # a factory's late import (pysoem, the realtime machinery)
         raise BackendUnavailable(f"backend {settings.backend!r} cannot be imported here: {exc}") from exc
-    nic = _virtual_hand_nic(settings) if settings.backend == "virtual" and not settings.ethercat_ifname else None
-    return ProcessBackend(settings, cal, nic=nic)
-
-
-def _virtual_hand_nic(settings: EthercatSettings) -> Callable[[], tuple[str, str | None, Callable[[], None]]]:
-    """A NIC provider: a private namespace + veth pair with the virtual hand on one end (root, iproute2)."""
-
-    def up() -> tuple[str, str | None, Callable[[], None]]:
-        from services.ethercat_loop.sim.netns import VethNetns  # late: only this path needs ip/netns
-
-        ns = VethNetns(f"rbec{os.getpid()}")
-        try:
-            ns.up()
-            # the hand answers frames a little below the cycle's priority: it must not starve either
-            s = settings
-            hand_rt = ["--rt-priority", str(max(1, s.ethercat_rt_priority - 10))] if s.ethercat_rt_priority else []
-            ns.start_hand(s.ethercat_protocol, ["--serial", str(s.ethercat_serial), *hand_rt, *s.ethercat_virtual_args])
-        except Exception as exc:
-            ns.down()
-            raise BackendUnavailable(f"cannot start the virtual EtherCAT hand (needs root, iproute2): {exc}") from exc
-        return ns.master_if, ns.name, ns.down
-
-    return up
 
 
 def build(node: Node, settings: EthercatSettings) -> PalmService:
@@ -781,9 +751,10 @@ def build(node: Node, settings: EthercatSettings) -> PalmService:
     has start() (bring the palm to OP), run() (the state publisher) and shutdown() (zero demands, leave OP)."""
     try:
         cal = HandCalibration.load(settings.ethercat_calibration)
-        backend = make_backend(settings, cal)
     except (OSError, ValueError) as exc:  # a calibration file that cannot be read or is not valid
         raise ServiceUnavailable(f"calibration {settings.ethercat_calibration}: {exc}") from None
+    try:
+        backend = make_backend(settings, cal)
     except BackendUnavailable as exc:
         raise ServiceUnavailable(str(exc)) from None
     return PalmService(node, backend, settings, cal)

@@ -10,6 +10,7 @@ from pydantic import AliasChoices, Field, field_validator
 from services.ethercat_loop.control import SetPolling
 from shared.link import LinkPolicy
 from shared.settings import KitSettings
+from shared.transports import check_transport
 
 
 class EthercatSettings(KitSettings):
@@ -19,10 +20,11 @@ class EthercatSettings(KitSettings):
     # deploy/compose.yaml's own variables (the container's cpuset, the realtime budget): read by compose, not here
     unchecked_env: ClassVar[frozenset[str]] = frozenset({"ROBOBUS_ETHERCAT_CPUSET", "ROBOBUS_ETHERCAT_RT_RUNTIME_US"})
 
-    backend: Literal["model", "virtual", "nic"] = Field(
+    backend: str = Field(
         "model", validation_alias=AliasChoices("robobus_ethercat_backend", "ethercat_backend", "backend"),
-        description="model: driver + palm model in-process; virtual: pysoem against the virtual EtherCAT hand; "
-                    "nic: pysoem on a real NIC (ROBOBUS_ETHERCAT_BACKEND)")
+        description="The transport, by its name in the entry points `robobus.transports` (ethercat-loop.<name>; "
+                    "docs/kit.md, \"Transports\"): model: driver + palm model in-process; virtual: pysoem against "
+                    "the virtual EtherCAT hand; nic: pysoem on a real NIC (ROBOBUS_ETHERCAT_BACKEND)")
     ethercat_protocol: Literal["0220", "0230"] = Field("0220", description="Palm protocol (model backend; the "
                                                        "wire backends take it from the product code)")
     ethercat_ifname: str = Field("", description="Network interface of the EtherCAT segment (virtual/nic)")
@@ -99,6 +101,11 @@ class EthercatSettings(KitSettings):
                         "the wrong kind of device (health error, not driven). Empty: any Shadow palm")
     ethercat_virtual_args: list[str] = Field(default_factory=list, description="Extra virtual_hand options "
                                              "when the virtual backend starts its own hand")
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        return check_transport("ethercat-loop", v)  # an unknown name lists the registered ones
 
     @field_validator("ethercat_polling")
     @classmethod

@@ -606,3 +606,9 @@ def _exit_text(returncode: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-returncode).name}"
     return f"exit status {returncode}"
+
+
+def nic_backend(settings: EthercatSettings, calibration: HandCalibration) -> ProcessBackend:
+    """Transport `ethercat-loop.nic` (ROBOBUS_ETHERCAT_BACKEND=nic; entry point `robobus.transports`): the realtime
+    cycle process on the NIC ROBOBUS_ETHERCAT_IFNAME names (in ROBOBUS_ETHERCAT_NETNS, if set)."""
+    return ProcessBackend(settings, calibration)
