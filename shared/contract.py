@@ -7,6 +7,10 @@ reads the same specs to write the AsyncAPI document, so code and document cannot
     API = ServiceAPI("epuck-gateway", device_doc="one e-puck2 robot")
     SENSORS = API.state("sensors", Sensors, rate_hz=50)
     SET_SPEED = API.command("set_speed", SetSpeed, Ack)
+
+A service whose devices differ declares its kinds of device, each with the commands and jobs it answers
+(`API.kind("odrive", commands=[...], jobs=[...])`); without kinds, every device answers the whole API. The node
+refuses to start while a device leaves a command or job of its kind unbound (shared/device.py, `bind_all`).
 """
 
 from __future__ import annotations
@@ -139,6 +143,20 @@ JOB_RESULT = EventSpec("job_result", JobResult, doc="The end of a job: its resul
 CANCEL = CommandSpec("cancel", CancelRequest, CancelReply, doc="Cancel one job, or every job of the device")
 
 
+@dataclass(frozen=True)
+class KindSpec:
+    """A kind of device of a service: the commands and jobs every device of the kind answers (each bound, or the
+    node does not start), and no other. `cancel` comes with the jobs."""
+
+    name: str
+    commands: tuple[str, ...]
+    jobs: tuple[str, ...] = ()
+    doc: str = ""
+
+
+DEFAULT_KIND = "device"  # the one kind of a service that declares none: every command and job of its API
+
+
 @dataclass
 class ServiceAPI:
     """Everything one service publishes and answers, per device."""
@@ -151,6 +169,7 @@ class ServiceAPI:
     commands: dict[str, CommandSpec] = field(default_factory=dict)
     jobs: dict[str, JobSpec] = field(default_factory=dict)
     streams: dict[str, StreamSpec] = field(default_factory=dict)
+    kinds: dict[str, KindSpec] = field(default_factory=dict)
 
     def _free(self, name: str, table: dict[str, object], kind: str) -> None:
         check_name(kind, name)
@@ -227,3 +246,38 @@ class ServiceAPI:
         spec = StreamSpec(name, model, direction, qos, doc or (model.__doc__ or "").strip())
         self.streams[name] = spec
         return spec
+
+    def kind(self, name: str, *, commands: Iterable[CommandSpec], jobs: Iterable[JobSpec] = (),
+             doc: str = "") -> KindSpec:
+        """A kind of device: the commands and jobs (declared on this API) each device of the kind answers. A
+        service that declares kinds names one for each device it makes (`node.device(name, kind=...)`)."""
+        self._free(name, self.kinds, "kind")  # type: ignore[arg-type]
+        cmds = list(commands)
+        job_list = list(jobs)
+        for cmd in cmds:
+            if self.commands.get(cmd.name) is not cmd:
+                raise ValueError(f"{self.service}: kind {name!r}: command {cmd.name!r} is not declared on the API")
+        for job in job_list:
+            if self.jobs.get(job.name) is not job:
+                raise ValueError(f"{self.service}: kind {name!r}: job {job.name!r} is not declared on the API")
+        names = [c.name for c in cmds]
+        if job_list and CANCEL.name not in names:
+            names.append(CANCEL.name)  # jobs bring the cancel command (bound by Device.bind_job)
+        if len(set(names)) != len(names) or len({j.name for j in job_list}) != len(job_list):
+            raise ValueError(f"{self.service}: kind {name!r} names a command or job twice")
+        kind = KindSpec(name, tuple(names), tuple(j.name for j in job_list), doc)
+        self.kinds[name] = kind
+        return kind
+
+    def kind_of(self, name: str | None) -> KindSpec:
+        """The kind a device is made with: one of the declared kinds by name, or (None) the API's one kind when it
+        declares none, every command and job of the API."""
+        if name is None:
+            if self.kinds:
+                raise ValueError(f"{self.service} declares kinds of device {sorted(self.kinds)}: "
+                                 "name the device's kind (node.device(name, kind=...))")
+            return KindSpec(DEFAULT_KIND, tuple(self.commands), tuple(self.jobs), self.device_doc)
+        kind = self.kinds.get(name)
+        if kind is None:
+            raise ValueError(f"{self.service}: no kind of device {name!r} (declared: {sorted(self.kinds)})")
+        return kind

@@ -9,7 +9,8 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import paho.mqtt.client as mqtt
 from pydantic import BaseModel, ValidationError
@@ -22,6 +23,7 @@ from shared.contract import (
     CommandSpec,
     EventSpec,
     JobSpec,
+    KindSpec,
     ServiceAPI,
     StateSpec,
     StreamSpec,
@@ -43,6 +45,64 @@ log = logging.getLogger("robobus.device")
 HEALTH_FIELDS = ("connection", "operational", "state", "error", "error_message", "details")
 
 Handler = Callable[..., Any]
+F = TypeVar("F", bound=Callable[..., Any])
+
+BINDINGS_ATTR = "__robobus_bindings__"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What `@handles` / `@runs` put on a method: the spec it answers, and how (`Device.bind_all` reads it).
+    `inline` / `admit` may name an attribute of the object, read when it is bound (a setting, a method)."""
+
+    spec: CommandSpec | JobSpec
+    inline: bool | str = False
+    admit: str | None = None
+
+
+def _mark(fn: F, binding: Binding) -> F:
+    setattr(fn, BINDINGS_ATTR, (*getattr(fn, BINDINGS_ATTR, ()), binding))
+    return fn
+
+
+def handles(spec: CommandSpec, *, inline: bool | str = False) -> Callable[[F], F]:
+    """Mark a method as the handler of a declared command; `Device.bind_all(obj)` binds it (as `Device.bind`).
+    `inline=True` runs it on the MQTT network thread (it must be synchronous and only validate and enqueue);
+    `inline="attr"` reads the object's attribute `attr` when it is bound (a setting). Stack to answer several
+    commands with one method."""
+    if not isinstance(spec, CommandSpec):
+        raise TypeError(f"@handles takes a command spec, not {spec!r} (a job is @runs)")
+
+    def mark(fn: F) -> F:
+        if inline is True and inspect.iscoroutinefunction(fn):
+            raise ValueError(f"command {spec.name!r}: an inline handler must be synchronous ({fn.__qualname__})")
+        return _mark(fn, Binding(spec, inline))
+    return mark
+
+
+def runs(spec: JobSpec, *, admit: str | None = None) -> Callable[[F], F]:
+    """Mark a method as the body of a declared job, `run(request, job)`; `Device.bind_all(obj)` binds it (as
+    `Device.bind_job`). `admit`: the name of the object's method that admits a request first (raise CommandError,
+    e.g. `busy`, to refuse it before a job id exists)."""
+    if not isinstance(spec, JobSpec):
+        raise TypeError(f"@runs takes a job spec, not {spec!r} (a command is @handles)")
+
+    def mark(fn: F) -> F:
+        return _mark(fn, Binding(spec, admit=admit))
+    return mark
+
+
+def bindings_of(obj: object) -> list[tuple[Binding, Handler]]:
+    """The marked methods of `obj` (its class's, the most derived definition of each name), bound to it."""
+    found: list[tuple[Binding, Handler]] = []
+    for attr in dir(type(obj)):
+        fn = inspect.getattr_static(obj, attr, None)
+        if isinstance(fn, (staticmethod, classmethod)):
+            fn = fn.__func__
+        marks: tuple[Binding, ...] = getattr(fn, BINDINGS_ATTR, ()) if callable(fn) else ()
+        for binding in marks:
+            found.append((binding, getattr(obj, attr)))
+    return found
 
 
 class NodeServices(Protocol):
@@ -72,9 +132,11 @@ class NodeServices(Protocol):
 class Device:
     """Created by `node.device(name)`. Thread-safe: publish, emit and set_health from any thread."""
 
-    def __init__(self, node: NodeServices, name: str) -> None:
+    def __init__(self, node: NodeServices, name: str, kind: KindSpec | None = None) -> None:
         self.node = node
         self.name = check_name("device", name)
+        # what the device answers: every command and job of its kind is bound before the node starts (Node.start)
+        self.kind = kind if kind is not None else node.api.kind_of(None)
         self.base = f"{node.base}/{name}"
         self._health: dict[str, Any] = {
             "connection": False, "operational": False, "state": "starting",
@@ -244,6 +306,9 @@ class Device:
         no message is received. Validation and the reply are the same either way."""
         if self.node.api.commands.get(spec.name) is not spec:
             raise KeyError(f"command {spec.name!r} is not declared on {self.node.api.service}'s API")
+        if spec.name not in self.kind.commands:
+            raise KeyError(f"command {spec.name!r} is not one of kind {self.kind.name!r}'s (device {self.name!r} "
+                           f"of {self.node.api.service}: {list(self.kind.commands)})")
         if inline and inspect.iscoroutinefunction(handler):
             raise ValueError(f"command {spec.name!r}: an inline handler must be synchronous")
         self.commands[spec.name] = (spec, handler)
@@ -260,12 +325,47 @@ class Device:
         synchronously: raise CommandError there (e.g. `busy`) to refuse before a job id exists."""
         if self.node.api.jobs.get(spec.name) is not spec:
             raise KeyError(f"job {spec.name!r} is not declared on {self.node.api.service}'s API")
+        if spec.name not in self.kind.jobs:
+            raise KeyError(f"job {spec.name!r} is not one of kind {self.kind.name!r}'s (device {self.name!r} "
+                           f"of {self.node.api.service}: {list(self.kind.jobs)})")
         self.jobs[spec.name] = (spec, run, admit)
         if spec.motion and not self._motion:
             self._motion = True
             self.node.stop_latch.adopt(self)
         if CANCEL.name not in self.commands:
             self.commands[CANCEL.name] = (CANCEL, self._cancel)
+
+    def bind_all(self, obj: object) -> None:
+        """Bind every method of `obj` marked with `@handles` (a command) or `@runs` (a job), with the checks of
+        `bind` / `bind_job`: each spec declared on the API and of this device's kind, an inline handler
+        synchronous, one handler per command. Whatever the kind has and `obj` does not is refused when the node
+        starts (Node.check_bindings)."""
+        seen: dict[str, str] = {}
+        for binding, handler in bindings_of(obj):
+            spec = binding.spec
+            where = f"{type(obj).__qualname__}.{getattr(handler, '__name__', handler)}"
+            if spec.name in seen:
+                raise ValueError(f"{self.node.api.service}: device {self.name!r}: {spec.name!r} has two handlers "
+                                 f"({seen[spec.name]} and {where})")
+            seen[spec.name] = where
+            if isinstance(spec, JobSpec):
+                admit: Handler | None = None
+                if binding.admit is not None:
+                    admit = getattr(obj, binding.admit, None)
+                    if not callable(admit):
+                        raise TypeError(f"{where}: job {spec.name!r}: admit {binding.admit!r} is not a method "
+                                        f"of {type(obj).__qualname__}")
+                self.bind_job(spec, handler, admit)
+            else:
+                inline = binding.inline
+                if isinstance(inline, str):
+                    inline = bool(getattr(obj, inline))
+                self.bind(spec, handler, inline=inline)
+
+    def unbound(self) -> tuple[list[str], list[str]]:
+        """The commands and jobs of this device's kind that have no handler yet."""
+        return ([c for c in self.kind.commands if c not in self.commands],
+                [j for j in self.kind.jobs if j not in self.jobs])
 
     def running_jobs(self) -> list[str]:
         return list(self.running)

@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 from shared.contract import ServiceAPI
 from shared.logs import setup_logging
-from shared.node import Node
+from shared.node import Node, UnboundCommands
 from shared.settings import KitSettings, load_settings
 
 log = logging.getLogger("robobus.lifecycle")
@@ -80,6 +80,11 @@ def run_service(api: ServiceAPI, settings_cls: type[S], build: Callable[[Node, S
         service = build(node, settings)
     except ServiceUnavailable as exc:
         print(f"robobus: {api.service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:  # every device answers its kind's commands, before anything is started or published
+        node.check_bindings()
+    except UnboundCommands as exc:
+        print(f"robobus: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     hooks = service.hooks() if service is not None else Hooks()
     if hooks.shutdown is not None:

@@ -44,8 +44,12 @@ log = logging.getLogger("robobus.node")
 NODE_DEVICE = "_node"  # reserved device name for the node's own state (kit statistics)
 BIRTH_WAIT_MAX_S = 2.0  # the birth waits for the bus stop's state at most this long after a (re)connect
 
-__all__ = ["HEALTH_FIELDS", "NODE_DEVICE", "Device", "JobCancelled", "JobContext", "Node",
+__all__ = ["HEALTH_FIELDS", "NODE_DEVICE", "Device", "JobCancelled", "JobContext", "Node", "UnboundCommands",
            "describe_validation_error", "dump"]
+
+
+class UnboundCommands(Exception):
+    """A device leaves a command or job of its kind without a handler: the node does not start."""
 
 
 class Node:
@@ -80,12 +84,16 @@ class Node:
         self._house = threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True)
 
     # -- building ------------------------------------------------------------------------------
-    def device(self, name: str) -> Device:
+    def device(self, name: str, kind: str | None = None) -> Device:
+        """The device `name`, made on first use. `kind`: one of the API's kinds of device (ServiceAPI.kind), whose
+        commands and jobs it answers; None for a service that declares none (every command and job)."""
         if name == NODE_DEVICE:
             raise ValueError(f"{NODE_DEVICE!r} is reserved")
         dev = self.devices.get(name)
+        if dev is not None and kind is not None and dev.kind.name != kind:
+            raise ValueError(f"device {name!r} is of kind {dev.kind.name!r}, not {kind!r}")
         if dev is None:
-            dev = Device(self, name)
+            dev = Device(self, name, self.api.kind_of(kind))
             self.devices[name] = dev
             if self.session.connected.is_set():
                 self._publish_status()
@@ -105,8 +113,22 @@ class Node:
         self.counters.decode_error()
         log.debug("decode error", extra={"what": what})
 
+    def check_bindings(self) -> None:
+        """Every device answers every command and job of its kind, or the node refuses to start (UnboundCommands):
+        a command declared and never bound would otherwise be found out by the first client to send it."""
+        missing = []
+        for dev in self.devices.values():
+            cmds, jobs = dev.unbound()
+            if cmds or jobs:
+                what = ", ".join([*(f"command {c}" for c in cmds), *(f"job {j}" for j in jobs)])
+                missing.append(f"device {dev.name!r} (kind {dev.kind.name!r}) has no handler for {what}")
+        if missing:
+            raise UnboundCommands(f"{self.api.service}: " + "; ".join(missing) + " (mark the handlers with "
+                                  "@handles / @runs and bind them with Device.bind_all, or Device.bind / bind_job)")
+
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        self.check_bindings()  # before the session: no birth for a node that cannot answer its contract
         for dev in self.devices.values():
             if dev.motion and dev.stop_action is None:
                 log.warning("motion device without a stop action (Device.on_stop): the bus stop refuses its motion "

@@ -35,7 +35,7 @@ from shared.errors import ErrorCode
 __all__ = ["API", "BLACKLIST", "CLEAR_ERRORS", "FAULT", "GOTO_POSITION", "GOTO_RELATIVE", "GO_TO_POSITION",
            "GO_TO_RELATIVE", "LINK", "PING", "PIN_STATES", "PIN_VALUES", "POWER", "QUEUE_GENERAL",
            "QUEUE_SYSADMIN", "SET_PIN_MODE", "SET_PIN_OUTPUT", "SET_TORQUE", "SET_VELOCITY", "STATE",
-           "STATUS_REPORT", "TEMPERATURE"]
+           "STATUS_REPORT", "TEMPERATURE"]  # the kinds of module: API.kinds
 
 API = ServiceAPI("roi-modules", device_doc="one ROI module (GPIO, ODrive or actuator) on the ROI UDP network",
                  doc="ROI (Roobot Over IP) modules over UDP: health, state, commands, moves")
@@ -89,3 +89,12 @@ GO_TO_POSITION = API.job("go_to_position", RoiMoveRequest, RoiMoveResult, errors
                          doc="Move and follow: progress = position/velocity; done within tolerance; cancel stops")
 GO_TO_RELATIVE = API.job("go_to_relative_position", RoiMoveRequest, RoiMoveResult, errors=_MOVE, motion=True,
                          doc="As go_to_position, relative to the position at the start")
+
+# the kinds of module (a module's `type` in the settings): what each answers, every command bound or no start
+_COMMON = [QUEUE_GENERAL, QUEUE_SYSADMIN, PING, STATUS_REPORT, BLACKLIST]
+_MOVES = [GOTO_POSITION, GOTO_RELATIVE, SET_VELOCITY]
+API.kind("gpio", commands=[*_COMMON, SET_PIN_OUTPUT, SET_PIN_MODE], doc="A General GPIO module: pins")
+API.kind("odrive", commands=[*_COMMON, *_MOVES, SET_TORQUE, CLEAR_ERRORS], jobs=[GO_TO_POSITION, GO_TO_RELATIVE],
+         doc="An ODrive module: one motor axis (rev)")
+API.kind("actuator", commands=[*_COMMON, *_MOVES], jobs=[GO_TO_POSITION, GO_TO_RELATIVE],
+         doc="A linear actuator module (% of its stroke)")

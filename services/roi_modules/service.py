@@ -107,7 +107,7 @@ class RoiModule:
         self.svc = svc
         self.cfg = cfg
         self.node = svc.node
-        self.dev = svc.node.device(cfg.name)
+        self.dev = svc.node.device(cfg.name, kind=cfg.type)  # api.py's kinds: gpio, odrive, actuator
         self.module_type = KIND_TYPES[cfg.type]
         self.status: p.StatusReport | None = None
         self.pulled = False  # state pulled (or pushed) since this service started

@@ -38,6 +38,9 @@ API = ServiceAPI("motion-test", device_doc="a test device that moves")
 MOVE = API.command("move", MotionMove, MotionSpeed, doc="Set the speed (moves)", motion=True)
 READ = API.command("read", MotionNothing, MotionSpeed, doc="Read the speed (read-only)")
 DRIVE = API.job("drive", MotionMove, MotionDriveResult, doc="Drive at a speed until cancelled", motion=True)
+WHEEL = API.kind("wheel", commands=[MOVE, READ], jobs=[DRIVE], doc="A wheel: moves, reads, drives")
+SENSOR = API.kind("sensor", commands=[READ], doc="Read-only: no motion command, no stop action")
+MOVER = API.kind("mover", commands=[MOVE], doc="Moves, nothing else (a stop action's test device)")
 
 
 @dataclass
@@ -64,7 +67,7 @@ def build(node: Node, devices: tuple[str, ...] = ("wheel1", "wheel2"), later: tu
     read-only devices `sensors` (no motion command, no stop action)."""
     wheels: dict[str, Wheel] = {}
     for name in devices:
-        dev = node.device(name)
+        dev = node.device(name, kind=WHEEL.name)
         wheel = wheels[name] = Wheel(name)
 
         def move(r: MotionMove, wheel: Wheel = wheel) -> MotionSpeed:
@@ -98,7 +101,7 @@ def build(node: Node, devices: tuple[str, ...] = ("wheel1", "wheel2"), later: tu
         dev.on_stop(stop_now)
         dev.set_health(connection=True, operational=True, state="running")
     for name in sensors:
-        dev = node.device(name)
+        dev = node.device(name, kind=SENSOR.name)
         dev.bind(READ, lambda r: MotionSpeed(speed=0.0))
         dev.set_health(connection=True, operational=True, state="running")
     return wheels

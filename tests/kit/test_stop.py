@@ -430,7 +430,7 @@ def test_stop_actions_run_where_the_service_asks_and_a_failure_is_reported(bus: 
     loop_thread = threading.Thread(target=loop.run_forever, name="service-loop", daemon=True)
     loop_thread.start()
     node.attach_loop(loop)
-    inline = node.device("inline")
+    inline = node.device("inline", kind=motion_node.MOVER.name)
     inline.bind(motion_node.MOVE, lambda r: motion_node.MotionSpeed(speed=r.speed))
     inline.on_stop(lambda stop: ran.__setitem__("inline", threading.current_thread().name), inline=True)
 
@@ -439,12 +439,13 @@ def test_stop_actions_run_where_the_service_asks_and_a_failure_is_reported(bus: 
         await asyncio.sleep(0)
         return 123.0
 
-    node.device("async").on_stop(on_loop)
+    node.device("async", kind=motion_node.MOVER.name).on_stop(on_loop)
+    node.device("async").bind(motion_node.MOVE, lambda r: motion_node.MotionSpeed(speed=r.speed))
 
     def broken(stop: StopState) -> None:
         raise OSError("port gone")
 
-    node.device("broken").on_stop(broken)
+    node.device("broken", kind=motion_node.MOVER.name).on_stop(broken)
     node.device("broken").bind(motion_node.MOVE, lambda r: motion_node.MotionSpeed(speed=r.speed))
     node.start()
     try:
