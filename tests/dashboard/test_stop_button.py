@@ -3,7 +3,9 @@ the password and ACL files deploy/make_secrets.py writes (the operator alone may
 reads it), a node of tests/kit/motion_node.py (two motion devices, one read-only device) logged in as its service
 user, and the dashboard server with that service's AsyncAPI document. The operator's page stops the devices
 (their health says stopped, a motion command from the page's form is refused `stopped`) and releases them; the
-viewer's page offers the release too and shows the broker's refusal."""
+viewer's page offers the release too and shows the broker's refusal. The fleet centre's stop ({root}/_stop/fleet,
+written here by a stand-in for the site's bridge) shows on both pages, named as the fleet's; the page's release
+(the site's latch) is not offered for it and, with both active, lifts only the site's."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pytest
 from shared.messages import StopState
 from shared.rpc import RpcClient, wait_for
 from shared.settings import KitSettings
-from shared.stop import stop_topic
+from shared.stop import fleet_stop_topic, stop_topic
 from shared.tools.asyncapi import build_document
 from shared.tools.localbroker import NodeProcess, mosquitto_bin
 from tests.dashboard.stack import browser, browser_missing, free_ports
@@ -35,6 +37,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 T = 45_000  # ms: generous waits for a loaded 2-core machine; the conditions, not the waits, are the test
 NODE = "motion-test"
 ROOT = "robobus"
+# The one writer of {root}/_stop/fleet at a site is its bridge (the centre's stop, remapped; no client may write it):
+# this user stands in for it in the broker's password and ACL files of the test.
+FLEET_WRITER = "fleetstand"
 
 
 @dataclass
@@ -45,6 +50,7 @@ class Stack:
     server: Any
     node: NodeProcess
     operator: RpcClient
+    fleet: RpcClient | None = None
 
     def settings(self, user: str) -> KitSettings:
         name, password = creds(self.secrets, user)
@@ -61,6 +67,13 @@ class Stack:
     def set_stop(self, active: bool, reason: str = "") -> StopState:
         stop = StopState(active=active, source="operator@test", reason=reason, ts=time.time())
         assert self.operator.session.publish_wait(stop_topic(ROOT), stop.model_dump_json(), qos=1, retain=True)
+        return stop
+
+    def set_fleet_stop(self, active: bool, reason: str = "") -> StopState:
+        """The fleet centre's stop or release, as the site's bridge brings it in."""
+        assert self.fleet is not None
+        stop = StopState(active=active, source="centre-op@hq", reason=reason, ts=time.time())
+        assert self.fleet.session.publish_wait(fleet_stop_topic(ROOT), stop.model_dump_json(), qos=1, retain=True)
         return stop
 
 
@@ -82,6 +95,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert exe
     d = tmp_path_factory.mktemp("stop-secrets")
     assert make_secrets.main(["--dir", str(d), "--root", ROOT, "--node", NODE]) == 0
+    with (d / "passwd").open("a") as f:
+        f.write(f"{FLEET_WRITER}:{make_secrets.hash_password(FLEET_WRITER + '-password')}\n")
+    with (d / "acl").open("a") as f:
+        f.write(f"\nuser {FLEET_WRITER}\ntopic readwrite {fleet_stop_topic(ROOT)}\n")
     port, ws_port = free_ports(2)
     conf = d / "mosquitto.conf"
     conf.write_text(host_broker_conf(d, port, f"listener {ws_port} 127.0.0.1\nprotocol websockets\n"))
@@ -90,6 +107,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     server = None
     node = None
     operator = None
+    fleet = None
     try:
         assert wait_for(lambda: _listening(port) and _listening(ws_port), 20), (d / "mosquitto.log").read_text()
         name, password = creds(d, NODE)
@@ -104,6 +122,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         operator = RpcClient(st.settings("operator"), name="stop-dash-test")
         operator.connect()
         st.operator = operator
+        fleet = RpcClient(KitSettings(mqtt_url=f"mqtt://127.0.0.1:{port}", mqtt_username=FLEET_WRITER,
+                                      mqtt_password=FLEET_WRITER + "-password"), name="fleet-stand-in")
+        fleet.connect()
+        st.fleet = fleet
 
         def online() -> bool:
             healths = {t.split("/")[2] for t, p, _ in operator.collect(f"{ROOT}/{NODE}/+/health", 0.3) if p}
@@ -112,8 +134,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         assert wait_for(online, 60, 0.5), node.text()
         yield st
     finally:
-        if operator is not None:
-            operator.close()
+        for c in (operator, fleet):
+            if c is not None:
+                c.close()
         if server is not None:
             server.stop()
         if node is not None:
@@ -311,3 +334,70 @@ def test_an_unreadable_stop_message_is_shown_as_an_active_stop_and_released_from
     for dev in ("wheel1", "wheel2"):
         page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=ok]", timeout=T)
     page.fill("#stop-reason", "")
+
+
+def test_the_fleets_stop_is_shown_and_the_pages_release_lifts_only_the_sites(stack: Stack,
+                                                                              pages: dict[str, Any]) -> None:
+    """A stop on {root}/_stop/fleet (the centre's): the header names it as the fleet's, says that the centre alone
+    releases it, and offers no release; the devices show it. With the site's stop on top, the page's release lifts
+    the site's latch only: the fleet's stop still holds (the devices stopped, `move` refused) until the centre
+    releases it."""
+    from playwright.sync_api import expect
+
+    page, viewer = pages["operator"], pages["viewer"]
+    stack.set_stop(False)
+    page.wait_for_selector("#stop-state[data-state=released]", timeout=T)
+    expect(page.locator("#stop-note")).to_be_hidden(timeout=T)
+    fleet = stack.set_fleet_stop(True, "fleet drill")
+    for p in (page, viewer):  # the viewer reads the fleet's latch too
+        state = p.locator("#stop-state[data-state=active][data-channel=fleet]")
+        state.wait_for(timeout=T)
+        expect(state).to_contain_text("FLEET BUS STOP ACTIVE since", timeout=T)
+        expect(state).to_contain_text(f"{fleet.source}: fleet drill", timeout=T)
+        note = p.locator("#stop-note")
+        expect(note).to_be_visible(timeout=T)
+        expect(note).to_contain_text("only the centre releases it", timeout=T)
+        expect(note).to_contain_text("This page's release lifts only the site's stop", timeout=T)
+        expect(p.locator("#release-button")).to_be_hidden(timeout=T)
+    for dev in ("wheel1", "wheel2"):
+        page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=stopped]", timeout=T)
+        line = card(page, dev).locator(".stop-line[data-stop=stopped]")
+        line.wait_for(timeout=T)
+        expect(line).to_contain_text(f"FLEET BUS STOP by {fleet.source}: fleet drill", timeout=T)
+    cell = page.locator(f"tr.node[data-node='{NODE}'] td.stop[data-answer=current]")
+    expect(cell).to_contain_text("stopped by the fleet's stop", timeout=T)
+    page.wait_for_selector("#stop-answers[data-answered='1'][data-online='1']", timeout=T)
+    # the page's model: both latches
+    view = page.evaluate("() => window.__robobus.stop.view()")
+    assert view["active"] == ["fleet"] and view["channel"] == "fleet" and view["release"] is False, view
+    assert view["latches"]["fleet"]["state"]["reason"] == "fleet drill", view
+    assert view["latches"]["site"]["state"]["active"] is False, view
+
+    # the site's stop on top of it: both latches; the page's release lifts the site's only
+    page.fill("#stop-reason", "site too")
+    page.click("#stop-button")
+    assert outcome(page)[0] == "confirmed", outcome(page)
+    page.wait_for_selector("#stop-state[data-state=active][data-channel=both]", timeout=T)
+    expect(page.locator("#release-button")).to_be_visible(timeout=T)
+    expect(page.locator("#stop-note")).to_be_visible(timeout=T)
+    page.fill("#stop-reason", "")
+    page.click("#release-button")
+    assert outcome(page)[0] == "confirmed", outcome(page)
+    held = stack.retained_stop()
+    assert held is not None and held["active"] is False, held
+    page.wait_for_selector("#stop-state[data-state=active][data-channel=fleet]", timeout=T)
+    expect(page.locator("#release-button")).to_be_hidden(timeout=T)
+    expect(cell).to_contain_text("still stopped", timeout=T)  # the node's answer to the site's release
+    for dev in ("wheel1", "wheel2"):
+        assert stopped(stack, dev), stack.health(dev)
+        page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=stopped]", timeout=T)
+    rep = send_move(page, "wheel1", "1")
+    assert rep["ok"] is False and rep["error"]["code"] == "stopped" and "fleet" in rep["error"]["message"], rep
+
+    # the centre releases: nothing holds the bus
+    stack.set_fleet_stop(False)
+    page.wait_for_selector("#stop-state[data-state=released]", timeout=T)
+    expect(page.locator("#stop-note")).to_be_hidden(timeout=T)
+    for dev in ("wheel1", "wheel2"):
+        page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=ok]", timeout=T)
+    assert send_move(page, "wheel1", "0")["ok"] is True

@@ -6,6 +6,8 @@ import { Bus, decodeText } from "./bus.js";
 import { Contract } from "./contract.js";
 import { buildCommandForm, splitDoc } from "./forms.js";
 import { Series, drawSparkline, formatValue } from "./charts.js";
+import { CHANNELS, FLEET, SITE, activeChannels, answerCurrent, banner, deviceHead, effective, newLatch,
+         readStop } from "./stop.js";
 
 // The page draws on a timer, not on every display frame: nothing on it needs more than the camera's 10 fps,
 // and a chart moves one pixel per 0.47 s (60 s over its 128 px plot). Values and charts alternate between frames.
@@ -56,10 +58,12 @@ let bus = null;
 const link = { connected: false, gen: 0, lostAt: 0, down: false, everConnected: false, lastError: "", username: "" };
 let root = "robobus";
 const nodes = new Map();
-// The bus stop ({root}/_stop, shared/stop.py) as the page last read it: `state` a StopState (null: no stop
-// message on the broker), `known` once the present session's retained messages are all in (Bus onSynced), `gen`
-// the session it came in, `bad` why the message was unreadable (held as active, as every node holds it).
-const stop = { state: null, known: false, gen: -1, bad: "", changedAt: 0, dirty: true };
+// The bus stop (shared/stop.py) as the page last read it: two latches, the site's {root}/_stop and the fleet
+// centre's {root}/_stop/fleet (stop.js); each `state` a StopState (null: no stop message on the broker), `gen` the
+// session it came in, `bad` why the message was unreadable (held as active, as every node holds it); `known` once
+// the present session's retained messages are all in (Bus onSynced). `view()`: what the page shows (tests read it).
+const stop = { latches: { [SITE]: newLatch(), [FLEET]: newLatch() }, known: false, changedAt: 0, dirty: true,
+               view: () => stopView() };
 window.__robobus = { nodes, link, stop, watched: () => (bus ? [...bus.watched] : []),
                      wsFrames: () => (bus && bus.client ? bus.client.frames : 0) };
 
@@ -189,26 +193,28 @@ class NodeView {
   // Its answer to the bus stop as the page last read it: does it answer the present stop (or release), and
   // what each of its motion devices did: [kind, text] (kind: current, pending, failed, missing, old, none).
   stopText() {
-    const a = this.stopAnswer, s = stop.state;
+    const a = this.stopAnswer;
     if (!stopCurrent(a)) {
-      if (s && s.active && this.online) return ["missing", "no answer to this stop yet"];
+      if (activeChannels(stop.latches).length && this.online) return ["missing", "no answer to this stop yet"];
       return a ? ["old", `answered an earlier ${a.active ? "stop" : "release"}`] : ["none", ""];
+    }
+    const of = a.channel === FLEET ? "the fleet's " : "";
+    if (!a.active && a.devices.some((d) => d.stopped)) {
+      // a release of one latch while the other holds: the devices stay stopped (the answer's reason says by what)
+      return ["current", `${of}release read at ${clock(a.received_ts * 1000)}; still stopped${a.reason ? `: ${a.reason.trim()}` : ""}`];
     }
     if (!a.active) return ["current", `released ${a.devices.length ? a.devices.map((d) => d.device).join(", ") : "(no motion device)"} at ${clock(a.received_ts * 1000)}`];
     if (!a.devices.length) return ["current", `answered at ${clock(a.received_ts * 1000)}: no motion device`];
     const failed = a.devices.some((d) => d.error), pending = a.devices.some((d) => d.pending);
-    return [failed ? "failed" : pending ? "pending" : "current", `stopped (read at ${clock(a.received_ts * 1000)}): ` +
+    return [failed ? "failed" : pending ? "pending" : "current", `stopped by ${of || "the site's "}stop (read at ${clock(a.received_ts * 1000)}): ` +
       a.devices.map((d) => `${d.device} ${d.error ? `FAILED: ${d.error}` : d.pending ? "pending"
         : `at ${clock(d.written_ts * 1000)} (+${Math.max(0, Math.round((d.written_ts - a.stop_ts) * 1000))} ms)`}`).join(", ")];
   }
 }
 
-// An answer to the stop the page shows (the same ts, source and active), not to an earlier one (retained). An
-// unreadable stop message is held as the kit holds it (shared/stop.py): active, source "unknown", ts 0.
-function stopCurrent(a) {
-  const s = stop.state;
-  return !!(a && s && a.stop_ts === s.ts && a.active === s.active && a.source === s.source);
-}
+// An answer to the present state of the latch it names (the same ts, source and active), not to an earlier one
+// (retained). An unreadable stop message is held as the kit holds it (shared/stop.py): active, source "unknown", ts 0.
+function stopCurrent(a) { return answerCurrent(stop.latches, a); }
 
 function insertSorted(parent, node, key, attr) {
   for (const c of parent.children) {
@@ -312,14 +318,14 @@ class DeviceView {
 
   // [data-stop, text] of the card's stop line: none, released, unknown, unanswered, pending, failed, stopped.
   stopText() {
-    const s = stop.state;
+    const [ch, l] = effective(stop.latches);
+    const s = l && l.state;
     if (!stop.known && !s) return ["unknown", "bus stop: not read yet"];
     if (!s) return ["none", "bus stop: none"];
-    if (!s.active) return ["released", `bus stop released ${hms(s.ts * 1000)} by ${s.source}`];
-    const who = stop.bad ? `unreadable stop message (${stop.bad})` : `by ${s.source}${s.reason ? `: ${s.reason}` : ""}`;
-    const head = `BUS STOP ${who}${s.ts ? ` · since ${hms(s.ts * 1000)}` : ""}`;
+    if (!s.active) return ["released", `${ch === FLEET ? "fleet " : ""}bus stop released ${hms(s.ts * 1000)} by ${s.source}`];
+    const head = deviceHead(stop.latches, { hms, since });
     const a = this.nodeView.stopAnswer;
-    const d = stopCurrent(a) ? a.devices.find((x) => x.device === this.name) : null;
+    const d = stopCurrent(a) ? a.devices.find((x) => x.device === this.name && x.stopped) : null;
     if (!d) return ["unanswered", `${head} · no answer from ${this.nodeView.name} for this device yet`];
     if (d.error) return ["failed", `${head} · the stop action FAILED: ${d.error}`];
     if (d.pending) return ["pending", `${head} · held stopped; the service has not yet reported the stop written`];
@@ -759,7 +765,8 @@ function json(payload) { return JSON.parse(decodeText(payload)); }
 
 function route(topic, payload, ctype, retained, nowMs) {
   if (!topic.startsWith(`${root}/`)) return;
-  if (topic === bus.stopTopic) { onStop(payload); return; }
+  if (topic === bus.stopTopic) { onStop(SITE, payload); return; }
+  if (bus.fleetTopic && topic === bus.fleetTopic) { onStop(FLEET, payload); return; }
   const parts = topic.slice(root.length + 1).split("/");
   if (parts[2] !== "state") dirtyNodes = true; // status, health, events: draw on the next tick
   if (parts.length === 2 && parts[1] === "status") { node(parts[0]).setStatus(json(payload), retained); return; }
@@ -800,33 +807,30 @@ function route(topic, payload, ctype, retained, nowMs) {
 }
 
 // -- the bus stop --------------------------------------------------------------------------------------------
-// {root}/_stop (shared/stop.py; docs/kit.md "Stopping everything"). A message that is not a StopState is held as
-// an active stop, as every node holds it; an empty retained message is no stop (a release).
+// {root}/_stop and {root}/_stop/fleet (shared/stop.py; docs/kit.md "Stopping everything"; stop.js). A message that
+// is not a StopState is held as an active stop, as every node holds it; an empty retained message is no stop (a
+// release). The page's STOP and release write the site's latch only.
 const STOP_CONFIRM_MS = 5000; // after the broker's PUBACK: the page's own message must come back on the topic
 let stopSend = null; // {state, what, timer}: the page's stop or release waiting to be seen on the topic
 
-function onStop(payload) {
-  let state = null, bad = "";
-  if (payload.length) {
-    try {
-      state = json(payload);
-      const errs = contract.validate(contract.stop.schema, state);
-      if (errs.length) bad = errs.map((e) => `${e.path || "message"} ${e.message}`).join("; ");
-    } catch (e) { bad = `not JSON: ${e.message}`; }
-    if (bad) {
-      perf.bad++;
-      state = { active: true, source: "unknown", reason: "", ts: 0 };
-    }
-  }
-  const was = stop.state, wasBad = stop.bad;
-  Object.assign(stop, { state, bad, gen: link.gen, known: true, dirty: true });
+function onStop(channel, payload) {
+  const { state, bad } = readStop(payload.length ? decodeText(payload) : "", (s) => contract.validate(contract.stop.schema, s));
+  if (bad) perf.bad++;
+  const latch = stop.latches[channel];
+  const was = latch.state, wasBad = latch.bad;
+  Object.assign(latch, { state, bad, gen: link.gen });
+  stop.dirty = true;
+  // a message on each latch in this session: the stop is known (as a node knows it), before the page's round trip
+  if (CHANNELS.every((ch) => stop.latches[ch].gen === link.gen || (ch === FLEET && !bus.fleetTopic))) stop.known = true;
   if (JSON.stringify(was) !== JSON.stringify(state) || wasBad !== bad) {
     stop.changedAt = Date.now();
-    if (bad) logLine("bus stop", "", "unreadable", `${bad}: every node holds it as an active stop`, true);
-    else if (!state) logLine("bus stop", "", "removed", "no stop message on the broker (counts as released)");
-    else logLine("bus stop", "", state.active ? "ACTIVE" : "released",
+    const what = channel === FLEET ? `fleet bus stop (${bus.fleetTopic})` : "bus stop";
+    if (bad) logLine(what, "", "unreadable", `${bad}: every node holds it as an active stop`, true);
+    else if (!state) logLine(what, "", "removed", "no stop message on the broker (counts as released)");
+    else logLine(what, "", state.active ? "ACTIVE" : "released",
                  `by ${state.source}${state.reason ? `: ${state.reason}` : ""} at ${clock(state.ts * 1000)}`, state.active);
   }
+  if (channel !== SITE) { markAllDirty(); return; } // the page's own stop or release is the site's
   if (stopSend && state && !bad && state.ts === stopSend.state.ts && state.source === stopSend.state.source &&
       state.active === stopSend.state.active) {
     clearTimeout(stopSend.timer);
@@ -886,7 +890,8 @@ async function sendStop(active) {
       `release the bus stop. The stop is unchanged.`);
     return;
   }
-  if (!stop.bad && stop.state && state.ts === stop.state.ts && state.source === stop.state.source) {
+  const site = stop.latches[SITE];
+  if (!site.bad && site.state && state.ts === site.state.ts && state.source === site.state.source) {
     // back on the topic before its PUBACK (the broker delivers to its subscribers first)
     stopOutcome("confirmed", `${what} sent at ${clock(state.ts * 1000)}: the broker holds it on ${bus.stopTopic}`);
     return;
@@ -903,29 +908,35 @@ async function sendStop(active) {
   stopOutcome("sending", `${what} acknowledged by the broker, waiting to see it on ${bus.stopTopic}…`);
 }
 
-// The header's stop line: the stop's state (since when, by whom, why), the answers of the online nodes, and the
-// release button while a stop is active.
+// What the header shows of the stop: both latches (stop.js's banner), whether the page's release is offered (the
+// site's latch is active: the fleet's is released only at the fleet's centre), and the online nodes' answers.
+function stopView() {
+  const b = banner(stop.latches, { known: stop.known, connected: link.connected,
+                                   fleetTopic: bus ? bus.fleetTopic : "" }, { hms, since });
+  const latches = Object.fromEntries(CHANNELS.map((ch) => [ch, { ...stop.latches[ch] }]));
+  return { ...b, active: activeChannels(stop.latches), latches };
+}
+
+// The header's stop line: the stop's state (since when, by whom, why; which latch), the answers of the online
+// nodes, and the release button while the site's stop is active.
 function renderStop() {
   stop.dirty = false;
   const b = $("#stop-state");
-  const s = stop.state;
-  let kind, text;
-  if (!stop.known && !s) { kind = "unknown"; text = link.connected ? "bus stop: reading…" : "bus stop: not known"; }
-  else if (!s) { kind = "none"; text = "no bus stop"; }
-  else if (stop.bad) { kind = "active"; text = `BUS STOP: unreadable stop message (${stop.bad}): held as active by every node`; }
-  else if (s.active) {
-    kind = "active";
-    text = `BUS STOP ACTIVE since ${hms(s.ts * 1000)} (${since(s.ts * 1000)}) by ${s.source}${s.reason ? `: ${s.reason}` : ""}`;
-  } else { kind = "released"; text = `no bus stop · released ${hms(s.ts * 1000)} by ${s.source}${s.reason ? `: ${s.reason}` : ""}`; }
-  const stale = !link.connected || (stop.gen < link.gen && !stop.known);
-  if (stale && kind !== "unknown") text += ` · stale since ${hms(link.lostAt || Date.now())}`;
-  b.dataset.state = kind;
+  const v = stopView();
+  let text = v.text;
+  const stale = !link.connected || (!stop.known && CHANNELS.some((ch) => stop.latches[ch].state && stop.latches[ch].gen < link.gen));
+  if (stale && v.kind !== "unknown") text += ` · stale since ${hms(link.lostAt || Date.now())}`;
+  b.dataset.state = v.kind;
+  b.dataset.channel = v.channel;
   b.dataset.stale = String(stale);
-  b.className = `badge ${stale ? "stale" : { active: "stopped", none: "ok", released: "ok", unknown: "off" }[kind]}`;
+  b.className = `badge ${stale ? "stale" : { active: "stopped", none: "ok", released: "ok", unknown: "off" }[v.kind]}`;
   setText(b, text);
-  $("#release-button").hidden = kind !== "active";
+  $("#release-button").hidden = !v.release;
+  const note = $("#stop-note");
+  note.hidden = !v.note;
+  setText(note, v.note);
   const answers = $("#stop-answers");
-  if (s && s.active) {
+  if (v.active.length) {
     const online = [...nodes.values()].filter((n) => n.online);
     const answered = online.filter((n) => stopCurrent(n.stopAnswer));
     const settled = answered.filter((n) => n.stopAnswer.devices.every((d) => !d.pending && !d.error));
@@ -1056,7 +1067,10 @@ function showPerf(now) {
 function onSession() { link.gen++; stop.known = false; stop.dirty = true; } // CONNACK: what arrives from here on is current
 // The session's retained messages are all in: a stop not heard again in this session is gone from the broker.
 function onSynced() {
-  if (stop.gen < link.gen && stop.state) onStop(new Uint8Array(0));
+  for (const ch of CHANNELS) {
+    const l = stop.latches[ch];
+    if (l.gen < link.gen && l.state) onStop(ch, new Uint8Array(0));
+  }
   stop.known = true;
   markAllDirty();
 }
@@ -1102,7 +1116,8 @@ function resetModel() {
   }
   nodes.clear();
   $("#no-nodes").hidden = false;
-  Object.assign(stop, { state: null, known: false, gen: -1, bad: "", dirty: true });
+  stop.latches = { [SITE]: newLatch(), [FLEET]: newLatch() };
+  Object.assign(stop, { known: false, dirty: true });
 }
 
 // The broker the server gives the page: its websockets URL setting, else its relay, else the broker's own
@@ -1147,7 +1162,8 @@ async function main() {
   contract = new Contract(doc);
   document.title = cfg.title || "robobus";
   bus = new Bus({ onMessage, onState: setConn, onSession, onSynced,
-                  stopTopic: contract.stop ? contract.stop.topic : "_stop" });
+                  stopTopic: contract.stop ? contract.stop.topic : "_stop",
+                  fleetStopTopic: contract.stop ? contract.stop.fleetTopic : null });
   setupStop();
   const form = $("#connect");
   let saved = {};

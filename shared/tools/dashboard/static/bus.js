@@ -28,13 +28,16 @@ export class Bus {
   // the retained messages of the session's subscriptions have all been delivered (a message the page sent to
   // itself after the SUBACK came back: the broker queues a subscription's retained messages while it handles
   // the SUBSCRIBE and delivers one connection's QoS 1 messages in order, as shared/stop.py's nodes rely on);
-  // stopTopic: the bus stop's topic name under the root (the document's `stop` channel)
-  constructor({ onMessage, onState, onSession = () => {}, onSynced = () => {}, stopTopic = "_stop" }) {
+  // stopTopic: the bus stop's topic name under the root (the document's `stop` channel); fleetStopTopic: the fleet
+  // centre's latch (`stopFleet`, read only: the site's bridge writes it), null when the document has none
+  constructor({ onMessage, onState, onSession = () => {}, onSynced = () => {}, stopTopic = "_stop",
+                fleetStopTopic = null }) {
     this.onMessage = onMessage;
     this.onState = onState;
     this.onSession = onSession;
     this.onSynced = onSynced;
     this.stopName = stopTopic;
+    this.fleetStopName = fleetStopTopic;
     this.client = null;
     this.pending = new Map(); // correlation hex -> {resolve, timer}
     this.clientId = `robobus-dash-${randomId(4)}`;
@@ -58,6 +61,7 @@ export class Bus {
     this.watched.clear();
     this.root = root;
     this.stopTopic = `${root}/${this.stopName}`;
+    this.fleetTopic = this.fleetStopName ? `${root}/${this.fleetStopName}` : "";
     // a broker that binds client ids to users (deploy/mosquitto/robobus_auth.c) accepts <user>-... only
     if (username && !this.clientId.startsWith(`${username}-`)) this.clientId = `${username}-${this.clientId}`;
     this.replyTopic = `${root}/_client/${this.clientId}/reply`;
@@ -76,6 +80,7 @@ export class Bus {
       const subs = { [`${root}/+/status`]: { qos: 1 }, [`${root}/+/+/health`]: { qos: 1 },
                      [`${root}/+/_node/state/#`]: { qos: 0 }, [`${root}/+/+/event/#`]: { qos: 1 },
                      [this.replyTopic]: { qos: 1 }, [this.stopTopic]: { qos: 1 } };
+      if (this.fleetTopic) subs[this.fleetTopic] = { qos: 1 };
       for (const filter of this.watched) subs[filter] = { qos: 0 };
       client.subscribe(subs, (err) => {
         if (err) { this.onState("error", `subscribe failed: ${err.message}`); return; }

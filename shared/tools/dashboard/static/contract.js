@@ -5,10 +5,12 @@
 // (shared/tools/asyncapi.py); the service is the id with `_<kind>_<name>` cut off. <root> is the `{root}`
 // parameter, or the root itself in the document the server makes for its root (`site1/robobus/{node}/...`).
 
+import { stopTopics } from "./stop.js";
+
 const DEVICE_ADDRESS = /^(?:\{root\}|[^{}]+)\/\{node\}\/\{device\}\/(state|event|cmd|stream)\/([^/]+)$/;
-// The bus stop (shared/stop.py): the `stop` channel `<root>/_stop` (x-robobus kind "stop") and each node's answer,
-// the `stopAnswer` channel `<root>/{node}/_node/state/stop`.
-const STOP_ADDRESS = /^(?:\{root\}|[^{}]+)\/([^{}/]+)$/;
+// The bus stop (shared/stop.py): the `stop` channel `<root>/_stop` and the fleet centre's latch, the `stopFleet`
+// channel `<root>/_stop/fleet` (both x-robobus kind "stop": stop.js's stopTopics), and each node's answer, the
+// `stopAnswer` channel `<root>/{node}/_node/state/stop`.
 const ANSWER_ADDRESS = /^(?:\{root\}|[^{}]+)\/\{node\}\/_node\/state\/([^/]+)$/;
 const DOC_ID = "robobus:asyncapi";
 
@@ -18,14 +20,16 @@ export class Contract {
     this.schemas = doc.components.schemas;
     this.services = new Map();
     const messages = doc.components.messages;
-    this.stop = null; // {topic: name under the root, schema (StopState), answer: the state name, answerSchema}
-    const stopCh = Object.values(doc.channels).find((ch) => ch["x-robobus"] && ch["x-robobus"].kind === "stop");
-    const stopM = stopCh && stopCh.address && STOP_ADDRESS.exec(stopCh.address);
-    if (stopM) {
+    // {topic, fleetTopic: names under the root, schema (StopState), answer: the state name, answerSchema}
+    this.stop = null;
+    const topics = stopTopics(doc);
+    const stopCh = topics && Object.values(doc.channels).find((ch) => ch["x-robobus"] && ch["x-robobus"].kind === "stop" &&
+      ch.address.endsWith(`/${topics.topic}`));
+    if (stopCh) {
       const payload = (ch) => messages[Object.values(ch.messages)[0].$ref.split("/").pop()].payload;
       const answerCh = Object.values(doc.channels).find((ch) => ch.address && ANSWER_ADDRESS.test(ch.address) &&
         Object.values(ch.messages).some((m) => m.$ref.endsWith("/StopAnswer")));
-      this.stop = { topic: stopM[1], schema: payload(stopCh),
+      this.stop = { topic: topics.topic, fleetTopic: topics.fleetTopic, schema: payload(stopCh),
                     answer: answerCh ? ANSWER_ADDRESS.exec(answerCh.address)[1] : "stop",
                     answerSchema: answerCh ? payload(answerCh) : null };
     }
