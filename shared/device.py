@@ -93,15 +93,18 @@ def runs(spec: JobSpec, *, admit: str | None = None) -> Callable[[F], F]:
 
 
 def bindings_of(obj: object) -> list[tuple[Binding, Handler]]:
-    """The marked methods of `obj` (its class's, the most derived definition of each name), bound to it."""
+    """The marked methods of `obj`, bound to it. A method's marks are those of its most derived definition that has
+    any: an unmarked override in a subclass answers what the method it overrides was marked for."""
     found: list[tuple[Binding, Handler]] = []
     for attr in dir(type(obj)):
-        fn = inspect.getattr_static(obj, attr, None)
-        if isinstance(fn, (staticmethod, classmethod)):
-            fn = fn.__func__
-        marks: tuple[Binding, ...] = getattr(fn, BINDINGS_ATTR, ()) if callable(fn) else ()
-        for binding in marks:
-            found.append((binding, getattr(obj, attr)))
+        for cls in type(obj).__mro__:
+            fn = cls.__dict__.get(attr)
+            if isinstance(fn, (staticmethod, classmethod)):
+                fn = fn.__func__
+            marks: tuple[Binding, ...] = getattr(fn, BINDINGS_ATTR, ()) if callable(fn) else ()
+            if marks:
+                found.extend((binding, getattr(obj, attr)) for binding in marks)
+                break
     return found
 
 

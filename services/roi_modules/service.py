@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 from services.roi_modules import protocol as p
 from services.roi_modules.api import (
@@ -84,6 +86,7 @@ from services.roi_modules.transport import (
     background_traffic,
 )
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
+from shared.device import handles, runs
 from shared.lifecycle import Hooks
 from shared.link import LinkPolicy, LinkState
 from shared.stop_pass import StopPass
@@ -96,6 +99,19 @@ KIND_TYPES = {"gpio": p.ModuleType.GENERAL_GPIO, "odrive": p.ModuleType.O_DRIVE,
 
 def _unavailable(exc: RequestLost, what: str) -> CommandError:
     return CommandError(ErrorCode.UNAVAILABLE, f"{what}: {exc}")
+
+
+H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
+
+
+def typed(handler: H) -> H:
+    """A command that sends general packets: refused (device_error) while a module of another type answers at the
+    octet, before anything is computed or sent. Under `@handles`."""
+    @functools.wraps(handler)
+    async def guarded(self: RoiModule, req: Any) -> Any:
+        self.check_kind()
+        return await handler(self, req)
+    return cast(H, guarded)
 
 
 class RoiModule:
@@ -127,7 +143,8 @@ class RoiModule:
         self.was_live = False
         self.gaps_seen = 0  # resent + lost requests seen by the maintain loop
         self.show_details()
-        self._bind_common()
+        # every handler marked below and in the subclass (@handles, @runs): api.py's kind of this module
+        self.dev.bind_all(self)
 
     # -- health (§4.2, on the kit's link supervisor) -----------------------------------------------------------
     @property
@@ -473,22 +490,6 @@ class RoiModule:
             self.node.stop_latch.done(self.dev, gen)
 
     # -- commands common to every module ---------------------------------------------------------------------
-    def bind_typed(self, spec: Any, handler: Any) -> None:
-        """Bind a command that sends general packets: refused (device_error) while a module of another type
-        answers at the octet, before anything is computed or sent."""
-        async def guarded(req: Any) -> Any:
-            self.check_kind()
-            return await handler(req)
-        self.dev.bind(spec, guarded)
-
-    def _bind_common(self) -> None:
-        d = self.dev
-        self.bind_typed(QUEUE_GENERAL, self.cmd_queue_general)
-        d.bind(QUEUE_SYSADMIN, self.cmd_queue_sysadmin)
-        d.bind(PING, self.cmd_ping)
-        d.bind(STATUS_REPORT, self.cmd_status_report)
-        d.bind(BLACKLIST, self.cmd_blacklist)
-
     def raw_motion(self, pkt: p.GeneralPacket) -> str:
         """Why a raw general packet is refused (it can move the module), or "" when it may go."""
         return ""
@@ -496,6 +497,8 @@ class RoiModule:
     def on_raw_reply(self, pkt: p.GeneralPacket, rep: p.GeneralPacket) -> None:
         """Keep the cache and the published state in step with a raw packet the module accepted."""
 
+    @handles(QUEUE_GENERAL)
+    @typed
     async def cmd_queue_general(self, req: RoiQueueGeneral) -> RoiRawReply:
         pkt = p.GeneralPacket(req.sub_device_id, req.action, bytes.fromhex(req.payload_hex))
         why = self.raw_motion(pkt)
@@ -515,6 +518,7 @@ class RoiModule:
         return RoiRawReply(replied=True, action=rep.action, sub_device_id=rep.sub_device_id,
                            payload_hex=rep.payload.hex())
 
+    @handles(QUEUE_SYSADMIN)
     async def cmd_queue_sysadmin(self, req: RoiQueueSysAdmin) -> RoiRawReply:
         origin = self.svc.settings.roi_host_octet if req.origin is None else req.origin
         pkt = p.SysAdminPacket(req.action, bytes.fromhex(req.payload_hex), req.meta, origin)
@@ -528,6 +532,7 @@ class RoiModule:
         return RoiRawReply(replied=True, action=rep.action, meta=rep.meta, origin=rep.origin,
                            payload_hex=rep.payload.hex())
 
+    @handles(PING)
     async def cmd_ping(self, req: RoiEmpty) -> RoiPong:
         t0 = time.perf_counter()
         try:
@@ -540,6 +545,7 @@ class RoiModule:
                        module_type_name=p.module_type_name(pong.module_type),
                        rtt_ms=round((time.perf_counter() - t0) * 1000, 3))
 
+    @handles(STATUS_REPORT)
     async def cmd_status_report(self, req: RoiEmpty) -> RoiStatusReport:
         try:
             st = await self.fetch_status()
@@ -551,6 +557,7 @@ class RoiModule:
                                module_type_name=p.module_type_name(st.module_type), chain_neighbour=st.neighbour,
                                mac=st.mac_text)
 
+    @handles(BLACKLIST)
     async def cmd_blacklist(self, req: RoiBlacklistRequest) -> RoiBlacklistReply:
         op = {"add": p.BlacklistOp.ADD, "remove": p.BlacklistOp.REMOVE, "list": p.BlacklistOp.LIST}[req.op]
         if req.op != "list":
@@ -586,8 +593,6 @@ class GpioModule(RoiModule):
         self.outputs: dict[int, int] = {}
         self.values: list[int | None] = [None] * p.GPIO_COUNT
         self.cursor = 0
-        self.bind_typed(SET_PIN_OUTPUT, self.cmd_set_pin_output)
-        self.bind_typed(SET_PIN_MODE, self.cmd_set_pin_mode)
         if cfg.stop_outputs:  # a motion device: the bus stop sets these pins (other pins are left as they are)
             self.dev.on_stop(svc.stop_pass.action(self.dev.name), inline=True)  # RoiService.stop_pass
 
@@ -665,6 +670,8 @@ class GpioModule(RoiModule):
             await self.set_ok(p.GeneralPacket(pin, p.GpioAction.SET_OUTPUT, bytes([value])), f"SET_OUTPUT {pin}")
         self.publish_modes()
 
+    @handles(SET_PIN_MODE)
+    @typed
     async def cmd_set_pin_mode(self, req: RoiSetPinMode) -> RoiAck:
         mode = PIN_MODE_CODES[req.mode]
         gen = self.stop_pin_gate(req.pin)
@@ -678,6 +685,8 @@ class GpioModule(RoiModule):
         self.publish_modes()
         return RoiAck(accepted=True, detail=f"pin {req.pin} is {req.mode}")
 
+    @handles(SET_PIN_OUTPUT)
+    @typed
     async def cmd_set_pin_output(self, req: RoiSetPinOutput) -> RoiAck:
         if self.modes[req.pin] not in (0, p.PinMode.OUTPUT):
             raise CommandError(ErrorCode.INVALID_REQUEST, f"pin {req.pin} is {PIN_MODE_NAMES[self.modes[req.pin]]}; "
@@ -699,11 +708,6 @@ class MotionModule(RoiModule, ABC):
         super().__init__(svc, cfg)
         self.position: float | None = None
         self.velocity = 0.0
-        self.bind_typed(GOTO_POSITION, self.cmd_goto)
-        self.bind_typed(GOTO_RELATIVE, self.cmd_goto_relative)
-        self.bind_typed(SET_VELOCITY, self.cmd_set_velocity)
-        self.dev.bind_job(GO_TO_POSITION, self.job_absolute, self.admit_job)
-        self.dev.bind_job(GO_TO_RELATIVE, self.job_relative, self.admit_job)
         self.dev.on_stop(svc.stop_pass.action(self.dev.name), inline=True)  # RoiService.stop_pass
 
     @property
@@ -728,10 +732,14 @@ class MotionModule(RoiModule, ABC):
             raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name}: no current position (module not answering)")
         return self.position
 
+    @handles(GOTO_POSITION)
+    @typed
     async def cmd_goto(self, req: RoiGotoPosition) -> RoiAck:
         await self.goto(req.position, req)
         return RoiAck(accepted=True, detail=f"target {req.position} {self.unit}")
 
+    @handles(GOTO_RELATIVE)
+    @typed
     async def cmd_goto_relative(self, req: RoiGotoPosition) -> RoiAck:
         target = self.current_position() + req.position
         await self.goto(target, req)
@@ -744,9 +752,11 @@ class MotionModule(RoiModule, ABC):
         if not self.live:
             raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name} is not connected ({self.link.state.value})")
 
+    @runs(GO_TO_POSITION, admit="admit_job")
     async def job_absolute(self, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
         return await self.move(req.position, req, job)
 
+    @runs(GO_TO_RELATIVE, admit="admit_job")
     async def job_relative(self, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
         return await self.move(self.current_position() + req.position, req, job)
 
@@ -800,8 +810,6 @@ class OdriveModule(MotionModule):
         if cfg.initial_mode is not None:  # settings: pushed when the module is blank, like a cache
             cm, im = p.COMMAND_MODES[cfg.initial_mode]
             self.cache.update({"control_mode": cm, "input_mode": im, cfg.initial_mode: 0.0})
-        self.bind_typed(SET_TORQUE, self.cmd_set_torque)
-        self.bind_typed(CLEAR_ERRORS, self.cmd_clear_errors)
 
     def blank_advice(self) -> str:
         return ("An ODrive module is configured by any set command (set_velocity, set_torque, goto_position): "
@@ -896,6 +904,8 @@ class OdriveModule(MotionModule):
         # would be applied twice (the protocol has no sequence number)
         await self.set_value("position", p.OdriveAction.SET_POSITION, target)
 
+    @handles(SET_VELOCITY)
+    @typed
     async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
         self.check_limits(req.velocity, req.torque_feedforward)
         await self.modes("velocity")
@@ -904,6 +914,8 @@ class OdriveModule(MotionModule):
         await self.set_value("velocity", p.OdriveAction.SET_VELOCITY, req.velocity)
         return RoiAck(accepted=True, detail=f"velocity {req.velocity} rev/s")
 
+    @handles(SET_TORQUE)
+    @typed
     async def cmd_set_torque(self, req: RoiSetTorque) -> RoiAck:
         self.check_limits(torque=req.torque)
         await self.modes("torque")
@@ -911,6 +923,8 @@ class OdriveModule(MotionModule):
         self.torque_sp = req.torque
         return RoiAck(accepted=True, detail=f"torque {req.torque} Nm")
 
+    @handles(CLEAR_ERRORS)
+    @typed
     async def cmd_clear_errors(self, req: RoiEmpty) -> RoiAck:
         await self.set_ok(p.odrive_request(p.OdriveAction.CLEAR_ERRORS), "CLEAR_ERRORS")
         # the module state (2/4) would otherwise stay in health until the next STATUS_REPORT (up to 12.8 s)
@@ -1084,6 +1098,8 @@ class ActuatorModule(MotionModule):
         self.speed = pct_s
         self.speed_set = True
 
+    @handles(SET_VELOCITY)
+    @typed
     async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
         if req.torque_feedforward:
             raise CommandError(ErrorCode.INVALID_REQUEST, "an actuator takes no torque_feedforward")

@@ -259,3 +259,18 @@ def test_kinds_are_checked_when_declared_and_when_a_device_is_made() -> None:
     node.device("d", kind="k")
     with pytest.raises(ValueError, match="of kind 'k', not 'j'"):
         node.device("d", kind="j")
+
+
+def test_an_override_answers_what_the_method_it_overrides_was_marked_for() -> None:
+    class Base(Full):
+        pass
+
+    class Override(Base):
+        def add(self, req: Num) -> Num:  # unmarked: still the handler of `add`, this body
+            return Num(n=req.n + 100)
+
+    dev = _node().device("a", kind=FULL.name)
+    obj = Override()
+    dev.bind_all(obj)
+    assert dev.commands["add"][1] == obj.add and dev.commands["add"][1](Num(n=1)) == Num(n=101)
+    assert dev.unbound() == ([], [])
