@@ -26,11 +26,13 @@ State sensors tell the truth (shared/tools/dashboard/README.md, "Home Assistant 
 Health entities read the node's retained health directly: they are available while the node is online, whether
 the discovery process runs or not.
 
-The bus-wide software stop of the topic root (shared/stop.py; not a hardware emergency stop) gets two entities of
-its own, on a device "robobus <root>": a `button` that sets the stop (Home Assistant publishes a StopState, retained,
-on `{root}/_stop`; its MQTT user must be allowed to write there: the operator role of deploy/make_secrets.py's ACL)
-and a `binary_sensor` that reads the retained stop (on while it is active). There is no release button: a release
-is `robobus stop --release`.
+The bus-wide software stop of the topic root (shared/stop.py; not a hardware emergency stop) gets three entities of
+its own, on a device "robobus <root>": a `button` that sets the site's stop (Home Assistant publishes a StopState,
+retained, on `{root}/_stop`; its MQTT user must be allowed to write there: the operator role of
+deploy/make_secrets.py's ACL), a `binary_sensor` that reads the site's retained stop, and one that reads the fleet
+centre's, `{root}/_stop/fleet` (each on while its latch is active; the nodes are stopped while either is). The
+button acts on the site's latch only: the fleet's is set and released at the fleet's centre. There is no release
+button: a release is `robobus stop --release` (the site's latch too).
 
 A device gone for good has its configs (and its republished states) removed the way Home Assistant's discovery
 asks: an empty retained payload on each topic (Home Assistant deletes the entity, the broker the retained
@@ -272,12 +274,15 @@ STOP_REASON = "stop button in Home Assistant"
 
 
 def stop_entities(root: str, prefix: str, version: str) -> list[Entity]:
-    """The bus stop's discovery configs for one topic root: a `button` that sets the stop (Home Assistant renders
-    `command_template` into a StopState with the press time, published retained at QoS 1 on `{root}/_stop`) and a
-    `binary_sensor` on the retained stop (ON while active; OFF when released or when no stop was ever set)."""
-    from shared.stop import stop_topic
+    """The bus stop's discovery configs for one topic root: a `button` that sets the site's stop (Home Assistant
+    renders `command_template` into a StopState with the press time, published retained at QoS 1 on `{root}/_stop`),
+    a `binary_sensor` on the site's retained stop and one on the fleet centre's, `{root}/_stop/fleet` (each ON while
+    its latch is active; OFF when released or when no stop was ever set). The nodes obey both latches; the button
+    writes only the site's (a release lifts only its own latch: shared/stop.py)."""
+    from shared.stop import fleet_stop_topic, stop_topic
 
     topic = stop_topic(root)
+    fleet = fleet_stop_topic(root)
     node_id = _slug(f"robobus_{root}__stop")
     ident = _slug(f"robobus_{root}__bus")
     common = {
@@ -291,13 +296,22 @@ def stop_entities(root: str, prefix: str, version: str) -> list[Entity]:
     button = {"name": "stop everything", "unique_id": f"{ident}_stop_button", "command_topic": topic,
               "command_template": press, "payload_press": "PRESS", "retain": True, "qos": 1,
               "icon": "mdi:octagon", **common}
-    sensor = {"name": "bus stop", "unique_id": f"{ident}_stop_state", "state_topic": topic, "qos": 1,
-              "value_template": "{{ 'ON' if value_json is defined and value_json.active else 'OFF' }}",
-              "json_attributes_topic": topic,
-              "json_attributes_template": "{{ value_json | tojson if value_json is defined else '{}' }}",
-              "icon": "mdi:octagon", **common}
+
+    def sensor(name: str, uid: str, state_topic: str) -> dict[str, Any]:
+        # read as the nodes read it: no message (empty) is no stop; a message that is not a StopState with a false
+        # `active` (not JSON, no `active`) is held as an active stop
+        return {"name": name, "unique_id": f"{ident}_{uid}", "state_topic": state_topic, "qos": 1,
+                "value_template": "{{ 'OFF' if value == '' else ('ON' if value_json is not defined or "
+                                  "value_json.active is not defined or value_json.active else 'OFF') }}",
+                "json_attributes_topic": state_topic,
+                "json_attributes_template": "{{ value_json | tojson if value_json is defined else '{}' }}",
+                "icon": "mdi:octagon", **common}
+
     return [Entity("button", f"{prefix}/button/{node_id}/stop/config", button),
-            Entity("binary_sensor", f"{prefix}/binary_sensor/{node_id}/stop/config", sensor)]
+            Entity("binary_sensor", f"{prefix}/binary_sensor/{node_id}/stop/config",
+                   sensor("bus stop", "stop_state", topic)),
+            Entity("binary_sensor", f"{prefix}/binary_sensor/{node_id}/fleet_stop/config",
+                   sensor("fleet bus stop", "fleet_stop_state", fleet))]
 
 
 def device_entities(root: str, prefix: str, node: str, device: str, health: dict[str, Any],
