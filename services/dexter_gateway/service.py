@@ -87,6 +87,7 @@ from services.dexter_gateway.transport import (
     PendingExchange,
 )
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
+from shared.device import handles, runs
 from shared.dispatch import Deferred
 from shared.lifecycle import Hooks
 from shared.messages import StopState
@@ -252,7 +253,7 @@ class DexterArm:
         self._threads: list[threading.Thread] = []
         self._fault = ""  # what the arm's health reports as its fault (`_apply_fault`)
         self._fault_lock = threading.Lock()  # replies arrive on several threads
-        self._bind()
+        self.dev.bind_all(self)  # the handlers marked below (@handles, @runs)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -470,35 +471,24 @@ class DexterArm:
         return [j6] if j7_deg is None else [j6, round(j7_deg / per)]
 
     # -- commands --------------------------------------------------------------------------------------
-    def _bind(self) -> None:
-        d = self.dev
-        # inline: one `command` and nothing after it. Not inline: `z` sleeps and `w` drains the motion FIFO by
-        # design (they would always wait the bound), status_mode and raw change state around their `send`
-        inline = self._inline_wait_s > 0
-        d.bind(MOVE_ALL, self.cmd_move_all, inline=inline)
-        d.bind(MOVE_REL, self.cmd_move_relative, inline=inline)
-        d.bind(PID_MOVE, self.cmd_pid_move, inline=inline)
-        d.bind(MOVE_TO, self.cmd_move_to, inline=inline)
-        d.bind(MOVE_STRAIGHT, self.cmd_move_to_straight, inline=inline)
-        d.bind(SET_PARAM, self.cmd_set_parameter, inline=inline)
-        d.bind(SET_BOUNDS, self.cmd_set_boundaries, inline=inline)
-        d.bind(SLEEP, self.cmd_sleep)
-        d.bind(HEARTBEAT, self.cmd_heartbeat, inline=inline)
-        d.bind(WRITE_FPGA, self.cmd_write_fpga)
-        d.bind(STATUS_MODE, self.cmd_status_mode)
-        d.bind(RAW, self.cmd_raw)
-        d.bind_job(WAIT_MOTION, self.job_wait_motion)
-        d.bind_job(READ_FILE, self.job_read_file, self.admit_read)
-        d.bind_job(WRITE_FILE, self.job_write_file, self.admit_write)
-        d.bind_job(RUN_FILE, self.job_run_file, self.admit_run_file)
+    @property
+    def inline_commands(self) -> bool:
+        """Whether the commands marked `inline="inline_commands"` run on the MQTT network thread: when a reply wait
+        is configured (command_handoff_ms > 0), as they are one `command` and nothing after it. Not inline: `z`
+        sleeps and `w` drains the motion FIFO by design (they would always wait the bound), status_mode and raw
+        change state around their `send`."""
+        return self._inline_wait_s > 0
 
+    @handles(MOVE_ALL, inline="inline_commands")
     def cmd_move_all(self, req: DexterMoveAllJoints) -> Serialized:
         args = [p.arcsec(a) for a in req.joints_deg] + self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("a", args)
 
+    @handles(MOVE_REL, inline="inline_commands")
     def cmd_move_relative(self, req: DexterMoveRelative) -> Serialized:
         return self.command("R", [p.arcsec(a) for a in req.joints_deg])
 
+    @handles(PID_MOVE, inline="inline_commands")
     def cmd_pid_move(self, req: DexterPidMove) -> Serialized:
         args = [p.arcsec(a) for a in req.offsets_deg] + self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("P", args)
@@ -509,9 +499,11 @@ class DexterArm:
         c = req.config
         return [*xyz, *req.direction, int(c.right_arm), int(c.elbow_up), int(c.wrist_out)]
 
+    @handles(MOVE_TO, inline="inline_commands")
     def cmd_move_to(self, req: DexterMoveTo) -> Serialized:
         return self.command("M", self._cartesian(req))
 
+    @handles(MOVE_STRAIGHT, inline="inline_commands")
     def cmd_move_to_straight(self, req: DexterMoveToStraight) -> Serialized:
         args = self._cartesian(req)
         extras: list[Any] = [x for x in (req.tool_speed_um_s, req.resolution_um) if x is not None]
@@ -519,6 +511,7 @@ class DexterArm:
             extras += self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("T", args + extras)
 
+    @handles(SET_PARAM, inline="inline_commands")
     def cmd_set_parameter(self, req: DexterSetParameter) -> Serialized:
         try:
             name = p.resolve_param(req.name)
@@ -539,21 +532,26 @@ class DexterArm:
         self._admit_motion("S", [name])
         return self.command("S", [req.name if req.name.isdigit() else name, *wire])
 
+    @handles(SET_BOUNDS, inline="inline_commands")
     def cmd_set_boundaries(self, req: DexterSetBoundaries) -> Serialized:
         args: list[int] = []
         for hi, lo in zip(req.high_deg, req.low_deg, strict=True):
             args += [p.arcsec(hi), p.arcsec(lo)]
         return self.command("B", args)
 
+    @handles(SLEEP)
     def cmd_sleep(self, req: DexterSleep) -> DexterCommandReply:
         return self.send("z", [round(req.seconds * 1e6)])
 
+    @handles(HEARTBEAT, inline="inline_commands")
     def cmd_heartbeat(self, req: DexterEmpty) -> Serialized:
         return self.command("h")
 
+    @handles(WRITE_FPGA)
     def cmd_write_fpga(self, req: DexterWriteFpga) -> DexterCommandReply:
         return self.send("w", [req.address, req.value])
 
+    @handles(STATUS_MODE)
     def cmd_status_mode(self, req: DexterStatusModeRequest) -> DexterCommandReply:
         if self.firmware is Firmware.STABLE:
             raise CommandError(ErrorCode.INVALID_REQUEST,
@@ -579,6 +577,7 @@ class DexterArm:
             raise CommandError(ErrorCode.INVALID_REQUEST, "the stable DexRun hands only the first word of a shell "
                                "command to the shell")
 
+    @handles(RAW)
     def cmd_raw(self, req: DexterRawCommand) -> DexterCommandReply:
         try:
             oplet, args = p.parse_command_line(req.command)
@@ -667,6 +666,7 @@ class DexterArm:
     def admit_run_file(self, req: DexterRunFile) -> None:
         self._prepare("S", ("RunFile", req.path))
 
+    @runs(WAIT_MOTION)
     def job_wait_motion(self, req: DexterWaitMotionDone, job: JobContext) -> DexterMotionDone:
         """`F` blocks the link until the FIFO drains: it runs on a helper thread so that a cancel ends the
         job at once (the `F` itself completes on the robot; its reply is read and dropped)."""
@@ -718,6 +718,7 @@ class DexterArm:
         e = p.decode_error(errno, errno_reply=True)
         return CommandError(ERRNO_CODES.get(e.code, ErrorCode.DEVICE_ERROR), f"{what}: {e.message}")
 
+    @runs(READ_FILE, admit="admit_read")
     def job_read_file(self, req: DexterReadFile, job: JobContext) -> DexterFileContent:
         def run() -> DexterFileContent:
             with self._transfer(job) as hold:
@@ -788,6 +789,7 @@ class DexterArm:
                 self._on_decode_error(str(exc))
         return out
 
+    @runs(WRITE_FILE, admit="admit_write")
     def job_write_file(self, req: DexterWriteFile, job: JobContext) -> DexterFileWritten:
         try:
             return self._transfers.submit(self._write_file, req, job).result()
@@ -846,6 +848,7 @@ class DexterArm:
                                f"from the {len(data)} written (DexRun does not report write errors)")
         return DexterFileWritten(path=req.path, bytes=len(data), blocks=len(seq) - 1, verified=verified)
 
+    @runs(RUN_FILE, admit="admit_run_file")
     def job_run_file(self, req: DexterRunFile, job: JobContext) -> DexterRunFileResult:
         job.progress("running", force=True)
         rep = self.send("S", ["RunFile", req.path], errno_reply=True, fail_on_error=False, job=job)
