@@ -1,6 +1,6 @@
 """`robobus`: look at the bus and talk to it from a terminal.
 
-    robobus status                       every node and device, from retained status and health
+    robobus status                       every node and device (retained status and health); the bus stop's latches
     robobus call NODE/DEVICE CMD '{..}'  any command; jobs show a progress bar until their result
     robobus watch 'robobus/#'            live messages
     robobus stop [--reason R]            the bus-wide software stop (not a hardware e-stop); --release lifts it
