@@ -300,8 +300,8 @@ def serial_main(a: argparse.Namespace) -> None:
         broker = Broker(free_port(), Path(tmp))
         broker.start()
         sim = subprocess.Popen(
-            [sys.executable, "-m", "services.epuck_gateway.sim_serial", "--count", str(a.serial), "--stamp",
-             "--link", f"{tmp}/tty"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [sys.executable, "-m", "services.epuck_gateway.sim", "--count", "0", "--serial-count", str(a.serial),
+             "--stamp", "--serial-link", f"{tmp}/tty"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         gw: subprocess.Popen[bytes] | None = None
         sub = MqttSession(KitSettings(mqtt_url=broker.url), unique_client_id("bench-epuck-serial"))
         rec = Recorder()

@@ -6,7 +6,7 @@ private broker and free ports. Each simulator stamps the first stop bytes it rec
 (docs/kit.md "Stopping everything"; the simulators' stop watches):
 
 - e-pucks: the first command that sets both wheel speeds to 0, stamped with the kernel's arrival time of its bytes
-  (one simulator loop serves all 20 robots) (services/epuck_gateway/sim.py, SIGUSR2 arms);
+  (one simulator loop serves all 20 robots) (services/epuck_gateway/sim/, SIGUSR2 arms);
 - ROI modules: the first stop datagram (ODrive SET_VELOCITY 0, actuator length setter, GPIO SET_OUTPUT; every
   GPIO module has a `stop_outputs` pin here), stamped with the kernel's time of its arrival at the module's socket
   (one simulator thread serves all 51 modules: when it got round to reading each one is its own delay)

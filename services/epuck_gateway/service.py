@@ -37,17 +37,10 @@ from services.epuck_gateway.api import (
     SOUND,
     STREAM,
 )
-from services.epuck_gateway.asercom import ascii_command
-from services.epuck_gateway.firmware import (
-    BadFirmware,
-    FirmwareError,
-    FlashTimeout,
-    ProgrammerBusy,
-    ProgrammerNotFound,
-    flash_firmware,
-    parse_elf,
-)
 from services.epuck_gateway.image import to_jpeg, to_png
+from services.epuck_gateway.links.base import link_policy
+from services.epuck_gateway.links.serial import EpuckSerialConfig, EpuckSerialLink, LineDropped
+from services.epuck_gateway.links.wifi import EpuckLink, EpuckLinkConfig
 from services.epuck_gateway.models import (
     EpuckActuators,
     EpuckAsciiReply,
@@ -71,7 +64,17 @@ from services.epuck_gateway.models import (
     EpuckStream,
 )
 from services.epuck_gateway.pacing import RateGate
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.protocols.asercom import ascii_command
+from services.epuck_gateway.protocols.firmware import (
+    BadFirmware,
+    FirmwareError,
+    FlashTimeout,
+    ProgrammerBusy,
+    ProgrammerNotFound,
+    flash_firmware,
+    parse_elf,
+)
+from services.epuck_gateway.protocols.wifi import (
     LED_BITS,
     LED_BODY,
     MIC_NAMES,
@@ -93,9 +96,7 @@ from services.epuck_gateway.protocol import (
     finite,
     gyro_to_dps,
 )
-from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink, LineDropped
 from services.epuck_gateway.settings import EpuckSerialRobot, EpuckSettings, EpuckWifiRobot
-from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig, link_policy
 from shared import CommandError, ErrorCode, JobContext, Node
 from shared.lifecycle import Hooks
 from shared.stop_pass import StopPass
@@ -119,7 +120,7 @@ class EpuckRobot:
         self._snapshot_holds = 0
         self._apply_stream()
         # The kit's link supervisor drives the health (docs/kit.md "Health"); the links report to it and set
-        # its budget from what the robot was asked to send (liveness.py).
+        # its budget from what the robot was asked to send (links/liveness.py).
         self.sup = self.dev.supervise_link(link_policy(settings.epuck_stale_timeout_s, settings.epuck_reconnect_min_s,
                                                        settings.epuck_reconnect_max_s, settings.epuck_probe_period_s))
         self.sup.device_state("streaming")
@@ -383,7 +384,7 @@ class EpuckRobot:
         """The robot's part of the gateway's stop pass (EpuckGateway.stop_pass, on the loop beside its link):
         speeds 0, the on-board obstacle avoidance off (it drives the wheels itself), pending one-shots dropped,
         the deadman disarmed (nothing left to stop), and the whole state written at once, past the image and the
-        queue limits (transport.py and serial_link.py `write_stop`). Returns the time the stop left, or None
+        queue limits (links/wifi.py and links/serial.py `write_stop`). Returns the time the stop left, or None
         when the link is down: then the next connection's first command (speeds 0 always) is the stop,
         reported when it leaves (`_stop_reached`)."""
         self._cancel_motion_timer()

@@ -185,7 +185,8 @@ class SimStack:
         # The same commands and settings as deploy/Procfile.sim (ports and the ROI network chosen free).
         self.spawn("ethercat-loop", ["-m", "services.ethercat_loop"], {"ROBOBUS_ETHERCAT_BACKEND": "model"})
         self.spawn("epuck-sim", ["-m", "services.epuck_gateway.sim", "--count", "2", "--base-port", str(base)])
-        self.spawn("epuck-serial-sim", ["-m", "services.epuck_gateway.sim_serial", "--count", "1", "--link", str(link)])
+        self.spawn("epuck-serial-sim", ["-m", "services.epuck_gateway.sim", "--count", "0", "--serial-count", "1",
+                                        "--serial-link", str(link)])
         assert wait_for(lambda: Path(f"{link}1").exists(), 20), self.procs["epuck-serial-sim"].text()
         self.spawn("epuck-gateway", ["-m", "services.epuck_gateway"], {"ROBOBUS_EPUCK_ROBOTS": json.dumps(robots)})
         self.spawn("can-bootloader", ["-m", "services.can_bootloader"],

@@ -12,7 +12,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 
-from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
+from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
 from shared.rpc import RpcClient
 from tests.fixtures import Broker, NodeProcess, free_port
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.epuck_gateway.asercom import (
+from services.epuck_gateway.protocols.asercom import (
     ALL_SENSORS_SIZE,
     AsercomChainParser,
     AsercomImage,
@@ -41,7 +41,7 @@ from services.epuck_gateway.asercom import (
     set_tof,
     wire_code,
 )
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.protocols.wifi import (
     SOUND_MARIO,
     EpuckCommand,
     EpuckRawSensors,

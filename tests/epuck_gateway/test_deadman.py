@@ -16,9 +16,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from services.epuck_gateway.serial_link import default_image_fps
-from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimRobot, EpuckSimThread
-from services.epuck_gateway.sim_serial import EpuckSerialSimConfig, EpuckSerialSimRobot, EpuckSerialSimThread
+from services.epuck_gateway.links.serial import default_image_fps
+from services.epuck_gateway.sim.serial import EpuckSerialSimConfig, EpuckSerialSimRobot, EpuckSerialSimThread
+from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimRobot, EpuckSimThread
 from shared.rpc import RpcClient
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until
 from tests.fixtures import Broker

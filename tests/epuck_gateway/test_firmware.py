@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from services.epuck_gateway.firmware import (
+from services.epuck_gateway.port_lock import hold_port
+from services.epuck_gateway.protocols.firmware import (
     BadFirmware,
     FirmwareError,
     FlashTimeout,
@@ -29,9 +30,8 @@ from services.epuck_gateway.firmware import (
     flash_firmware,
     parse_elf,
 )
-from services.epuck_gateway.port_lock import hold_port
-from services.epuck_gateway.sim_gdb import Faults, ProgrammerSim, RspSession, frame, gdb_crc32
-from services.epuck_gateway.sim_serial import EpuckSerialSimThread
+from services.epuck_gateway.sim.gdb import Faults, ProgrammerSim, RspSession, frame, gdb_crc32
+from services.epuck_gateway.sim.serial import EpuckSerialSimThread
 from shared.rpc import RpcClient
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until
 from tests.fixtures import Broker

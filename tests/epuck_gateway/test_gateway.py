@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from services.epuck_gateway.image import rgb565_image
-from services.epuck_gateway.protocol import SET_CALIBRATE_IR, SOUND_MARIO, SOUND_STOP, EpuckCommand
-from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
+from services.epuck_gateway.protocols.wifi import SET_CALIBRATE_IR, SOUND_MARIO, SOUND_STOP, EpuckCommand
+from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
 from shared.rpc import RpcClient
 from shared.tools.asyncapi import ContractValidator, build_document
 from tests.epuck_gateway.conftest import GATEWAY, NODE, Gateway, gateway_env, wait_until

@@ -12,9 +12,9 @@ from typing import Any
 from PIL import Image
 
 from services.epuck_gateway.image import rgb565_image
-from services.epuck_gateway.protocol import SOUND_MARIO
-from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
-from services.epuck_gateway.sim_serial import EpuckSerialSimThread
+from services.epuck_gateway.protocols.wifi import SOUND_MARIO
+from services.epuck_gateway.sim.serial import EpuckSerialSimThread
+from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
 from shared.rpc import RpcClient
 from shared.tools.asyncapi import ContractValidator, build_document
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until

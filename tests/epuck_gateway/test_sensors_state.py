@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.epuck_gateway.models import EpuckSensors
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.protocols.wifi import (
     SENSORS_SIZE,
     EpuckRawSensors,
     StepUnwrapper,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from services.epuck_gateway.links.serial import EpuckSerialConfig, EpuckSerialLink
 from services.epuck_gateway.port_lock import PortBusy, hold_port
-from services.epuck_gateway.protocol import SOUND_MARIO, EpuckController, EpuckRawSensors, Packet, SensorsPacket
-from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
-from services.epuck_gateway.sim_serial import EpuckSerialSimThread
+from services.epuck_gateway.protocols.wifi import SOUND_MARIO, EpuckController, EpuckRawSensors, Packet, SensorsPacket
+from services.epuck_gateway.sim.serial import EpuckSerialSimThread
 
 States = list[tuple[float, bool, str, str]]
 
@@ -240,5 +240,46 @@ def test_the_port_is_held_by_one_process_at_a_time(serial_sim: EpuckSerialSimThr
             assert not link2.connected
         assert await wait_for(lambda: link2.connected and states2[-1][2] == "streaming")  # reopened once free
         await link2.close()
+
+    asyncio.run(main())
+
+
+def test_a_write_that_fails_tells_its_listener_the_state_was_never_written(serial_sim: EpuckSerialSimThread) -> None:
+    # The deadman waits to hear when its stop left (`request_write(on_written)`): a chain whose write fails (the port
+    # went away under it) must tell it None (never written), as a link that goes down before the write does; the
+    # link then reopens the port. A listener that raises is logged, and the link carries on.
+    robot = serial_sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        ctl = EpuckController()
+        ctl.set_stream(image=False, sensors=True)
+        link = make_link(robot.link, ctl, states, packets)
+        link.start()
+        assert await wait_for(lambda: len(packets) >= 3)
+        told: list[float | None] = []
+
+        def refuse(data: bytes) -> int:
+            raise OSError(5, "Input/output error")
+
+        assert link._serial is not None
+        link._serial.write = refuse  # type: ignore[method-assign]
+        ctl.set_speed(0, 0)
+        assert link.request_write(told.append)
+        assert await wait_for(lambda: told == [None]), told
+        # reopened: the next listener hears the time its chain left, and one that raises does not stop the poller
+        assert await wait_for(lambda: link.connected and link.stats.connects >= 2)
+
+        def broken(ts: float | None) -> None:
+            raise RuntimeError("a listener's own bug")
+
+        ctl.set_speed(100, 100)
+        assert link.request_write(broken) and link.request_write(told.append)
+        assert await wait_for(lambda: len(told) == 2 and told[1] is not None), told
+        assert await wait_for(lambda: (robot.world.speed_left, robot.world.speed_right) == (100, 100))
+        before = link.stats.sensors
+        assert await wait_for(lambda: link.stats.sensors >= before + 5)
+        await link.close()
 
     asyncio.run(main())

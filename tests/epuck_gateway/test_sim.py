@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.protocols.wifi import (
     EMPTY_ID,
     IMAGE_ID,
     SENSORS_ID,
@@ -22,8 +22,8 @@ from services.epuck_gateway.protocol import (
     ParserEvent,
     SensorsPacket,
 )
-from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
-from services.epuck_gateway.simworld import MM_PER_STEP, EpuckWorld
+from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
+from services.epuck_gateway.sim.world import MM_PER_STEP, EpuckWorld
 from tests.epuck_gateway.conftest import wait_until
 
 

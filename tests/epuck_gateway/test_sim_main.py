@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.epuck_gateway.protocol import EpuckController, Packet
-from services.epuck_gateway.serial_link import EpuckSerialConfig, EpuckSerialLink
+from services.epuck_gateway.links.serial import EpuckSerialConfig, EpuckSerialLink
+from services.epuck_gateway.protocols.wifi import EpuckController, Packet
 from shared.tools.localbroker import REPO
 from tests.chaos.stack import consecutive_free_ports
 

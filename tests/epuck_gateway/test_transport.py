@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import os
 
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.links.wifi import EpuckLink, EpuckLinkConfig
+from services.epuck_gateway.protocols.wifi import (
     COMMAND_SIZE,
     EpuckCommand,
     EpuckController,
@@ -16,7 +17,6 @@ from services.epuck_gateway.protocol import (
     SensorsPacket,
     stop_command,
 )
-from services.epuck_gateway.transport import EpuckLink, EpuckLinkConfig
 
 
 def make_link(port: int, ctl: EpuckController, states: list[tuple[bool, str, str]],

@@ -21,7 +21,7 @@ import jsonschema
 import paho.mqtt.client as mqtt
 from mcap.reader import make_reader
 
-from services.epuck_gateway.sim import EpuckSimConfig, EpuckSimThread
+from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
 from shared.rpc import RpcClient, wait_for
 from shared.tools.localbroker import Broker
 

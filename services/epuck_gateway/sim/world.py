@@ -1,7 +1,7 @@
 """The simulated e-puck2's world: differential drive in a square arena with one round obstacle,
 proximity and ToF from ray casts, and a synthetic camera picture that follows the pose.
 
-Pure computation (numpy for the camera); the simulator's TCP server (sim.py) drives it."""
+Pure computation (numpy for the camera); the simulated robots (wifi.py, serial.py) drive it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.protocols.wifi import (
     ACC_COUNTS_PER_G,
     IMAGE_HEIGHT,
     IMAGE_WIDTH,
@@ -228,3 +228,8 @@ def render(x: float, y: float, theta: float, arena: float,
     img = np.where(np.less(_ROWS, mid - half), np.uint16(CEILING),
                    np.where(np.less(_ROWS, mid + half), color[None, :], np.uint16(FLOOR)))
     return img.astype(">u2").tobytes()
+
+
+def initial_world(index: int) -> EpuckWorld:
+    """Different start poses so the robots' pictures differ."""
+    return EpuckWorld(x=200.0 + 60.0 * (index % 10), y=200.0 + 50.0 * (index // 10), theta=0.7 * index % (2 * math.pi))

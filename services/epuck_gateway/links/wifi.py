@@ -30,7 +30,7 @@ probing once per probe period once the robot is `unreachable`. The budget it giv
 allowed silence for what the robot was asked to send (liveness.py), set again as the images actually
 seen change it (`set_budget`): a healthy slow image stream does not flap the link, and a robot that
 sends nothing at all is `silent` within the allowance in force. Valid data is a plausible sensors packet
-(protocol.implausible_sensors), or an image or 0x03 that another packet completes after (random bytes
+(protocols/wifi.implausible_sensors), or an image or 0x03 that another packet completes after (random bytes
 hold the ids 0x01/0x02/0x03 too); anything else is garbage, counted, and resets the link. A silent link is
 kept, not reset: a hung robot keeps its TCP connection and reconnecting would only make the health
 toggle; one probe (the current state again) goes out, and TCP_USER_TIMEOUT makes the kernel drop a
@@ -43,15 +43,23 @@ import asyncio
 import collections
 import contextlib
 import logging
-import math
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.epuck_gateway.liveness import LinkLiveness
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.links.base import (
+    ErrorHandler,
+    OpenFailed,
+    OwedHandler,
+    PacketsHandler,
+    RobotLink,
+    StateHandler,
+    budget_s,
+    link_policy,
+)
+from services.epuck_gateway.links.liveness import LinkLiveness
+from services.epuck_gateway.protocols.wifi import (
     REQ_SENSORS,
     EmptyPacket,
     EpuckController,
@@ -63,7 +71,7 @@ from services.epuck_gateway.protocol import (
     implausible_sensors,
     stop_command,
 )
-from shared.link import LinkPolicy, LinkState, SupervisedLink
+from shared.link import SupervisedLink
 
 log = logging.getLogger("robobus.epuck.link")
 STOP_LINGER_S = 0.2
@@ -88,83 +96,6 @@ class EpuckLinkConfig:
     stop_drain_s: float = 0.5
 
 
-@dataclass
-class EpuckLinkStats:
-    connects: int = 0
-    reconnects: int = 0
-    framing_errors: int = 0
-    packets: int = 0
-    images: int = 0
-    sensors: int = 0
-    empty: int = 0
-    bytes: int = 0
-    commands_sent: int = 0
-    commands_requested: int = 0  # state changes asked for; several coalesce into one write
-    silences: int = 0
-    reply_timeouts: int = 0  # serial: polls not answered in time
-    garbage_bytes: int = 0  # bytes that cannot come from the robot (WiFi: a packet that failed its checks)
-    resyncs: int = 0  # serial: resynchronisations after a reply that never came (serial_link.RESYNC)
-
-
-PacketsHandler = Callable[[list[Packet], float], None]
-# Told when the link supervisor's state changes: link open, state, message. The state is the supervisor's
-# (docs/kit.md "Health"), `streaming` for operational: connecting, unreachable, connected (link open, no
-# valid data yet), streaming, silent (link open, no valid data within the budget), lost, recovering, stopped.
-StateHandler = Callable[[bool, str, str], None]
-ErrorHandler = Callable[[FramingError], None]
-# Told when a requested write has left the gateway: the wall-clock time, or None when the link went down
-# before it could be written.
-WrittenHandler = Callable[[float | None], None]
-# Told when a stop owed to a robot whose link was down has left: the wall-clock time of the next connection's
-# first command (speeds 0).
-OwedHandler = Callable[[float], None]
-
-
-def budget_s(seconds: float) -> float:
-    """A liveness budget as given to the supervisor: rounded up to 0.1 s, so that the small changes of the
-    image intervals seen do not change it with every image (the message says the budget applied)."""
-    return max(0.1, math.ceil(seconds * 10 - 1e-6) / 10)
-
-
-def standalone_link(policy: LinkPolicy) -> SupervisedLink:
-    """A supervisor bound to no device (a link used on its own, in tests and tools): health goes nowhere."""
-    return SupervisedLink(policy, lambda fields: None)
-
-
-def link_policy(stale_s: float, backoff_min_s: float, backoff_max_s: float, probe_period_s: float) -> LinkPolicy:
-    return LinkPolicy(liveness_s=budget_s(stale_s), backoff_min_s=backoff_min_s,
-                      backoff_max_s=max(backoff_min_s, backoff_max_s), probe_period_s=probe_period_s)
-
-
-class StateReporter:
-    """Tells the service when the supervisor's state changed (its fail-safe: stop the wheels, drop stale data,
-    one `link_lost` fault), with a message from the supervisor's details."""
-
-    def __init__(self, sup: SupervisedLink, on_state: StateHandler) -> None:
-        self.sup = sup
-        self._on_state = on_state
-        self._shown = ""
-
-    def report(self, link_open: bool) -> None:
-        st = self.sup.state
-        name = "streaming" if st is LinkState.OPERATIONAL else st.value
-        if name == self._shown:
-            return
-        self._shown = name
-        d = self.sup.details()
-        if st is LinkState.SILENT:
-            age = d.get("last_data_age_s")
-            msg = (f"no valid data from the robot for {age or 0.0:.1f} s (allowed {d['liveness_s']:.1f} s for "
-                   "what it was asked to send)")
-        elif st is LinkState.CONNECTED:
-            msg = "link open; no valid data from the robot yet"
-        elif st is LinkState.OPERATIONAL:
-            msg = ""
-        else:
-            msg = str(d.get("last_failure", ""))
-        self._on_state(link_open, name, msg)
-
-
 class _Wire(asyncio.Protocol):
     """Feeds the link while its connection is the link's current one (a connection being left after a
     framing error lingers a moment, and its bytes must not reach the next connection's parser)."""
@@ -185,69 +116,42 @@ class _Wire(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._current():
-            self.link._on_lost(f"connection lost: {exc}" if exc else "connection closed by the robot")
+            self.link._lose(f"connection lost: {exc}" if exc else "connection closed by the robot")
 
 
-class EpuckLink:
+class EpuckLink(RobotLink[asyncio.Transport]):
     """One robot's TCP link. `run()` until `close()`; `request_write()` after changing the controller."""
 
     def __init__(self, name: str, config: EpuckLinkConfig, controller: EpuckController,
                  on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler,
                  supervisor: SupervisedLink | None = None) -> None:
-        self.name = name
+        super().__init__(name, controller, on_packets, on_state, on_framing_error, supervisor,
+                         link_policy(config.stale_timeout_s, config.reconnect_min_s, config.reconnect_max_s,
+                                     config.probe_period_s))
         self.config = config
-        self.controller = controller
         self.parser = EpuckStreamParser()
-        self.stats = EpuckLinkStats()
         self.liveness = LinkLiveness(config.stale_timeout_s, config.image_gap_max_s)
-        # the kit's supervisor decides the health (the service's device's, or one of its own)
-        self.sup = supervisor or standalone_link(link_policy(config.stale_timeout_s, config.reconnect_min_s,
-                                                             config.reconnect_max_s, config.probe_period_s))
-        self._reporter = StateReporter(self.sup, on_state)
-        self.connected = False
         self.last_rx = 0.0  # time.monotonic() of the last valid data
         self._confirmed = False  # this connection has brought valid data
         self._held: Packet | None = None  # the connection's first packet, an image or 0x03 not yet confirmed
-        self._on_packets = on_packets
-        self._on_framing_error = on_framing_error
         self._transport: asyncio.Transport | None = None
-        self._lost: asyncio.Future[str] | None = None
-        self._closing = False
-        self._wake = asyncio.Event()
         self._stop_mark: int | None = None  # packet count when the stop command left
         self._stopped = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._accepted = False  # the robot answered this connection's first command
-        self._dirty = False  # the controller holds state not yet written
         # per written command the robot has not taken yet: the packet count it must see a cycle end beyond
         self._untaken: collections.deque[int] = collections.deque()
         self._last_written = b""
-        self._written: list[WrittenHandler] = []
-        self.owed_stop: OwedHandler | None = None  # a bus stop decided while the link was down (write_stop)
         self._session_writes = 0  # commands written on this connection (the first must be alone: reference §3)
-        self.motion_deadline: float | None = None  # the serial link's surface; a WiFi write never waits on a frame
         self._written_request = 0
         self._probed_at = -1.0
         self._sock: Any = None  # the connection's socket (asyncio's TransportSocket), for SO_RCVLOWAT
         self._lowat = 1
 
     # -- public ---------------------------------------------------------------------------------
-    def start(self) -> asyncio.Task[None]:
-        self._task = asyncio.ensure_future(self.run())
-        return self._task
-
-    def request_write(self, on_written: WrittenHandler | None = None) -> bool:
-        """The controller changed: write its state now (coalesced while the robot has `MAX_UNTAKEN` commands
-        not yet taken). `on_written` is told when the write carrying this state has left."""
-        if not self.connected:
-            return False
-        self.stats.commands_requested += 1
-        self._dirty = True
-        if on_written is not None:
-            self._written.append(on_written)
+    def _write_soon(self) -> None:
+        """At once, coalesced while the robot has `MAX_UNTAKEN` commands not yet taken (module doc)."""
         self._flush()
-        return True
 
     def write_stop(self, on_owed: OwedHandler) -> float | None:
         """The bus stop, already in the controller (speeds 0, no one-shots): write the whole state now, past the
@@ -277,53 +181,26 @@ class EpuckLink:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), self.config.stop_drain_s)
             self._drop_transport()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await self._end_task()
 
-    # -- connection loop -------------------------------------------------------------------------
-    async def run(self) -> None:
+    # -- connection (the reconnect loop is RobotLink.run) ------------------------------------------------
+    async def _open(self) -> asyncio.Transport:
         cfg = self.config
-        loop = asyncio.get_running_loop()
-        self._set_budget()
-        while not self._closing:
-            # the supervisor's rhythm: doubling waits after a failure, one probe per period once unreachable
-            wait = self.sup.next_attempt_in()
-            if wait > 0:
-                await self._pause(wait)
-                if self._closing:
-                    break
-            self.sup.attempt()
-            self._report()
-            try:
-                transport, _ = await asyncio.wait_for(
-                    loop.create_connection(lambda: _Wire(self), cfg.host, cfg.port), cfg.connect_timeout_s)
-            except (OSError, TimeoutError) as exc:
-                self.sup.failed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}")
-                self._report()
-                continue
-            assert isinstance(transport, asyncio.Transport)
-            sock = transport.get_extra_info("socket")
-            self._sock, self._lowat = sock, 1
-            if sock is not None:
-                with contextlib.suppress(OSError):  # 21-byte commands must not wait for Nagle
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                with contextlib.suppress(OSError, AttributeError):  # Linux: give up on a peer that stopped ACKing
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
-                                    int(cfg.tcp_user_timeout_s * 1000))
-            if self.stats.connects:
-                self.stats.reconnects += 1
-            self.stats.connects += 1
-            reason = await self._session(transport)
-            if self._closing:
-                break  # close() reports the end itself
-            self.sup.closed(reason)
-            self._set_budget()
-            self._report()
-
-    def _report(self) -> None:
-        self._reporter.report(self.connected)
+        try:
+            transport, _ = await asyncio.wait_for(
+                asyncio.get_running_loop().create_connection(lambda: _Wire(self), cfg.host, cfg.port),
+                cfg.connect_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise OpenFailed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}") from None
+        assert isinstance(transport, asyncio.Transport)
+        sock = transport.get_extra_info("socket")
+        self._sock, self._lowat = sock, 1
+        if sock is not None:
+            with contextlib.suppress(OSError):  # 21-byte commands must not wait for Nagle
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with contextlib.suppress(OSError, AttributeError):  # Linux: give up on a peer that stopped ACKing
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(cfg.tcp_user_timeout_s * 1000))
+        return transport
 
     def _set_budget(self) -> None:
         """The budget the supervisor applies: while the link is open, the allowed silence for what the robot
@@ -410,14 +287,6 @@ class EpuckLink:
         self._tell_written(ts)  # written now, or the robot already holds this very state
         return ts
 
-    def _tell_written(self, ts: float | None) -> None:
-        written, self._written = self._written, []
-        for cb in written:
-            try:
-                cb(ts)
-            except Exception:
-                log.exception("write listener failed", extra={"robot": self.name})
-
     def _ends_cycle(self, p: Packet) -> bool:
         """The robot's cycle ends with the sensors packet, or the image when no sensors follow it, or 0x03."""
         if isinstance(p, ImagePacket):
@@ -472,11 +341,6 @@ class EpuckLink:
         if t is not None:
             t.close()
 
-    async def _pause(self, seconds: float) -> None:
-        self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
-
     def _write(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
@@ -484,10 +348,6 @@ class EpuckLink:
             self._session_writes += 1
 
     # -- protocol callbacks -------------------------------------------------------------------
-    def _on_lost(self, reason: str) -> None:
-        if self._lost is not None and not self._lost.done():
-            self._lost.set_result(reason)
-
     def _wake_on_whole_image(self) -> None:
         """Mid-image, let the kernel wake the loop only once the rest of the image is in (SO_RCVLOWAT):
         the robot sends a frame in ten writes, and a read that completes nothing is a wasted wake-up
@@ -554,7 +414,7 @@ class EpuckLink:
             self.sup.garbage(what)
             self._on_framing_error(error)
             self._reset_link()
-            self._on_lost(f"framing error: {what}")
+            self._lose(f"framing error: {what}")
 
     def _valid(self, packets: list[Packet]) -> list[Packet]:
         """The packets that prove the robot alive (module doc): a plausible sensors packet (checked by the

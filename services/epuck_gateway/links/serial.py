@@ -30,7 +30,7 @@ has read all of it (Asercom2.c), so the stop is the next chain it reads, and `-0
 the poller waits for is unchanged. The next chain repeats it (in case a line in progress swallowed it).
 Typed ASCII lines that move the robot and wait for their slot are dropped (`LineDropped`).
 
-Health is the kit's link supervisor's, as over WiFi (transport.py): the link reports attempt, opened,
+Health is the kit's link supervisor's, as over WiFi (base.py, wifi.py): the link reports attempt, opened,
 failed, data (a complete reply whose sensors block is plausible), garbage and closed. Its budget is
 `stale_timeout_s` plus the longest exchange on the line (the image chain's transfer while the image stream
 is on). A device that goes away (USB unplugged, Bluetooth out of range) makes the port error or hang up:
@@ -52,7 +52,18 @@ from typing import Any
 
 import serial
 
-from services.epuck_gateway.asercom import (
+from services.epuck_gateway.links.base import (
+    ErrorHandler,
+    OpenFailed,
+    OwedHandler,
+    PacketsHandler,
+    RobotLink,
+    StateHandler,
+    budget_s,
+    link_policy,
+)
+from services.epuck_gateway.port_lock import exclusive_tty, port_holder
+from services.epuck_gateway.protocols.asercom import (
     CAM_RGB565,
     DEFAULT_IMAGE,
     AsercomCommand,
@@ -66,8 +77,7 @@ from services.epuck_gateway.asercom import (
     sensors_packet,
     set_all_actuators,
 )
-from services.epuck_gateway.port_lock import exclusive_tty, port_holder
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.protocols.wifi import (
     REQ_IMAGE,
     REQ_SENSORS,
     EpuckController,
@@ -77,18 +87,6 @@ from services.epuck_gateway.protocol import (
     SensorsPacket,
     implausible_sensors,
     stop_command,
-)
-from services.epuck_gateway.transport import (
-    EpuckLinkStats,
-    ErrorHandler,
-    OwedHandler,
-    PacketsHandler,
-    StateHandler,
-    StateReporter,
-    WrittenHandler,
-    budget_s,
-    link_policy,
-    standalone_link,
 )
 from shared.link import SupervisedLink
 
@@ -131,60 +129,34 @@ class LineDropped(Exception):
     """A typed ASCII line that moves the robot was waiting for its slot when the bus stop came: not written."""
 
 
-class EpuckSerialLink:
+class EpuckSerialLink(RobotLink[serial.Serial]):
     """One robot over asercom v2. `run()` until `close()`; `request_write()` after changing the controller."""
 
     def __init__(self, name: str, config: EpuckSerialConfig, controller: EpuckController,
                  on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler,
                  supervisor: SupervisedLink | None = None) -> None:
-        self.name = name
+        super().__init__(name, controller, on_packets, on_state, on_framing_error, supervisor,
+                         link_policy(config.stale_timeout_s, config.reopen_min_s, config.reopen_max_s,
+                                     config.probe_period_s))
         self.config = config
-        self.controller = controller
-        self.stats = EpuckLinkStats()
-        self.sup = supervisor or standalone_link(link_policy(config.stale_timeout_s, config.reopen_min_s,
-                                                             config.reopen_max_s, config.probe_period_s))
-        self._reporter = StateReporter(self.sup, on_state)
-        self.connected = False
         self.last_reply = 0.0
         self.last_image: AsercomImage | None = None
-        self._on_packets = on_packets
-        self._on_framing_error = on_framing_error
         self.image_fps = default_image_fps(config.baud) if config.image_fps is None else config.image_fps
-        self.motion_deadline: float | None = None  # time.monotonic() of the deadman's next stop, if any
-        self._written: list[WrittenHandler] = []  # told when the next -0x09 has been written
-        self.owed_stop: OwedHandler | None = None  # a bus stop decided while the port was closed (write_stop)
         self._serial: serial.Serial | None = None
         self._fd = -1
         self._reader: AsercomReplyReader | None = None
         self._reply: asyncio.Future[None] | None = None
-        self._lost: asyncio.Future[str] | None = None
-        self._closing = False
-        self._wake = asyncio.Event()
         self._poke = asyncio.Event()
-        self._dirty = False
         self._next_image = 0.0
-        self._task: asyncio.Task[None] | None = None
         # typed lines waiting for a slot between polls, and whether each moves the robot
         self._ascii: list[tuple[bytes, asyncio.Future[str], bool]] = []
         self._line: bytearray | None = None  # the ASCII reply being read
         self._line_event = asyncio.Event()
 
     # -- public ---------------------------------------------------------------------------------------
-    def start(self) -> asyncio.Task[None]:
-        self._task = asyncio.ensure_future(self.run())
-        return self._task
-
-    def request_write(self, on_written: WrittenHandler | None = None) -> bool:
-        """The controller changed: write it in the next chain, at once (the poller is woken). `on_written`
-        is called with the time the chain carrying it was written."""
-        if not self.connected:
-            return False
-        self.stats.commands_requested += 1
-        self._dirty = True
-        if on_written is not None:
-            self._written.append(on_written)
-        self._poke.set()  # do not wait for the next poll slot
-        return True
+    def _write_soon(self) -> None:
+        """In the next chain, at once: the poller is woken (no waiting for the next poll slot)."""
+        self._poke.set()
 
     def image_transfer_s(self) -> float:
         """An image's reply on the line at `baud` (8N1)."""
@@ -256,9 +228,7 @@ class EpuckSerialLink:
         self.stats.commands_sent += 1
         ts = time.time()
         self._dirty = True  # the next chain repeats it: a robot stuck in a line may have swallowed this one
-        written, self._written = self._written, []
-        for cb in written:
-            cb(ts)
+        self._tell_written(ts)
         self._poke.set()
         return ts
 
@@ -267,10 +237,7 @@ class EpuckSerialLink:
         self._closing = True
         self._wake.set()
         self._poke.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await self._end_task()
         ser = self._serial
         if ser is not None:
             with contextlib.suppress(serial.SerialException, OSError):
@@ -279,41 +246,23 @@ class EpuckSerialLink:
                 ser.flush()
             self._close_port()
 
-    # -- port lifecycle ------------------------------------------------------------------------------------
-    async def run(self) -> None:
+    # -- port lifecycle (the reconnect loop is RobotLink.run) ---------------------------------------------
+    async def _open(self) -> serial.Serial:
         cfg = self.config
-        self._set_budget()
-        while not self._closing:
-            wait = self.sup.next_attempt_in()  # the supervisor's back-off, or its probe period
-            if wait > 0:
-                await self._pause(wait)
-                if self._closing:
-                    break
-            self.sup.attempt()
-            self._report()
-            try:
-                # exclusive: the flock port_lock.hold_port checks (a flasher on this host must not write GDB
-                # packets into the robot's asercom); TIOCEXCL keeps out programs that take no lock
-                ser = serial.Serial(cfg.port, cfg.baud, timeout=0, write_timeout=1.0, exclusive=True)
-                exclusive_tty(ser.fileno())
-            except (serial.SerialException, OSError, ValueError) as exc:
-                holder = port_holder(cfg.port)
-                self.sup.failed(f"cannot open {cfg.port}: {exc}" + (f"; held by {holder}" if holder else ""))
-                self._report()
-                continue
-            if self.stats.connects:
-                self.stats.reconnects += 1
-            self.stats.connects += 1
-            reason = await self._session(ser)
-            self._close_port()
-            if self._closing:
-                break
-            log.warning("serial link lost", extra={"robot": self.name, "port": cfg.port, "reason": reason})
-            self.sup.closed(reason)
-            self._report()
+        try:
+            # exclusive: the flock port_lock.hold_port checks (a flasher on this host must not write GDB
+            # packets into the robot's asercom); TIOCEXCL keeps out programs that take no lock
+            ser = serial.Serial(cfg.port, cfg.baud, timeout=0, write_timeout=1.0, exclusive=True)
+            exclusive_tty(ser.fileno())
+        except (serial.SerialException, OSError, ValueError) as exc:
+            holder = port_holder(cfg.port)
+            raise OpenFailed(f"cannot open {cfg.port}: {exc}" + (f"; held by {holder}" if holder else "")) from None
+        return ser
 
-    def _report(self) -> None:
-        self._reporter.report(self.connected)
+    def _session_ended(self, reason: str) -> None:
+        self._close_port()
+        if not self._closing:
+            log.warning("serial link lost", extra={"robot": self.name, "port": self.config.port, "reason": reason})
 
     def _set_budget(self) -> None:
         """`stale_timeout_s` beyond the longest exchange: a reply comes every poll, but a chain with the camera
@@ -353,9 +302,7 @@ class EpuckSerialLink:
                 if not fut.done():
                     fut.set_exception(ConnectionError(f"{self.config.port} closed"))
             self._ascii.clear()
-            written, self._written = self._written, []
-            for cb in written:  # requested, never written
-                cb(None)
+            self._tell_written(None)  # requested, never written
 
     def _close_port(self) -> None:
         if self._fd >= 0:
@@ -366,15 +313,6 @@ class EpuckSerialLink:
         if ser is not None:
             with contextlib.suppress(Exception):
                 ser.close()
-
-    async def _pause(self, seconds: float) -> None:
-        self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
-
-    def _lose(self, reason: str) -> None:
-        if self._lost is not None and not self._lost.done():
-            self._lost.set_result(reason)
 
     # -- polling -------------------------------------------------------------------------------------------
     def _chain(self, now: float) -> list[AsercomCommand]:
@@ -415,7 +353,6 @@ class EpuckSerialLink:
             self._reader = AsercomReplyReader(chain)
             self._reply = loop.create_future()
             actuators = any(c.code == 0x09 for c in chain)
-            written, self._written = (self._written, []) if actuators else ([], self._written)
             try:
                 assert self._serial is not None
                 self._serial.write(encode_chain(chain))
@@ -425,8 +362,7 @@ class EpuckSerialLink:
             if actuators:
                 self.stats.commands_sent += 1
                 ts = time.time()
-                for cb in written:
-                    cb(ts)
+                self._tell_written(ts)
                 owed, self.owed_stop = self.owed_stop, None
                 if owed is not None:  # a stop decided while the port was closed: a session's first chain is it
                     owed(ts)

@@ -24,24 +24,17 @@ Run several robots: python -m services.epuck_gateway.sim --count 2 --base-port 1
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
-import json
 import logging
-import math
-import signal
 import socket
 import struct
-import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.protocols.wifi import (
     COMMAND_ID,
     COMMAND_SIZE,
     EMPTY_ID,
@@ -53,7 +46,9 @@ from services.epuck_gateway.protocol import (
     SET_STEPS,
     EpuckCommand,
 )
-from services.epuck_gateway.simworld import EpuckWorld
+from services.epuck_gateway.sim.harness import SimRobots, SimThread
+from services.epuck_gateway.sim.stop_watch import StopWatch
+from services.epuck_gateway.sim.world import EpuckWorld, initial_world
 
 log = logging.getLogger("robobus.epuck.sim")
 T = TypeVar("T")
@@ -96,46 +91,6 @@ class EpuckSimConfig:
     stamp: bool = False  # benchmarks: magnetometer X carries the send time (unix time mod 1000 s)
     nodelay: bool = True  # the ESP32's lwIP uses Nagle; the sim does not, so latency figures are the gateway's
     image_holds_cycle: bool = True  # firmware: a cycle with the image requested waits for the image
-
-
-@dataclass(frozen=True)
-class StopSeen:
-    robot: str
-    ts: float  # time.time() the stop's bytes arrived
-    monotonic: float  # time.monotonic() of the same moment (CLOCK_MONOTONIC: one clock for every process)
-
-    def to_json(self) -> str:
-        return json.dumps({"stop_seen": {"robot": self.robot, "ts": self.ts, "monotonic": self.monotonic}})
-
-
-class StopWatch:
-    """The first stop a simulated robot receives after `arm()`: the bus stop's time to the wire, for benchmarks
-    and tests. `seen` stays None until then; `listener` (if set) is told once, on the simulator's thread."""
-
-    def __init__(self, robot: str) -> None:
-        self.robot = robot
-        self.armed = False
-        self.armed_at = 0.0
-        self.seen: StopSeen | None = None
-        self.listener: Callable[[StopSeen], None] | None = None
-
-    def arm(self) -> None:
-        self.seen = None
-        self.armed_at = time.time()
-        self.armed = True
-
-    def received(self, left: int, right: int, arrived: float | None = None) -> None:
-        """Bytes that set these wheel speeds have arrived: now, or at `arrived` (Unix time) when known. Bytes that
-        arrived before the watch was armed (read late) are not its business."""
-        if arrived is not None and arrived < self.armed_at:
-            return
-        if self.armed and left == 0 and right == 0:
-            self.armed = False
-            unix, mono = time.time(), time.monotonic()
-            at = unix if arrived is None else min(arrived, unix)
-            self.seen = StopSeen(self.robot, at, mono - (unix - at))
-            if self.listener is not None:
-                self.listener(self.seen)
 
 
 @dataclass
@@ -339,130 +294,22 @@ class EpuckSimRobot:
                 await asyncio.sleep(0)
 
 
-def initial_world(index: int) -> EpuckWorld:
-    """Different start poses so the robots' pictures differ."""
-    return EpuckWorld(x=200.0 + 60.0 * (index % 10), y=200.0 + 50.0 * (index // 10), theta=0.7 * index % (2 * math.pi))
-
-
-class EpuckSimulator:
+class EpuckSimulator(SimRobots[EpuckSimRobot]):
     """Several robots on consecutive ports of one host, on one asyncio loop."""
 
     def __init__(self, count: int, host: str = "127.0.0.1", base_port: int = 0,
                  config: EpuckSimConfig | None = None) -> None:
-        self.robots = [
+        super().__init__([
             EpuckSimRobot(f"epuck{i + 1}", host, base_port + i if base_port else 0, config, initial_world(i))
             for i in range(count)
-        ]
-
-    async def start(self) -> None:
-        for r in self.robots:
-            await r.start()
-
-    async def stop(self) -> None:
-        for r in self.robots:
-            await r.stop()
+        ])
 
     def summary(self) -> dict[str, Any]:
         return {r.name: {"port": r.port, **r.stats.summary()} for r in self.robots}
 
 
-class EpuckSimThread:
-    """Tests: the simulator on its own loop in a daemon thread; `call` runs a function on that loop."""
+class EpuckSimThread(SimThread[EpuckSimRobot]):
+    """Tests: WiFi robots on ports of their own (any free ones), on a loop of their own (harness.py)."""
 
     def __init__(self, count: int, config: EpuckSimConfig | None = None, host: str = "127.0.0.1") -> None:
-        self.sim = EpuckSimulator(count, host, 0, config)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="epuck-sim", daemon=True)
-
-    @property
-    def robots(self) -> list[EpuckSimRobot]:
-        return self.sim.robots
-
-    def start(self) -> EpuckSimThread:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.sim.start(), self.loop).result(10)
-        return self
-
-    def call(self, fn: Callable[[], T]) -> T:
-        async def run() -> T:
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
-
-    def run(self, coro_fn: Callable[[], Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(10)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self.sim.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Simulated e-puck2 robots (WiFi TCP protocol)")
-    p.add_argument("--count", type=int, default=2, help="robots, on consecutive ports")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--base-port", type=int, default=11000, help="port of the first robot (a real one uses 1000)")
-    p.add_argument("--sensors-hz", type=float, default=50.0, help="cycle rate; 0 = line rate")
-    p.add_argument("--image-fps", type=float, default=10.0, help="image rate cap; 0 = every cycle")
-    p.add_argument("--stamp", action="store_true", help="benchmarks: send time in magnetometer X")
-    p.add_argument("--free-sensors", action="store_true",
-                   help="benchmarks: sensors every cycle and images when due, instead of the firmware's cycle that "
-                        "waits for each image (a heavier load profile)")
-    p.add_argument("--serial-count", type=int, default=0,
-                   help="also this many robots on serial ports (sim_serial's), in this same process")
-    p.add_argument("--serial-link", default="/tmp/robobus-epuck-serial",
-                   help="path prefix of the serial robots' port symlinks; robot N is <link>N")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s epuck-sim %(message)s")
-    cfg = EpuckSimConfig(sensors_hz=a.sensors_hz, image_fps=a.image_fps, stamp=a.stamp,
-                         image_holds_cycle=not a.free_sensors)
-    sim = EpuckSimulator(a.count, a.host, a.base_port, cfg)
-    # The serial robots beside the WiFi ones (make run's demo): peers of the same gateway that need no process
-    # of their own, where a second one would hold ~35 MB more (an interpreter, asyncio, numpy for the camera).
-    # Imported here: sim_serial builds on this module.
-    serial = None
-    if a.serial_count > 0:
-        from services.epuck_gateway.sim_serial import EpuckSerialSimConfig, EpuckSerialSimulator
-
-        serial = EpuckSerialSimulator(a.serial_count, a.serial_link, EpuckSerialSimConfig(stamp=a.stamp))
-    watched = [*(r.stop_watch for r in sim.robots), *(r.stop_watch for r in (serial.robots if serial else []))]
-
-    def arm_stop_watches() -> None:
-        for w in watched:
-            w.arm()
-        print(json.dumps({"stop_watch_armed": {"ts": time.time(), "monotonic": time.monotonic()}}), flush=True)
-
-    for w in watched:
-        w.listener = lambda seen: print(seen.to_json(), flush=True)
-
-    async def run() -> None:
-        await sim.start()
-        ports = ", ".join(f"{r.name}@{a.host}:{r.port}" for r in sim.robots)
-        ready: dict[str, object] = {"ready": True, "robots": {r.name: r.port for r in sim.robots}}
-        if serial is not None:
-            await serial.start()
-            ports += "".join(f", {r.name}@{r.link}" for r in serial.robots)
-            ready["ports"] = {r.name: r.link for r in serial.robots}
-        log.info(f"serving {ports}")
-        print(json.dumps(ready), flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        # SIGUSR1: print the counters and keep running (benchmarks read them mid-run)
-        loop.add_signal_handler(signal.SIGUSR1, lambda: print(json.dumps({"stats": sim.summary()}), flush=True))
-        # SIGUSR2: time-stamp each robot's first stop from now on (one stop_seen line per robot)
-        loop.add_signal_handler(signal.SIGUSR2, arm_stop_watches)
-        await stop.wait()
-        if serial is not None:
-            await serial.stop()
-        await sim.stop()
-        print(json.dumps({"stats": sim.summary()}), flush=True)
-
-    asyncio.run(run())
-    sys.exit(0)
-
-
-if __name__ == "__main__":
-    main()
+        super().__init__(EpuckSimulator(count, host, 0, config), "epuck-sim")

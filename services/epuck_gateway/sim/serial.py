@@ -3,7 +3,7 @@
 The device side of asercom2 as `Asercom2.c` runs it (docs/reference/epuck2.md §6): it prints its welcome banner when
 it starts, answers a binary chain (negative codes ended by 0x00) with every reply concatenated, LSB
 first, applies -0x09 once when it arrives, and answers ASCII lines (`D,200,200\\r` -> `d\\r\\n`).
-The world (motion, sensors, camera) is the WiFi simulator's `EpuckWorld`.
+The world (motion, sensors, camera) is the WiFi simulator's `EpuckWorld` (world.py).
 
 A pseudo-terminal stands in for /dev/ttyACMn or /dev/rfcommN; the stable path the gateway opens is
 a symlink to the pty's slave (as udev's /dev/serial/by-id links are). `unplug()` closes the pty and
@@ -15,35 +15,30 @@ A pty moves bytes at memory speed; `line_baud` makes the robot's output take its
 `inject_input()` puts bytes in the robot's input as if another program had written them into the port
 (GDB packets from a flasher: the robot is then left in the middle of an ASCII line).
 
-`stop_watch` (sim.StopWatch) time-stamps the first stop the robot receives once armed: a `-0x09` or a
+`stop_watch` (stop_watch.py) time-stamps the first stop the robot receives once armed: a `-0x09` or a
 binary `-D` with both speeds 0, or an ASCII `S` or `D,0,0` line, when its bytes arrive (before a reply in
 progress lets the F407 read them). From the command line, SIGUSR2 arms every robot; each prints a
 `{"stop_seen": ...}` line.
 
-Run one: python -m services.epuck_gateway.sim_serial --link /tmp/robobus-epuck-serial1
+Run two: python -m services.epuck_gateway.sim --count 0 --serial-count 2 --serial-link /tmp/robobus-epuck-serial
+(robots at /tmp/robobus-epuck-serial1 and 2).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
 import os
-import signal
 import struct
-import sys
-import threading
 import time
 import tty
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from services.epuck_gateway.asercom import (
+from services.epuck_gateway.protocols.asercom import (
     CAM_RGB565,
     DEFAULT_IMAGE,
     AsercomChainParser,
@@ -51,7 +46,7 @@ from services.epuck_gateway.asercom import (
     all_sensors_block,
     parse_ascii_reply,
 )
-from services.epuck_gateway.protocol import (
+from services.epuck_gateway.protocols.wifi import (
     COMMAND_ID,
     IMAGE_HEIGHT,
     IMAGE_WIDTH,
@@ -60,8 +55,9 @@ from services.epuck_gateway.protocol import (
     EpuckRawSensors,
     ProtocolError,
 )
-from services.epuck_gateway.sim import StopWatch, initial_world
-from services.epuck_gateway.simworld import EpuckWorld
+from services.epuck_gateway.sim.harness import SimRobots, SimThread
+from services.epuck_gateway.sim.stop_watch import StopWatch
+from services.epuck_gateway.sim.world import EpuckWorld, initial_world
 
 log = logging.getLogger("robobus.epuck.sim_serial")
 T = TypeVar("T")
@@ -413,83 +409,16 @@ class EpuckSerialSimRobot:
         return b"z,Command not found\r\n"
 
 
-class EpuckSerialSimulator:
+class EpuckSerialSimulator(SimRobots[EpuckSerialSimRobot]):
     """Several serial robots, links `<prefix>1`, `<prefix>2`, ..."""
 
     def __init__(self, count: int, prefix: str, config: EpuckSerialSimConfig | None = None) -> None:
-        self.robots = [EpuckSerialSimRobot(f"epuck-serial{i + 1}", f"{prefix}{i + 1}", config, initial_world(i + 5))
-                       for i in range(count)]
-
-    async def start(self) -> None:
-        for r in self.robots:
-            await r.start()
-
-    async def stop(self) -> None:
-        for r in self.robots:
-            await r.stop()
+        super().__init__([EpuckSerialSimRobot(f"epuck-serial{i + 1}", f"{prefix}{i + 1}", config,
+                                              initial_world(i + 5)) for i in range(count)])
 
 
-class EpuckSerialSimThread:
-    """Tests and benchmarks: serial robots on their own loop in a daemon thread."""
+class EpuckSerialSimThread(SimThread[EpuckSerialSimRobot]):
+    """Tests and benchmarks: serial robots on their own loop (harness.py)."""
 
     def __init__(self, count: int, prefix: str, config: EpuckSerialSimConfig | None = None) -> None:
-        self.sim = EpuckSerialSimulator(count, prefix, config)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="epuck-serial-sim", daemon=True)
-
-    @property
-    def robots(self) -> list[EpuckSerialSimRobot]:
-        return self.sim.robots
-
-    def start(self) -> EpuckSerialSimThread:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.sim.start(), self.loop).result(10)
-        return self
-
-    def call(self, fn: Callable[[], T]) -> T:
-        async def run() -> T:
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self.sim.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Simulated e-puck2 robots on serial ports (asercom v2 over a pty)")
-    p.add_argument("--link", default="/tmp/robobus-epuck-serial",
-                   help="path prefix of the port symlinks; robot N is <link>N")
-    p.add_argument("--count", type=int, default=1)
-    p.add_argument("--stamp", action="store_true", help="benchmarks: send time in magnetometer X")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s epuck-serial-sim %(message)s")
-    sim = EpuckSerialSimulator(a.count, a.link, EpuckSerialSimConfig(stamp=a.stamp))
-    for r in sim.robots:
-        r.stop_watch.listener = lambda seen: print(seen.to_json(), flush=True)
-
-    def arm_stop_watches() -> None:
-        for r in sim.robots:
-            r.stop_watch.arm()
-        print(json.dumps({"stop_watch_armed": {"ts": time.time(), "monotonic": time.monotonic()}}), flush=True)
-
-    async def run() -> None:
-        await sim.start()
-        print(json.dumps({"ready": True, "ports": {r.name: r.link for r in sim.robots}}), flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        # SIGUSR2: time-stamp each robot's first stop from now on (one stop_seen line per robot)
-        loop.add_signal_handler(signal.SIGUSR2, arm_stop_watches)
-        await stop.wait()
-        await sim.stop()
-
-    asyncio.run(run())
-    sys.exit(0)
-
-
-if __name__ == "__main__":
-    main()
+        super().__init__(EpuckSerialSimulator(count, prefix, config), "epuck-serial-sim")
