@@ -329,8 +329,9 @@ class DeviceView {
     if (!d) return ["unanswered", `${head} · no answer from ${this.nodeView.name} for this device yet`];
     if (d.error) return ["failed", `${head} · the stop action FAILED: ${d.error}`];
     if (d.pending) return ["pending", `${head} · held stopped; the service has not yet reported the stop written`];
+    // (an answer to a release of the other latch keeps the holding stop's write: no delay from the release)
     return ["stopped", `${head} · stopped: the stop reached the device at ${clock(d.written_ts * 1000)}` +
-      ` (+${Math.max(0, Math.round((d.written_ts - a.stop_ts) * 1000))} ms)`];
+      (a.active ? ` (+${Math.max(0, Math.round((d.written_ts - a.stop_ts) * 1000))} ms)` : "")];
   }
 
   attachService(svc) {
