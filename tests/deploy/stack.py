@@ -9,13 +9,17 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from shared.settings import KitSettings
-from tests.deploy.deployfiles import DEPLOY, REPO
-from tests.deploy.mqttprobe import creds
-from tests.fixtures import free_port
+from tests.deploy.deployfiles import DEPLOY, REPO, host_broker_conf, make_secrets
+from tests.deploy.mqttprobe import creds, start_host_broker
+from tests.fixtures import free_port, mosquitto_bin
 
 DOCKER = "/usr/bin/docker"
 
@@ -100,3 +104,31 @@ class Stack:
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "40", check=False).stdout
+
+
+@contextmanager
+def bridged_host_brokers(folder: Path) -> Iterator[tuple[int, Path, int, Path]]:
+    """(centre port, centre secrets, site port, site secrets): two host mosquittos with the generated config (ACL,
+    plugin), the site bridged to the centre with the generated bridge.conf (plain: the TLS bridge has its own
+    test). Skips where mosquitto is not installed."""
+    exe = mosquitto_bin()
+    if exe is None:
+        pytest.skip("mosquitto is not installed (make test installs it)")
+    central, edge = folder / "central", folder / "edge"
+    assert make_secrets.main(["--dir", str(central), "--central", "--site", "site-a=site-a/robobus"]) == 0
+    cport, eport = free_port(), free_port()
+    (central / "m.conf").write_text(host_broker_conf(central, cport))
+    assert make_secrets.main(["--dir", str(edge), "--root", "site-a/robobus", "--site", "site-a", "--bridge-to",
+                              f"127.0.0.1:{cport}", "--bridge-credentials", str(central / "bridge-site-a.env"),
+                              "--bridge-plain"]) == 0
+    (edge / "m.conf").write_text(host_broker_conf(edge, eport, (edge / "bridge.conf").read_text()))
+    procs = [start_host_broker(exe, central / "m.conf", cport, central),
+             start_host_broker(exe, edge / "m.conf", eport, edge)]
+    try:
+        yield cport, central, eport, edge
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(5)
+            if proc.stdout:
+                proc.stdout.close()

@@ -23,10 +23,9 @@ from shared.messages import StopState
 from shared.rpc import RpcClient
 from shared.stop import StopRound, send_stop
 from tests.deploy.conftest import TIMINGS
-from tests.deploy.deployfiles import host_broker_conf, make_secrets
-from tests.deploy.mqttprobe import Probe, creds, start_host_broker
-from tests.deploy.stack import DOCKER, Stack, run
-from tests.fixtures import free_port, mosquitto_bin
+from tests.deploy.deployfiles import make_secrets
+from tests.deploy.mqttprobe import Probe, creds
+from tests.deploy.stack import DOCKER, Stack, bridged_host_brokers, run
 from tests.kit.motion_node import API
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -160,29 +159,9 @@ def test_the_bus_stop_comes_in_over_the_bridge_and_only_the_centres_operator_wri
 
 @pytest.fixture
 def host_fleet(tmp_path) -> Iterator[tuple[int, Path, int, Path]]:
-    """(centre port, centre secrets, site port, site secrets): host mosquittos with the generated config (ACL,
-    plugin), the site bridged to the centre with the generated bridge.conf (plain: the TLS bridge has its own test)."""
-    exe = mosquitto_bin()
-    if exe is None:
-        pytest.skip("mosquitto is not installed (make test installs it)")
-    central, edge = tmp_path / "central", tmp_path / "edge"
-    assert make_secrets.main(["--dir", str(central), "--central", "--site", "site-a=site-a/robobus"]) == 0
-    cport, eport = free_port(), free_port()
-    (central / "m.conf").write_text(host_broker_conf(central, cport))
-    assert make_secrets.main(["--dir", str(edge), "--root", "site-a/robobus", "--site", "site-a", "--bridge-to",
-                              f"127.0.0.1:{cport}", "--bridge-credentials", str(central / "bridge-site-a.env"),
-                              "--bridge-plain"]) == 0
-    (edge / "m.conf").write_text(host_broker_conf(edge, eport, (edge / "bridge.conf").read_text()))
-    procs = [start_host_broker(exe, central / "m.conf", cport, central),
-             start_host_broker(exe, edge / "m.conf", eport, edge)]
-    try:
-        yield cport, central, eport, edge
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(5)
-            if proc.stdout:
-                proc.stdout.close()
+    """(centre port, centre secrets, site port, site secrets): stack.bridged_host_brokers."""
+    with bridged_host_brokers(tmp_path) as fleet:
+        yield fleet
 
 
 def _retain(probe: Probe, topic: str, stop: StopState) -> None:

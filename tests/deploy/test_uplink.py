@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.deployfiles import DEPLOY, host_broker_conf, load, make_secrets
-from tests.deploy.mqttprobe import Probe, creds, start_host_broker
-from tests.fixtures import free_port, mosquitto_bin
+from tests.deploy.deployfiles import DEPLOY, load
+from tests.deploy.mqttprobe import Probe, creds
+from tests.deploy.stack import bridged_host_brokers
 
 uplink = load("robobus_uplink", DEPLOY / "uplink.py")
 
@@ -80,26 +80,9 @@ def test_full_rate_on_request_then_the_default_again_and_bad_requests_are_counte
 
 @pytest.fixture
 def site(tmp_path: Path) -> Iterator[tuple[int, Path, int, Path]]:
-    """(centre port, centre secrets, site port, site secrets): both with the generated config, the site bridged."""
-    exe = mosquitto_bin()
-    if exe is None:
-        pytest.skip("mosquitto is not installed (make test installs it)")
-    central, edge = tmp_path / "central", tmp_path / "edge"
-    assert make_secrets.main(["--dir", str(central), "--central", "--site", "site-a=site-a/robobus"]) == 0
-    cport, eport = free_port(), free_port()
-    (central / "m.conf").write_text(host_broker_conf(central, cport))
-    assert make_secrets.main(["--dir", str(edge), "--root", "site-a/robobus", "--site", "site-a", "--bridge-to",
-                              f"127.0.0.1:{cport}", "--bridge-credentials", str(central / "bridge-site-a.env"),
-                              "--bridge-plain"]) == 0
-    (edge / "m.conf").write_text(host_broker_conf(edge, eport, (edge / "bridge.conf").read_text()))
-    procs = [start_host_broker(exe, central / "m.conf", cport, central),
-             start_host_broker(exe, edge / "m.conf", eport, edge)]
-    yield cport, central, eport, edge
-    for p in procs:
-        p.kill()
-        p.wait(5)
-        if p.stdout:
-            p.stdout.close()
+    """(centre port, centre secrets, site port, site secrets): stack.bridged_host_brokers."""
+    with bridged_host_brokers(tmp_path) as fleet:
+        yield fleet
 
 
 def test_on_real_brokers_the_centre_gets_states_within_the_budget_health_at_once_and_full_rate_on_request(site):
