@@ -301,7 +301,8 @@ def serial_main(a: argparse.Namespace) -> None:
         broker.start()
         sim = subprocess.Popen(
             [sys.executable, "-m", "services.epuck_gateway.sim", "--count", "0", "--serial-count", str(a.serial),
-             "--stamp", "--serial-link", f"{tmp}/tty"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             "--stamp", "--serial-link", f"{tmp}/tty"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         gw: subprocess.Popen[bytes] | None = None
         sub = MqttSession(KitSettings(mqtt_url=broker.url), unique_client_id("bench-epuck-serial"))
         rec = Recorder()

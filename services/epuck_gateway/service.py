@@ -16,10 +16,9 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 from services.epuck_gateway.api import (
-    API,
     ASCII,
     CALIBRATE_IR,
     FAULT,
@@ -38,9 +37,7 @@ from services.epuck_gateway.api import (
     STREAM,
 )
 from services.epuck_gateway.image import to_jpeg, to_png
-from services.epuck_gateway.links.base import link_policy
-from services.epuck_gateway.links.serial import EpuckSerialConfig, EpuckSerialLink, LineDropped
-from services.epuck_gateway.links.wifi import EpuckLink, EpuckLinkConfig
+from services.epuck_gateway.links.base import LineDropped, RobotLink, link_policy
 from services.epuck_gateway.models import (
     EpuckActuators,
     EpuckAsciiReply,
@@ -79,7 +76,6 @@ from services.epuck_gateway.protocols.wifi import (
     LED_BODY,
     MIC_NAMES,
     REQ_IMAGE,
-    REQ_SENSORS,
     RGB_LEDS,
     SOUNDS,
     SPEED_LIMIT,
@@ -96,12 +92,21 @@ from services.epuck_gateway.protocols.wifi import (
     finite,
     gyro_to_dps,
 )
-from services.epuck_gateway.settings import EpuckSerialRobot, EpuckSettings, EpuckWifiRobot
-from shared import CommandError, ErrorCode, JobContext, Node
+from services.epuck_gateway.settings import SERVICE, EpuckSerialRobot, EpuckSettings, EpuckWifiRobot
+from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
+from shared.device import handles, runs
 from shared.lifecycle import Hooks
 from shared.stop_pass import StopPass
+from shared.transports import TransportUnavailable, load_transport
 
 log = logging.getLogger("robobus.epuck")
+
+
+@runtime_checkable
+class AsciiLink(Protocol):
+    """A link that speaks asercom's ASCII mode (the serial link, links/serial.py)."""
+
+    async def ascii(self, line: bytes, timeout_s: float = 1.0, motion: bool = False) -> str: ...
 
 class EpuckRobot:
     """One robot's device on the bus, wired to its link."""
@@ -124,7 +129,7 @@ class EpuckRobot:
         self.sup = self.dev.supervise_link(link_policy(settings.epuck_stale_timeout_s, settings.epuck_reconnect_min_s,
                                                        settings.epuck_reconnect_max_s, settings.epuck_probe_period_s))
         self.sup.device_state("streaming")
-        self.link: EpuckLink | EpuckSerialLink = self._make_link()
+        self.link: RobotLink[Any] = self._make_link()
         self._flashing = False
         self.sensors_gate = RateGate.for_jitter(settings.epuck_sensors_hz)
         self.image_gate = RateGate.for_jitter(settings.epuck_image_fps)
@@ -147,21 +152,16 @@ class EpuckRobot:
         self._stats_prev: tuple[float, int, int, int, int, int] | None = None
         self._bind()
 
-    def _make_link(self) -> EpuckLink | EpuckSerialLink:
-        cfg, settings = self.cfg, self.settings
-        if isinstance(cfg, EpuckSerialRobot):
-            return EpuckSerialLink(cfg.id, EpuckSerialConfig(
-                port=cfg.port, baud=cfg.baud, poll_hz=cfg.poll_hz, image_fps=cfg.image_fps,
-                stale_timeout_s=settings.epuck_stale_timeout_s, reopen_min_s=settings.epuck_reconnect_min_s,
-                reopen_max_s=settings.epuck_reconnect_max_s, probe_period_s=settings.epuck_probe_period_s),
-                self.controller, self._on_packets, self._on_link_state, self._on_framing_error, self.sup)
-        return EpuckLink(cfg.id, EpuckLinkConfig(
-            host=cfg.host, port=cfg.port, connect_timeout_s=settings.epuck_connect_timeout_s,
-            reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
-            probe_period_s=settings.epuck_probe_period_s,
-            stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
-            tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), self.controller, self._on_packets,
-            self._on_link_state, self._on_framing_error, self.sup)
+    def _make_link(self) -> RobotLink[Any]:
+        """The robot's link: the transport its `transport` names (`epuck-gateway.wifi`, `.serial`), loaded by name
+        (shared/transports.py); the factory gets the robot's and the service's settings, the controller, the
+        callbacks and the supervisor."""
+        try:
+            factory = load_transport(SERVICE, self.cfg.transport)
+        except TransportUnavailable as exc:
+            raise ServiceUnavailable(f"robot {self.cfg.id}: {exc}") from None
+        return cast(RobotLink[Any], factory(self.cfg, self.settings, self.controller, self._on_packets,
+                                            self._on_link_state, self._on_framing_error, self.sup))
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -365,19 +365,10 @@ class EpuckRobot:
 
     # -- commands (coroutines: they run on the loop, next to the link) ------------------------------
     def _bind(self) -> None:
-        d = self.dev
-        d.bind(SET_SPEED, self.cmd_set_speed)
-        d.bind(SET_STEPS, self.cmd_set_steps)
-        d.bind(LEDS, self.cmd_leds)
-        d.bind(RGB_CMD, self.cmd_rgb)
-        d.bind(SOUND, self.cmd_sound)
-        d.bind(CALIBRATE_IR, self.cmd_calibrate_ir)
-        d.bind(OBSTACLE, self.cmd_obstacle)
-        d.bind(STREAM, self.cmd_stream)
-        d.bind(SNAPSHOT, self.cmd_snapshot)
-        d.bind_job(FLASH, self._flash_job, self._admit_flash)
-        d.bind(ASCII, self.cmd_ascii)
-        d.on_stop(self.stop_pass.action(self.cfg.id), inline=True)  # one pass for every robot (stop_pass.py)
+        """Every command and the job, each marked on its handler below (`@handles`, `@runs`); the kit refuses to
+        start a node whose robot leaves one unbound."""
+        self.dev.bind_all(self)
+        self.dev.on_stop(self.stop_pass.action(self.cfg.id), inline=True)  # one pass for every robot (stop_pass.py)
 
     # -- the bus stop (docs/kit.md "Stopping everything") ---------------------------------------------
     def stop_now(self) -> float | None:
@@ -403,9 +394,10 @@ class EpuckRobot:
         handler has had its action run on the loop already, and the change must not undo it."""
         return self.node.stop_latch.admit()
 
+    @handles(ASCII)
     async def cmd_ascii(self, req: EpuckAsciiRequest) -> EpuckAsciiReply:
         link = self.link
-        if not isinstance(link, EpuckSerialLink):
+        if not isinstance(link, AsciiLink):
             raise CommandError(ErrorCode.INVALID_REQUEST,
                                f"robot {self.cfg.id} is on WiFi: the ASCII mode is asercom's, over a serial port")
         self._require_link()
@@ -461,6 +453,7 @@ class EpuckRobot:
         except (ValueError, BadFirmware) as exc:
             raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
 
+    @runs(FLASH, admit="_admit_flash")
     def _flash_job(self, req: EpuckFlashRequest, job: JobContext) -> EpuckFlashResult:
         programmer = req.programmer or self.cfg.programmer
         assert programmer is not None and self.node.loop is not None
@@ -517,6 +510,7 @@ class EpuckRobot:
             rgb={name: EpuckColor(red=v[0], green=v[1], blue=v[2]) for name, v in zip(RGB_LEDS, c.rgb, strict=True)},
             obstacle_avoidance=c.obstacle_avoidance, image_stream=self.want_image, sensors_stream=self.want_sensors)
 
+    @handles(SET_SPEED)
     async def cmd_set_speed(self, req: EpuckSetSpeed) -> EpuckActuators:
         self._require_link()
         self._motion_admitted()
@@ -564,38 +558,45 @@ class EpuckRobot:
         log.warning(msg, extra={"robot": self.cfg.id})
         self.dev.emit(FAULT, EpuckFault(kind="motion_timeout", message=msg, ts=ts if ts is not None else time.time()))
 
+    @handles(SET_STEPS)
     async def cmd_set_steps(self, req: EpuckSetSteps) -> EpuckActuators:
         self._require_link()
         self.controller.set_steps(req.left, req.right)
         return self._send()
 
+    @handles(LEDS)
     async def cmd_leds(self, req: EpuckLeds) -> EpuckActuators:
         self._require_link()
         self.controller.set_leds(**req.model_dump())
         return self._send()
 
+    @handles(RGB_CMD)
     async def cmd_rgb(self, req: EpuckRgb) -> EpuckActuators:
         self._require_link()
         colors = [None if c is None else (c.red, c.green, c.blue) for c in (req.led2, req.led4, req.led6, req.led8)]
         self.controller.set_rgb(colors)
         return self._send()
 
+    @handles(SOUND)
     async def cmd_sound(self, req: EpuckSound) -> EpuckActuators:
         self._require_link()
         self.controller.play(SOUNDS[req.sound])
         return self._send()
 
+    @handles(CALIBRATE_IR)
     async def cmd_calibrate_ir(self, req: EpuckEmpty) -> EpuckActuators:
         self._require_link()
         self.controller.calibrate_ir()
         return self._send()
 
+    @handles(OBSTACLE)
     async def cmd_obstacle(self, req: EpuckObstacleAvoidance) -> EpuckActuators:
         self._require_link()
         self._motion_admitted()
         self.controller.obstacle_avoidance = req.enabled
         return self._send()
 
+    @handles(STREAM)
     async def cmd_stream(self, req: EpuckStream) -> EpuckActuators:
         self._require_link()
         if req.image is not None:
@@ -610,6 +611,7 @@ class EpuckRobot:
     def _apply_stream(self) -> None:
         self.controller.set_stream(image=self.want_image or self._snapshot_holds > 0, sensors=self.want_sensors)
 
+    @handles(SNAPSHOT)
     async def cmd_snapshot(self, req: EpuckSnapshotRequest) -> EpuckSnapshot:
         self._require_link()
         loop = asyncio.get_running_loop()
@@ -688,7 +690,7 @@ async def serve(robots: list[EpuckRobot], pool: ThreadPoolExecutor) -> None:
         log.info("all robots stopped")
 
 
-__all__ = ["API", "REQ_IMAGE", "REQ_SENSORS", "EpuckRobot", "EpuckSettings", "serve"]
+__all__ = ["EpuckGateway", "EpuckRobot", "EpuckSettings", "build", "sensors_fields", "sensors_model", "serve"]
 
 
 class EpuckGateway:

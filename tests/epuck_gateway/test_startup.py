@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import sys
 
-from services.epuck_gateway.service import API, EpuckSettings, build
+from services.epuck_gateway.api import API
+from services.epuck_gateway.service import build
+from services.epuck_gateway.settings import EpuckSettings
 from shared import Node
 
 
 def test_every_configured_robot_is_a_device_once_built_before_any_connection() -> None:
     settings = EpuckSettings(mqtt_url="mqtt://127.0.0.1:9", epuck_robots=[
-        {"id": "left", "host": "127.0.0.1", "port": 9}, {"id": "right", "host": "127.0.0.1", "port": 10}])
+        {"id": "left", "host": "127.0.0.1", "port": 9}, {"id": "right", "transport": "serial", "port": "/dev/null9"}])
     node = Node(API, settings)
     interval = sys.getswitchinterval()
     try:
@@ -22,6 +24,13 @@ def test_every_configured_robot_is_a_device_once_built_before_any_connection() -
         assert not node.session.connected.is_set()
         assert set(node.devices) == {"left", "right"}
         assert all(node.devices[r].commands for r in ("left", "right"))  # commands bound: dispatchable
+        # every robot answers the whole contract, each command and the job bound once on its handler (the kit
+        # refuses to start otherwise), a WiFi and a serial robot alike
+        node.check_bindings()
+        for r in ("left", "right"):
+            dev = node.devices[r]
+            assert set(API.commands) <= set(dev.commands) and set(dev.jobs) == set(API.jobs) == {"flash"}
+            assert dev.unbound() == ([], [])
     finally:
         sys.setswitchinterval(interval)
         gateway.pool.shutdown(wait=False)
