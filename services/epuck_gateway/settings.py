@@ -10,8 +10,11 @@ from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 from shared.contract import NAME_RE
 from shared.node import NODE_DEVICE
 from shared.settings import KitSettings
+from shared.transports import check_transport
 
-__all__ = ["EpuckRobotConfig", "EpuckSerialRobot", "EpuckSettings", "EpuckWifiRobot"]
+__all__ = ["SERVICE", "EpuckRobotConfig", "EpuckSerialRobot", "EpuckSettings", "EpuckWifiRobot"]
+
+SERVICE = "epuck-gateway"  # its transports: entry points `robobus.transports` epuck-gateway.<transport>
 
 
 class EpuckWifiRobot(BaseModel):
@@ -107,6 +110,8 @@ class EpuckSettings(KitSettings):
             raise ValueError(f"{NODE_DEVICE!r} is reserved for the node's own state")
         if len(set(ids)) != len(ids):
             raise ValueError(f"robot ids must be unique, got {ids}")
+        for r in v:  # each robot's link is the transport of that name (docs/kit.md, "Transports")
+            check_transport(SERVICE, r.transport)
         addrs = [r.address.split("@")[0] for r in v]
         if len(set(addrs)) != len(addrs):  # a robot serves one client: two links would fight over it
             raise ValueError(f"each robot address may appear once, got {addrs}")

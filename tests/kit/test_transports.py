@@ -61,9 +61,10 @@ def test_every_registered_transport_belongs_to_a_service_and_loads_by_name():
     assert not orphans, f"transports of no registered service: {orphans}"
     registered = _registered()
     # the services whose transport is chosen in their settings: the simulators beside the real ones
-    assert {"ethercat-loop", "can-bootloader"} <= set(registered)
+    assert {"ethercat-loop", "can-bootloader", "epuck-gateway"} <= set(registered)
     assert {"model", "virtual", "nic"} <= set(registered["ethercat-loop"])
     assert "sim" in registered["can-bootloader"]
+    assert {"wifi", "serial"} <= set(registered["epuck-gateway"])
     for svc, names in registered.items():
         for name in names:
             factory = load_transport(svc, name)
@@ -72,10 +73,14 @@ def test_every_registered_transport_belongs_to_a_service_and_loads_by_name():
 
 
 def test_each_service_default_names_a_registered_transport():
+    from services.epuck_gateway.settings import EpuckSerialRobot, EpuckWifiRobot
     from services.ethercat_loop.settings import EthercatSettings
 
     assert EthercatSettings.model_fields["backend"].default in transport_names("ethercat-loop")
     assert EthercatSettings(backend="virtual").backend == "virtual"
+    # an e-puck2's `transport` names its link; WiFi by default
+    assert {EpuckWifiRobot.model_fields["transport"].default, "serial"} <= set(transport_names("epuck-gateway"))
+    assert EpuckSerialRobot(id="r", transport="serial", port="/dev/ttyACM0").transport == "serial"
 
 
 def test_an_unknown_name_lists_the_registered_ones():
@@ -170,7 +175,8 @@ def test_no_service_imports_a_simulator_or_a_transport_module():
     files = _service_files()
     assert len(files) >= 5
     mods = _transport_modules()
-    assert "services.ethercat_loop.model_backend" in mods and "services.can_bootloader.sim" in mods
+    assert {"services.ethercat_loop.model_backend", "services.can_bootloader.sim",
+            "services.epuck_gateway.links.wifi", "services.epuck_gateway.links.serial"} <= mods
     bad = {f"{f.relative_to(REPO)}:{v}" for f in files
            for v in forbidden_imports(f, f"services.{f.parent.name}.service", mods)}
     assert not bad, "\n".join(sorted(bad))

@@ -110,6 +110,11 @@ class OpenFailed(Exception):
     """A link could not be opened (the message says why: the supervisor's `failed`)."""
 
 
+class LineDropped(Exception):
+    """A typed ASCII line that moves the robot was waiting for its slot when the bus stop came: not written (the
+    serial link's ASCII mode; here, so that the service catches it without importing a link)."""
+
+
 class RobotLink(ABC, Generic[H]):
     """One robot's link: the surface and the reconnect loop both links share. `run()` until `close()`;
     `request_write()` after changing the controller."""

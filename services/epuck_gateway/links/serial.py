@@ -48,12 +48,13 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import serial
 
 from services.epuck_gateway.links.base import (
     ErrorHandler,
+    LineDropped,
     OpenFailed,
     OwedHandler,
     PacketsHandler,
@@ -90,6 +91,9 @@ from services.epuck_gateway.protocols.wifi import (
 )
 from shared.link import SupervisedLink
 
+if TYPE_CHECKING:
+    from services.epuck_gateway.settings import EpuckSerialRobot, EpuckSettings
+
 log = logging.getLogger("robobus.epuck.serial")
 
 # Resynchronisation (docs/reference/epuck2.md §6, as Asercom2.c reads its input): 0x00 ends a binary chain the
@@ -123,10 +127,6 @@ class EpuckSerialConfig:
     reopen_max_s: float = 2.0
     probe_period_s: float = 2.0  # an unreachable port: one open attempt per period
     stop_drain_s: float = 0.5
-
-
-class LineDropped(Exception):
-    """A typed ASCII line that moves the robot was waiting for its slot when the bus stop came: not written."""
 
 
 class EpuckSerialLink(RobotLink[serial.Serial]):
@@ -498,3 +498,15 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
         if r.feed(data) is not None and self._reply is not None and not self._reply.done():
             self.stats.garbage_bytes += r.extra
             self._reply.set_result(None)
+
+
+def serial_link(robot: EpuckSerialRobot, settings: EpuckSettings, controller: EpuckController,
+                on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler,
+                supervisor: SupervisedLink) -> EpuckSerialLink:
+    """Transport `epuck-gateway.serial` (a robot's `"transport": "serial"`; entry point `robobus.transports`):
+    asercom v2 on a serial port (Bluetooth SPP, USB)."""
+    return EpuckSerialLink(robot.id, EpuckSerialConfig(
+        port=robot.port, baud=robot.baud, poll_hz=robot.poll_hz, image_fps=robot.image_fps,
+        stale_timeout_s=settings.epuck_stale_timeout_s, reopen_min_s=settings.epuck_reconnect_min_s,
+        reopen_max_s=settings.epuck_reconnect_max_s, probe_period_s=settings.epuck_probe_period_s),
+        controller, on_packets, on_state, on_framing_error, supervisor)

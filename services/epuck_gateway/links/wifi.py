@@ -46,7 +46,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.epuck_gateway.links.base import (
     ErrorHandler,
@@ -72,6 +72,9 @@ from services.epuck_gateway.protocols.wifi import (
     stop_command,
 )
 from shared.link import SupervisedLink
+
+if TYPE_CHECKING:
+    from services.epuck_gateway.settings import EpuckSettings, EpuckWifiRobot
 
 log = logging.getLogger("robobus.epuck.link")
 STOP_LINGER_S = 0.2
@@ -432,3 +435,17 @@ class EpuckLink(RobotLink[asyncio.Transport]):
                 return []
             self._confirmed = True
         return packets
+
+
+def wifi_link(robot: EpuckWifiRobot, settings: EpuckSettings, controller: EpuckController,
+              on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler,
+              supervisor: SupervisedLink) -> EpuckLink:
+    """Transport `epuck-gateway.wifi` (a robot's `"transport": "wifi"`, the default; entry point
+    `robobus.transports`): the radio module's TCP server."""
+    return EpuckLink(robot.id, EpuckLinkConfig(
+        host=robot.host, port=robot.port, connect_timeout_s=settings.epuck_connect_timeout_s,
+        reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
+        probe_period_s=settings.epuck_probe_period_s,
+        stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
+        tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), controller, on_packets, on_state, on_framing_error,
+        supervisor)
