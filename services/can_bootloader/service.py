@@ -65,6 +65,7 @@ from services.can_bootloader.models import (
 from services.can_bootloader.settings import BRIDGE_INTERFACE, SIM_TRANSPORT, CanBootSettings, default_window
 from services.can_bootloader.transport import CanPort, TransportError
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
+from shared.device import handles, runs
 from shared.lifecycle import Hooks
 from shared.link import LinkPolicy, SupervisedLink
 from shared.messages import StopState
@@ -139,11 +140,7 @@ class CanBootService:
             self.link.fault("no CAN bus is configured (can_bus1 and can_bus2 are both null)")
         for port in self.ports.values():
             port.on_garbage = self._on_garbage
-        dev.bind_job(FLASH, self._flash, self._admit_flash)
-        dev.bind_job(FLASH_MANY, self._flash_many, self._admit_flash_many)
-        dev.bind(READ_VERSION, self._read_version)
-        dev.bind(READ_FLASH, self._read_flash)
-        dev.bind(RESET, self._reset)
+        dev.bind_all(self)  # the commands and jobs marked below (@handles, @runs)
         dev.on_stop(self._stop_now)
         self.update_health()
 
@@ -426,6 +423,7 @@ class CanBootService:
         return ex
 
     # -- commands ----------------------------------------------------------------------------------------------
+    @handles(READ_VERSION)
     def _read_version(self, req: BootBoardRequest) -> BootVersionReply:
         a = p.board_address(req.board)
         ex = self._exchange(req.board, version_exchange(a.local_id, self.settings.can_flash.frame_timeout_s),
@@ -433,6 +431,7 @@ class CanBootService:
         reply = ex.pipe.replies[0]
         return BootVersionReply(board=req.board, bus=a.bus, version=reply.data.hex() if reply else "")
 
+    @handles(READ_FLASH)
     def _read_flash(self, req: BootReadRequest) -> BootReadReply:
         a = p.board_address(req.board)
         port = self._port(req.board)
@@ -445,6 +444,7 @@ class CanBootService:
         skip = req.address % 8
         return BootReadReply(board=req.board, bus=a.bus, address=req.address, data=blob[skip:skip + req.length].hex())
 
+    @handles(RESET)
     def _reset(self, req: BootBoardRequest) -> BootResetReply:
         """A motion command: the kit refuses it while the bus stop is active; one that the stop overtakes before
         its RESET leaves is answered `stopped` (the frame held, as in a flash)."""
@@ -483,6 +483,7 @@ class CanBootService:
             else:
                 self._jobs.discard(job)
 
+    @runs(FLASH, admit="_admit_flash")
     def _flash(self, req: FlashRequest, job: JobContext) -> FlashBoardResult:
         image, gen = self._images.pop(id(req))
         port = self._port(req.board)
@@ -506,6 +507,7 @@ class CanBootService:
             raise CommandError(ErrorCode.DEVICE_ERROR, f"board {req.board}: {res.reason}")
         return res
 
+    @runs(FLASH_MANY, admit="_admit_flash_many")
     def _flash_many(self, req: FlashManyRequest, job: JobContext) -> FlashManyResult:
         image, gen = self._images.pop(id(req))
         hold = self._hold(gen)

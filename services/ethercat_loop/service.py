@@ -101,6 +101,7 @@ from services.ethercat_loop.protocol import (
 from services.ethercat_loop.settings import EthercatSettings, link_policy, overrun_threshold
 from services.ethercat_loop.snapshot import PalmSnapshot
 from shared import CommandError, Device, ErrorCode, Node, ServiceUnavailable
+from shared.device import handles
 from shared.lifecycle import Hooks
 from shared.link import LinkState, SupervisedLink
 from shared.messages import StopState
@@ -182,17 +183,7 @@ class PalmService:
         backend.attach_link(_BackendLink(self, self.link))
         backend.on_can_rx(self._on_can_rx)
         d = self.dev
-        d.bind(SET_MODE, self.set_control_mode)
-        # these two only validate and enqueue (a non-blocking pipe write, or a queue): on the MQTT network
-        # thread, without the hand-over to the command pool (one GIL hand-off less on a demand's way)
-        d.bind(SET_DEMANDS, self.set_demands, inline=True)
-        d.bind(NULLIFY, self.nullify, inline=True)
-        d.bind(SET_CONFIG, self.set_motor_config)
-        d.bind(SYSTEM, self.system_controls)
-        d.bind(TEST_ADC, self.test_adc_channels)
-        d.bind(SEND_CAN, self.send_can)
-        d.bind(LEASE, self.bridge_lease)
-        d.bind(RELEASE, self.bridge_release)
+        d.bind_all(self)  # the commands marked below (@handles)
         d.on_stream(CAN_TX, self._on_can_tx)
         # only enqueues (the control pipe, as nullify_demands): on the MQTT network thread, at once
         d.on_stop(self._bus_stop, inline=True)
@@ -549,12 +540,16 @@ class PalmService:
         return self.joint_to_motor
 
     # -- commands -------------------------------------------------------------------------------------
+    @handles(SET_MODE)
     def set_control_mode(self, req: PalmControlModeRequest) -> PalmAck:
         self._require_normal()
         self._mode = req.mode
         self._submit(SetControlMode(req.mode))
         return PalmAck(message=f"{req.mode} mode; demands zeroed")
 
+    # set_demands and nullify only validate and enqueue (a non-blocking pipe write, or a queue): on the MQTT
+    # network thread, without the hand-over to the command pool (one GIL hand-off less on a demand's way)
+    @handles(SET_DEMANDS, inline=True)
     def set_demands(self, req: PalmDemandsRequest) -> PalmDemandsReply:
         self._require_normal()
         demands = dict(req.motors)
@@ -568,10 +563,12 @@ class PalmService:
         self._submit(SetDemands(demands))
         return PalmDemandsReply(motors=demands, mode=self._mode, timeout_ms=self.settings.ethercat_demand_timeout_ms)
 
+    @handles(NULLIFY, inline=True)
     def nullify(self, req: PalmNullifyRequest) -> PalmAck:
         self._submit(NullifyDemands(req.enable))
         return PalmAck(message="demands nullified" if req.enable else "demands enabled")
 
+    @handles(SET_CONFIG)
     def set_motor_config(self, req: PalmMotorConfigRequest) -> PalmMotorConfigReply:
         self._require_normal()
         motors = self._motor_ids(req.motors)
@@ -579,6 +576,7 @@ class PalmService:
         self._submit(SetMotorConfig(motors, cfg))
         return PalmMotorConfigReply(motors=list(motors), crc=config_crc(cfg.words()))
 
+    @handles(SYSTEM)
     def system_controls(self, req: PalmSystemControlsRequest) -> PalmSystemControlsReply:
         self._require_normal()
         motors = self._motor_ids(req.motors)
@@ -614,6 +612,7 @@ class PalmService:
             time.sleep(0.003)
         return None
 
+    @handles(TEST_ADC)
     def test_adc_channels(self, req: PalmAdcTestRequest) -> PalmAdcTestReply:
         self._require_normal()
         lease = self.lease.acquire(TEST_HOLDER, req.timeout_ms + 1000, time.monotonic())
@@ -638,6 +637,7 @@ class PalmService:
         bad = [r.name for r in rows if not r.ok]
         return PalmAdcTestReply(matches=not bad, mismatched=bad, sensors=rows)
 
+    @handles(SEND_CAN)
     def send_can(self, req: PalmSendCanRequest) -> PalmSendCanReply:
         if not self.backend.connected():
             raise CommandError(ErrorCode.UNAVAILABLE, "the palm is not in OP")
@@ -671,6 +671,7 @@ class PalmService:
         sent = PalmCanFrameIn(bus=req.bus, sid=req.sid, data=data.hex())
         return PalmSendCanReply(sent=sent, frames=[frame_out(f) for f in got])
 
+    @handles(LEASE)
     def bridge_lease(self, req: PalmBridgeLeaseRequest) -> PalmBridgeLease:
         if req.holder.startswith("_"):
             raise CommandError(ErrorCode.INVALID_REQUEST, "holder names starting with '_' are reserved")
@@ -685,6 +686,7 @@ class PalmService:
                 log.info("CAN bridge leased", extra={"holder": req.holder, "lease_id": lease.lease_id})
         return PalmBridgeLease(lease_id=lease.lease_id, expires_in_ms=round((lease.expires - now) * 1000))
 
+    @handles(RELEASE)
     def bridge_release(self, req: PalmBridgeReleaseRequest) -> PalmEmpty:
         cur = self.lease.holder(time.monotonic())
         if cur is not None and cur.holder.startswith("_"):
