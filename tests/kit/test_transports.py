@@ -146,7 +146,8 @@ def test_a_package_outside_the_tree_adds_a_transport_to_a_service(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n")[:2] == ["['extra', 'model', 'nic', 'virtual']", "True ModelBackend"], r.stdout
+    names, made = r.stdout.splitlines()[:2]
+    assert "'extra'" in names and "'model'" in names and made == "True ModelBackend", r.stdout
 
 
 # -- no service.py imports a simulator or a concrete transport ------------------------------------------------
