@@ -71,7 +71,7 @@ def bench_virtual(window: int) -> dict[str, Any]:
 
 
 def _start_palm(broker: Broker, name: str) -> tuple[Any, Any, BootBoardSet, threading.Thread]:
-    from services.ethercat_loop.service import API as PALM_API
+    from services.ethercat_loop.api import API as PALM_API
     from services.ethercat_loop.service import build as build_palm
     from services.ethercat_loop.settings import EthercatSettings
 

@@ -72,7 +72,7 @@ from shared.messages import StopState
 from shared.stop import describe
 from shared.transports import TransportUnavailable, load_transport
 
-__all__ = ["API", "CanBootService", "CanBootSettings", "build"]
+__all__ = ["CanBootService", "build"]  # the contract is api.py's, the settings settings.py's
 
 log = logging.getLogger("robobus.can_bootloader")
 

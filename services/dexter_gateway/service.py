@@ -26,7 +26,6 @@ from pydantic_core import to_json
 
 from services.dexter_gateway import protocol as p
 from services.dexter_gateway.api import (
-    API,
     HEARTBEAT,
     MOVE_ALL,
     MOVE_REL,
@@ -897,4 +896,4 @@ def build(node: Node, settings: DexterSettings) -> DexterGateway:
     return DexterGateway(node, settings)
 
 
-__all__ = ["API", "DexterArm", "DexterGateway", "DexterSettings", "build"]
+__all__ = ["DexterArm", "DexterGateway", "build"]  # the contract is api.py's, the settings settings.py's

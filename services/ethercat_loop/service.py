@@ -108,7 +108,7 @@ from shared.messages import StopState
 from shared.stop import LATER
 from shared.transports import TransportUnavailable, load_transport
 
-__all__ = ["API", "EthercatSettings", "PalmService", "build", "make_backend"]
+__all__ = ["PalmService", "build", "make_backend"]  # the contract is api.py's, the settings settings.py's
 log = logging.getLogger("robobus.ethercat")
 SEND_CAN_HOLDER = "_send_can"
 RECOVERY_STEPS_SHOWN = 12

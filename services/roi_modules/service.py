@@ -26,7 +26,6 @@ from typing import Any, TypeVar, cast
 
 from services.roi_modules import protocol as p
 from services.roi_modules.api import (
-    API,
     BLACKLIST,
     CLEAR_ERRORS,
     FAULT,
@@ -1279,4 +1278,4 @@ def build(node: Node, settings: RoiSettings) -> RoiService:
     return svc
 
 
-__all__ = ["API", "RoiService", "RoiSettings", "build"]
+__all__ = ["RoiService", "build"]  # the contract is api.py's, the settings settings.py's

@@ -9,7 +9,9 @@ from typing import Any
 import can
 import pytest
 
-from services.can_bootloader.service import API, CanBootService, CanBootSettings, build
+from services.can_bootloader.api import API
+from services.can_bootloader.service import CanBootService, build
+from services.can_bootloader.settings import CanBootSettings
 from services.can_bootloader.sim import BootBusSim, make_boards
 from services.can_bootloader.transport import CanBusConfig
 from shared import Node

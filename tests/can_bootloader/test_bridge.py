@@ -16,8 +16,10 @@ from typing import Any
 import can
 import pytest
 
+from services.can_bootloader.api import API
 from services.can_bootloader.image import load_intel_hex
-from services.can_bootloader.service import API, CanBootService, CanBootSettings, build
+from services.can_bootloader.service import CanBootService, build
+from services.can_bootloader.settings import CanBootSettings
 from services.can_bootloader.sim import FLAG_RUN_APP, BootBoardSet, make_boards, make_intel_hex
 from services.can_bootloader.transport import CanBusConfig
 from shared import Node
@@ -26,6 +28,7 @@ from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import Broker
 
 palm_loop = pytest.importorskip("services.ethercat_loop.service")
+palm_api = pytest.importorskip("services.ethercat_loop.api")
 palm_settings = pytest.importorskip("services.ethercat_loop.settings")
 
 HEX = make_intel_hex()
@@ -42,7 +45,7 @@ class Palm:
         self.settings = palm_settings.EthercatSettings(mqtt_url=broker.url, node=self.name, backend="model",
                                                        health_interval_s=1.0)
         self.device = self.settings.ethercat_device
-        self.node = Node(palm_loop.API, self.settings)
+        self.node = Node(palm_api.API, self.settings)
         self.svc = palm_loop.build(self.node, self.settings)
         self.backend = self.svc.backend
         self.boards = BootBoardSet(make_boards([3, 8, 13]))

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from services.can_bootloader.service import API, build
+from services.can_bootloader.api import API
+from services.can_bootloader.service import build
 from services.can_bootloader.settings import CanBootSettings
 from services.can_bootloader.transport import CanBusConfig
 from shared import Node

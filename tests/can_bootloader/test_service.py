@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from services.can_bootloader.api import API
 from services.can_bootloader.flasher import FlashConfig
 from services.can_bootloader.image import load_intel_hex
-from services.can_bootloader.service import API
 from services.can_bootloader.settings import CanBootSettings
 from services.can_bootloader.sim import FLAG_RUN_APP, FLAG_STAY, make_intel_hex
 from shared.rpc import RpcClient, wait_for

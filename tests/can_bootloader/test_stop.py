@@ -18,9 +18,9 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from services.can_bootloader import protocol as p
+from services.can_bootloader.api import API
 from services.can_bootloader.flasher import FlashConfig, Flasher, Phase, reset_exchange
 from services.can_bootloader.image import load_intel_hex
-from services.can_bootloader.service import API
 from services.can_bootloader.sim import FLAG_RUN_APP, FLAG_STAY, BootBoard, make_intel_hex
 from shared.contract import command_errors
 from shared.errors import ErrorCode

@@ -13,10 +13,10 @@ import yaml
 from pydantic_settings import BaseSettings
 
 from services.can_bootloader.settings import CanBootSettings
-from services.dexter_gateway.service import DexterSettings
+from services.dexter_gateway.settings import DexterSettings
 from services.epuck_gateway.service import EpuckSettings
 from services.ethercat_loop.settings import EthercatSettings
-from services.roi_modules.service import RoiSettings
+from services.roi_modules.settings import RoiSettings
 from shared.tools.fleet_watch import FleetWatchSettings
 from shared.tools.recorder import RecorderSettings
 from tests.deploy.deployfiles import DEPLOY, REPO

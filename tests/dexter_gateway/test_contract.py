@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.dexter_gateway.service import API
+from services.dexter_gateway.api import API
 from shared.tools.asyncapi import build_document, render_yaml
 
 VALIDATOR = Path(__file__).resolve().parents[2] / "tests/contract/asyncapi-validate"

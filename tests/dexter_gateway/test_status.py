@@ -105,7 +105,7 @@ def test_the_published_reply_is_the_models_json(ints: list[int], us: int, oplet:
 def test_the_unit_settings_reach_the_reply_as_floats() -> None:
     """A float field must get a float: an int 1 would be written `1` where the model writes `1.0`, so the settings
     that scale the servo angles are floats even when given as integers."""
-    from services.dexter_gateway.service import DexterSettings
+    from services.dexter_gateway.settings import DexterSettings
 
     s = DexterSettings(dexter_servo_deg_per_unit=1)
     assert type(s.dexter_servo_deg_per_unit) is float

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from services.ethercat_loop.api import API
 from services.ethercat_loop.model_backend import ModelBackend
-from services.ethercat_loop.service import API, build
+from services.ethercat_loop.service import build
 from services.ethercat_loop.settings import EthercatSettings
 from shared import Node
 from shared.rpc import wait_for

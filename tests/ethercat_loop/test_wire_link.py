@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from services.ethercat_loop.api import API
 from services.ethercat_loop.rig import needs
-from services.ethercat_loop.service import API, build
+from services.ethercat_loop.service import build
 from services.ethercat_loop.settings import EthercatSettings
 from shared import Node
 from shared.tools.localbroker import REPO

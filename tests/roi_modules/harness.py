@@ -12,7 +12,9 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from services.roi_modules.service import API, RoiService, RoiSettings, build
+from services.roi_modules.api import API
+from services.roi_modules.service import RoiService, build
+from services.roi_modules.settings import RoiSettings
 from services.roi_modules.sim import RoiSim, SimModuleSpec
 from shared import Node
 from shared.lifecycle import apply_process_settings

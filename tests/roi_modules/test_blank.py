@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.roi_modules import protocol as p
-from services.roi_modules.service import RoiSettings
+from services.roi_modules.settings import RoiSettings
 from services.roi_modules.sim import SimModuleSpec
 from tests.fixtures import Broker
 from tests.roi_modules.conftest import wait_until

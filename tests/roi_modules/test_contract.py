@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.roi_modules.service import API
+from services.roi_modules.api import API
 from shared import messages
 from shared.tools.asyncapi import build_document, render_yaml
 

@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.roi_modules import protocol as p
-from services.roi_modules.service import RoiSettings
+from services.roi_modules.settings import RoiSettings
 from services.roi_modules.sim import RoiSim, SimModuleSpec
 from tests.fixtures import Broker
 from tests.roi_modules.conftest import fresh_prefix

@@ -15,7 +15,8 @@ import pytest
 from pydantic import ValidationError
 
 from services.roi_modules import protocol as p
-from services.roi_modules.service import API, RoiSettings
+from services.roi_modules.api import API
+from services.roi_modules.settings import RoiSettings
 from services.roi_modules.sim import OdriveFirmware, RoiSim, SimModuleSpec
 from shared.tools.asyncapi import ContractValidator, build_document
 from tests.fixtures import Broker
