@@ -288,7 +288,11 @@ class DocBuilder:
             self.operation(_cid(svc, "emit", name), "send", cid, ev.doc or name, qos=ev.qos)
         calls: list[CommandSpec | JobSpec] = [*api.commands.values(), *api.jobs.values()]
         for spec in sorted(calls, key=lambda c: c.name):
-            self.command(svc, dev, spec)
+            kinds = None
+            if api.kinds:  # the kinds of device that answer it (ServiceAPI.kind)
+                kinds = sorted(k.name for k in api.kinds.values()
+                               if spec.name in (k.jobs if isinstance(spec, JobSpec) else k.commands))
+            self.command(svc, dev, spec, kinds)
         for name, sp in sorted(api.streams.items()):
             cid = _cid(svc, "stream", name)
             self.channel(cid, f"{dev}/stream/{name}",
@@ -299,9 +303,10 @@ class DocBuilder:
             self.operation(_cid(svc, "stream", name), "receive" if sp.direction == "in" else "send", cid,
                            sp.doc or name, qos=sp.qos)
 
-    def command(self, svc: str, dev: str, spec: CommandSpec | JobSpec) -> None:
+    def command(self, svc: str, dev: str, spec: CommandSpec | JobSpec, kinds: list[str] | None = None) -> None:
         """One command: its request channel, its reply channel, and what a client cannot guess
-        (job or not, the error codes, the reply topic and QoS) in the operation's `x-robobus`."""
+        (job or not, the error codes, the reply topic and QoS, and for a service with kinds of device the kinds
+        that answer it) in the operation's `x-robobus`."""
         name = spec.name
         cid = _cid(svc, "cmd", name)
         rid = _cid(svc, "cmd", name, "reply")
@@ -322,6 +327,9 @@ class DocBuilder:
         else:
             reply_model = spec.reply
         doc += f". Error codes: {', '.join(codes)}."
+        if kinds is not None:  # a device of another kind answers not_found
+            contract["kinds"] = kinds
+            doc += f" Devices of kind: {', '.join(kinds)}."
         self.channel(cid, f"{dev}/cmd/{name}",
                      {cid: self.message(cid, self.model(spec.request), summary=doc, correlated=True,
                                         title=f"{svc} command {name}")},

@@ -307,3 +307,16 @@ def test_the_contract_and_settings_are_imported_from_api_and_settings_not_from_s
                 if names:
                     found.append(f"{path.relative_to(REPO)}: {sorted(names)} from {node.module}")
     assert found == []
+
+
+def test_the_asyncapi_document_says_which_kinds_answer_each_command() -> None:
+    from shared.tools.asyncapi import build_document
+
+    ops = build_document([API])["operations"]
+    kinds = {cid.removeprefix("bind-once-test_cmd_"): op["x-robobus"]["kinds"]
+             for cid, op in ops.items() if "x-robobus" in op}
+    assert kinds == {"add": ["full", "gripper"], "grip": ["gripper"], "where": ["full"], "sleep": ["full"],
+                     "count": ["full"], "cancel": ["full"]}
+    assert "Devices of kind: full, gripper." in ops["bind-once-test_cmd_add"]["summary"]
+    plain = build_document([OTHER])["operations"]  # no kinds declared: every device answers every command
+    assert [op for op in plain.values() if "kinds" in op.get("x-robobus", {})] == []
