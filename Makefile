@@ -9,9 +9,9 @@ DASH   := shared/tools/dashboard
 MODELINA := tests/contract/modelina
 MCAPCLI := .venv-mcapcli
 TSEXAMPLE := examples/typescript
-# The suite runs in one process by default (PYTEST_WORKERS=0). PYTEST_WORKERS=3 runs it in three (pytest-xdist):
-# faster, but tests/conftest.py's units (each module whole in one process, the docker tests together) are not yet
-# honoured by xdist's scheduler, so tests of one module may land in different processes and some then fail.
+# The suite runs in one process by default (PYTEST_WORKERS=0). PYTEST_WORKERS=3 runs it in three (pytest-xdist),
+# each of tests/conftest.py's units (a module, the docker modules together, the conformance suite per service)
+# whole in one worker.
 PYTEST_WORKERS ?= 0
 PYTEST_ARGS ?=
 
@@ -79,7 +79,7 @@ lint: setup
 	$(BIN)/mypy shared services $(wildcard bench/*.py)
 
 pytest: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # pytest prints the slowest 15 tests and, from ROBOBUS_TEST_T0, the wall time of the whole `make test`
 test:

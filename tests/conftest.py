@@ -1,5 +1,5 @@
 """The suite's plugin (tests/fixtures.py), one rule for the whole run (tests never write tracked files), and how
-the run is split between pytest-xdist workers (`make test` runs `-n 3 --dist loadgroup`).
+the run is split between pytest-xdist workers (`make test PYTEST_WORKERS=3`).
 
 On a clean checkout (CI, `../shared/tools/fresh-clone-check`), `git status` must be as clean after the run as before
 it: a test that rewrites a tracked file (a screenshot, a generated document) fails the run, naming the files.
@@ -7,13 +7,16 @@ Refresh such files on purpose (`make screenshots`, `make schema`).
 
 Parallel runs: every test module is one unit of work (its module-scoped stacks and its tables of results stay in one
 process); the tests that use docker (`docker_ready`: one image build per run, compose projects) are one unit
-together; a test may name its own unit with `@pytest.mark.xdist_group("name")`. Each worker has its own
+together (`_uses_docker`). xdist's controller hands out whole units (`unit_of`, a scheduler of
+our own on xdist's loadscope: it sees only test ids). Each worker has its own
 session broker on a free port. Units start longest first (`_LONG_FIRST`, measured), so that no long one is
 left to the end. `-n0` runs everything in one process, in the usual order."""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -37,35 +40,58 @@ _LONG_FIRST = (
     "tests/contract/test_codegen.py",
     "tests/dashboard/test_stop_button.py",
 )
-# Modules whose tests are independent of each other (no module-scoped fixture, no shared table), long enough
-# to be worth spreading: each parameter of `stack` (or each test) is its own unit.
-_SPLIT_BY_PARAM = {"tests/conformance/test_conformance.py": "stack"}
+# Modules whose tests are independent of each other between the values of their first parameter (a module-scoped
+# fixture per value, no table shared between values), long enough to be worth spreading: each value is its own unit.
+# The value is the test id's part before its last "-" (`test_fault[roi-modules-absent]`: roi-modules).
+_SPLIT_BY_PARAM = {"tests/conformance/test_conformance.py"}
+# The modules that use docker (a test or fixture of theirs takes `docker_ready`, `images` or `compose_ok`): one
+# unit (one image build per run; compose projects one after the other, since every stack with ethercat-loop takes
+# a share of dockerd's realtime budget and two at once do not fit). tests/deploy's host-only modules (brokers on
+# the host, no container) are units of their own.
+_DOCKER_FIXTURE = re.compile(r"def \w+\([^)]*\b(docker_ready|images|compose_ok)\b", re.S)
 
 
-def _unit(item: pytest.Item) -> str:
-    """The xdist group of a test: see the module's docstring."""
-    if "docker_ready" in getattr(item, "fixturenames", ()):
+@functools.cache
+def _uses_docker(module: str) -> bool:
+    try:
+        return bool(_DOCKER_FIXTURE.search((REPO / module).read_text()))
+    except OSError:
+        return False
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test, from its id alone (xdist's controller sees only ids): see the module's
+    docstring."""
+    module, _, rest = nodeid.partition("::")
+    if module.startswith("tests/deploy/") and _uses_docker(module):
         return "docker"
-    module = item.nodeid.split("::", 1)[0]
-    param = _SPLIT_BY_PARAM.get(module)
-    callspec = getattr(item, "callspec", None)
-    if param and callspec is not None and param in callspec.params:
-        return f"{module}::{callspec.params[param]}"
+    if module in _SPLIT_BY_PARAM and rest.endswith("]") and "[" in rest:
+        value = rest[rest.index("[") + 1:-1].rsplit("-", 1)[0]
+        return f"{module}::{value}"
     return module
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (loadscope's split by module and class)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's loadscope scheduler with our units as its scopes: each unit runs whole in one worker, units are
+    handed out in collection order (`--no-loadscope-reorder`), which the workers sort longest first below."""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class UnitScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return UnitScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not hasattr(config, "workerinput"):
-        return  # a serial run (-n0) or xdist's controller: nothing to group
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_unit(item)))
+        return  # a serial run (-n0) or xdist's controller: the usual order
 
     def rank(item: pytest.Item) -> int:
-        mark = item.get_closest_marker("xdist_group")
-        name = str(mark.args[0] if mark and mark.args else mark.kwargs.get("name", "") if mark else "")
-        return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
+        unit = unit_of(item.nodeid)
+        return _LONG_FIRST.index(unit) if unit in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: file order within a rank, so each module keeps its own order
 

@@ -1,0 +1,36 @@
+"""How a parallel run splits the suite (tests/conftest.py's `unit_of`, used by xdist's controller, which sees only
+test ids): every module whole in one worker, the docker modules together, the conformance suite per service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import REPO, _uses_docker, unit_of
+
+
+def test_a_module_is_one_unit_whatever_its_classes_and_parameters() -> None:
+    assert unit_of("tests/roi_modules/test_service.py::test_a") == "tests/roi_modules/test_service.py"
+    assert unit_of("tests/roi_modules/test_service.py::TestX::test_b[1-2]") == "tests/roi_modules/test_service.py"
+
+
+def test_the_conformance_suite_is_one_unit_per_service() -> None:
+    m = "tests/conformance/test_conformance.py"
+    assert unit_of(f"{m}::test_fault[roi-modules-absent]") == unit_of(f"{m}::test_fault[roi-modules-node_kill9]")
+    assert unit_of(f"{m}::test_fault[roi-modules-absent]") != unit_of(f"{m}::test_fault[dexter-gateway-absent]")
+    assert unit_of(f"{m}::test_every_registered_service_has_a_rig") == m
+
+
+def test_every_module_that_uses_docker_is_in_the_docker_unit_and_only_those() -> None:
+    deploy = sorted(p for p in (REPO / "tests/deploy").glob("test_*.py"))
+    docker = {p.name for p in deploy if _uses_docker(str(p.relative_to(REPO)))}
+    # the modules that build images or run compose projects (their fixtures take `images` / `docker_ready`)
+    assert {"test_compose_sim.py", "test_fleet.py", "test_realtime_container.py"} <= docker, docker
+    # brokers on the host only: units of their own, run beside the docker unit
+    assert {"test_broker_acl.py", "test_loss_stats.py"}.isdisjoint(docker), docker
+    for p in deploy:
+        text = p.read_text()
+        rel = str(p.relative_to(REPO))
+        takes_docker = any(f"{name}:" in text or f"{name})" in text or f"{name}," in text
+                           for name in ("docker_ready", "images", "compose_ok"))
+        assert (unit_of(f"{rel}::test_x") == "docker") == takes_docker, rel
+    assert not _uses_docker(str(Path("tests/deploy/no_such_module.py")))
