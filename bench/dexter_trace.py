@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import itertools
 import json
 import os
@@ -68,6 +69,7 @@ def install_tracer(out: str) -> None:
     def wrap(cls: Any, name: str, before: str | None, after: str | None) -> None:
         orig: Callable[..., Any] = getattr(cls, name)
 
+        @functools.wraps(orig)  # keeps a handler's @handles mark: Device.bind_all still binds it
         def fn(*a: Any, **k: Any) -> Any:
             if before:
                 stamp(before)
@@ -128,12 +130,12 @@ def install_tracer(out: str) -> None:
     wrap(mqtt.MqttSession, "publish", "pub0", None)
 
     if os.environ.get("DEXTER_TRACE_INLINE"):  # experiment: heartbeat on paho's network thread (no pool hop)
-        bind: Callable[..., Any] = svc.DexterArm._bind
+        init: Callable[..., Any] = svc.DexterArm.__init__
 
-        def bind_inline(self: Any) -> None:
-            bind(self)
+        def init_inline(self: Any, *a: Any, **k: Any) -> None:
+            init(self, *a, **k)  # binds the arm's commands (Device.bind_all)
             self.dev.inline.add("heartbeat")
-        setattr(svc.DexterArm, "_bind", bind_inline)  # noqa: B010
+        setattr(svc.DexterArm, "__init__", init_inline)  # noqa: B010
 
     def dump() -> None:
         Path(out).write_text(json.dumps({c.hex(): v for c, v in list(rec.items())}))
