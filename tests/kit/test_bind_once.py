@@ -187,6 +187,7 @@ def test_a_service_without_kinds_binds_its_whole_api() -> None:
 def test_run_service_refuses_to_start_with_the_missing_commands(monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("ROBOBUS_NODE", "bind-refused")
+    monkeypatch.setattr("shared.lifecycle.setup_logging", lambda *a: None)  # the test process's logging stays
     started: list[str] = []
 
     class Svc:
