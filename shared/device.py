@@ -366,9 +366,9 @@ class Device:
                 self.bind(spec, handler, inline=inline)
 
     def unbound(self) -> tuple[list[str], list[str]]:
-        """The commands and jobs of this device's kind that have no handler yet."""
-        return ([c for c in self.kind.commands if c not in self.commands],
-                [j for j in self.kind.jobs if j not in self.jobs])
+        """The commands and jobs of this device's kind that have no handler yet (`cancel` comes with a job)."""
+        jobs = [j for j in self.kind.jobs if j not in self.jobs]
+        return ([c for c in self.kind.commands if c not in self.commands and not (jobs and c == CANCEL.name)], jobs)
 
     def running_jobs(self) -> list[str]:
         return list(self.running)
