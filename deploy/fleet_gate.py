@@ -35,7 +35,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from shared.settings import bound_client_id, load_settings
-from shared.tools.fleet_watch import REACHABLE, FleetWatchSettings
+from shared.tools.fleet_watch import REACHABLE, FleetWatchSettings, fail_over, unique_client_id
 
 log = logging.getLogger("robobus.fleet_gate")
 CMD = "+/+/cmd/+"
@@ -102,7 +102,8 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
         raise SystemExit("fleet-gate: no sites (ROBOBUS_FLEET_SITES='site-a=site-a/robobus ...')")
     gate = Gate(sites)
     b = settings.broker()
-    cid = bound_client_id(b.username, f"fleet-gate-{os.getpid()}")  # the broker binds client ids to users
+    # the broker binds client ids to users; unique per start (fleet_watch.unique_client_id)
+    cid = bound_client_id(b.username, unique_client_id("fleet-gate"))
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv5)
     if b.username:
         client.username_pw_set(b.username, b.password)
@@ -124,9 +125,14 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
         elif ready:
             ready.touch()
 
+    brokers = settings.brokers()  # a clustered centre: its nodes in turn (fleet_watch.fail_over)
+    move = fail_over(client, brokers, "fleet-gate")
+
     def on_disconnect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
         if ready:
             ready.unlink(missing_ok=True)
+        if not stop.is_set():
+            move()
 
     def on_message(c: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         if msg.topic.endswith(f"/{REACHABLE}"):
@@ -150,7 +156,8 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
 
     client.on_connect, client.on_subscribe = on_connect, on_subscribe
     client.on_disconnect, client.on_message = on_disconnect, on_message
-    client.connect_async(b.host, b.port, keepalive=settings.mqtt_keepalive_s)
+    client.on_connect_fail = lambda c, userdata: move()
+    client.connect_async(*brokers[0], keepalive=settings.mqtt_keepalive_s)
     client.loop_start()
     log.info("fleet-gate: %s", sorted(sites))
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -39,6 +40,26 @@ class FleetWatchSettings(KitSettings):
                                          description="No heartbeat for this long: the site is unreachable")
     fleet_watch_ready_file: Path | None = Field(None, description="Exists while connected and subscribed "
                                                                  "(the container's healthcheck)")
+    fleet_brokers: str = Field("", description="A clustered centre's nodes, 'HOST:PORT,HOST:PORT,...': connect to "
+                                               "the first and, when its node fails, to the next in turn (as a "
+                                               "site's bridge, round_robin); empty: ROBOBUS_MQTT_URL's broker")
+
+    @field_validator("fleet_brokers")
+    @classmethod
+    def _brokers(cls, v: str) -> str:
+        for item in filter(None, (a.strip() for a in v.split(","))):
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"bad broker {item!r}: HOST:PORT")
+        return v
+
+    def brokers(self) -> list[tuple[str, int]]:
+        """Where to connect, in order: ROBOBUS_FLEET_BROKERS' nodes, else ROBOBUS_MQTT_URL's broker."""
+        nodes = [a.strip().rpartition(":") for a in self.fleet_brokers.split(",") if a.strip()]
+        if nodes:
+            return [(host, int(port)) for host, _, port in nodes]
+        b = self.broker()
+        return [(b.host, b.port)]
 
     @field_validator("fleet_sites")
     @classmethod
@@ -66,11 +87,15 @@ class Watcher:
         self.counts = {"heartbeats": 0, "unexpected": 0, "unreachable": 0, "reachable": 0}
 
     def restart(self) -> None:
-        """After the watcher's own reconnect: it was deaf, not the sites; give each one timeout again."""
+        """After the watcher's own reconnect: it was deaf, not the sites; give each one timeout again, and publish
+        each state again (the next heartbeat's "1", or "0" a timeout later): on a clustered centre the reconnect
+        may be to another node, and ejabberd gives a retained message only to subscribers of the node it was
+        published through (deploy/README.md, "A clustered centre")."""
         with self._lock:
             t = self._now()
             for r in self.last:
                 self.last[r] = t
+                self.state[r] = None
 
     def heartbeat(self, topic: str) -> None:
         root = topic[: -len(HEARTBEAT) - 1] if topic.endswith("/" + HEARTBEAT) else ""
@@ -99,12 +124,37 @@ class Watcher:
         self._publish(f"{root}/{REACHABLE}", value)
 
 
+def unique_client_id(name: str) -> str:
+    """`<name>-<pid>-<random>`: a client id no earlier start of this program used."""
+    return f"{name}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def fail_over(client: mqtt.Client, brokers: list[tuple[str, int]], who: str) -> Any:
+    """A callback for on_connect_fail and on_disconnect: the client's next (re)connect goes to the next broker in
+    `brokers`, in turn (a clustered centre's nodes); with one broker it does nothing."""
+    at = [0]
+
+    def move(*_: object) -> None:
+        if len(brokers) < 2:
+            return
+        at[0] = (at[0] + 1) % len(brokers)
+        host, port = brokers[at[0]]
+        # paho's host/port setters refuse while its loop is (re)connecting, which is when these callbacks run;
+        # its reconnect reads these two
+        client._host, client._port = host, port
+        log.warning("%s: the next connection to %s:%s", who, host, port)
+
+    return move
+
+
 def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
     roots = settings.roots()
     if not roots:
         raise SystemExit("fleet-watch: no sites (ROBOBUS_FLEET_SITES='site-a=site-a/robobus ...')")
     b = settings.broker()
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fleet-watch-{os.getpid()}",
+    # unique per start: in a container the pid is the same on each start, and ejabberd's mod_mqtt, when a session
+    # with the same client id is replaced, drops the subscription of the new one from its index (deaf from then)
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=unique_client_id("fleet-watch"),
                          protocol=mqtt.MQTTv5)
     if b.username:
         client.username_pw_set(b.username, b.password)
@@ -132,12 +182,18 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
         elif ready:
             ready.touch()
 
+    brokers = settings.brokers()
+    move = fail_over(client, brokers, "fleet-watch")
+
     def on_disconnect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
         if ready:
             ready.unlink(missing_ok=True)
+        if not stop.is_set():
+            move()
 
     def on_connect_fail(c: mqtt.Client, userdata: object) -> None:
-        log.warning("fleet-watch: no broker at %s:%s, retrying", b.host, b.port)
+        log.warning("fleet-watch: no broker at %s:%s, retrying", c.host, c.port)
+        move()
 
     def on_message(c: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         if msg.retain:  # the broker's copy from before we subscribed: says nothing about now
@@ -147,7 +203,7 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
     client.on_connect, client.on_subscribe = on_connect, on_subscribe
     client.on_disconnect, client.on_message = on_disconnect, on_message
     client.on_connect_fail = on_connect_fail
-    client.connect_async(b.host, b.port, keepalive=settings.mqtt_keepalive_s)
+    client.connect_async(*brokers[0], keepalive=settings.mqtt_keepalive_s)
     client.loop_start()
     log.info("fleet-watch: %s, unreachable after %.1f s without a heartbeat", roots, settings.fleet_watch_timeout_s)
     try:

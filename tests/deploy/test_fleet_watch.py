@@ -16,9 +16,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
-from shared.tools.fleet_watch import FleetWatchSettings, Watcher, run
+from shared.tools.fleet_watch import FleetWatchSettings, Watcher, fail_over, run, unique_client_id
 from tests.deploy.deployfiles import host_broker_conf, make_secrets
 from tests.deploy.mqttprobe import Probe, creds
 from tests.fixtures import free_port, mosquitto_bin
@@ -79,6 +81,44 @@ def test_the_watchers_own_reconnect_gives_each_site_a_new_timeout(w):
     watcher.restart()
     watcher.tick()
     assert ("site-a/robobus/_bridge/reachable", "0") not in sent
+
+
+def test_after_its_own_reconnect_the_watcher_publishes_each_sites_state_again(w):
+    """On a clustered centre the reconnect may be to another node, where ejabberd has none of the retained states
+    published through the old one: the next heartbeat says "1" again, a silent site "0" one timeout later."""
+    watcher, clock, sent = w
+    beat = "site-a/robobus/_bridge/uptime"
+    clock.t += 3
+    watcher.heartbeat(beat)
+    clock.t += 3
+    watcher.tick()  # site-b: 6 s without a heartbeat
+    assert sent == [("site-a/robobus/_bridge/reachable", "1"), ("site-b/robobus/_bridge/reachable", "0")]
+    watcher.restart()
+    watcher.heartbeat(beat)
+    clock.t += 3
+    watcher.heartbeat(beat)
+    clock.t += 2
+    watcher.tick()
+    assert sent[2:] == [("site-a/robobus/_bridge/reachable", "1"), ("site-b/robobus/_bridge/reachable", "0")]
+
+
+def test_the_nodes_of_a_clustered_centre_in_turn():
+    nodes = "ejabberd1:1883, ejabberd2:1883,ejabberd3:1883"
+    s = FleetWatchSettings(fleet_brokers=nodes, mqtt_url="mqtt://x:1")
+    assert s.brokers() == [("ejabberd1", 1883), ("ejabberd2", 1883), ("ejabberd3", 1883)]
+    assert FleetWatchSettings(mqtt_url="mqtt://centre:1884").brokers() == [("centre", 1884)]
+    for bad in ("ejabberd1", "ejabberd1:x", ":1883", "e:70000"):
+        with pytest.raises(ValueError):
+            FleetWatchSettings(fleet_brokers=bad)
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="t", protocol=mqtt.MQTTv5)
+    client.connect_async("ejabberd1", 1883)
+    move = fail_over(client, s.brokers(), "test")
+    seen = []
+    for _ in range(4):
+        move()
+        seen.append((client.host, client.port))
+    assert seen == [("ejabberd2", 1883), ("ejabberd3", 1883), ("ejabberd1", 1883), ("ejabberd2", 1883)]
+    assert unique_client_id("fleet-watch") != unique_client_id("fleet-watch")
 
 
 def test_foreign_topics_are_counted(w):
@@ -243,5 +283,5 @@ def test_a_command_to_a_cut_site_is_answered_unavailable_at_the_centre(host_flee
         stop.set()
         for t in threads:
             t.join(10)
-        for p in (node, viewer):
-            p.close()
+        for probe in (node, viewer):
+            probe.close()
