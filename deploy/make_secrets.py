@@ -336,7 +336,8 @@ def ejabberd_conf(acl_text: str, users: list[str]) -> str:
     out += ["api_permissions:", '  "console commands":', "    from: [ejabberd_ctl]", "    who: all", '    what: "*"',
             # mod_admin_extra: ejabberdctl's change_password, with which a restarted first node
             # (ejabberd/entrypoint.sh) sets its users' passwords again
-            "modules:", "  mod_admin_extra: {}", "  mod_mqtt:", "    max_queue: 10000", "    session_expiry: 0", "    max_topic_depth: 12",
+            "modules:", "  mod_admin_extra: {}",
+            "  mod_mqtt:", "    max_queue: 10000", "    session_expiry: 0", "    max_topic_depth: 12",
             "    access_publish:", *(f'      "{t}": {r}' for t, r in pub.items()),
             "    access_subscribe:", *(f'      "{t}": {r}' for t, r in sub.items()), ""]
     return "\n".join(out)
