@@ -2,9 +2,10 @@
 and two simulated sites, each its own compose project whose broker bridges to the cluster, listing every node
 (site-a: node 1 first, site-b: node 3 first), over TLS with the fleet's CA. A site's telemetry is seen at the
 centre through any node; a command from a client on node 1 reaches the site bridged to node 3 and its reply comes
-back; when the node a site is bridged to is killed, the bridge is on another node within 10 s and no QoS 1
-message the site sent until 2 s after the reconnect is lost (later it does not hold). What ejabberd does
-differently from the single mosquitto centre: deploy/README.md, "A clustered centre"."""
+back; when the node a site is bridged to is killed, the bridge is on the next node within 10 s and stays there,
+no QoS 1 message the site sent before, during or for 20 s after the move is lost or late, its health is read
+retained at that node, and fleet-watch publishes the fleet's status there; the killed node comes back. What
+ejabberd does differently from the single mosquitto centre: deploy/README.md, "A clustered centre"."""
 
 from __future__ import annotations
 
