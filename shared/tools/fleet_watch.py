@@ -6,6 +6,13 @@ every 6 s; deploy/README.md "A fleet"). So each site's broker bridges its own `$
 {root}/_bridge/uptime (`sys_interval 1`: 2.0.11 publishes it every 2 s), and this watcher, at the centre,
 publishes {root}/_bridge/reachable -- retained, "1" / "0" like the bridge's notification -- "0" when no
 heartbeat came for `fleet_watch_timeout_s`, "1" again on the next one.
+
+On a broker whose subscription index can lose a subscriber (ejabberd's mod_mqtt at a clustered centre: the
+watcher's subscription still listed, its entry in the node's index of filters gone, so nothing is delivered to it;
+deploy/README.md "A clustered centre"), `fleet_watch_resubscribe_s` > 0 makes the watcher SUBSCRIBE again (which
+puts the filters back into the node's index) every that many seconds, and, before it says a site is unreachable:
+a site quiet past the timeout is declared "0" only if no heartbeat came in the heartbeat period after the SUBACK
+of a SUBSCRIBE sent once it went quiet. 0 (the default, mosquitto): neither.
     ROBOBUS_FLEET_SITES="site-a=site-a/robobus site-b=site-b/robobus" robobus fleet-watch
 """
 
@@ -16,6 +23,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -40,6 +48,11 @@ class FleetWatchSettings(KitSettings):
                                          description="No heartbeat for this long: the site is unreachable")
     fleet_watch_ready_file: Path | None = Field(None, description="Exists while connected and subscribed "
                                                                  "(the container's healthcheck)")
+    fleet_watch_resubscribe_s: float = Field(
+        0.0, ge=0, le=3600,
+        description="A broker that can lose a subscriber from its index (ejabberd): subscribe again every this many "
+                    "seconds, and before saying a site is unreachable (then only if no heartbeat came within one "
+                    "heartbeat period after that SUBSCRIBE's SUBACK); 0: never (mosquitto)")
     fleet_brokers: str = Field("", description="A clustered centre's nodes, 'HOST:PORT,HOST:PORT,...': connect to "
                                                "the first and, when its node fails, to the next in turn (as a "
                                                "site's bridge, round_robin); empty: ROBOBUS_MQTT_URL's broker")
@@ -75,16 +88,29 @@ class FleetWatchSettings(KitSettings):
 
 
 class Watcher:
-    """Per site root: the last heartbeat's time and the state last published (None: nothing yet)."""
+    """Per site root: the last heartbeat's time and the state last published (None: nothing yet).
 
-    def __init__(self, roots: list[str], timeout_s: float, publish: Any, now: Any = time.monotonic) -> None:
+    With `subscribe` (sends the heartbeat SUBSCRIBE again, returns its message id) and `resubscribe_s` > 0: a
+    SUBSCRIBE again every `resubscribe_s`, and a site quiet past the timeout is said unreachable only once a
+    SUBSCRIBE sent after it went quiet was acknowledged (`suback`) and one heartbeat period more passed without
+    its heartbeat (a SUBSCRIBE not acknowledged within the timeout does not hold the verdict back longer)."""
+
+    def __init__(self, roots: list[str], timeout_s: float, publish: Any, now: Any = time.monotonic,
+                 subscribe: Callable[[], int | None] | None = None, resubscribe_s: float = 0.0,
+                 period_s: float = HEARTBEAT_PERIOD_S) -> None:
         self.timeout_s = timeout_s
         self._publish = publish  # (topic, payload) -> None, retained, QoS 1
         self._now = now
+        self._subscribe = subscribe if resubscribe_s > 0 else None
+        self.resubscribe_s = resubscribe_s
+        self.period_s = period_s
         self._lock = threading.Lock()
         self.last: dict[str, float] = {r: now() for r in roots}  # a site never heard of gets one timeout
         self.state: dict[str, str | None] = {r: None for r in roots}
-        self.counts = {"heartbeats": 0, "unexpected": 0, "unreachable": 0, "reachable": 0}
+        self.counts = {"heartbeats": 0, "unexpected": 0, "unreachable": 0, "reachable": 0, "resubscribed": 0}
+        self._asked: float | None = None  # when the last SUBSCRIBE went out
+        self._asked_mid: int | None = None
+        self._acked: dict[int, float] = {}  # SUBACKs by message id (one may come before subscribe() returns)
 
     def restart(self) -> None:
         """After the watcher's own reconnect: it was deaf, not the sites; give each one timeout again, and publish
@@ -96,6 +122,23 @@ class Watcher:
             for r in self.last:
                 self.last[r] = t
                 self.state[r] = None
+            self._asked, self._asked_mid, self._acked = None, None, {}
+
+    def subscribed(self, mid: int | None) -> None:
+        """A heartbeat SUBSCRIBE went out (the one at connect too)."""
+        with self._lock:
+            self._asked, self._asked_mid = self._now(), mid
+            self._acked = {m: t for m, t in self._acked.items() if m == mid}
+
+    def suback(self, mid: int) -> None:
+        with self._lock:
+            self._acked[mid] = self._now()
+
+    def _resubscribe(self) -> None:
+        assert self._subscribe is not None
+        self.counts["resubscribed"] += 1
+        log.info("fleet-watch: subscribing to the heartbeats again")
+        self.subscribed(self._subscribe())
 
     def heartbeat(self, topic: str) -> None:
         root = topic[: -len(HEARTBEAT) - 1] if topic.endswith("/" + HEARTBEAT) else ""
@@ -111,8 +154,26 @@ class Watcher:
         with self._lock:
             t = self._now()
             late = [r for r, seen in self.last.items() if t - seen > self.timeout_s]
-        for r in late:
-            self._set(r, "0")
+            if self._subscribe is not None:
+                # reference: deploy/README.md "A clustered centre" (ejabberd's per-node index of subscribed filters)
+                quiet = {r: self.last[r] + self.timeout_s for r in late if self.state[r] != "0"}  # root -> since
+                asked = self._asked
+                acked = self._acked.get(self._asked_mid) if self._asked_mid is not None else None
+        if self._subscribe is None:
+            for r in late:
+                self._set(r, "0")
+            return
+        if any(asked is None or asked < since for since in quiet.values()):
+            self._resubscribe()  # a site went quiet since the last SUBSCRIBE: first put it back into the index
+            return
+        if not quiet:
+            if asked is None or t - asked >= self.resubscribe_s:
+                self._resubscribe()  # every resubscribe_s (not while a verdict waits on the last one)
+            return
+        assert asked is not None
+        if (acked is not None and t - acked > self.period_s) or (acked is None and t - asked > self.timeout_s):
+            for r in quiet:
+                self._set(r, "0")
 
     def _set(self, root: str, value: str) -> None:
         with self._lock:
@@ -165,18 +226,22 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
         client.tls_insecure_set(settings.mqtt_tls_insecure)
     client.reconnect_delay_set(1, 5)
     ready = settings.fleet_watch_ready_file
+    filters = [(f"{r}/{HEARTBEAT}", 0) for r in roots]
     watcher = Watcher(roots, settings.fleet_watch_timeout_s,
-                      lambda topic, value: client.publish(topic, value, qos=1, retain=True))
+                      lambda topic, value: client.publish(topic, value, qos=1, retain=True),
+                      subscribe=lambda: client.subscribe(filters)[1],
+                      resubscribe_s=settings.fleet_watch_resubscribe_s)
 
     def on_connect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
         if rc.is_failure:
             log.error("fleet-watch: broker refused the connection: %s", rc)
             return
         watcher.restart()
-        c.subscribe([(f"{r}/{HEARTBEAT}", 0) for r in roots])
+        watcher.subscribed(c.subscribe(filters)[1])
 
     def on_subscribe(c: mqtt.Client, userdata: object, mid: int, rcs: list[Any], props: object) -> None:
         refused = [str(rc) for rc in rcs if rc.is_failure]
+        watcher.suback(mid)
         if refused:
             log.error("fleet-watch: heartbeat subscriptions refused: %s", refused)
         elif ready:
@@ -205,7 +270,9 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
     client.on_connect_fail = on_connect_fail
     client.connect_async(*brokers[0], keepalive=settings.mqtt_keepalive_s)
     client.loop_start()
-    log.info("fleet-watch: %s, unreachable after %.1f s without a heartbeat", roots, settings.fleet_watch_timeout_s)
+    log.info("fleet-watch: %s, unreachable after %.1f s without a heartbeat%s", roots, settings.fleet_watch_timeout_s,
+             f" (subscribing again every {settings.fleet_watch_resubscribe_s:g} s and before that verdict)"
+             if settings.fleet_watch_resubscribe_s else "")
     try:
         while not stop.wait(0.1):
             if client.is_connected():

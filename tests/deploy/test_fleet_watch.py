@@ -102,6 +102,137 @@ def test_after_its_own_reconnect_the_watcher_publishes_each_sites_state_again(w)
     assert sent[2:] == [("site-a/robobus/_bridge/reachable", "1"), ("site-b/robobus/_bridge/reachable", "0")]
 
 
+class Subscriber:
+    """The watcher's SUBSCRIBE on a fake clock: each call a new message id, acknowledged by the test."""
+
+    def __init__(self) -> None:
+        self.mids: list[int] = []
+
+    def __call__(self) -> int:
+        self.mids.append(len(self.mids) + 1)
+        return self.mids[-1]
+
+
+@pytest.fixture
+def rw() -> tuple[Watcher, Clock, list[tuple[str, str]], Subscriber]:
+    """A watcher that subscribes again (ejabberd's lost index entry): every 30 s, and before a verdict."""
+    clock, sent, sub = Clock(), [], Subscriber()
+    watcher = Watcher(["site-a/robobus", "site-b/robobus"], 4.0, lambda t, v: sent.append((t, v)), clock,
+                      subscribe=sub, resubscribe_s=30.0)
+    watcher.subscribed(0)  # the SUBSCRIBE at connect
+    watcher.suback(0)
+    return watcher, clock, sent, sub
+
+
+def test_a_quiet_site_is_subscribed_again_before_it_is_said_unreachable(rw):
+    """A site whose heartbeat stopped reaching the watcher (on ejabberd: the subscription dropped from the node's
+    index while still listed) is not "0" at the timeout: the watcher subscribes again, and when the heartbeat comes
+    after that SUBACK the site never was "0"."""
+    watcher, clock, sent, sub = rw
+    for r in ("site-a", "site-b"):
+        watcher.heartbeat(f"{r}/robobus/_bridge/uptime")
+    clock.t += 4.5
+    watcher.tick()  # both quiet past the timeout: a SUBSCRIBE, no verdict yet
+    assert sub.mids == [1] and len(sent) == 2
+    clock.t += 0.1
+    watcher.tick()
+    assert sub.mids == [1] and len(sent) == 2  # once, not at every tick
+    watcher.suback(1)
+    clock.t += 1.0
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")  # the index holds the watcher again
+    watcher.heartbeat("site-b/robobus/_bridge/uptime")
+    for _ in range(20):
+        clock.t += 0.5
+        watcher.tick()
+        if clock.t % 2 < 0.5:
+            watcher.heartbeat("site-a/robobus/_bridge/uptime")
+            watcher.heartbeat("site-b/robobus/_bridge/uptime")
+    assert ("site-a/robobus/_bridge/reachable", "0") not in sent and ("site-b/robobus/_bridge/reachable", "0") \
+        not in sent, sent
+    assert watcher.counts["resubscribed"] == 1
+
+
+def test_a_quiet_site_is_unreachable_one_heartbeat_period_after_the_suback(rw):
+    watcher, clock, sent, sub = rw
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")
+    watcher.heartbeat("site-b/robobus/_bridge/uptime")
+    clock.t += 4.5
+    watcher.heartbeat("site-b/robobus/_bridge/uptime")
+    watcher.tick()
+    assert sub.mids == [1] and len(sent) == 2
+    clock.t += 1.0
+    watcher.tick()  # no SUBACK yet: waiting
+    assert len(sent) == 2
+    watcher.suback(1)
+    clock.t += 2.0
+    watcher.tick()  # exactly one heartbeat period after the SUBACK: not yet
+    assert len(sent) == 2
+    clock.t += 0.5
+    watcher.heartbeat("site-b/robobus/_bridge/uptime")
+    watcher.tick()
+    assert sent[2:] == [("site-a/robobus/_bridge/reachable", "0")]
+    clock.t += 5
+    watcher.heartbeat("site-b/robobus/_bridge/uptime")
+    watcher.tick()
+    assert sub.mids == [1] and sent[3:] == []  # a site said "0" is not subscribed for again and again
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")
+    assert sent[3:] == [("site-a/robobus/_bridge/reachable", "1")]
+
+
+def test_a_subscribe_not_acknowledged_does_not_hold_the_verdict_back_past_another_timeout(rw):
+    watcher, clock, sent, sub = rw
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")
+    clock.t += 4.5
+    watcher.tick()
+    assert sub.mids == [1]
+    clock.t += 4.0
+    watcher.tick()
+    assert ("site-a/robobus/_bridge/reachable", "0") not in sent
+    clock.t += 0.5
+    watcher.tick()
+    assert ("site-a/robobus/_bridge/reachable", "0") in sent
+
+
+def test_sites_never_heard_of_after_a_connect_are_subscribed_for_again_first(rw):
+    """Deaf from its start (seen on ejabberd at a cluster's first start and after the watcher's move to another
+    node): the sites are not all "0" at the first timeout; the SUBSCRIBE again brings their heartbeats."""
+    watcher, clock, sent, sub = rw
+    watcher.restart()
+    watcher.subscribed(7)
+    watcher.suback(7)
+    clock.t += 4.5
+    watcher.tick()
+    assert sub.mids == [1] and sent == []
+    watcher.suback(1)
+    clock.t += 0.5
+    watcher.heartbeat("site-a/robobus/_bridge/uptime")
+    clock.t += 2.0
+    watcher.tick()
+    assert sent == [("site-a/robobus/_bridge/reachable", "1"), ("site-b/robobus/_bridge/reachable", "0")]
+
+
+def test_the_watcher_subscribes_again_every_resubscribe_s_and_not_without_the_setting(rw):
+    watcher, clock, sent, sub = rw
+    for _ in range(int(95 / 0.5)):  # 95 s of heartbeats every 2 s, ticks every 0.5 s
+        clock.t += 0.5
+        if clock.t % 2 < 0.5:
+            watcher.heartbeat("site-a/robobus/_bridge/uptime")
+            watcher.heartbeat("site-b/robobus/_bridge/uptime")
+        watcher.tick()
+        if sub.mids and sub.mids[-1] not in watcher._acked:
+            watcher.suback(sub.mids[-1])
+    assert sub.mids == [1, 2, 3]  # at 30, 60, 90 s
+    assert all(v == "1" for _, v in sent)
+    # without it (mosquitto, the default): the verdict at the timeout, no SUBSCRIBE
+    clock2, sent2, sub2 = Clock(), [], Subscriber()
+    plain = Watcher(["site-a/robobus"], 4.0, lambda t, v: sent2.append((t, v)), clock2, subscribe=sub2)
+    plain.heartbeat("site-a/robobus/_bridge/uptime")
+    clock2.t += 4.5
+    plain.tick()
+    assert sent2[1:] == [("site-a/robobus/_bridge/reachable", "0")] and sub2.mids == []
+    assert FleetWatchSettings().fleet_watch_resubscribe_s == 0
+
+
 def test_the_nodes_of_a_clustered_centre_in_turn():
     nodes = "ejabberd1:1883, ejabberd2:1883,ejabberd3:1883"
     s = FleetWatchSettings(fleet_brokers=nodes, mqtt_url="mqtt://x:1")
