@@ -42,8 +42,10 @@ def start_gateway(broker: Broker, spawn: Any, client: RpcClient, robots: list[di
 
 def stop_after(robot: EpuckSerialSimRobot, since: int, after: float = 0.0) -> float | None:
     """When the robot applied the first -0x09 with speeds 0 among those from index `since` and later than
-    `after` (monotonic)."""
-    for cmd, at in zip(robot.received[since:], robot.received_at[since:], strict=True):
+    `after` (monotonic). The simulator's thread appends to `received`, then to `received_at`: the commands read are
+    those whose time is already there."""
+    n = len(robot.received_at)
+    for cmd, at in zip(robot.received[since:n], robot.received_at[since:n], strict=True):
         if cmd.left == 0 and cmd.right == 0 and at > after:
             return at
     return None
@@ -62,7 +64,9 @@ def test_an_ascii_motion_arms_the_deadman_and_shows_in_the_state(broker_session:
                                                                 client: RpcClient, tmp_path: Path) -> None:
     serial = EpuckSerialSimThread(1, str(tmp_path / "ttyEPUCK")).start()
     robot = serial.robots[0]
-    timeout_s = 1.0
+    # The robot's speed and the state are read after the line's answer, while the deadman (armed before the line
+    # went) runs: two seconds leave a busy machine room for the answer and one more call before it fires.
+    timeout_s = 2.0
     try:
         proc, bus = start_gateway(broker_session, spawn, client,
                                   [{"id": "usb1", "transport": "serial", "port": robot.link}], int(timeout_s * 1000))
@@ -71,7 +75,7 @@ def test_an_ascii_motion_arms_the_deadman_and_shows_in_the_state(broker_session:
             rep = client.call(NODE, "usb1", "ascii", {"line": line}, timeout=10)
             t_reply = time.monotonic()
             assert rep.ok and rep.result["reply"] == "d", rep.raw
-            assert robot.world.speed_left == 250  # the robot drives
+            assert robot.world.speed_left == 250  # the robot drives (it set the speed before it answered `d`)
             state = client.call(NODE, "usb1", "stream", {}, timeout=10)  # an empty `stream` reads the state
             assert state.ok, state.raw
             assert state.result["left_speed"] == 250 and state.result["right_speed"] == 250, state.result
