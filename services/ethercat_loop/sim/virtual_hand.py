@@ -5,7 +5,8 @@ once per cycle by the shared palm model (`palm_model.PalmModel`).
 Run it on one end of a veth pair (netns.py does the plumbing):
     python -m services.ethercat_loop.sim.virtual_hand --iface ech0 --protocol 0220 --control /run/x.sock
 Faults are injected at run time through the control socket (`HandControl`), or from the start
-with --drop-every / --delay-every / --answer-twice / --late-us.
+with --drop-every / --delay-every / --answer-twice / --late-us / --stale-sii-reply /
+--stall-at-frame.
 
 The bus stop's stamp (tests, bench/stop.py): once armed (the control op `watch_stop`, or `--watch-stop`, re-armed
 by SIGHUP), the palm stamps the first demand frame (TO_MOTOR type DEMAND_TORQUE or DEMAND_PWM) whose 20 demands are
@@ -52,11 +53,22 @@ from services.ethercat_loop.protocol import (
     ToMotorDataType,
     unpack_command,
 )
-from services.ethercat_loop.sim.esc import AL_CODE_SM_WATCHDOG, OP, REG_FMMU0, SAFEOP, Esc, EscChain, ExpectedSm
+from services.ethercat_loop.sim.esc import (
+    AL_CODE_SM_WATCHDOG,
+    OP,
+    REG_EEPADR,
+    REG_EEPDAT,
+    REG_FMMU0,
+    SAFEOP,
+    Esc,
+    EscChain,
+    ExpectedSm,
+)
 from services.ethercat_loop.sim.esc_frames import (
     ETH_HEADER_LEN,
     ETHERTYPE_ECAT,
     Cmd,
+    Datagram,
     FrameError,
     build_datagrams,
     parse_datagrams,
@@ -98,6 +110,16 @@ class HandOptions:
     answer_twice: bool = False  # every process-data frame is answered twice (the same reply, back to back)
     late_us: int = 0  # every process-data reply leaves this late, without holding up the frames after it
     garbage: bool = False  # no slave: every EtherCAT frame is answered with garbage (`garbage_replies`)
+    # >= 0: the first master read of the palm's SII data register (FPRD 0x0508) for the 8-byte block holding this
+    # SII word is answered late, behind a stale reply: the reply the hand last sent under the same datagram index
+    # (`VirtualHand.stale_first`). What a stalled hand does to a master that kept sending: SOEM has 16 indices, so
+    # after 16 timed-out datagrams the reply to an old one carries the index of the one now waiting.
+    stale_sii_word: int = -1
+    # > 0: on the Nth frame (counted from the start) the hand stalls stall_ms before handling it, the frames behind
+    # it queueing meanwhile, then answers them all in order: a hand starved of CPU (or a VM's descheduled vCPU),
+    # which a master that gave up waiting meets as a burst of late replies
+    stall_frame: int = 0
+    stall_ms: int = 60
 
 
 def palm_product(opts: HandOptions) -> int:
@@ -156,6 +178,7 @@ class Faults:
     late: int = 0  # the next N process-data replies leave late_us late (scheduled: later frames are not held up)
     late_us: int = 0
     late_always: bool = False
+    stale_sii: int = 0  # SII data reads (HandOptions.stale_sii_word) still to be answered behind a stale reply
 
 
 @dataclass
@@ -168,6 +191,8 @@ class HandStats:
     corrupted: int = 0
     duplicated: int = 0  # replies sent a second time
     answered_late: int = 0  # replies scheduled late_us after their frame
+    stale_replies: int = 0  # stale replies sent ahead of the real one (HandOptions.stale_sii_word)
+    stalls: int = 0  # stalls done (HandOptions.stall_frame)
     palm_cycles: int = 0
     left_op: int = 0
     power_cycles: int = 0
@@ -255,9 +280,11 @@ class VirtualHand:
         self.stats = HandStats()
         self.faults = Faults(delay_us=opts.delay_us, drop_every=opts.drop_every, delay_every=opts.delay_every,
                              lose_fmmu_replies=opts.lose_fmmu_replies, twice_always=opts.answer_twice,
-                             late_us=opts.late_us, late_always=opts.late_us > 0)
+                             late_us=opts.late_us, late_always=opts.late_us > 0,
+                             stale_sii=1 if opts.stale_sii_word >= 0 else 0)
         self.copies = 1  # how many times the frame just handled is to be answered (2: a duplicate)
         self.late_ns = 0  # > 0: its reply leaves this long after the frame arrived, scheduled (not a sleep)
+        self.stale_first = False  # the frame just handled is answered behind the last reply sent under its index
         self.firmware = PalmFirmware(self.palm, self.info, model, self.stats, opts.watch)
         self._palm_state = self.palm.al_state
         self.off_until_ns: int | None = None  # powered off until then (a power cycle in progress)
@@ -283,7 +310,10 @@ class VirtualHand:
         """One EtherCAT payload in; (reply payload or None to drop it, delay in µs). `copies` and `late_ns`
         say how a process-data reply is to be sent: twice, and/or scheduled late."""
         self.stats.frames += 1
-        self.copies, self.late_ns = 1, 0
+        self.copies, self.late_ns, self.stale_first = 1, 0, False
+        if self.stats.frames == self.opts.stall_frame:
+            time.sleep(self.opts.stall_ms / 1000)  # starved: every frame behind this one waits in the socket
+            self.stats.stalls += 1
         if self.off_until_ns is not None:
             if time.monotonic_ns() < self.off_until_ns:
                 self.stats.frames_while_off += 1
@@ -296,6 +326,9 @@ class VirtualHand:
             return None, 0
         self.chain.process(dgs)
         self._watch_state()
+        if self.faults.stale_sii > 0 and self._reads_sii_word(dgs, self.opts.stale_sii_word):
+            self.faults.stale_sii -= 1
+            self.stale_first = True
         delay = 0
         if self.faults.lose_fmmu_replies > 0 and any(d.cmd == Cmd.FPWR and REG_FMMU0 <= d.ado < REG_FMMU0 + 0x100
                                                     for d in dgs):
@@ -328,6 +361,13 @@ class VirtualHand:
                 for d in dgs:
                     d.wkc = (d.wkc + 7) & 0xFFFF
         return build_datagrams(dgs), delay
+
+    def _reads_sii_word(self, dgs: list[Datagram], word: int) -> bool:
+        """Whether one of these datagrams read the palm's SII data register while it held `word` (8 bytes, 4 words
+        from the last read command's address)."""
+        (adr,) = struct.unpack_from("<I", self.palm.mem, REG_EEPADR)
+        return adr <= word < adr + 4 and any(
+            d.cmd == Cmd.FPRD and d.adp == self.palm.station_address and d.ado == REG_EEPDAT and d.wkc for d in dgs)
 
     def _watch_state(self) -> None:
         st = self.palm.al_state | (0x10 if self.palm.al_error else 0)
@@ -387,7 +427,9 @@ class VirtualHand:
         return {
             "frames": s.frames, "pd_frames": s.pd_frames, "garbage": s.garbage, "dropped": s.dropped,
             "delayed": s.delayed, "corrupted": s.corrupted, "duplicated": s.duplicated,
-            "answered_late": s.answered_late, "palm_cycles": s.palm_cycles, "left_op": s.left_op,
+            "answered_late": s.answered_late, "stale_replies": s.stale_replies, "stalls": s.stalls,
+            "palm_cycles": s.palm_cycles,
+            "left_op": s.left_op,
             "zero_demand_frames_before_leaving_op": s.zero_demand_frames_before_leaving_op,
             "power_cycles": s.power_cycles, "frames_while_off": s.frames_while_off,
             "powered": self.off_until_ns is None, "powered_on_ns": self.powered_on_ns,
@@ -495,6 +537,8 @@ def serve(hand: VirtualHand, iface: str, control_path: str | None, stop: Callabl
     # while the frames behind them are served as usual
     later: list[tuple[int, int, bytes]] = []
     order = 0
+    # the last reply sent under each datagram index (HandOptions.stale_sii_word only: nothing kept otherwise)
+    by_index: dict[int, bytes] | None = {} if hand.opts.stale_sii_word >= 0 else None
     try:
         while not stop():
             wait = 0.2 if not later else max(0.0, min(0.2, (later[0][0] - mono()) / 1e9))
@@ -527,6 +571,13 @@ def serve(hand: VirtualHand, iface: str, control_path: str | None, stop: Callabl
                     if delay_us:
                         time.sleep(delay_us / 1e6)
                     out = reply_frame(frame, payload)
+                    if by_index is not None:
+                        index = frame[ETH_HEADER_LEN + 3]  # EtherCAT header (2), command (1), then the index
+                        old = by_index.get(index)
+                        if hand.stale_first and old is not None:
+                            raw.send(old)  # the stale reply first, as if it had been held up this long
+                            stats.stale_replies += 1
+                        by_index[index] = out
                     raw.send(out)
                     if hand.copies > 1:  # a duplicate: the same reply again, right behind the first
                         raw.send(out)
@@ -627,6 +678,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer every process-data frame twice (a stale duplicate behind each reply)")
     p.add_argument("--late-us", type=int, default=0,
                    help="send every process-data reply this late (scheduled: the frames behind it are not held up)")
+    p.add_argument("--stale-sii-reply", type=lambda s: int(s, 0), default=-1, metavar="WORD",
+                   help="answer the first read of the palm's SII data register for the block holding WORD behind a "
+                        "stale reply (the last one sent under the same datagram index), as a stalled hand would")
+    p.add_argument("--stall-at-frame", type=int, default=0, metavar="N",
+                   help="stall --stall-ms before the Nth frame (the frames behind it queue, then are all answered)")
+    p.add_argument("--stall-ms", type=int, default=60)
     p.add_argument("--garbage", action="store_true",
                    help="no slave: answer every EtherCAT frame with garbage (a non-EtherCAT frame, random datagrams)")
     p.add_argument("--watch-stop", action="store_true",
@@ -641,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         watch = (int(off, 0), int(length, 0))
     opts = HandOptions(a.protocol, a.serial, a.vendor, a.revision, a.left, not a.no_sii_pd, a.status_size_delta,
                        a.drop_every, a.delay_every, a.delay_us, watch, a.fmmus_on_safeop,
-                       a.lose_fmmu_replies, a.answer_twice, a.late_us, a.garbage)
+                       a.lose_fmmu_replies, a.answer_twice, a.late_us, a.garbage, a.stale_sii_reply,
+                       a.stall_at_frame, a.stall_ms)
     hand = VirtualHand(opts, load_model(a.model, a.protocol))
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})

@@ -170,6 +170,8 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
         raise SystemExit(START_FAILED_EXIT) from None
     st.identity = ident.as_dict()
     st.state = "op"
+    if master.recovery_log:  # a bring-up that took more than one scan says why (EthercatMaster._configure)
+        st.recovery = _recovery_view(master)
     publish()
     lost: _BusLost | None = None
     try:

@@ -12,6 +12,7 @@ from its own process. `exchange` (send + wait for the reply) is the same two hal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -36,6 +37,7 @@ SII_CAT_START = 0x40
 SII_CAT_SM = 41
 SII_CAT_TXPDO = 50
 SII_CAT_RXPDO = 51
+CONFIG_SCANS = 3  # scans whose mapping disagrees with the SII read again, before the master refuses (_configure)
 REG_FMMU0 = 0x0600
 REG_SM0 = 0x0800
 REG_ALCTL = 0x0120
@@ -48,6 +50,8 @@ LADDER_STATE = {"init": 0x01, "preop": 0x02, "safeop": 0x04, "op": 0x08}
 MIN_WAIT_NS = 20_000  # even a late cycle waits this long for its frame
 ETHERTYPE = b"\x88\xa4"  # EtherCAT
 ETH_P_ALL = 0x0003
+SO_RCVBUFFORCE = 33  # <asm-generic/socket.h>; needs CAP_NET_ADMIN, else SO_RCVBUF (capped by rmem_max)
+ECAT_ETHERTYPE = b"\x88\xa4"
 PACKET_OUTGOING = 4  # a packet socket's address type for a frame this host sent
 ETH_HEADER, ECAT_HEADER, DATAGRAM_HEADER = 14, 2, 10  # a process-data reply: frame, EtherCAT, LRW datagram
 LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (docs/reference/shadow_ethercat.md §2.2)
@@ -77,7 +81,12 @@ class WrongKind(MasterError):
 
 
 class SizeMismatch(WrongKind):
-    """The palm's mapped process data do not match the protocol table: refuse to run."""
+    """The palm's mapped process data do not match the protocol table: refuse to run. `confirmed`: the SII read
+    again (`sii_pdo_bytes`) declares those same sizes, so the mapping is the palm's, not a fooled scan's."""
+
+    def __init__(self, message: str, confirmed: bool = True) -> None:
+        super().__init__(message)
+        self.confirmed = confirmed
 
 
 def state_name(state: int) -> str:
@@ -138,6 +147,9 @@ class HandIdentity:
     status_size: int
     expected_wkc: int
     slaves: tuple[str, ...]
+    # how many scans (config_init + config_map) the bring-up took: > 1 when a scan's mapping disagreed with the
+    # palm's SII read again (a stale reply fooled SOEM), see EthercatMaster._configure
+    scans: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -248,6 +260,7 @@ class EthercatMaster:
         self.recovery_log: deque[tuple[int, str]] = deque(maxlen=32)
         self.recovery_seq = 0
         self._ifindex = 0  # the NIC's index when it was opened (a NIC unplugged and back has another)
+        self._scan_late = 0  # replies that came back late during the last scan (_configure)
 
     @property
     def identity(self) -> HandIdentity:
@@ -260,6 +273,20 @@ class EthercatMaster:
         cfg = self.cfg
         if cfg.netns:
             enter_netns(cfg.netns)
+        bus = self._configure()
+        self._bus = bus
+        self._output = bytes(bus.info.command_size)
+        self._out_at = 0
+        if bus.ident.mapping == "sii" and self._drain:
+            # SOEM's LRW covers the IO map from logical 0: every slave's outputs in slave order, then the inputs
+            ahead = sum(len(bytes(s.output)) for s in bus.slaves[: bus.ident.palm_position - 1])
+            self._out_at = ETH_HEADER + ECAT_HEADER + DATAGRAM_HEADER + ahead
+        self._peek_len = min(len(self._peek), self._out_at + bus.info.command_size)
+        return bus.ident
+
+    def _open_nic(self) -> Any:
+        """A pysoem master on the NIC, its packet sockets non-blocking, a dup of each to drop stale replies."""
+        cfg = self.cfg
         m = pysoem.Master()
         before = _open_fds()
         self._ifindex = _ifindex(cfg.iface)
@@ -280,29 +307,77 @@ class EthercatMaster:
             with contextlib.suppress(OSError):  # the first call turns the socket's receive timestamps on
                 fcntl.ioctl(self._stamp_fd, SIOCGSTAMPNS, _TIMESPEC_ZERO)
         self.refresh_clock_offset()
-        try:
-            bus = self._configure(m)
-        except BaseException:
-            m.close()
-            raise
-        self._bus = bus
-        self._output = bytes(bus.info.command_size)
-        self._out_at = 0
-        if bus.ident.mapping == "sii" and self._drain:
-            # SOEM's LRW covers the IO map from logical 0: every slave's outputs in slave order, then the inputs
-            ahead = sum(len(bytes(s.output)) for s in bus.slaves[: bus.ident.palm_position - 1])
-            self._out_at = ETH_HEADER + ECAT_HEADER + DATAGRAM_HEADER + ahead
-        self._peek_len = min(len(self._peek), self._out_at + bus.info.command_size)
-        return bus.ident
+        return m
 
-    def _configure(self, m: Any) -> _Bus:
+    def _configure(self) -> _Bus:
+        """Open the NIC, scan and map the bus; again, with a fresh master, when the scan may have been fooled.
+        SOEM takes any reply carrying the datagram index it waits for as the answer, and it has 16 indices:
+        after a stall in which it gave up on datagrams (a hand starved of CPU, a VM's vCPU descheduled), the
+        late reply to an old datagram is read as the answer to the one now waiting (an SII read returns another
+        block's bytes, a register another register's value), what SOEM derives (the mapping, names, identities)
+        is wrong, and the rest of the burst keeps later requests out of step. A scan during which a reply came
+        back after the master had sent another frame (`_Tap.late`), or whose mapping disagrees with the SII
+        read again word by word (`sii_pdo_bytes`), is done again: the late replies are let in and dropped,
+        and a fresh pysoem master (new socket, SOEM context and SII cache) scans, up to CONFIG_SCANS scans.
+        The last scan's verdict stands: a palm whose SII declares the wrong size is still refused."""
+        for scan in range(1, CONFIG_SCANS + 1):
+            last = scan == CONFIG_SCANS
+            m = self._open_nic()
+            self._scan_late = 0
+            why = ""
+            try:
+                bus = self._scan(m)
+            except MasterError as exc:
+                fooled = isinstance(exc, SizeMismatch) and not exc.confirmed
+                if last or not (fooled or self._scan_late):
+                    m.close()
+                    raise
+                why = f"{self._scan_late} replies came back late" if self._scan_late else "the SII disagrees"
+                why += f": {exc}"
+            except BaseException:
+                m.close()
+                raise
+            else:
+                if not self._scan_late or last:
+                    if scan > 1:
+                        bus.ident = dataclasses.replace(bus.ident, scans=scan)
+                    return bus
+                why = f"{self._scan_late} replies came back late (a stale reply may have been taken for an answer)"
+            log.warning("scan %d of %d not trusted (%s); scanning again", scan, CONFIG_SCANS, why)
+            self._note(f"scan {scan} not trusted ({why}); scanning again")
+            self._quiet_wire()
+            m.close()
+        raise AssertionError("unreachable")
+
+    def _quiet_wire(self, quiet_s: float = 0.05, max_s: float = 2.0) -> None:
+        """Drop every reply still on its way (late ones from the scan just given up) until none has arrived for
+        `quiet_s` (at most `max_s`), so that the next scan starts with nothing stale queued."""
+        if not self._drain:
+            time.sleep(quiet_s)
+            return
+        end = time.monotonic() + max_s
+        while time.monotonic() < end:
+            self.drop_stale()
+            ready, _, _ = select.select(self._drain, [], [], quiet_s)
+            if not ready:
+                return
+
+    def _scan(self, m: Any) -> _Bus:
         cfg = self.cfg
-        with _Tap(cfg.iface) as tap:  # what arrives during the scan: garbage when no slave is found
-            n = m.config_init()
-            if n <= 0:
-                got = tap.incoming()
-                raise NoDevice(f"no EtherCAT slave answers on {cfg.iface}" + (
-                    f"; {got} frames arrived during the scan, none a slave's answer" if got else ""), garbage=got)
+        with _Tap(cfg.iface) as tap:  # what arrives during the scan: garbage when no slave is found; late replies
+            try:
+                return self._scan_tapped(m, tap)
+            finally:
+                tap.incoming()
+                self._scan_late = tap.late
+
+    def _scan_tapped(self, m: Any, tap: _Tap) -> _Bus:
+        cfg = self.cfg
+        n = m.config_init()
+        if n <= 0:
+            got = tap.incoming()
+            raise NoDevice(f"no EtherCAT slave answers on {cfg.iface}" + (
+                f"; {got} frames arrived during the scan, none a slave's answer" if got else ""), garbage=got)
         slaves = list(m.slaves)
         names = tuple(f"{i + 1}:{s.name} (product {s.id:#x})" for i, s in enumerate(slaves))
         palm_i = next((i for i, s in enumerate(slaves) if s.id != BRIDGE_PRODUCT_CODE and _is_palm(s.id)), None)
@@ -329,12 +404,18 @@ class EthercatMaster:
         if mapping == "sii":
             out_n, in_n = len(palm.output), len(palm.input)
             if (out_n, in_n) != (info.command_size, info.status_size):
+                tap.incoming()
+                declared = None if tap.late else sii_pdo_bytes(palm)  # late replies: the re-read proves nothing
+                confirmed = declared == (out_n, in_n)
                 raise SizeMismatch(
                     f"palm product {palm.id:#x} (protocol {info.name}) maps {out_n} B of command and {in_n} B of "
                     f"status, but protocol {info.name} needs {info.command_size} B + {info.status_size} B "
-                    f"(CAN bridge included): refusing to run")
+                    f"(CAN bridge included): refusing to run" + ("" if confirmed else (
+                        f" (the SII read again declares {declared[0]} B + {declared[1]} B: the scan was fooled)"
+                        if declared else " (replies came back late: not confirmed)")), confirmed)
             expected = int(m.expected_wkc)
-        else:
+        tap.close()  # the scan proper ends here: what follows checks itself (working counters, AL states)
+        if mapping != "sii":
             self._program_sms(palm, info)
             expected = 2  # FPWR command (1) + FPRD status (1)
         ident = HandIdentity(palm.man, palm.id, palm.rev, serial, info.name, palm.name, palm_i + 1,
@@ -920,10 +1001,16 @@ class _Tap:
 
     def __init__(self, iface: str) -> None:
         self.sock: socket.socket | None = None
+        self._seen = self._in = self._out_since_reply = 0
+        self.late = 0  # EtherCAT replies that came back after the master had sent another frame (see incoming)
         try:
             sk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
             sk.bind((iface, 0))
             sk.setblocking(False)
+            try:  # a scan is some 500 frames each way, read only at its end: room for all of them
+                sk.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
+            except OSError:
+                sk.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
             self.sock = sk
         except OSError:
             pass
@@ -932,19 +1019,35 @@ class _Tap:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Count what arrived so far and stop watching (the counts stay)."""
         if self.sock is not None:
+            self.incoming()
             self.sock.close()
+            self.sock = None
 
     def incoming(self) -> int:
-        n = 0
-        while self.sock is not None and n < 100_000:
+        """Frames that arrived from outside so far (reads what is queued; cumulative). Also counts `late`:
+        EtherCAT replies that arrived after the master had sent another frame since the last reply, i.e. after
+        it gave up on the frame they answer (a configuration master sends one frame at a time and waits)."""
+        while self.sock is not None and self._seen < 100_000:
             try:
-                _data, addr = self.sock.recvfrom(64)
+                data, addr = self.sock.recvfrom(64)
             except OSError:
                 break
-            if addr[2] != PACKET_OUTGOING:
-                n += 1
-        return n
+            self._seen += 1
+            ecat = data[12:14] == ECAT_ETHERTYPE
+            if addr[2] == PACKET_OUTGOING:
+                self._out_since_reply += ecat
+                continue
+            self._in += 1
+            if ecat:
+                if self._out_since_reply > 1:
+                    self.late += 1
+                self._out_since_reply = 0
+        return self._in
 
 
 def _open_fds() -> dict[int, str]:
@@ -978,6 +1081,37 @@ def _make_packet_sockets_nonblocking(fds: set[int]) -> list[int]:
 
 def _is_palm(product: int) -> bool:
     return any(product in p.product_codes for p in PROTOCOLS.values())
+
+
+def sii_pdo_bytes(slave: Any) -> tuple[int, int] | None:
+    """(command, status) bytes the slave's SII declares, read word by word with the master's own EEPROM reads
+    (not SOEM's SII cache) and summed the way SOEM's config_map does (docs/reference/shadow_ethercat.md §8): the
+    bit lengths of every entry of the first RxPDO (51) and the first TxPDO (50) category. None: unreadable."""
+    try:
+        bodies: dict[int, bytes] = {}
+        word = SII_CAT_START
+        for _ in range(64):  # bounded, in case the image is garbage
+            cat, size = struct.unpack_from("<HH", slave.eeprom_read(word))
+            if cat in (0xFFFF, 0):
+                break
+            if cat in (SII_CAT_RXPDO, SII_CAT_TXPDO) and cat not in bodies:
+                body = b"".join(bytes(slave.eeprom_read(word + 2 + k)[:4]) for k in range(0, size, 2))
+                bodies[cat] = body[: 2 * size]
+            word += 2 + size
+    except (pysoem.EepromError, pysoem.WkcError):
+        return None
+    if set(bodies) != {SII_CAT_RXPDO, SII_CAT_TXPDO}:
+        return None  # config_map found both (the mapping is "sii"): a read that finds neither proves nothing
+    out: list[int] = []
+    for cat in (SII_CAT_RXPDO, SII_CAT_TXPDO):
+        body, bits, pos = bodies.get(cat, b""), 0, 0
+        while pos + 8 <= len(body):
+            n = body[pos + 2]
+            pos += 8
+            bits += sum(body[pos + 8 * k + 5] for k in range(n) if pos + 8 * k + 5 < len(body))
+            pos += 8 * n
+        out.append((bits + 7) // 8)
+    return out[0], out[1]
 
 
 def _sii_describes_process_data(slave: Any) -> bool:
