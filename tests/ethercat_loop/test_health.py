@@ -111,20 +111,63 @@ def test_no_valid_process_data_is_not_connected(service):
     assert latest(health)["details"]["link"]["valid_data"]
 
 
+class StarvationWatch:
+    """A thread that asks to run every 5 ms and notes when it could not for `gap_s` or more: this process (the node,
+    its cycle and publisher threads) starved of CPU or of the interpreter lock. Such a stall is the host's, not the
+    device's: the node rightly reports the data it did not get, but not as a loss the test injected."""
+
+    def __init__(self, gap_s: float = 0.1) -> None:
+        self.gap_s = gap_s
+        self.gaps: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "StarvationWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def _run(self) -> None:
+        t = time.monotonic()
+        while not self._stop.wait(0.005):
+            now = time.monotonic()
+            if now - t >= self.gap_s:
+                self.gaps.append(now - t)
+            t = now
+
+
 def test_a_few_lost_frames_do_not_flicker_health(service):
+    """1, then 5 lost frames, three times: below the lost-frame threshold (10 per second) and below the 20 in a row
+    that make an outage, so health never reports an error or a loss of data for them. A busy machine may starve
+    this process of CPU for longer than the liveness budget (0.25 s): the node then rightly reports `silent`, the
+    data it did not get; such a silence is allowed only when the host's starvation was seen (the cycle overran its
+    releases, or a thread of this process could not run for 0.1 s), never an error, and never an outage of the
+    process data (the cycle ran and got no status: what the injected losses would do if they were too many)."""
     backend, health, _seen = service
     assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["operational"], 10)
     n = len(health)
-    for _ in range(3):  # 1, then 5 lost frames: below the threshold (10 per second) and 20 in a row
-        backend.lose_next = 1
-        time.sleep(0.4)
-        backend.lose_next = 5
-        time.sleep(0.4)
-    assert wait_for(lambda: backend.stats().frames_lost > 0, 3)
-    time.sleep(1.5)  # two health evaluations per window, and the window the losses fell in
+    outages0, overruns0 = backend._counts["outages"], backend._counts["overruns"]
+    with StarvationWatch() as starved:
+        for _ in range(3):
+            backend.lose_next = 1
+            time.sleep(0.4)
+            backend.lose_next = 5
+            time.sleep(0.4)
+        assert wait_for(lambda: backend.stats().frames_lost > 0, 3)
+        time.sleep(1.5)  # two health evaluations per window, and the window the losses fell in
     assert backend.driver.c["lost"] >= 18
     after = health[n:]
-    assert not [h for h in after if h["error"] or not h["operational"]], after
+    # the injected losses never made an error (the lost-frame threshold) nor an outage (20 cycles in a row)
+    assert not [h for h in after if h["error"]], after
+    assert backend._counts["outages"] == outages0
+    # anything else not operational is a silence of the link, of a host that starved the node
+    bad = [h for h in after if not h["operational"]]
+    assert all(h["state"] == "silent" and not h["connection"] for h in bad), bad
+    overran = backend._counts["overruns"] > overruns0
+    assert not bad or starved.gaps or overran, (bad, starved.gaps)
 
 
 @pytest.mark.parametrize("service", ["unprivileged"], indirect=True)
