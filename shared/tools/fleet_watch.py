@@ -93,17 +93,20 @@ class Watcher:
     With `subscribe` (sends the heartbeat SUBSCRIBE again, returns its message id) and `resubscribe_s` > 0: a
     SUBSCRIBE again every `resubscribe_s`, and a site quiet past the timeout is said unreachable only once a
     SUBSCRIBE sent after it went quiet was acknowledged (`suback`) and one heartbeat period more passed without
-    its heartbeat (a SUBSCRIBE not acknowledged within the timeout does not hold the verdict back longer)."""
+    its heartbeat (a SUBSCRIBE not acknowledged holds the verdict back `suback_wait_s` at most)."""
 
     def __init__(self, roots: list[str], timeout_s: float, publish: Any, now: Any = time.monotonic,
                  subscribe: Callable[[], int | None] | None = None, resubscribe_s: float = 0.0,
-                 period_s: float = HEARTBEAT_PERIOD_S) -> None:
+                 period_s: float = HEARTBEAT_PERIOD_S, suback_wait_s: float | None = None) -> None:
         self.timeout_s = timeout_s
         self._publish = publish  # (topic, payload) -> None, retained, QoS 1
         self._now = now
         self._subscribe = subscribe if resubscribe_s > 0 else None
         self.resubscribe_s = resubscribe_s
         self.period_s = period_s
+        # no SUBACK: the watcher's own link may be dead and not yet known so (a "0" then would be stale and sent
+        # after the reconnect), so the verdict waits this long (the run: two keepalives, when paho drops a dead link)
+        self.suback_wait_s = timeout_s if suback_wait_s is None else suback_wait_s
         self._lock = threading.Lock()
         self.last: dict[str, float] = {r: now() for r in roots}  # a site never heard of gets one timeout
         self.state: dict[str, str | None] = {r: None for r in roots}
@@ -171,7 +174,7 @@ class Watcher:
                 self._resubscribe()  # every resubscribe_s (not while a verdict waits on the last one)
             return
         assert asked is not None
-        if (acked is not None and t - acked > self.period_s) or (acked is None and t - asked > self.timeout_s):
+        if (acked is not None and t - acked > self.period_s) or (acked is None and t - asked > self.suback_wait_s):
             for r in quiet:
                 self._set(r, "0")
 
@@ -230,7 +233,8 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
     watcher = Watcher(roots, settings.fleet_watch_timeout_s,
                       lambda topic, value: client.publish(topic, value, qos=1, retain=True),
                       subscribe=lambda: client.subscribe(filters)[1],
-                      resubscribe_s=settings.fleet_watch_resubscribe_s)
+                      resubscribe_s=settings.fleet_watch_resubscribe_s,
+                      suback_wait_s=2.0 * settings.mqtt_keepalive_s)
 
     def on_connect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
         if rc.is_failure:
