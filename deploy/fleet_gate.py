@@ -16,7 +16,10 @@ make_secrets.watch_bound_s(), 6 s) gets no answer at all; the caller's own timeo
 
     ROBOBUS_FLEET_SITES='site-a=site-a/robobus ...' ROBOBUS_MQTT_URL=... python3 deploy/fleet_gate.py
 Settings: those of `robobus fleet-watch` (shared/tools/fleet_watch.py FleetWatchSettings), the broker's credentials
-in ROBOBUS_MQTT_USERNAME / _PASSWORD; ROBOBUS_FLEET_WATCH_READY_FILE exists while subscribed (healthcheck).
+in ROBOBUS_MQTT_USERNAME / _PASSWORD; ROBOBUS_FLEET_WATCH_READY_FILE exists while subscribed (healthcheck);
+ROBOBUS_FLEET_WATCH_RESUBSCRIBE_S > 0 (a clustered centre, ejabberd): the gate subscribes to its topics again every
+that many seconds, as fleet-watch does (ejabberd's per-node index of subscribed filters can lose a subscriber:
+deploy/README.md "A clustered centre"); a site's state it missed then comes as the retained value.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class Gate:
         return root if root in self.sites else None
 
     def reachability(self, root: str, payload: bytes, retained: bool) -> None:
+        """A retained value is dated the gate's start when it is the first the gate knows of the site, else now
+        (one the gate missed, delivered again by a re-subscribe)."""
         value = payload.strip()
         if value not in (b"0", b"1"):
             log.warning("fleet-gate: %s/%s says %r (not 0 or 1): ignored", root, REACHABLE, payload[:40])
@@ -70,7 +75,7 @@ class Gate:
         with self.lock:
             old = self.state.get(root)
             if old is None or old[0] != up:
-                self.state[root] = (up, self.started if retained else self.now(), not retained)
+                self.state[root] = (up, self.started if retained and old is None else self.now(), not retained)
                 log.warning("fleet-gate: site %s %s", root, "reachable: commands pass" if up else
                             "unreachable: commands answered unavailable")
 
@@ -81,7 +86,8 @@ class Gate:
         if st is None or st[0]:
             return None
         since = time.strftime("%H:%M:%S UTC", time.gmtime(st[1]))
-        when = f"since {since}" if st[2] else f"since before {since} (when this gate started)"
+        started = " (when this gate started)" if st[1] == self.started else ""
+        when = f"since {since}" if st[2] else f"since before {since}{started}"
         msg = (f"site {self.sites[root]} ({root}) unreachable {when}: its bridge to the centre is down, the "
                "command was not delivered (commands are not queued for a cut site; send it again once "
                f"{root}/{REACHABLE} is 1)")
@@ -94,6 +100,13 @@ def sites_of(settings: FleetWatchSettings) -> dict[str, str]:
         name, _, root = item.partition("=")
         out[root or name] = name
     return out
+
+
+def resubscribe_every(client: Any, filters: list[tuple[str, int]], every_s: float, stop: threading.Event) -> None:
+    """Until `stop`: SUBSCRIBE to `filters` again every `every_s` while connected (0: never; just wait)."""
+    while not stop.wait(every_s if every_s > 0 else None):
+        if client.is_connected():
+            client.subscribe(filters)
 
 
 def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
@@ -112,11 +125,13 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
     client.reconnect_delay_set(1, 5)
     ready = settings.fleet_watch_ready_file
 
+    filters = [(f"{r}/{REACHABLE}", 1) for r in sites] + [(f"{r}/{CMD}", 1) for r in sites]
+
     def on_connect(c: mqtt.Client, userdata: object, flags: object, rc: Any, props: object = None) -> None:
         if rc.is_failure:
             log.error("fleet-gate: broker refused the connection: %s", rc)
             return
-        c.subscribe([(f"{r}/{REACHABLE}", 1) for r in sites] + [(f"{r}/{CMD}", 1) for r in sites])
+        c.subscribe(filters)
 
     def on_subscribe(c: mqtt.Client, userdata: object, mid: int, rcs: list[Any], props: object) -> None:
         refused = [str(rc) for rc in rcs if rc.is_failure]
@@ -161,7 +176,7 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
     client.loop_start()
     log.info("fleet-gate: %s", sorted(sites))
     try:
-        stop.wait()
+        resubscribe_every(client, filters, settings.fleet_watch_resubscribe_s, stop)
     finally:
         client.disconnect()
         client.loop_stop()

@@ -14,6 +14,8 @@ if [ -f /robobus/certs/server.crt ]; then
   chown ejabberd: "$home/robobus.pem"; chmod 400 "$home/robobus.pem"
 fi
 ctl() { su ejabberd -s /bin/sh -c "ejabberdctl --node $node $*"; }
+# the healthcheck's file; a container started again (after `docker kill`) still has the last start's
+rm -f /tmp/robobus-ejabberd.ready
 export ERLANG_NODE=$node
 su ejabberd -s /bin/sh -c "ERLANG_NODE=$node ejabberdctl --node $node foreground" &
 pid=$!

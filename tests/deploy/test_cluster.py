@@ -11,6 +11,7 @@ it). What ejabberd does differently from the single mosquitto centre: deploy/REA
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -335,7 +336,8 @@ def test_a_killed_node_comes_back_into_the_cluster(cluster):
 def test_a_cut_site_is_said_unreachable_and_reachable_again_when_its_link_returns(cluster):
     """site-b's link cut (its broker off the shared network: heartbeat and bridge stop), after the failover and
     the killed node's return: fleet-watch, on the node it moved to, says site-b "0" and site-a still "1"; the link
-    back, site-b is "1" again. Read retained at fleet-watch's node by new subscribers (and live on every node)."""
+    back, site-b is "1" again. Read retained at fleet-watch's node by new subscribers (and live on every node).
+    Meanwhile fleet-gate answers a command to site-b `unavailable`."""
     centre, sites = cluster
     st = sites["site-b"]
     at = SITE_NODES["site-a"][1]  # fleet-watch's node since the failover above
@@ -353,6 +355,15 @@ def test_a_cut_site_is_said_unreachable_and_reachable_again_when_its_link_return
             assert wait_reachable(centre, at, "site-b", b"0", 40, marks), "the cut site-b not said unreachable"
             unreachable_s = time.monotonic() - cut_at
             assert retained_reachable(centre, at, "site-a") == b"1", "the live site-a said unreachable"
+            # fleet-gate (moved to that node too) answers a command to the cut site at once: `unavailable`
+            answer = None
+            with RpcClient(centre.settings(at, topic_root="site-b/robobus"), name="test-cluster-op") as c:
+                deadline = time.monotonic() + 40
+                while answer is None and time.monotonic() < deadline:
+                    with contextlib.suppress(TimeoutError):
+                        answer = c.call("epuck-gateway", "epuck1", "set_speed", {"left": 0, "right": 0}, timeout=5)
+            assert answer is not None and not answer.ok and answer.error, answer
+            assert answer.error["code"] == "unavailable", answer
             marks = [(p, p.mark()) for p in live.values()]
         finally:
             run([DOCKER, "network", "connect", "--alias", "site-b-broker", net, broker])

@@ -256,6 +256,60 @@ def test_the_nodes_of_a_clustered_centre_in_turn():
     assert unique_client_id("fleet-watch") != unique_client_id("fleet-watch")
 
 
+class _Stop:
+    """A stop event for resubscribe_every: `wait` returns False `n` times, then True (no real time)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.waits = n, []  # type: ignore[var-annotated]
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        return len(self.waits) > self.n
+
+
+class _Client:
+    def __init__(self, connected: list[bool]) -> None:
+        self.connected, self.subscribed = connected, []  # type: ignore[var-annotated]
+
+    def is_connected(self) -> bool:
+        return self.connected.pop(0)
+
+    def subscribe(self, filters: list[tuple[str, int]]) -> None:
+        self.subscribed.append(filters)
+
+
+def test_the_gate_subscribes_again_every_resubscribe_s_while_connected_and_never_without_it():
+    from tests.deploy.deployfiles import DEPLOY, load
+
+    gate_mod = load("robobus_fleet_gate", DEPLOY / "fleet_gate.py")
+    filters = [("s/robobus/_bridge/reachable", 1), ("s/robobus/+/+/cmd/+", 1)]
+    stop, client = _Stop(3), _Client([True, False, True])
+    gate_mod.resubscribe_every(client, filters, 10.0, stop)
+    assert stop.waits == [10.0] * 4 and client.subscribed == [filters, filters]  # not while disconnected
+    stop, client = _Stop(0), _Client([])
+    gate_mod.resubscribe_every(client, filters, 0.0, stop)  # mosquitto: waits for the stop, never subscribes
+    assert stop.waits == [None] and client.subscribed == []
+
+
+def test_a_state_the_gate_missed_and_gets_retained_again_is_not_dated_from_its_start():
+    """A re-subscribe brings the retained value of a change the gate missed live: dated when it learnt it
+    ("since before" then), not "when this gate started"."""
+    from tests.deploy.deployfiles import DEPLOY, load
+
+    gate_mod = load("robobus_fleet_gate", DEPLOY / "fleet_gate.py")
+    clock = Clock()
+    gate = gate_mod.Gate({"site-a/robobus": "site-a"}, now=clock)
+    gate.reachability("site-a/robobus", b"0", True)  # retained at the gate's start
+    refusal = gate.refusal("site-a/robobus")
+    assert refusal is not None and b"(when this gate started)" in refusal
+    gate.reachability("site-a/robobus", b"1", False)
+    clock.t += 3600
+    gate.reachability("site-a/robobus", b"0", True)  # the live "0" missed, its retained value after a re-subscribe
+    refusal = gate.refusal("site-a/robobus")
+    assert refusal is not None, gate.state
+    assert b"unreachable since before 01:01:40 UTC: " in refusal, refusal  # 100 + 3600 s after the epoch
+
+
 def test_foreign_topics_are_counted(w):
     watcher, _, sent = w
     watcher.heartbeat("site-c/robobus/_bridge/uptime")
