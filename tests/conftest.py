@@ -7,10 +7,10 @@ Refresh such files on purpose (`make screenshots`, `make schema`).
 
 Parallel runs: every test module is one unit of work (its module-scoped stacks and its tables of results stay in one
 process); the tests that use docker (`docker_ready`: one image build per run, compose projects) are one unit
-together (`_uses_docker`). xdist's controller hands out whole units (`unit_of`, a scheduler of
-our own on xdist's loadscope: it sees only test ids). Each worker has its own
-session broker on a free port. Units start longest first (`_LONG_FIRST`, measured), so that no long one is
-left to the end. `-n0` runs everything in one process, in the usual order."""
+together (`_uses_docker`), and so are the modules that run realtime processes (`_uses_realtime`). xdist's
+controller hands out whole units (`unit_of`, a scheduler of our own on xdist's loadscope: it sees only test ids).
+Each worker has its own session broker on a free port. Units start longest first (`_LONG_FIRST`, measured), so
+that no long one is left to the end. `-n0` runs everything in one process, in the usual order."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ _CLEAN_AT_START: list[bool] = []
 # a share of dockerd's realtime budget, so two at once do not fit).
 _LONG_FIRST = (
     "docker",
+    "realtime",
     "tests/chaos/test_chaos.py",
     "tests/dashboard/test_browser.py",
     "tests/contract/test_generic_tools.py",
@@ -51,12 +52,28 @@ _SPLIT_BY_PARAM = {"tests/conformance/test_conformance.py"}
 _DOCKER_FIXTURE = re.compile(r"def \w+\([^)]*\b(docker_ready|images|compose_ok)\b", re.S)
 
 
+# The modules that run realtime processes (the virtual hand at SCHED_FIFO 60, the EtherCAT cycle at 80, both
+# polling): one unit, so that two of them never run at once. On two cores, one module's busy cycle starves the
+# other's hand past SOEM's timeouts (no slave answers at the scan), which no user's host with one hand sees.
+_REALTIME = re.compile(
+    r"^from tests\.ethercat_loop\.wire_fixtures import|VethNetns\(|start_hand\(|rt_priority|--rt-priority", re.M)
+
+
+def _source(module: str) -> str:
+    try:
+        return (REPO / module).read_text()
+    except OSError:
+        return ""
+
+
 @functools.cache
 def _uses_docker(module: str) -> bool:
-    try:
-        return bool(_DOCKER_FIXTURE.search((REPO / module).read_text()))
-    except OSError:
-        return False
+    return bool(_DOCKER_FIXTURE.search(_source(module)))
+
+
+@functools.cache
+def _uses_realtime(module: str) -> bool:
+    return bool(_REALTIME.search(_source(module)))
 
 
 def unit_of(nodeid: str) -> str:
@@ -65,6 +82,8 @@ def unit_of(nodeid: str) -> str:
     module, _, rest = nodeid.partition("::")
     if module.startswith("tests/deploy/") and _uses_docker(module):
         return "docker"
+    if _uses_realtime(module):
+        return "realtime"
     if module in _SPLIT_BY_PARAM and rest.endswith("]") and "[" in rest:
         value = rest[rest.index("[") + 1:-1].rsplit("-", 1)[0]
         return f"{module}::{value}"

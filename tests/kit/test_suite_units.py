@@ -34,3 +34,11 @@ def test_every_module_that_uses_docker_is_in_the_docker_unit_and_only_those() ->
                            for name in ("docker_ready", "images", "compose_ok"))
         assert (unit_of(f"{rel}::test_x") == "docker") == takes_docker, rel
     assert not _uses_docker(str(Path("tests/deploy/no_such_module.py")))
+
+
+def test_the_modules_that_run_realtime_processes_are_one_unit() -> None:
+    wire = [p for p in (REPO / "tests/ethercat_loop").glob("test_wire_*.py") if "wire_fixtures" in p.read_text()]
+    assert len(wire) >= 5, wire
+    for p in wire:
+        assert unit_of(f"{p.relative_to(REPO)}::test_x") == "realtime", p
+    assert unit_of("tests/ethercat_loop/test_protocol.py::test_x") == "tests/ethercat_loop/test_protocol.py"
