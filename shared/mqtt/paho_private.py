@@ -80,6 +80,8 @@ CLIENT_ATTRIBUTES: dict[str, tuple[type, ...]] = {
     "_in_message_mutex": (_LOCK,),
     "_in_messages": (collections.OrderedDict, dict),  # QoS 2 messages waiting for their PUBREL
     "_logger": (logging.Logger, _NONE),
+    "_host": (str,),  # where the next (re)connect goes (retarget)
+    "_port": (int,),
 }
 MODULE_NAMES: dict[str, tuple[type, ...]] = {
     # paho.mqtt.client.<name> -> its type
@@ -283,6 +285,17 @@ def has_queued_output(client: mqtt.Client) -> bool:
     """Something is left in `_out_packet` (the socket took part of it, another thread is writing): the caller
     hands it to the network thread with `wake_network_thread`."""
     return bool(client._out_packet)
+
+
+def retarget(client: mqtt.Client, host: str, port: int) -> None:
+    """Send the client's next automatic reconnect to `host:port` (a clustered centre's next node). paho's public
+    `host` / `port` setters refuse while its loop is (re)connecting, which is when on_connect_fail and
+    on_disconnect run; its reconnect reads these two fields. On a paho without them: the public setters (raise
+    there: the reconnect then stays on the same broker)."""
+    if "_host" in vars(client) and "_port" in vars(client):
+        client._host, client._port = host, port
+    else:
+        client.host, client.port = host, port
 
 
 def wake_network_thread(client: mqtt.Client) -> None:

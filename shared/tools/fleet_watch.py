@@ -33,6 +33,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from pydantic import Field, field_validator
 
 from shared.logs import setup_logging
+from shared.mqtt import paho_private
 from shared.settings import KitSettings, load_settings
 
 log = logging.getLogger("robobus.fleet_watch")
@@ -203,9 +204,7 @@ def fail_over(client: mqtt.Client, brokers: list[tuple[str, int]], who: str) -> 
             return
         at[0] = (at[0] + 1) % len(brokers)
         host, port = brokers[at[0]]
-        # paho's host/port setters refuse while its loop is (re)connecting, which is when these callbacks run;
-        # its reconnect reads these two
-        client._host, client._port = host, port
+        paho_private.retarget(client, host, port)  # paho's public setters refuse while it reconnects
         log.warning("%s: the next connection to %s:%s", who, host, port)
 
     return move
