@@ -9,10 +9,10 @@ DASH   := shared/tools/dashboard
 MODELINA := tests/contract/modelina
 MCAPCLI := .venv-mcapcli
 TSEXAMPLE := examples/typescript
-# The suite runs in one process by default (PYTEST_WORKERS=0). PYTEST_WORKERS=3 runs it in three (pytest-xdist),
-# each of tests/conftest.py's units (a module, the docker modules together, the conformance suite per service)
-# whole in one worker.
-PYTEST_WORKERS ?= 0
+# The suite runs in three processes (pytest-xdist), each of tests/conftest.py's units (a module, the docker modules
+# together, the realtime modules together, the conformance suite per service) whole in one; PYTEST_WORKERS=0 runs
+# it in one process, in file order.
+PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
 
 .PHONY: setup system-deps run test lint pytest bench bench-quick perf-table schema schema-check chaos soak prove screenshots clean help
