@@ -51,8 +51,8 @@ def install_tracer(out: str) -> None:
     """In the gateway process: wrap the functions on the path, stamp per correlation, dump at exit."""
     import socket
 
+    from services.dexter_gateway import arm as svc
     from services.dexter_gateway import protocol
-    from services.dexter_gateway import service as svc
     from services.dexter_gateway import transport as tr
     from shared import dispatch
     from shared.mqtt import session as mqtt
