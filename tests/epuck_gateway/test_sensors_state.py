@@ -18,7 +18,7 @@ from services.epuck_gateway.protocols.wifi import (
     battery_volts,
     gyro_to_dps,
 )
-from services.epuck_gateway.service import sensors_model
+from services.epuck_gateway.robot import sensors_model
 
 
 def _model(raw: EpuckRawSensors, seq: int = 7) -> EpuckSensors:
