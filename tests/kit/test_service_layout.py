@@ -1,6 +1,10 @@
 """Services talk to one another over MQTT only: no module of services/<a>/ imports services.<b> (b != a). A
 client of another service's wire (ethercat-loop's CAN-bridge client for python-can) lives with the service it
-talks to, and what it needs of a contract comes from that service's own package."""
+talks to, and what it needs of a contract comes from that service's own package.
+
+Where a service's devices have a module of their own (`DEVICE_MODULES`), `service.py` holds no device code (no
+handler, no `bind_all`, no `node.device(...)`), and the device module does not import its `service.py`, a
+simulator or a transport's module."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import ast
 from pathlib import Path
 
 from tests.fixtures import REPO
+from tests.kit.test_layers import imported_names
 
 
 def _imports_of(path: Path) -> set[str]:
@@ -34,3 +39,55 @@ def test_no_service_imports_another() -> None:
             if parts[0] == "services" and len(parts) >= 2 and parts[1] != own:
                 crossings.append(f"services/{rel} imports {mod}")
     assert crossings == []
+
+
+# The services whose devices live in a module of their own: `service.py` keeps the wiring (the service object and
+# `build()`); the device classes, their handlers (`@handles`, `@runs`) and `bind_all` are in the device module,
+# built from what they use (a node, settings, a transport or link, the bus stop's pass), never from the service.
+DEVICE_MODULES = {"roi_modules": "modules.py", "dexter_gateway": "arm.py", "epuck_gateway": "robot.py"}
+_HANDLER_MARKS = {"handles", "runs"}
+
+
+def _device_code(path: Path) -> list[str]:
+    """`line: what` for each handler mark (`@handles`, `@runs`), `bind_all(...)` and `.device(...)` call in
+    `path`: what makes a class a device class."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for dec in node.decorator_list:
+                target = dec.func if isinstance(dec, ast.Call) else dec
+                name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+                if name in _HANDLER_MARKS:
+                    found.append(f"{dec.lineno}: @{name} on {node.name}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("bind_all", "device")):
+            found.append(f"{node.lineno}: .{node.func.attr}(...)")
+    return found
+
+
+def test_device_classes_live_outside_service_py() -> None:
+    for svc, module in DEVICE_MODULES.items():
+        pkg = REPO / "services" / svc
+        in_service = _device_code(pkg / "service.py")
+        assert in_service == [], f"services/{svc}/service.py holds device code (move it to {module}): {in_service}"
+        in_module = _device_code(pkg / module)
+        assert any("@handles" in f for f in in_module), f"services/{svc}/{module} binds no handler"
+        assert any(".bind_all(" in f for f in in_module), f"services/{svc}/{module} calls no bind_all"
+
+
+def test_device_modules_do_not_reach_back_into_the_service() -> None:
+    # the narrow context: a device module never imports its service.py (nor a simulator nor a transport's module,
+    # test_transports.py's rule for service.py)
+    from tests.kit.test_transports import _transport_modules, forbidden_imports
+
+    transports = _transport_modules()
+    bad = []
+    for svc, module in DEVICE_MODULES.items():
+        path = REPO / "services" / svc / module
+        name = f"services.{svc}.{module.removesuffix('.py')}"
+        own = f"services.{svc}.service"
+        bad += [f"services/{svc}/{module}:{line}: {mod}" for line, mod in imported_names(path, name)
+                if mod == own or mod.startswith(f"{own}.")]
+        bad += [f"services/{svc}/{module}:{v}" for v in forbidden_imports(path, name, transports)]
+    assert bad == []
