@@ -920,8 +920,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"dexter-sim: DexRun ({sim.firmware}) on {args.host}:{sim.port}, files in {sim.root}", flush=True)
     if args.watch_stop:
         sim.on_watch = lambda event: print(json.dumps(event), flush=True)
-        sim.watch_stop()
+        # the handler before the first "watching" line: a reader may send SIGHUP as soon as it has read it (SIGHUP's
+        # default action ends the process)
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=sim.watch_stop, daemon=True).start())
+        sim.watch_stop()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

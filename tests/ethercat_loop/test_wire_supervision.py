@@ -67,12 +67,15 @@ def _demand0(hexcmd: str) -> int | None:
 def test_a_killed_cycle_process_is_restarted_with_zero_demands() -> None:
     with backend() as (b, ctl):
         wait_for(lambda: b.connected(), what="valid process data")
-        # a demand kept alive (the deadman would zero it after 100 ms) until the kill
+        # a demand kept alive (the deadman would zero it after 100 ms) until the kill, to the first cycle process
+        # only: a renewal to the restarted one would be the test's own demand on the wire after the kill (the
+        # watch below returns once the new process is connected, before `stop` is set)
         stop = threading.Event()
+        first = _pid(b)
 
         def renew() -> None:
             while not stop.is_set():
-                if b.connected():
+                if b.connected() and _pid(b) == first:
                     b.submit(SetDemands({0: 90}))
                 time.sleep(0.02)
 
