@@ -86,6 +86,20 @@ def answer_topic(root: str, node: str) -> str:
     return f"{root}/{node}/_node/state/{ANSWER_STATE}"
 
 
+def read_stop(topic: str, payload: bytes) -> tuple[StopState | None, str]:
+    """A message of a stop latch as every reader takes it (the nodes, `robobus status`): None when it is empty (a
+    release of the retained state), the StopState, or, unreadable, an active stop of source `unknown` and why."""
+    if not payload:
+        return None, ""
+    try:
+        return StopState.model_validate_json(payload), ""
+    except ValidationError as exc:
+        why = describe_validation_error(exc)
+        return StopState(active=True, source="unknown", ts=0.0,
+                         reason=f"unreadable stop message on {topic} ({why[:200]}): held stopped until a valid "
+                                "release"), why
+
+
 class _Later:
     def __repr__(self) -> str:
         return "LATER"
@@ -230,17 +244,11 @@ class StopLatch:
 
     # -- the stop message (network thread) -----------------------------------------------------
     def _parse(self, topic: str, payload: bytes) -> StopState | None:
-        if not payload:
-            return None
-        try:
-            return StopState.model_validate_json(payload)
-        except ValidationError as exc:
-            why = describe_validation_error(exc)
+        state, why = read_stop(topic, payload)
+        if why:
             self.counters.decode_error()
             log.error("unreadable stop message: held as an active stop", extra={"topic": topic, "error": why})
-            return StopState(active=True, source="unknown",
-                             reason=f"unreadable stop message on {topic} ({why[:200]}): held stopped until "
-                                    "a valid release", ts=0.0)
+        return state
 
     def when_known(self, fn: Callable[[], None]) -> None:
         """Call `fn` once the stop state is known (at once if it is): the node's birth waits for it, so that a

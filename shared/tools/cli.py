@@ -74,7 +74,7 @@ def status(
     node online are named below the table. Below it, the bus stop: both latches (the site's {root}/_stop and
     the fleet centre's {root}/_stop/fleet), each with who set it, why and when, and which nodes hold it."""
     from shared.messages import StopAnswer
-    from shared.stop import ANSWER_STATE, FLEET_CHANNEL, SITE_CHANNEL, fleet_stop_topic, stop_topic
+    from shared.stop import ANSWER_STATE, FLEET_CHANNEL, SITE_CHANNEL, fleet_stop_topic, read_stop, stop_topic
 
     c = _client(broker, root)
     stop_msgs: dict[str, list[bytes]] = {SITE_CHANNEL: [], FLEET_CHANNEL: []}
@@ -90,7 +90,8 @@ def status(
         msgs = c.collect(f"{c.root}/+/status", wait) + c.collect(f"{c.root}/+/+/health", wait)
     finally:
         c.close()
-    latches = {ch: _read_stop(p) for ch, p in stop_msgs.items()}
+    topics = {SITE_CHANNEL: stop_topic(c.root), FLEET_CHANNEL: fleet_stop_topic(c.root)}
+    latches = {ch: read_stop(topics[ch], p[-1])[0] if p else None for ch, p in stop_msgs.items()}
     answers: dict[str, StopAnswer] = {}
     for node_name, raw in answer_msgs.items():
         if raw:
@@ -150,19 +151,6 @@ def status(
         console.print(f"registered services with no node online: {', '.join(missing)}")
     if expect_all and missing:
         raise typer.Exit(1)
-
-
-def _read_stop(payloads: list[bytes]) -> Any:
-    """The latest retained message of one stop latch, read as every node reads it (shared/stop.py): None when
-    there is none or it is empty (a release); an unreadable one is an active stop of source `unknown`."""
-    from shared.messages import StopState
-
-    if not payloads or not payloads[-1]:
-        return None
-    try:
-        return StopState.model_validate_json(payloads[-1])
-    except ValueError:
-        return StopState(active=True, source="unknown", reason="unreadable stop message", ts=0.0)
 
 
 class StopView:
