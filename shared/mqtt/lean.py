@@ -112,8 +112,8 @@ class LeanPublisher:
     def _read(self) -> None:
         reader = PacketReader()
         keepalive = float(self.settings.mqtt_keepalive_s)
-        self.sock.settimeout(keepalive / 4)
         try:
+            self.sock.settimeout(keepalive / 4)  # in the try: a close() before this thread runs leaves a closed fd
             while True:
                 try:
                     data = self.sock.recv(65536)
