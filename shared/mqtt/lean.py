@@ -124,7 +124,8 @@ class LeanPublisher:
                             self._last_tx = time.monotonic()
                     continue
                 if not data:
-                    self.error = "the broker closed the connection"
+                    if not self.closed.is_set():  # not our own close()
+                        self.error = "the broker closed the connection"
                     return
                 acks = 0
                 for p in reader.feed(data):

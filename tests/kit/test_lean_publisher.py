@@ -1,4 +1,5 @@
-"""shared/mqtt/lean.py's publisher on a real mosquitto: its reader thread ends quietly whenever close() comes."""
+"""shared/mqtt/lean.py's publisher on a real mosquitto: its reader thread ends quietly whenever close() comes, and
+its own close() is not reported as the broker's."""
 
 from __future__ import annotations
 
