@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Final, Literal, TypeAlias
 
 from pydantic import BaseModel
 
@@ -30,6 +31,12 @@ from shared.messages import (
 )
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+# A command that moves for some requests only (docs/kit.md "Stopping everything"): `API.command(...,
+# motion=BY_REQUEST)`. Its device binds a predicate `(request) -> bool` beside the handler (`@moves_when`,
+# shared/device.py); a request it says moves is gated as a motion command's, any other as a read-only command's.
+BY_REQUEST: Final = "request"
+Motion: TypeAlias = bool | Literal["request"]  # False: never; True: every request; BY_REQUEST: the predicate says
 
 
 def check_name(kind: str, name: str) -> str:
@@ -90,8 +97,9 @@ class CommandSpec:
     errors: tuple[ErrorCode, ...] = ()
     # Synchronous handlers run on the command pool; the network loop never waits on them.
     # A motion command makes something move: refused with `stopped` while the bus stop is active, and with
-    # `unavailable` until the node has read the stop (shared/stop.py), before the handler runs.
-    motion: bool = False
+    # `unavailable` until the node has read the stop (shared/stop.py), before the handler runs. BY_REQUEST: only the
+    # requests its device's `@moves_when` predicate says move are (the others are answered as read-only).
+    motion: Motion = False
 
 
 @dataclass(frozen=True)
@@ -130,10 +138,18 @@ JOB_ERRORS = (ErrorCode.BUSY,)
 MOTION_ERRORS = (ErrorCode.STOPPED, ErrorCode.UNAVAILABLE)
 
 
+def motion_kind(spec: CommandSpec | JobSpec) -> Literal["never", "always", "request"]:
+    """How a command moves, as the AsyncAPI document's `x-robobus.motion` says it: never, always (motion=True) or
+    request (motion=BY_REQUEST: some requests, its device's predicate decides)."""
+    if spec.motion == BY_REQUEST:
+        return "request"
+    return "always" if spec.motion else "never"
+
+
 def command_errors(spec: CommandSpec | JobSpec) -> list[ErrorCode]:
     """Every code a command's reply (and, for a job, its job_result) may carry, in ErrorCode order."""
     codes = set(KIT_ERRORS) | set(spec.errors) | (set(JOB_ERRORS) if isinstance(spec, JobSpec) else set())
-    if spec.motion:
+    if spec.motion:  # True or BY_REQUEST: a moving request passes the stop's gate
         codes |= set(MOTION_ERRORS)
     return [c for c in ErrorCode if c in codes]
 
@@ -213,9 +229,14 @@ class ServiceAPI:
 
     def command(
         self, name: str, request: type[BaseModel], reply: type[BaseModel], *, doc: str = "",
-        errors: Iterable[ErrorCode | str] = (), motion: bool = False,
+        errors: Iterable[ErrorCode | str] = (), motion: Motion = False,
     ) -> CommandSpec:
-        """`motion=True`: the command makes something move, so the bus stop refuses it (shared/stop.py)."""
+        """`motion=True`: the command makes something move, so the bus stop refuses it (shared/stop.py).
+        `motion=BY_REQUEST` ("request"): some of its requests move; the device binds the predicate that says which
+        (`@moves_when`, shared/device.py), and the bus stop refuses those only."""
+        if motion is not True and motion is not False and motion != BY_REQUEST:
+            raise ValueError(f"{self.service}: command {name!r}: motion must be True, False or {BY_REQUEST!r}, "
+                             f"not {motion!r}")
         if name in self.jobs:
             raise ValueError(f"{self.service}: command {name!r} already declared as a job")
         self._free(name, self.commands, "command")  # type: ignore[arg-type]
@@ -225,7 +246,10 @@ class ServiceAPI:
 
     def job(self, name: str, request: type[BaseModel], result: type[BaseModel], *, doc: str = "",
             errors: Iterable[ErrorCode | str] = (), motion: bool = False) -> JobSpec:
-        """`motion=True`: refused while the bus stop is active, and cancelled by it while it runs."""
+        """`motion=True`: refused while the bus stop is active, and cancelled by it while it runs. (A job moves
+        for every request or none: the stop cancels the running motion jobs by their spec.)"""
+        if not isinstance(motion, bool):
+            raise ValueError(f"{self.service}: job {name!r}: motion must be True or False, not {motion!r}")
         if name in self.commands:
             raise ValueError(f"{self.service}: job {name!r} already declared as a command")
         self._free(name, self.jobs, "job")  # type: ignore[arg-type]

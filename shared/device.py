@@ -16,6 +16,7 @@ import paho.mqtt.client as mqtt
 from pydantic import BaseModel, ValidationError
 
 from shared.contract import (
+    BY_REQUEST,
     CANCEL,
     JOB_PROGRESS,
     JOB_RESULT,
@@ -52,12 +53,14 @@ BINDINGS_ATTR = "__robobus_bindings__"
 
 @dataclass(frozen=True)
 class Binding:
-    """What `@handles` / `@runs` put on a method: the spec it answers, and how (`Device.bind_all` reads it).
-    `inline` / `admit` may name an attribute of the object, read when it is bound (a setting, a method)."""
+    """What `@handles` / `@runs` / `@moves_when` put on a method: the spec it answers, and how (`Device.bind_all`
+    reads it). `inline` / `admit` may name an attribute of the object, read when it is bound (a setting, a method).
+    `predicate`: the method is the spec's `@moves_when` predicate, not its handler."""
 
     spec: CommandSpec | JobSpec
     inline: bool | str = False
     admit: str | None = None
+    predicate: bool = False
 
 
 def _mark(fn: F, binding: Binding) -> F:
@@ -89,6 +92,27 @@ def runs(spec: JobSpec, *, admit: str | None = None) -> Callable[[F], F]:
 
     def mark(fn: F) -> F:
         return _mark(fn, Binding(spec, admit=admit))
+    return mark
+
+
+def moves_when(spec: CommandSpec) -> Callable[[F], F]:
+    """Mark a method `(request) -> bool` as the predicate of a command declared `motion=BY_REQUEST` ("request"):
+    whether this request moves. `Device.bind_all(obj)` binds it beside the command's handler (as
+    `Device.bind_moves_when`), and the node does not start while such a command has none. The dispatcher calls it
+    with the validated request before the handler, on the handler's thread (the network thread for an inline
+    handler, the loop for an `async def` one: it must be quick and synchronous, and send nothing): True, the
+    request takes the motion path (the bus stop's gate before, `StopLatch.done` after); False, the plain one. A
+    CommandError it raises is the request's answer; anything else it raises is answered `internal`."""
+    if not isinstance(spec, CommandSpec):
+        raise TypeError(f"@moves_when takes a command spec, not {spec!r} (a job moves for every request or none)")
+    if spec.motion != BY_REQUEST:
+        raise ValueError(f"@moves_when({spec.name!r}): the command is not declared motion={BY_REQUEST!r} "
+                         f"(its motion is {spec.motion!r})")
+
+    def mark(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn):
+            raise ValueError(f"command {spec.name!r}: a moves_when predicate must be synchronous ({fn.__qualname__})")
+        return _mark(fn, Binding(spec, predicate=True))
     return mark
 
 
@@ -148,6 +172,7 @@ class Device:
         self._health_lock = threading.Lock()
         self.link: SupervisedLink | None = None
         self.commands: dict[str, tuple[CommandSpec, Handler]] = {}
+        self.moves_when: dict[str, Callable[[Any], bool]] = {}  # motion=BY_REQUEST command -> its predicate
         self.inline: set[str] = set()
         self.jobs: dict[str, tuple[JobSpec, Handler, Handler | None]] = {}
         self.running: dict[str, JobContext] = {}
@@ -315,13 +340,30 @@ class Device:
         if inline and inspect.iscoroutinefunction(handler):
             raise ValueError(f"command {spec.name!r}: an inline handler must be synchronous")
         self.commands[spec.name] = (spec, handler)
-        if spec.motion and not self._motion:
+        # a command that moves for some requests only does not make a motion device by itself (a GPIO module with
+        # no stop outputs never moves): the device's stop action does (on_stop)
+        if spec.motion is True and not self._motion:
             self._motion = True
             self.node.stop_latch.adopt(self)
         if inline:
             self.inline.add(spec.name)
         else:
             self.inline.discard(spec.name)
+
+    def bind_moves_when(self, spec: CommandSpec, predicate: Callable[[Any], bool]) -> None:
+        """predicate(request_model) -> bool: whether this request of a command declared `motion=BY_REQUEST` moves
+        (see `moves_when`). Bound once per command, beside its handler; the node does not start without it."""
+        if self.node.api.commands.get(spec.name) is not spec:
+            raise KeyError(f"command {spec.name!r} is not declared on {self.node.api.service}'s API")
+        if spec.name not in self.kind.commands:
+            raise KeyError(f"command {spec.name!r} is not one of kind {self.kind.name!r}'s (device {self.name!r} "
+                           f"of {self.node.api.service}: {list(self.kind.commands)})")
+        if spec.motion != BY_REQUEST:
+            raise ValueError(f"{self.node.api.service}: device {self.name!r}: command {spec.name!r} is not declared "
+                             f"motion={BY_REQUEST!r}: it takes no moves_when predicate")
+        if inspect.iscoroutinefunction(predicate):
+            raise ValueError(f"command {spec.name!r}: a moves_when predicate must be synchronous")
+        self.moves_when[spec.name] = predicate
 
     def bind_job(self, spec: JobSpec, run: Handler, admit: Handler | None = None) -> None:
         """run(request, job: JobContext) -> result, on its own thread. `admit(request)` runs first,
@@ -339,14 +381,24 @@ class Device:
             self.commands[CANCEL.name] = (CANCEL, self._cancel)
 
     def bind_all(self, obj: object) -> None:
-        """Bind every method of `obj` marked with `@handles` (a command) or `@runs` (a job), with the checks of
-        `bind` / `bind_job`: each spec declared on the API and of this device's kind, an inline handler
-        synchronous, one handler per command. Whatever the kind has and `obj` does not is refused when the node
-        starts (Node.check_bindings)."""
+        """Bind every method of `obj` marked with `@handles` (a command), `@runs` (a job) or `@moves_when` (the
+        predicate of a command that moves for some requests), with the checks of `bind` / `bind_job` /
+        `bind_moves_when`: each spec declared on the API and of this device's kind, an inline handler
+        synchronous, one handler (and one predicate) per command. Whatever the kind has and `obj` does not is
+        refused when the node starts (Node.check_bindings)."""
         seen: dict[str, str] = {}
+        seen_predicates: dict[str, str] = {}
         for binding, handler in bindings_of(obj):
             spec = binding.spec
             where = f"{type(obj).__qualname__}.{getattr(handler, '__name__', handler)}"
+            if binding.predicate:
+                if spec.name in seen_predicates:
+                    raise ValueError(f"{self.node.api.service}: device {self.name!r}: {spec.name!r} has two "
+                                     f"moves_when predicates ({seen_predicates[spec.name]} and {where})")
+                seen_predicates[spec.name] = where
+                assert isinstance(spec, CommandSpec)  # @moves_when takes commands only
+                self.bind_moves_when(spec, handler)
+                continue
             if spec.name in seen:
                 raise ValueError(f"{self.node.api.service}: device {self.name!r}: {spec.name!r} has two handlers "
                                  f"({seen[spec.name]} and {where})")
@@ -366,9 +418,14 @@ class Device:
                 self.bind(spec, handler, inline=inline)
 
     def unbound(self) -> tuple[list[str], list[str]]:
-        """The commands and jobs of this device's kind that have no handler yet (`cancel` comes with a job)."""
+        """The commands and jobs of this device's kind that have no handler yet (`cancel` comes with a job), and the
+        commands declared `motion=BY_REQUEST` that have no moves_when predicate (named so: the node's refusal to
+        start says which is missing)."""
         jobs = [j for j in self.kind.jobs if j not in self.jobs]
-        return ([c for c in self.kind.commands if c not in self.commands and not (jobs and c == CANCEL.name)], jobs)
+        cmds = [c for c in self.kind.commands if c not in self.commands and not (jobs and c == CANCEL.name)]
+        cmds += [f"{c}'s @moves_when predicate (it moves for some requests only)" for c in self.kind.commands
+                 if self.node.api.commands.get(c, CANCEL).motion == BY_REQUEST and c not in self.moves_when]
+        return (cmds, jobs)
 
     def running_jobs(self) -> list[str]:
         return list(self.running)

@@ -6,7 +6,8 @@ paho's network thread only routes: a request is handed to the command pool (wait
 loop, straight to that loop, where the handler runs anyway: no pool thread blocks on it and the request
 makes one thread hop instead of three), validated straight from its bytes with `model_validate_json`,
 run, and answered on its Response Topic (or `<topic>/reply`) with its Correlation Data. A motion command or job
-passes the bus stop's gate (shared/stop.py) right before its handler runs."""
+passes the bus stop's gate (shared/stop.py) right before its handler runs; a command that moves for some requests
+only (`motion=BY_REQUEST`) does when its device's `@moves_when` predicate says this request moves."""
 
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ class CommandDispatcher:
             dev = self.devices[device_name]
             cspec, handler = dev.commands[command]
             req = _validate_request(cspec.request, payload)
-            gen = self._admit() if cspec.motion else None
+            gen = self._admit() if cspec.motion and (cspec.motion is True or dev.moves_when[command](req)) else None
             try:
                 out = await handler(req)
             finally:
@@ -187,7 +188,8 @@ class CommandDispatcher:
                     self.run_coro(r, 30.0)
             return dump(JobAccepted, dev.start_job(spec, run, req, gen))
         cspec, handler = entry  # type: ignore[misc]
-        if cspec.motion:
+        # a plain command pays the one attribute read it always did; BY_REQUEST: the device's predicate says
+        if cspec.motion and (cspec.motion is True or dev.moves_when[command](req)):
             return self._motion(dev, cspec.reply, handler, req)
         out = handler(req)
         if inspect.isawaitable(out):

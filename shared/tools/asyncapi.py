@@ -27,7 +27,16 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from shared import __version__
-from shared.contract import NAME_RE, BinarySpec, CommandSpec, JobSpec, ServiceAPI, StateSpec, command_errors
+from shared.contract import (
+    NAME_RE,
+    BinarySpec,
+    CommandSpec,
+    JobSpec,
+    ServiceAPI,
+    StateSpec,
+    command_errors,
+    motion_kind,
+)
 from shared.messages import (
     CancelReply,
     ErrorReply,
@@ -305,14 +314,15 @@ class DocBuilder:
 
     def command(self, svc: str, dev: str, spec: CommandSpec | JobSpec, kinds: list[str] | None = None) -> None:
         """One command: its request channel, its reply channel, and what a client cannot guess
-        (job or not, the error codes, the reply topic and QoS, and for a service with kinds of device the kinds
-        that answer it) in the operation's `x-robobus`."""
+        (job or not, whether it moves: `motion` never / always / request, i.e. the bus stop refuses none, every or
+        some of its requests; the error codes, the reply topic and QoS, and for a service with kinds of device the
+        kinds that answer it) in the operation's `x-robobus`."""
         name = spec.name
         cid = _cid(svc, "cmd", name)
         rid = _cid(svc, "cmd", name, "reply")
         doc = spec.doc or name
         codes = [c.value for c in command_errors(spec)]
-        contract: dict[str, Any] = {"job": isinstance(spec, JobSpec), "errors": codes,
+        contract: dict[str, Any] = {"job": isinstance(spec, JobSpec), "motion": motion_kind(spec), "errors": codes,
                                     "replyTopic": REPLY_TOPIC, "replyQos": REPLY_QOS}
         if isinstance(spec, JobSpec):  # the immediate reply is JobAccepted, the result comes as an event
             reply_model: type[BaseModel] = JobAccepted
