@@ -78,9 +78,9 @@ from services.dexter_gateway.models import (
 from services.dexter_gateway.protocol import Firmware, ProtocolError, Request
 from services.dexter_gateway.settings import DexterSettings
 from services.dexter_gateway.transport import (
-    DexterLink,
     DexterLinkConfig,
     DexterLinkError,
+    LinkFactory,
     LinkHold,
     LinkReply,
     PendingExchange,
@@ -216,7 +216,8 @@ ERRNO_CODES = {p.ENOENT: ErrorCode.NOT_FOUND, p.EBUSY: ErrorCode.BUSY, 13: Error
 class DexterArm:
     """One arm: its device, its link, its status, its commands and jobs."""
 
-    def __init__(self, node: Node, cfg: DexterArmConfig, settings: DexterSettings) -> None:
+    def __init__(self, node: Node, cfg: DexterArmConfig, settings: DexterSettings, link_factory: LinkFactory) -> None:
+        """`link_factory`: the transport ROBOBUS_DEXTER_TRANSPORT names, loaded by the service (`tcp`: tcp.py)."""
         self.node = node
         self.cfg = cfg
         self.settings = settings
@@ -232,9 +233,9 @@ class DexterArm:
         # health is the kit's link supervisor's (docs/kit.md): the link reports to it, the arm adds its faults
         self.sup = self.dev.supervise_link(link_cfg.policy())
         self.dev.set_health(details=self._static_details())
-        self.link = DexterLink(cfg.id, link_cfg, supervisor=self.sup, on_change=self._apply_fault,
-                               on_reply=self._on_reply, on_decode_error=self._on_decode_error,
-                               keepalive_args=self._g_args, motion_stopped=self._motion_stopped)
+        self.link = link_factory(cfg.id, link_cfg, supervisor=self.sup, on_change=self._apply_fault,
+                                 on_reply=self._on_reply, on_decode_error=self._on_decode_error,
+                                 keepalive_args=self._g_args, motion_stopped=self._motion_stopped)
         self.dev.on_stop(self._stop_now, note=STOP_NOTE)
         self._latest: tuple[p.Reply, str, float] | None = None  # newest standard-status reply, its mode, time
         self._published_instr = -1

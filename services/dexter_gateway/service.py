@@ -1,15 +1,20 @@
 """dexter-gateway's MQTT surface: one `DexterArm` (arm.py: the device, its link, its handlers) per configured
-arm; `DexterGateway` starts and closes them, `build()` checks the configuration.
+arm; `DexterGateway` starts and closes them, `build()` checks the configuration and loads the transport
+ROBOBUS_DEXTER_TRANSPORT names (`tcp` by default: tcp.py), whose factory makes each arm's link.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import cast
 
+from services.dexter_gateway.api import API
 from services.dexter_gateway.arm import DexterArm
 from services.dexter_gateway.settings import DexterSettings
+from services.dexter_gateway.transport import LinkFactory
 from shared import Node, ServiceUnavailable
 from shared.lifecycle import Hooks
+from shared.transports import TransportUnavailable, load_transport
 
 log = logging.getLogger("robobus.dexter")
 
@@ -17,10 +22,10 @@ log = logging.getLogger("robobus.dexter")
 class DexterGateway:
     """The hooks `run_service` drives: start every arm's link and pollers; on shutdown close the links."""
 
-    def __init__(self, node: Node, settings: DexterSettings) -> None:
+    def __init__(self, node: Node, settings: DexterSettings, link_factory: LinkFactory) -> None:
         self.node = node
         self.settings = settings
-        self.arms = [DexterArm(node, cfg, settings) for cfg in settings.dexter_arms]
+        self.arms = [DexterArm(node, cfg, settings, link_factory) for cfg in settings.dexter_arms]
 
     def hooks(self) -> Hooks:
         return Hooks(start=self.start, shutdown=self.shutdown)
@@ -43,7 +48,16 @@ def build(node: Node, settings: DexterSettings) -> DexterGateway:
         raise ServiceUnavailable("no arms configured (ROBOBUS_DEXTER_ARMS)")
     if len(set(ids)) != len(ids):
         raise ServiceUnavailable(f"arm ids must be unique, got {ids}")
-    return DexterGateway(node, settings)
+    return DexterGateway(node, settings, link_factory(settings))
 
 
-__all__ = ["DexterGateway", "build"]  # the contract is api.py's, the settings settings.py's
+def link_factory(settings: DexterSettings) -> LinkFactory:
+    """The transport ROBOBUS_DEXTER_TRANSPORT names, through the kit's transport loader (shared/transports.py,
+    entry points `dexter-gateway.<name>`; `tcp`: tcp.py), loaded once; each arm calls it for its link."""
+    try:
+        return cast(LinkFactory, load_transport(API.service, settings.dexter_transport))
+    except TransportUnavailable as exc:
+        raise ServiceUnavailable(str(exc)) from None
+
+
+__all__ = ["DexterGateway", "build", "link_factory"]  # the contract is api.py's, the settings settings.py's

@@ -54,7 +54,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from services.dexter_gateway.protocol import (
     MAX_INSTRUCTION_ID,
@@ -205,6 +205,18 @@ ReplyHandler = Callable[[LinkReply], None]
 DecodeErrorHandler = Callable[[str], None]
 Cancelled = Callable[[], bool]
 MotionStopped = Callable[[], str]  # why motion may not be sent now ("" when it may)
+
+
+class LinkFactory(Protocol):
+    """What makes an arm's link: a `robobus.transports` entry point `dexter-gateway.<name>` (docs/kit.md,
+    "Transports"; `tcp`: tcp.py's `tcp_link`), loaded by name once when the service is built and called once per
+    arm with `DexterLink`'s arguments."""
+
+    def __call__(self, name: str, config: DexterLinkConfig, *, supervisor: SupervisedLink | None = None,
+                 on_change: ChangeHandler | None = None, on_reply: ReplyHandler | None = None,
+                 on_decode_error: DecodeErrorHandler | None = None,
+                 keepalive_args: Callable[[], Sequence[str]] | None = None,
+                 motion_stopped: MotionStopped | None = None) -> DexterLink: ...
 
 
 class DexterLink:

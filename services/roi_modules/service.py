@@ -1,6 +1,7 @@
-"""roi-modules' MQTT surface: `RoiService` owns the transport (both UDP sockets) and one device per configured
-ROI module (modules.py: each built from a `ModuleContext`, not the service), runs one maintain task per module
-on one asyncio loop, and sends the bus stop; `build()` checks the ROI ports and wires it all.
+"""roi-modules' MQTT surface: `RoiService` owns the transport (the one ROBOBUS_ROI_TRANSPORT names, loaded by name:
+`udp`, both UDP sockets, by default) and one device per configured ROI module (modules.py: each built from a
+`ModuleContext`, not the service), runs one maintain task per module on one asyncio loop, and sends the bus stop;
+`build()` wires it all (the transport's factory checks the ROI ports).
 """
 
 from __future__ import annotations
@@ -8,20 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-from typing import Any
+from typing import Any, cast
 
 from services.roi_modules import protocol as p
+from services.roi_modules.api import API
 from services.roi_modules.modules import MODULE_CLASSES, ModuleContext, MotionModule, RoiModule
 from services.roi_modules.settings import RoiSettings
-from services.roi_modules.transport import (
-    RequestLost,
-    RoiTransport,
-    TransportConfig,
-)
+from services.roi_modules.transport import RequestLost, RoiTransport
 from shared import CommandError, Node, ServiceUnavailable
 from shared.lifecycle import Hooks
 from shared.stop_pass import StopPass
+from shared.transports import TransportUnavailable, load_transport
 
 log = logging.getLogger("robobus.roi")
 
@@ -36,11 +34,7 @@ class RoiService:
         self.settings = settings
         self.modules: list[RoiModule] = []
         self.by_octet: dict[int, list[RoiModule]] = {}
-        self.transport = RoiTransport(
-            TransportConfig(settings.roi_network, settings.roi_host_octet, settings.roi_timeout_s,
-                            settings.roi_max_retries),
-            sorted({m.octet for m in settings.roi_modules}), live=self._live, on_reply=self._on_reply,
-            on_garbage=self._on_garbage, on_decode_error=self._on_decode_error)
+        self.transport = make_transport(self, settings)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
         self.stop_pass = StopPass(node, self._stop_pass)
@@ -156,25 +150,25 @@ class RoiService:
             m.link.stop("service stopped; motors were sent a stop")
 
 
-def check_bindable(host: str) -> None:
-    """Both ROI ports on this host's address, or one clear line: the address is not ours, or the ports are
-    taken (only one process can own the ROI network, §1)."""
-    for port in (p.GENERAL_PORT, p.SYSADMIN_PORT):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                raise ServiceUnavailable(f"cannot bind {host}:{port} ({exc.strerror}): roi_network and "
-                                         "roi_host_octet must name an address of this host, and no other "
-                                         "process may own the ROI ports there") from None
+def make_transport(svc: RoiService, settings: RoiSettings) -> RoiTransport:
+    """The transport ROBOBUS_ROI_TRANSPORT names, through the kit's transport loader (shared/transports.py, entry
+    points `roi-modules.<name>`; `udp`: udp.py). Its factory gets the settings, the configured modules' octets and
+    the service's callbacks, once, when the service is built."""
+    try:
+        factory = load_transport(API.service, settings.roi_transport)
+    except TransportUnavailable as exc:
+        raise ServiceUnavailable(str(exc)) from None
+    return cast(RoiTransport, factory(settings, sorted({m.octet for m in settings.roi_modules}), live=svc._live,
+                                      on_reply=svc._on_reply, on_garbage=svc._on_garbage,
+                                      on_decode_error=svc._on_decode_error))
 
 
 def build(node: Node, settings: RoiSettings) -> RoiService:
-    # the switch interval is the kit's setting (switch_interval_ms: 1 ms by default here, settings.py)
-    check_bindable(f"{settings.roi_network}.{settings.roi_host_octet}")
+    # the switch interval is the kit's setting (switch_interval_ms: 1 ms by default here, settings.py); the
+    # transport's factory checks that it can own the ROI ports (udp.py) before anything connects
     svc = RoiService(node, settings)
     svc.build_modules()
     return svc
 
 
-__all__ = ["RoiService", "build"]  # the contract is api.py's, the settings settings.py's
+__all__ = ["RoiService", "build", "make_transport"]  # the contract is api.py's, the settings settings.py's

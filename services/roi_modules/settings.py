@@ -11,6 +11,7 @@ from services.roi_modules.models import RoiModuleConfig
 from services.roi_modules.transport import check_prefix
 from shared.node import NODE_DEVICE
 from shared.settings import KitSettings
+from shared.transports import check_transport
 
 __all__ = ["RoiSettings"]
 
@@ -26,6 +27,9 @@ class RoiSettings(KitSettings):
     switch_interval_ms: float | None = Field(1.0, gt=0, le=100, description="The interpreter's thread switch "
                                              "interval (docs/kit.md, \"Settings\")")
 
+    roi_transport: str = Field(
+        "udp", description="The transport, by its name in the entry points `robobus.transports` (roi-modules.<name>; "
+                           "docs/kit.md, \"Transports\"): udp: the ROI network's UDP ports on this host")
     roi_network: str = Field("192.168.2", description="First three octets of the ROI network (firmware: 192.168.2)")
     roi_host_octet: int = Field(100, ge=1, le=254, description="This host's octet; both ports are bound there")
     roi_modules: list[RoiModuleConfig] = Field(min_length=1, description="The modules: name, octet, type, options")
@@ -43,6 +47,11 @@ class RoiSettings(KitSettings):
     roi_gpio_reads_per_tick: int = Field(4, ge=1, le=16, description="GPIO pins read per tick (round robin)")
     roi_odrive_tolerance: float = Field(0.05, gt=0, description="Jobs: ODrive done within this many rev")
     roi_actuator_tolerance: float = Field(0.5, gt=0, description="Jobs: actuator done within this many %")
+
+    @field_validator("roi_transport")
+    @classmethod
+    def _transport(cls, v: str) -> str:
+        return check_transport("roi-modules", v)  # an unknown name lists the registered ones
 
     @field_validator("roi_network")
     @classmethod

@@ -4,7 +4,8 @@ talks to, and what it needs of a contract comes from that service's own package.
 
 Where a service's devices have a module of their own (`DEVICE_MODULES`), `service.py` holds no device code (no
 handler, no `bind_all`, no `node.device(...)`), and the device module does not import its `service.py`, a
-simulator or a transport's module."""
+simulator or a transport's module, nor builds a transport itself (it calls what the service hands it: the factory
+the service loaded by name, tests/kit/test_transports.py)."""
 
 from __future__ import annotations
 
@@ -78,10 +79,11 @@ def test_device_classes_live_outside_service_py() -> None:
 
 def test_device_modules_do_not_reach_back_into_the_service() -> None:
     # the narrow context: a device module never imports its service.py (nor a simulator nor a transport's module,
-    # test_transports.py's rule for service.py)
-    from tests.kit.test_transports import _transport_modules, forbidden_imports
+    # test_transports.py's rule for service.py), nor builds a transport in place (test_transports.py's rule too)
+    from tests.kit.test_transports import _transport_modules, builds_a_transport, forbidden_imports, transport_builders
 
     transports = _transport_modules()
+    builders = transport_builders()
     bad = []
     for svc, module in DEVICE_MODULES.items():
         path = REPO / "services" / svc / module
@@ -90,4 +92,5 @@ def test_device_modules_do_not_reach_back_into_the_service() -> None:
         bad += [f"services/{svc}/{module}:{line}: {mod}" for line, mod in imported_names(path, name)
                 if mod == own or mod.startswith(f"{own}.")]
         bad += [f"services/{svc}/{module}:{v}" for v in forbidden_imports(path, name, transports)]
+        bad += [f"services/{svc}/{module}:{v}" for v in builds_a_transport(path, builders)]
     assert bad == []

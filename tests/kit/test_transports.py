@@ -10,11 +10,15 @@ entry points `robobus.transports`, `<service>.<name> = module:factory`.
 - no service.py imports simulator code (a module `sim`, `sim_*`, `simworld`, or one inside a `sim` package) nor a
   module a transport's entry point names: the factory module is the only one that knows the concrete transport.
   The check parses every import of every service.py (function level and `importlib.import_module` too; the
-  parser is tests/kit/test_layers.py's); `test_the_import_rule_catches_a_forbidden_import` shows it finds one.
+  parser is tests/kit/test_layers.py's); `test_the_import_rule_catches_a_forbidden_import` shows it finds one;
+- every service registers at least one transport, and no service.py builds one itself: it calls neither a
+  transport's factory nor the class a factory returns (its return annotation) by name; the factory, loaded by
+  name, is the one place that builds it (`test_the_construction_rule_catches_a_transport_built_in_place`).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -60,11 +64,14 @@ def test_every_registered_transport_belongs_to_a_service_and_loads_by_name():
     orphans = [n for n in every if not any(n.startswith(f"{s}.") for s in services)]
     assert not orphans, f"transports of no registered service: {orphans}"
     registered = _registered()
-    # the services whose transport is chosen in their settings: the simulators beside the real ones
-    assert {"ethercat-loop", "can-bootloader", "epuck-gateway"} <= set(registered)
+    # every service's transport is chosen by name in its settings (the simulators beside the real ones where they
+    # run in-process; roi-modules' and dexter-gateway's simulators are peers on the real wire)
+    assert set(registered) == services, f"services registering no transport: {sorted(services - set(registered))}"
     assert {"model", "virtual", "nic"} <= set(registered["ethercat-loop"])
     assert "sim" in registered["can-bootloader"]
     assert {"wifi", "serial"} <= set(registered["epuck-gateway"])
+    assert "udp" in registered["roi-modules"]
+    assert "tcp" in registered["dexter-gateway"]
     for svc, names in registered.items():
         for name in names:
             factory = load_transport(svc, name)
@@ -73,11 +80,18 @@ def test_every_registered_transport_belongs_to_a_service_and_loads_by_name():
 
 
 def test_each_service_default_names_a_registered_transport():
+    from services.dexter_gateway.settings import DexterSettings
     from services.epuck_gateway.settings import EpuckSerialRobot, EpuckWifiRobot
     from services.ethercat_loop.settings import EthercatSettings
+    from services.roi_modules.settings import RoiSettings
 
     assert EthercatSettings.model_fields["backend"].default in transport_names("ethercat-loop")
     assert EthercatSettings(backend="virtual").backend == "virtual"
+    assert RoiSettings.model_fields["roi_transport"].default == "udp" in transport_names("roi-modules")
+    assert DexterSettings.model_fields["dexter_transport"].default == "tcp" in transport_names("dexter-gateway")
+    with pytest.raises(ValueError, match=r"unknown dexter-gateway transport 'tpc' \(did you mean 'tcp'\?\); "
+                                         r"registered: tcp"):
+        DexterSettings(dexter_transport="tpc")
     # an e-puck2's `transport` names its link; WiFi by default
     assert {EpuckWifiRobot.model_fields["transport"].default, "serial"} <= set(transport_names("epuck-gateway"))
     assert EpuckSerialRobot(id="r", transport="serial", port="/dev/ttyACM0").transport == "serial"
@@ -93,16 +107,30 @@ def test_an_unknown_name_lists_the_registered_ones():
         load_transport("no-such-service", "x")
 
 
-def test_an_unknown_name_in_the_settings_stops_the_service_at_start():
-    """ROBOBUS_ETHERCAT_BACKEND=modle: one line naming the variable and the registered transports, exit 2,
-    before any broker is tried (none runs at the URL given)."""
-    env = {**os.environ, "ROBOBUS_ETHERCAT_BACKEND": "modle", "ROBOBUS_MQTT_URL": "mqtt://127.0.0.1:1"}
-    r = subprocess.run([sys.executable, "-m", "services.ethercat_loop"], cwd=REPO, env=env, capture_output=True,
+# (service package, the setting, a wrong name, its close match, the registered names) and what else the service
+# needs to read its settings: nothing but the transport is wrong
+UNKNOWN_AT_START = [
+    ("ethercat_loop", "ROBOBUS_ETHERCAT_BACKEND", "modle", "model", "model, nic, virtual", {}),
+    ("roi_modules", "ROBOBUS_ROI_TRANSPORT", "upd", "udp", "udp",
+     {"ROBOBUS_ROI_NETWORK": "127.0.2", "ROBOBUS_ROI_MODULES": '[{"name": "gpio1", "octet": 10, "type": "gpio"}]'}),
+    ("dexter_gateway", "ROBOBUS_DEXTER_TRANSPORT", "tpc", "tcp", "tcp",
+     {"ROBOBUS_DEXTER_ARMS": '[{"id": "dexter1", "host": "127.0.0.1", "port": 1}]'}),
+]
+
+
+@pytest.mark.parametrize(("package", "var", "wrong", "close", "registered", "extra"), UNKNOWN_AT_START,
+                         ids=[c[0] for c in UNKNOWN_AT_START])
+def test_an_unknown_name_in_the_settings_stops_the_service_at_start(package: str, var: str, wrong: str, close: str,
+                                                                    registered: str, extra: dict[str, str]):
+    """ROBOBUS_ETHERCAT_BACKEND=modle (ROBOBUS_ROI_TRANSPORT=upd, ROBOBUS_DEXTER_TRANSPORT=tpc): one line naming the
+    variable and the registered transports, exit 2, before any broker is tried (none runs at the URL given)."""
+    env = {**os.environ, **extra, var: wrong, "ROBOBUS_MQTT_URL": "mqtt://127.0.0.1:1"}
+    r = subprocess.run([sys.executable, "-m", f"services.{package}"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     line = r.stderr.strip().splitlines()[-1]
-    assert "ROBOBUS_ETHERCAT_BACKEND" in line and "registered: model, nic, virtual" in line, line
-    assert "did you mean 'model'" in line, line
+    assert var in line and f"registered: {registered}" in line, line
+    assert f"did you mean {close!r}" in line, line
 
 
 def test_a_registered_transport_that_does_not_import_is_unavailable(monkeypatch):
@@ -177,7 +205,8 @@ def test_no_service_imports_a_simulator_or_a_transport_module():
     assert len(files) >= 5
     mods = _transport_modules()
     assert {"services.ethercat_loop.model_backend", "services.can_bootloader.sim",
-            "services.epuck_gateway.links.wifi", "services.epuck_gateway.links.serial"} <= mods
+            "services.epuck_gateway.links.wifi", "services.epuck_gateway.links.serial",
+            "services.roi_modules.udp", "services.dexter_gateway.tcp"} <= mods
     bad = {f"{f.relative_to(REPO)}:{v}" for f in files
            for v in forbidden_imports(f, f"services.{f.parent.name}.service", mods)}
     assert not bad, "\n".join(sorted(bad))
@@ -204,3 +233,60 @@ def test_the_import_rule_catches_a_forbidden_import(tmp_path):
         "9: services.ethercat_loop.transport.process_backend",
         "10: services.epuck_gateway.simworld",
     ], found
+
+
+# -- no service.py builds a transport itself -------------------------------------------------------------------
+def _return_names(factory: object) -> set[str]:
+    """The class names in a factory's return annotation (`-> RoiTransport`, `-> list[BootBusSim]`: BootBusSim)."""
+    ann = getattr(factory, "__annotations__", {}).get("return")
+    if ann is None:
+        return set()
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", "")
+    tree = ast.parse(text, mode="eval")
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id[:1].isupper()}
+
+
+def transport_builders() -> dict[str, str]:
+    """{name: what it is} for each registered transport's factory and each class a factory returns: the names a
+    service's wiring must not call (it calls the factory `load_transport` gives it)."""
+    out: dict[str, str] = {}
+    for svc in service_names():
+        for name in transport_names(svc):
+            factory = load_transport(svc, name)
+            out[factory.__name__] = f"{svc}.{name}'s factory"
+            out.update({cls: f"what {svc}.{name}'s factory returns" for cls in _return_names(factory)})
+    return out
+
+
+def builds_a_transport(path: Path, builders: dict[str, str]) -> list[str]:
+    """`line: name(...) (why)` for each call in `path` of a name in `builders` (a bare name or an attribute)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name in builders:
+                found.append(f"{node.lineno}: {name}(...) ({builders[name]}: load it by name, shared.transports)")
+    return found
+
+
+def test_no_service_builds_its_transport_in_place():
+    builders = transport_builders()
+    assert {"udp_transport", "RoiTransport", "tcp_link", "DexterLink", "model_backend", "ModelBackend",
+            "wifi_link", "EpuckLink"} <= set(builders), builders
+    bad = [f"{f.relative_to(REPO)}:{v}" for f in _service_files() for v in builds_a_transport(f, builders)]
+    assert bad == [], "\n".join(bad)
+
+
+def test_the_construction_rule_catches_a_transport_built_in_place(tmp_path):
+    path = tmp_path / "service.py"
+    path.write_text(textwrap.dedent('''
+        from services.roi_modules import transport
+
+        def build(settings, node):
+            t = transport.RoiTransport(settings.config, [10])
+            link = DexterLink("arm", settings.link)
+            return node, t, link, load_transport("roi-modules", "udp")(settings, [10])
+    '''))
+    found = builds_a_transport(path, transport_builders())
+    assert [f.split(" (")[0] for f in found] == ["5: RoiTransport(...)", "6: DexterLink(...)"], found
