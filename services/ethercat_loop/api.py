@@ -33,7 +33,7 @@ from services.ethercat_loop.models import (
     PalmSystemControlsRequest,
     PalmTactile,
 )
-from shared.contract import ServiceAPI
+from shared.contract import BY_REQUEST, ServiceAPI
 from shared.errors import ErrorCode
 
 __all__ = ["API", "CAN_RX", "CAN_TX", "EXTRAS", "JOINTS", "LEASE", "LOOP", "MOTORS", "MOTOR_FAULT", "NULLIFY",
@@ -65,15 +65,16 @@ NULLIFY = API.command("nullify_demands", PalmNullifyRequest, PalmAck,
 SET_CONFIG = API.command("set_motor_config", PalmMotorConfigRequest, PalmMotorConfigReply, errors=_NORMAL,
                          motion=True, doc="Push an FPID config (one type per cycle, then the CRC); refused while "
                                           "the bus stop is active")
-SYSTEM = API.command("system_controls", PalmSystemControlsRequest, PalmSystemControlsReply,
-                     errors=[*_NORMAL, ErrorCode.STOPPED],
+# moves for some requests only (the device's @moves_when predicate, service.py): a jiggle; a TO_MOTOR frame
+SYSTEM = API.command("system_controls", PalmSystemControlsRequest, PalmSystemControlsReply, errors=_NORMAL,
+                     motion=BY_REQUEST,
                      doc="Reset motors, backlash compensation, gauge tracking, jiggle, write EEPROM; a jiggle "
                          "moves the motors: refused with `stopped` while the bus stop is active")
 TEST_ADC = API.command("test_adc_channels", PalmAdcTestRequest, PalmAdcTestReply,
                        errors=[*_NORMAL, ErrorCode.TIMEOUT],
                        doc="The seed's TestADCChannelNumbers: read every sensor's ADC/channel id in "
                            "SENSOR_CHANNEL_NUMBERS mode and compare with the expected wiring")
-SEND_CAN = API.command("send_can", PalmSendCanRequest, PalmSendCanReply, errors=[*_NORMAL, ErrorCode.STOPPED],
+SEND_CAN = API.command("send_can", PalmSendCanRequest, PalmSendCanReply, errors=_NORMAL, motion=BY_REQUEST,
                        doc="The seed's SendCanMessage: send one frame in CAN direct mode and return the frames "
                            "received within window_ms; a TO_MOTOR frame (SID bits 10:9 = 1: a demand, a control) "
                            "is refused with `stopped` while the bus stop is active")

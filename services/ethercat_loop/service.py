@@ -101,7 +101,7 @@ from services.ethercat_loop.protocol import (
 from services.ethercat_loop.settings import EthercatSettings, link_policy, overrun_threshold
 from services.ethercat_loop.snapshot import PalmSnapshot
 from shared import CommandError, Device, ErrorCode, Node, ServiceUnavailable
-from shared.device import handles
+from shared.device import handles, moves_when
 from shared.lifecycle import Hooks
 from shared.link import LinkState, SupervisedLink
 from shared.messages import StopState
@@ -300,15 +300,6 @@ class PalmService:
         else:
             assert at_ns is not None
             self.dev.stop_written(at=time.time() - (time.monotonic_ns() - at_ns) / 1e9)
-
-    def _motion_payload(self) -> int:
-        """The kit's gate (the node's stop latch) for a command that moves only with some payloads: `stopped`
-        while the bus stop is active, `unavailable` until the node has read it; the activation count for
-        `_motion_done`."""
-        return self.node.stop_latch.admit()
-
-    def _motion_done(self, gen: int) -> None:
-        self.node.stop_latch.done(self.dev, gen)
 
     def _apply_fault(self, kind: str | None = None, device: str | None = None) -> None:
         """The one `error` of the device: a palm of the wrong kind (the backend) and the faults the palm reports
@@ -576,6 +567,11 @@ class PalmService:
         self._submit(SetMotorConfig(motors, cfg))
         return PalmMotorConfigReply(motors=list(motors), crc=config_crc(cfg.words()))
 
+    @moves_when(SYSTEM)
+    def system_controls_moves(self, req: PalmSystemControlsRequest) -> bool:
+        """A jiggle moves the motors (the kit's bus stop gate, api.py SYSTEM); the other controls do not."""
+        return req.jiggle
+
     @handles(SYSTEM)
     def system_controls(self, req: PalmSystemControlsRequest) -> PalmSystemControlsReply:
         self._require_normal()
@@ -592,15 +588,10 @@ class PalmService:
             bits |= SystemControl.EEPROM_WRITE
         if not bits and not req.reset:
             raise CommandError(ErrorCode.INVALID_REQUEST, "nothing to do: set reset or a control")
-        gen = self._motion_payload() if req.jiggle else None  # jiggling moves the motors: the bus stop's gate
-        try:
-            if req.reset:
-                self._submit(ResetMotors(motors))
-            if bits:
-                self._submit(SystemControls(motors, int(bits)))
-        finally:
-            if gen is not None:
-                self._motion_done(gen)
+        if req.reset:
+            self._submit(ResetMotors(motors))
+        if bits:
+            self._submit(SystemControls(motors, int(bits)))
         return PalmSystemControlsReply(motors=list(motors), controls=int(bits), reset=req.reset)
 
     def _wait_snapshot(self, pred: Any, timeout_s: float) -> PalmSnapshot | None:
@@ -637,6 +628,12 @@ class PalmService:
         bad = [r.name for r in rows if not r.ok]
         return PalmAdcTestReply(matches=not bad, mismatched=bad, sensors=rows)
 
+    @moves_when(SEND_CAN)
+    def send_can_moves(self, req: PalmSendCanRequest) -> bool:
+        """A TO_MOTOR frame (a demand, a control) can move a motor (docs/reference/shadow_ethercat.md §1.9): the
+        kit's bus stop gate (api.py SEND_CAN); other frames do not."""
+        return split_sid(req.sid)[0] == CanDirection.TO_MOTOR
+
     @handles(SEND_CAN)
     def send_can(self, req: PalmSendCanRequest) -> PalmSendCanReply:
         if not self.backend.connected():
@@ -644,14 +641,7 @@ class PalmService:
         data = bytes.fromhex(req.data)
         if req.length is not None:
             data = data[:req.length]
-        # a TO_MOTOR frame (a demand, a control) can move a motor: the bus stop's gate
-        # (docs/reference/shadow_ethercat.md §1.9)
-        gen = self._motion_payload() if split_sid(req.sid)[0] == CanDirection.TO_MOTOR else None
-        try:
-            return self._send_can(req, data)
-        finally:
-            if gen is not None:
-                self._motion_done(gen)
+        return self._send_can(req, data)
 
     def _send_can(self, req: PalmSendCanRequest, data: bytes) -> PalmSendCanReply:
         lease = self.lease.acquire(SEND_CAN_HOLDER, req.window_ms + 2000, time.monotonic())
