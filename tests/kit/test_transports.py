@@ -139,6 +139,27 @@ def test_a_registered_transport_that_does_not_import_is_unavailable(monkeypatch)
         load_transport("ethercat-loop", "nic")
 
 
+def test_roi_and_dexter_report_a_transport_that_does_not_import_as_unavailable(monkeypatch):
+    """A registered transport whose module does not import: the service's "cannot run here" (ServiceUnavailable,
+    exit 2 at start), the loader's reason in it."""
+    from services.dexter_gateway.api import API as DEXTER
+    from services.dexter_gateway.service import build as build_dexter
+    from services.dexter_gateway.settings import DexterSettings
+    from services.roi_modules.api import API as ROI
+    from services.roi_modules.service import build as build_roi
+    from services.roi_modules.settings import RoiSettings
+    from shared import Node, ServiceUnavailable
+
+    monkeypatch.setitem(sys.modules, "services.roi_modules.udp", None)
+    monkeypatch.setitem(sys.modules, "services.dexter_gateway.tcp", None)
+    rs = RoiSettings(roi_network="127.0.2", roi_modules=[{"name": "io", "octet": 10, "type": "gpio"}])
+    with pytest.raises(ServiceUnavailable, match="roi-modules transport 'udp' cannot be imported here"):
+        build_roi(Node(ROI, rs), rs)
+    ds = DexterSettings()
+    with pytest.raises(ServiceUnavailable, match="dexter-gateway transport 'tcp' cannot be imported here"):
+        build_dexter(Node(DEXTER, ds), ds)
+
+
 OUT_OF_TREE = '''
 """A transport for ethercat-loop from a package outside the tree: the model backend, marked."""
 from services.ethercat_loop.model_backend import model_backend
@@ -176,6 +197,64 @@ def test_a_package_outside_the_tree_adds_a_transport_to_a_service(tmp_path):
     assert r.returncode == 0, r.stderr
     names, made = r.stdout.splitlines()[:2]
     assert "'extra'" in names and "'model'" in names and made == "True ModelBackend", r.stdout
+
+
+OUT_OF_TREE_WIRES = '''
+"""Transports for roi-modules and dexter-gateway from a package outside the tree: the registered ones, marked."""
+from services.dexter_gateway.tcp import tcp_link
+from services.roi_modules.udp import udp_transport
+
+MADE = []
+
+
+def roi(settings, octets, **callbacks):
+    transport = udp_transport(settings, octets, **callbacks)
+    MADE.append(transport)
+    return transport
+
+
+def dexter(name, config, **kw):
+    link = tcp_link(name, config, **kw)
+    MADE.append(link)
+    return link
+'''
+
+
+def test_a_package_outside_the_tree_adds_a_transport_to_roi_modules_and_dexter_gateway(tmp_path):
+    """ROBOBUS_ROI_TRANSPORT / ROBOBUS_DEXTER_TRANSPORT name a transport of another distribution: each service's
+    `build()` makes its transport (roi) and each arm's link (dexter) with that factory, not the registered one."""
+    from tests.roi_modules.conftest import fresh_prefix
+
+    (tmp_path / "extra_wires.py").write_text(textwrap.dedent(OUT_OF_TREE_WIRES))
+    info = tmp_path / "extra_wires-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: extra-wires\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\nroi-modules.extra = extra_wires:roi\n"
+                                           "dexter-gateway.extra = extra_wires:dexter\n")
+    script = textwrap.dedent(f'''
+        import extra_wires
+        from services.dexter_gateway.api import API as DEXTER
+        from services.dexter_gateway.service import build as build_dexter
+        from services.dexter_gateway.settings import DexterSettings
+        from services.roi_modules.api import API as ROI
+        from services.roi_modules.service import build as build_roi
+        from services.roi_modules.settings import RoiSettings
+        from shared import Node
+        from shared.transports import transport_names
+        print(transport_names("roi-modules"), transport_names("dexter-gateway"))
+        rs = RoiSettings(roi_transport="extra", roi_network="{fresh_prefix()}",
+                         roi_modules=[{{"name": "io", "octet": 10, "type": "gpio"}}])
+        roi = build_roi(Node(ROI, rs), rs)
+        ds = DexterSettings(dexter_transport="extra")
+        dexter = build_dexter(Node(DEXTER, ds), ds)
+        print(extra_wires.MADE == [roi.transport, dexter.arms[0].link], len(extra_wires.MADE))
+    ''')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    names, made = r.stdout.splitlines()[:2]
+    assert names == "['extra', 'udp'] ['extra', 'tcp']" and made == "True 2", r.stdout
 
 
 # -- no service.py imports a simulator or a concrete transport ------------------------------------------------
