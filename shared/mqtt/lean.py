@@ -89,6 +89,7 @@ class LeanPublisher:
         self._last_tx = time.monotonic()
         self.error = ""
         self.closed = threading.Event()
+        self._closing = False  # set by close() before its DISCONNECT: the broker's end of stream after it is ours
         self._reader = threading.Thread(target=self._read, name="replay-acks", daemon=True)
         self._reader.start()
 
@@ -124,7 +125,7 @@ class LeanPublisher:
                             self._last_tx = time.monotonic()
                     continue
                 if not data:
-                    if not self.closed.is_set():  # not our own close()
+                    if not self._closing:  # not our own close(): the broker may end it before close() returns
                         self.error = "the broker closed the connection"
                     return
                 acks = 0
@@ -139,7 +140,7 @@ class LeanPublisher:
                         self._unacked -= acks
                         self._room.notify_all()
         except (OSError, MqttProtocolError) as exc:
-            if not self.closed.is_set():
+            if not self._closing:
                 self.error = str(exc) or type(exc).__name__
         finally:
             self.closed.set()
@@ -158,6 +159,7 @@ class LeanPublisher:
             return self._unacked <= 0
 
     def close(self) -> None:
+        self._closing = True
         if not self.closed.is_set():
             try:
                 with self._send_lock:
