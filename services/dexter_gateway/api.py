@@ -28,7 +28,7 @@ from services.dexter_gateway.models import (
     DexterWriteFile,
     DexterWriteFpga,
 )
-from shared.contract import ServiceAPI
+from shared.contract import BY_REQUEST, ServiceAPI
 from shared.errors import ErrorCode
 
 __all__ = ["API", "HEARTBEAT", "MOVE_ALL", "MOVE_REL", "MOVE_STRAIGHT", "MOVE_TO", "PID_MOVE", "RAW", "READ_FILE",
@@ -44,8 +44,8 @@ STATUS = API.state("status", DexterStatus, doc="Decoded standard status (polled 
 _LINK = [ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.BUSY, ErrorCode.DEVICE_ERROR]
 _FILES = [*_LINK, ErrorCode.FORBIDDEN]
 # the bus stop (README, "Stopping everything"): the commands that move are `motion` (refused by the kit while the stop
-# is active); set_parameter and raw move for some payloads only (protocol.moves), refused `stopped` then
-_SOME_MOTION = [ErrorCode.STOPPED]
+# is active); set_parameter and raw move for some requests only (motion=BY_REQUEST: the arm's @moves_when predicates,
+# protocol.moves), refused `stopped` then
 MOVE_ALL = API.command("move_all_joints", DexterMoveAllJoints, DexterCommandReply, errors=_LINK, motion=True,
                        doc="`a`: queued coordinated move, J1..J5 degrees (sent as arcseconds), optional J6/J7")
 MOVE_REL = API.command("move_all_joints_relative", DexterMoveRelative, DexterCommandReply, errors=_LINK,
@@ -56,7 +56,7 @@ MOVE_TO = API.command("move_to", DexterMoveTo, DexterCommandReply, errors=_LINK,
                       doc="`M`: Cartesian move (onboard IK), metres or microns, direction and arm configuration")
 MOVE_STRAIGHT = API.command("move_to_straight", DexterMoveToStraight, DexterCommandReply, errors=_LINK,
                             motion=True, doc="`T`: straight-line Cartesian move")
-SET_PARAM = API.command("set_parameter", DexterSetParameter, DexterCommandReply, errors=[*_LINK, *_SOME_MOTION],
+SET_PARAM = API.command("set_parameter", DexterSetParameter, DexterCommandReply, errors=_LINK, motion=BY_REQUEST,
                         doc="`S` by name or index, with DDE's unit conversions (deg/s -> nbits, deg -> arcsec, "
                         "m -> µm) unless units='wire'. RunFile is the run_file job. The parameters that move "
                         "(EERoll, EESpan, GripperMotor, ServoSet, ServoSet2X, RebootServo, CommandedAngles, "
@@ -71,7 +71,7 @@ WRITE_FPGA = API.command("write_fpga", DexterWriteFpga, DexterCommandReply, erro
 STATUS_MODE = API.command("status_mode", DexterStatusModeRequest, DexterCommandReply, errors=_LINK,
                           doc="`g <mode>` (newest DexRun only): '0' is the standard layout; others are "
                           "firmware-specific and published as raw ints")
-RAW = API.command("raw", DexterRawCommand, DexterCommandReply, errors=[*_FILES, *_SOME_MOTION],
+RAW = API.command("raw", DexterRawCommand, DexterCommandReply, errors=_FILES, motion=BY_REQUEST,
                   doc="Any oplet for experts, `<oplet> <args…>`: checked for arguments, length and terminator; "
                   "the shell target of `r` is refused unless enabled and allowlisted; an oplet that moves "
                   "(a R M T C D P w, and the `S` parameters set_parameter refuses) is refused `stopped` while "

@@ -86,7 +86,7 @@ from services.dexter_gateway.transport import (
     PendingExchange,
 )
 from shared import CommandError, ErrorCode, JobContext, Node
-from shared.device import handles, runs
+from shared.device import handles, moves_when, runs
 from shared.dispatch import Deferred
 from shared.messages import StopState
 from shared.payloads import Serialized
@@ -285,13 +285,6 @@ class DexterArm:
         at = self.link.stop_motion(f"the bus stop by {describe(stop)}")
         self._publish_details()
         return at
-
-    def _admit_motion(self, oplet: str, args: Sequence[str]) -> None:
-        """A command that moves for some payloads only (set_parameter, raw): the kit's gate for those payloads
-        (`stopped` while the stop is active, `unavailable` until the node has read it). A race with the stop is
-        caught at the write (`DexterLink`: the check and the write under the lock the stop action takes)."""
-        if p.moves(oplet, args):
-            self.node.stop_latch.admit()
 
     def _g_args(self) -> Sequence[str]:
         # newest: `g` without an argument resets the status mode to '0', so polls repeat the current mode
@@ -510,6 +503,26 @@ class DexterArm:
             extras += self._servo_units(req.j6_deg, req.j7_deg)
         return self.command("T", args + extras)
 
+    # set_parameter and raw move for some requests only (api.py: motion=BY_REQUEST): the kit's bus stop gate takes
+    # the requests these predicates say move (`stopped` while the stop is active, `unavailable` until the node has
+    # read it). A race with the stop is caught at the write (`DexterLink`: the check and the write under the lock
+    # the stop action takes).
+    @moves_when(SET_PARAM)
+    def set_parameter_moves(self, req: DexterSetParameter) -> bool:
+        """The parameters that move the arm (`protocol.moves`: MOTION_PARAMS); a name that does not resolve does
+        not (the handler refuses it)."""
+        return p.moves("S", [req.name])
+
+    @moves_when(RAW)
+    def raw_moves(self, req: DexterRawCommand) -> bool:
+        """An oplet that moves the arm (`protocol.moves` over the parsed line: MOVING_OPLETS, the moving `S`
+        parameters). A line that does not parse is the request's error, as in the handler."""
+        try:
+            oplet, args = p.parse_command_line(req.command)
+        except ProtocolError as exc:
+            raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        return p.moves(oplet, args)
+
     @handles(SET_PARAM, inline="inline_commands")
     def cmd_set_parameter(self, req: DexterSetParameter) -> Serialized:
         try:
@@ -528,7 +541,6 @@ class DexterArm:
         # DexRun reads the first value with atof and the rest with atoi
         wire: list[Any] = [round(v) if unit in (p.ParamUnit.ARCSEC, p.ParamUnit.MICRONS) else v for v in vals[:1]]
         wire += [round(v) for v in vals[1:]]
-        self._admit_motion("S", [name])
         return self.command("S", [req.name if req.name.isdigit() else name, *wire])
 
     @handles(SET_BOUNDS, inline="inline_commands")
@@ -589,7 +601,6 @@ class DexterArm:
         request = self._prepare(oplet, args)  # judged before anything changes (the status mode below)
         if oplet in RAW_MOTION_OPLETS:
             self.check_raw_motion(oplet, request.args)
-        self._admit_motion(oplet, request.args)
         if oplet == "g" and self.firmware is Firmware.NEWEST:
             self.status_mode = args[0][0] if args else "0"
             self._publish_details()  # details.status_mode, as the status_mode command does

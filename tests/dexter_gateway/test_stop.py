@@ -27,7 +27,7 @@ from services.dexter_gateway.api import API
 from services.dexter_gateway.arm import STOP_NOTE
 from services.dexter_gateway.sim import DexterSim, DexterSimConfig
 from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError
-from shared.contract import command_errors
+from shared.contract import BY_REQUEST, command_errors
 from shared.errors import ErrorCode
 from shared.messages import StopState
 from shared.rpc import RpcClient, wait_for
@@ -161,9 +161,10 @@ def status_count(gw: Gateway) -> int:
 
 
 def test_the_contract_says_which_commands_move() -> None:
-    motion = {n for n, c in API.commands.items() if c.motion} | {n for n, j in API.jobs.items() if j.motion}
+    motion = {n for n, c in API.commands.items() if c.motion is True} | {n for n, j in API.jobs.items() if j.motion}
     assert motion == {"move_all_joints", "move_all_joints_relative", "pid_move_all_joints", "move_to",
                       "move_to_straight", "write_fpga", "run_file"}
+    assert {n for n, c in API.commands.items() if c.motion == BY_REQUEST} == {"set_parameter", "raw"}
     for name in ("set_parameter", "raw"):  # motion for some payloads: `stopped` is one of their codes
         assert ErrorCode.STOPPED in command_errors(API.commands[name]), name
     assert p.moves("S", ["EERoll", "1"]) and p.moves("S", ["23", "1"]) and p.moves("w", ["1", "2"])
