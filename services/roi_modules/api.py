@@ -29,7 +29,7 @@ from services.roi_modules.models import (
     RoiSetVelocity,
     RoiStatusReport,
 )
-from shared.contract import ServiceAPI
+from shared.contract import BY_REQUEST, ServiceAPI
 from shared.errors import ErrorCode
 
 __all__ = ["API", "BLACKLIST", "CLEAR_ERRORS", "FAULT", "GOTO_POSITION", "GOTO_RELATIVE", "GO_TO_POSITION",
@@ -43,8 +43,9 @@ API = ServiceAPI("roi-modules", device_doc="one ROI module (GPIO, ODrive or actu
 # a move job is also refused while another runs (busy) and ends with timeout when never in tolerance
 _MODULE = [ErrorCode.UNAVAILABLE, ErrorCode.DEVICE_ERROR]
 _MOVE = [*_MODULE, ErrorCode.BUSY, ErrorCode.TIMEOUT]
-# a GPIO pin configured in `stop_outputs` drives something that moves: refused with `stopped` during the bus stop
-_PIN = [*_MODULE, ErrorCode.STOPPED]
+# a GPIO pin configured in `stop_outputs` drives something that moves: set_pin_output, set_pin_mode and a raw
+# SET_OUTPUT / SET_PIN_MODE packet to it move for some requests only (motion=BY_REQUEST: the module's @moves_when
+# predicates, modules.py), refused with `stopped` during the bus stop
 PIN_STATES = API.state("pin_states", RoiPinStates, doc="GPIO: pin modes, on change")
 PIN_VALUES = API.state("pin_values", RoiPinValues, doc="GPIO: pin values after each read sweep")
 STATE = API.state("state", RoiMotionState, rate_hz=20,
@@ -54,11 +55,11 @@ POWER = API.state("power", RoiOdrivePower, rate_hz=2, doc="ODrive: bus voltage a
 TEMPERATURE = API.state("temperature", RoiOdriveTemperature, rate_hz=2, doc="ODrive: FET and motor temperature")
 LINK = API.state("link", RoiLinkStats, rate_hz=1, doc="The module's UDP link counters")
 FAULT = API.event("fault", RoiFault, doc="Disconnection, reconnection, module reset, module error")
-SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, errors=_PIN,
+SET_PIN_OUTPUT = API.command("set_pin_output", RoiSetPinOutput, RoiAck, errors=_MODULE, motion=BY_REQUEST,
                              doc="GPIO: drive an output pin 0/1; the pin must first be made an output with "
                                  "set_pin_mode (mode output), else the module refuses it (device_error). A pin "
                                  "in the module's stop_outputs: refused while the bus stop is active (stopped)")
-SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, errors=_PIN,
+SET_PIN_MODE = API.command("set_pin_mode", RoiSetPinMode, RoiAck, errors=_MODULE, motion=BY_REQUEST,
                            doc="GPIO: input, input_pullup or output. A pin in the module's stop_outputs: refused "
                                "while the bus stop is active (stopped)")
 GOTO_POSITION = API.command("goto_position", RoiGotoPosition, RoiAck, errors=_MODULE, motion=True,
@@ -73,7 +74,7 @@ CLEAR_ERRORS = API.command("clear_errors", RoiEmpty, RoiAck, errors=_MODULE, mot
                            doc="ODrive: clear errors, closed loop again (the axis may move to its set-point: "
                                "a motion command)")
 QUEUE_GENERAL = API.command("queue_general_packet", RoiQueueGeneral, RoiRawReply,
-                            errors=[*_MODULE, ErrorCode.FORBIDDEN, ErrorCode.STOPPED],
+                            errors=[*_MODULE, ErrorCode.FORBIDDEN], motion=BY_REQUEST,
                             doc="Raw general packet; answered with the module's decoded reply. On an ODrive or "
                                 "actuator module only getters: a setter moves the motor (forbidden). On a GPIO "
                                 "module, SET_OUTPUT / SET_PIN_MODE to a pin of its stop_outputs is refused while "

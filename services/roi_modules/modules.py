@@ -84,7 +84,7 @@ from services.roi_modules.transport import (
     background_traffic,
 )
 from shared import CommandError, ErrorCode, JobContext, Node
-from shared.device import handles, runs
+from shared.device import handles, moves_when, runs
 from shared.link import LinkPolicy, LinkState
 from shared.stop_pass import StopPass
 
@@ -480,21 +480,10 @@ class RoiModule:
         else:
             latch.report(self.dev.name, gen, t)
 
-    def raw_stop_gate(self, pkt: p.GeneralPacket) -> int | None:
-        """A raw packet that drives a stop output (GPIO): through the bus stop's gate (see `stop_pin_gate`)."""
-        return None
-
-    def stop_pin_gate(self, pin: int) -> int | None:
-        """A pin of `stop_outputs` drives something that moves: refused with `stopped` while the bus stop is
-        active (`unavailable` until the node has read it). The activation count, for `stop_pin_done`."""
-        if pin in self.cfg.stop_outputs:
-            return self.node.stop_latch.admit()
-        return None
-
-    def stop_pin_done(self, gen: int | None) -> None:
-        """After a gated command: if the stop came meanwhile, the stop action runs again (the kit's rule)."""
-        if gen is not None:
-            self.node.stop_latch.done(self.dev, gen)
+    def raw_moves(self, pkt: p.GeneralPacket) -> bool:
+        """A raw packet that moves something through the bus stop's gate (a GPIO stop output). Not the setters of an
+        ODrive or an actuator: those are refused `forbidden` whatever the stop (`raw_motion`)."""
+        return False
 
     # -- commands common to every module ---------------------------------------------------------------------
     def raw_motion(self, pkt: p.GeneralPacket) -> str:
@@ -504,6 +493,13 @@ class RoiModule:
     def on_raw_reply(self, pkt: p.GeneralPacket, rep: p.GeneralPacket) -> None:
         """Keep the cache and the published state in step with a raw packet the module accepted."""
 
+    # queue_general_packet, set_pin_mode and set_pin_output move for some requests only (api.py: motion=BY_REQUEST):
+    # the kit's bus stop gate takes the requests these predicates say move (`stopped` while the stop is active,
+    # `unavailable` until the node has read it; the stop action again after one that ran across the stop)
+    @moves_when(QUEUE_GENERAL)
+    def queue_general_moves(self, req: RoiQueueGeneral) -> bool:
+        return self.raw_moves(p.GeneralPacket(req.sub_device_id, req.action, bytes.fromhex(req.payload_hex)))
+
     @handles(QUEUE_GENERAL)
     @typed
     async def cmd_queue_general(self, req: RoiQueueGeneral) -> RoiRawReply:
@@ -511,14 +507,11 @@ class RoiModule:
         why = self.raw_motion(pkt)
         if why:
             raise CommandError(ErrorCode.FORBIDDEN, f"{self.cfg.name}: {why}")
-        gen = self.raw_stop_gate(pkt)
         try:
             rep = (await self.ctx.transport.general(self.cfg.octet, pkt, retries=req.retries) if req.wait_reply
                    else await self.ctx.transport.general_once(self.cfg.octet, pkt))
         except RequestLost as exc:
             raise _unavailable(exc, "general packet") from None
-        finally:
-            self.stop_pin_done(gen)
         if rep is None:
             return RoiRawReply(replied=False)
         self.on_raw_reply(pkt, rep)
@@ -620,10 +613,15 @@ class GpioModule(RoiModule):
         return [f"the module refused {p.GpioAction(pkt.action).name} {pkt.sub_device_id} (reply {r.payload[0]})"
                 for pkt, r in zip(pkts[n:], replies[n:], strict=False) if r.payload[0] != 1]
 
-    def raw_stop_gate(self, pkt: p.GeneralPacket) -> int | None:
-        if pkt.action in (p.GpioAction.SET_OUTPUT, p.GpioAction.SET_PIN_MODE):
-            return self.stop_pin_gate(pkt.sub_device_id)
-        return None
+    def raw_moves(self, pkt: p.GeneralPacket) -> bool:
+        return pkt.action in (p.GpioAction.SET_OUTPUT, p.GpioAction.SET_PIN_MODE) and \
+            pkt.sub_device_id in self.cfg.stop_outputs
+
+    @moves_when(SET_PIN_MODE)
+    @moves_when(SET_PIN_OUTPUT)
+    def pin_moves(self, req: RoiSetPinMode | RoiSetPinOutput) -> bool:
+        """A pin of `stop_outputs` drives something that moves (the kit's bus stop gate); the other pins do not."""
+        return req.pin in self.cfg.stop_outputs
 
     def blank_advice(self) -> str:
         return ("A GPIO module is configured by its first successful set_pin_mode: send one, or give the module "
@@ -681,11 +679,7 @@ class GpioModule(RoiModule):
     @typed
     async def cmd_set_pin_mode(self, req: RoiSetPinMode) -> RoiAck:
         mode = PIN_MODE_CODES[req.mode]
-        gen = self.stop_pin_gate(req.pin)
-        try:
-            await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_PIN_MODE, bytes([mode])), "SET_PIN_MODE")
-        finally:
-            self.stop_pin_done(gen)
+        await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_PIN_MODE, bytes([mode])), "SET_PIN_MODE")
         self.modes[req.pin] = mode
         if mode != p.PinMode.OUTPUT:
             self.outputs.pop(req.pin, None)
@@ -698,13 +692,9 @@ class GpioModule(RoiModule):
         if self.modes[req.pin] not in (0, p.PinMode.OUTPUT):
             raise CommandError(ErrorCode.INVALID_REQUEST, f"pin {req.pin} is {PIN_MODE_NAMES[self.modes[req.pin]]}; "
                                                           "set_pin_mode output first")
-        gen = self.stop_pin_gate(req.pin)
-        try:
-            await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_OUTPUT, bytes([req.value])), "SET_OUTPUT")
-            self.outputs[req.pin] = req.value
-            self.values[req.pin] = req.value
-        finally:
-            self.stop_pin_done(gen)
+        await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_OUTPUT, bytes([req.value])), "SET_OUTPUT")
+        self.outputs[req.pin] = req.value
+        self.values[req.pin] = req.value
         return RoiAck(accepted=True, detail=f"pin {req.pin} = {req.value}")
 
 
