@@ -25,7 +25,7 @@ from services.epuck_gateway.models import (
     EpuckSound,
     EpuckStream,
 )
-from shared.contract import ServiceAPI
+from shared.contract import BY_REQUEST, ServiceAPI
 from shared.errors import ErrorCode
 
 __all__ = ["API", "ASCII", "CALIBRATE_IR", "FAULT", "FLASH", "IMAGE", "IMAGE_INFO", "LEDS", "LINK", "OBSTACLE",
@@ -59,8 +59,9 @@ OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuat
                        doc="Enable or disable the on-board obstacle avoidance (it drives the wheels: a motion "
                            "command, and the bus stop turns it off)")
 STREAM = API.command("stream", EpuckStream, EpuckActuators, errors=_LINK, doc="Image and sensors streams on/off")
-ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply,
-                    errors=[*_LINK, ErrorCode.TIMEOUT, ErrorCode.STOPPED],
+# moves for some requests only (motion=BY_REQUEST): a `D` line (the robot's @moves_when predicate, robot.py)
+ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply, errors=[*_LINK, ErrorCode.TIMEOUT],
+                    motion=BY_REQUEST,
                     doc="asercom ASCII mode, one typed line (`D,200,200`, `N`); robots on a serial port only. A `D` "
                         "line moves the robot: refused with `stopped` while the bus stop is active")
 FLASH = API.job("flash", EpuckFlashRequest, EpuckFlashResult,

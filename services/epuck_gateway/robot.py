@@ -93,7 +93,7 @@ from services.epuck_gateway.protocols.wifi import (
 )
 from services.epuck_gateway.settings import SERVICE, EpuckSerialRobot, EpuckSettings, EpuckWifiRobot
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
-from shared.device import handles, runs
+from shared.device import handles, moves_when, runs
 from shared.stop_pass import StopPass
 from shared.transports import TransportUnavailable, load_transport
 
@@ -388,9 +388,25 @@ class EpuckRobot:
 
     def _motion_admitted(self) -> int:
         """On the loop, as a motion change is about to be made: the kit's gate again (it raises `stopped` while
-        the bus stop is active). The kit's gate ran on the network thread; a stop that came between it and this
-        handler has had its action run on the loop already, and the change must not undo it."""
+        the bus stop is active). Kept against a race: a request that reaches the loop straight from the network
+        thread has passed the kit's gate in this very loop step, but one that went through the command pool passed
+        it on a pool thread, and its coroutine starts on the loop later; a stop that came between them has had its
+        action (the stop pass) run on the loop already, and the change must not undo it."""
         return self.node.stop_latch.admit()
+
+    @staticmethod
+    def _ascii_command(line: str) -> str:
+        """What the firmware will make of the line's letter (docs/reference/epuck2.md §6, Asercom2.c's ASCII mode):
+        it upper-cases every letter but `b` and `g`."""
+        letter = line.split(",", 1)[0]
+        return letter if letter in ("b", "g") else letter.upper()
+
+    @moves_when(ASCII)
+    def ascii_moves(self, req: EpuckAsciiRequest) -> bool:
+        """A `D` line to a robot on a serial port moves it (api.py ASCII: motion=BY_REQUEST; the kit's bus stop
+        gate, and the stop action again after one that ran across the stop). `P` is refused, `S` stops it; a
+        robot on WiFi takes no ASCII line at all (the handler refuses it)."""
+        return isinstance(self.link, AsciiLink) and self._ascii_command(req.line) == "D"
 
     @handles(ASCII)
     async def cmd_ascii(self, req: EpuckAsciiRequest) -> EpuckAsciiReply:
@@ -401,19 +417,16 @@ class EpuckRobot:
         self._require_link()
         letter, *fields = req.line.split(",")
         args = [int(a) for a in fields]
-        # What the firmware will make of the line (docs/reference/epuck2.md §6, Asercom2.c's ASCII mode): it
-        # upper-cases every letter but `b` and `g`. A line that moves the robot goes through the gateway's
-        # own state, so the deadman covers it and the actuator state says what the robot does.
-        cmd = letter if letter in ("b", "g") else letter.upper()
-        motion = cmd == "D"  # the one line that moves the robot (`P` is refused, `S` stops it)
-        gen = 0
+        # A line that moves the robot goes through the gateway's own state, so the deadman covers it and the
+        # actuator state says what the robot does.
+        cmd = self._ascii_command(req.line)
+        motion = cmd == "D"  # the one line that moves the robot (`ascii_moves`: the kit's gate ran before this)
         if motion:
             if len(args) != 2 or any(not -SPEED_LIMIT <= a <= SPEED_LIMIT for a in args):
                 # the firmware's sscanf leaves a missing speed at the value of an earlier ASCII `D`
                 raise CommandError(ErrorCode.INVALID_REQUEST, f"`D` takes two speeds, D,left,right, each within "
                                                               f"+-{SPEED_LIMIT} steps/s")
-            # a motion payload of a command that is not all motion: the bus stop's gate, the kit's `stopped`
-            gen = self._motion_admitted()
+            self._motion_admitted()  # the second gate, on the loop (see there)
             # before the line goes: the deadman covers the robot even if its answer never comes
             self.controller.set_speed(args[0], args[1])
             self._arm_motion(args[0], args[1])
@@ -429,9 +442,6 @@ class EpuckRobot:
         except (TimeoutError, ConnectionError) as exc:
             raise CommandError(ErrorCode.TIMEOUT if isinstance(exc, TimeoutError) else ErrorCode.UNAVAILABLE,
                                str(exc) or f"no ASCII reply from {self.cfg.id}") from None
-        finally:
-            if motion:  # a stop that came while the line was out: its action again, as the kit does for motion
-                self.node.stop_latch.done(self.dev, gen)
         if cmd == "S":  # the firmware's stop: speeds 0 and the body LED off
             self.controller.set_speed(0, 0)
             self.controller.leds &= ~LED_BODY
