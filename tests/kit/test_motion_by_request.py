@@ -340,3 +340,21 @@ def test_a_predicate_is_refused_where_it_makes_no_sense() -> None:
     dev = node.device("arm1", kind=ARM.name)
     with pytest.raises(ValueError, match="takes no moves_when predicate"):
         dev.bind_moves_when(MOVE, lambda r: True)
+
+
+def test_the_services_declare_the_commands_that_move_for_some_requests() -> None:
+    """The four services whose commands move for some requests only declare them so: the AsyncAPI document tells a
+    client that those may be refused `stopped` (each service's stop tests hold the behaviour)."""
+    from services.dexter_gateway.api import API as DEXTER
+    from services.epuck_gateway.api import API as EPUCK
+    from services.ethercat_loop.api import API as ETHERCAT
+    from services.roi_modules.api import API as ROI
+
+    expected = [(DEXTER, {"set_parameter", "raw"}), (ROI, {"queue_general_packet", "set_pin_mode", "set_pin_output"}),
+                (ETHERCAT, {"system_controls", "send_can"}), (EPUCK, {"ascii"})]
+    doc = build_document([api for api, _ in expected])
+    for api, names in expected:
+        assert {n for n, c in api.commands.items() if c.motion == BY_REQUEST} == names, api.service
+        for name in names:
+            contract = doc["operations"][f"{api.service}_cmd_{name}"]["x-robobus"]
+            assert contract["motion"] == "request" and "stopped" in contract["errors"], (api.service, name)
