@@ -1,5 +1,5 @@
 """The suite's plugin (tests/fixtures.py), one rule for the whole run (tests never write tracked files), and how
-the run is split between pytest-xdist workers (`make test PYTEST_WORKERS=3`).
+the run is split between pytest-xdist workers (`make test PYTEST_WORKERS=4`).
 
 On a clean checkout (CI, `../shared/tools/fresh-clone-check`), `git status` must be as clean after the run as before
 it: a test that rewrites a tracked file (a screenshot, a generated document) fails the run, naming the files.
@@ -139,7 +139,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: Any) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """`make test` sets ROBOBUS_TEST_T0 as it starts: its wall time, setup and lint included."""
+    """`make test` sets ROBOBUS_TEST_T0 once its setup is done: its wall time, lint (beside the tests) included."""
     t0 = os.environ.get("ROBOBUS_TEST_T0")
     if not t0 or hasattr(config, "workerinput"):
         return
@@ -148,5 +148,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     except ValueError:
         return
     workers = getattr(config.option, "numprocesses", None) or 0
-    terminalreporter.write_line(f"make test: {wall:.0f} s wall ({int(wall // 60)} min {wall % 60:02.0f} s), setup and "
-                                f"lint included; pytest in {workers or 'one'} process{'es' if workers else ''}")
+    terminalreporter.write_line(f"make test: {wall:.0f} s wall ({int(wall // 60)} min {wall % 60:02.0f} s) after "
+                                f"setup, lint beside; pytest in {workers or 'one'} process{'es' if workers else ''}")
