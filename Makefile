@@ -83,11 +83,11 @@ pytest: setup
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # pytest prints the slowest 15 tests and, from ROBOBUS_TEST_T0, the wall time of `make test` after setup. Lint runs
-# beside the tests (it is CPU for half a minute, the suite mostly waits); its output is printed after them, and
+# beside the tests, niced (it is CPU for half a minute, the suite mostly waits); its output is printed after them, and
 # either failing fails `make test`.
 test: setup
 	@export ROBOBUS_TEST_T0=$$(date +%s.%N); lint_log=$$(mktemp); \
-	( $(MAKE) --no-print-directory lint > $$lint_log 2>&1; echo $$? > $$lint_log.rc ) & \
+	( nice -n 10 $(MAKE) --no-print-directory lint > $$lint_log 2>&1; echo $$? > $$lint_log.rc ) & \
 	$(MAKE) --no-print-directory pytest; rc=$$?; wait; \
 	echo "== make lint (beside the tests)"; cat $$lint_log; lint_rc=$$(cat $$lint_log.rc); rm -f $$lint_log $$lint_log.rc; \
 	if [ "$$lint_rc" != 0 ]; then echo "make test: lint failed"; fi; \

@@ -14,11 +14,15 @@ that no long one is left to the end. `-n0` runs everything in one process, in th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import re
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +92,50 @@ def unit_of(nodeid: str) -> str:
         value = rest[rest.index("[") + 1:-1].rsplit("-", 1)[0]
         return f"{module}::{value}"
     return module
+
+
+# The realtime unit and the docker unit run in two workers at once, and each has realtime processes: the realtime
+# container's cycle and virtual hand (tests/deploy/test_realtime_container.py, a compose stack: it stays in the
+# docker unit, since stacks with ethercat-loop share dockerd's realtime budget) against the realtime unit's. At
+# SCHED_FIFO on two cores they starve each other (frames lost, "no EtherCAT slave answers"). So each holds one lock
+# on the machine while its realtime processes run: a realtime-unit test for its duration, the container module for
+# its stack's life. The other tests go on beside them.
+_REALTIME_LOCK = Path(tempfile.gettempdir()) / "robobus-tests-realtime.lock"
+_REALTIME_WHOLE_MODULE = frozenset({"tests/deploy/test_realtime_container.py"})
+
+
+@contextlib.contextmanager
+def _realtime_alone() -> Iterator[None]:
+    with open(_REALTIME_LOCK, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _module_of(request: pytest.FixtureRequest) -> str:
+    return Path(request.path).resolve().relative_to(REPO).as_posix()
+
+
+@pytest.fixture(autouse=True)
+def _realtime_test_alone(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test of a realtime-unit module holds the realtime lock while it runs (first of its fixtures)."""
+    if _uses_realtime(_module_of(request)):
+        with _realtime_alone():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _realtime_module_alone(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module whose realtime processes live across its tests (a module-scoped stack) holds the lock throughout."""
+    if _module_of(request) in _REALTIME_WHOLE_MODULE:
+        with _realtime_alone():
+            yield
+    else:
+        yield
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (loadscope's split by module and class)

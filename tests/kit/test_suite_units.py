@@ -42,3 +42,35 @@ def test_the_modules_that_run_realtime_processes_are_one_unit() -> None:
     for p in wire:
         assert unit_of(f"{p.relative_to(REPO)}::test_x") == "realtime", p
     assert unit_of("tests/ethercat_loop/test_protocol.py::test_x") == "tests/ethercat_loop/test_protocol.py"
+
+
+def test_the_realtime_container_module_takes_the_realtime_lock_and_stays_with_docker() -> None:
+    """Its stack's realtime processes must not run beside the realtime unit's (two workers at once): it holds the
+    machine's realtime lock for its whole life, and stays in the docker unit (dockerd's realtime budget)."""
+    from tests.conftest import _REALTIME_WHOLE_MODULE, _uses_realtime
+
+    for m in _REALTIME_WHOLE_MODULE:
+        assert (REPO / m).exists(), m
+        assert unit_of(f"{m}::test_x") == "docker"
+        assert not _uses_realtime(m)  # not locked per test as well: the module's lock covers it
+
+
+def test_the_realtime_lock_is_exclusive_across_processes(tmp_path: Path) -> None:
+    """Two workers are two processes: the second waits for the first's lock (flock on one file)."""
+    import subprocess
+    import sys
+
+    code = ("import time, tests.conftest as c\n"
+            "with c._realtime_alone():\n"
+            "    print('in', flush=True); time.sleep(1.0)\n")
+    first = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert first.stdout is not None and first.stdout.readline().strip() == "in"
+    import time
+
+    from tests.conftest import _realtime_alone
+
+    t0 = time.monotonic()
+    with _realtime_alone():
+        waited = time.monotonic() - t0
+    first.wait(10)
+    assert waited > 0.5, waited  # it held the lock for 1 s after saying so
