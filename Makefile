@@ -11,8 +11,8 @@ MCAPCLI := .venv-mcapcli
 TSEXAMPLE := examples/typescript
 # The suite runs in three processes (pytest-xdist), each of tests/conftest.py's units (a module, the docker modules
 # together, the realtime modules together, the conformance suite per service) whole in one; PYTEST_WORKERS=0 runs
-# it in one process, in file order. Four are faster by about a minute on two cores, but starve the non-realtime
-# side of the realtime tests (their MQTT processes and clients) into timing failures.
+# it in one process, in file order. Four were about a minute faster on two cores, still over seven minutes, and
+# their heavier load showed timing races in realtime tests that three had not: three it is.
 PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
 
