@@ -22,7 +22,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from enum import IntEnum
+from typing import Any, ClassVar, TypeVar, cast
 
 from services.roi_modules import protocol as p
 from services.roi_modules.api import (
@@ -699,13 +700,32 @@ class GpioModule(RoiModule):
 
 
 class MotionModule(RoiModule, ABC):
-    """What the ODrive and the actuator share: jobs that move and follow."""
+    """What the ODrive and the actuator share: jobs that move and follow, and raw packets that only read."""
+
+    # raw general packets take getters only: a setter moves the module or changes how it moves behind the service's
+    # back (its published set-points, its re-sends after a reset, its stop)
+    raw_get_mask: ClassVar[int]
+    raw_actions: ClassVar[type[IntEnum]]
+    raw_what: ClassVar[tuple[str, str]]  # (the module's kind, what a setter moves)
+    raw_instead: ClassVar[str]  # the typed commands to use
 
     def __init__(self, ctx: ModuleContext, cfg: RoiModuleConfig) -> None:
         super().__init__(ctx, cfg)
         self.position: float | None = None
         self.velocity = 0.0
         self.dev.on_stop(ctx.stop_pass.action(self.dev.name), inline=True)  # RoiService.stop_pass
+
+    def raw_motion(self, pkt: p.GeneralPacket) -> str:
+        if pkt.action & self.raw_get_mask:
+            return ""
+        try:
+            name = self.raw_actions(pkt.action).name
+        except ValueError:
+            name = "unknown setter"
+        kind, moved = self.raw_what
+        return (f"raw action 0x{pkt.action:04x} ({name}) is an {kind} setter: it moves {moved} or changes how it "
+                f"moves. Raw packets to an {kind} take getters only (get bit 0x{self.raw_get_mask:x}); use "
+                f"{self.raw_instead}")
 
     @property
     @abstractmethod
@@ -799,6 +819,12 @@ class MotionModule(RoiModule, ABC):
 class OdriveModule(MotionModule):
     """§3.6/§7.1: GET_ALL every tick; commands switch control/input modes first."""
 
+    raw_get_mask = p.ODRIVE_GETMASK  # the firmware's getter test (§3.6)
+    raw_actions = p.OdriveAction
+    raw_what = ("ODrive", "the motor")
+    raw_instead = ("goto_position, set_velocity, set_torque or clear_errors, which keep the set-points the service "
+                   "publishes, re-sends after a module reset and stops on shutdown")
+
     def __init__(self, ctx: ModuleContext, cfg: RoiModuleConfig) -> None:
         super().__init__(ctx, cfg)
         self.cache: dict[str, float] = {}  # control_mode, input_mode, torque, position, velocity: what we set
@@ -812,18 +838,6 @@ class OdriveModule(MotionModule):
         return ("An ODrive module is configured by any set command (set_velocity, set_torque, goto_position): "
                 "send one, or give the module `initial_mode` (velocity or torque) in the service's settings and "
                 "the service sets that mode at a zero demand at start and after every reset.")
-
-    def raw_motion(self, pkt: p.GeneralPacket) -> str:
-        if pkt.action & p.ODRIVE_GETMASK:  # the firmware's getter test (§3.6)
-            return ""
-        try:
-            name = p.OdriveAction(pkt.action).name
-        except ValueError:
-            name = "unknown setter"
-        return (f"raw action 0x{pkt.action:04x} ({name}) is an ODrive setter: it moves the motor or changes how "
-                "it moves. Raw packets to an ODrive take getters only (get bit 0x80); use goto_position, "
-                "set_velocity, set_torque or clear_errors, which keep the set-points the service publishes, "
-                "re-sends after a module reset and stops on shutdown")
 
     @property
     def tolerance(self) -> float:
@@ -962,6 +976,12 @@ class ActuatorModule(MotionModule):
     the released firmware's zero reply reads as length 0); elsewhere the position is estimated from the
     commands (moving toward the target at the commanded velocity) and flagged `estimated`."""
 
+    raw_get_mask = p.ACTUATOR_GET_MASK
+    raw_actions = p.ActuatorAction
+    raw_what = ("actuator", "the actuator")
+    raw_instead = ("goto_position or set_velocity, which keep the target the service publishes, re-sends after a "
+                   "module reset and holds on shutdown")
+
     unit = "percent"
     VELOCITY_WINDOW_S = 0.5  # measured velocity: position difference over about this long (ticks are coarse)
 
@@ -1039,18 +1059,6 @@ class ActuatorModule(MotionModule):
 
     def has_cache(self) -> bool:
         return self.target is not None or self.speed_set
-
-    def raw_motion(self, pkt: p.GeneralPacket) -> str:
-        if pkt.action & p.ACTUATOR_GET_MASK:
-            return ""
-        try:
-            name = p.ActuatorAction(pkt.action).name
-        except ValueError:
-            name = "unknown setter"
-        return (f"raw action 0x{pkt.action:04x} ({name}) is an actuator setter: it moves the actuator or changes "
-                "how it moves. Raw packets to an actuator take getters only (get bit 0x8000); use goto_position "
-                "or set_velocity, which keep the target the service publishes, re-sends after a module reset "
-                "and holds on shutdown")
 
     async def push(self) -> None:
         if self.speed_set:
