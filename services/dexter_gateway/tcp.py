@@ -10,31 +10,10 @@ host and port an arm's settings give.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-from services.dexter_gateway.transport import (
-    ChangeHandler,
-    DecodeErrorHandler,
-    DexterLink,
-    DexterLinkConfig,
-    LinkFactory,
-    MotionStopped,
-    ReplyHandler,
-)
-from shared.link import SupervisedLink
+from services.dexter_gateway.transport import DexterLink, LinkFactory
 
 __all__ = ["tcp_link"]
 
-
-def tcp_link(name: str, config: DexterLinkConfig, *, supervisor: SupervisedLink | None = None,
-             on_change: ChangeHandler | None = None, on_reply: ReplyHandler | None = None,
-             on_decode_error: DecodeErrorHandler | None = None,
-             keepalive_args: Callable[[], Sequence[str]] | None = None,
-             motion_stopped: MotionStopped | None = None) -> DexterLink:
-    """The arm `name`'s link to DexRun at `config.host:config.port` (not started: the arm starts it); the
-    arguments are `DexterLink`'s."""
-    return DexterLink(name, config, supervisor=supervisor, on_change=on_change, on_reply=on_reply,
-                      on_decode_error=on_decode_error, keepalive_args=keepalive_args, motion_stopped=motion_stopped)
-
-
-_CHECK: LinkFactory = tcp_link  # mypy: the factory has the signature the service calls
+# The arm's link to DexRun at `config.host:config.port` (not started: the arm starts it): DexterLink itself, which
+# has the signature the service calls (mypy checks it against LinkFactory).
+tcp_link: LinkFactory = DexterLink

@@ -316,7 +316,10 @@ def test_the_import_rule_catches_a_forbidden_import(tmp_path):
 
 # -- no service.py builds a transport itself -------------------------------------------------------------------
 def _return_names(factory: object) -> set[str]:
-    """The class names in a factory's return annotation (`-> RoiTransport`, `-> list[BootBusSim]`: BootBusSim)."""
+    """The class names in a factory's return annotation (`-> RoiTransport`, `-> list[BootBusSim]`: BootBusSim), or
+    the class itself when the factory is one (dexter-gateway's `tcp_link` is `DexterLink`)."""
+    if isinstance(factory, type):
+        return {factory.__name__}
     ann = getattr(factory, "__annotations__", {}).get("return")
     if ann is None:
         return set()
@@ -330,9 +333,9 @@ def transport_builders() -> dict[str, str]:
     service's wiring must not call (it calls the factory `load_transport` gives it)."""
     out: dict[str, str] = {}
     for svc in service_names():
-        for name in transport_names(svc):
+        for name, plugin in transport_plugins(svc).items():
             factory = load_transport(svc, name)
-            out[factory.__name__] = f"{svc}.{name}'s factory"
+            out[plugin.attr] = f"{svc}.{name}'s factory"  # the name the entry point gives it
             out.update({cls: f"what {svc}.{name}'s factory returns" for cls in _return_names(factory)})
     return out
 
