@@ -103,16 +103,18 @@ class RpcClient:
         # The SUBACK for the reply topic must be in before the first request goes out.
         self._settle()
 
-    def _settle(self) -> None:
-        probe = self.reply_topic
-        corr = b"__settle__"
+    def _settle(self, timeout: float = 5.0) -> bool:
+        """A marker to our own reply topic, back: the broker has handled every packet we sent before it (a
+        subscription is in, and the retained messages it brought were sent ahead of the marker). False when the
+        marker did not come back within `timeout`."""
+        corr = b"__settle__" + os.urandom(6).hex().encode()
         w = _Waiter()
         with self._lock:
             self._pending[corr] = w
-        self.session.publish(probe, b'{"ok":true,"result":{}}', qos=1,
+        self.session.publish(self.reply_topic, b'{"ok":true,"result":{}}', qos=1,
                              properties=reply_properties(None, corr))
         try:
-            w.get(timeout=5.0)
+            return w.get(timeout=timeout) is not None
         finally:
             with self._lock:
                 self._pending.pop(corr, None)
@@ -176,6 +178,24 @@ class RpcClient:
         done.wait(duration)
         self.session.unsubscribe(topic_filter)
         return out
+
+    def collect_retained(self, *topic_filters: str, timeout: float = 5.0) -> list[tuple[str, bytes, bool]]:
+        """What the broker holds retained on `topic_filters` now, as (topic, payload, retained): subscribed, then
+        gathered until our marker comes back (`_settle`), which the broker sends after the retained messages of
+        the subscriptions before it; anything published meanwhile is in too. At most `timeout` s."""
+        out: list[tuple[str, bytes, bool]] = []
+
+        def on(msg: mqtt.MQTTMessage) -> None:
+            out.append((msg.topic, bytes(msg.payload), bool(msg.retain)))
+
+        for f in topic_filters:
+            self.session.subscribe(f, on, qos=1)
+        try:
+            self._settle(timeout)
+        finally:
+            for f in topic_filters:
+                self.session.unsubscribe(f)
+        return list(out)
 
     def call_job(self, node: str, device: str, command: str, payload: dict[str, Any] | None,
                  on_progress: Callable[[dict[str, Any]], None], timeout: float = 3600.0,

@@ -65,7 +65,8 @@ def _age(ts: float | None) -> str:
 def status(
     broker: Broker = None,
     root: Root = None,
-    wait: Annotated[float, typer.Option(help="Seconds to gather retained messages")] = 1.0,
+    wait: Annotated[float, typer.Option(
+        help="At most this many seconds to gather the retained messages (done once the broker has sent them)")] = 2.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
     expect_all: Annotated[bool, typer.Option(
         "--expect-all", help="Exit 1 unless every registered service has a node online")] = False,
@@ -87,7 +88,7 @@ def status(
         c.subscribe_before(stop_topic(c.root), lambda m: stop_msgs[SITE_CHANNEL].append(bytes(m.payload)))
         c.subscribe_before(fleet_stop_topic(c.root), lambda m: stop_msgs[FLEET_CHANNEL].append(bytes(m.payload)))
         c.subscribe_before(f"{c.root}/+/_node/state/{ANSWER_STATE}", on_answer)
-        msgs = c.collect(f"{c.root}/+/status", wait) + c.collect(f"{c.root}/+/+/health", wait)
+        msgs = c.collect_retained(f"{c.root}/+/status", f"{c.root}/+/+/health", timeout=wait)
     finally:
         c.close()
     topics = {SITE_CHANNEL: stop_topic(c.root), FLEET_CHANNEL: fleet_stop_topic(c.root)}

@@ -76,7 +76,7 @@ def test_health_is_the_link_supervisors(boot_node: Any, client: RpcClient) -> No
 
     def seen() -> bool:
         nonlocal h
-        msgs = client.collect(f"robobus/{bn.name}/{DEV}/health", 0.3)
+        msgs = client.collect_retained(f"robobus/{bn.name}/{DEV}/health")
         h = json.loads(msgs[-1][1]) if msgs else {}
         return bool(h.get("connection"))
 

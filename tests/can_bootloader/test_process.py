@@ -21,7 +21,7 @@ def test_process_flash_and_sigterm(broker_session: Broker, client: RpcClient, sp
            "ROBOBUS_CAN_SIM_ERASE_S": "0.05", "ROBOBUS_CAN_SIM_BOARDS": "[4, 14]"}
     proc = spawn(["-m", "services.can_bootloader"], env)
     assert wait_for(lambda: any(json.loads(p).get("online") for _, p, _ in
-                                client.collect(f"robobus/{name}/status", 0.3)), 15), proc.text()
+                                client.collect_retained(f"robobus/{name}/status")), 15), proc.text()
     _rep, result = client.call_job(name, "motors", "flash", {"board": 14, "hex": SMALL_HEX}, lambda e: None,
                                    timeout=60)
     assert result is not None and result["ok"], result
@@ -38,8 +38,11 @@ def test_process_flash_and_sigterm(broker_session: Broker, client: RpcClient, sp
     assert proc.stop(timeout=15) == 0, proc.text()
     assert time.monotonic() - t0 < 10
     assert wait_for(lambda: any(e.get("cancelled") for e in events if "cancelled" in e), 3), events[-3:]
-    offline = [json.loads(p) for _, p, _ in client.collect(f"robobus/{name}/status", 0.5)]
-    assert offline and offline[-1]["online"] is False
+    def offline() -> bool:
+        got = [json.loads(p) for _, p, _ in client.collect_retained(f"robobus/{name}/status")]
+        return bool(got) and got[-1]["online"] is False
+
+    assert wait_for(offline, 5, 0.1)
 
 
 def test_rig_node_and_boards_in_two_processes(broker_session: Broker, client: RpcClient, spawn: Any) -> None:

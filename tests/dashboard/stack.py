@@ -222,10 +222,10 @@ class SimStack:
 
     def wait_online(self, client: RpcClient, nodes: list[str], timeout: float = 60) -> None:
         def online() -> bool:
-            seen = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect("robobus/+/status", 0.3)}
+            seen = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect_retained("robobus/+/status")}
             if not all(seen.get(n, {}).get("online") for n in nodes):
                 return False
-            healths = {tuple(t.split("/")[1:3]) for t, p, _ in client.collect("robobus/+/+/health", 0.3) if p}
+            healths = {tuple(t.split("/")[1:3]) for t, p, _ in client.collect_retained("robobus/+/+/health") if p}
             return all((n, d) in healths for n in nodes for d in seen[n].get("devices", []) if d != "_node")
 
         assert wait_for(online, timeout, 0.5), {n: p.text() for n, p in self.procs.items() if not p.alive()}

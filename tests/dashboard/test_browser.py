@@ -113,7 +113,7 @@ def test_lists_every_online_node_and_device(page: Any, stack: tuple[SimStack, Rp
     """Every node of `make run` online, every device of each with the health its service reports (ROI modules
     start in their blank state, NOT OPERATIONAL until configured: the page says so)."""
     _, client = stack
-    healths = {tuple(t.split("/")[1:3]): json.loads(p) for t, p, _ in client.collect("robobus/+/+/health", 1.0) if p}
+    healths = {tuple(t.split("/")[1:3]): json.loads(p) for t, p, _ in client.collect_retained("robobus/+/+/health") if p}
     for node in NODES:
         page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
         for dev in DEVICES[node]:
@@ -628,13 +628,13 @@ def test_the_stop_button_stops_the_stacks_motion_devices(page: Any, stack: tuple
     page.click("#stop-button")
     page.wait_for_selector("#stop-result:not([data-outcome=none]):not([data-outcome=sending])", timeout=T)
     assert page.get_attribute("#stop-result", "data-outcome") == "confirmed", page.inner_text("#stop-result")
-    stop = json.loads([p for _, p, _ in client.collect("robobus/_stop", 1.0)][-1])
+    stop = json.loads([p for _, p, _ in client.collect_retained("robobus/_stop")][-1])
     assert stop["active"] and stop["source"].startswith("anonymous via dashboard ") and \
         stop["reason"] == "robot arm in the way", stop
     page.wait_for_selector(f"#stop-answers[data-answered='{len(NODES)}']", timeout=T)
 
     def answers() -> dict[str, dict[str, Any]]:
-        got = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect("robobus/+/_node/state/stop", 1.0) if p}
+        got = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect_retained("robobus/+/_node/state/stop") if p}
         return {n: a for n, a in got.items() if a["stop_ts"] == stop["ts"]}
 
     # every device's stop action reported (a stop action that failed says why: the ROI actuator's, whose position

@@ -160,17 +160,17 @@ def test_process_publishes_republishes_and_tracks_availability(broker_session: B
             check_entity(topic, cfg)
         # retained: a Home Assistant that starts later still finds them
         # (a filter of its own: collect() unsubscribes its filter when done)
-        retained = [t for t, _p, r in client.collect(f"{prefix}/+/#", 1.0) if r and node.replace("-", "_") in
+        retained = [t for t, _p, r in client.collect_retained(f"{prefix}/+/#") if r and node.replace("-", "_") in
                     t.replace("-", "_")]
         assert len(retained) >= 6
         # the templates read the node's real messages
-        health = client.collect(f"robobus/{node}/rh/health", 1.0)[-1][1]
+        health = client.collect_retained(f"robobus/{node}/rh/health")[-1][1]
         state = next(p for _t, p, _r in client.collect(f"robobus/{node}/rh/state/joints", 2.0))
         by = {c["name"]: c for c in configs.values()}
         assert render(by["connection"]["value_template"], health) in ("ON", "OFF")
         float(render(by["joints joints.FFJ3.position"]["value_template"], state))
         avail = by["problem"]["availability"][0]
-        status = client.collect(avail["topic"], 1.0)[-1][1]
+        status = client.collect_retained(avail["topic"])[-1][1]
         assert render(avail["value_template"], status) == "online"
         # Home Assistant restarts: everything again
         before = len(arrivals)
@@ -183,7 +183,7 @@ def test_process_publishes_republishes_and_tracks_availability(broker_session: B
         assert ha.poll() is None
         # the node dies: its Will makes every entity unavailable
         os.killpg(hand.proc.pid, signal.SIGKILL)
-        assert wait_for(lambda: render(avail["value_template"], client.collect(avail["topic"], 0.3)[-1][1])
+        assert wait_for(lambda: render(avail["value_template"], client.collect_retained(avail["topic"])[-1][1])
                         == "offline", 15)
     finally:
         ha.send_signal(signal.SIGTERM)
@@ -257,7 +257,7 @@ def test_configs_of_vanished_devices_are_removed(broker_session: Broker, client:
         assert wait_for(lambda: removed(made["e2"]), 15)
         assert live("e1") == made["e1"]
         # the empty payloads were retained: the broker no longer holds these configs
-        retained = {t for t, p, r in client.collect(f"{prefix}/+/+/+/config", 1.0) if r and p}
+        retained = {t for t, p, r in client.collect_retained(f"{prefix}/+/+/+/config") if r and p}
         assert retained >= made["e1"] and not retained & (made["e2"] | made["e3"])
     finally:
         d1.stop()

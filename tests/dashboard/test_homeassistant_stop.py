@@ -98,7 +98,7 @@ def test_the_button_stops_the_nodes_and_the_sensor_follows(broker_session: Broke
         button, sensor = json.loads(latest[button_topic]), json.loads(latest[sensor_topic])
         fleet_sensor = json.loads(latest[fleet_topic])
         # retained: a Home Assistant that starts later finds them
-        retained = {t for t, p, r in client.collect(f"{prefix}/+/+/+/config", 1.0) if r and p and "_stop" in t}
+        retained = {t for t, p, r in client.collect_retained(f"{prefix}/+/+/+/config") if r and p and "_stop" in t}
         assert retained == {button_topic, sensor_topic, fleet_topic}
         # the press, as Home Assistant publishes it
         when = time.time()

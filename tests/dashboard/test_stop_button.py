@@ -57,11 +57,11 @@ class Stack:
         return KitSettings(mqtt_url=f"mqtt://127.0.0.1:{self.port}", mqtt_username=name, mqtt_password=password)
 
     def retained_stop(self) -> dict[str, Any] | None:
-        got = [p for t, p, _ in self.operator.collect(stop_topic(ROOT), 1.0)]
+        got = [p for t, p, _ in self.operator.collect_retained(stop_topic(ROOT))]
         return json.loads(got[-1]) if got and got[-1] else None
 
     def health(self, device: str) -> dict[str, Any]:
-        got = [p for _, p, _ in self.operator.collect(f"{ROOT}/{NODE}/{device}/health", 1.0) if p]
+        got = [p for _, p, _ in self.operator.collect_retained(f"{ROOT}/{NODE}/{device}/health") if p]
         return dict(json.loads(got[-1]))
 
     def set_stop(self, active: bool, reason: str = "") -> StopState:
@@ -128,7 +128,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         st.fleet = fleet
 
         def online() -> bool:
-            healths = {t.split("/")[2] for t, p, _ in operator.collect(f"{ROOT}/{NODE}/+/health", 0.3) if p}
+            healths = {t.split("/")[2] for t, p, _ in operator.collect_retained(f"{ROOT}/{NODE}/+/health") if p}
             return {"wheel1", "wheel2", "sensor1"} <= healths
 
         assert wait_for(online, 60, 0.5), node.text()

@@ -156,10 +156,11 @@ def test_stop_is_fail_safe_every_node_says_offline_on_shutdown(sim: Stack, tmp_p
     seen: dict[str, dict[str, object]] = {}
     while time.monotonic() < deadline:
         with RpcClient(sim.settings("viewer"), name="test-deploy-down") as c:
-            for topic, payload, _ in c.collect(f"{sim.root}/+/status", 2.0):
+            for topic, payload, _ in c.collect_retained(f"{sim.root}/+/status"):
                 seen[topic.split("/")[-2]] = json.loads(payload)
         if all(seen.get(n, {}).get("online") is False for n in ("epuck-gateway", "ethercat-loop", "can-bootloader")):
             break
+        time.sleep(0.3)
     for n in ("epuck-gateway", "ethercat-loop", "can-bootloader"):
         assert seen[n]["online"] is False and seen[n].get("reason") == "shutdown", (n, seen[n])
 
@@ -171,13 +172,13 @@ def test_make_down_clears_the_retained_device_data_and_keeps_the_offline_statuse
 
     root = sim.root
     with RpcClient(sim.settings("viewer"), name="test-deploy-before-down") as c:
-        before = {t for t, _, r in c.collect(f"{root}/#", 3.0) if r}
+        before = {t for t, _, r in c.collect_retained(f"{root}/#") if r}
     assert any(t.endswith("/health") for t in before) and any("/state/" in t for t in before), sorted(before)
     out = run([str(DEPLOY / "down.sh")], sim.env, timeout=300)
     assert "cleared the retained device data" in out.stdout, out.stdout + out.stderr
     sim.up("broker")  # the same broker data volume (down.sh keeps it)
     with RpcClient(sim.settings("viewer"), name="test-deploy-after-down") as c:
-        after = {t: p for t, p, r in c.collect(f"{root}/#", 3.0) if r}
+        after = {t: p for t, p, r in c.collect_retained(f"{root}/#") if r}
     devices = [t for t in after if len(t[len(root) + 1:].split("/")) > 2]
     assert not devices, devices
     for node in expected_nodes():

@@ -44,7 +44,7 @@ class Watch:
 
 def wait_running(client, node, timeout=15.0):
     def ok():
-        msgs = client.collect(f"robobus/{node}/{DEV}/health", 0.3)
+        msgs = client.collect_retained(f"robobus/{node}/{DEV}/health")
         return any(json.loads(p).get("state") == "running" for _, p, _ in msgs)
 
     assert wait_for(ok, timeout, 0.1), f"{node} never reported running"

@@ -48,6 +48,36 @@ def test_status_table_and_json(broker_session: Broker, echo_node: Node) -> None:
     assert echo_node.name in t.stdout and "running" in t.stdout
 
 
+def test_status_reads_every_retained_status_and_health_once_the_broker_has_sent_them(broker_session: Broker) -> None:
+    """`robobus status` stops gathering when its marker comes back, not after a fixed window: every retained message
+    of the subscriptions before the marker is in (400 health topics and 40 nodes here, more than the broker sends
+    before it must wait for acknowledgements)."""
+    from shared.rpc import RpcClient
+    from shared.settings import KitSettings
+
+    root = f"many{os.getpid()}"
+    nodes = [f"n{i:02d}" for i in range(40)]
+    with RpcClient(KitSettings(mqtt_url=broker_session.url, topic_root=root), name="many") as c:
+        for n in nodes:
+            assert c.session.publish_wait(f"{root}/{n}/status", json.dumps({"online": True, "service": "x"}),
+                                          qos=1, retain=True)
+            for d in range(10):
+                assert c.session.publish_wait(f"{root}/{n}/d{d}/health", json.dumps({"state": f"s{d}"}), qos=1,
+                                              retain=True)
+        got = c.collect_retained(f"{root}/+/status", f"{root}/+/+/health", timeout=30)
+        assert len(got) == 440 and all(ret for _, _, ret in got)
+        env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_TOPIC_ROOT": root}
+        r = subprocess.run([sys.executable, "-m", "shared.tools.cli", "status", "--json", "--wait", "30"], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        data = json.loads(r.stdout)
+        assert set(data["nodes"]) == set(nodes) and len(data["health"]) == 400
+        for n in nodes:  # leave the session broker as it was
+            c.session.publish_wait(f"{root}/{n}/status", b"", qos=1, retain=True)
+            for d in range(10):
+                c.session.publish_wait(f"{root}/{n}/d{d}/health", b"", qos=1, retain=True)
+
+
 def test_watch_prints_live_messages(broker_session: Broker, echo_node: Node) -> None:
     r = robobus(broker_session, "watch", f"robobus/{echo_node.name}/dev1/state/#", "--count", "3",
                 "--seconds", "10")

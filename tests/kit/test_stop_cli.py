@@ -47,7 +47,7 @@ def site(broker_session: Broker) -> Iterator[tuple[str, list[Node], RpcClient]]:
     yield root, nodes, client
     for node in nodes:
         node.stop()
-    for t, _, r in client.collect(f"{root}/#", 1.0):
+    for t, _, r in client.collect_retained(f"{root}/#"):
         if r:
             client.session.publish(t, b"", qos=1, retain=True)
     client.session.publish_wait(stop_topic(root), b"", qos=1, retain=True)
@@ -64,7 +64,7 @@ def test_stop_and_release_print_every_nodes_answer(broker_session: Broker, site:
         assert any(dev in line and "stopped" in line and " ms" in line for line in lines), r.stdout
     assert "arm" in r.stdout and "cart" in r.stdout
     # latched: retained on the broker, and the nodes hold it
-    retained = [p for t, p, ret in client.collect(stop_topic(root), 1.0) if ret]
+    retained = [p for t, p, ret in client.collect_retained(stop_topic(root)) if ret]
     assert retained and StopState.model_validate_json(retained[-1]).active
     assert arm.stop_latch.active and cart.stop_latch.active
     rep = client.call("arm", "m1", "move", {"speed": 1}, timeout=DEADLINE)
@@ -100,7 +100,7 @@ def test_with_no_node_online_the_stop_is_still_latched(broker_session: Broker) -
         assert r.returncode == 0, r.stdout + r.stderr
         assert "no node online" in r.stdout
         with RpcClient(broker_session.settings(topic_root=root), name="stop-cli-test") as c:
-            got = [p for t, p, ret in c.collect(stop_topic(root), 1.0) if ret]
+            got = [p for t, p, ret in c.collect_retained(stop_topic(root)) if ret]
             assert got and StopState.model_validate_json(got[-1]).reason == "before start"
     finally:
         with RpcClient(broker_session.settings(topic_root=root), name="stop-cli-test") as c:
@@ -137,7 +137,7 @@ def _status(broker: Broker, root: str, *args: str) -> subprocess.CompletedProces
 
 def _answers(client: RpcClient, root: str) -> dict[str, dict[str, Any]]:
     """The nodes' retained answers to the stop, as the broker holds them."""
-    return {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect(f"{root}/+/_node/state/stop", 0.5) if p}
+    return {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect_retained(f"{root}/+/_node/state/stop") if p}
 
 
 def _settled_on(client: RpcClient, root: str, stop: StopState, channel: str, nodes: set[str]) -> bool:

@@ -50,7 +50,7 @@ def test_record_a_live_stack_and_replay_it_under_another_root(
                                                          "ROBOBUS_CAN_SIM_BOARDS": "[4]"})
         with RpcClient(broker_session.settings(topic_root=root), name="roundtrip") as c:
             def healthy(node: str, device: str) -> bool:
-                got = c.collect(f"{root}/{node}/{device}/health", 0.3)
+                got = c.collect_retained(f"{root}/{node}/{device}/health")
                 return bool(got) and json.loads(got[-1][1]).get("operational") is True
 
             assert wait_for(lambda: healthy("epuck-gateway", "epuck1") and healthy("epuck-gateway", "epuck2"),
