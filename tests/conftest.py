@@ -6,7 +6,7 @@ it: a test that rewrites a tracked file (a screenshot, a generated document) fai
 Refresh such files on purpose (`make screenshots`, `make schema`).
 
 Parallel runs: every test module is one unit of work (its module-scoped stacks and its tables of results stay in one
-process); the tests that use docker (`docker_ready`: one image build per run, compose projects) are one unit
+process; a long test that shares none of them is its own, `_OWN_UNIT`); the tests that use docker (`docker_ready`: one image build per run, compose projects) are one unit
 together (`_uses_docker`), and so are the modules that run realtime processes (`_uses_realtime`). xdist's
 controller hands out whole units (`unit_of`, a scheduler of our own on xdist's loadscope: it sees only test ids).
 Each worker has its own session broker on a free port. Units start longest first (`_LONG_FIRST`, measured), so
@@ -40,6 +40,7 @@ _LONG_FIRST = (
     "docker",
     "realtime",
     "tests/chaos/test_chaos.py",
+    "tests/chaos/test_chaos.py::test_network_partition",
     "tests/dashboard/test_browser.py",
     "tests/contract/test_generic_tools.py",
     "tests/contract/test_codegen.py",
@@ -49,6 +50,9 @@ _LONG_FIRST = (
 # fixture per value, no table shared between values), long enough to be worth spreading: each value is its own unit.
 # The value is the test id's part before its last "-" (`test_fault[roi-modules-absent]`: roi-modules).
 _SPLIT_BY_PARAM = {"tests/conformance/test_conformance.py"}
+# Long tests that use none of their module's module-scoped fixtures (their own stack, brokers, namespaces): each its
+# own unit, so that the rest of its module and it can run in two workers at once.
+_OWN_UNIT = frozenset({"tests/chaos/test_chaos.py::test_network_partition"})
 # The modules that use docker (a test or fixture of theirs takes `docker_ready`, `images` or `compose_ok`): one
 # unit (one image build per run; compose projects one after the other, since every stack with ethercat-loop takes
 # a share of dockerd's realtime budget and two at once do not fit). tests/deploy's host-only modules (brokers on
@@ -83,6 +87,8 @@ def _uses_realtime(module: str) -> bool:
 def unit_of(nodeid: str) -> str:
     """The unit of work of a test, from its id alone (xdist's controller sees only ids): see the module's
     docstring."""
+    if nodeid in _OWN_UNIT:
+        return nodeid
     module, _, rest = nodeid.partition("::")
     if module.startswith("tests/deploy/") and _uses_docker(module):
         return "docker"

@@ -20,6 +20,22 @@ def test_the_conformance_suite_is_one_unit_per_service() -> None:
     assert unit_of(f"{m}::test_every_registered_service_has_a_rig") == m
 
 
+def test_a_long_test_that_shares_none_of_its_modules_fixtures_is_a_unit_of_its_own() -> None:
+    import ast
+
+    from tests.conftest import _LONG_FIRST, _OWN_UNIT
+
+    for nodeid in _OWN_UNIT:
+        module, _, name = nodeid.partition("::")
+        assert unit_of(nodeid) == nodeid and unit_of(f"{module}::test_other") == module
+        assert nodeid in _LONG_FIRST
+        tree = ast.parse((REPO / module).read_text())
+        fixtures = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                    and any("fixture" in ast.unparse(d) for d in f.decorator_list)}
+        test = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == name)
+        assert not fixtures & {a.arg for a in test.args.args}, (nodeid, fixtures)
+
+
 def test_every_module_that_uses_docker_is_in_the_docker_unit_and_only_those() -> None:
     deploy = sorted(p for p in (REPO / "tests/deploy").glob("test_*.py"))
     docker = {p.name for p in deploy if _uses_docker(str(p.relative_to(REPO)))}
