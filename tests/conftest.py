@@ -204,4 +204,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         return
     workers = getattr(config.option, "numprocesses", None) or 0
     terminalreporter.write_line(f"make test: {wall:.0f} s wall ({int(wall // 60)} min {wall % 60:02.0f} s) after "
-                                f"setup, lint beside; pytest in {workers or 'one'} process{'es' if workers else ''}")
+                                f"setup, lint beside; pytest in {workers or 'one'} process{'es' if workers else ''}; "
+                                f"{suite_verdict(wall)}")
+
+
+SUITE_TARGET_S = 420.0  # `make test` after setup, on a quiet 2-core machine
+
+
+def suite_verdict(wall: float) -> str:
+    """The wall time against its target, as the benchmarks print theirs."""
+    ratio = wall / SUITE_TARGET_S
+    return (f"target <= {SUITE_TARGET_S:.0f} s on a quiet 2-core machine: ratio {ratio:.2f}, "
+            f"{'met' if ratio <= 1 else 'not met'} (cores here: {os.cpu_count()})")
