@@ -90,3 +90,11 @@ def test_the_realtime_lock_is_exclusive_across_processes(tmp_path: Path) -> None
         waited = time.monotonic() - t0
     first.wait(10)
     assert waited > 0.5, waited  # it held the lock for 1 s after saying so
+
+
+def test_the_wall_line_says_the_ratio_to_the_target_and_met_or_not() -> None:
+    from tests.conftest import SUITE_TARGET_S, suite_verdict
+
+    assert SUITE_TARGET_S == 420
+    assert "ratio 0.93, met" in suite_verdict(389)
+    assert "ratio 1.14, not met" in suite_verdict(480)
