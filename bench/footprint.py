@@ -176,8 +176,8 @@ def wait_online(port: int, services: set[str], timeout: float) -> float:
             time.sleep(0.1)
         raise RuntimeError(f"not every service online within {timeout} s: {seen}")
     finally:
+        c.disconnect()  # first: loop_stop alone waits out the loop's 1 s select
         c.loop_stop()
-        c.disconnect()
 
 
 def main() -> None:

@@ -148,8 +148,8 @@ class BareClient:
         return (time.perf_counter() - t0) * 1000
 
     def close(self) -> None:
+        self.c.disconnect()  # first: loop_stop alone waits out the loop's 1 s select
         self.c.loop_stop()
-        self.c.disconnect()
 
 
 def bare_round_trips(url: str, topic: str, n: int) -> list[float]:

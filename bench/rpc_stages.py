@@ -323,8 +323,8 @@ def bare_client(url: str, topic: str, n: int) -> Stamps:
                 S.at(corr, "c_returned", t1)
         out = dict(S.st)
     finally:
+        c.disconnect()  # first: loop_stop alone waits out the loop's 1 s select
         c.loop_stop()
-        c.disconnect()
     return out
 
 

@@ -58,8 +58,8 @@ class Statuses:
             return {n for n, s in self.latest.items() if s.get("online")}
 
     def close(self) -> None:
+        self.client.disconnect()  # first: loop_stop alone waits out the loop's 1 s select
         self.client.loop_stop()
-        self.client.disconnect()
 
 
 def _wait(cond: Any, what: str, deadline_s: float = DEADLINE_S) -> float:

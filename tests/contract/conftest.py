@@ -85,8 +85,8 @@ class Tap:
         return self.on(topic)
 
     def close(self) -> None:
+        self.client.disconnect()  # first: loop_stop alone waits out the loop's 1 s select
         self.client.loop_stop()
-        self.client.disconnect()
 
 
 @dataclass

@@ -113,7 +113,8 @@ def test_lists_every_online_node_and_device(page: Any, stack: tuple[SimStack, Rp
     """Every node of `make run` online, every device of each with the health its service reports (ROI modules
     start in their blank state, NOT OPERATIONAL until configured: the page says so)."""
     _, client = stack
-    healths = {tuple(t.split("/")[1:3]): json.loads(p) for t, p, _ in client.collect_retained("robobus/+/+/health") if p}
+    healths = {tuple(t.split("/")[1:3]): json.loads(p)
+               for t, p, _ in client.collect_retained("robobus/+/+/health") if p}
     for node in NODES:
         page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
         for dev in DEVICES[node]:

@@ -160,8 +160,8 @@ def one_node_online(broker_session: Broker) -> Iterator[tuple[Broker, str]]:
         yield broker_session, root
         c.publish(f"{root}/roi-modules/status", b"", qos=1, retain=True).wait_for_publish(timeout=30)
     finally:
+        c.disconnect()  # first: loop_stop alone waits out the loop's 1 s select
         c.loop_stop()
-        c.disconnect()
 
 
 def test_status_expects_a_node_of_it(sixth: Path, one_node_online: tuple[Broker, str]) -> None:

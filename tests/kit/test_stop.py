@@ -399,8 +399,8 @@ def _retained_then_own(broker: Broker, root: str, i: int) -> bool:
         assert done.wait(DEADLINE)
         assert got == [stop_topic(root), f"{root}/order/self"], got
     finally:
+        c.disconnect()  # first: loop_stop alone waits out the loop's 1 s select
         c.loop_stop()
-        c.disconnect()
     return True
 
 
