@@ -111,6 +111,7 @@ schema-check: setup
 # Every bench prints its figures against their targets and writes its result (bench/results.py) to
 # bench/results/<bench>[-<variant>].json: the committed last run, which perf-table renders (a bench run by hand
 # writes to build/bench/ unless ROBOBUS_BENCH_RESULTS says otherwise). BENCHES="epuck roi" runs only those.
+# bench/suite.py (`make test` on a fresh clone, timed) is the whole suite, so not a default: BENCHES=suite.
 # ethercat_cycle and deploy need root (deploy docker too): without them they say so and write nothing. A bench
 # that fails does not stop the others; `make bench` names it at the end and fails.
 BENCHES ?= rpc ethercat_cycle ethercat_model_idle flash epuck roi dexter stop record dashboard deploy footprint
