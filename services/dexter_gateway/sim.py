@@ -927,7 +927,10 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    # Python runs signal handlers in the main thread only, when it runs: woken twice a second, it runs them even
+    # when the kernel handed the signal to another of our threads and an untimed wait was never interrupted
+    while not stop.wait(0.5):
+        pass
     sim.close()
 
 

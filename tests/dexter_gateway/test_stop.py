@@ -339,7 +339,10 @@ def test_the_simulator_process_reports_its_watch_as_json_lines(tmp_path: Any) ->
 
     def line() -> dict[str, Any]:
         while True:
-            text = lines.get(timeout=DEADLINE)
+            try:
+                text = lines.get(timeout=DEADLINE)
+            except queue.Empty:
+                raise AssertionError(f"no line from the simulator in {DEADLINE} s (exit: {proc.poll()})") from None
             if text.startswith("{"):
                 return json.loads(text)  # type: ignore[no-any-return]
 
