@@ -30,10 +30,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO))
 
 from results import Figure, report, variant_name  # noqa: E402
 
-TARGET_WALL_S = 420.0  # tests/conftest.py's SUITE_TARGET_S
+from tests.conftest import SUITE_TARGET_S  # noqa: E402  (the target make test's own line judges)
+
 WALL = re.compile(r"^make test: (\d+) s wall .* pytest in (\S+) process", re.M)
 TALLY = re.compile(r"(\d+) (passed|failed|skipped|errors?)\b")
 
@@ -116,7 +118,7 @@ def main() -> int:
     red = sum(1 for r in runs if r.rc != 0)
     figures = [
         Figure(f"`make test` wall after setup{', worst of ' + str(len(runs)) + ' runs' if len(runs) > 1 else ''}",
-               worst, "s", "<=", TARGET_WALL_S),
+               worst, "s", "<=", SUITE_TARGET_S),
         Figure("runs not green (a failed test, error or lint)", float(red), "", "==", 0.0),
         Figure("tests passed, fewest of the runs", float(min(r.passed for r in runs)), ""),
         Figure("tests skipped, most of the runs", float(max(r.skipped for r in runs)), ""),
@@ -124,7 +126,7 @@ def main() -> int:
     result: dict[str, Any] = {"runs": [r.__dict__ for r in runs], "fresh_clone": not a.here}
     report("suite", result, figures, variant=variant_name("here" if a.here else None,
                                                           f"runs{a.runs}" if a.runs > 1 else None))
-    return 0 if worst is not None and worst <= TARGET_WALL_S and not red else 1
+    return 0 if worst is not None and worst <= SUITE_TARGET_S and not red else 1
 
 
 if __name__ == "__main__":

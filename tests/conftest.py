@@ -8,10 +8,10 @@ Refresh such files on purpose (`make screenshots`, `make schema`).
 Parallel runs: every test module is one unit of work (its module-scoped stacks and its tables of results stay in one
 process; a long test that shares none of them is its own, `_OWN_UNIT`); the tests that use docker (`docker_ready`:
 one image build per run, compose projects) are one unit together (`_uses_docker`), and so are the modules that run
-realtime processes (`_uses_realtime`). xdist's
-controller hands out whole units (`unit_of`, a scheduler of our own on xdist's loadscope: it sees only test ids).
-Each worker has its own session broker on a free port. Units start longest first (`_LONG_FIRST`, measured), so
-that no long one is left to the end. `-n0` runs everything in one process, in the usual order."""
+realtime processes (`_uses_realtime`). xdist's controller hands out whole units (`unit_of`, a scheduler of our own on
+xdist's loadscope: it sees only test ids). Each worker has its own session broker on a free port. Units start
+longest first (`_LONG_FIRST`, measured), so that no long one is left to the end. `-n0` runs everything in one
+process, in the usual order."""
 
 from __future__ import annotations
 
