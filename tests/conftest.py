@@ -104,11 +104,11 @@ def unit_of(nodeid: str) -> str:
 # The realtime unit and the docker unit run in two workers at once, and each has realtime processes: the realtime
 # container's cycle and virtual hand (tests/deploy/test_realtime_container.py, a compose stack: it stays in the
 # docker unit, since stacks with ethercat-loop share dockerd's realtime budget) against the realtime unit's. At
-# SCHED_FIFO on two cores they starve each other (frames lost, "no EtherCAT slave answers"). So each holds one lock
-# on the machine while its realtime processes run: a realtime-unit test for its duration, the container module for
-# its stack's life. The other tests go on beside them.
+# SCHED_FIFO on two cores they starve each other (frames lost, "no EtherCAT slave answers"). So each such module
+# holds one lock on the machine for its whole life: its module-scoped nodes and hands run across its tests, and
+# would go on running while another module's test held a lock taken per test. The other tests go on beside them.
 _REALTIME_LOCK = Path(tempfile.gettempdir()) / "robobus-tests-realtime.lock"
-_REALTIME_WHOLE_MODULE = frozenset({"tests/deploy/test_realtime_container.py"})
+_REALTIME_CONTAINER = frozenset({"tests/deploy/test_realtime_container.py"})
 
 
 @contextlib.contextmanager
@@ -121,24 +121,15 @@ def _realtime_alone() -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _module_of(request: pytest.FixtureRequest) -> str:
-    return Path(request.path).resolve().relative_to(REPO).as_posix()
-
-
-@pytest.fixture(autouse=True)
-def _realtime_test_alone(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test of a realtime-unit module holds the realtime lock while it runs (first of its fixtures)."""
-    if _uses_realtime(_module_of(request)):
-        with _realtime_alone():
-            yield
-    else:
-        yield
+def _holds_realtime_lock(module: str) -> bool:
+    return _uses_realtime(module) or module in _REALTIME_CONTAINER
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _realtime_module_alone(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A module whose realtime processes live across its tests (a module-scoped stack) holds the lock throughout."""
-    if _module_of(request) in _REALTIME_WHOLE_MODULE:
+    """A module that runs realtime processes holds the realtime lock from before its first fixture to after its
+    last teardown (an autouse fixture of module scope: set up first, torn down last)."""
+    if _holds_realtime_lock(Path(request.path).resolve().relative_to(REPO).as_posix()):
         with _realtime_alone():
             yield
     else:

@@ -171,8 +171,11 @@ def test_power_cycle_shows_in_health_and_is_recovered(wire_node: Any) -> None:
         return [s["step"] for s in (h["details"].get("recovery") or {}).get("steps", [])]
     # valid data make health `running` at once; the ladder notes "valid process data again" at its next state
     # check in the cycle's slack (every 250 ms, later on a busy host): a later health carries it
-    wait_for(lambda: (h := seen.latest("health")) and any(s.startswith("valid process data again")
-                                                          for s in steps_of(h)), 15, "the recovery's last step")
+    try:
+        wait_for(lambda: (h := seen.latest("health")) and any(s.startswith("valid process data again")
+                                                              for s in steps_of(h)), 15, "the recovery's last step")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the latest health: {seen.latest('health')}") from None
     with seen.lock:
         healths = [json.loads(p) for t, p in seen.msgs[n0:] if t.endswith(f"/{DEV}/health")]
     rec = (healths[-1]["details"].get("recovery") or {})

@@ -60,15 +60,23 @@ def test_the_modules_that_run_realtime_processes_are_one_unit() -> None:
     assert unit_of("tests/ethercat_loop/test_protocol.py::test_x") == "tests/ethercat_loop/test_protocol.py"
 
 
-def test_the_realtime_container_module_takes_the_realtime_lock_and_stays_with_docker() -> None:
-    """Its stack's realtime processes must not run beside the realtime unit's (two workers at once): it holds the
-    machine's realtime lock for its whole life, and stays in the docker unit (dockerd's realtime budget)."""
-    from tests.conftest import _REALTIME_WHOLE_MODULE, _uses_realtime
+def test_every_module_with_realtime_processes_holds_the_realtime_lock_for_its_whole_life() -> None:
+    """The realtime container's stack must not run beside the realtime unit's processes (two workers at once): the
+    container module (in the docker unit: dockerd's realtime budget) and every realtime-unit module hold the
+    machine's realtime lock from their first fixture to their last teardown; the others take no lock."""
+    import inspect
 
-    for m in _REALTIME_WHOLE_MODULE:
+    import tests.conftest as c
+
+    for m in c._REALTIME_CONTAINER:
         assert (REPO / m).exists(), m
-        assert unit_of(f"{m}::test_x") == "docker"
-        assert not _uses_realtime(m)  # not locked per test as well: the module's lock covers it
+        assert unit_of(f"{m}::test_x") == "docker" and c._holds_realtime_lock(m)
+    wire = [str(p.relative_to(REPO)) for p in (REPO / "tests/ethercat_loop").glob("test_wire_*.py")]
+    assert wire and all(c._holds_realtime_lock(m) for m in wire if unit_of(f"{m}::test_x") == "realtime")
+    assert not c._holds_realtime_lock("tests/ethercat_loop/test_protocol.py")
+    # module scope: a lock per test would leave a module's nodes running while another module held it
+    marker = inspect.getsource(c._realtime_module_alone)
+    assert 'scope="module"' in marker and "autouse=True" in marker
 
 
 def test_the_realtime_lock_is_exclusive_across_processes(tmp_path: Path) -> None:
