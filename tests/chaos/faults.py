@@ -19,7 +19,7 @@ from shared.contract import CANCEL
 from shared.errors import ErrorCode
 from shared.mqtt.session import reply_properties
 from shared.registry import service_apis
-from tests.chaos.stack import SimStack
+from tests.chaos.stack import SimStack, sim_serves
 
 BROKER_RETURN_S = 3.0  # every node online again this long after the broker is back
 DEVICE_LOST_S = 1.0  # a lost device shows in health within this
@@ -151,11 +151,18 @@ def _ready(stack: SimStack, key: tuple[str, str]) -> bool:
 def device_vanish(stack: SimStack) -> FaultResult:
     """kill -9 each simulator process (a device vanishing): the devices it served show the loss in health
     (not connected, or not operational) within 1 s or their declared liveness budget, whichever is longer
-    (a device that closes no connection is known lost only by its silence), and are back when it returns."""
+    (a device that closes no connection is known lost only by its silence), and are back when it returns.
+    Only the devices of the node the simulator is the device side of are watched (stack.sim_serves): a device
+    of another service that is not operational for a moment meanwhile (the in-process EtherCAT model on a busy
+    host) is not this simulator's loss."""
     r = FaultResult("device (simulator) vanishes and returns")
+    serves = sim_serves(stack.procs)
     sims = [p for p in stack.procs.values() if p.name.endswith("-sim") and p.alive()]
     for sim in sims:
-        ready = {k for k in stack.seen.devices() if _ready(stack, k)}
+        ready = {k for k in stack.devices_of(stack.procs[serves[sim.name]]) if _ready(stack, k)}
+        if not ready:
+            r.check(f"{sim.name}: {serves[sim.name]} has a device ready before the kill", False, "none ready")
+            continue
         budgets = {k: _budget(stack, k) for k in ready}
         t0 = time.monotonic()
         sim.kill9()

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,22 @@ def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
 # stack may be given one as its local port before the simulator binds it (seen once: "Address already in use"
 # for DexRun's 50000, every chaos check then failing on a crashed simulator). A free port replaces each.
 EPHEMERAL_FIXED_PORTS = ("50000",)
+
+
+def sim_serves(names: Iterable[str]) -> dict[str, str]:
+    """simulator process -> the process it is the device side of, by the Procfile's naming: `<x>-sim` is the
+    device side of the one other process named `<x>-...` (epuck-sim: epuck-gateway, roi-sim: roi-modules). A
+    simulator without exactly one such process is an error: the chaos run would not know whose devices to watch."""
+    names = list(names)
+    out: dict[str, str] = {}
+    for sim in (n for n in names if n.endswith("-sim")):
+        prefix = sim[: -len("sim")]
+        served = [n for n in names if n.startswith(prefix) and n != sim]
+        if len(served) != 1:
+            raise ValueError(f"{sim}: {len(served)} processes named {prefix}... ({served}), not one: "
+                             "name the simulator after the process it serves")
+        out[sim] = served[0]
+    return out
 
 
 def free_ephemeral_ports(commands: dict[str, str]) -> dict[str, str]:
@@ -228,6 +244,11 @@ class SimStack:
         c = RpcClient(KitSettings(mqtt_url=self.broker.url, topic_root=self.root), name=name)
         c.connect()
         return c
+
+    def devices_of(self, proc: Proc) -> set[tuple[str, str]]:
+        """(node, device) of every device of the nodes `proc` serves."""
+        nodes = {n for n, p in self.node_procs().items() if p is proc}
+        return {k for k in self.seen.devices() if k[0] in nodes}
 
     def node_procs(self) -> dict[str, Proc]:
         """node name -> the process serving it (by the pid in its status)."""

@@ -8,7 +8,9 @@ import re
 import socket
 from pathlib import Path
 
-from tests.chaos.stack import ROI_OCTETS, ROI_PORTS, own_resources, procfile_commands
+import pytest
+
+from tests.chaos.stack import ROI_OCTETS, ROI_PORTS, own_resources, procfile_commands, sim_serves
 
 
 def test_no_fixed_port_link_or_network_of_the_procfile_is_left(tmp_path: Path) -> None:
@@ -36,3 +38,13 @@ def test_no_fixed_port_link_or_network_of_the_procfile_is_left(tmp_path: Path) -
     for port in (base, base + 1):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_each_simulator_of_the_procfile_is_the_device_side_of_one_process() -> None:
+    # the device-vanish fault watches only the devices of the process a simulator serves
+    assert sim_serves(procfile_commands()) == {"epuck-sim": "epuck-gateway", "roi-sim": "roi-modules",
+                                               "dexter-sim": "dexter-gateway"}
+    with pytest.raises(ValueError, match="not one"):
+        sim_serves(["x-sim", "x-gateway", "x-bridge"])
+    with pytest.raises(ValueError, match="not one"):
+        sim_serves(["y-sim", "ethercat-loop"])
