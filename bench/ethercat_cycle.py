@@ -93,6 +93,11 @@ def pct(values: list[float] | np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
+# cyclictest runs first at every release (one priority above the cycle, on its CPU): the cycle's wake-up is ~15-30 µs
+# behind cyclictest's (services/ethercat_loop/README.md, "How the cycle bench measures")
+NEAR_PERIOD_US = 50
+
+
 def parse_cyclictest(text: str, period_us: int) -> dict[str, Any]:
     hist: dict[int, int] = {}
     overflows = 0
@@ -116,7 +121,10 @@ def parse_cyclictest(text: str, period_us: int) -> dict[str, Any]:
 
     return {"p50_us": q(0.5), "p99_us": q(0.99), "p99.9_us": q(0.999), "max_us": float(np.nonzero(arr)[0][-1]),
             "samples": int(total), "over_period": int(arr[period_us:].sum()),
-            "over_half_period": int(arr[period_us // 2 :].sum())}
+            "over_half_period": int(arr[period_us // 2 :].sum()),
+            # wake-ups late by less than a period, but by less than NEAR_PERIOD_US: a stall that ends there makes
+            # the cycle, which runs after cyclictest at each release, a period late where cyclictest is not
+            "near_period": int(arr[max(0, period_us - NEAR_PERIOD_US):period_us].sum())}
 
 
 def send_demands(url: str, rate_hz: float, qos: int, ready: Connection, go: Event, stop: Event,
@@ -547,7 +555,14 @@ def print_run(result: dict[str, Any]) -> None:
           f"{c.get('wake_max_us')} us, overruns {c.get('overruns')}, lost {c.get('lost_frames')} of "
           f"{c.get('frames')}, cpu p50/p99 {c.get('cpu_p50_us')}/{c.get('cpu_p99_us')} us")
     print(f"cyclictest p50/p99/p99.9/max {ctr.get('p50_us')}/{ctr.get('p99_us')}/{ctr.get('p99.9_us')}/"
-          f"{ctr.get('max_us')} us, late wake-ups {ctr.get('over_period')}")
+          f"{ctr.get('max_us')} us, late wake-ups {ctr.get('over_period')} (and {ctr.get('near_period')} within "
+          f"{NEAR_PERIOD_US} us of a period: a stall ending there is an overrun for the cycle, which runs after it)")
+    answer = (result.get("virtual_hand") or {}).get("answer") or {}
+    if answer:
+        # the cycle reads a reply at its next release: at 1 kHz, a frame the hand answered 1 ms late is lost
+        print(f"virtual hand answers later than 500/1000 us: {answer.get('over_500us')}/{answer.get('over_1000us')}, "
+              f"max {answer.get('max_us')} us (lost {c.get('lost_frames')}); stolen vCPU time "
+              f"{h.get('steal_ms_per_cpu')} ms per CPU")
     print(f"demand-to-wire ms {result.get('demand_to_wire_ms')}")
     for name, p in h.get("procs", {}).items():
         print(f"{name:13s} {p}")
