@@ -128,6 +128,12 @@ def test_palm_leaving_op_is_brought_back() -> None:
         wait_for(lambda: ctl.call("stats")["palm_cycles"] > cycles + 10, what="cycling again")
         assert b.stats().totals["recoveries"] >= 1
 
+        # the cheap steps (acknowledge, SAFE-OP -> OP) brought it back: the episode's last step says so
+        def texts() -> list[str]:
+            return [str(t) for _, t in (b.info()["recovery"] or {}).get("steps", [])]
+        wait_for(lambda: any(t.startswith(("valid process data again after", "every slave in OP again after"))
+                             for t in texts()), what=f"the episode's end noted ({texts()})")
+
 
 def _demand_on_wire(b: ProcessBackend, ctl: HandControl, value: int) -> None:
     b.submit(SetDemands({0: value}))

@@ -85,6 +85,49 @@ def test_power_cycle_with_fmmus_that_activate_on_safeop() -> None:
         assert b.info()["state"] == "op" and not b.info()["issue"]
 
 
+def _after_power_cycle_with_lost_fmmu_replies(lost: int) -> list[str]:
+    """Power-cycle the hand, lose the replies to the next `lost` FMMU writes (written all the same, as an ESC
+    acts on a frame as it passes: what a late reply on a stalled host looks like to the master), and return
+    the recovery's steps once valid process data are back."""
+    with backend() as (b, ctl):
+        wait_for(lambda: b.connected() and (b.snapshot() or None) is not None, what="valid process data")
+        ctl.call("power_cycle", off_ms=300)
+        ctl.call("lose_fmmu_replies", n=lost)
+        watch_outage(b, lambda: any(t.startswith("valid process data again") for _, t in steps(b))
+                     and b.connected())
+        assert ctl.call("stats")["dropped"] >= lost  # every reply the test meant to lose was lost
+        assert b.info()["state"] == "op" and not b.info()["issue"]
+        return [t for _, t in steps(b)]
+
+
+def test_a_ladder_write_not_acknowledged_is_written_again() -> None:
+    texts = _after_power_cycle_with_lost_fmmu_replies(2)
+    order = [next(i for i, t in enumerate(texts) if t.startswith(s)) for s in
+             ("step init", "step safeop: a write was not acknowledged; writing again", "step safeop: FMMUs written",
+              "step op", "valid process data again")]
+    assert order == sorted(order), texts
+    assert not [t for t in texts if "looking for it again" in t], texts
+
+
+def test_a_ladder_whose_writes_are_not_taken_goes_to_find_the_slave_then_recovers() -> None:
+    # more lost replies than write_retry_ns (100 ms, a write every 10 ms) rewrites: the ladder leaves to find the
+    # slave, a later ladder takes the hand to OP, and the episode's end is noted after it
+    texts = _after_power_cycle_with_lost_fmmu_replies(15)
+    gave_up = next(i for i, t in enumerate(texts) if t.startswith("step safeop: a slave did not take the write for"))
+    back = max(i for i, t in enumerate(texts) if t.startswith("valid process data again"))
+    assert gave_up < back, texts
+
+
+def test_ladders_whose_writes_are_never_taken_end_in_a_re_scan() -> None:
+    # a slave that takes no ladder's writes would send the recovery round the ladder for ever: after 4 ladders
+    # left to find it in one episode, the whole bring-up again (SOEM resends its own configuration writes)
+    texts = _after_power_cycle_with_lost_fmmu_replies(60)
+    assert len([t for t in texts if "did not take the write" in t]) == 4, texts
+    rescan = texts.index("full re-scan: the ladder's writes were not taken 4 times")
+    done = next(i for i, t in enumerate(texts) if t.startswith("re-scan done"))
+    assert rescan < done < max(i for i, t in enumerate(texts) if t.startswith("valid process data again")), texts
+
+
 def test_wrong_working_counter_while_every_slave_claims_op_escalates() -> None:
     with backend() as (b, ctl):
         wait_for(lambda: b.connected(), what="valid process data")

@@ -401,6 +401,8 @@ class VirtualHand:
             self.faults.late_us = int(msg.get("us", self.faults.late_us or 1500))
         elif op == "corrupt_wkc":
             self.faults.corrupt_wkc += n
+        elif op == "lose_fmmu_replies":  # the next n FPWR frames to FMMU registers: written, the reply lost
+            self.faults.lose_fmmu_replies += n
         elif op == "leave_op":
             self.leave_op()
         elif op == "power_cycle":

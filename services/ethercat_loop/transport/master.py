@@ -130,6 +130,9 @@ class RecoveryPolicy:
     # the hand's vCPU for up to tens of ms, and SOEM's recover sent to a slave that is only slow can leave
     # it without its station address
     silent_confirm_ns: int = 150_000_000
+    # a step's writes not acknowledged are written again (they are idempotent) for this long before the ladder
+    # goes to find the slave: a write whose reply came back late on a stalled host is not a slave gone
+    write_retry_ns: int = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,7 @@ class _Escalation:
     requested: bool = False  # the step's writes are done; now waiting for the state
     step_ns: int = 0  # when the step's request went out
     not_before_ns: int = 0  # backoff
+    unacked_since_ns: int = 0  # the step's writes have not been acknowledged since then (0: they were)
 
 
 class EthercatMaster:
@@ -259,6 +263,11 @@ class EthercatMaster:
         # logs each entry (no logging in the realtime process)
         self.recovery_log: deque[tuple[int, str]] = deque(maxlen=32)
         self.recovery_seq = 0
+        # a recovery episode: from the first thing recovery does until every slave is in OP with valid process
+        # data, whatever path brought them back (the ladder, the cheap steps, a re-scan); its end is noted
+        self._episode_ns: int | None = None
+        self._episode_no_data = False  # the episode saw process data invalid (else: states only)
+        self._abandons = 0  # ladders left to find a slave that did not take their writes, this episode
         self._ifindex = 0  # the NIC's index when it was opened (a NIC unplugged and back has another)
         self._scan_late = 0  # replies that came back late during the last scan (_configure)
 
@@ -749,6 +758,8 @@ class EthercatMaster:
                               else f"the NIC {self.cfg.iface} was replaced")
             self.counters.state_issue = f"NIC {self.cfg.iface} gone"
             return self.counters.state_issue
+        if self._episode_ns is not None and self.counters.bad_run:
+            self._episode_no_data = True
         if self._esc is not None:
             return self._escalate(bus, give_up_ns)
         states = self._read_states(bus, give_up_ns)
@@ -793,6 +804,7 @@ class EthercatMaster:
             if not self._sightings and c.bad_run == 0:
                 c.state_issue = ""
                 self._quick = ("", 0)
+                self._end_episode()
             return c.state_issue
         i, s, st, code = confirmed
         issue = f"slave {i + 1} {s.name} in {state_name(st)} (AL code {code:#06x})"
@@ -813,6 +825,7 @@ class EthercatMaster:
             return c.state_issue
         self._quick = (issue, tries)
         c.recoveries += 1
+        self._begin_episode()
         if st & pysoem.STATE_ERROR:
             self._note(f"slave {i + 1} {s.name}: acknowledge {state_name(st)} (AL code {code:#06x})")
             s.state = (st & 0x0F) | pysoem.STATE_ACK
@@ -828,6 +841,21 @@ class EthercatMaster:
         self.recovery_log.append((time.monotonic_ns(), text))
         self.recovery_seq += 1
 
+    def _begin_episode(self) -> None:
+        if self._episode_ns is None:
+            self._episode_ns, self._episode_no_data, self._abandons = time.monotonic_ns(), False, 0
+        if self.counters.bad_run:
+            self._episode_no_data = True
+
+    def _end_episode(self, attempt: str = "") -> None:
+        """Every slave in OP with valid process data: the episode's last step, however it got there."""
+        if self._episode_ns is None:
+            return
+        took = (time.monotonic_ns() - self._episode_ns) / 1e6
+        what = "valid process data again" if self._episode_no_data else "every slave in OP again"
+        self._note(f"{what} after {took:.0f} ms{attempt}")
+        self._episode_ns, self._abandons = None, 0
+
     def _recover(self, bus: _Bus, i: int, s: Any, now: int) -> None:
         """SOEM's recover: find the slave at its position again, give it back its station address if it
         lost it (a power cycle), provided vendor, product and revision are the ones configured. A slave
@@ -835,6 +863,7 @@ class EthercatMaster:
         tries, a full re-scan takes the bus as it now is."""
         c = self.counters
         c.recoveries += 1
+        self._begin_episode()
         ok = int(s.recover(self.policy.recover_timeout_us)) > 0
         if ok:
             self._recover_after_ns = 0
@@ -861,11 +890,13 @@ class EthercatMaster:
             return None
 
     def _want_rescan(self, why: str) -> None:
+        self._begin_episode()
         if not self.rescan_needed:
             self.rescan_needed = why
             self._note(f"full re-scan: {why}")
 
     def _start_escalation(self, reason: str) -> None:
+        self._begin_episode()
         now = time.monotonic_ns()
         self._esc = _Escalation(reason, now, step_ns=now)
         self.counters.escalations += 1
@@ -883,8 +914,8 @@ class EthercatMaster:
             return c.state_issue
         if e.step == "verify":
             if c.bad_run == 0:
-                self._note(f"valid process data again after {(now - e.started_ns) / 1e6:.0f} ms "
-                           f"(attempt {e.attempt})")
+                self._episode_no_data = True  # the ladder took every slave out of OP: no data meanwhile
+                self._end_episode(f" (attempt {e.attempt} of the ladder)")
                 self._esc = None
                 self._quick = ("", 0)
                 self._sightings.clear()
@@ -902,13 +933,25 @@ class EthercatMaster:
                         s._fpwr(REG_FMMU0, fmmus, self._wait_us(give_up_ns))
                     ack = pysoem.STATE_ACK if e.step == "init" else 0
                     s._fpwr(REG_ALCTL, struct.pack("<H", target | ack), self._wait_us(give_up_ns))
-            except pysoem.WkcError:  # a slave stopped answering (power lost again?): find it first
+            except pysoem.WkcError:
+                # not acknowledged: a reply late on a stalled host (the write taken all the same), or a slave that
+                # stopped answering (power lost again?). Written again at the next check for write_retry_ns, then
+                # the ladder goes to find the slave; one that never takes them brings a full re-scan
+                if not e.unacked_since_ns:
+                    e.unacked_since_ns = now
+                    self._note(f"step {e.step}: a write was not acknowledged; writing again")
+                if now - e.unacked_since_ns < self.policy.write_retry_ns:
+                    return c.state_issue
                 self._esc = None
                 self._sightings.clear()
                 self._silent_since.clear()
-                self._note(f"step {e.step}: a slave did not take the write; looking for it again")
+                self._abandons += 1
+                self._note(f"step {e.step}: a slave did not take the write for "
+                           f"{(now - e.unacked_since_ns) / 1e6:.0f} ms; looking for it again")
+                if self._abandons >= self.policy.max_attempts:
+                    self._want_rescan(f"the ladder's writes were not taken {self._abandons} times")
                 return c.state_issue
-            e.requested, e.step_ns = True, now
+            e.requested, e.step_ns, e.unacked_since_ns = True, now, 0
             self._note(f"step {e.step}: " + ("SyncManagers written, " if e.step == "preop" else
                                             "FMMUs written, " if e.step == "safeop" else "")
                        + f"{state_name(target)} requested")
