@@ -194,7 +194,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     except ValueError:
         return
     workers = getattr(config.option, "numprocesses", None) or 0
-    terminalreporter.write_line(f"make test: {wall:.0f} s wall ({int(wall // 60)} min {wall % 60:02.0f} s) after "
+    whole = round(wall)  # one rounding for both forms (419.6 s: "420 s (7 min 00 s)", not "6 min 60 s")
+    terminalreporter.write_line(f"make test: {whole} s wall ({whole // 60} min {whole % 60:02d} s) after "
                                 f"setup, lint beside; pytest in {workers or 'one'} process{'es' if workers else ''}; "
                                 f"{suite_verdict(wall)}")
 

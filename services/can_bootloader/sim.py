@@ -513,6 +513,8 @@ def serve(interface: str, channel: str, boards: list[int], stop: threading.Event
     bus = can.Bus(interface=interface, channel=channel, **bus_kwargs)
     own = interface == "udp_multicast" or bool(bus_kwargs.get("receive_own_messages"))
     sim = BootBusSim(bus, made, erase_s=erase_s, row_write_s=row_write_s, ignore_sent=own).start()
+    # only now: a process started beside the node (the conformance rig) is ready when this line is out
+    log.info("simulated boards %s on %s:%s: bus open, answering", boards, interface, channel)
     try:
         stop.wait()
     finally:
@@ -551,7 +553,6 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO)
-    log.info("simulated boards %s on %s:%s", ids, args.interface, args.channel)
     serve(args.interface, args.channel, ids, stop, erase_s=args.erase_s, row_write_s=args.row_write_s,
           app_aware=False if args.not_aware else None, drop_magic_acks=args.drop_magic_acks,
           drop_magic_after=args.drop_magic_after, garble=args.garble if args.garble >= 0 else 1 << 62,
