@@ -136,8 +136,12 @@ def test_palm_leaving_op_is_brought_back() -> None:
 
 
 def _demand_on_wire(b: ProcessBackend, ctl: HandControl, value: int) -> None:
-    b.submit(SetDemands({0: value}))
-    wait_for(lambda: demand0(ctl.call("stats")["last_command"]) == value, what="demand on the wire")
+    """Stream the demand until the hand has it: one lives 100 ms (the deadman), and on a loaded host one look at
+    the hand's last command can take longer than that (beside `stress-ng --cpu 2` a single demand was missed)."""
+    def on_wire() -> bool:
+        b.submit(SetDemands({0: value}))
+        return demand0(ctl.call("stats")["last_command"]) == value
+    wait_for(on_wire, what="demand on the wire")
 
 
 def test_stop_zeroes_demands_before_leaving_op() -> None:
@@ -217,9 +221,10 @@ from services.ethercat_loop.settings import EthercatSettings
 from services.ethercat_loop.transport.process_backend import REPO, ProcessBackend
 b = ProcessBackend(EthercatSettings(backend="virtual", ethercat_ifname=sys.argv[1], ethercat_netns=sys.argv[2]))
 b.start()
-b.submit(SetDemands({0: 77}))
 print("cycle", b._proc.pid, flush=True)
-time.sleep(120)
+for _ in range(6000):  # a stream, as a client drives the hand: each demand lives 100 ms (the deadman)
+    b.submit(SetDemands({0: 77}))
+    time.sleep(0.02)
 """
 
 
