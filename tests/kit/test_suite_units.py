@@ -64,8 +64,6 @@ def test_every_module_with_realtime_processes_holds_the_realtime_lock_for_its_wh
     """The realtime container's stack must not run beside the realtime unit's processes (two workers at once): the
     container module (in the docker unit: dockerd's realtime budget) and every realtime-unit module hold the
     machine's realtime lock from their first fixture to their last teardown; the others take no lock."""
-    import inspect
-
     import tests.conftest as c
 
     for m in c._REALTIME_CONTAINER:
@@ -74,9 +72,10 @@ def test_every_module_with_realtime_processes_holds_the_realtime_lock_for_its_wh
     wire = [str(p.relative_to(REPO)) for p in (REPO / "tests/ethercat_loop").glob("test_wire_*.py")]
     assert wire and all(c._holds_realtime_lock(m) for m in wire if unit_of(f"{m}::test_x") == "realtime")
     assert not c._holds_realtime_lock("tests/ethercat_loop/test_protocol.py")
-    # module scope: a lock per test would leave a module's nodes running while another module held it
-    marker = inspect.getsource(c._realtime_module_alone)
-    assert 'scope="module"' in marker and "autouse=True" in marker
+    # module scope: a lock per test would leave a module's nodes running while another module held it (the
+    # fixture as pytest registered it, not its source text)
+    marker = c._realtime_module_alone._fixture_function_marker
+    assert marker.scope == "module" and marker.autouse, marker
 
 
 def test_the_realtime_lock_is_exclusive_across_processes(tmp_path: Path) -> None:
