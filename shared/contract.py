@@ -129,10 +129,11 @@ class StreamSpec:
 
 
 # Codes the kit itself answers any command with: a request that fails validation (invalid_request), an
-# unknown device (not_found), a handler that raised something unexpected (internal).
-KIT_ERRORS = (ErrorCode.INVALID_REQUEST, ErrorCode.NOT_FOUND, ErrorCode.INTERNAL)
-# A cancelled job ends with a job_result whose error code is `busy`.
-JOB_ERRORS = (ErrorCode.BUSY,)
+# unknown device (not_found), a handler that raised something unexpected (internal), a request older than its age
+# (expired: never run, shared/dispatch.py).
+KIT_ERRORS = (ErrorCode.INVALID_REQUEST, ErrorCode.NOT_FOUND, ErrorCode.INTERNAL, ErrorCode.EXPIRED)
+# A job cancelled by request ends with a job_result whose error code is `cancelled`.
+JOB_ERRORS = (ErrorCode.CANCELLED,)
 # What the kit answers a motion command (or job) with: `stopped` while the bus stop is active (a motion job the stop
 # cancels ends with it too), `unavailable` while the node has not yet read the stop (shared/stop.py).
 MOTION_ERRORS = (ErrorCode.STOPPED, ErrorCode.UNAVAILABLE)

@@ -456,7 +456,7 @@ class Device:
         except JobCancelled:
             why = self._stopped_jobs.get(job_id)
             error = ErrorInfo(code=ErrorCode.STOPPED, message=why) if why else \
-                ErrorInfo(code=ErrorCode.BUSY, message="cancelled by request")
+                ErrorInfo(code=ErrorCode.CANCELLED, message="cancelled by request")
             res = JobResult(job_id=job_id, command=spec.name, ok=False, cancelled=True, error=error,
                             duration_s=time.monotonic() - t0, ts=time.time())
         except Exception as exc:

@@ -7,14 +7,22 @@ loop, straight to that loop, where the handler runs anyway: no pool thread block
 makes one thread hop instead of three), validated straight from its bytes with `model_validate_json`,
 run, and answered on its Response Topic (or `<topic>/reply`) with its Correlation Data. A motion command or job
 passes the bus stop's gate (shared/stop.py) right before its handler runs; a command that moves for some requests
-only (`motion=BY_REQUEST`) does when its device's `@moves_when` predicate says this request moves."""
+only (`motion=BY_REQUEST`) does when its device's `@moves_when` predicate says this request moves.
+
+A command has an age: a request that carries a deadline (the `robobus-deadline` User Property, Unix ms, which
+robobus clients set; else its Message Expiry Interval, counted from when it was read) is answered `expired` and
+never run once that deadline passed, e.g. one that sat in a stalled node's socket. While its handler runs,
+`request_deadline()` gives the deadline on the monotonic clock, so that a handler that hands the request on (a
+demand to a realtime cycle) can make it expire there too."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -24,13 +32,52 @@ from shared.counters import Counters
 from shared.device import Device
 from shared.errors import CommandError, ErrorCode
 from shared.messages import JobAccepted
-from shared.mqtt.session import MqttSession, PublishProperties
+from shared.mqtt.session import DEADLINE_PROPERTY, MqttSession, PublishProperties
 from shared.payloads import Serialized, describe_validation_error, dump, error_info
 from shared.stop import StopLatch
 from shared.workers import CommandPool
 
 OK_PREFIX = b'{"ok":true,"result":'
 _TOPICS_MAX = 4096  # parsed command topics kept (a node has a few dozen; garbage topics are not kept forever)
+_MALFORMED = float("-inf")  # a deadline property that is not a whole number of milliseconds
+_deadline: ContextVar[float | None] = ContextVar("robobus_request_deadline", default=None)
+
+
+def request_deadline() -> float | None:
+    """In a command handler: the `time.monotonic()` time after which the request being handled must not take
+    effect (None: the client gave it no age). CLOCK_MONOTONIC is system-wide: another process may compare it."""
+    return _deadline.get()
+
+
+def deadline_of(props: Any, received: float) -> float | None:
+    """A request's deadline on the monotonic clock, from its properties, read at `received` (monotonic)."""
+    user = getattr(props, "UserProperty", None)
+    if user:
+        for name, value in user:
+            if name == DEADLINE_PROPERTY:
+                try:
+                    ms = int(value)
+                except ValueError:
+                    return _MALFORMED
+                return received + (ms / 1000.0 - time.time())
+    expiry = getattr(props, "MessageExpiryInterval", None)
+    if expiry is not None:  # what the broker says is left of it: whole seconds, from when it was read
+        return received + float(expiry)
+    return None
+
+
+def check_age(deadline: float | None) -> None:
+    """Refuse a request whose deadline passed (`expired`) or whose deadline property is unreadable."""
+    if deadline is None:
+        return
+    if deadline == _MALFORMED:
+        raise CommandError(ErrorCode.INVALID_REQUEST, f"the {DEADLINE_PROPERTY} user property must be a whole "
+                                                      "number of milliseconds since the Unix epoch")
+    late = time.monotonic() - deadline
+    if late > 0:
+        raise CommandError(ErrorCode.EXPIRED, f"the request expired {late * 1000:.0f} ms before the node could run "
+                                              "it (its age: the robobus-deadline user property or Message Expiry "
+                                              "Interval): not executed")
 
 
 class Deferred(Exception):
@@ -73,6 +120,7 @@ class CommandDispatcher:
         props = msg.properties
         response_topic = getattr(props, "ResponseTopic", None)
         correlation = getattr(props, "CorrelationData", None)
+        deadline = deadline_of(props, time.monotonic())
         # the reply goes at the request's QoS: a caller streaming at QoS 0 (setpoints superseded a few ms
         # later) chose no acknowledgements, a QoS 1 caller gets its reply at least once (QoS 2 -> 1)
         qos = 1 if msg.qos else 0
@@ -86,12 +134,12 @@ class CommandDispatcher:
         device_name, command = route
         dev = self.devices.get(device_name)
         if dev is not None and command in dev.inline:
-            self.handle(topic, device_name, command, msg.payload, response_topic, correlation, qos)
+            self.handle(topic, device_name, command, msg.payload, response_topic, correlation, qos, deadline)
             return
         entry = dev.commands.get(command) if dev is not None and command not in dev.jobs else None
         loop = self.get_loop() if self.get_loop is not None and entry is not None else None
         if entry is not None and loop is not None and inspect.iscoroutinefunction(entry[1]) and loop.is_running():
-            args = (topic, device_name, command, msg.payload, response_topic, correlation, qos)
+            args = (topic, device_name, command, msg.payload, response_topic, correlation, qos, deadline)
             try:
                 loop.call_soon_threadsafe(self._start_async, args)
                 return
@@ -99,15 +147,23 @@ class CommandDispatcher:
                 pass
         try:
             self._pool.handoff(self.handle, topic, device_name, command, msg.payload, response_topic,
-                               correlation, qos, wait_s=self.handoff_s)
+                               correlation, qos, deadline, wait_s=self.handoff_s)
         except RuntimeError:  # pool shut down: we are stopping
             pass
 
     def handle(self, topic: str, device_name: str, command: str, payload: bytes | bytearray, response_topic: str | None,
-               correlation: bytes | None, qos: int = 1) -> None:
+               correlation: bytes | None, qos: int = 1, deadline: float | None = None) -> None:
         """Validate, run, answer; the reply is packed once and written by this thread (shared/mqtt/session.py)."""
         try:
-            body = OK_PREFIX + self.dispatch(device_name, command, payload) + b"}"
+            if deadline is None:
+                body = OK_PREFIX + self.dispatch(device_name, command, payload) + b"}"
+            else:
+                check_age(deadline)
+                token = _deadline.set(deadline)
+                try:
+                    body = OK_PREFIX + self.dispatch(device_name, command, payload) + b"}"
+                finally:
+                    _deadline.reset(token)
             self.counters.ok()
         except Deferred as d:
             args = (topic, device_name, command, d.finish, response_topic, correlation, qos)
@@ -148,9 +204,12 @@ class CommandDispatcher:
         task.add_done_callback(self._tasks.discard)
 
     async def handle_async(self, topic: str, device_name: str, command: str, payload: bytes | bytearray,
-                           response_topic: str | None, correlation: bytes | None, qos: int) -> None:
+                           response_topic: str | None, correlation: bytes | None, qos: int,
+                           deadline: float | None = None) -> None:
         """`handle` for an `async def` handler, on the service's loop: same validation, errors and reply."""
         try:
+            check_age(deadline)
+            _deadline.set(deadline)  # this task's own context
             dev = self.devices[device_name]
             cspec, handler = dev.commands[command]
             req = _validate_request(cspec.request, payload)

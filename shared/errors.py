@@ -15,6 +15,8 @@ class ErrorCode(StrEnum):
     FORBIDDEN = "forbidden"  # the request is not allowed (path outside a sandbox, lease held by another)
     INTERNAL = "internal"  # a bug in the service: the handler raised something unexpected
     STOPPED = "stopped"  # a motion command refused (or a motion job ended) by the bus-wide stop (shared/stop.py)
+    EXPIRED = "expired"  # the request's age passed before the node could run it: not executed (shared/dispatch.py)
+    CANCELLED = "cancelled"  # a job cancelled by request (its job_result)
 
 
 class CommandError(Exception):

@@ -12,11 +12,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import paho.mqtt.client as mqtt
 
-from shared.mqtt.session import MqttSession, reply_properties, unique_client_id
+from shared.mqtt.session import MqttSession, command_properties, reply_properties, unique_client_id
 from shared.settings import KitSettings
 
 
@@ -140,21 +140,18 @@ class RpcClient:
         return f"{self.root}/{node}/{device}/{kind}/{name}"
 
     def call(self, node: str, device: str, command: str, payload: dict[str, Any] | bytes | str | None = None,
-             timeout: float = 10.0) -> Reply:
-        """Send one request and wait for its reply (TimeoutError if none comes)."""
+             timeout: float = 10.0, max_age_s: float | Literal["timeout"] | None = "timeout") -> Reply:
+        """Send one request and wait for its reply (TimeoutError if none comes). The request has an age,
+        `max_age_s` (by default the time this call waits: nothing runs after its caller gave up; None: no age): a
+        node that reads it later answers `expired` and never runs it (shared/dispatch.py)."""
         corr = os.urandom(16)  # what uuid4() draws, without building the UUID
         w = _Waiter()
         with self._lock:
             self._pending[corr] = w
-        if payload is None:
-            body: bytes | str = b"{}"
-        elif isinstance(payload, dict):
-            body = json.dumps(payload)
-        else:
-            body = payload
+        age = timeout if max_age_s == "timeout" else max_age_s
         try:
-            self.session.publish(self.topic(node, device, "cmd", command), body, qos=1,
-                                 properties=reply_properties(self.reply_topic, corr, "application/json"), now=True)
+            self.session.publish(self.topic(node, device, "cmd", command), _body(payload), qos=1,
+                                 properties=command_properties(self.reply_topic, corr, age), now=True)
             rep = w.get(timeout)
             if rep is None:
                 raise TimeoutError(f"no reply from {node}/{device} to {command} within {timeout} s")
@@ -162,6 +159,14 @@ class RpcClient:
         finally:
             with self._lock:
                 self._pending.pop(corr, None)
+
+    def send(self, node: str, device: str, command: str, payload: dict[str, Any] | bytes | str | None = None,
+             max_age_s: float | None = 0.1, qos: int = 0) -> None:
+        """Send a request and wait for nothing (a stream of setpoints, each superseding the last): no reply is
+        asked for (it goes to `<topic>/reply`, which nobody need read). Its age (`max_age_s`, 100 ms by default,
+        the setpoint's own lifetime) keeps a setpoint that reaches the node late from ever taking effect."""
+        self.session.publish(self.topic(node, device, "cmd", command), _body(payload), qos=qos,
+                             properties=command_properties(None, None, max_age_s), now=True)
 
     def collect(self, topic_filter: str, duration: float, until: Callable[[str, bytes], bool] | None = None
                 ) -> list[tuple[str, bytes, bool]]:
@@ -243,6 +248,14 @@ class RpcClient:
         """Subscribe and wait until the broker has the subscription (so nothing after is missed)."""
         self.session.subscribe(topic_filter, handler, qos=1)
         self._settle()
+
+
+def _body(payload: dict[str, Any] | bytes | str | None) -> bytes | str:
+    if payload is None:
+        return b"{}"
+    if isinstance(payload, dict):
+        return json.dumps(payload)
+    return payload
 
 
 def is_job_accepted(result: dict[str, Any], command: str) -> bool:

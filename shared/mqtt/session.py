@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import ssl
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -367,21 +369,29 @@ class PublishProperties(paho_private.SharedTablesProperties):
     turns the private paths off it is paho's own `Properties`, built and packed as paho does."""
 
     def __init__(self, response_topic: str | None = None, correlation: bytes | None = None,
-                 content_type: str | None = None) -> None:
+                 content_type: str | None = None, expiry_s: int | None = None,
+                 user: list[tuple[str, str]] | None = None) -> None:
         setattr_ = object.__setattr__
         if not paho_private.enabled():  # paho's own tables, and paho's pack() per publish
             setattr_(self, "_packed", None)
             Properties.__init__(self, PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+            if expiry_s is not None:
+                self.MessageExpiryInterval = expiry_s
             if content_type:
                 self.ContentType = content_type
             if response_topic:
                 self.ResponseTopic = response_topic
             if correlation is not None:
                 self.CorrelationData = correlation
+            if user:
+                self.UserProperty = list(user)
             return
-        # no super().__init__: the tables are shared
+        # no super().__init__: the tables are shared; fields in paho's order (by identifier)
         setattr_(self, "packetType", PacketTypes.PUBLISH)
         buf = b""
+        if expiry_s is not None:
+            setattr_(self, "MessageExpiryInterval", expiry_s)
+            buf += b"\x02" + expiry_s.to_bytes(4, "big")
         if content_type:
             setattr_(self, "ContentType", content_type)
             buf += _field(3, content_type.encode())
@@ -391,6 +401,10 @@ class PublishProperties(paho_private.SharedTablesProperties):
         if correlation is not None:
             setattr_(self, "CorrelationData", correlation)
             buf += _field(9, bytes(correlation))
+        if user:
+            setattr_(self, "UserProperty", list(user))
+            for k, v in user:
+                buf += b"&" + _field(38, k.encode())[1:] + _field(38, v.encode())[1:]
         setattr_(self, "_packed", VariableByteIntegers.encode(len(buf)) + buf)  # type: ignore[no-untyped-call]
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -408,3 +422,21 @@ class PublishProperties(paho_private.SharedTablesProperties):
 def reply_properties(response_topic: str | None = None, correlation: bytes | None = None,
                      content_type: str | None = None) -> Properties:
     return PublishProperties(response_topic, correlation, content_type)
+
+
+# A command's age (docs/kit.md, "A command has an age"): the User Property a robobus client sets on every request,
+# the Unix time in milliseconds after which the node must not execute it; the node answers `expired` after.
+DEADLINE_PROPERTY = "robobus-deadline"
+
+
+def command_properties(response_topic: str | None, correlation: bytes | None, max_age_s: float | None,
+                       content_type: str | None = "application/json", now: float | None = None) -> Properties:
+    """A request's properties: reply address, and, with `max_age_s`, its age: the deadline (User Property, ms
+    resolution, judged by the node on its own clock: NTP between hosts) and the Message Expiry Interval (whole
+    seconds, rounded up: the broker drops a request it still holds after that, e.g. queued for a stalled node)."""
+    if max_age_s is None:
+        return PublishProperties(response_topic, correlation, content_type)
+    sent = time.time() if now is None else now
+    deadline_ms = int((sent + max_age_s) * 1000)
+    return PublishProperties(response_topic, correlation, content_type, expiry_s=max(1, math.ceil(max_age_s)),
+                             user=[(DEADLINE_PROPERTY, str(deadline_ms))])

@@ -39,6 +39,7 @@ def test_job_cancel_and_busy(echo_node: Node, client: RpcClient) -> None:
     assert cancel.ok and cancel.result == {"cancelled": [job_id]}
     t.join(10)
     assert out["result"]["cancelled"] is True and out["result"]["ok"] is False
+    assert out["result"]["error"]["code"] == "cancelled", out["result"]  # not `busy`: nothing held it
     missing = client.call(echo_node.name, "dev1", "cancel", {"job_id": "nope"})
     assert not missing.ok and missing.error and missing.error["code"] == "not_found"
 
