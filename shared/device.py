@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -35,7 +36,7 @@ from shared.errors import CommandError, ErrorCode
 from shared.jobs import JobCancelled, JobContext
 from shared.link import LinkPolicy, SupervisedLink
 from shared.messages import CancelReply, CancelRequest, ErrorInfo, Health, JobAccepted, JobResult
-from shared.mqtt.session import MqttSession
+from shared.mqtt.session import MqttSession, PublishProperties
 from shared.payloads import describe_validation_error, dump, error_info
 from shared.ratecap import FlushSchedule, RateSlot
 from shared.settings import KitSettings
@@ -49,6 +50,21 @@ Handler = Callable[..., Any]
 F = TypeVar("F", bound=Callable[..., Any])
 
 BINDINGS_ATTR = "__robobus_bindings__"
+
+
+_health_props: dict[int, PublishProperties] = {}
+
+
+def health_properties(settings: KitSettings) -> PublishProperties | None:
+    """A health message's properties: its expiry, `health_expiry_beats` heartbeats (whole seconds, rounded up,
+    at least one beat and 2 s more, so that a heartbeat a little late never lets it lapse); None: no expiry."""
+    if not settings.health_expiry_beats:
+        return None
+    expiry = math.ceil(settings.health_interval_s * settings.health_expiry_beats + 2.0)
+    props = _health_props.get(expiry)
+    if props is None:
+        props = _health_props[expiry] = PublishProperties(None, None, None, expiry_s=expiry)
+    return props
 
 
 @dataclass(frozen=True)
@@ -228,8 +244,11 @@ class Device:
                       version=self.node.version, ts=time.time(), **h)
 
     def publish_health(self) -> None:
+        """Retained, with a Message Expiry Interval of a few heartbeats (`health_expiry_beats`): the broker drops
+        it when its node dies without a word (kill -9, a cut), so a reader of one device's health is never told a
+        dead node's device is live."""
         self.node.session.publish(f"{self.base}/health", self.health_message().model_dump_json(),
-                                  qos=1, retain=True)
+                                  qos=1, retain=True, properties=health_properties(self.node.settings))
 
     # -- state, events, streams ------------------------------------------------------------------
     def _slot(self, spec: StateSpec | BinarySpec) -> RateSlot:

@@ -59,6 +59,10 @@ class KitSettings(BaseSettings):
     topic_root: str = Field("robobus", description="First topic level; a fleet may use site/host here")
     node: str | None = Field(None, description="Node name (topic level 2); defaults to the service name")
     health_interval_s: float = Field(5.0, gt=0, le=3600, description="Health heartbeat period")
+    health_expiry_beats: int = Field(
+        3, ge=0, le=1000,
+        description="Retained health expires after this many heartbeats without a new one (MQTT 5 Message Expiry "
+                    "Interval): a dead node's device is never read as live; 0: never expires")
     command_workers: int = Field(16, ge=1, le=256, description="Threads running command handlers")
     command_handoff_ms: float = Field(
         1.0, ge=0, le=100,

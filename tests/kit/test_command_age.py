@@ -90,7 +90,7 @@ def test_a_request_past_its_deadline_is_refused_and_never_run(age_node: tuple[No
 @pytest.mark.parametrize("command", ["go", "go_inline", "go_async"])
 def test_the_handler_sees_the_deadline_of_its_request(age_node: tuple[Node, list[int]], client: RpcClient,
                                                       command: str) -> None:
-    node, ran = age_node
+    node, _ = age_node
     rep = client.call(node.name, "d", command, {"n": 1}, timeout=5.0, max_age_s=3.0)
     assert rep.ok, rep
     left = rep.result["deadline_in_s"]
