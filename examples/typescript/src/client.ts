@@ -104,8 +104,12 @@ class Commands {
       }, timeoutMs);
       this.pending.set(correlation.toString('hex'), (payload) => { clearTimeout(timer); resolve(payload); });
     });
+    // The request's age is the time we wait for its reply: a node that reads it later answers `expired` and never
+    // runs it (robobus-deadline: Unix ms; the Message Expiry Interval lets the broker drop it too).
     await this.client.publishAsync(commandTopic, JSON.stringify(request), {
-      qos: 1, properties: { responseTopic: this.replyTopic, correlationData: correlation },
+      qos: 1, properties: { responseTopic: this.replyTopic, correlationData: correlation,
+                            messageExpiryInterval: Math.ceil(timeoutMs / 1000),
+                            userProperties: { 'robobus-deadline': String(Date.now() + timeoutMs) } },
     });
     return JSON.parse((await reply).toString('utf8')) as Reply;
   }
@@ -124,6 +128,8 @@ function advice(code: ErrorCode): string {
     case 'forbidden': return 'not allowed';
     case 'internal': return 'a bug in the service: report it';
     case 'stopped': return 'the bus stop is active: motion waits for `robobus stop --release`, then a new command';
+    case 'expired': return 'the node read the request after its age: not executed; send a fresh one';
+    case 'cancelled': return 'the job was cancelled by request';
     default: {
       const unhandled: never = code;
       return unhandled;

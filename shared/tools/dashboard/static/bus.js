@@ -149,10 +149,13 @@ export class Bus {
         resolve({ ok: false, error: { code: "timeout", message: `no reply within ${timeoutMs / 1000} s` } });
       }, timeoutMs);
       this.pending.set(corr, { resolve, timer });
+      // the request's age is the time we wait for its reply: a node that reads it later never runs it
+      // (the robobus-deadline user property, Unix ms; docs/kit.md "A command has an age")
       this.client.publish(topic, JSON.stringify(body), {
         qos: 1,
         properties: { responseTopic: this.replyTopic, correlationData: encoder.encode(corr),
-                      contentType: "application/json" },
+                      contentType: "application/json", messageExpiryInterval: Math.ceil(timeoutMs / 1000),
+                      userProperties: { "robobus-deadline": String(Date.now() + timeoutMs) } },
       });
     });
   }

@@ -53,12 +53,14 @@ function packet(type, flags, body) {
 
 function publishProps(props = {}) {
   const w = new Writer();
+  if (props.messageExpiryInterval !== undefined) w.byte(0x02).u32(props.messageExpiryInterval);
   if (props.contentType !== undefined) w.byte(0x03).string(props.contentType);
   if (props.responseTopic !== undefined) w.byte(0x08).string(props.responseTopic);
   if (props.correlationData !== undefined) {
     w.byte(0x09).binary(typeof props.correlationData === "string" ? encoder.encode(props.correlationData)
                                                                   : props.correlationData);
   }
+  for (const [k, v] of Object.entries(props.userProperties || {})) w.byte(0x26).string(k).string(String(v));
   return w;
 }
 
