@@ -35,10 +35,14 @@ object.
 
     python bench/stop.py               # 25 rounds
     python bench/stop.py --quick       # 5 rounds
-    python bench/stop.py --hog         # beside `stress-ng --cpu 2` (installed with apt if missing)
+    python bench/stop.py --hog         # beside bench/ethercat_cycle.py --hog's mixed load (stress-ng: CPU, memory,
+                                       # sockets, disk; installed with apt if missing)
+    python bench/stop.py --stall node  # each round: every service node SIGSTOPped 3 s while a client streams
+                                       # setpoints (100 Hz, 100 ms age), the stop published during the stall;
+                                       # measured from the SIGCONT (--stall broker: the broker stalled instead)
 
-Targets (this 2-core machine): p99 <= 20 ms quiet, <= 50 ms beside the hog, for every service; 0 motion commands
-executed while stopped.
+Targets (this 2-core machine): p99 <= 20 ms quiet, <= 50 ms beside the hog, <= 50 ms from a stall's resume, for
+every service; 0 motion commands executed while stopped.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import paho.mqtt.client as mqtt
+from ethercat_cycle import HOG, Hog  # the mixed load of the cycle bench's --hog
 from results import Figure, report, variant_name  # notes the machine's load when imported: at the start
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,6 +83,7 @@ from shared.tools.localbroker import Broker, free_port  # noqa: E402
 
 TARGET_P99_QUIET_MS = 20.0
 TARGET_P99_HOG_MS = 50.0
+TARGET_P99_STALL_MS = 50.0  # from a stalled node's (or broker's) resume to the stop on every wire
 ROOT = "robobus"
 EPUCK, ROI, DEXTER, HAND = "epuck-gateway", "roi-modules", "dexter-gateway", "ethercat-loop"
 SERVICES = (EPUCK, ROI, DEXTER, HAND)
@@ -235,7 +241,8 @@ def ensure_stress_ng() -> str:
 class System:
     """The simulators and the four services, each in its own process."""
 
-    def __init__(self, tmp: Path, broker_url: str, robots: int, arms: int, virtual_hand: bool) -> None:
+    def __init__(self, tmp: Path, broker_url: str, robots: int, arms: int, virtual_hand: bool,
+                 roi_modules: int = 50) -> None:
         self.tmp = tmp
         self.virtual_hand = virtual_hand
         self.hand_ctl: HandControl | None = None
@@ -249,7 +256,7 @@ class System:
         self.robots: list[str] = []
         self.roi_modules: list[dict[str, Any]] = [
             {"name": f"{('gpio', 'odrive', 'actuator')[(i - 1) % 3]}{i}", "octet": i,
-             "type": ("gpio", "odrive", "actuator")[(i - 1) % 3]} for i in range(1, 51)]
+             "type": ("gpio", "odrive", "actuator")[(i - 1) % 3]} for i in range(1, roi_modules + 1)]
         for m in self.roi_modules:
             if m["type"] == "gpio":  # the pin drives something that moves: the stop sets it to 0
                 m["pin_modes"] = {str(ROI_STOP_PIN): "output"}
@@ -630,6 +637,103 @@ class Bench:
             self.errors.append(f"round {rnd}: release not answered by {sorted(set(SERVICES) - set(got))}")
         return worst
 
+    # -- a stall: the nodes (or the broker) stopped while a client streams, the stop sent meanwhile -------------
+    def stream_targets(self) -> list[Call]:
+        """One device of each service that a teleoperating client would stream to, with its command: an e-puck's
+        speeds, an ODrive's velocity, the hand's demands (DexRun moves are not setpoints: no stream)."""
+        out: list[Call] = []
+        if self.sys.robots:
+            out.append((EPUCK, self.sys.robots[0], "set_speed", {"left": 300, "right": -300}))
+        odrive = next((str(m["name"]) for m in self.sys.roi_modules if m["type"] == "odrive"), None)
+        if odrive is not None:
+            out.append((ROI, odrive, "set_velocity", {"velocity": 0.8}))
+        out.append((HAND, HAND_DEVICE, "set_demands", {"motors": {str(i): 150 for i in range(20)}}))
+        return out
+
+    def stall_round(self, rnd: int, what: str, stall_s: float, pids: dict[str, int]) -> dict[str, float]:
+        """Put everything in motion, stream at 100 Hz to one device per service (RpcClient.send: each setpoint
+        lives 100 ms), stop `pids` (SIGSTOP) for `stall_s`, publish the stop a third of the way in, resume them
+        (SIGCONT) and measure, per service, from the resume to its last device's stop on the wire (Dexters and a
+        model hand: to the node's stop answer's written_ts)."""
+        self.put_in_motion(rnd)
+        time.sleep(0.2)
+        ep_mark, roi_mark, dx_marks = self.arm_epucks(), self.arm_roi(), self.arm_dexters()
+        self.arm_hand()
+        n_ep, n_roi = len(self.sys.robots), len(self.sys.roi_modules)
+        streaming = threading.Event()
+        streaming.set()
+        targets = self.stream_targets()
+
+        def stream() -> None:
+            nxt = time.monotonic()
+            while streaming.is_set():
+                for node, dev, cmd, payload in targets:
+                    self.c.send(node, dev, cmd, payload, max_age_s=0.1)
+                nxt += 0.01
+                time.sleep(max(0.0, nxt - time.monotonic()))
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        time.sleep(0.3)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(stall_s / 3)
+            stop = StopState(active=True, source=SOURCE, reason=f"stall {what} round {rnd}", ts=time.time())
+            self.c.session.publish(stop_topic(ROOT), stop.model_dump_json(), qos=1, retain=True)
+            time.sleep(stall_s * 2 / 3)
+        finally:
+            t_cont = time.time()
+            for pid in pids.values():
+                os.kill(pid, signal.SIGCONT)
+        assert self.sys.epuck_sim is not None and self.sys.roi_sim is not None
+        self.sys.epuck_sim.wait(lambda ev: sum(1 for e in ev if "stop_seen" in e) >= n_ep, ep_mark, 10)
+        self.sys.roi_sim.wait(lambda ev: len({e.get("octet") for e in ev if e.get("event") == "stop_bytes"}
+                                             - {ROI_SENTINEL}) >= n_roi, roi_mark, 10)
+        answers = self.bus.wait_answers(stop, SERVICES, 15)
+        streaming.clear()
+        streamer.join(5)
+        worst: dict[str, float] = {}
+        stamps: dict[str, dict[str, float]] = {EPUCK: self.epuck_stamps(ep_mark), ROI: self.roi_stamps(roi_mark)}
+        if self.sys.hand_ctl is not None:
+            st = self.hand_stamp(10)
+            stamps[HAND] = {HAND_DEVICE: float(st["unix"])} if st is not None else {}
+        for svc in SERVICES:
+            a = answers.get(svc)
+            if svc not in stamps:  # no stop bytes on this wire: the node's answer says when it wrote the stop
+                written = [d.written_ts for d in a.devices] if a is not None else []
+                stamps[svc] = {d.device: float(d.written_ts) for d in (a.devices if a else []) if d.written_ts}
+                if a is None or None in written:
+                    self.errors.append(f"stall round {rnd}: {svc} answered {a.model_dump() if a else None}")
+            f = self.fig[svc]
+            n = len(self.sys.devices()[svc])
+            got = stamps[svc]
+            f.missing += n - len(got)
+            # a stop on the wire before the resume is a device already stopped when its node ran again: the
+            # streamed setpoints' age ran out where the device side keeps a deadline (the hand's cycle): 0 ms
+            early = [t for t in got.values() if t < t_cont]
+            if early:
+                self.errors.append(f"stall round {rnd}: {svc}: {len(early)} device(s) stopped before the resume "
+                                   "(their setpoints expired), counted 0 ms")
+            if len(got) == n and n:
+                worst[svc] = max(0.0, 1000 * (max(got.values()) - t_cont))
+                f.times_ms.append(worst[svc])
+                f.first_ms.append(max(0.0, 1000 * (min(got.values()) - t_cont)))
+            if a is not None:
+                self.read[svc].append(1000 * (a.received_ts - t_cont))
+        moved = {arm: [m for m in moves if float(m["unix"]) >= stop.ts]
+                 for arm, moves in self.dexter_motion(dx_marks).items()}
+        for arm, moves in moved.items():
+            if moves:
+                self.fig[DEXTER].reached_wire += 1
+                self.errors.append(f"stall round {rnd}: {arm} got a motion request after the stop: {moves[:2]}")
+        release = StopState(active=False, source=SOURCE, reason=f"stall round {rnd} released", ts=time.time())
+        self.c.session.publish(stop_topic(ROOT), release.model_dump_json(), qos=1, retain=True)
+        got_rel = self.bus.wait_answers(release, SERVICES, 15)
+        if len(got_rel) != len(SERVICES):
+            self.errors.append(f"stall round {rnd}: release not answered by {sorted(set(SERVICES) - set(got_rel))}")
+        return worst
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.roi_sock.close()
@@ -639,7 +743,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 rounds")
     ap.add_argument("--rounds", type=int, default=None, help="stops measured (default 25, --quick 5)")
-    ap.add_argument("--hog", action="store_true", help="beside `stress-ng --cpu 2`")
+    ap.add_argument("--hog", action="store_true",
+                    help="beside the mixed load of bench/ethercat_cycle.py --hog (stress-ng " + " ".join(HOG) + ")")
+    ap.add_argument("--stall", choices=("node", "broker"), default=None,
+                    help="each round stops every service node's process (or the broker) with SIGSTOP while a client "
+                         "streams, publishes the stop during the stall, and measures from the SIGCONT")
+    ap.add_argument("--stall-s", type=float, default=3.0, help="how long each stall lasts (default 3 s)")
+    ap.add_argument("--roi-modules", type=int, default=50, help="simulated ROI modules (default 50)")
     ap.add_argument("--robots", type=int, default=20)
     ap.add_argument("--arms", type=int, default=3)
     ap.add_argument("--hand", choices=("auto", "virtual", "model"), default="auto",
@@ -651,17 +761,19 @@ def main() -> None:
         raise SystemExit(f"--hand virtual: {why_not}")
     virtual_hand = why_not is None
     rounds = a.rounds or (5 if a.quick else 25)
-    target = TARGET_P99_HOG_MS if a.hog else TARGET_P99_QUIET_MS
-    stress = ensure_stress_ng() if a.hog else None
-    result: dict[str, Any] = {"bench": "stop", "rounds": rounds, "hog": a.hog, "robots": a.robots,
-                              "roi_modules": 50, "dexters": a.arms,
+    target = TARGET_P99_STALL_MS if a.stall else TARGET_P99_HOG_MS if a.hog else TARGET_P99_QUIET_MS
+    if a.hog:
+        ensure_stress_ng()
+    result: dict[str, Any] = {"bench": "stop", "rounds": rounds, "hog": " ".join(HOG) if a.hog else None,
+                              "stall": a.stall, "stall_s": a.stall_s if a.stall else None, "robots": a.robots,
+                              "roi_modules": a.roi_modules, "dexters": a.arms,
                               "hand": "virtual hand on a veth pair" if virtual_hand else f"model backend ({why_not})"}
-    hog: subprocess.Popen[bytes] | None = None
+    hog: Hog | None = None
     with tempfile.TemporaryDirectory(prefix="robobus-bench-stop-") as tmpdir:
         tmp = Path(tmpdir)
         broker = Broker(free_port(), tmp)
         broker.start()
-        system = System(tmp, broker.url, a.robots, a.arms, virtual_hand)
+        system = System(tmp, broker.url, a.robots, a.arms, virtual_hand, a.roi_modules)
         client = RpcClient(KitSettings(mqtt_url=broker.url), name="bench-stop")
         bench: Bench | None = None
         try:
@@ -683,23 +795,23 @@ def main() -> None:
             if not all(bus.connected(n, d) == len(d) for n, d in devices.items()):
                 raise SystemExit(f"not every device connected: {up}")
             bench = Bench(system, client, bus)
-            if stress is not None:
-                hog = subprocess.Popen([stress, "--cpu", "2", "--timeout", "0", "--quiet"], start_new_session=True,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if a.hog:
+                hog = Hog(tmp)
                 time.sleep(1.0)
             result["watch_check"] = bench.check_watches()
             print(f"the watches see the motion probes when no stop is active: {result['watch_check']} "
                   f"({'every device' if bench.watch_check_ok else 'NOT every device: a leak could go unseen'})",
                   flush=True)
+            stalled = ({n: system.pids[n] for n in SERVICES} if a.stall == "node" else
+                       {"broker": broker.proc.pid} if a.stall == "broker" and broker.proc is not None else {})
             for rnd in range(1, rounds + 1):
-                worst = bench.round(rnd)
+                worst = bench.stall_round(rnd, a.stall, a.stall_s, stalled) if a.stall else bench.round(rnd)
                 print(f"stop {rnd:2d}: " + ", ".join(f"{s} {worst[s]:.1f} ms" if s in worst else f"{s} -"
                                                      for s in SERVICES), flush=True)
             result["load_1m"] = round(os.getloadavg()[0], 2)
         finally:
-            if hog is not None and hog.poll() is None:
-                os.killpg(hog.pid, signal.SIGTERM)
-                hog.wait(10)
+            if hog is not None:
+                hog.stop()
             if bench is not None:
                 bench.close()
             # leave no stop retained on the (private) broker, then stop everything
@@ -716,8 +828,10 @@ def main() -> None:
         services[s]["node_read_p99_ms"] = round(percentile(bench.read[s], 99), 2)
     probes = sum(f.probes for f in bench.fig.values())
     executed = sum(len(f.not_refused) + f.reached_wire for f in bench.fig.values())
-    print(f"\nfrom the stop's publish to each service's last device, {rounds} stops"
-          f"{' beside stress-ng --cpu 2' if a.hog else ' (no hog)'}; target p99 <= {target:.0f} ms:")
+    start = (f"the {'nodes' if a.stall == 'node' else 'broker'}' resume (SIGCONT after a {a.stall_s:g} s SIGSTOP, "
+             "the stop published during it, a client streaming)" if a.stall else "the stop's publish")
+    print(f"\nfrom {start} to each service's last device, {rounds} stops"
+          f"{' beside the mixed hog' if a.hog else ' (no hog)'}; target p99 <= {target:.0f} ms:")
     print(f"{'service':<16} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'ratio':>6}  {'':<8} {'read p50/p99':>13}  how")
     for s, f in services.items():
         read = f"{f['node_read_p50_ms']:.1f}/{f['node_read_p99_ms']:.1f}"
@@ -742,11 +856,14 @@ def main() -> None:
     result["watch_check_ok"] = bench.watch_check_ok
     result["met"] = bool(all(f["met"] for f in services.values()) and executed == 0 and probes > 0
                          and not bench.move_failures and bench.watch_check_ok)
+    origin = f"the {a.stall}'s resume" if a.stall else "the bus stop's publish"
     report("stop", result, [
-        *(Figure(f"the bus stop's publish to the last device, {s}, p99", services[s]["p99_ms"], "ms", "<=", target)
+        *(Figure(f"{origin} to the last device, {s}, p99", services[s]["p99_ms"], "ms", "<=", target)
           for s in SERVICES),
         Figure("motion commands executed while stopped", executed, "", "<=", 0),
     ], variant=variant_name("quick" if a.quick else "", "hog" if a.hog else "",
+                            f"stall-{a.stall}" if a.stall else "",
+                            f"roi{a.roi_modules}" if a.roi_modules != 50 else "",
                             f"robots{a.robots}" if a.robots != 20 else "", f"arms{a.arms}" if a.arms != 3 else "",
                             "model-hand" if not virtual_hand else ""))
 

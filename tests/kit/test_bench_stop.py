@@ -32,3 +32,24 @@ def test_the_stop_bench_measures_every_service_and_finds_no_motion_while_stopped
         assert svc["p50_ms"] > 0 and svc["max_ms"] >= svc["p99_ms"] >= svc["p50_ms"], (name, svc)
     assert result["motion_executed_while_stopped"] == 0
     assert result["move_failures"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stalled", ["node", "broker"])
+def test_a_stop_sent_during_a_stall_reaches_every_wire_when_the_stall_ends(stalled: str) -> None:
+    """Every service's node (or the broker) stopped with SIGSTOP for 3 s while a client streams setpoints, the stop
+    published during the stall: after the SIGCONT the stop is on every device's wire (or answered, where the wire
+    has no stop bytes), no Dexter gets a motion request after it, and none of it waits behind the backlog (the old
+    path took seconds: one inbound queue, demands without an age). The 50 ms target is the bench's verdict."""
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "stop.py"), "--stall", stalled, "--rounds", "2",
+                          "--robots", "2", "--arms", "1", "--roi-modules", "6"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["stall"] == stalled and result["rounds"] == 2
+    assert set(result["services"]) == {"epuck-gateway", "roi-modules", "dexter-gateway", "ethercat-loop"}
+    for name, svc in result["services"].items():
+        assert svc["rounds"] == 2 and svc["missing"] == 0, (name, svc)  # every device, every stall
+        assert svc["reached_wire"] == 0, (name, svc)
+        assert svc["max_ms"] < 1000, (name, svc)  # not behind the stall's backlog (functional bound, not a target)
+    assert result["move_failures"] == 0
