@@ -47,15 +47,17 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.can_bootloader import protocol as p
-from services.can_bootloader.image import CHUNK, FlashImage
+from services.can_bootloader.image import APP_START, CHUNK, FlashImage
 
 
 class Phase(StrEnum):
     IDLE = "idle"
     MAGIC = "magic"
+    GUARD = "guard"  # read the bootloader area (0x0000–0x04BF) before anything is written: the baseline
     ERASE = "erase"
     WRITE = "write"
     VERIFY = "verify"
+    GUARD_CHECK = "guard_check"  # the write could have reached the bootloader area: read it back, compare
     RESET = "reset"
     CHECK = "check"  # post-reset magic packet: is the new firmware bootloader-aware?
     PROBE = "probe"  # no check ACK: READ_VERSION, is the board in its bootloader (ACKs lost) or in the app?
@@ -125,6 +127,8 @@ class Finished:
     bootloader_aware: bool | None
     cancelled: bool = False
     held: bool = False  # the bus stop held a RESET: the image is written and verified, the board in its bootloader
+    no_answer: bool = False  # after its RESET the board answered nothing: where it is is not known
+    boot_area_intact: bool | None = None  # the bootloader area read back: unchanged / CHANGED / not read back
 
 
 FlashEvent = PhaseStarted | Rewind | FlashWarning | Finished
@@ -149,6 +153,7 @@ class Op:
     expect: bytes | None = None  # READ_FLASH: the bytes the reply must carry
     unit: int = 0  # index of the first op to resend when this one is lost (block start)
     data_bytes: int = 0  # bytes this op accounts for in progress
+    gate: bool = False  # sent only once every earlier op is acknowledged (the data frame that programs a row)
 
 
 @dataclass
@@ -167,8 +172,10 @@ class Pipeline:
 
     def __init__(self, ops: list[Op], *, window: int, timeout_s: float, tries: int, drain_s: float,
                  rewind_to: Callable[[int], int] | None = None, keep_replies: bool = False,
-                 not_before: float = 0.0) -> None:
+                 not_before: float = 0.0, reboot: p.BootFrame | None = None) -> None:
         self.ops = ops
+        self.reboot = reboot  # a request whose ACK is the bootloader's boot ACK: seen, the board rebooted
+        self.reboots = 0
         self.window = window  # current window: halved on every loss, grown back by one per `grow_after` ACKs
         self.max_window = window
         self.grow_after = 32
@@ -211,6 +218,8 @@ class Pipeline:
             self.drain_until = None
         out: list[p.BootFrame] = []
         while self.next < len(self.ops) and self.next - self.acked < self.window:
+            if self.ops[self.next].gate and self.next > self.acked:
+                break  # its block's earlier frames must be acknowledged first, with no reboot seen before them
             self.sent_at[self.next] = now
             out.append(self.ops[self.next].frame)
             self.next += 1
@@ -224,6 +233,15 @@ class Pipeline:
 
     def receive(self, frame: p.BootFrame, now: float) -> bool:
         """Feed one received frame; True if it was taken as an ACK."""
+        if (self.reboot is not None and self.active and self.drain_until is None
+                and p.is_ack(self.reboot, frame)):
+            # The bootloader ACKs the magic packet when it boots: the board rebooted, TBLPTR is 0 and the write
+            # address is gone. Data frames must not follow without a fresh WRITE_FLASH_ADDRESS: four of them
+            # would program the row at 0x0000, the bootloader's own reset vector.
+            self.reboots += 1
+            self._lost(self.acked, now, "the board rebooted (its bootloader's boot ACK came): the write address "
+                                        "is lost", drain=self.next > self.acked)
+            return False
         if not self.active or self.drain_until is not None or self.next == self.acked:
             self.stray += 1
             return False
@@ -265,7 +283,7 @@ class Pipeline:
             return self.not_before if self.not_before else None
         return self.sent_at[self.acked] + self.timeout_s
 
-    def _lost(self, i: int, now: float, reason: str) -> None:
+    def _lost(self, i: int, now: float, reason: str, drain: bool = False) -> None:
         target = self.rewind_to(i)
         n = self.attempts.get(target, 1) + 1
         self.attempts[target] = n
@@ -278,7 +296,7 @@ class Pipeline:
         # faster than it writes flash): back off like TCP, halve the window, grow it back slowly.
         self.window = max(1, self.window // 2)
         self._streak = 0
-        several = self.next - self.acked > 1
+        several = self.next - self.acked > 1 or drain
         self.acked = self.next = min(target, self.acked)
         if several:
             # Frames of the abandoned window may still be answered: let them pass, ignore them.
@@ -327,6 +345,10 @@ class Flasher:
         self._in_bootloader = ""  # how the board was last seen in its bootloader after the reset, if it was
         self._write_ops = self._build_write_ops()
         self._verify_ops = self._build_verify_ops()
+        self._guard: bytes | None = None  # the bootloader area as read before anything was written
+        self._exposed = ""  # why a write could have reached the bootloader area (a reboot, a lost frame), if so
+        self._pending: Failure | None = None  # a failure waiting for the bootloader area's read-back
+        self._pending_phase = Phase.IDLE
         for w in image.warnings:
             self._events.append(FlashWarning(w))
 
@@ -337,9 +359,19 @@ class Flasher:
             start = len(ops)
             ops.append(Op(p.write_flash_address(self.local_id, addr), addr, unit=start))
             for k in range(0, len(block), CHUNK):
+                # the frame that fills the row (the 4th) programs it: it waits for its block's earlier ACKs, so a
+                # reboot in between (boot ACK, or an ACK missing) is seen before a row is programmed at 0x0000
                 ops.append(Op(p.write_flash_data(self.local_id, block[k:k + CHUNK]), addr + k, unit=start,
-                              data_bytes=CHUNK))
+                              data_bytes=CHUNK, gate=k + CHUNK >= len(block)))
         return ops
+
+    def _guard_ops(self) -> list[Op]:
+        """READ_FLASH of the bootloader and its vectors (0x0000–0x04BF); with the baseline, each answer must
+        carry the bytes read before the write."""
+        base = self._guard
+        return [Op(p.read_flash(self.local_id, a), a,
+                   expect=None if base is None else base[a:a + CHUNK])
+                for a in range(0, APP_START, CHUNK)]
 
     def _build_verify_ops(self) -> list[Op]:
         return [Op(p.read_flash(self.local_id, addr), addr, expect=chunk, data_bytes=len(chunk))
@@ -395,7 +427,8 @@ class Flasher:
         be flashed again. After RESET the flash is complete and the job finishes on its own: False."""
         if self.done:
             return False
-        if self.phase in (Phase.RESET, Phase.CHECK, Phase.PROBE, Phase.CHECK_RESET, Phase.REENTER):
+        if self.phase in (Phase.GUARD_CHECK, Phase.RESET, Phase.CHECK, Phase.PROBE, Phase.CHECK_RESET,
+                          Phase.REENTER):
             return False
         addr = self.current_address()
         self._finish(False, "cancelled by request; the board stays in its bootloader, ready to be flashed again",
@@ -417,6 +450,11 @@ class Flasher:
             return len(self.image.data)
         return 0
 
+    @property
+    def exposed(self) -> str:
+        """Why a data frame could have reached the board without its write address (empty: it could not)."""
+        return self._exposed
+
     def current_address(self) -> int | None:
         """The program memory address being worked on (write and verify phases), else None."""
         if self.pipe is None or not self.pipe.ops:
@@ -427,6 +465,7 @@ class Flasher:
     def _enter(self, phase: Phase, now: float) -> None:
         if self.pipe is not None:
             self._counters.retries += self.pipe.retries
+            self._note_exposure(self.pipe)
         self.phase = phase
         cfg, lid = self.cfg, self.local_id
 
@@ -436,15 +475,22 @@ class Flasher:
 
         if phase is Phase.MAGIC:
             self.pipe = single(p.magic_packet(lid), cfg.magic_timeout_s, cfg.magic_tries)
+        elif phase in (Phase.GUARD, Phase.GUARD_CHECK):
+            w = cfg.window
+            after_failure = self._pending is not None  # best effort: the board may be gone
+            self.pipe = Pipeline(self._guard_ops(), window=w, timeout_s=cfg.frame_timeout_s,
+                                 tries=cfg.probe_tries if after_failure else cfg.read_retries, drain_s=cfg.drain_s,
+                                 rewind_to=lambda i: max(0, i - (w - 1)), keep_replies=phase is Phase.GUARD)
         elif phase is Phase.ERASE:
             self.pipe = single(p.erase_flash(lid), cfg.erase_timeout_s, cfg.erase_tries)
         elif phase is Phase.WRITE:
             # after a restart, stop-and-wait: a block written without its WRITE_FLASH_ADDRESS (lost in an
-            # overflowing receive buffer) lands shifted and only an erase undoes it
+            # overflowing receive buffer) lands shifted and only an erase undoes it. A boot ACK (the board
+            # rebooted: its write address is gone) rewinds to the block's WRITE_FLASH_ADDRESS.
             self.pipe = Pipeline(self._write_ops, window=1 if self._counters.restarts else cfg.window,
                                  timeout_s=cfg.frame_timeout_s,
                                  tries=cfg.block_retries + 1, drain_s=cfg.drain_s,
-                                 not_before=now + cfg.post_erase_delay_s)
+                                 not_before=now + cfg.post_erase_delay_s, reboot=p.magic_packet(lid))
         elif phase is Phase.VERIFY:
             w = cfg.window
             self.pipe = Pipeline(self._verify_ops, window=w, timeout_s=cfg.frame_timeout_s,
@@ -476,16 +522,37 @@ class Flasher:
                 return
             self._on_phase_done(now)
 
+    def _note_exposure(self, pipe: Pipeline) -> None:
+        """A write pipeline that saw a reboot, or lost a frame or an ACK, may have had data frames reach a
+        rebooted bootloader (its boot ACK can be lost too): the bootloader area must be read back."""
+        if self.phase is not Phase.WRITE or self._exposed:
+            return
+        if pipe.reboots:
+            self._exposed = f"the board rebooted during the write ({pipe.reboots} boot ACK(s))"
+        elif pipe.retries or pipe.failure is not None:
+            self._exposed = "frames or ACKs were lost during the write (a reboot whose boot ACK was lost looks so)"
+
     def _on_phase_done(self, now: float) -> None:
         ph = self.phase
         if ph is Phase.MAGIC:
+            self._enter(Phase.GUARD, now)
+        elif ph is Phase.GUARD:
+            assert self.pipe is not None
+            self._guard = b"".join(r.data if r is not None else b"" for r in self.pipe.replies)
             self._enter(Phase.ERASE, now)
         elif ph is Phase.ERASE:
             self._enter(Phase.WRITE, now)
         elif ph is Phase.WRITE:
             self._enter(Phase.VERIFY, now)
         elif ph is Phase.VERIFY:
-            self._enter(Phase.RESET, now)
+            assert self.pipe is not None
+            self._note_exposure(self.pipe)
+            if self._exposed or self._counters.restarts:
+                self._enter(Phase.GUARD_CHECK, now)
+            else:
+                self._enter(Phase.RESET, now)
+        elif ph is Phase.GUARD_CHECK:
+            self._guard_unchanged(now)
         elif ph is Phase.RESET:
             if self.cfg.check_bootloader_aware:
                 self._enter(Phase.CHECK, now)
@@ -507,8 +574,69 @@ class Flasher:
             self._finish(True, "flashed, verified and reset; the new firmware is bootloader-aware",
                          address=None, aware=True)
 
+    def _guard_unchanged(self, now: float) -> None:
+        """The bootloader area reads as before the write."""
+        note = (f"the bootloader area (0x000000–0x{APP_START - 1:06X}) was read back after the write "
+                f"({self._exposed or 'a restart'}): unchanged")
+        if self._pending is not None:
+            self._end_pending(note, intact=True)
+            return
+        self._events.append(FlashWarning(note))
+        self._enter(Phase.RESET, now)
+
+    def _end_pending(self, note: str, *, intact: bool | None) -> None:
+        f, ph = self._pending, self._pending_phase
+        assert f is not None
+        self.phase = ph
+        where = f" at 0x{f.address:06X}" if f.address is not None else ""
+        self._finish(False, f"{ph.value} failed{where}: {f.reason}; {note}", address=f.address,
+                     boot_area_intact=intact)
+
+    def _guard_changed(self, failure: Failure) -> None:
+        """The bootloader area reads differently than before the write: say so loudly, send no RESET."""
+        base = self._guard or b""
+        a = failure.address or 0
+        msg = (f"BOOTLOADER AREA CHANGED on board {self._board_hint()}: 0x{a:06X} reads differently than before "
+               f"the write ({failure.reason}; before: {base[a:a + CHUNK].hex(' ')}). A data frame reached the "
+               f"board without its write address ({self._exposed or 'after a restart'}) and was programmed into "
+               "its bootloader (0x0000 is its reset vector). RESET was NOT sent: the bootloader runs from flash "
+               "and still answers now, but may not boot again. Keep the board powered; over CAN only the "
+               "application area can be erased, so the bootloader must be reprogrammed with an ICD programmer "
+               "(pic18-bootloader.hex), unless a new read shows the bytes as before (a corrupted answer)")
+        self._events.append(FlashWarning(msg))
+        if self._pending is not None:
+            self._end_pending(msg, intact=False)
+            return
+        self._finish(False, msg, address=a, boot_area_intact=False)
+
     def _on_failure(self, failure: Failure, now: float) -> None:
         ph = self.phase
+        if ph is Phase.GUARD_CHECK:
+            if failure.reason.startswith("read-back mismatch"):
+                self._guard_changed(failure)
+            elif self._pending is not None:
+                self._end_pending(f"the bootloader area could not be read back ({failure.reason}): a data frame "
+                                  "may have reached it; read it (`robobus can read "
+                                  f"{self._board_hint()} 0x0 {APP_START}`) before any RESET or power cycle",
+                                  intact=None)
+            else:
+                self._finish(False, f"the bootloader area could not be read back after the write "
+                                    f"({self._exposed or 'a restart'}): {failure.reason}. RESET was not sent; read "
+                                    f"it (`robobus can read {self._board_hint()} 0x0 {APP_START}`) before any "
+                                    "RESET or power cycle", address=failure.address)
+            return
+        if ph in (Phase.WRITE, Phase.VERIFY) and self._guard is not None and not (
+                ph is Phase.VERIFY and failure.reason.startswith("read-back mismatch")
+                and self._counters.restarts < self.cfg.restarts):
+            assert self.pipe is not None
+            self._note_exposure(self.pipe)
+            if not self._exposed and failure.reason.startswith("read-back mismatch"):
+                self._exposed = "the image did not read back as written (a block may have gone elsewhere)"
+            if self._exposed or self._counters.restarts:
+                # what the failure could have touched: read the bootloader area back before saying anything
+                self._pending, self._pending_phase = failure, ph
+                self._enter(Phase.GUARD_CHECK, now)
+                return
         if ph is Phase.MAGIC:
             self._finish(False, f"None of the magic packets were ACKed: {failure.reason}. Is board "
                                 f"{self.local_id} on this bus powered, and running the bootloader or a "
@@ -552,13 +680,19 @@ class Flasher:
         elif ph is Phase.CHECK:
             self._enter(Phase.PROBE, now)  # bootloader (ACKs lost) or application (not aware)?
         elif ph is Phase.PROBE:
-            msg = ("the new firmware is NOT bootloader-aware: it answered none of the "
-                   f"{self.cfg.check_tries} magic packets after the reset, and the board does not answer READ_VERSION "
-                   "(it is not in its bootloader), so this board can no longer be reflashed over CAN until "
-                   "EEPROM[0xFF] is set to 0xFF by hand (docs/reference/can_bootloader.md §3, BEWARE); "
-                   "unless the board has left the bus")
+            # Silence proves nothing: a board in its bootloader whose answers are lost, an absent one, and one
+            # running a firmware that ignores the bootloader all look the same. Say what is known.
+            b = self._board_hint()
+            n = self.cfg.check_tries + self.cfg.probe_tries
+            msg = (f"no answer from board {b} after {n} tries since its RESET was acknowledged "
+                   f"({self.cfg.check_tries} magic packets, {self.cfg.probe_tries} READ_VERSION): the image is "
+                   "written and verified, but where the board is now is not known. It may sit in its bootloader "
+                   f"with its answers lost (then `robobus can version {b}` answers and `robobus can reset {b}` "
+                   "starts the image), be unpowered or off the bus, or run the new firmware if that is NOT "
+                   "bootloader-aware (it ignores the magic packet: then the board cannot be reflashed over CAN "
+                   "until EEPROM[0xFF] is set to 0xFF by hand, docs/reference/can_bootloader.md §3, BEWARE)")
             self._events.append(FlashWarning(msg))
-            self._finish(True, "flashed, verified and reset; " + msg, address=None, aware=False)
+            self._finish(False, msg, address=None, no_answer=True)
         else:
             where = f" at 0x{failure.address:06X}" if failure.address is not None else ""
             self._finish(False, f"{ph.value} failed{where}: {failure.reason}", address=failure.address)
@@ -587,12 +721,17 @@ class Flasher:
         return "<board>" if self.board_id is None else str(self.board_id)
 
     def _finish(self, ok: bool, reason: str, *, address: int | None, aware: bool | None = None,
-                cancelled: bool = False, held: bool = False) -> None:
+                cancelled: bool = False, held: bool = False, no_answer: bool = False,
+                boot_area_intact: bool | None = None) -> None:
         if self.pipe is not None:
             self._counters.retries += self.pipe.retries
             self.pipe.retries = 0
         phase = Phase.DONE if ok else self.phase
-        self.result = Finished(ok, reason, phase, address, aware, cancelled, held)
+        if boot_area_intact is None and self._guard is not None and self.phase in (
+                Phase.RESET, Phase.CHECK, Phase.PROBE, Phase.CHECK_RESET, Phase.REENTER, Phase.DONE) \
+                and (self._exposed or self._counters.restarts):
+            boot_area_intact = True  # read back after the verify, before the first RESET: unchanged
+        self.result = Finished(ok, reason, phase, address, aware, cancelled, held, no_answer, boot_area_intact)
         self._events.append(self.result)
         if ok:
             self.phase = Phase.DONE

@@ -15,10 +15,18 @@ Model (docs/reference/can_bootloader.md §2, §3 and §4.5):
   Reference over seed: the seed says the application reacts to a magic packet whose direction bits are
   "10", but the original flasher sends every magic packet with direction "11" (0x600 | ...) and the
   SimpleMotor firmware "can be flashed over itself", so the model accepts both directions.
+- A reboot forgets the write address: at power-on TBLPTR is 0x000000 (the PIC18's reset value) and the
+  bootloader's `position` is 0, so four WRITE_FLASH_DATA frames that reach a rebooted bootloader before a
+  WRITE_FLASH_ADDRESS program the row at 0x0000, the bootloader's own reset vector. The bootloader never
+  checks the address (no source says whether real boards write-protect the boot block with WRTB); every row
+  written outside the application area is recorded in `protected_writes`.
 - Faults: drop or delay ACKs (any, one command's, or the ACKs of N magic packets: `drop_magic_acks`),
   corrupt READ answers, garble answers (right SID, wrong length: `garble`), lose power after N frames (it
-  boots again into the bootloader, because the flag is 0xFF during a flash), and a 2-deep receive buffer
-  that overflows when frames arrive while a row write or the erase stalls the CPU (virtual-bus attachment only).
+  boots again into the bootloader, because the flag is 0xFF during a flash; the frame that met the power loss
+  is lost, or with `power_loss_eats_frame=False` a brown-out reboots the board just before the frame, which
+  the rebooted bootloader then handles; `drop_boot_acks` loses the boot ACKs of the reboots), drop answers
+  for good (`drop_all`), and a 2-deep receive buffer that overflows when frames arrive while a row write or
+  the erase stalls the CPU (virtual-bus attachment only).
 
 `BootBoard.handle()` is the pure core; `BootBusSim` runs boards on a python-can bus; `on_can_frame()` plugs a
 board into ethercat-loop's palm model (CAN direct mode).
@@ -69,6 +77,9 @@ class BootFaults:
     garble: int = 0  # answer the next N frames with a malformed answer (right SID, wrong length): garbage
     power_loss_after: int | None = None  # lose power after receiving this many more frames
     power_off_s: float = 0.05
+    power_loss_eats_frame: bool = True  # False: a brown-out reboots the board and the frame reaches the new boot
+    drop_boot_acks: int = 0  # lose the boot ACKs of the next N reboots caused by power losses
+    drop_all: bool = False  # every answer lost (a board that hears but whose answers never come back)
     dropped: int = 0
     delayed: int = 0
     corrupted: int = 0
@@ -100,6 +111,7 @@ class BootBoard:
     powered_off_until: float | None = None
     frames_in: int = 0
     row_writes: int = 0
+    protected_writes: list[int] = field(default_factory=list)  # rows written outside 0x04C0–0x7DC0
     erases: int = 0
     boots: int = 0
     clock: Callable[[], float] = time.monotonic
@@ -121,6 +133,7 @@ class BootBoard:
         self.powered_off_until = None
         self.boots += 1
         self.position = 0
+        self.tblptr = 0  # TBLPTR's reset value: the write address is forgotten
         self.holding[:] = b"\xff" * BLOCK
         if self.eeprom[BOOT_FLAG_ADDR] == FLAG_RUN_APP:
             self.mode = "app"
@@ -132,6 +145,14 @@ class BootBoard:
         self.mode = "off"
         self.faults.power_losses += 1
         self.powered_off_until = None if off_s is None else self.clock() + off_s
+
+    def _boot_acks(self, replies: list[BootReply]) -> list[BootReply]:
+        """The boot ACK of a reboot after a power loss, unless the fault loses it."""
+        if replies and self.faults.drop_boot_acks > 0:
+            self.faults.drop_boot_acks -= 1
+            self.faults.dropped += 1
+            return []
+        return replies
 
     def app_is_aware(self) -> bool:
         if self.app_aware is not None:
@@ -146,15 +167,21 @@ class BootBoard:
         """One received frame -> the frames the board sends back (with fault delays)."""
         if self.mode == "off":
             if self.powered_off_until is not None and self.clock() >= self.powered_off_until:
-                boot = self.power_on()
+                boot = self._boot_acks(self.power_on())
                 return [*self._faulted(boot), *self.handle(sid, data)]
             return []
         self.frames_in += 1
         if self.faults.power_loss_after is not None:
             if self.faults.power_loss_after <= 0:
                 self.faults.power_loss_after = None
-                self.power_off(self.faults.power_off_s)
-                return []
+                if self.faults.power_loss_eats_frame:
+                    self.power_off(self.faults.power_off_s)
+                    return []
+                # a brown-out between two frames: the board reboots and the frame reaches the new bootloader
+                self.power_off(0.0)
+                boot = self._boot_acks(self.power_on())
+                self.frames_in -= 1
+                return [*self._faulted(boot), *self.handle(sid, data)]
             self.faults.power_loss_after -= 1
         if sid & p.ACK_BIT or not 0 <= sid <= p.SID_MASK:
             return []
@@ -214,6 +241,8 @@ class BootBoard:
     def _row_write(self, block: int) -> None:
         # The bootloader never guards the address; the PIC only has 32 KB, so TBLPTR wraps into it.
         block &= FLASH_SIZE - 1
+        if not APP_START <= block < APP_END:
+            self.protected_writes.append(block)
         for k in range(BLOCK):
             self.flash[block + k] &= self.holding[k]
         self.holding[:] = b"\xff" * BLOCK
@@ -232,6 +261,9 @@ class BootBoard:
 
     def _faulted(self, replies: list[BootReply]) -> list[BootReply]:
         f = self.faults
+        if f.drop_all:
+            f.dropped += len(replies)
+            return []
         out: list[BootReply] = []
         for r in replies:
             cmd = r.sid & p.COMMAND_MASK

@@ -29,6 +29,10 @@ class Wire:
     extra: list[p.BootFrame] = field(default_factory=list)  # garbage injected before each reply
     drop_replies: set[int] = field(default_factory=set)  # indices (in reply order) of answers lost on the wire
     replies_seen: int = 0
+    # The palm's CAN bridge: one frame each way per EtherCAT cycle (its 12-byte CAN struct in the command and in
+    # the status), `latency` on top for MQTT. None: a direct bus (every frame after `latency`).
+    cycle: float | None = None
+    _slot: dict[str, float] = field(default_factory=lambda: {"down": 0.0, "up": 0.0})
 
     def __post_init__(self) -> None:
         for b in self.boards:
@@ -46,14 +50,14 @@ class Wire:
             assert self.clock.t < end, "simulation ran too long"
             for fr in machine.poll(self.clock.t):
                 self.sent.append(fr)
-                heapq.heappush(heap, (self.clock.t + self.latency, next(seq), "down", fr))
+                heapq.heappush(heap, (self._when("down", self.clock.t + self.latency), next(seq), "down", fr))
             while heap and heap[0][0] <= self.clock.t:
                 _, _, kind, fr = heapq.heappop(heap)
                 if kind == "down":
                     for b in self.boards:
                         for r in b.handle(fr.sid, fr.data):
-                            heapq.heappush(heap, (self.clock.t + self.latency + r.delay_s, next(seq), "up",
-                                                  p.BootFrame(r.sid, r.data)))
+                            at = self._when("up", self.clock.t + r.delay_s) + self.latency
+                            heapq.heappush(heap, (at, next(seq), "up", p.BootFrame(r.sid, r.data)))
                 else:
                     self.replies_seen += 1
                     if self.replies_seen - 1 in self.drop_replies:
@@ -72,3 +76,13 @@ class Wire:
                 continue
             idle = 0
             self.clock.t = max(self.clock.t, min(nxt))
+
+    def _when(self, way: str, t: float) -> float:
+        """When a frame ready at `t` crosses: at once on a direct bus; through the palm, at the next free cycle
+        boundary of its direction (one frame per cycle)."""
+        if self.cycle is None:
+            return t
+        c = self.cycle
+        slot = max(-(-t // c) * c, self._slot[way] + c)
+        self._slot[way] = slot
+        return slot

@@ -35,6 +35,7 @@ from services.can_bootloader.sim import (
 from .harness import Wire
 
 IMAGE = load_intel_hex(make_intel_hex())
+GUARD_READS = 0x04C0 // 8  # the bootloader area read before the erase (its baseline)
 
 
 def small_image(aware: bool = True) -> FlashImage:
@@ -62,7 +63,7 @@ def test_realistic_image(window: int) -> None:
     assert_flashed(board, IMAGE)
     blocks = len(IMAGE.write_blocks())
     chunks = len(IMAGE.chunks())
-    assert len(wire.sent) == 2 + 5 * blocks + chunks + 1 + 2
+    assert len(wire.sent) == 2 + GUARD_READS + 5 * blocks + chunks + 1 + 2
     assert f.snapshot().retries == 0
 
 
@@ -71,13 +72,16 @@ def test_frame_sequence_is_the_originals() -> None:
     _f, wire = flash(board, IMAGE, window=1)
     s = wire.sent
     assert s[0] == p.BootFrame(0x66A, p.MAGIC_DATA)
+    # the bootloader area's baseline, read before anything is written
+    assert s[1:1 + GUARD_READS] == [p.read_flash(3, a) for a in range(0, 0x04C0, 8)]
+    s = s[GUARD_READS:]
     assert s[1] == p.BootFrame(0x662, b"\x00")
     assert s[2] == p.BootFrame(0x665, bytes.fromhex("C00400"))
     assert s[3:7] == [p.write_flash_data(3, IMAGE.data[k:k + 8]) for k in range(0, 32, 8)]
     writes = [fr for fr in s if fr.sid == 0x665]
     addrs = [p.parse_address(fr.data) for fr in writes]
     assert addrs == [a for a, _ in IMAGE.write_blocks()]  # 0xFF blocks skipped
-    reads = [p.parse_address(fr.data) for fr in s if fr.sid == 0x661]
+    reads = [p.parse_address(fr.data) for fr in s[1:] if fr.sid == 0x661]
     assert reads == list(range(IMAGE.base, IMAGE.end, 8))  # ... but verified
     assert s[-3:] == [p.reset(3), p.magic_packet(3), p.reset(3)]
 
@@ -188,22 +192,58 @@ def test_power_loss_then_second_flash() -> None:
     assert_flashed(board, IMAGE)
 
 
-def test_not_bootloader_aware_is_reported() -> None:
+def test_silent_board_after_the_reset_gets_no_verdict() -> None:
+    """Firmware that ignores the magic packet: after its RESET the board answers nothing, which is exactly what a
+    board in its bootloader whose answers are lost looks like. No verdict: the outcome says what is known."""
     board = BootBoard(0)
     img = small_image(aware=False)
-    f, wire = flash(board, img)
+    f = Flasher(0, img, FlashConfig(), board_id=0)
+    wire = Wire([board])
+    wire.run(f)
     r = f.result
-    assert r is not None and r.ok and r.bootloader_aware is False
-    assert "NOT bootloader-aware" in r.reason
-    warnings = [e for e in f.events() if isinstance(e, FlashWarning)]
-    assert any("no longer be reflashed" in w.message for w in warnings)
-    # and indeed: a new flash cannot even start
+    assert r is not None and not r.ok and r.no_answer and r.bootloader_aware is None and r.phase is Phase.PROBE, r
+    assert r.reason.startswith("no answer from board 0 after 13 tries"), r.reason
+    assert "written and verified" in r.reason and "robobus can version 0" in r.reason
+    assert board.app_image(img.base, img.end) == img.data and board.mode == "app"
+    # and indeed the board runs a firmware that cannot be reflashed: a new flash cannot even start
     f2, _ = flash(board, small_image())
     assert f2.result is not None and not f2.result.ok and f2.result.phase is Phase.MAGIC
     board.eeprom[0xFF] = 0xFF  # by hand, as the seed says
     board.power_on()
     f3, _ = flash(board, small_image(), wire)
     assert f3.result is not None and f3.result.ok and f3.result.bootloader_aware
+
+
+def test_thirteen_lost_answers_in_the_bootloader_are_not_called_unaware() -> None:
+    """The board jumps into its bootloader on the first check packet (its firmware is aware) and then every answer
+    is lost: 10 magic packets and 3 READ_VERSION unanswered. It sits in its bootloader: not "NOT bootloader-aware"
+    (exit 3), but "no answer after 13 tries", a distinct outcome."""
+    board = BootBoard(2)
+    img = small_image()
+
+    class Link(Wire):
+        pass
+
+    wire = Link([board])
+    f = Flasher(2, img, FlashConfig(), board_id=2)
+    # let the flash run up to its post-reset check, then lose every answer
+    f.start(wire.clock.t)
+    orig = board.handle
+
+    def handle(sid: int, data: bytes) -> list:  # type: ignore[type-arg]
+        if f.phase in (Phase.CHECK, Phase.PROBE):
+            board.faults.drop_all = True
+        return orig(sid, data)
+
+    board.handle = handle  # type: ignore[method-assign]
+    wire.run(f)
+    r = f.result
+    assert board.mode == "bootloader" and board.eeprom[0xFF] == FLAG_STAY  # where it really is
+    assert board.faults.dropped >= 13
+    assert r is not None and not r.ok and r.no_answer and r.bootloader_aware is None, r
+    assert "NOT bootloader-aware" not in r.reason.split("(")[0]
+    assert r.reason.startswith("no answer from board 2 after 13 tries") and "may sit in its bootloader" in r.reason
+    assert not any(isinstance(e, Finished) and e.bootloader_aware is False for e in f.events())
 
 
 def test_check_can_be_disabled() -> None:
@@ -234,7 +274,7 @@ def test_cancel_leaves_the_bootloader_ready() -> None:
 def test_events_sequence() -> None:
     f, _ = flash(BootBoard(0), small_image())
     phases = [e.phase for e in f.events() if isinstance(e, PhaseStarted)]
-    assert phases == [Phase.MAGIC, Phase.ERASE, Phase.WRITE, Phase.VERIFY, Phase.RESET, Phase.CHECK,
+    assert phases == [Phase.MAGIC, Phase.GUARD, Phase.ERASE, Phase.WRITE, Phase.VERIFY, Phase.RESET, Phase.CHECK,
                       Phase.CHECK_RESET]
 
 
