@@ -4,9 +4,13 @@ stubbed, no NIC; what is checked is whether the master acts (calls the slave's r
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pysoem
 
 from services.ethercat_loop.protocol import PROTOCOLS
+from services.ethercat_loop.transport import master as master_module
 from services.ethercat_loop.transport.master import EthercatMaster, HandIdentity, MasterConfig, RecoveryPolicy, _Bus
 
 
@@ -50,3 +54,57 @@ def test_a_silent_slave_is_recovered_only_after_the_silence_lasted() -> None:
     m.counters.bad_run = 5
     issues = _checks(m, 3)
     assert bridge.recovers == 1 and "slave 1 bridge in NONE" in issues[-1]
+
+
+class _Clock:
+    """CLOCK_MONOTONIC for the master, moved by hand: the waits below take their time without sleeping."""
+
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def monotonic_ns(self) -> int:
+        return self.t
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+class _HungSlave(_Slave):
+    """A slave that answers nothing: each read waits its whole timeout, then pysoem raises."""
+
+    def __init__(self, name: str, clock: _Clock) -> None:
+        super().__init__(name)
+        self.clock = clock
+        self.waits: list[int] = []
+
+    def _fprd(self, _register: int, _length: int, wait_us: int) -> bytes:
+        self.waits.append(wait_us)
+        self.clock.t += wait_us * 1000
+        raise pysoem.WkcError
+
+
+def test_a_hung_hand_is_confirmed_although_its_frame_in_flight_is_never_answered(monkeypatch: Any) -> None:
+    """The cycle's state check runs after the period's frame left; on a hung hand that frame is never answered, and
+    waiting for it to the check's own limit left the AL state reads too little time to count as evidence (less than
+    `late_us`): every check was 'no evidence', the slave never confirmed gone, the ladder never ran and the palm
+    stayed `silent` for ever instead of `lost`. While no valid data flow, the reply in flight is waited for only
+    until the reads can each still wait `late_us`."""
+    clock = _Clock()
+    monkeypatch.setattr(master_module, "time", clock)
+    m = EthercatMaster(MasterConfig("none", recovery=RecoveryPolicy(silent_confirm_ns=0)))
+    bridge, palm = _HungSlave("bridge", clock), _HungSlave("palm", clock)
+    ident = HandIdentity(0x530, 6, 0, 1, "0220", "palm", 2, 1, "sii", 70, 232, 3, ("bridge", "palm"))
+    m._bus = _Bus(master=None, palm=palm, info=PROTOCOLS["0220"], ident=ident, slaves=[bridge, palm])
+    m.counters.bad_run = 50  # the hand stopped answering 50 frames ago
+
+    def frame_never_answered(give_up_ns: int | None = None) -> None:  # the frame in flight: waited for, lost
+        assert give_up_ns is not None
+        clock.t = max(clock.t, give_up_ns)
+
+    m.settle = frame_never_answered  # type: ignore[method-assign]
+    period = 1_000_000
+    for _ in range(3):  # the cycle's check: 100 µs into the period, bounded 100 µs before the next release
+        clock.t += 100_000
+        m.check_states(clock.t + period - 200_000)
+    assert bridge.waits and min(bridge.waits) >= m.cfg.late_us, bridge.waits
+    assert bridge.recovers == 1 and "slave 1 bridge in NONE" in m.counters.state_issue

@@ -741,6 +741,14 @@ class EthercatMaster:
             out.append((raw[0] & 0x1F, int(struct.unpack_from("<H", raw, 4)[0])))
         return out
 
+    def _settle_by(self, bus: _Bus, give_up_ns: int | None) -> int | None:
+        """How long a state check waits for the reply in flight: to `give_up_ns` while valid data flow (the reply
+        comes in ~100 µs, and a read cut short then is no evidence anyway), else only until every slave's read
+        can still wait `late_us`, the least wait whose silence counts as a slave not answering."""
+        if give_up_ns is None or not self.counters.bad_run:
+            return give_up_ns
+        return give_up_ns - len(bus.slaves) * min(self.cfg.recv_timeout_us, self.cfg.late_us) * 1000 - MIN_WAIT_NS
+
     def check_states(self, give_up_ns: int | None = None) -> str:
         """One recovery step, bounded by the CLOCK_MONOTONIC time `give_up_ns` when given: read every slave's
         AL state; act on the first slave confirmed out of OP (or on process data that stay invalid while all
@@ -750,7 +758,11 @@ class EthercatMaster:
         recovery of a healthy slave. No logging here (this runs in the realtime process): steps go to
         `recovery_log`, which the MQTT side logs."""
         bus = self._need()
-        self.settle(give_up_ns)  # the reply in flight first: the state reads must not take its timestamp
+        # the reply in flight first: the state reads must not take its timestamp. While no valid data flow it is
+        # not waited for into the time the reads need: a frame nobody answers took its whole receive timeout,
+        # and every read after it was then cut short before `late_us` (no evidence), check after check, so a
+        # hung slave was never confirmed and the ladder never ran (silent for ever, never lost)
+        self.settle(self._settle_by(bus, give_up_ns))
         if self.counters.bad_run and not self.rescan_needed and self.nic_replaced():
             # no valid data and the NIC is not the one opened (gone, or gone and back): SOEM's socket is bound
             # to the old one, where no slave can ever answer; only a re-scan opens the NIC by name again
