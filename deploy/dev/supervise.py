@@ -13,12 +13,20 @@ watched and signalled is the program's own:
   their fail-safe hooks still reach the broker and publish `online: false, reason: shutdown`), then the broker,
   last; then it exits 0;
 - every child runs in a process group of its own (a Ctrl-C in the terminal reaches this process alone, which
-  stops the nodes before the broker) and writes to this process's stdout itself (no pipe, no copy).
+  stops the nodes before the broker) and writes to this process's stdout itself (no pipe, no copy);
+- every child dies with this process, however it dies (`kill -9` included): the kernel's parent-death signal
+  (PR_SET_PDEATHSIG, set by util-linux's `setpriv --pdeathsig` before bash starts) sends SIGKILL to each node
+  and SIGTERM to the broker (which saves its database on the way out) the moment this process is gone, so no
+  orphan keeps 1883 or 8080 and the next `make run` starts;
+- `--realtime NAME=PRIO` starts that program at SCHED_FIFO PRIO (the broker and the hand's node: the demand
+  path on a busy host, services/ethercat_loop/README.md "Priorities on a busy host"); where the host refuses
+  it (no root or CAP_SYS_NICE, no RLIMIT_RTPRIO, no realtime budget for the cgroup) it logs why once and starts
+  the program at normal priority.
 
 Not supervisord: its XML-RPC server, supervisorctl's machinery and their imports hold ~25 MB resident that
 `make run` never uses; this process is the standard library only (~12 MB, run with `python -S`).
 
-Usage: supervise.py [--procfile FILE] [--rundir DIR] [--startretries N] [NAME ...]
+Usage: supervise.py [--procfile FILE] [--rundir DIR] [--startretries N] [--realtime NAME=PRIO ...] [NAME ...]
 (no NAME: every process of the Procfile)
 """
 
@@ -52,6 +60,14 @@ STARTRETRIES = 8
 STOP_WAIT_S = 10.0
 # Ctrl-C, `kill`, the terminal closed: each stops everything in order
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What a child gets when this process dies without stopping it (kill -9, a crash): the broker SIGTERM, on which
+# mosquitto saves its database (the retained bus stop) and exits at once; every other program SIGKILL (a node
+# that cannot reach this process's ordered stop must not linger: its broker goes too, its Will says offline)
+PDEATHSIG_BROKER = "TERM"
+PDEATHSIG_NODE = "KILL"
+# bash, started by setpriv, runs the program only if this process is still its parent: had it died between the
+# spawn and setpriv's prctl, the death signal would never come (the guard closes that window)
+ORPHANED_EXIT = 111
 
 
 def read_procfile(path: str) -> dict[str, str]:
@@ -77,9 +93,10 @@ def exec_line(command: str) -> str:
 class Program:
     """One line of the Procfile and the state of its process."""
 
-    def __init__(self, name: str, command: str, startsecs: float, one_shot: bool) -> None:
+    def __init__(self, name: str, command: str, startsecs: float, one_shot: bool, rt_priority: int = 0) -> None:
         self.name = name
         self.command = command
+        self.rt_priority = rt_priority  # SCHED_FIFO priority to start it at (0: normal scheduling)
         self.startsecs = startsecs
         self.one_shot = one_shot
         self.pid: int | None = None  # the running process (its process group has the same id)
@@ -112,14 +129,49 @@ def log(message: str) -> None:
         pass
 
 
+def find_setpriv() -> str | None:
+    """util-linux's setpriv, if it knows --pdeathsig (2.33+): tried once on /bin/true."""
+    for folder in [*os.environ.get("PATH", "").split(os.pathsep), "/usr/bin", "/bin"]:
+        path = os.path.join(folder or ".", "setpriv")
+        if not os.access(path, os.X_OK):
+            continue
+        try:
+            pid = os.posix_spawn(path, [path, "--pdeathsig", PDEATHSIG_NODE, "--", "/bin/true"], os.environ,
+                                 file_actions=[(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)])
+            _, status = os.waitpid(pid, 0)
+        except OSError:
+            continue
+        if os.waitstatus_to_exitcode(status) == 0:
+            return path
+    return None
+
+
+def _posix_spawn(argv: list[str], rt_priority: int) -> int:
+    """A session (and process group) of its own; stdin /dev/null; stderr to this process's stdout; the
+    supervisor's own descriptors (the wake-up pipe) are close-on-exec; the signals Python ignores (SIGPIPE,
+    SIGXFSZ) back to their defaults, as subprocess does; SCHED_FIFO rt_priority from its first instruction (every
+    thread it starts inherits it), or PermissionError. Called from this process's only thread: the parent-death
+    signal follows the thread that forked, not the process."""
+    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, 1, 2)]
+    sigdef = (signal.SIGPIPE, signal.SIGXFSZ)
+    if rt_priority:
+        return os.posix_spawn(argv[0], argv, os.environ, file_actions=actions, setsid=True, setsigdef=sigdef,
+                              scheduler=(os.SCHED_FIFO, os.sched_param(rt_priority)))
+    return os.posix_spawn(argv[0], argv, os.environ, file_actions=actions, setsid=True, setsigdef=sigdef)
+
+
 class Supervisor:
-    def __init__(self, procs: dict[str, str], cwd: str = REPO, startretries: int = STARTRETRIES) -> None:
+    def __init__(self, procs: dict[str, str], cwd: str = REPO, startretries: int = STARTRETRIES,
+                 realtime: dict[str, int] | None = None) -> None:
         self.cwd = cwd
         self.startretries = startretries
+        realtime = realtime or {}
         # the broker first: started before the nodes, stopped after them
         names = sorted(procs, key=lambda n: n != BROKER)
-        self.programs = [Program(n, procs[n], BROKER_STARTSECS if n == BROKER else NODE_STARTSECS, n in ONE_SHOT)
-                         for n in names]
+        self.programs = [Program(n, procs[n], BROKER_STARTSECS if n == BROKER else NODE_STARTSECS, n in ONE_SHOT,
+                                 realtime.get(n, 0)) for n in names]
+        self.setpriv: str | None = None  # found in run(): None, the children would outlive a kill -9 of this process
+        self.rt_refused = ""  # why SCHED_FIFO was refused, once it was: later starts do not ask again
         self.stopping = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -129,24 +181,38 @@ class Supervisor:
         if signum in STOP_SIGNALS:
             self.stopping = True
 
+    def argv(self, p: Program) -> list[str]:
+        """bash running the program (exec'd: the pid is the program's), behind setpriv's parent-death signal."""
+        script = f"cd {_shell_quote(self.cwd)} && {exec_line(p.command)}"
+        if self.setpriv is None:
+            return ["/bin/bash", "-c", script]
+        sig = PDEATHSIG_BROKER if p.name == BROKER else PDEATHSIG_NODE
+        guard = f'[ "$PPID" = {os.getpid()} ] || exit {ORPHANED_EXIT}; '
+        return [self.setpriv, "--pdeathsig", sig, "--", "/bin/bash", "-c", guard + script]
+
     def spawn(self, p: Program) -> None:
         p.start_at = math.inf
-        # a session (and process group) of its own; stdin /dev/null; stderr to this process's stdout; the
-        # supervisor's own descriptors (the wake-up pipe) are close-on-exec; the signals Python ignores (SIGPIPE,
-        # SIGXFSZ) back to their defaults, as subprocess does
-        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, 1, 2)]
-        bash = "/bin/bash"
+        argv = self.argv(p)
+        priority = 0 if self.rt_refused else p.rt_priority
         try:
-            p.pid = os.posix_spawn(bash, [bash, "-c", f"cd {_shell_quote(self.cwd)} && {exec_line(p.command)}"],
-                                   os.environ, file_actions=actions, setsid=True,
-                                   setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+            try:
+                p.pid = _posix_spawn(argv, priority)
+            except PermissionError as exc:
+                if not priority:
+                    raise
+                self.rt_refused = exc.strerror or str(exc)
+                log(f"realtime refused: SCHED_FIFO {priority} for {p.name!r} ({self.rt_refused}): it and every "
+                    "other program run at normal priority (needs root or CAP_SYS_NICE, or an RLIMIT_RTPRIO of at "
+                    "least the priority, and a realtime budget for this cgroup on RT-group kernels)")
+                p.pid = _posix_spawn(argv, 0)
         except OSError as exc:  # no bash: counted as a quick death
             log(f"spawnerr: cannot start {p.name!r}: {exc}")
             self._died(p, uptime=0.0)
             return
         p.status = None
         p.started = time.monotonic()
-        log(f"spawned: {p.name!r} with pid {p.pid}")
+        policy = f" at SCHED_FIFO {p.rt_priority}" if p.rt_priority and not self.rt_refused else ""
+        log(f"spawned: {p.name!r} with pid {p.pid}{policy}")
 
     def _died(self, p: Program, uptime: float) -> None:
         if p.one_shot or self.stopping:
@@ -174,6 +240,10 @@ class Supervisor:
             self._died(p, uptime)
 
     def run(self) -> int:
+        self.setpriv = find_setpriv()
+        if self.setpriv is None:
+            log("no setpriv with --pdeathsig (util-linux 2.33+): the programs will outlive a kill -9 of this "
+                "supervisor (stop it with Ctrl-C or kill -TERM)")
         signal.set_wakeup_fd(self._wake_w)
         for sig in (*STOP_SIGNALS, signal.SIGCHLD):
             signal.signal(sig, self._on_signal)
@@ -240,8 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rundir", default=os.path.join(REPO, "run"), help="where the supervisor's pid file goes")
     ap.add_argument("--startretries", type=int, default=STARTRETRIES,
                     help="quick deaths in a row before giving up on a process (default %(default)s)")
+    ap.add_argument("--realtime", action="append", default=[], metavar="NAME=PRIO",
+                    help="start NAME at SCHED_FIFO PRIO (1-99) where the host permits it (repeatable)")
     ap.add_argument("names", nargs="*", help="processes to run (default: all of the Procfile)")
     args = ap.parse_args(argv)
+    realtime: dict[str, int] = {}
+    for item in args.realtime:
+        name, _, prio = item.partition("=")
+        if not prio.isdigit() or not 1 <= int(prio) <= 99:
+            print(f"supervise: --realtime {item!r}: expected NAME=PRIO with PRIO 1-99", file=sys.stderr)
+            return 2
+        realtime[name] = int(prio)
     procs = read_procfile(args.procfile)
     unknown = [n for n in args.names if n not in procs]
     if unknown:
@@ -252,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.rundir, exist_ok=True)
     with open(os.path.join(args.rundir, "supervise.pid"), "w") as f:
         f.write(f"{os.getpid()}\n")
-    return Supervisor(procs, startretries=args.startretries).run()
+    return Supervisor(procs, startretries=args.startretries, realtime=realtime).run()
 
 
 if __name__ == "__main__":
