@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from services.epuck_gateway.protocols.asercom import (
     ALL_SENSORS_SIZE,
+    ARG_SIZES,
     AsercomChainParser,
     AsercomImage,
     AsercomReplyReader,
@@ -18,6 +19,7 @@ from services.epuck_gateway.protocols.asercom import (
     ascii_command,
     code_of,
     encode_chain,
+    end_pending,
     expected_size,
     get_acc,
     get_all_sensors,
@@ -174,3 +176,25 @@ def test_ascii_mode() -> None:
         set_proximity_mode(3)
     with pytest.raises(ProtocolError):
         set_speed(40000, 0)
+
+
+def test_a_cut_chain_holds_its_partial_arguments_and_end_pending_ends_any_of_them() -> None:
+    """As Asercom2.c reads its arguments (blocking getchar): `f7 00 00` waits for 17 more bytes, and the host's
+    next poll (`f8 f5 00`) becomes three of them. `end_pending()` completes whatever argument list is open, for
+    every command that takes arguments and however many of them are in, with zeros, and ends the chain: the
+    chain that follows is read as written."""
+    p = AsercomChainParser()
+    assert p.feed(bytes([0xF7, 0x00, 0x00])) == [] and p.pending_args == 17
+    assert p.feed(encode_chain([get_all_sensors(), get_button()])) == [] and p.pending_args == 14
+    for code, n in ARG_SIZES.items():
+        for given_args in range(n):
+            q = AsercomChainParser()
+            q.feed(bytes([(-code) & 0xFF]) + bytes(range(1, given_args + 1)))
+            assert q.pending_args == n - given_args
+            out = q.feed(end_pending() + encode_chain([set_speed(100, 100)]))
+            assert q.pending_args == 0 and not q.in_line
+            assert out[-1] == [set_speed(100, 100)], out
+            cut = out[0]
+            assert isinstance(cut, list) and cut[0].code == code
+            assert cut[0].args[given_args:] == bytes(n - given_args)  # completed with zeros
+    assert len(end_pending()) >= 19 + 1  # the reference's longest list (-0x09) and the chain's end

@@ -14,7 +14,7 @@ import pytest
 from services.epuck_gateway.links.serial import EpuckSerialConfig, EpuckSerialLink
 from services.epuck_gateway.port_lock import PortBusy, hold_port
 from services.epuck_gateway.protocols.wifi import SOUND_MARIO, EpuckController, EpuckRawSensors, Packet, SensorsPacket
-from services.epuck_gateway.sim.serial import EpuckSerialSimThread
+from services.epuck_gateway.sim.serial import EpuckSerialSimConfig, EpuckSerialSimThread
 
 States = list[tuple[float, bool, str, str]]
 
@@ -283,3 +283,98 @@ def test_a_write_that_fails_tells_its_listener_the_state_was_never_written(seria
         await link.close()
 
     asyncio.run(main())
+
+
+def test_a_chain_cut_inside_its_arguments_is_ended_harmlessly_and_the_state_written_again(tmp_path: Path) -> None:
+    """`f7 00 00` in the robot's input (a chain cut inside -0x09's arguments, a Bluetooth glitch): the F407 holds
+    the partial argument list and takes the gateway's next bytes as the rest (its polls: a speed of -2048 from a
+    poll's 0xF8). The link sees no reply, and must end that argument list harmlessly, get the robot's `c,N`
+    answer before it polls again, and write the whole actuator state again: the robot ends with the gateway's
+    state (speeds 0, its LEDs), not with speeds made of poll bytes and its LEDs off."""
+    sim = EpuckSerialSimThread(1, str(tmp_path / "ttyBT"), EpuckSerialSimConfig(line_baud=115200)).start()
+    robot = sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        packets: list[Packet] = []
+        ctl = EpuckController()
+        ctl.set_stream(image=False, sensors=True)
+        link = make_link(robot.link, ctl, states, packets)
+        link.start()
+        assert await wait_for(lambda: len(packets) >= 3)
+        ctl.leds = 0x3F
+        ctl.set_rgb([(10, 20, 30), None, None, None])
+        link.request_write()
+        assert await wait_for(lambda: robot.world.leds == 0x3F)
+        resyncs = link.stats.resyncs
+        before = len(robot.received)
+        sim.call(lambda: robot.inject_input(bytes([0xF7, 0x00, 0x00])))
+        assert await wait_for(lambda: link.stats.resyncs > resyncs, 10), link.stats
+        n = len(packets)
+        assert await wait_for(lambda: len(packets) >= n + 10, 10), link.stats
+        assert sim.call(lambda: robot.pending_args) == 0
+        world = robot.world
+        assert (world.speed_left, world.speed_right, world.leds) == (0, 0, 0x3F), (world, robot.received[-4:])
+        assert world.rgb[0] == (10, 20, 30)
+        # nothing the robot applied after the cut stayed: the command made of poll bytes was followed at once
+        # (same write) by the state
+        received, at = list(robot.received)[before:], list(robot.received_at)[before:]
+        assert received, "the cut command was never completed"
+        for i, cmd in enumerate(received[:-1]):
+            if (cmd.left, cmd.right, cmd.leds) != (0, 0, 0x3F):
+                assert at[i + 1] - at[i] < 0.05, (cmd, received[i + 1], at[i + 1] - at[i])
+        for p in packets[n:]:
+            s = EpuckRawSensors.decode(p.data)  # type: ignore[union-attr]
+            assert s.selector == 8 and s.battery == 3400
+        assert link.connected and link.stats.reconnects == 0
+        await link.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sim.close()
+
+
+def test_never_more_than_one_poll_outstanding_when_a_robot_stalls_before_an_image(tmp_path: Path) -> None:
+    """A robot busy for 2.5 s before it answers a chain with the camera image (Bluetooth pace, 115200 baud): the
+    link must not write another poll until that chain's reply and a resynchronisation's answer are in (polls
+    written meanwhile would be answered by the image's bytes, 104 at a time, and pile up in the robot: 16 went out
+    during one image reply). The robot never holds more than one chain owing a reply; the link repeats its
+    resynchronisation, backing off, until answered, and streams fresh data again."""
+    sim = EpuckSerialSimThread(1, str(tmp_path / "ttyBT"), EpuckSerialSimConfig(line_baud=115200)).start()
+    robot = sim.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        stamps: list[tuple[float, float]] = []
+        images: list[Packet] = []
+        ctl = EpuckController()
+        ctl.set_stream(image=True, sensors=True)
+        cfg = EpuckSerialConfig(robot.link, baud=115200, image_fps=2.0, reopen_min_s=0.05, reopen_max_s=0.3)
+
+        def got(p: list[Packet], t: float) -> None:
+            stamps.extend((time.time() % 1000.0, EpuckRawSensors.decode(x.data).mag[0])
+                          for x in p if isinstance(x, SensorsPacket))
+            images.extend(x for x in p if not isinstance(x, SensorsPacket))
+
+        link = EpuckSerialLink("s1", cfg, ctl, got, lambda c, s, m: states.append((time.monotonic(), c, s, m)),
+                               lambda e: None)
+        robot.config.stamp = True
+        link.start()
+        assert await wait_for(lambda: len(images) >= 1 and len(stamps) >= 3)
+        sim.call(lambda: robot.stall_next_image(2.5))
+        assert await wait_for(lambda: link.stats.resyncs_unanswered >= 2, 10), link.stats
+        assert link.resync_since is not None and link.resync_unanswered >= 2  # what the health's details show
+        n, k = len(stamps), len(images)
+        assert await wait_for(lambda: len(stamps) >= n + 20 and len(images) >= k + 2, 15), link.stats
+        assert link.resync_since is None
+        assert robot.stats.max_unanswered <= 1, robot.stats
+        ages = [(now - sent) % 1000.0 for now, sent in stamps[n:]]
+        assert max(ages) < 0.5, ages  # no reply taken after the stall is an old one
+        assert link.connected and link.stats.reconnects == 0
+        await link.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sim.close()

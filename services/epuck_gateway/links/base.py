@@ -44,7 +44,9 @@ class EpuckLinkStats:
     silences: int = 0
     reply_timeouts: int = 0  # serial: polls not answered in time
     garbage_bytes: int = 0  # bytes that cannot come from the robot (WiFi: a packet that failed its checks)
-    resyncs: int = 0  # serial: resynchronisations after a reply that never came (links/serial.py RESYNC)
+    resyncs: int = 0  # serial: resynchronisations written (links/serial.py RESYNC): at each session's start and
+    # whenever the line was out of step (a reply late, garbled, or followed by unasked bytes)
+    resyncs_unanswered: int = 0  # serial: of those, the ones not answered within their window (written again)
 
 
 PacketsHandler = Callable[[list[Packet], float], None]
@@ -135,6 +137,7 @@ class RobotLink(ABC, Generic[H]):
         self._on_framing_error = on_framing_error
         self._written: list[WrittenHandler] = []  # told when the write carrying the requested state has left
         self._dirty = False  # the controller holds state not yet written
+        self._urgent = False  # that state is a stop that must not wait (request_write(urgent=True))
         self._lost: asyncio.Future[str] | None = None  # the current session's end, with its reason
         self._closing = False
         self._wake = asyncio.Event()
@@ -145,13 +148,16 @@ class RobotLink(ABC, Generic[H]):
         self._task = asyncio.ensure_future(self.run())
         return self._task
 
-    def request_write(self, on_written: WrittenHandler | None = None) -> bool:
+    def request_write(self, on_written: WrittenHandler | None = None, urgent: bool = False) -> bool:
         """The controller changed: write its state as soon as the link may (`_write_soon`). `on_written` is told
-        when the write carrying this state has left."""
+        when the write carrying this state has left. `urgent` (the deadman's stop, a lost robot's stop): at once,
+        past whatever limit the link keeps on writes the robot has not taken yet, and taken by the robot before
+        anything written earlier (as the bus stop, `write_stop`)."""
         if not self.connected:
             return False
         self.stats.commands_requested += 1
         self._dirty = True
+        self._urgent = self._urgent or urgent
         if on_written is not None:
             self._written.append(on_written)
         self._write_soon()

@@ -47,7 +47,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import serial
@@ -71,6 +73,7 @@ from services.epuck_gateway.protocols.asercom import (
     AsercomImage,
     AsercomReplyReader,
     encode_chain,
+    end_pending,
     expected_size,
     get_all_sensors,
     get_button,
@@ -96,14 +99,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("robobus.epuck.serial")
 
-# Resynchronisation (docs/reference/epuck2.md §6, as Asercom2.c reads its input): 0x00 ends a binary chain the
-# robot may be stuck in (and is ignored by an idle robot); `\r` ends an ASCII line it may be stuck in (a
-# robot that was idle skips it and takes the next byte as the start of a line); `C\r` is then a whole
+# Resynchronisation (docs/reference/epuck2.md §6, as Asercom2.c reads its input): zeros complete any argument list
+# the robot is waiting for (a chain cut inside a command's arguments) with zeros, then one more ends the binary
+# chain it may be stuck in (an idle robot ignores them: asercom.end_pending); `\r` ends an ASCII line it may be
+# stuck in (a robot that was idle skips it and takes the next byte as the start of a line); `C\r` is then a whole
 # line in every case, a harmless query (the selector) whose answer `c,N\r\n` marks the point from which
 # the line is in step again. Everything before it is garbage, and is flushed.
-RESYNC = b"\x00\rC\r"
+RESYNC_QUERY = b"\rC\r"
+RESYNC = end_pending() + RESYNC_QUERY  # the link writes the level actuator state between the two (_resync_bytes)
 _SYNCED = re.compile(rb"c,\d+\r\n")
+RESYNC_MAX_S = 2.0  # the longest wait for an answer before the resynchronisation is written again
 SLOW_LINK_BAUD = 230400  # below: Bluetooth SPP's 115200 and slower (see default_image_fps)
+
+
+def _answered(line: bytearray, count: int) -> bool:
+    """`count` resynchronisations answered in `line`."""
+    return len(_SYNCED.findall(line)) >= count
 
 
 def default_image_fps(baud: int) -> float:
@@ -152,6 +163,11 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
         self._ascii: list[tuple[bytes, asyncio.Future[str], bool]] = []
         self._line: bytearray | None = None  # the ASCII reply being read
         self._line_event = asyncio.Event()
+        # the line may be out of step (a reply late, garbled or followed by unasked bytes): no poll until a
+        # resynchronisation is answered
+        self._out_of_step = False
+        self.resync_since: float | None = None  # time.monotonic() a resynchronisation began, while it lasts
+        self.resync_unanswered = 0  # its writes not answered so far
 
     # -- public ---------------------------------------------------------------------------------------
     def _write_soon(self) -> None:
@@ -195,6 +211,8 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
                     fut.set_result(text)
                 else:
                     fut.set_exception(TimeoutError(f"no ASCII reply from the robot on {self.config.port}"))
+            if not text:
+                self._out_of_step = True  # an answer may still come, and be taken for a poll's
         except (serial.SerialException, OSError) as exc:
             if not fut.done():
                 fut.set_exception(ConnectionError(f"write to {self.config.port} failed: {exc}"))
@@ -217,7 +235,9 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
             self.owed_stop = on_owed
             return None
         self.stats.commands_requested += 1
-        data = encode_chain([set_all_actuators(self.controller.build())])
+        # zeros first: a robot whose chain was cut inside a command's arguments would take the stop's own bytes
+        # as the missing ones (a speed from its id byte); they end that command and chain with zeros instead
+        data = end_pending() + encode_chain([set_all_actuators(self.controller.build())])
         self.controller.drop_oneshots()  # applied once on arrival: nothing to clear (module doc)
         try:
             self._serial.write(data)
@@ -241,7 +261,7 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
         ser = self._serial
         if ser is not None:
             with contextlib.suppress(serial.SerialException, OSError):
-                ser.write(encode_chain([set_all_actuators(stop_command())]))
+                ser.write(end_pending() + encode_chain([set_all_actuators(stop_command())]))
                 self.stats.commands_sent += 1
                 ser.flush()
             self._close_port()
@@ -284,6 +304,9 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
         self.sup.opened()
         self._report()
         self._dirty = True
+        # A link that dropped (Bluetooth out of range) or a host that went away may have cut a chain: the robot
+        # may be waiting for arguments. The session's first exchange is a resynchronisation.
+        self._out_of_step = True
         loop.add_reader(self._fd, self._readable)
         poller = asyncio.ensure_future(self._poll())
         try:
@@ -340,39 +363,26 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
         return self.config.reply_timeout_s + 1.5 * transfer
 
     async def _poll(self) -> None:
-        loop = asyncio.get_running_loop()
+        """One exchange at a time: a chain is written only once the previous one's reply has come in full and
+        nothing unasked came after it. Anything else (no reply in time, a reply no robot sends, unasked bytes)
+        leaves the line out of step, and no poll goes out until a resynchronisation has been answered
+        (`_resync`): asercom replies carry no sequence number, so a poll written then could be answered by the
+        bytes of an older reply, and the next one too (16 polls went out during one late image reply)."""
         period = 1.0 / self.config.poll_hz if self.config.poll_hz > 0 else 0.0
         next_poll = time.monotonic()
         while not self._closing:
-            while self._ascii:
+            if self._out_of_step:
+                await self._resync()
+                if self._closing:
+                    break
+            while self._ascii and not self._out_of_step:
                 line, fut, _motion = self._ascii.pop(0)
                 if not fut.done():
                     await self._exchange_ascii(line, fut)
-            now = time.monotonic()
-            chain = self._chain(now)
-            self._reader = AsercomReplyReader(chain)
-            self._reply = loop.create_future()
-            actuators = any(c.code == 0x09 for c in chain)
-            try:
-                assert self._serial is not None
-                self._serial.write(encode_chain(chain))
-            except (serial.SerialException, OSError) as exc:
-                self._lose(f"write to {self.config.port} failed: {exc}")
+            if self._out_of_step:
+                continue
+            if not await self._exchange(time.monotonic()):
                 return
-            if actuators:
-                self.stats.commands_sent += 1
-                ts = time.time()
-                self._tell_written(ts)
-                owed, self.owed_stop = self.owed_stop, None
-                if owed is not None:  # a stop decided while the port was closed: a session's first chain is it
-                    owed(ts)
-            try:
-                await asyncio.wait_for(asyncio.shield(self._reply), self._reply_timeout(chain))
-            except TimeoutError:
-                await self._timed_out()
-            else:
-                self._delivered(self._reader, time.time())
-            self._reader = None
             self._set_budget()
             self.sup.tick()  # the supervisor's deadline, on the loop too: the service's fail-safe follows at once
             self._report()
@@ -382,65 +392,120 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
                 next_poll = time.monotonic()  # fell behind: do not burst
                 delay = 0.0
             self._poke.clear()
-            if delay > 0 and not self._dirty and not self._ascii:  # a change decided meanwhile goes at once
+            if delay > 0 and not self._dirty and not self._ascii and not self._out_of_step:
                 with contextlib.suppress(TimeoutError):
                     # A command wakes the poller early: it goes in the next chain at once.
                     await asyncio.wait_for(self._poke.wait(), delay)
 
-    async def _timed_out(self) -> None:
-        """asercom replies carry no sequence number: a late reply to this chain would be taken for the
-        reply to the next one (stale data, or a misparse). So no new chain goes out until this one's
-        reply has come in full (discarded as late) or the line has stayed quiet for the stale timeout
-        (then the robot dropped the chain; whatever came is flushed)."""
+    async def _exchange(self, now: float) -> bool:
+        """Write one chain and wait for its reply; False when the port failed (the session is lost)."""
+        chain = self._chain(now)
+        self._reader = AsercomReplyReader(chain)
+        self._reply = asyncio.get_running_loop().create_future()
+        actuators = any(c.code == 0x09 for c in chain)
+        try:
+            assert self._serial is not None
+            self._serial.write(encode_chain(chain))
+        except (serial.SerialException, OSError) as exc:
+            self._lose(f"write to {self.config.port} failed: {exc}")
+            return False
+        if actuators:
+            self.stats.commands_sent += 1
+            ts = time.time()
+            self._tell_written(ts)
+            owed, self.owed_stop = self.owed_stop, None
+            if owed is not None:  # a stop decided while the port was closed: a session's first chain is it
+                owed(ts)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reply), self._reply_timeout(chain))
+        except TimeoutError:
+            self._timed_out()
+        else:
+            self._delivered(self._reader, time.time())
+        self._reader = None
+        return True
+
+    def _timed_out(self) -> None:
+        """No complete reply in time. A late one would be taken for the next chain's, so the line is out of step
+        until a resynchronisation is answered; the late reply, if it comes, is garbage before that answer."""
         self.stats.reply_timeouts += 1
         self.stats.framing_errors += 1
         log.debug("reply timeout", extra={"robot": self.name})
         self.sup.garbage("no complete reply in time")
-        if self._reply is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._reply), self.config.stale_timeout_s)
         r = self._reader
-        late = r is not None and r.done
         if r is not None:
-            self.stats.garbage_bytes += r.pending + (expected_size(r.commands) if r.done else 0)
+            self.stats.garbage_bytes += r.pending
         self._reader = None
-        with contextlib.suppress(serial.SerialException, OSError, AttributeError):
-            assert self._serial is not None
-            self._serial.reset_input_buffer()
-        if not late:  # no reply at all: the robot may be stuck in a line or a chain (module doc)
-            await self._resync()
+        self._out_of_step = True
 
-    async def _resync(self) -> bool:
-        """Bring a robot stuck in the middle of an ASCII line or a binary chain back in step (`RESYNC`):
-        read until its `c,N` answer, flush what came before it (garbage), and write the whole actuator
-        state again in the next chain (a stuck line may have done anything once ended)."""
-        self.stats.resyncs += 1
+    def _resync_bytes(self) -> bytes:
+        """`RESYNC` with the level actuator state inside: zeros end any argument list and chain the robot is in
+        the middle of (a poll swallowed as arguments may have set any speed), the state's chain puts the wanted
+        speeds back at once, and `\r C \r` (module doc of `RESYNC`) is answered `c,N` whatever state the robot
+        was in. A robot stuck in an ASCII line takes all of it into the line, up to the `\r`."""
+        state = encode_chain([set_all_actuators(self.controller.level())])
+        return end_pending() + state + RESYNC_QUERY
+
+    async def _resync(self) -> None:
+        """Bring the robot back in step: write the resynchronisation (`_resync_bytes`) and read until its `c,N`
+        answer; unanswered, write it again, the window doubling up to `RESYNC_MAX_S`, until it is answered (the
+        health's details say since when, and how many went unanswered). Polling resumes only then: the bytes
+        before the answer are garbage (a late reply, the answer to a stuck line), and the answers to earlier,
+        unanswered resynchronisations, which a stalled robot still owes, are read out first. Then the whole
+        actuator state goes again in the next chain."""
         line = self._line = bytearray()
-        synced = False
+        window = self._reply_timeout([]) + 0.1
+        written = 0
+        self.resync_since = time.monotonic()
         try:
-            assert self._serial is not None
-            self._serial.write(RESYNC)
-            deadline = time.monotonic() + self._reply_timeout([]) + 0.1
-            while not (synced := _SYNCED.search(line) is not None):
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while not self._closing:
+                assert self._serial is not None
+                self._serial.write(self._resync_bytes())
+                written += 1
+                self.stats.resyncs += 1
+                if await self._read_until(lambda: _SYNCED.search(line) is not None, window):
+                    # a robot that was stalled answers every resynchronisation it read, one right after another
+                    await self._read_until(partial(_answered, line, written), RESYNC_MAX_S,
+                                           quiet=self._reply_timeout([]))
                     break
-                self._line_event.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._line_event.wait(), left)
+                self.stats.resyncs_unanswered += 1
+                self.resync_unanswered = written
+                log.info("no answer to a resynchronisation; trying again",
+                         extra={"robot": self.name, "port": self.config.port, "unanswered": written})
+                self._set_budget()
+                self.sup.tick()
+                self._report()
+                window = min(window * 2, RESYNC_MAX_S)
         except (serial.SerialException, OSError, AssertionError):
             pass  # a port that went away is reported by its reader
         finally:
             self._line = None
-        m = _SYNCED.search(line)
-        self.stats.garbage_bytes += m.start() if m is not None else len(line)
+            self.resync_since = None
+            self.resync_unanswered = 0
+        answers = sum(len(m) for m in _SYNCED.findall(line))
+        self.stats.garbage_bytes += len(line) - answers
         with contextlib.suppress(serial.SerialException, OSError, AttributeError):
             assert self._serial is not None
             self._serial.reset_input_buffer()
+        self._out_of_step = False
         self._dirty = True
-        log.info("line resynchronised" if synced else "no answer to a resynchronisation",
-                 extra={"robot": self.name, "port": self.config.port})
-        return synced
+        log.info("line resynchronised", extra={"robot": self.name, "port": self.config.port, "writes": written})
+
+    async def _read_until(self, done: Callable[[], bool], timeout: float, quiet: float | None = None) -> bool:
+        """Wait for `done()` as bytes come into the line being read; False after `timeout`, or after `quiet`
+        seconds without a byte."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._line_event.clear()
+            try:
+                await asyncio.wait_for(self._line_event.wait(), left if quiet is None else min(left, quiet))
+            except TimeoutError:
+                if quiet is not None:
+                    return False
+        return True
 
     def _delivered(self, reader: AsercomReplyReader, ts: float) -> None:
         values = {cmd.name: value for cmd, value in reader.results}
@@ -455,6 +520,7 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
             if why:  # a reply of the right length that no robot sends: garbage, not a live robot
                 self.stats.garbage_bytes += expected_size(reader.commands)
                 self.sup.garbage(why)
+                self._out_of_step = True  # the real reply may still be coming
                 return
             packets.append(SensorsPacket(data))
             self.stats.sensors += 1
@@ -493,10 +559,13 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
             return
         r = self._reader
         if r is None or r.done:
-            self.stats.garbage_bytes += len(data)  # nothing was asked: not a reply
+            self.stats.garbage_bytes += len(data)  # nothing was asked: not a reply, and the line is out of step
+            self._out_of_step = True
             return
         if r.feed(data) is not None and self._reply is not None and not self._reply.done():
-            self.stats.garbage_bytes += r.extra
+            if r.extra:
+                self.stats.garbage_bytes += r.extra
+                self._out_of_step = True
             self._reply.set_result(None)
 
 

@@ -30,6 +30,17 @@ IMAGE_HEADER_SIZE = 3  # mode, width, height
 CAM_GREY, CAM_RGB565 = 0, 1  # e_poxxxx.h camera modes
 DEFAULT_IMAGE = (CAM_RGB565, 40, 40)  # asercom2's camera default: 40x40 RGB565 (zoom 8)
 CHAIN_END = 0x00
+# The longest argument list the firmware reads after a binary command: -'w' (the RGB-panel extension, 24 + 3 + 8
+# bytes, Asercom2.c; the reference's longest, -0x09, has 19). A robot whose chain was cut inside a command's
+# arguments takes whatever comes next as the missing bytes: this many zeros complete any such list with
+# zeros (speeds 0, LEDs off, sound none) and one more 0x00 ends the chain (`end_pending`).
+LONGEST_ARGS = 35
+
+
+def end_pending() -> bytes:
+    """Zeros that end whatever binary command and chain the robot may be in the middle of, harmlessly: they
+    complete any partial argument list with zeros, then end the chain; an idle robot ignores a 0x00 (§6)."""
+    return bytes(LONGEST_ARGS + 1)
 
 
 def wire_code(code: int) -> int:
@@ -291,7 +302,7 @@ def all_sensors_block(wifi_packet: bytes) -> tuple[bytes, int]:
 
 # -- the robot's side of a chain (simulator) ------------------------------------------------------------
 ARG_SIZES = {0x09: ACTUATORS_SIZE, 0x0A: RGB_SIZE, 0x0F: 1, 0x10: 1, 0x11: 1, ord("D"): 4, ord("P"): 4,
-             ord("L"): 2}
+             ord("L"): 2, ord("W"): 3, ord("w"): LONGEST_ARGS}  # -'W' I2C write, -'w' RGB panel (Asercom2.c)
 
 
 @dataclass
@@ -303,7 +314,10 @@ class AsercomChainParser:
     line, binary ones too (a robot that got half a line waits for its end and swallows the chains that
     follow). A `\\r`/`\\n` outside a line is skipped, and the byte after it starts a line whatever it is
     (the firmware's `while (c == '\\n' || c == '\\r') getchar(&c)` before `buffer[0] = c`).
-    Unknown binary codes are kept in the chain with no arguments (the firmware silently ignores them)."""
+    Unknown binary codes are kept in the chain with no arguments (the firmware silently ignores them).
+    A command whose argument bytes are only partly in waits for the rest, whatever they are and however
+    long they take (the firmware's blocking getchar): a chain cut inside a command's arguments takes the host's
+    next bytes (a poll, a resynchronisation) as the missing ones (`pending_args`)."""
 
     _buf: bytearray = field(default_factory=bytearray)
     _chain: list[AsercomCommand] = field(default_factory=list)
@@ -314,6 +328,15 @@ class AsercomChainParser:
     def in_line(self) -> bool:
         """Bytes of an unfinished ASCII line are waiting for its end (or the next byte will start one)."""
         return self._line_next or (not self._chain and bool(self._buf) and self._buf[0] < 0x80)
+
+    @property
+    def pending_args(self) -> int:
+        """Argument bytes still owed to a binary command whose first bytes are in (0: none)."""
+        if not self._buf or (not self._chain and (self._buf[0] < 0x80 or self._line_next)):
+            return 0
+        if self._buf[0] == CHAIN_END:
+            return 0
+        return max(0, 1 + ARG_SIZES.get(code_of(self._buf[0]), 0) - len(self._buf))
 
     def feed(self, data: bytes) -> list[list[AsercomCommand] | str]:
         self._buf += data

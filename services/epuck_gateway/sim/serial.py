@@ -13,7 +13,11 @@ A pty moves bytes at memory speed; `line_baud` makes the robot's output take its
 (8N1, baud/10 bytes a second) and, as the F407 does, read no further input until its reply has gone
 (Asercom2.c sends with `while (e_uart_sending())`), so a Bluetooth link's timing is reproduced.
 `inject_input()` puts bytes in the robot's input as if another program had written them into the port
-(GDB packets from a flasher: the robot is then left in the middle of an ASCII line).
+(GDB packets from a flasher: the robot is then left in the middle of an ASCII line; `f7 00 00`, a chain cut
+inside -0x09's arguments: the parser holds the partial argument list and takes the host's next bytes, whatever
+they are, as the missing ones, as the firmware's blocking reads do). `stall_next_image(s)` holds the F407 for
+`s` seconds before it answers the next chain with a camera image (it reads nothing meanwhile), as a busy robot
+does; `stats.max_unanswered` is the most chains waiting for their reply at once (queued or being answered).
 
 `stop_watch` (stop_watch.py) time-stamps the first stop the robot receives once armed: a `-0x09` or a
 binary `-D` with both speeds 0, or an ASCII `S` or `D,0,0` line, when its bytes arrive (before a reply in
@@ -84,6 +88,7 @@ class EpuckSerialSimStats:
     actuator_commands: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    max_unanswered: int = 0  # most chains with a reply owed at once: queued unread, or the one being answered
 
 
 class EpuckSerialSimRobot:
@@ -100,7 +105,7 @@ class EpuckSerialSimRobot:
         self.received_at: list[float] = []  # time.monotonic() each of `received` was applied
         self.lines: list[tuple[float, str]] = []  # every ASCII line the robot executed, with its time
         self.hung = False  # tests: reads, never answers
-        self.late_replies = 0  # tests: answer this many chains late (after `late_s`), as a stalled robot would
+        self.late_replies = 0  # tests: answer this many chains late (after `late_s`): the F407 stalls before each
         self.late_s = 0.6
         self.plugged = False
         self._master = -1
@@ -112,6 +117,10 @@ class EpuckSerialSimRobot:
         self._pacer: asyncio.TimerHandle | None = None
         self._line_t: float | None = None  # paced line: when it is done with the bytes written so far
         self._last_physics = time.monotonic()
+        self._stall_image_s = 0.0  # tests: hold the next chain with an image this long (stall_next_image)
+        self._stalled_until = 0.0
+        self._stalled_item: object = None  # the chain a stall was served before
+        self._answering = False  # a chain's reply is still going out (paced line)
         self.stop_watch = StopWatch(name)
 
     # -- the device comes and goes ----------------------------------------------------------------------
@@ -129,6 +138,8 @@ class EpuckSerialSimRobot:
         self._out.clear()
         self._inbox.clear()
         self._writing = False
+        self._stalled_until = 0.0
+        self._answering = False
         asyncio.get_running_loop().add_reader(master, self._readable)
         self.plugged = True
         self.stats.plugs += 1
@@ -173,6 +184,16 @@ class EpuckSerialSimRobot:
         """Tests: bytes in the robot's input as if another program had written them into its port."""
         self._receive(data)
 
+    def stall_next_image(self, seconds: float) -> None:
+        """Tests: the F407 stops for `seconds` before it answers the next chain asking for an image (a busy robot);
+        it reads nothing meanwhile, and answers every queued chain in order afterwards."""
+        self._stall_image_s = seconds
+
+    @property
+    def pending_args(self) -> int:
+        """Argument bytes a binary command is still waiting for (a chain cut inside its arguments)."""
+        return self._parser.pending_args
+
     @property
     def in_line(self) -> bool:
         """The robot is in the middle of an ASCII line (it swallows everything up to a CR or LF)."""
@@ -184,7 +205,12 @@ class EpuckSerialSimRobot:
             for item in items:
                 self._watch(item)
         self._inbox.extend(items)
+        self._count_unanswered()
         self._work()
+
+    def _count_unanswered(self) -> None:
+        owed = sum(1 for item in self._inbox if not isinstance(item, str) and any(c.reply_size != 0 for c in item))
+        self.stats.max_unanswered = max(self.stats.max_unanswered, owed + int(self._answering and bool(self._out)))
 
     def _watch(self, item: list[AsercomCommand] | str) -> None:
         """Tell the stop watch about the wheel speeds a received chain or line sets."""
@@ -210,7 +236,13 @@ class EpuckSerialSimRobot:
         while self._inbox:
             if self.config.line_baud and self._out:
                 return  # the F407 finishes sending a reply before it reads on
-            item = self._inbox.popleft()
+            now = time.monotonic()
+            if now < self._stalled_until:
+                return  # busy: reads on when the stall ends
+            item = self._inbox[0]
+            if self._stalls(item, now):
+                return
+            self._inbox.popleft()
             if self.hung:
                 continue
             if isinstance(item, str):
@@ -220,11 +252,26 @@ class EpuckSerialSimRobot:
             else:
                 self.stats.chains += 1
                 reply = self._chain(item)
-                if reply and self.late_replies > 0:
-                    self.late_replies -= 1
-                    asyncio.get_running_loop().call_later(self.late_s, self._send, reply)
-                elif reply:
+                if reply:
+                    self._answering = True
                     self._send(reply)
+
+    def _stalls(self, item: list[AsercomCommand] | str, now: float) -> bool:
+        """A stall starts before this chain (late_replies, stall_next_image): the F407 is busy for a while and
+        reads nothing, then answers it and everything queued after it, in order (one thread, one output)."""
+        if isinstance(item, str) or item is self._stalled_item or not any(c.reply_size != 0 for c in item):
+            return False
+        if self.late_replies > 0:
+            self.late_replies -= 1
+            hold = self.late_s
+        elif self._stall_image_s and any(c.code == ord("I") for c in item):
+            hold, self._stall_image_s = self._stall_image_s, 0.0
+        else:
+            return False
+        self._stalled_item = item
+        self._stalled_until = now + hold
+        asyncio.get_running_loop().call_later(hold, self._work)
+        return True
 
     def _send(self, data: bytes) -> None:
         self._out += data
@@ -237,6 +284,7 @@ class EpuckSerialSimRobot:
         self._pacer = None
         if not self._out or self._master < 0:
             self._line_t = None
+            self._answering = False
             self._work()  # the reply is out: the F407 reads on
             return
         assert self.config.line_baud
