@@ -140,21 +140,26 @@ class LinkSupervisor:
         self._last_data = None
         self.failed(now, reason)
 
-    def data(self, now: float) -> None:
-        """Valid data arrived from the device."""
-        if self.state in (LinkState.STOPPED, LinkState.RECOVERING):
-            self._last_data = now
-            self._heard = True
-            return
-        self._last_data = now
+    def data(self, now: float, at: float | None = None) -> None:
+        """Valid data arrived from the device: at `now`, or at `at` when they were seen first elsewhere (a helper
+        process's own stamp) and reported later. The liveness budget counts from their arrival: data older than
+        the budget prove the device was heard from, not that it is alive now."""
+        t = now if at is None else min(at, now)
+        if at is None or self._last_data is None or t > self._last_data:
+            self._last_data = t
         self._heard = True
+        if self.state in (LinkState.STOPPED, LinkState.RECOVERING):
+            return
+        if now - t > self.policy.liveness_s:
+            self.tick(now)
+            return
         self._absent_since = None
         self._quiet_until = None
         if self.state is not LinkState.OPERATIONAL:
-            self._operational_at = now
+            self._operational_at = t
             self._enter(LinkState.OPERATIONAL, now, "")
         good = self.policy.good_session_s if self.policy.good_session_s is not None else self.policy.liveness_s
-        if self._operational_at is not None and now - self._operational_at >= good:
+        if self._operational_at is not None and t - self._operational_at >= good:
             self._backoff = self.policy.backoff_min_s  # a good session: the next loss retries quickly
 
     def set_budget(self, now: float, seconds: float) -> None:
@@ -218,15 +223,15 @@ class LinkSupervisor:
                 and now - max(self._last_data, self._quiet_until or 0.0) > budget):
             self.counters.silences += 1
             owed = "" if self._quiet_until is None else " after an exchange answered when done"
-            self._enter(LinkState.SILENT, now, f"no valid data for {now - self._last_data:.1f} s "
-                                                f"(allowed {budget:.1f} s{owed})")
+            self._enter(LinkState.SILENT, now, f"no valid data for {_secs(now - self._last_data)} s "
+                                                f"(allowed {_secs(budget)} s{owed})")
         elif st is LinkState.CONNECTED and self._opened_at is not None and now - self._opened_at > budget:
             if self._heard:
                 self._enter(LinkState.SILENT, now, f"link open but no valid data since it opened "
-                                                    f"{now - self._opened_at:.1f} s ago (allowed {budget:.1f} s)")
+                                                    f"{now - self._opened_at:.1f} s ago (allowed {_secs(budget)} s)")
             else:
-                self._enter(LinkState.UNREACHABLE, now, f"link open but the device never sent valid data "
-                                                         f"in {now - self._opened_at:.1f} s (allowed {budget:.1f} s)")
+                self._enter(LinkState.UNREACHABLE, now, f"link open but the device never sent valid data in "
+                                                         f"{now - self._opened_at:.1f} s (allowed {_secs(budget)} s)")
         elif (st in (LinkState.CONNECTING, LinkState.LOST) and self._absent_since is not None
               and now - self._absent_since > budget):
             self._enter(LinkState.UNREACHABLE, now, self._unreachable_message(now))
@@ -316,6 +321,13 @@ class LinkSupervisor:
                 f"({self.counters.attempts} attempts{why}); probing every {self.policy.probe_period_s:g} s")
 
 
+def _secs(x: float) -> str:
+    """Seconds to one decimal, or to two when one would misstate them (a 0.25 s budget is not "0.2 s", and an age
+    of 0.26 s past it is not "0.3 s")."""
+    one = f"{x:.1f}"
+    return one if abs(float(one) - x) < 0.005 else f"{x:.2f}"
+
+
 class SupervisedLink:
     """A `LinkSupervisor` bound to a device's health, safe from any thread, on the monotonic clock.
 
@@ -335,6 +347,8 @@ class SupervisedLink:
         self._lock = threading.RLock()
         self._on_health = on_health     # the device's set_health
         self._shown: tuple[Any, ...] = ()
+        self._source: Callable[[], float | None] | None = None  # see watch()
+        self._fed: float | None = None  # the newest arrival time reported (data(at=) / the source)
         if start:
             self.show()
 
@@ -357,14 +371,31 @@ class SupervisedLink:
     def closed(self, reason: str) -> None:
         self._event(lambda now: self.sup.closed(now, reason))
 
-    def data(self) -> None:
+    def data(self, at: float | None = None) -> None:
+        """Valid data arrived: now, or at `at` (this clock's time: monotonic seconds) when another process saw them
+        first and stamped them. An `at` not newer than one reported before is no news."""
         now = self._clock()
         with self._lock:
-            if self.sup.state is LinkState.OPERATIONAL:
-                self.sup.data(now)   # the hot path: no health work while nothing changes
+            self._data_locked(now, at)
+
+    def watch(self, source: Callable[[], float | None]) -> None:
+        """`source()`: the arrival time of the newest valid data (monotonic seconds; None: nothing to report), read
+        under the link's lock before every deadline is applied (`tick`). For data stamped where they arrive (a
+        helper process): the device is judged silent on when they last arrived, not on when a thread of this
+        process last looked, which a loaded host can hold up past the budget while the data flow."""
+        with self._lock:
+            self._source = source
+
+    def _data_locked(self, now: float, at: float | None) -> None:
+        if at is not None:
+            if self._fed is not None and at <= self._fed:
                 return
-            self.sup.data(now)
-            self._push_locked(now)
+            self._fed = at
+        if self.sup.state is LinkState.OPERATIONAL and (at is None or now - at <= self.sup.policy.liveness_s):
+            self.sup.data(now, at)   # the hot path: no health work while nothing changes
+            return
+        self.sup.data(now, at)
+        self._push_locked(now)
 
     def garbage(self, what: str) -> None:
         self._event(lambda now: self.sup.garbage(now, what))
@@ -409,6 +440,10 @@ class SupervisedLink:
         """Apply deadlines; returns seconds to the next one (None: none pending)."""
         now = self._clock()
         with self._lock:
+            if self._source is not None:
+                at = self._source()
+                if at is not None:
+                    self._data_locked(now, at)
             self.sup.tick(now)
             self._push_locked(now)
             return self.sup.next_deadline(now)

@@ -276,3 +276,51 @@ def test_an_exchange_answered_when_done_owes_no_data_until_then() -> None:
     s2.expect_silence(0.5, 10.0)
     s2.data(3.0)  # the reply came early: the usual budget again
     assert s2.tick(4.1) is LinkState.SILENT
+
+
+def test_data_stamped_where_they_arrived_are_judged_on_their_arrival_not_on_when_they_were_reported() -> None:
+    """A helper process stamps its data (an EtherCAT cycle's valid statuses) and the service reports them when it
+    looks: data reported late are as old as they are. Older than the budget, they never make `connection` true;
+    the silence counts from the last arrival, and health states that age and the budget as they are."""
+    now = [0.0]
+    shown: list[dict[str, Any]] = []
+    link = SupervisedLink(LinkPolicy(liveness_s=0.25), shown.append, clock=lambda: now[0])
+    link.attempt()
+    link.opened()
+    now[0] = 1.0
+    link.data(at=0.4)  # seen 0.6 s after it arrived: heard from, not alive now
+    assert not [h for h in shown if h["connection"]], shown
+    link.data(at=0.95)
+    assert shown[-1]["connection"] is True
+    now[0] = 1.19
+    link.data(at=0.95)  # the same arrival reported again: no news
+    assert link.tick() == pytest.approx(0.01) and shown[-1]["connection"] is True
+    now[0] = 1.5
+    link.data(at=1.0)  # the last data arrived 0.5 s ago: silent, with that age
+    h = shown[-1]
+    assert h["state"] == "silent" and h["connection"] is False, h
+    assert h["error_message"] == "no valid data for 0.5 s (allowed 0.25 s)", h
+    assert link.details()["last_data_age_s"] == pytest.approx(0.5)
+
+
+def test_a_watched_source_keeps_a_link_alive_whoever_looks_first() -> None:
+    """The deadline thread reads the link's source before it judges: a thread of the service held up past the budget
+    (a loaded host) while the data flow does not make the device `silent`; data that stopped do, at the budget
+    after their last arrival."""
+    now = [0.0]
+    arrived = [0.0]
+    shown: list[dict[str, Any]] = []
+    link = SupervisedLink(LinkPolicy(liveness_s=0.25), shown.append, clock=lambda: now[0])
+    link.watch(lambda: arrived[0])
+    link.attempt()
+    link.opened()
+    link.data(at=0.0)
+    n0 = len(shown)
+    for t in (0.2, 0.4, 0.6, 0.8):  # nobody reports the data; they arrive all the same
+        now[0] = arrived[0] = t
+        now[0] += 0.01
+        assert link.tick() is not None and shown[-1]["state"] == "operational", shown[-1]
+    now[0] = 1.06  # the data stopped at 0.8
+    link.tick()
+    assert shown[-1]["state"] == "silent" and "0.26 s" in shown[-1]["error_message"], shown[-1]
+    assert [h["state"] for h in shown[n0 - 1 :]] == ["operational", "silent"], shown
