@@ -9,9 +9,10 @@
     robobus can version 8 | read 8 0x4C0 64 | reset 8
 
 Exit status: 0 success; 1 failure (the reason is printed; also a board left in its bootloader with the new
-image written and verified but not started: `robobus can reset N` starts it); 2 bad arguments; 3 no broker,
-or the firmware was flashed and runs but is NOT bootloader-aware (the board cannot be reflashed over CAN);
-4 timeout.
+image written and verified but not started: `robobus can reset N` starts it, and a board whose bootloader area
+changed, in bold red); 2 bad arguments; 3 no broker; 4 timeout (the service did not answer); 5 no answer from a
+board after its RESET (the image written and verified; the board may sit in its bootloader with its answers
+lost, be absent, or run a firmware that is not bootloader-aware: `robobus can version N` tells the first).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NOT_AWARE = 3
 EXIT_TIMEOUT = 4
+EXIT_NO_ANSWER = 5
 
 
 def parse_boards(text: str) -> list[int]:
@@ -64,20 +66,25 @@ def _summary(results: list[dict[str, Any]]) -> int:
     code = 0
     for r in results:
         aware = r.get("bootloader_aware")
-        table.add_row(str(r["board"]), str(r["bus"]), "[green]ok[/green]" if r["ok"] else "[red]failed[/red]",
+        result = "[green]ok[/green]" if r["ok"] else "[yellow]no answer[/yellow]" if r.get("no_answer") else \
+            "[red]failed[/red]"
+        if r.get("no_answer"):
+            aware = "unknown"
+        table.add_row(str(r["board"]), str(r["bus"]), result,
                       str(r["frames_sent"]), f"{r['frames_per_s']:.0f}", str(r["retries"]), f"{r['duration_s']:.1f}",
-                      {True: "yes", False: "[bold red]NO[/bold red]", None: "not checked"}[aware])
+                      {True: "yes", False: "[bold red]NO[/bold red]", None: "not checked", "unknown": "unknown"}[aware])
         if aware is False:
             code = max(code, EXIT_NOT_AWARE)
-        if not r["ok"]:
-            code = max(code, EXIT_FAILED)
+    failed = [r for r in results if not r["ok"]]
+    if failed:  # any other failure is the worse news: exit 1; only boards that gave no answer: exit 5
+        code = EXIT_NO_ANSWER if all(r.get("no_answer") for r in failed) else EXIT_FAILED
     console.print(table)
     for r in results:
         if not r["ok"]:
             err_console.print(f"[red]board {r['board']}: {r.get('reason', 'failed')}[/red]")
     for r in results:
         for w in r.get("warnings", []):
-            style = "bold red" if "NOT bootloader-aware" in w else "yellow"
+            style = "bold red" if "NOT bootloader-aware" in w or "BOOTLOADER AREA CHANGED" in w else "yellow"
             err_console.print(f"[{style}]board {r['board']}: {w}[/{style}]")
     return code
 
@@ -149,7 +156,8 @@ def flash(
     if not result.get("ok"):
         err = result.get("error") or {}
         what = "cancelled" if result.get("cancelled") else str(err.get("code"))
-        raise _fail(f"{what}: {err.get('message')}")
+        # `timeout`: the board gave no answer after its RESET (service.py), a state not known, not a failure seen
+        raise _fail(f"{what}: {err.get('message')}", EXIT_NO_ANSWER if err.get("code") == "timeout" else EXIT_FAILED)
     body = result.get("result") or {}
     results = body.get("results", [body])
     raise typer.Exit(_summary(results))

@@ -57,7 +57,15 @@ class FlashBoardResult(BaseModel):
     reason: str
     phase: str = Field(description="Where it ended: 'done', or the failing phase (magic, erase, write, verify, ...)")
     address: int | None = Field(None, description="Program memory address of the failure, when there is one")
-    bootloader_aware: bool | None = Field(None, description="False: the board can no longer be reflashed over CAN")
+    bootloader_aware: bool | None = Field(None, description="True: after its RESET the new firmware went back into "
+                                          "the bootloader on the magic packet; None: not checked, or not known")
+    no_answer: bool = Field(False, description="After its RESET the board answered nothing (magic packets, "
+                            "READ_VERSION): it may sit in its bootloader with its answers lost, be absent, or run a "
+                            "firmware that is not bootloader-aware; the image was written and verified")
+    boot_area_intact: bool | None = Field(None, description="The bootloader area (0x0000-0x04BF), read before the "
+                                          "erase, read back after a write that could have reached it (a reboot, "
+                                          "a loss, a restart, a failure): True unchanged; False CHANGED (RESET not "
+                                          "sent; the board may need an ICD programmer); None not read back")
     cancelled: bool = False
     image_first: int
     image_last: int

@@ -503,6 +503,8 @@ class CanBootService:
             job.check_cancelled()
         if self._was_held(res):
             raise CommandError(ErrorCode.STOPPED, f"board {req.board}: {res.reason}")
+        if res.no_answer:  # nothing known about the board: `timeout`, as read_version says of a silent board
+            raise CommandError(ErrorCode.TIMEOUT, f"board {req.board}: {res.reason}")
         if not res.ok:
             raise CommandError(ErrorCode.DEVICE_ERROR, f"board {req.board}: {res.reason}")
         return res
@@ -556,7 +558,8 @@ class CanBootService:
         failed = [r for r in ordered if not r.ok]
         if failed:
             # the bus stop's boards (RESET held, or not started) alone: `stopped`; any other failure: device_error
-            code = ErrorCode.STOPPED if all(self._was_held(r) for r in failed) else ErrorCode.DEVICE_ERROR
+            code = ErrorCode.STOPPED if all(self._was_held(r) for r in failed) else \
+                ErrorCode.TIMEOUT if all(r.no_answer for r in failed) else ErrorCode.DEVICE_ERROR
             raise CommandError(code, "; ".join(f"board {r.board}: {r.reason}" for r in failed))
         return FlashManyResult(results=ordered)
 
@@ -567,8 +570,9 @@ class CanBootService:
 
     @staticmethod
     def _percent(snap: dict[str, Any]) -> float:
-        weights = {"magic": (0, 2), "erase": (2, 8), "write": (10, 45), "verify": (55, 40), "reset": (95, 2),
-                   "check": (97, 1), "probe": (98, 1), "check_reset": (99, 1), "reenter": (95, 2), "done": (100, 0)}
+        weights = {"magic": (0, 1), "guard": (1, 1), "erase": (2, 8), "write": (10, 45), "verify": (55, 40),
+                   "guard_check": (95, 0), "reset": (95, 2), "check": (97, 1), "probe": (98, 1), "check_reset": (99, 1),
+                   "reenter": (95, 2), "done": (100, 0)}
         start, span = weights.get(snap["phase"], (0, 0))
         frac = snap["done"] / snap["total"] if snap.get("total") else 0.0
         return float(start + span * frac)
@@ -624,11 +628,13 @@ class CanBootService:
         snap = flasher.snapshot()
         phase = result.phase.value if isinstance(result.phase, Phase) else str(result.phase)
         write_total = sum(32 for _ in image.write_blocks())
-        after_verify = result.phase in (Phase.RESET, Phase.CHECK, Phase.PROBE, Phase.CHECK_RESET, Phase.REENTER)
+        after_verify = result.phase in (Phase.GUARD_CHECK, Phase.RESET, Phase.CHECK, Phase.PROBE, Phase.CHECK_RESET,
+                                        Phase.REENTER)
         ok_write = result.ok or after_verify or result.phase is Phase.VERIFY
         out = FlashBoardResult(
             board=board, bus=a.bus, ok=result.ok, reason=result.reason, phase=phase, address=result.address,
-            bootloader_aware=result.bootloader_aware, cancelled=result.cancelled,
+            bootloader_aware=result.bootloader_aware, cancelled=result.cancelled, no_answer=result.no_answer,
+            boot_area_intact=result.boot_area_intact,
             image_first=image.first, image_last=image.last,
             bytes_written=write_total if ok_write else (snap.done if snap.phase is Phase.WRITE else 0),
             bytes_verified=len(image.data) if result.ok or after_verify else (snap.done if snap.phase is Phase.VERIFY
@@ -638,11 +644,12 @@ class CanBootService:
             frames_per_s=round((port.frames_sent - sent0) / dt, 1) if dt > 0 else 0.0,
             warnings=list(dict.fromkeys(warnings)))
         with lock, self._mutex:
-            # a board that can no longer be flashed over CAN is a fault the device reports (`error`, until it is
-            # flashed again with an aware image); a failed flash is the job's result and details' last_failure
-            if result.ok and result.bootloader_aware is False:
+            # a board whose bootloader area changed is a fault the device reports (`error`, until the board is
+            # flashed again without fault); a failed flash is the job's result and details' last_failure
+            if result.boot_area_intact is False:
                 self._faults[board] = f"board {board}: {result.reason}"
-                log.error("BOARD %d CAN NO LONGER BE FLASHED OVER CAN: %s", board, result.reason)
+                self.last_error = f"board {board}: {result.reason}"
+                log.error("BOARD %d: %s", board, result.reason)
             elif result.held:
                 self._held[board] = result.reason
                 log.warning("board %d: %s", board, result.reason)

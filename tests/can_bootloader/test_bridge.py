@@ -259,3 +259,42 @@ def test_health_follows_the_palm(broker_session: Broker, palm: Palm, client: Rpc
         assert "offline" in health[-1]["error_message"] and not any(h["error"] for h in health)
     finally:
         node.stop()
+
+
+TINY_HEX = make_intel_hex(0x2000, 0x207F)  # four blocks (the smallest with the bootloader-aware marker)
+TINY = load_intel_hex(TINY_HEX)
+
+
+@pytest.mark.parametrize("window", [5, 12])
+def test_power_loss_through_the_bridge(broker_session: Broker, palm: Palm, client: RpcClient, window: int) -> None:
+    """The real bridge path (MQTT, robobus_bridge, the palm model's 1 kHz cycle): a power loss at every frame of
+    the erase, the write and the first reads, the frame it meets lost and the board back at the next one. The
+    bootloader's row 0x0000 is never programmed, and a flash that reports ok wrote and verified its image
+    (tests/can_bootloader/test_power_loss.py covers every frame of the whole flash on the bridge's timing)."""
+    node, _svc = boot_service(broker_session, palm)
+    board = palm.boards.board(8)
+    boot_area = bytes(board.flash[:0x04C0])
+    first = 1 + 0x04C0 // 8  # the magic packet, then the bootloader area's baseline reads
+    try:
+        for k in range(first, first + 1 + 10 + 4):  # ERASE, the first two blocks' 10 write frames, 4 more
+            with palm.boards._lock:
+                board.flash[TINY.base:TINY.end] = b"\x00" * len(TINY.data)  # not the image: it must be rewritten
+                board.eeprom[0xFF] = 0xFF
+                board.power_on()
+                board.faults.power_loss_after, board.faults.power_off_s = k, 0.0
+            losses = board.faults.power_losses
+            results = []
+            for _attempt in range(2):
+                _rep, result = client.call_job(node.name, "motors", "flash",
+                                               {"board": 8, "hex": TINY_HEX, "window": window}, lambda e: None,
+                                               timeout=60)
+                assert result is not None
+                results.append(result)
+                if result["ok"]:
+                    break
+            assert board.faults.power_losses == losses + 1, (k, results)
+            assert board.protected_writes == [] and bytes(board.flash[:0x04C0]) == boot_area, (k, results)
+            assert results[-1]["ok"], (k, [r.get("error") for r in results])
+            assert board.app_image(TINY.base, TINY.end) == TINY.data and board.eeprom[0xFF] == FLAG_RUN_APP, k
+    finally:
+        node.stop()

@@ -27,6 +27,7 @@ from services.can_bootloader.sim import (
     FLAG_STAY,
     BootBoard,
     BootBoardSet,
+    BootReply,
     make_boards,
     make_firmware,
     make_intel_hex,
@@ -221,16 +222,13 @@ def test_thirteen_lost_answers_in_the_bootloader_are_not_called_unaware() -> Non
     board = BootBoard(2)
     img = small_image()
 
-    class Link(Wire):
-        pass
-
-    wire = Link([board])
+    wire = Wire([board])
     f = Flasher(2, img, FlashConfig(), board_id=2)
     # let the flash run up to its post-reset check, then lose every answer
     f.start(wire.clock.t)
     orig = board.handle
 
-    def handle(sid: int, data: bytes) -> list:  # type: ignore[type-arg]
+    def handle(sid: int, data: bytes) -> list[BootReply]:
         if f.phase in (Phase.CHECK, Phase.PROBE):
             board.faults.drop_all = True
         return orig(sid, data)
@@ -347,7 +345,7 @@ class _SilentFromReset(BootBoard):
 
     silent = False
 
-    def handle(self, sid: int, data: bytes) -> list:  # type: ignore[override]
+    def handle(self, sid: int, data: bytes) -> list[BootReply]:
         msg = p.decode(p.BootFrame(sid, data))
         if msg is not None and msg.command == p.BootCommand.RESET:
             self.silent = True
