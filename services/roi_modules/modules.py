@@ -77,12 +77,16 @@ from services.roi_modules.models import (
     RoiSetVelocity,
     RoiStatusReport,
 )
+from services.roi_modules.resend import Step, StopLadder
 from services.roi_modules.settings import RoiSettings
 from services.roi_modules.transport import (
     LinkStats,
     RequestLost,
+    RequestRefused,
     RoiTransport,
+    SendGuard,
     background_traffic,
+    guard_sends,
 )
 from shared import CommandError, ErrorCode, JobContext, Node
 from shared.device import handles, moves_when, runs
@@ -109,16 +113,51 @@ def _unavailable(exc: RequestLost, what: str) -> CommandError:
     return CommandError(ErrorCode.UNAVAILABLE, f"{what}: {exc}")
 
 
+STOP_CAME = ("the bus stop became active while this command was being sent: nothing more of it was sent (its "
+             "resends cancelled), the stop's datagrams are the last the module got")
+
+
+def _stopped(exc: RequestRefused) -> CommandError:
+    return CommandError(ErrorCode.STOPPED, str(exc))
+
+
+class StopPending(Exception):
+    """The module's stop cannot be written yet, but will be (its message says what it waits for)."""
+
+
+@dataclass
+class StopWrite:
+    """A module's stop on the wire: its datagrams, their reply futures of the latest write, its ladder."""
+
+    gen: int
+    pkts: list[p.GeneralPacket]
+    futs: list[asyncio.Future[p.GeneralPacket]]
+    ladder: StopLadder
+
+
 H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
+
+
+def next_probe(started: float, now: float, wait: float) -> float:
+    """When the next probe goes: `wait` (the link supervisor's, counted by it from `now`, when the probe ended)
+    counted from when the probe `started` instead, so that a probe's own wait for its reply is not added to the
+    probe period; never before `now`."""
+    return max(now, started + wait)
 
 
 def typed(handler: H) -> H:
     """A command that sends general packets: refused (device_error) while a module of another type answers at the
-    octet, before anything is computed or sent. Under `@handles`."""
+    octet, before anything is computed or sent; what it sends that moves the module is guarded by the bus stop
+    (`RoiModule.stop_guard`: no such datagram, first send or resend, once the stop is active; the command is then
+    answered `stopped`). Under `@handles`."""
     @functools.wraps(handler)
     async def guarded(self: RoiModule, req: Any) -> Any:
         self.check_kind()
-        return await handler(self, req)
+        guard_sends(self.stop_guard())  # this command's own task: its context is its own
+        try:
+            return await handler(self, req)
+        except RequestRefused as exc:
+            raise _stopped(exc) from None
     return cast(H, guarded)
 
 
@@ -150,6 +189,9 @@ class RoiModule:
                                message="the module answers; waiting for its STATUS_REPORT")
         self.was_live = False
         self.gaps_seen = 0  # resent + lost requests seen by the maintain loop
+        self.next_probe_at = 0.0  # loop time of the next probe while the module does not answer (at once at start)
+        self.stop_write: StopWrite | None = None  # the bus stop's datagrams on the wire (confirm_stop)
+        self.stop_due: int | None = None  # a stop pending (StopPending): its activation count
         self.show_details()
         # every handler marked below and in the subclass (@handles, @runs): api.py's kind of this module
         self.dev.bind_all(self)
@@ -290,6 +332,27 @@ class RoiModule:
             lost_packets_accumulated=s.lost_total, sent=s.sent, resent=s.resent, replies=s.replies,
             unmatched=s.unmatched, bad_checksum=s.bad_checksum, ts=time.time()))
 
+    # -- the bus stop's guard of what moves ---------------------------------------------------------------
+    def moves(self, pkt: p.GeneralPacket) -> bool:
+        """The packet moves the module (or something it drives): the bus stop's guard holds it back."""
+        return False
+
+    def stop_guard(self, *, under_stop: bool = False) -> SendGuard:
+        """The guard of the calling task's sends (transport.guard_sends), read now: a packet that moves the module
+        is refused once the bus stop is active (`under_stop`: once a stop newer than now is, for the cache pushed
+        to a module that reset while stopped, which is the stopped demand). Checked before every send and resend,
+        and by the stop's pass as it comes (transport.halt), so nothing that moves follows the stop's datagrams."""
+        latch = self.node.stop_latch
+        gen = latch.generation
+
+        def guard(pkt: p.GeneralPacket) -> str:
+            if not self.moves(pkt):
+                return ""
+            if latch.generation != gen or (latch.active and not under_stop):
+                return STOP_CAME
+            return ""
+        return guard
+
     # -- requests ----------------------------------------------------------------------------------------
     async def request(self, pkt: p.GeneralPacket, what: str) -> p.GeneralPacket:
         self.check_kind()  # a module of another type would read this packet as one of its own codes
@@ -337,7 +400,7 @@ class RoiModule:
                             raise
                     if self.live and not self.kind_mismatch:
                         await self.poll()
-                elif self.link.next_attempt_in() <= 0:
+                elif loop.time() >= self.next_probe_at:
                     # not answering, or another module type: one STATUS_REPORT (type-agnostic: another module
                     # type would take a typed poll for one of its own codes) per the supervisor's rhythm
                     await self.probe()
@@ -357,13 +420,20 @@ class RoiModule:
         probe period), never resent: a module that does not answer costs one datagram per probe period."""
         s = self.ctx.settings
         wait = min(s.ladder_s, s.roi_probe_period_s)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         self.link.attempt()
-        rep = await self.ctx.transport.probe(
-            self.cfg.octet, p.SysAdminPacket(p.SysAdminAction.STATUS_REPORT, b"", 0, s.roi_host_octet), wait)
-        if rep is None:
-            self.link.failed(f"no reply to a STATUS_REPORT probe within {wait:g} s")
-            return
-        await self.on_status(p.StatusReport.decode(rep.payload))
+        try:
+            rep = await self.ctx.transport.probe(
+                self.cfg.octet, p.SysAdminPacket(p.SysAdminAction.STATUS_REPORT, b"", 0, s.roi_host_octet), wait)
+            if rep is None:
+                self.link.failed(f"no reply to a STATUS_REPORT probe within {wait:g} s")
+                return
+            await self.on_status(p.StatusReport.decode(rep.payload))
+        finally:
+            # the supervisor's wait (a backoff, then the probe period) counts from the failure it was told of,
+            # after the probe's own wait: counted from the probe's start instead, one probe per period
+            self.next_probe_at = next_probe(started, loop.time(), self.link.next_attempt_in())
 
     async def poll(self) -> None:
         """One tick's request; it also keeps the module's watchdog fed."""
@@ -411,13 +481,21 @@ class RoiModule:
         self.sync_health()
 
     async def push_guarded(self) -> bool:
+        # the cache is what the module must do (the stopped demand while the stop is active); a stop that comes
+        # during the push ends it: the stop's datagrams are the last the module gets
+        guard_sends(self.stop_guard(under_stop=True))
         try:
             await self.push()
             log.info("settings pushed", extra={"device": self.cfg.name})
             return True
+        except RequestRefused as exc:
+            self.fault("push_failed", f"re-sending the cached settings stopped: {exc}")
+            return False
         except CommandError as exc:
             self.fault("push_failed", f"re-sending the cached settings failed: {exc.message}")
             return False
+        finally:
+            guard_sends(None)
 
     def resets_to_blank(self) -> bool:
         return True
@@ -444,42 +522,101 @@ class RoiModule:
         """What the module's replies to the stop's packets say was not applied (nothing: an empty list)."""
         return []
 
-    async def confirm_stop(self, gen: int, pkts: list[p.GeneralPacket], t: float,
-                           futs: list[asyncio.Future[p.GeneralPacket]]) -> None:
-        """After the service's stop pass wrote this module's stop datagrams (RoiService.stop_pass, at `t`, ahead
-        of whatever the module's queue holds: transport.send_now_many): the time they left is what the node's
-        stop answer reports, once the module has acknowledged them (its reply is the ack, reference
-        docs/reference/roi.md §5.4). A packet unanswered within one resend timeout: the whole stop is sent again,
-        in order, with the resend ladder. Not acknowledged or refused by the module: the node's stop answer and
-        the health say so."""
+    def supersede_stop(self) -> None:
+        """A new stop write for this module is about to go (a stop again, a newer stop): the one on the wire is
+        over, its awaited replies forgotten at once, so that the replies to the new write are the new write's."""
+        old, self.stop_write = self.stop_write, None
+        if old is not None:
+            old.ladder.end("superseded by a newer stop write")
+            self.ctx.transport.forget(self.cfg.octet, old.pkts, old.futs)
+
+    def stop_written(self, gen: int, pkts: list[p.GeneralPacket], t: float,
+                     futs: list[asyncio.Future[p.GeneralPacket]]) -> StopWrite:
+        """The stop pass wrote this module's stop (after `supersede_stop`): now the one on the wire."""
+        s = self.ctx.settings
+        w = StopWrite(gen, pkts, futs, StopLadder(len(pkts), s.roi_timeout_s, s.roi_max_retries))
+        w.ladder.written(asyncio.get_running_loop().time(), t)
+        self.stop_write = w
+        return w
+
+    async def confirm_stop(self, w: StopWrite) -> None:
+        """After the service's stop pass wrote this module's stop datagrams (`w`: RoiService.stop_pass, ahead of
+        whatever the module's queue holds: transport.send_now_many): the whole sequence is written again, in
+        order and ahead of the queue, every resend timeout until the module has acknowledged every datagram of one
+        write (its reply is the ack, docs/reference/roi.md §5.4), up to the resend ladder, even to a module that
+        looks silent (resend.StopLadder). The node's stop answer reports the time of the write that holds (the
+        latest written when the acks came). Not acknowledged, or refused by the module: the answer and the health
+        say so. A newer write for this module (`supersede_stop`) or the stop's end ends this one, unreported."""
         tr = self.ctx.transport
         latch = self.node.stop_latch
-        await asyncio.wait(futs, timeout=self.ctx.settings.roi_timeout_s)
-        tr.forget(self.cfg.octet, pkts, futs)
-        replies = [f.result() for f in futs if f.done() and not f.cancelled()]
+        loop = asyncio.get_running_loop()
+        s = self.ctx.settings
+        gen, pkts = w.gen, w.pkts
         problems: list[str] = []
-        if len(replies) < len(pkts):
-            log.info("stop not acknowledged at once: sent again with resends", extra={"device": self.cfg.name})
-            replies = []
-            for pkt in pkts:
-                what = f"stop (action 0x{pkt.action:04x})"
-                try:
-                    self.check_kind()
-                    # the whole resend ladder even for a module that looks silent: replies held up on a busy host
-                    # (the ack of every module's stop at once) must not make a delivered stop read as failed
-                    replies.append(await tr.general(self.cfg.octet, pkt, insist=True))
-                except RequestLost as exc:
-                    problems.append(_unavailable(exc, what).message)
+        try:
+            while True:
+                if latch.generation != gen or not latch.active:
+                    w.ladder.end("the stop is over")
+                elif self.stop_write is not w:
+                    w.ladder.end("superseded by a newer stop write")
+                d = w.ladder.decide(loop.time())
+                if d.step is Step.REFUSED:
+                    return  # superseded (the newer write reports) or the stop is over (nothing to report)
+                if d.step in (Step.ANSWERED, Step.LOST):
                     break
-                except CommandError as exc:
-                    problems.append(exc.message)
+                if self.kind_mismatch:
+                    problems.append(f"nothing more sent: {self.mismatch_message()}")
                     break
+                if d.step is Step.SEND:
+                    log.info("stop not acknowledged: written again", extra={"device": self.cfg.name,
+                                                                              "writes": len(w.ladder.writes)})
+                    tr.forget(self.cfg.octet, pkts, w.futs)
+                    try:
+                        [(t, w.futs)] = tr.send_now_many([(self.cfg.octet, pkts)])
+                    except RequestLost as exc:
+                        problems.append(str(exc))
+                        break
+                    w.ladder.written(loop.time(), t)
+                    continue
+                waiting = [f for f in w.futs if not f.done()]
+                if waiting:
+                    await asyncio.wait(waiting, timeout=max(0.0, d.until - loop.time()))
+                for i, f in enumerate(w.futs):
+                    if f.done() and not f.cancelled():
+                        w.ladder.ack(i)
+        finally:
+            tr.forget(self.cfg.octet, pkts, w.futs)
+            if self.stop_write is w:
+                self.stop_write = None
+        if not problems and not w.ladder.done:
+            problems.append(f"no reply from {tr.address(self.cfg.octet)} to {len(w.ladder.writes)} writes of the "
+                            f"stop {s.roi_timeout_s * 1000:.0f} ms apart")
         if not problems:
-            problems = self.stop_problems(pkts, replies)
+            problems = self.stop_problems(pkts, [f.result() for f in w.futs])
         if problems:
             latch.report(self.dev.name, gen, None, "the stop was sent, but " + "; ".join(problems))
         else:
-            latch.report(self.dev.name, gen, t)
+            latch.report(self.dev.name, gen, w.ladder.written_at)
+
+    def stop_pending(self, gen: int, why: str) -> None:
+        """The stop of activation `gen` cannot be written yet (`why`, StopPending): the node's stop answer says
+        `pending` and the health says why, until the module calls `stop_possible`."""
+        self.stop_due = gen
+        self.dev.stop_note = why
+        log.warning("bus stop pending", extra={"device": self.cfg.name, "why": why})
+        self.dev.publish_health()
+
+    def stop_possible(self) -> None:
+        """What a pending stop waited for came (on the loop): the stop pass writes it now (or reports why not)."""
+        gen, self.stop_due = self.stop_due, None
+        if gen is None:
+            return
+        self.dev.stop_note = ""
+        latch = self.node.stop_latch
+        if latch.active and latch.generation == gen:
+            self.ctx.stop_pass.request(self.dev.name)
+        else:
+            self.dev.publish_health()
 
     def raw_moves(self, pkt: p.GeneralPacket) -> bool:
         """A raw packet that moves something through the bus stop's gate (a GPIO stop output). Not the setters of an
@@ -552,7 +689,9 @@ class RoiModule:
             st = await self.fetch_status()
         except RequestLost as exc:
             raise _unavailable(exc, "STATUS_REPORT") from None
-        return RoiStatusReport(state=st.state, state_name=p.state_name(st.state), message=self.state_message(st.state),
+        message = self.state_message(st.state) if st.module_type == self.module_type else \
+            f"{self.mismatch_message(st)} It reports {p.state_name(st.state)}."
+        return RoiStatusReport(state=st.state, state_name=p.state_name(st.state), message=message,
                                hours=st.hours, minutes=st.minutes, seconds=st.seconds,
                                supply_voltage=round(st.supply_volts, 3), module_type=st.module_type,
                                module_type_name=p.module_type_name(st.module_type), chain_neighbour=st.neighbour,
@@ -617,6 +756,9 @@ class GpioModule(RoiModule):
     def raw_moves(self, pkt: p.GeneralPacket) -> bool:
         return pkt.action in (p.GpioAction.SET_OUTPUT, p.GpioAction.SET_PIN_MODE) and \
             pkt.sub_device_id in self.cfg.stop_outputs
+
+    def moves(self, pkt: p.GeneralPacket) -> bool:
+        return self.raw_moves(pkt)  # the setters of a stop output: other pins are not the stop's
 
     @moves_when(SET_PIN_MODE)
     @moves_when(SET_PIN_OUTPUT)
@@ -715,6 +857,9 @@ class MotionModule(RoiModule, ABC):
         self.velocity = 0.0
         self.dev.on_stop(ctx.stop_pass.action(self.dev.name), inline=True)  # RoiService.stop_pass
 
+    def moves(self, pkt: p.GeneralPacket) -> bool:
+        return not pkt.action & self.raw_get_mask  # every setter moves the module or changes how it moves
+
     def raw_motion(self, pkt: p.GeneralPacket) -> str:
         if pkt.action & self.raw_get_mask:
             return ""
@@ -783,6 +928,14 @@ class MotionModule(RoiModule, ABC):
 
     async def move(self, target: float, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
         """Success within tolerance (the original waited while position == goal, §4.5)."""
+        guard_sends(self.stop_guard())  # this job's own task: nothing that moves once the bus stop is active
+        try:
+            return await self._move(target, req, job)
+        except RequestRefused as exc:
+            job.check_cancelled()  # the stop cancelled the job: its result says `stopped`, with the stop's reason
+            raise _stopped(exc) from None
+
+    async def _move(self, target: float, req: RoiMoveRequest, job: JobContext) -> RoiMoveResult:
         tol = req.tolerance or self.tolerance
         start = self.current_position()
         await self.goto(target, req)
@@ -797,7 +950,8 @@ class MotionModule(RoiModule, ABC):
                 return RoiMoveResult(target=target, position=pos, velocity=self.velocity, unit=self.unit,  # type: ignore[arg-type]
                                      estimated=self.estimated)
             if job.cancelled:
-                await self.stop()
+                with contextlib.suppress(RequestRefused):  # the bus stop cancelled it: its datagrams hold the module
+                    await self.stop()
                 job.check_cancelled()
             if not self.live:
                 raise CommandError(ErrorCode.UNAVAILABLE, f"{self.cfg.name} disconnected during the move")
@@ -994,6 +1148,7 @@ class ActuatorModule(MotionModule):
         self.t_est = time.monotonic()
         self.measured = cfg.length_feedback == "on"  # the position comes from GET_CURRENT_LENGTH replies
         self.samples: list[tuple[float, float]] = []  # (monotonic, %) of recent measurements
+        self.lengths_seen = 0  # GET_CURRENT_LENGTH replies since the service started
 
     @property
     def tolerance(self) -> float:
@@ -1048,6 +1203,7 @@ class ActuatorModule(MotionModule):
                                                                                 p.ActuatorAction.GET_CURRENT_LENGTH))
         ticks = p.read_u16(rep.payload)
         mode = self.cfg.length_feedback
+        self.lengths_seen += 1
         if mode == "on" or (mode == "auto" and (self.measured or ticks != 0)):
             self.on_length(ticks)
         else:
@@ -1056,6 +1212,7 @@ class ActuatorModule(MotionModule):
         self.dev.publish(STATE, RoiMotionState(position=self.position, velocity=self.velocity if known else None,
                                                unit="percent", estimated=self.estimated, ts=time.time()))
         self.state_event.set()
+        self.stop_possible()  # a stop that waited for the first length: held now (or told why it cannot be)
 
     def has_cache(self) -> bool:
         return self.target is not None or self.speed_set
@@ -1095,8 +1252,9 @@ class ActuatorModule(MotionModule):
         self.target = target
 
     async def set_speed(self, pct_s: float) -> None:
-        if pct_s <= 0 or pct_s > 1000:
-            raise CommandError(ErrorCode.INVALID_REQUEST, f"actuator velocity {pct_s} %/s must be in (0, 1000]")
+        if not 0 < pct_s <= 1000:  # NaN too; a negative speed is no direction (the target gives that)
+            raise CommandError(ErrorCode.INVALID_REQUEST, f"actuator velocity {pct_s} %/s must be in (0, 1000]: the "
+                                                          "speed of its moves (the target gives the direction)")
         await self.request(p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_VELOCITY,
                                            p.f32(pct_s / 100.0 * self.cfg.max_position)), "SET_VELOCITY")
         self.estimate()
@@ -1108,8 +1266,8 @@ class ActuatorModule(MotionModule):
     async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
         if req.torque_feedforward:
             raise CommandError(ErrorCode.INVALID_REQUEST, "an actuator takes no torque_feedforward")
-        await self.set_speed(abs(req.velocity))
-        return RoiAck(accepted=True, detail=f"moves at {abs(req.velocity)} %/s")
+        await self.set_speed(req.velocity)
+        return RoiAck(accepted=True, detail=f"moves at {req.velocity} %/s")
 
     def stop_packets(self) -> list[p.GeneralPacket]:
         """The bus stop: the ROI actuator protocol has no stop code (docs/reference/roi.md §3.7), so the actuator is
@@ -1117,13 +1275,28 @@ class ActuatorModule(MotionModule):
         every setter [0] = 0: the reply acknowledges, it does not confirm."""
         self.estimate()
         if self.position is None:
-            raise CommandError(ErrorCode.UNAVAILABLE, "nothing sent: the actuator's position is unknown (no length "
-                                                      "feedback, no move since the service started), so there is "
-                                                      "no length to hold it at, and the ROI actuator protocol has "
-                                                      "no stop code")
+            if self.length_awaited():
+                raise StopPending("stop pending: the actuator's position is not known yet (no length reply from the "
+                                  "module since the service started); it is held at its measured length as soon as "
+                                  "the module's first GET_CURRENT_LENGTH reply comes")
+            raise CommandError(ErrorCode.UNAVAILABLE, f"nothing sent: the actuator's position is unknown "
+                                                      f"({self.no_length_why()}, no move since the service "
+                                                      "started), so there is no length to hold it at, and the "
+                                                      "ROI actuator protocol has no stop code")
         self.target = self.position
         return [p.GeneralPacket(self.cfg.channel, p.ActuatorAction.SET_ABSOLUTE_LENGTH,
                                 p.u16(self.ticks(self.position)))]
+
+    def length_awaited(self) -> bool:
+        """A length reply may yet say where the actuator is: `on`, or `auto` before the module's first reply."""
+        mode = self.cfg.length_feedback
+        return mode == "on" or (mode == "auto" and self.lengths_seen == 0)
+
+    def no_length_why(self) -> str:
+        if self.cfg.length_feedback == "off":
+            return "no length feedback: length_feedback is off"
+        return ("no length feedback: the module answers GET_CURRENT_LENGTH with 0, as the released firmware that "
+                "implements no getter does")
 
     async def stop(self) -> None:
         """No stop in the firmware: hold at the measured (or estimated) position."""

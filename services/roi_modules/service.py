@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from services.roi_modules import protocol as p
 from services.roi_modules.api import API
-from services.roi_modules.modules import MODULE_CLASSES, ModuleContext, MotionModule, RoiModule
+from services.roi_modules.modules import MODULE_CLASSES, ModuleContext, MotionModule, RoiModule, StopPending
 from services.roi_modules.settings import RoiSettings
 from services.roi_modules.transport import RequestLost, RoiTransport
 from shared import CommandError, Node, ServiceUnavailable
@@ -59,6 +59,9 @@ class RoiService:
             self._confirm(self._stop_when_open(due))
             return
         latch = self.node.stop_latch
+        # nothing that moves may follow the stop's datagrams: the motion requests in flight to these modules end
+        # now, their resends cancelled and their slots free (their guards refuse from the stop's activation on)
+        self.transport.halt({m.cfg.octet for m in (self.by_name.get(n) for n in due) if m is not None})
         batch: list[tuple[RoiModule, int, list[p.GeneralPacket]]] = []
         for name, gen in due.items():
             m = self.by_name.get(name)
@@ -69,11 +72,16 @@ class RoiService:
                 continue
             try:
                 batch.append((m, gen, m.stop_packets()))
+            except StopPending as exc:
+                m.stop_pending(gen, str(exc))  # reported when it can be written (the module calls the pass again)
             except CommandError as exc:
                 latch.report(name, gen, None, exc.message)
             except Exception as exc:  # one module's failure must not keep the stop from the others
                 log.exception("bus stop: the module's stop failed", extra={"device": name})
                 latch.report(name, gen, None, f"{type(exc).__name__}: {exc}")
+        # a stop write still awaiting its acks gives way to this one (the replies to come are this write's)
+        for m, _, _ in batch:
+            m.supersede_stop()
         try:
             sent = self.transport.send_now_many([(m.cfg.octet, pkts) for m, _, pkts in batch])
         except RequestLost as exc:
@@ -81,7 +89,7 @@ class RoiService:
                 latch.report(m.dev.name, gen, None, str(exc))
             return
         for (m, gen, pkts), (t, futs) in zip(batch, sent, strict=True):
-            self._confirm(m.confirm_stop(gen, pkts, t, futs))
+            self._confirm(m.confirm_stop(m.stop_written(gen, pkts, t, futs)))
 
     async def _stop_when_open(self, due: dict[str, int]) -> None:
         await self.transport.opened.wait()

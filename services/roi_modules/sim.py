@@ -21,8 +21,9 @@ ODrive GET answers the control mode (§4.5). The simulator answers the getters a
 The chain is not exchanged on the wire: with `chain=True` each module's neighbour is the next simulated
 octet in the ring, and the chain counts as formed when there are at least two modules.
 
-Faults per module: drop (probability or the next n requests), delay, corrupt (bad checksum), duplicate
-replies, reboot into BLANK_STATE, a module error (ODrive error bits), offline, and another module type at the
+Faults per module: drop (probability or the next n requests), replies lost (every one, or the next n: the request
+is applied, its acknowledgement never arrives), delay, corrupt (bad checksum), duplicate replies, reboot into
+BLANK_STATE, a module error (ODrive error bits), offline, and another module type at the
 octet (`replace`). Actuators answer GET_CURRENT_LENGTH with their length only with `actuator_length` (a
 firmware that implements the getter; the released one answers [0] = 0), and `actuator_max_speed` caps them at
 a motor's top speed.
@@ -83,6 +84,9 @@ class Faults:
     corrupt_rate: float = 0.0  # probability that a reply leaves with a wrong checksum
     duplicate: bool = False  # send every reply twice (the second one matches nothing)
     offline: bool = False  # unplugged: nothing is answered
+    # replies lost on their way back: the request is applied (it moves the module), its acknowledgement never comes
+    drop_replies: bool = False  # every reply
+    drop_replies_next: int = 0  # the next n replies
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,18 @@ class StopStamp:
     monotonic: float
 
 
+@dataclass(frozen=True)
+class WireRecord:
+    """One general datagram a module received and applied (the wire log, `RoiSim.record_wire`)."""
+
+    octet: int
+    sub_device_id: int
+    action: int
+    payload: bytes
+    unix: float  # when it reached the module's socket (the kernel's time where given)
+    stop: bool  # the datagram stops the module (as the stop watch counts it)
+
+
 @dataclass
 class ModuleCounters:
     general_rx: int = 0
@@ -103,6 +119,7 @@ class ModuleCounters:
     bad_checksum_rx: int = 0
     dropped: int = 0
     replies: int = 0
+    replies_dropped: int = 0
     blacklisted_dropped: int = 0
 
 
@@ -498,6 +515,8 @@ class RoiSim:
         self._stop_log: list[StopStamp] = []
         self._armed_at = 0.0
         self._on_stamp: Callable[[StopStamp], None] | None = None
+        self._wire: list[WireRecord] | None = None  # every general datagram applied, once record_wire() is called
+        self._on_record: Callable[[WireRecord], None] | None = None
         now = time.monotonic()
         for spec in modules:
             if spec.octet in self.modules:
@@ -623,6 +642,12 @@ class RoiSim:
                     return  # import failed (< 6 bytes): nothing to handle
                 fw.counters.general_rx += 1
                 fw.counters.bad_checksum_rx += not ok
+                if self._wire is not None:
+                    rec = WireRecord(octet, pkt.sub_device_id, pkt.action, pkt.payload,
+                                     time.time() if arrived is None else arrived, fw.is_stop(pkt))
+                    self._wire.append(rec)
+                    if self._on_record is not None:
+                        self._on_record(rec)
                 if self._watching and fw.is_stop(pkt) and (arrived is None or arrived >= self._armed_at):
                     unix = time.time()
                     at = unix if arrived is None else min(arrived, unix)
@@ -650,6 +675,10 @@ class RoiSim:
                 b = bytearray(out)
                 b[4 if port == p.GENERAL_PORT else 5] ^= 0x5A
                 out = bytes(b)
+            if f.drop_replies or f.drop_replies_next > 0:  # applied above; its acknowledgement is lost
+                f.drop_replies_next = max(0, f.drop_replies_next - 1)
+                fw.counters.replies_dropped += 1
+                return
             fw.counters.replies += 1
             copies = 2 if f.duplicate else 1
             delay = f.delay_s
@@ -680,6 +709,21 @@ class RoiSim:
         """octet -> its first stop bytes since the watch was armed."""
         with self.lock:
             return dict(self._stamps)
+
+    # -- the wire log (thread-safe): what each module received, in order ----------------------------------
+    def record_wire(self, on_record: Callable[[WireRecord], None] | None = None) -> None:
+        """Log (again, from empty) every general datagram the modules receive and apply, from now on.
+        `on_record(record)` is called on the simulator's thread, under its lock, before the module handles the
+        datagram (a test may change the module's faults there: `set_faults` from it applies to this reply)."""
+        with self.lock:
+            self._wire = []
+            self._on_record = on_record
+
+    def wire_log(self, octet: int | None = None) -> list[WireRecord]:
+        """The general datagrams received since `record_wire()` (of `octet`, or of every module), in the order
+        they were applied."""
+        with self.lock:
+            return [r for r in self._wire or [] if octet is None or r.octet == octet]
 
     # -- fault injection and inspection (thread-safe) --------------------------------------------------
     def call(self, octet: int, fn: Any) -> Any:

@@ -23,7 +23,10 @@ command never waits out a 50 ms resend timer of maintain traffic (see `_Slot`).
 
 The bus stop does not queue at all (`send_now_many`): every module's datagrams are written to the socket at once,
 each module's first before any module's second, whatever the module's request in flight, and their replies are
-taken as they come.
+taken as they come. A motion request carries a guard (`guard_sends`, set by the module for its motion commands):
+asked before every send and resend, it refuses the request from the moment the bus stop is active, and `halt`
+wakes such a request at once when the stop comes, so that no motion datagram follows the stop's. The resend rules
+themselves are resend.py's pure `Ladder`, driven here.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import ipaddress
 import logging
 import time
@@ -40,12 +44,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.roi_modules import protocol as p
+from services.roi_modules.resend import Ladder, Step
 
 log = logging.getLogger("robobus.roi.transport")
 
 
 class RequestLost(Exception):
     """Every send of a request went unanswered: it was abandoned (and counted)."""
+
+
+class RequestRefused(Exception):
+    """The request's guard refused a send (the bus stop came): nothing more of it was sent. Not a loss."""
+
+
+# a motion request's guard: why this packet may not be sent now ("" when it may); see `guard_sends`
+SendGuard = Callable[[p.GeneralPacket], str]
 
 
 @dataclass(frozen=True)
@@ -111,9 +124,19 @@ Key = tuple[int, int, int, int]  # octet, port, subDeviceID (-1 for SysAdmin), r
 class _Pending:
     fut: asyncio.Future[Any]
     sent_at: float = 0.0
+    guard: Callable[[], str] | None = None  # the request's guard (halt asks it)
 
 
+_WAKE = object()  # a pending request's future set by `halt`: decide again (its guard may refuse it now)
 _BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("roi_background", default=False)
+_GUARD: contextvars.ContextVar[SendGuard | None] = contextvars.ContextVar("roi_send_guard", default=None)
+
+
+def guard_sends(guard: SendGuard | None) -> None:
+    """Every general request the calling task sends from now on asks `guard(packet)` before each send and resend
+    (the first included): a non-empty answer ends the request with RequestRefused, nothing more sent. A motion
+    command's guard refuses once the bus stop is active (modules.py). A task's context is its own."""
+    _GUARD.set(guard)
 
 
 def background_traffic() -> None:
@@ -250,13 +273,17 @@ class RoiTransport:
         key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
         if insist and retries is None:
             retries = self.cfg.max_retries
-        reply: p.GeneralPacket = await self._request(key, pkt.encode(), retries, True, insist=insist)
+        g = _GUARD.get()
+        guard = None if g is None else functools.partial(g, pkt)
+        reply: p.GeneralPacket = await self._request(key, pkt.encode(), retries, True, insist=insist, guard=guard)
         return reply
 
     async def general_once(self, octet: int, pkt: p.GeneralPacket) -> p.GeneralPacket | None:
         """Sent once; a reply taken if one comes within the timeout; silence is not counted as a loss."""
         key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
-        return await self._request(key, pkt.encode(), 0, False)  # type: ignore[no-any-return]
+        g = _GUARD.get()
+        guard = None if g is None else functools.partial(g, pkt)
+        return await self._request(key, pkt.encode(), 0, False, guard=guard)  # type: ignore[no-any-return]
 
     async def sysadmin(self, octet: int, pkt: p.SysAdminPacket, *, retries: int | None = None,
                        expect_reply: bool = True) -> p.SysAdminPacket | None:
@@ -340,8 +367,23 @@ class RoiTransport:
         self._echo.pop(key, None)
         return None
 
+    def halt(self, octets: set[int]) -> int:
+        """The bus stop is coming to these modules (on the loop, before its write): every request of theirs whose
+        guard refuses now is woken and ends at once (RequestRefused), its resends cancelled, its slot free for the
+        stop's resends. Returns how many were halted."""
+        n = 0
+        for key, pend in list(self._pending.items()):
+            if key[0] in octets and pend.guard is not None and not pend.fut.done() and pend.guard():
+                del self._pending[key]  # a late reply to it is no answer to anyone (or the stop's, if its key)
+                pend.fut.set_result(_WAKE)
+                n += 1
+        return n
+
     async def _request(self, key: Key, data: bytes, retries: int | None, counts: bool,
-                       wait_s: float | None = None, insist: bool = False) -> Any:
+                       wait_s: float | None = None, insist: bool = False,
+                       guard: Callable[[], str] | None = None) -> Any:
+        """One request through its module port's slot, its sends as resend.Ladder decides (reply, loss, or its
+        guard's refusal)."""
         octet, port = key[0], key[1]
         link = self.links.get(octet)
         if link is None:
@@ -357,35 +399,54 @@ class RoiTransport:
         dest = (self.address(octet), port)
         loop = asyncio.get_running_loop()
         urgent = not _BACKGROUND.get()
+        ladder = Ladder(wait_s or self.cfg.timeout_s, retries, insist)
         await slot.acquire(urgent, key, data)
         held = True
-        sends = 0
+        expired = False
         try:
-            for attempt in range(retries + 1):
-                if attempt and not insist and self.live is not None and not self.live(octet):
-                    break  # the module stopped answering meanwhile: no more resends to it
-                if attempt and not urgent and slot.command_waiting(key, data):
-                    # our reply is overdue (lost, or the module is slow): let the waiting command go first
-                    # rather than make it wait out our resends, then queue again
-                    self._pending.pop(key, None)
-                    held = False
-                    slot.release()
-                    await slot.acquire(False, key, data)
-                    held = True
+            while True:
+                now = loop.time()
+                if expired:  # the timer fired: the reply is overdue, whatever the clock's resolution says
+                    now = max(now, ladder.sends[-1] + ladder.timeout_s)
+                d = ladder.decide(now, live=self.live is None or self.live(octet),
+                                  refusal=guard() if guard is not None else "")
+                if d.step is Step.REFUSED:
+                    raise RequestRefused(d.reason)
+                if d.step is Step.LOST:
+                    break
+                if d.step is Step.SEND:
+                    if ladder.sends and not urgent and slot.command_waiting(key, data):
+                        # our reply is overdue (lost, or the module is slow): let the waiting command go first
+                        # rather than make it wait out our resends, then queue again
+                        self._pending.pop(key, None)
+                        held = False
+                        slot.release()
+                        await slot.acquire(False, key, data)
+                        held = True
+                        expired = False
+                        continue  # decide again: time passed, the guard may refuse now
+                    ladder.sent(now)
+                    tr.sendto(data, dest)
+                    link.sent += 1
+                    if len(ladder.sends) > 1:
+                        link.resent += 1
+                    until = now + ladder.timeout_s
+                else:
+                    until = d.until
                 fut: asyncio.Future[Any] = loop.create_future()
-                self._pending[key] = _Pending(fut, time.monotonic())
-                timer = loop.call_later(wait_s or self.cfg.timeout_s, _expire, fut)
-                tr.sendto(data, dest)
-                sends += 1
-                link.sent += 1
-                if attempt:
-                    link.resent += 1
+                self._pending[key] = _Pending(fut, now, guard)
+                timer = loop.call_at(until, _expire, fut)
                 try:
                     reply = await fut
                 finally:
                     timer.cancel()
+                if reply is _WAKE:
+                    expired = False
+                    continue
                 if reply is not None:
+                    ladder.reply()
                     return reply
+                expired = True
         finally:
             if held:
                 self._pending.pop(key, None)
@@ -394,7 +455,7 @@ class RoiTransport:
             return None
         link.lost_since_connect += 1
         link.lost_total += 1
-        raise RequestLost(f"no reply from {dest[0]}:{port} after {sends} sends "
+        raise RequestLost(f"no reply from {dest[0]}:{port} after {len(ladder.sends)} sends "
                           f"{self.cfg.timeout_s * 1000:.0f} ms apart")
 
     # -- replies -------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ class Rig:
         self.sim.close()
 
 
-DEFAULT_MODULES = [
+DEFAULT_MODULES: list[dict[str, Any]] = [
     {"name": "io", "octet": 10, "type": "gpio"},
     {"name": "wheel", "octet": 20, "type": "odrive", "max_velocity": 20.0},
     {"name": "arm", "octet": 30, "type": "actuator"},

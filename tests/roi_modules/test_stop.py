@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 
 from services.roi_modules import protocol as p
 from services.roi_modules.models import RoiModuleConfig
-from services.roi_modules.sim import RoiSim, SimModuleSpec
+from services.roi_modules.sim import RoiSim, SimModuleSpec, WireRecord
 from shared.messages import StopState
 from shared.rpc import RpcClient
 from shared.stop import answer_topic, stop_topic
@@ -414,3 +415,79 @@ def test_a_stop_output_that_is_no_longer_an_output_is_made_one(rig: Rig) -> None
     d = next(d for d in answer(rig, stop)["devices"] if d["device"] == "io")
     assert d["error"] == "", d
     assert rig.sim.call(10, lambda f: (f.modes[3], f.outputs[3])) == (p.PinMode.OUTPUT, 0)
+
+
+# -- a motion command admitted just before the stop, its acknowledgements lost ---------------------------------------
+def _velocity(v: float) -> p.GeneralPacket:
+    return p.odrive_request(p.OdriveAction.SET_VELOCITY, v)
+
+
+def same(rec: WireRecord, pkt: p.GeneralPacket) -> bool:
+    """The datagram the module received is `pkt` (its payload as sent, before the wire's zero padding)."""
+    return (rec.sub_device_id, rec.action) == (pkt.sub_device_id, pkt.action) and rec.payload.startswith(pkt.payload)
+
+
+# device, command, request, octet, the command's datagram, one stop datagram of that module, stop datagrams a write
+RACE_CASES = [
+    ("wheel", "set_velocity", {"velocity": 1.5}, 20, _velocity(1.5), _velocity(0.0), 2),
+    ("io", "set_pin_output", {"pin": 3, "value": 1}, 10, p.GeneralPacket(3, p.GpioAction.SET_OUTPUT, b"\x01"),
+     p.GeneralPacket(3, p.GpioAction.SET_OUTPUT, b"\x00"), 2),
+    # the actuator is held where it is estimated: 0 %, where it was sent first (the hold is a length setter too)
+    ("arm", "goto_position", {"position": 100.0}, 30,
+     p.GeneralPacket(0, p.ActuatorAction.SET_ABSOLUTE_LENGTH, p.u16(150)),
+     p.GeneralPacket(0, p.ActuatorAction.SET_ABSOLUTE_LENGTH, p.u16(0)), 1),
+]
+
+
+@pytest.mark.parametrize("case", RACE_CASES, ids=[c[0] for c in RACE_CASES])
+def test_a_motion_command_in_flight_sends_nothing_after_the_stop_and_the_stop_is_resent_until_acknowledged(
+        rig: Rig, case: tuple[str, str, dict[str, Any], int, p.GeneralPacket, p.GeneralPacket, int]) -> None:
+    """The module applies every datagram but its replies are lost: the command admitted before the stop is in its
+    resend ladder when the stop comes. Seen at the module (the simulator's wire log): after the stop's first
+    datagram, nothing of the command arrives (no resend, nor its next datagram); the stop itself is written again
+    while unacknowledged (here its first two writes lose their acks, the third is acknowledged), and the node's
+    answer reports the time of the write the module acknowledged, not the first one. Before: the command's resends
+    went on for up to 0.55 s after the stop, and the stop's own resends waited behind them."""
+    device, command, request, octet, motion, stop_pkt, per_write = case
+    if device == "arm":
+        assert rig.call("arm", "goto_position", {"position": 0.0}).ok  # the estimate starts there
+    seen_stops: list[float] = []
+
+    def on_record(rec: WireRecord) -> None:  # the simulator's thread, before the module handles the datagram
+        if rec.octet != octet or not same(rec, stop_pkt):
+            return
+        seen_stops.append(rec.unix)
+        if len(seen_stops) == 2 * per_write + 1:  # the third write of the stop: its acks come back
+            rig.sim.set_faults(octet, drop_replies=False)
+
+    rig.sim.record_wire(on_record)
+    rig.sim.set_faults(octet, drop_replies=True)
+    replies: list[Any] = []
+    caller = threading.Thread(target=lambda: replies.append(rig.call(device, command, request)))
+    caller.start()
+    # the command is in its resend ladder: sent, applied, unacknowledged, sent again
+    assert wait_until(lambda: sum(same(r, motion) for r in rig.sim.wire_log(octet)) >= 2, DEADLINE), \
+        rig.sim.wire_log(octet)
+    stop = set_stop(rig, True, "replies lost")
+    a = answer(rig, stop)
+    caller.join(DEADLINE)
+    d = next(d for d in a["devices"] if d["device"] == device)
+    log = rig.sim.wire_log(octet)
+    first_stop = next(i for i, r in enumerate(log) if same(r, stop_pkt))
+    after = [r for r in log[first_stop:] if same(r, motion)]
+    assert after == [], (after, log[first_stop])
+    assert d["error"] == "" and d["written_ts"] is not None, d
+    # written again until acknowledged: three writes at least; the answer's time is the acknowledged write's (it
+    # left after its first datagram reached the module), later than every datagram of the unacknowledged writes
+    assert len(seen_stops) >= 2 * per_write + 1, seen_stops
+    assert d["written_ts"] >= seen_stops[2 * per_write] > seen_stops[2 * per_write - 1], (d, seen_stops)
+    assert d["written_ts"] <= a["ts"]
+    assert rig.sim.call(octet, lambda f: f.counters.replies_dropped) >= 2 * per_write
+    # the command was cut short by the stop: answered `stopped`
+    assert replies and not replies[0].ok and replies[0].error["code"] == "stopped", replies
+    if device == "wheel":
+        assert wheel(rig)[:4] == (p.ControlMode.VELOCITY, p.InputMode.VELOCITY_RAMP, 0.0, 0.0)
+    elif device == "io":
+        assert rig.sim.call(10, lambda f: f.outputs[3]) == 0
+    else:
+        assert rig.sim.call(30, lambda f: f.target[0]) == 0.0
