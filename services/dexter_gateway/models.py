@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.dexter_gateway.protocol import DEXRUN_PORT, MAX_REQUEST, Firmware
 from shared.contract import NAME_RE
@@ -29,6 +29,13 @@ def _five(v: list[float], what: str, limit: float = ANGLE_LIMIT_DEG) -> list[flo
 
 
 # -- settings ---------------------------------------------------------------------------------------
+
+class DexterRequest(BaseModel):
+    """Every command's request: an unknown key is refused (`invalid_request` naming it), never dropped: a typo in an
+    optional key (`j6deg`) must not move the arm without the value the caller meant."""
+
+    model_config = ConfigDict(extra="forbid")
+
 
 class DexterArmConfig(BaseModel):
     """One arm: where it is and how its link behaves (every timing a setting, so tests can shorten them)."""
@@ -125,11 +132,11 @@ class DexterStatus(BaseModel):
 
 # -- commands ---------------------------------------------------------------------------------------
 
-class DexterEmpty(BaseModel):
+class DexterEmpty(DexterRequest):
     pass
 
 
-class DexterMoveAllJoints(BaseModel):
+class DexterMoveAllJoints(DexterRequest):
     joints_deg: JointList = Field(description="J1..J5 in degrees (sent as integer arcseconds)")
     j6_deg: float | None = Field(None, ge=J6_MIN_DEG, le=J6_MAX_DEG, description="Wrist roll, degrees from its zero")
     j7_deg: float | None = Field(None, ge=J7_MIN_DEG, le=J7_MAX_DEG, description="Gripper, degrees")
@@ -140,7 +147,7 @@ class DexterMoveAllJoints(BaseModel):
         return _five(v, "joints_deg")
 
 
-class DexterMoveRelative(BaseModel):
+class DexterMoveRelative(DexterRequest):
     joints_deg: JointList = Field(description="J1..J5 deltas in degrees")
 
     @field_validator("joints_deg")
@@ -149,7 +156,7 @@ class DexterMoveRelative(BaseModel):
         return _five(v, "joints_deg")
 
 
-class DexterPidMove(BaseModel):
+class DexterPidMove(DexterRequest):
     offsets_deg: JointList = Field(description="J1..J5 offsets added to the `a` position, degrees")
     j6_deg: float | None = Field(None, ge=J6_MIN_DEG, le=J6_MAX_DEG)
     j7_deg: float | None = Field(None, ge=J7_MIN_DEG, le=J7_MAX_DEG)
@@ -160,13 +167,13 @@ class DexterPidMove(BaseModel):
         return _five(v, "offsets_deg")
 
 
-class DexterArmPose(BaseModel):
+class DexterArmPose(DexterRequest):
     right_arm: bool = True
     elbow_up: bool = True
     wrist_out: bool = True
 
 
-class DexterMoveTo(BaseModel):
+class DexterMoveTo(DexterRequest):
     xyz: list[float] = Field(description="Target, in `units`")
     units: Literal["m", "um"] = "m"
     direction: list[float] = Field(default_factory=lambda: [0.0, 0.0, -1.0],
@@ -201,7 +208,7 @@ class DexterMoveToStraight(DexterMoveTo):
         return self
 
 
-class DexterSetParameter(BaseModel):
+class DexterSetParameter(DexterRequest):
     name: str = Field(description="A Params[] name (e.g. MaxSpeed, LinkLengths) or its index")
     value: float | None = Field(None, description="One value")
     values: list[float] | None = Field(None, min_length=1, max_length=5, description="Several (LinkLengths: L5..L1)")
@@ -218,7 +225,7 @@ class DexterSetParameter(BaseModel):
         return self
 
 
-class DexterSetBoundaries(BaseModel):
+class DexterSetBoundaries(DexterRequest):
     high_deg: JointList
     low_deg: JointList
 
@@ -232,20 +239,20 @@ class DexterSetBoundaries(BaseModel):
         return self
 
 
-class DexterSleep(BaseModel):
+class DexterSleep(DexterRequest):
     seconds: float = Field(ge=0, le=3600, description="DexRun usleeps in its socket thread (the FIFO keeps running)")
 
 
-class DexterWriteFpga(BaseModel):
+class DexterWriteFpga(DexterRequest):
     address: int = Field(ge=0, le=89, description="Virtual address (OldMemMapInderection, 90 entries)")
     value: int = Field(ge=-(2**31), le=2**32 - 1)
 
 
-class DexterStatusModeRequest(BaseModel):
+class DexterStatusModeRequest(DexterRequest):
     mode: str = Field("0", min_length=1, max_length=1, description="'0' = standard; newest DexRun only")
 
 
-class DexterRawCommand(BaseModel):
+class DexterRawCommand(DexterRequest):
     command: str = Field(min_length=1, max_length=MAX_REQUEST,
                          description="`<oplet> <args…>` (no header; a trailing ';' is allowed)")
 
@@ -269,7 +276,7 @@ class DexterCommandReply(BaseModel):
 
 # -- jobs -------------------------------------------------------------------------------------------
 
-class DexterWaitMotionDone(BaseModel):
+class DexterWaitMotionDone(DexterRequest):
     timeout_s: float | None = Field(None, gt=0, le=86400, description="Default: the arm's motion_timeout_s")
 
 
@@ -278,7 +285,7 @@ class DexterMotionDone(BaseModel):
     status: DexterStatus | None
 
 
-class DexterReadFile(BaseModel):
+class DexterReadFile(DexterRequest):
     path: str = Field(min_length=1, max_length=200, description="A robot path, a #keyword (#POM, #measured_angles…) "
                       "or a backtick shell command (refused unless enabled and allowlisted)")
     encoding: Literal["auto", "text", "base64"] = "auto"
@@ -296,7 +303,7 @@ class DexterFileContent(BaseModel):
     exit_status: int | None = Field(None, description="Shell: the wait status at EOF (0 = success)")
 
 
-class DexterWriteFile(BaseModel):
+class DexterWriteFile(DexterRequest):
     path: str = Field(min_length=1, max_length=200)
     text: str | None = None
     base64: str | None = None
@@ -316,7 +323,7 @@ class DexterFileWritten(BaseModel):
     verified: bool | None = None
 
 
-class DexterRunFile(BaseModel):
+class DexterRunFile(DexterRequest):
     path: str = Field(min_length=1, max_length=200, description="A file of ';'-terminated oplets on the robot")
 
 
