@@ -95,6 +95,11 @@ ROI_STOP_PIN = 3
 SOURCE = "bench/stop.py"
 
 
+def _number(x: float) -> float | None:
+    """A figure for the report: None where nothing was measured (NaN)."""
+    return None if x != x else x
+
+
 def percentile(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
@@ -920,7 +925,8 @@ def main() -> None:
              f"the {'nodes' if a.stall == 'node' else 'broker'}' resume (SIGCONT after a {a.stall_s:g} s SIGSTOP, "
              "the stop published during it, a client streaming)" if a.stall else "the stop's publish")
     print(f"\nfrom {start} to each service's last device, {rounds} stops"
-          f"{' beside the mixed hog' if a.hog else ' (no hog)'}; target p99 <= {target:.0f} ms:")
+          f"{' beside the mixed hog' if a.hog else ' (no hog)'}"
+          + ("; no target (a node's start):" if a.restart else f"; target p99 <= {target:.0f} ms:"))
     print(f"{'service':<16} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'ratio':>6}  {'':<8} {'read p50/p99':>13}  how")
     for s, f in services.items():
         read = f"{f['node_read_p50_ms']:.1f}/{f['node_read_p99_ms']:.1f}"
@@ -950,7 +956,7 @@ def main() -> None:
                          and bench.watch_check_ok)
     origin = "the nodes' restart" if a.restart else f"the {a.stall}'s resume" if a.stall else "the bus stop's publish"
     report("stop", result, [
-        *(Figure(f"{origin} to the last device, {s}, p99", services[s]["p99_ms"], "ms",
+        *(Figure(f"{origin} to the last device, {s}, p99", _number(services[s]["p99_ms"]), "ms",
                  None if a.restart else "<=", None if a.restart else target)
           for s in SERVICES),
         Figure("motion commands executed while stopped", executed, "", "<=", 0),
