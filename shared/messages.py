@@ -117,6 +117,9 @@ class NodeStats(BaseModel):
     decode_errors: int = Field(description="Bad bytes from devices, counted by services")
     reconnects: int
     uptime_s: float
+    stop_path_lags: int = Field(0, description="Times the bus stop's own connection started to lag (down, or a "
+                                               "round trip to itself over 0.5 s): shared/stop.py, StopPath")
+    stop_path_rtt_ms: float | None = Field(None, description="The stop connection's latest round trip to itself, ms")
     ts: float
 
 
@@ -164,4 +167,9 @@ class StopAnswer(BaseModel):
                                     "the site's bridge). The node is stopped while either is active")
     received_ts: float = Field(description="Unix time (s) when the node read the StopState")
     devices: list[StopDeviceAnswer] = Field(description="The node's motion devices")
+    broker_lost: bool = Field(
+        default=False, description="The node holds an active stop that the broker no longer has (its latch's topic "
+                                   "was empty when the node reconnected, e.g. after a broker restart without "
+                                   "persistence): still held here until a message arrives on that latch; set the "
+                                   "stop again (or release it)")
     ts: float

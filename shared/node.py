@@ -37,7 +37,7 @@ from shared.mqtt.session import MqttSession, Will, unique_client_id
 from shared.payloads import content_props, describe_validation_error, dump
 from shared.ratecap import FlushSchedule, RateSlot
 from shared.settings import KitSettings, hostname
-from shared.stop import StopLatch
+from shared.stop import STOP_SUFFIX, StopLatch
 
 log = logging.getLogger("robobus.node")
 
@@ -74,9 +74,11 @@ class Node:
         will = Will(f"{self.base}/status", self._status(False, "connection lost").model_dump_json().encode())
         self.session = MqttSession(settings, unique_client_id(f"{api.service}-{self.name}"), will)
         self.session.on_connect(self._on_connected)
-        # the bus stop (shared/stop.py): subscribed before the commands, read before the first motion command
-        self.stop_latch = StopLatch(settings.topic_root, self.name, api.service, self.session,
-                                    lambda: list(self.devices.values()), self.counters, lambda: self.loop)
+        # the bus stop (shared/stop.py): read on a connection of its own (never queued behind commands), before the
+        # first motion command and before the birth
+        self.stop_latch = StopLatch(settings.topic_root, self.name, api.service, settings,
+                                    f"{self.session.client_id}{STOP_SUFFIX}", lambda: list(self.devices.values()),
+                                    self.counters, lambda: self.loop)
         self.dispatcher = CommandDispatcher(self.name, self.base, self.devices, self.session, self.counters,
                                             self.run_coro, settings.command_workers, lambda: self.loop,
                                             handoff_s=settings.command_handoff_ms / 1000, stop=self.stop_latch)
@@ -133,6 +135,7 @@ class Node:
             if dev.motion and dev.stop_action is None:
                 log.warning("motion device without a stop action (Device.on_stop): the bus stop refuses its motion "
                             "commands but sends it nothing", extra={"device": dev.name})
+        self.stop_latch.start()  # first: the stop state is read on it before the birth
         self.session.start()
         self._house.start()
 
@@ -219,6 +222,7 @@ class Node:
             self.session.publish_wait(f"{self.base}/status",
                                       self._status(False, reason).model_dump_json(), qos=1, retain=True)
         self.session.stop()
+        self.stop_latch.close()  # after the fail-safe hooks: a stop that comes meanwhile is still obeyed
         self.flush_schedule.wake.set()
         self.dispatcher.shutdown()
         log.info("stopped", extra={"node": self.name, "reason": reason})
@@ -248,8 +252,10 @@ class Node:
                             "unavailable until it is)", extra={"node": self.name})
                 birth()
 
-        # online once the bus stop's state is known (one round trip): a client that sees the node online may
-        # send a motion command at once; a broker that never lets the node know still sees it online, later
+        # online once the bus stop's state is known (one round trip on the stop connection, sent after this
+        # connect): a client that sees the node online may send a motion command at once; a broker that never lets
+        # the node know still sees it online, later
+        self.stop_latch.main_connected()
         self.stop_latch.when_known(birth)
         timer = threading.Timer(BIRTH_WAIT_MAX_S, birth_anyway)
         timer.daemon = True
@@ -267,7 +273,9 @@ class Node:
                          jobs_running=sum(len(d.running) for d in self.devices.values()),
                          published=c.published, publish_dropped=self.session.dropped,
                          decode_errors=c.decode_errors, reconnects=self.session.reconnects,
-                         uptime_s=round(time.monotonic() - self._started_at, 3), ts=time.time())
+                         uptime_s=round(time.monotonic() - self._started_at, 3),
+                         stop_path_lags=self.stop_latch.path.lags, stop_path_rtt_ms=self.stop_latch.path.rtt_ms,
+                         ts=time.time())
 
     # -- publishing ----------------------------------------------------------------------------
     def publish(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
@@ -289,6 +297,7 @@ class Node:
         next_beat = time.monotonic() + self.settings.health_interval_s
         while not self._stopped:
             wait = self.flush_schedule.flush(self.send_slot)
+            wait = min(wait, self.stop_latch.tick())  # the stop path's round trip, and its lag
             for dev in list(self.devices.values()):  # supervised links: silent / unreachable when due
                 if dev.link is not None:
                     due = dev.link.tick()

@@ -15,13 +15,17 @@ health, the `stopped` errors and the stop actions use) is the active one, the ne
 only its own channel. So the centre's retained state, which the bridge brings down again on every reconnect, lands
 on its own channel and never replaces a stop the site's operator set.
 
-A node (`StopLatch`, made by shared/node.py) reads both topics with its other subscriptions. While the stop is
+A node (`StopLatch`, made by shared/node.py) reads both topics on a connection of its own (client id `<node's
+client id>-stop`, its own paho network thread), subscribed to them and to its own reply topic only: a stop never
+waits behind commands in the broker's queue for the node's main connection, in that connection's socket, or behind
+their processing. The node's answer and the inline stop actions go on that connection too. While the stop is
 active, the kit refuses every motion command and job (`CommandSpec.motion`) with `stopped` before its handler runs,
 cancels the running motion jobs, overlays each motion device's health (state `stopped`, source and reason), and
 calls each motion device's stop action (`Device.on_stop`) at once: on a thread of its own (default), on the MQTT
 network thread (`inline=True`: for actions that only enqueue), or, for an `async def` action, on the service's
 loop. The action returns when the stop reached the device (a float, Unix time), None (it has: stamped when the
-action returned) or `LATER` (the service calls `Device.stop_written(at)` when its deadman reports the write). A
+action returned) or `LATER` (the service calls `Device.stop_written(at)` when its deadman reports the write; a
+later successful write clears an earlier failure). A
 motion command or job that was running when the stop came gets the device's stop action again when it returns,
 so that a command racing the stop cannot leave the device moving. A release (`active: false`) removes the
 overlay; nothing moves by itself: a device moves again only on a new command.
@@ -29,11 +33,25 @@ overlay; nothing moves by itself: a device moves again only on a new command.
 Start-up and reconnects: until the node knows the stop state, a motion command waits for it (at most
 `ADMIT_WAIT_S`; an `inline` handler on the network thread cannot wait) and is then answered `unavailable` (not
 `stopped`: no stop may exist, and `stopped` tells a client to wait for a release that may never come). The node
-knows it once a message arrived on each channel, or once a message it sends itself after the broker acknowledged
-its subscriptions (both stop topics among them) comes back: the broker queues a subscription's retained message
-while it handles the SUBSCRIBE, before it reads the node's next packet, and delivers one connection's QoS 1
-messages in order. The message goes to the node's own reply topic, `{root}/_client/<client id>/reply`, which every
-client may use.
+knows it once a message it sends itself on the stop connection after the broker acknowledged its subscriptions
+(both stop topics among them) comes back: the broker queues a subscription's retained message while it handles
+the SUBSCRIBE, before it reads the node's next packet, and delivers one connection's QoS 1 messages in order. The
+message goes to the stop connection's own reply topic, `{root}/_client/<client id>-stop/reply`, which every client
+may use. Across the two connections: after each (re)connect of the main connection (commands), the state is known
+again only once such a round trip, sent after that connect, came back on the stop connection (a stop connection
+that went stale while the main one reconnected is found so before a command is admitted); a reconnect of the stop
+connection alone makes the state unknown until its own round trip, the main connection's state untouched.
+
+The stop path checks itself: a round trip on its reply topic every `PROBE_EVERY_S`; a path that is disconnected, or
+whose round trip takes longer than `LAG_S` (or has not come back after `LAG_S`), lags, and every motion device's
+health says so (`details.stop_path`, a note in `error_message`; `error` is not touched: it is not the device's
+fault). A lagging path is good again only after its round trips stayed within the bound for `RECOVER_S` (no
+flapping). Counted in the node's stats (`stop_path_lags`).
+
+A broker that restarts without the retained stop (no persistence, killed before its autosave) does not release a
+node: the absence of a message is not a release. A node that holds an active stop and finds its latch's topic empty
+after a reconnect keeps holding it and says so (`broker_lost` in its answer and in `details.stop` of the health)
+until a message arrives on that latch.
 
 Fail safe: an unreadable message on either topic (not JSON, not a StopState) counts as an active stop of its
 channel (counted as a decode error) until a valid one replaces it; an empty retained message (the stop removed
@@ -59,6 +77,7 @@ from pydantic import ValidationError
 from shared.counters import Counters
 from shared.errors import CommandError, ErrorCode
 from shared.messages import StopAnswer, StopDeviceAnswer, StopState
+from shared.mqtt.address import ClientSettings
 from shared.mqtt.session import MqttSession, reply_properties
 from shared.payloads import describe_validation_error
 
@@ -72,6 +91,13 @@ SYNC_PAYLOAD = b'{"ok":true,"result":{}}'  # a valid reply, as RpcClient's own s
 # a motion command that comes before the stop state is known (a client that acts on a device's health before the
 # node's birth) waits this long for it: the state is normally known within a round trip of the connect
 ADMIT_WAIT_S = 2.0
+# the stop path's own check (StopPath): a round trip every PROBE_EVERY_S; one longer than LAG_S (or not back after
+# LAG_S) makes the path lag; it is good again once its round trips stayed within LAG_S for RECOVER_S
+PROBE_EVERY_S = 1.0
+LAG_S = 0.5
+RECOVER_S = 3.0
+START_GRACE_S = 2.0  # a stop connection not made within this long of the start lags
+STOP_SUFFIX = "-stop"  # the stop connection's client id: the node's main client id and this
 
 
 def stop_topic(root: str) -> str:
@@ -140,10 +166,81 @@ class _Channel:
         self.read = False  # a message arrived on it since the last (re)connect
 
 
-class StopLatch:
-    """One node's view of its root's stop: the gate of motion commands, the devices' stop actions, the answer."""
+class StopPath:
+    """The stop connection's health: connected, its latest round trip, and whether it lags (the rule in the
+    module's docstring). Pure: times (monotonic seconds) are passed in; every method says whether the verdict
+    (`lagging`) changed."""
 
-    def __init__(self, root: str, node: str, service: str, session: MqttSession,
+    def __init__(self, now: float) -> None:
+        self.started = now
+        self.connected = False
+        self.ever_connected = False
+        self.rtt_ms: float | None = None  # the latest round trip
+        self.last_good: float | None = None  # when the latest round trip within LAG_S came back
+        self.lagging = False
+        self.why = ""  # why it lags (or lagged last)
+        self.good_since: float | None = None  # start of the run of good round trips that may end a lag
+        self.lags = 0  # times it started lagging
+
+    def _lag(self, why: str) -> bool:
+        self.why = why
+        self.good_since = None
+        if self.lagging:
+            return False
+        self.lagging = True
+        self.lags += 1
+        return True
+
+    def up(self, now: float) -> bool:
+        self.connected = self.ever_connected = True
+        return False  # good again only by its round trips
+
+    def down(self, now: float) -> bool:
+        self.connected = False
+        return self._lag("the stop connection is down")
+
+    def returned(self, rtt_s: float, now: float) -> bool:
+        self.rtt_ms = round(rtt_s * 1000, 3)
+        if rtt_s > LAG_S:
+            return self._lag(f"a round trip took {rtt_s * 1000:.0f} ms (bound {LAG_S * 1000:.0f} ms)")
+        self.last_good = now
+        if not self.lagging:
+            return False
+        if self.good_since is None:
+            self.good_since = now
+        if self.connected and now - self.good_since >= RECOVER_S:
+            self.lagging = False
+            self.good_since = None
+            return True
+        return False
+
+    def check(self, now: float, oldest_sent: float | None) -> bool:
+        """A round trip out longer than LAG_S, or no connection since the start's grace: it lags."""
+        if oldest_sent is not None and now - oldest_sent > LAG_S:
+            return self._lag(f"no round trip back for {(now - oldest_sent) * 1000:.0f} ms "
+                             f"(bound {LAG_S * 1000:.0f} ms)")
+        if not self.ever_connected and now - self.started > START_GRACE_S:
+            return self._lag("the stop connection is not made")
+        return False
+
+    def details(self, now: float) -> dict[str, Any]:
+        return {"ok": not self.lagging, "connected": self.connected, "rtt_ms": self.rtt_ms,
+                "last_good_age_s": None if self.last_good is None else round(now - self.last_good, 3),
+                "lags": self.lags, **({"why": self.why} if self.lagging else {})}
+
+    def message(self, now: float) -> str:
+        """The note a motion device's error_message carries while the path lags ("" while it does not)."""
+        if not self.lagging:
+            return ""
+        age = "never" if self.last_good is None else f"{now - self.last_good:.1f} s ago"
+        return f"the bus stop's path lags ({self.why}; last good round trip {age}): a stop may reach it late"
+
+
+class StopLatch:
+    """One node's view of its root's stop: the gate of motion commands, the devices' stop actions, the answer.
+    It reads the stop on its own connection (`session`), made from `settings` with client id `client_id`."""
+
+    def __init__(self, root: str, node: str, service: str, settings: ClientSettings, client_id: str,
                  devices: Callable[[], Iterable[MotionDevice]], counters: Counters,
                  get_loop: Callable[[], asyncio.AbstractEventLoop | None]) -> None:
         self.topic = stop_topic(root)
@@ -154,28 +251,65 @@ class StopLatch:
         self.answer_topic = answer_topic(root, node)
         self.node = node
         self.service = service
-        self.session = session
+        # the stop's own connection: no will (the main connection's says the node died), no other subscription
+        self.session = MqttSession(settings, client_id)
         self.devices = devices
         self.counters = counters
         self.get_loop = get_loop
-        self.known = False  # the stop state has been read since the last (re)connect
         self.generation = 0  # counts activations: a motion command admitted under an older one raced a stop
         self._last_active: StopState | None = None  # the effective stop of the latest activation
         self._last_read: _Channel | None = None  # the channel of the latest valid message (a release shows it)
         self._lock = threading.Lock()
         self._answer: StopAnswer | None = None
         self._entries: dict[str, StopDeviceAnswer] = {}
-        self._sync_topic = f"{root}/_client/{session.client_id}/reply"
-        self._sync_token = b""
-        self._sync_no = 0
+        self._sync_topic = f"{root}/_client/{self.session.client_id}/reply"
+        # the round trips on the stop connection: token -> (sent, monotonic; the main connection's count then;
+        # periodic, at QoS 0)
+        self._probes: dict[bytes, tuple[float, int, bool]] = {}
+        self._probe_no = 0
+        self._periodic: bytes | None = None  # the periodic round trip out, if any
+        self._next_probe = 0.0
+        self._conn_no = 0  # the stop connection's (re)connects: a round trip's token names its connection
+        self._ready = False  # the stop connection is up and its subscriptions acknowledged
+        self._read = False  # the stop state has been read on the stop connection since its last (re)connect
+        self._main_epoch = 0  # the main connection's (re)connects (`main_connected`)
+        self._synced_epoch = 0  # the main connection's count when the latest round trip back was sent
+        self._closing = False
+        self._lost: set[str] = set()  # channels active here whose topic the broker had empty after a reconnect
+        self.path = StopPath(time.monotonic())
         self.known_event = threading.Event()  # set with `known` (tests and tools wait on it)
         self._when_known: list[Callable[[], None]] = []
-        self._net_thread: int | None = None  # the network thread (seen on connect): it must never wait
+        self._no_wait: set[int] = set()  # the two network threads (seen on connect): they must never wait
         for ch in self.channels.values():  # both before the round trip that makes the state known (_on_connect)
-            session.subscribe(ch.topic, functools.partial(self._on_stop, ch), qos=1)
-        session.subscribe(self._sync_topic, self._on_sync, qos=1)
-        session.on_connect(self._on_connect)
-        session.on_disconnect(self._on_disconnect)
+            self.session.subscribe(ch.topic, functools.partial(self._on_stop, ch), qos=1)
+        self.session.subscribe(self._sync_topic, self._on_sync, qos=1)
+        self.session.on_connect(self._on_connect)
+        self.session.on_disconnect(self._on_disconnect)
+
+    # -- the stop connection's life (shared/node.py: start with the node, close after its fail-safe hooks) -----------
+    def start(self) -> None:
+        self.path = StopPath(time.monotonic())
+        self.session.start()
+
+    def close(self) -> None:
+        self._closing = True
+        self.session.stop()
+
+    @property
+    def known(self) -> bool:
+        """The stop state has been read on the stop connection, by a round trip sent after the main connection's
+        latest (re)connect: a motion command received on it may be judged."""
+        return self._read and self._synced_epoch >= self._main_epoch
+
+    def main_connected(self) -> None:
+        """The main connection (re)connected (its network thread, before the birth): the state is known again once
+        a round trip sent on the stop connection from now on is back, so that a stop connection that went stale
+        meanwhile is found out before a command received on the new connection is admitted."""
+        with self._lock:
+            self._no_wait.add(threading.get_ident())
+            self._main_epoch += 1
+            self.known_event.clear()
+        self._probe()
 
     def _effective(self) -> _Channel | None:
         """The channel that holds the node stopped (the newest active stop), else the one read last with a
@@ -219,7 +353,7 @@ class StopLatch:
         refused = self._refusal()
         if refused is not None:
             raise refused
-        if not self.known and threading.get_ident() != self._net_thread:
+        if not self.known and threading.get_ident() not in self._no_wait:
             self.known_event.wait(ADMIT_WAIT_S)  # the stop message, when it comes, arrives on the network thread
             gen = self.generation
             refused = self._refusal()
@@ -282,10 +416,15 @@ class StopLatch:
         with self._lock:
             old = ch.state
             ch.read = True
+            was_lost = ch.name in self._lost
+            self._lost.discard(ch.name)
             if all(c.read for c in self.channels.values()):
-                self.known = True
-                self.known_event.set()
+                self._read = True
+                if self.known:
+                    self.known_event.set()
             if new == old and self._answer is not None:
+                if was_lost:  # the operator set the lost stop again: the answer no longer says it is lost
+                    self._changed_lost()
                 return  # the same stop again (redelivered on reconnect): answered already
             if (old is not None and old.active and new is not None and not new.active and new.ts < old.ts):
                 # a release older than the stop it would lift is stale (each channel has its own guard)
@@ -424,7 +563,9 @@ class StopLatch:
 
     def report(self, device: str, gen: int | None, written_ts: float | None, error: str = "") -> None:
         """A device's stop reached it at `written_ts` (or failed: `error`): update and republish the answer and
-        the device's health. `gen` None: the current stop. A report for a stop that is over is dropped."""
+        the device's health. The latest report says whether the latest attempt failed: a write after a failed
+        attempt clears its error (the device did stop); a failure keeps the time of an earlier write. `gen` None:
+        the current stop. A report for a stop that is over is dropped."""
         with self._lock:
             if gen is None:
                 gen = self.generation
@@ -434,7 +575,7 @@ class StopLatch:
                 return
             self._entries[device] = entry.model_copy(update={
                 "pending": False, "written_ts": written_ts if written_ts is not None else entry.written_ts,
-                "error": error or entry.error})
+                "error": error})
         self._publish_answer()
         for d in self.devices():
             if d.name == device:
@@ -445,6 +586,7 @@ class StopLatch:
             if self._answer is None:
                 return
             answer = self._answer.model_copy(update={"devices": [self._entries[k] for k in sorted(self._entries)],
+                                                     "broker_lost": bool(self._broker_lost()),
                                                      "ts": time.time()})
             self.session.publish(self.answer_topic, answer.model_dump_json(), qos=1, retain=True)
 
@@ -452,7 +594,20 @@ class StopLatch:
         with self._lock:
             if self._answer is None:
                 return None
-            return self._answer.model_copy(update={"devices": [self._entries[k] for k in sorted(self._entries)]})
+            return self._answer.model_copy(update={"devices": [self._entries[k] for k in sorted(self._entries)],
+                                                   "broker_lost": bool(self._broker_lost())})
+
+    def _broker_lost(self) -> list[str]:
+        """The topics of the active latches the broker had empty after a reconnect (lock held)."""
+        return [ch.topic for ch in self.channels.values()
+                if ch.name in self._lost and ch.state is not None and ch.state.active]
+
+    def _changed_lost(self) -> None:
+        """What says whether the broker lost the stop changed: the answer and the health again."""
+        self._publish_answer()
+        for d in self.devices():
+            if d.motion:
+                d.publish_health()
 
     def overlay(self, device: str) -> dict[str, Any] | None:
         """The health fields a motion device shows while the stop is active (None: none)."""
@@ -467,38 +622,146 @@ class StopLatch:
             detail.update(pending=entry.pending, written_ts=entry.written_ts, error=entry.error)
             if entry.error:
                 message += f"; the stop action failed: {entry.error}"
+        lost = self._broker_lost()
+        detail["broker_lost"] = bool(lost)
+        if lost:
+            message += (f"; the broker lost the retained stop ({', '.join(lost)} empty after it came back): held "
+                        "here, set it again (or release it)")
         return {"state": "stopped", "operational": False, "error": False, "error_message": message,
                 "stop": detail}
 
-    # -- knowing the state after a (re)connect ---------------------------------------------------
-    def _on_connect(self) -> None:
-        """Network thread, once the broker acknowledged every subscription (both stop topics among them): a message
-        to ourselves; when it is back, the retained stop, or its absence, has been delivered."""
+    def dress(self, device: str, h: dict[str, Any], note: str = "") -> None:
+        """A motion device's health fields `h` (as Device.health_message builds them), in place: the stop's overlay
+        while it is active (`note`: what the stop cannot do on the device), and the stop path's state
+        (`details.stop_path`; a note in `error_message` while it lags, `error` untouched)."""
+        stopped = self.overlay(device)
+        if stopped is not None:  # the bus stop: what the device does now, over what its link says
+            detail = stopped.pop("stop")
+            if note:
+                stopped["error_message"] += f"; {note}"
+            h.update(stopped)
+            h["details"] = {**h.get("details", {}), "stop": detail}
+        now = time.monotonic()
+        h["details"] = {**h.get("details", {}), "stop_path": self.path.details(now)}
+        lag = self.path.message(now)
+        if lag:
+            h["error_message"] = f"{h['error_message']}; {lag}" if h.get("error_message") else lag
+
+    # -- knowing the state after a (re)connect, and the stop path's own check -----------------------------------
+    def _probe(self, periodic: bool = False) -> None:
+        """A message to ourselves on the stop connection: when it is back, every retained stop (or its absence) sent
+        before it has been delivered, and its time is the path's round trip. Sent only while the connection is up
+        with its subscriptions acknowledged (a token kept across a disconnect could prove nothing)."""
         with self._lock:
-            self._sync_no += 1
-            self._sync_token = b"robobus-stop-sync-%d" % self._sync_no
-            token = self._sync_token
-        self.session.publish(self._sync_topic, SYNC_PAYLOAD, qos=1, properties=reply_properties(None, token))
+            if not self._ready or self._closing:
+                return
+            self._probe_no += 1
+            token = b"robobus-stop-sync-%d-%d" % (self._conn_no, self._probe_no)
+            now = time.monotonic()
+            self._probes[token] = (now, self._main_epoch, periodic)
+            if periodic:
+                self._periodic = token
+                self._next_probe = now + PROBE_EVERY_S
+        on_net = threading.get_ident() in self._no_wait
+        # the periodic check at QoS 0 (half the packets: no acknowledgements): it proves the path, not the order
+        # of delivery, which only the round trips that make the state known rely on
+        self.session.publish(self._sync_topic, SYNC_PAYLOAD, qos=0 if periodic else 1,
+                             properties=reply_properties(None, token), now=not on_net)
+
+    def _on_connect(self) -> None:
+        """Stop connection's network thread, once the broker acknowledged every subscription (both stop topics
+        among them): the round trip that makes the state known."""
+        with self._lock:
+            self._no_wait.add(threading.get_ident())
+            self._conn_no += 1
+            self._probes.clear()
+            self._periodic = None
+            self._ready = True
+            self.path.up(time.monotonic())
+        self._probe()
 
     def _on_sync(self, msg: mqtt.MQTTMessage) -> None:
         corr = getattr(msg.properties, "CorrelationData", None)
+        now = time.monotonic()
+        token = bytes(corr) if corr is not None else b""
         with self._lock:
-            if corr is None or bytes(corr) != self._sync_token or self.known:
-                return
-            self.known = True
-            self.known_event.set()
-        log.info("bus stop state read", extra={"topics": [self.topic, self.fleet_topic], "active": self.active})
+            sent = self._probes.pop(token, None)
+            if sent is None:
+                return  # not ours, or sent on a connection that is gone
+            if self._periodic == token:
+                self._periodic = None
+            sent_at, epoch, periodic = sent
+            was_known, first = self.known, not self._read and not periodic
+            self._read = self._read or not periodic  # QoS 0 proves the path, not the order of delivery
+            self._synced_epoch = max(self._synced_epoch, epoch)
+            lost = set()
+            if first:  # the broker delivered what it holds: an active latch with nothing retained was lost by it
+                lost = {ch.name for ch in self.channels.values()
+                        if not ch.read and ch.state is not None and ch.state.active}
+                self._lost |= lost
+            known = self.known
+            if known:
+                self.known_event.set()
+            changed = self.path.returned(now - sent_at, now)
+        if known and not was_known:
+            log.info("bus stop state read", extra={"topics": [self.topic, self.fleet_topic], "active": self.active})
+        if lost:
+            log.warning("the broker lost the retained stop: still held here (set it again, or release it)",
+                        extra={"channels": sorted(lost)})
+            self._changed_lost()
+        if changed:
+            self._path_changed()
         self._fire_known()
 
     def _on_disconnect(self) -> None:
         with self._lock:
-            self._sync_token = b""
+            self._ready = False
+            self._probes.clear()
+            self._periodic = None
             # the channels' states stay (a node never forgets a stop by losing the broker; while one is active,
             # `admit` refuses `stopped` before it asks whether the state is known); what is known is read again
             for ch in self.channels.values():
                 ch.read = False
-            self.known = False
+            self._read = False
             self.known_event.clear()
+            changed = not self._closing and self.path.down(time.monotonic())
+        if changed:
+            self._path_changed()
+
+    def tick(self) -> float:
+        """The node's housekeeping: the periodic round trip when due, and the lag of one that is out. Returns the
+        seconds until the next call is due."""
+        now = time.monotonic()
+        with self._lock:
+            out = self._probes.get(self._periodic) if self._periodic is not None else None
+            if out is not None and now - out[0] > 2 * PROBE_EVERY_S:
+                # a QoS 0 round trip may be lost (the broker drops QoS 0 for a client whose queue is full): the lag
+                # says so meanwhile; a new one goes
+                self._probes.pop(self._periodic or b"", None)
+                self._periodic = None
+            due = self._ready and self._periodic is None and now >= self._next_probe
+            oldest = min((t for t, _, _ in self._probes.values()), default=None)
+            changed = not self._closing and self.path.check(now, oldest)
+        if due:
+            self._probe(periodic=True)
+        if changed:
+            self._path_changed()
+        with self._lock:
+            waits = [max(self._next_probe - now, 0.0) if self._periodic is None else PROBE_EVERY_S]
+            oldest = min((t for t, _, _ in self._probes.values()), default=None)
+            if oldest is not None and not self.path.lagging:
+                waits.append(oldest + LAG_S - now)
+        return max(min(waits), 0.01)
+
+    def _path_changed(self) -> None:
+        now = time.monotonic()
+        if self.path.lagging:
+            log.warning("the bus stop's path lags", extra={"why": self.path.why, **self.path.details(now)})
+        else:
+            log.info("the bus stop's path is good again", extra=self.path.details(now))
+        for d in self.devices():
+            if d.motion:
+                d.publish_health()
 
 
 # -- the client side: set or release the stop and gather the nodes' answers (`robobus stop`) ----------------------

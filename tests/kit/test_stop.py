@@ -450,8 +450,8 @@ def test_stop_actions_run_where_the_service_asks_and_a_failure_is_reported(bus: 
     node.start()
     try:
         assert node.stop_latch.known_event.wait(DEADLINE)
-        net = node.session.client._thread
-        assert net is not None
+        net = node.stop_latch.session.client._thread  # inline: the stop connection's own network thread
+        assert net is not None and net is not node.session.client._thread
         stop = bus.set_stop(True, reason="where")
         answer = bus.wait_answer("where", stop)
         by = {d["device"]: d for d in answer["devices"]}
