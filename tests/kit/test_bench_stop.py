@@ -53,3 +53,18 @@ def test_a_stop_sent_during_a_stall_reaches_every_wire_when_the_stall_ends(stall
         assert svc["reached_wire"] == 0, (name, svc)
         assert svc["max_ms"] < 1000, (name, svc)  # not behind the stall's backlog (functional bound, not a target)
     assert result["move_failures"] == 0
+
+
+@pytest.mark.slow
+def test_a_node_restarted_under_the_stop_stops_every_device_it_serves() -> None:
+    """Every service's node killed -9 while its devices move, the stop set while none runs, the nodes started again:
+    each holds every device it serves (the stop on every wire after the restart, each node's answer without an
+    error), and no Dexter gets a motion request."""
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "stop.py"), "--restart", "--rounds", "1",
+                          "--robots", "2", "--arms", "1", "--roi-modules", "6"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, svc in result["services"].items():
+        assert svc["rounds"] == 1 and svc["missing"] == 0, (name, svc, out.stdout[-2000:])
+        assert svc["stop_errors"] == 0 and svc["reached_wire"] == 0, (name, svc)
