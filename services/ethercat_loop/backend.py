@@ -109,6 +109,11 @@ class HandBackend(ABC):
         """A count that moves with every valid status received (the service feeds the link supervisor from it,
         off the cycle); cheap: no decoding, no lock the cycle takes."""
 
+    def last_valid_status(self) -> tuple[int, float | None]:
+        """(`valid_statuses()`, when the newest valid status arrived: time.monotonic() seconds, None when unknown).
+        The service judges the palm's liveness on that arrival, not on when it looked. Cheap, like valid_statuses."""
+        return self.valid_statuses(), None
+
     def stop_sent_ns(self, seq: int) -> int | None:
         """When the first frame built after bus stop number `seq` (control.BusStop, or a later one) left for the
         palm (CLOCK_MONOTONIC ns); None while it has not. Cheap: the service asks until it has."""

@@ -66,6 +66,7 @@ class ModelBackend(HandBackend):
         self._report: dict[str, Any] = {}
         self.lose_next = 0  # fault: the next n frames are lost (no status at all)
         self._status: bytes | None = None
+        self._status_ns: int | None = None  # CLOCK_MONOTONIC ns of the cycle that produced the newest valid status
         self._deadline = time.monotonic_ns()  # the next release
         self._batching = False  # quiescent: the thread sleeps through releases and runs them in a batch
         self._wakeup = threading.Event()
@@ -136,9 +137,13 @@ class ModelBackend(HandBackend):
         self._rx_handler = handler
 
     def valid_statuses(self) -> int:
+        return self.last_valid_status()[0]
+
+    def last_valid_status(self) -> tuple[int, float | None]:
         with self._lock:
             self._catch_up(time.monotonic_ns())  # a batch slept through counts its statuses when asked
-            return int(self.driver.c["statuses"])
+            at = self._status_ns
+            return int(self.driver.c["statuses"]), (None if at is None else at / 1e9)
 
     def stop_sent_ns(self, seq: int) -> int | None:
         num, at = self._stop_sent  # one tuple: the number and its time together
@@ -220,6 +225,8 @@ class ModelBackend(HandBackend):
             self.lose_next -= 1
             status = None
         self._status = status
+        if status is not None:
+            self._status_ns = now_ns  # its cycle's release: when the palm model answered
         self._no_status_run = self._no_status_run + 1 if status is None else 0
         if self._no_status_run == self.error_after_lost:
             self._counts["outages"] += 1

@@ -178,8 +178,11 @@ class PalmService:
         self._fault_lock = threading.Lock()
         self._kind_fault = ""  # the backend's: not the palm configured
         self._device_faults = ""  # the palm's: serious motor flags, silent motors
-        self._statuses_seen = backend.valid_statuses()
+        self._statuses_seen = backend.last_valid_status()[0]
         self._heard_since = time.monotonic()  # valid data flow since (a motor is judged silent only after that)
+        # liveness is judged on when the newest valid status arrived (the cycle's own stamp), read again by the node's
+        # deadline thread before it judges: a publisher held up on a loaded host is not a silent palm
+        self.link.watch(self._arrival)
         backend.attach_link(_BackendLink(self, self.link))
         backend.on_can_rx(self._on_can_rx)
         d = self.dev
@@ -242,15 +245,27 @@ class PalmService:
 
     def _feed_link(self) -> None:
         """Valid process data seen since the last look (the cycle's count of valid statuses moved): the link's
-        liveness. Every tick of the publisher (10 ms at the default joints rate), off the cycle."""
-        n = self.backend.valid_statuses()
+        liveness, with the time the newest of them arrived (the cycle's stamp, not this look's: a look held up
+        past the budget must not pass off old data as live). Every tick of the publisher (10 ms at the default
+        joints rate), off the cycle."""
+        n, at = self.backend.last_valid_status()
         if n != self._statuses_seen:
             self._statuses_seen = n
-            if self.link.state is not LinkState.OPERATIONAL:
+            now = time.monotonic()
+            fresh = at is None or now - at <= self.settings.ethercat_liveness_s
+            if fresh and self.link.state is not LinkState.OPERATIONAL:
                 # the palm is heard from again: its identity, finer state and faults before `connection` flips
-                self._heard_since = time.monotonic()
+                self._heard_since = now
                 self._health(self.backend.snapshot(), arriving=True)
-            self.link.data()
+            self.link.data(at=at)
+
+    def _arrival(self) -> float | None:
+        """The link's source (docs/kit.md, SupervisedLink.watch), on the node's deadline thread: when the newest valid
+        status arrived, while the palm is operational. Coming back is the publisher's (`_feed_link`), which sets
+        the palm's finer state and faults first."""
+        if self.link.state is not LinkState.OPERATIONAL:
+            return None
+        return self.backend.last_valid_status()[1]
 
     # -- the bus stop (docs/kit.md, "Stopping everything") ------------------------------------------------
     def _bus_stop(self, stop: StopState) -> object:

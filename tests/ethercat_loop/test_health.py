@@ -253,3 +253,54 @@ def test_slow_state_rates_do_not_starve_the_link(broker_session, client):
         svc.shutdown()
         node.stop()
         t.join(2)
+
+
+def _hold_publisher(backend, *steps):
+    """The next snapshot the publisher takes runs `steps` first (callables, or seconds to sleep): the publisher held
+    up, as a loaded host holds it, while the cycle goes on."""
+    original = backend.snapshot
+
+    def held(*args, **kwargs):
+        del backend.snapshot  # once
+        for step in steps:
+            step() if callable(step) else time.sleep(step)
+        return original(*args, **kwargs)
+
+    backend.snapshot = held
+
+
+def test_a_publisher_held_up_while_the_data_flow_is_no_silence(service):
+    """Liveness is judged on when the newest valid status arrived (the cycle's stamp), which the node's deadline
+    thread reads itself before it judges: the service's publisher held up for more than the budget (0.25 s) while
+    the palm answers every cycle makes no `silent` (a loaded host flipped health to silent while the wire was clean,
+    when the budget counted from the publisher's last look)."""
+    backend, health, _seen = service
+    assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["connection"], 10)
+    n = len(health)
+    with StarvationWatch() as starved:
+        _hold_publisher(backend, 0.7)
+        time.sleep(1.5)
+    bad = [(h["state"], h["error_message"]) for h in health[n:] if not h["connection"]]
+    assert not bad or [g for g in starved.gaps if g > 0.2], (bad, starved.gaps)
+
+
+def test_data_reported_late_are_as_old_as_they_are(service):
+    """The publisher held up across the moment the data stopped sees, when it looks again, that valid statuses came
+    since its last look: they arrived 0.5 s ago, so the palm is `silent`, never `connection: true` on them (it said
+    so, with data older than the budget, when the data counted from the look)."""
+    backend, health, _seen = service
+    assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["connection"], 10)
+    lost_at: list[float] = []
+
+    def lose():  # 3 s without a status, from now
+        backend.lose_next = 3000
+        lost_at.append(time.time())
+
+    n = len(health)
+    _hold_publisher(backend, 0.1, lose, 0.6)
+    assert wait_for(lambda: lost_at and time.time() > lost_at[0] + 2.0, 10)
+    window = [h for h in health[n:] if lost_at[0] + 0.3 < h["ts"] < lost_at[0] + 2.0]
+    assert window and not [h for h in window if h["connection"]], [(h["state"], h["details"]["link"]) for h in window]
+    silent = [h for h in window if h["state"] == "silent"]
+    assert silent and silent[0]["details"]["link"]["last_data_age_s"] >= 0.25, silent[:1]
+    assert wait_for(lambda: latest(health).get("state") == "running" and latest(health)["connection"], 10)

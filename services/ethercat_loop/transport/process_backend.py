@@ -568,6 +568,15 @@ class ProcessBackend(HandBackend):
         shm = self._shm
         return shm.seq("raw") if shm is not None else 0
 
+    def last_valid_status(self) -> tuple[int, float | None]:
+        """The raw status slot's sequence and the cycle's own stamp of that status (CLOCK_MONOTONIC: the clock of
+        time.monotonic() in every process): one consistent read of the slot's head."""
+        shm = self._shm
+        got = shm.raw_stamp() if shm is not None else None
+        if got is None:
+            return self.valid_statuses(), None
+        return got[0], got[1] / 1e9
+
     def stop_sent_ns(self, seq: int) -> int | None:
         """The cycle writes the time, then the stop's number, in the cycle that sent its first frame."""
         shm = self._shm

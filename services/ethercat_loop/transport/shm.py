@@ -159,6 +159,22 @@ class SharedBlock:
         read to skip reading a slot that has not changed."""
         return int(_SEQ.unpack_from(self.mm, REGIONS[name][0])[0])
 
+    def raw_stamp(self, retries: int = 50) -> tuple[int, int] | None:
+        """(sequence, CLOCK_MONOTONIC ns) of the newest raw status: its sequence, and when the cycle took it off the
+        wire (RAW_HEAD's time: the release at which the cycle read the reply). None before the first. A consistent
+        read of 24 bytes, no copy of the status."""
+        off = REGIONS["raw"][0]
+        for _ in range(retries):
+            seq = _SEQ.unpack_from(self.mm, off)[0]
+            if seq == 0:
+                return None
+            if seq & 1:
+                continue
+            at_ns = RAW_HEAD.unpack_from(self.mm, off + _SEQ.size)[1]
+            if _SEQ.unpack_from(self.mm, off)[0] == seq:
+                return int(seq), int(at_ns)
+        return None
+
     def read_slot(self, name: str, retries: int = 50) -> tuple[int, bytes] | None:
         """(sequence, payload) of a consistent read, or None if nothing was ever written."""
         off, _size = REGIONS[name]
