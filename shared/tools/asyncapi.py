@@ -404,7 +404,14 @@ def build_document(apis: Iterable[ServiceAPI] | None = None, root: str | None = 
 def render_yaml(doc: dict[str, Any]) -> str:
     import yaml  # here: the dashboard builds the document, never its YAML (~2 MB resident)
 
-    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=100)
+    class NoAnchors(yaml.SafeDumper):
+        """A schema shared by two messages is written out twice, not as `&id062` / `*id062`: generated anchor
+        numbers shift with every change elsewhere, so a new service's diff would renumber unrelated lines."""
+
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return yaml.dump(doc, Dumper=NoAnchors, sort_keys=False, allow_unicode=True, width=100)
 
 
 def write_docs(out_dir: Path, apis: Iterable[ServiceAPI] | None = None, root: str | None = None) -> list[Path]:
