@@ -297,6 +297,7 @@ def ejabberd_access(acl_text: str) -> tuple[dict[str, set[str]], dict[str, set[s
 
 EJABBERD_PEM = "/var/lib/ejabberd/robobus.pem"  # the centre's certificate and key (ejabberd/entrypoint.sh)
 CLUSTER_NODES = ("ejabberd1", "ejabberd2", "ejabberd3")  # compose.cluster.yaml: in the certificate's names
+EJABBERD_MAX_QUEUE = 100_000  # as mosquitto's max_queued_messages in the shipped configs
 EJABBERD_HOST = "robobus"  # the cluster's one ejabberd host (users are user@robobus): its certificate names it
 
 
@@ -337,7 +338,10 @@ def ejabberd_conf(acl_text: str, users: list[str]) -> str:
             # mod_admin_extra: ejabberdctl's change_password, with which a restarted first node
             # (ejabberd/entrypoint.sh) sets its users' passwords again
             "modules:", "  mod_admin_extra: {}",
-            "  mod_mqtt:", "    max_queue: 10000", "    session_expiry: 0", "    max_topic_depth: 12",
+            # max_queue: a session's queue of outgoing messages (one is in flight at a time); past it ejabberd
+            # clears the queue and disconnects the client (quota-exceeded): a bridge reconnects and its subscription
+            # brings the retained stop again (deploy/README.md, "Broker limits")
+            "  mod_mqtt:", f"    max_queue: {EJABBERD_MAX_QUEUE}", "    session_expiry: 0", "    max_topic_depth: 12",
             "    access_publish:", *(f'      "{t}": {r}' for t, r in pub.items()),
             "    access_subscribe:", *(f'      "{t}": {r}' for t, r in sub.items()), ""]
     return "\n".join(out)

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # `make run`: a local mosquitto (unless ROBOBUS_MQTT_URL names another broker) and every service on
 # its simulator, under one small supervisor process (deploy/dev/supervise.py reads deploy/Procfile.sim): what dies
-# is started again, the broker included; Ctrl-C stops the nodes first, then the broker.
+# is started again, the broker included; Ctrl-C stops the nodes first, then the broker; a supervisor killed (-9
+# too) takes every process with it. The broker keeps its retained messages (the bus stop) in run/mosquitto/
+# across its restarts; the broker and ethercat-loop run at SCHED_FIFO ${ROBOBUS_RUN_RT_PRIORITY:-10} where the
+# host permits it (0: normal priority). deploy/README.md, "make run".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH:/usr/sbin"
 procfile=deploy/Procfile.sim
 procs=$(grep -E '^[a-z0-9_-]+:' "$procfile" | cut -d: -f1)
+as_user=()
 if [ -n "${ROBOBUS_MQTT_URL:-}" ]; then
   echo "robobus: using the broker at $ROBOBUS_MQTT_URL (no local mosquitto)"
   procs=$(echo "$procs" | grep -vx broker)
@@ -16,10 +20,32 @@ else
     echo "robobus: something already listens on 127.0.0.1:1883; stop it or set ROBOBUS_MQTT_URL" >&2
     exit 1
   fi
+  # the broker's database (deploy/mosquitto/mosquitto.conf: persistence_location run/mosquitto/)
+  mkdir -p run/mosquitto
+  if [ "$(id -u)" = 0 ] && id -u mosquitto >/dev/null 2>&1; then
+    # mosquitto started as root becomes the user mosquitto, and a process that changes its user loses the
+    # parent-death signal (a kill -9 of the supervisor would leave it holding 1883): the supervisor starts it as
+    # that user already, which must be able to write its database
+    chown mosquitto: run/mosquitto
+    if setpriv --reuid mosquitto --regid mosquitto --init-groups test -w "$PWD/run/mosquitto" 2>/dev/null; then
+      as_user=(--user broker=mosquitto)
+    elif [ -z "${ROBOBUS_MOSQUITTO_CONF:-}" ]; then
+      # the user mosquitto cannot reach this checkout (a private home folder): the broker stays root, as the
+      # nodes of this `make run` are
+      echo "robobus: the user mosquitto cannot write $PWD/run/mosquitto: the broker runs as root" >&2
+      { cat deploy/mosquitto/mosquitto.conf; echo "user root"; } > run/mosquitto-root.conf
+      export ROBOBUS_MOSQUITTO_CONF=run/mosquitto-root.conf
+    fi
+  fi
 fi
+# the demand path at a realtime priority (services/ethercat_loop/README.md, "Priorities on a busy host"): the
+# supervisor says so, or why the host refused it
+rt=${ROBOBUS_RUN_RT_PRIORITY:-10}
+realtime=()
+[ "$rt" != 0 ] && realtime=(--realtime "broker=$rt" --realtime "ethercat-loop=$rt")
 # Home Assistant discovery only on request: it publishes retained configs other tools would see.
 [ "${ROBOBUS_HOMEASSISTANT:-false}" = true ] || procs=$(echo "$procs" | grep -vx homeassistant)
 # The bus recorder only when asked to record (ROBOBUS_RECORD=1): idle, it would hold ~40 MB for nothing.
 [ "${ROBOBUS_RECORD:-0}" = 1 ] || procs=$(echo "$procs" | grep -vx recorder)
 # -S: the supervisor needs the standard library alone (no site-packages, ~2 MB less resident)
-exec python -S deploy/dev/supervise.py --procfile "$procfile" $(echo $procs)
+exec python -S deploy/dev/supervise.py --procfile "$procfile" "${realtime[@]}" "${as_user[@]}" $(echo $procs)

@@ -18,6 +18,9 @@ watched and signalled is the program's own:
   (PR_SET_PDEATHSIG, set by util-linux's `setpriv --pdeathsig` before bash starts) sends SIGKILL to each node
   and SIGTERM to the broker (which saves its database on the way out) the moment this process is gone, so no
   orphan keeps 1883 or 8080 and the next `make run` starts;
+- `--user NAME=USER` (when this process is root) starts that program as USER: a program that gives up root
+  itself (mosquitto becomes the user mosquitto) would lose its parent-death signal (the kernel clears it on a
+  change of user), so it is started as that user already and has nothing to give up;
 - `--realtime NAME=PRIO` starts that program at SCHED_FIFO PRIO (the broker and the hand's node: the demand
   path on a busy host, services/ethercat_loop/README.md "Priorities on a busy host"); where the host refuses
   it (no root or CAP_SYS_NICE, no RLIMIT_RTPRIO, no realtime budget for the cgroup) it logs why once and starts
@@ -26,7 +29,8 @@ watched and signalled is the program's own:
 Not supervisord: its XML-RPC server, supervisorctl's machinery and their imports hold ~25 MB resident that
 `make run` never uses; this process is the standard library only (~12 MB, run with `python -S`).
 
-Usage: supervise.py [--procfile FILE] [--rundir DIR] [--startretries N] [--realtime NAME=PRIO ...] [NAME ...]
+Usage: supervise.py [--procfile FILE] [--rundir DIR] [--startretries N] [--realtime NAME=PRIO ...]
+                    [--user NAME=USER ...] [NAME ...]
 (no NAME: every process of the Procfile)
 """
 
@@ -93,10 +97,12 @@ def exec_line(command: str) -> str:
 class Program:
     """One line of the Procfile and the state of its process."""
 
-    def __init__(self, name: str, command: str, startsecs: float, one_shot: bool, rt_priority: int = 0) -> None:
+    def __init__(self, name: str, command: str, startsecs: float, one_shot: bool, rt_priority: int = 0,
+                 user: str = "") -> None:
         self.name = name
         self.command = command
         self.rt_priority = rt_priority  # SCHED_FIFO priority to start it at (0: normal scheduling)
+        self.user = user  # the user to start it as, when this process is root ("": this process's)
         self.startsecs = startsecs
         self.one_shot = one_shot
         self.pid: int | None = None  # the running process (its process group has the same id)
@@ -162,14 +168,14 @@ def _posix_spawn(argv: list[str], rt_priority: int) -> int:
 
 class Supervisor:
     def __init__(self, procs: dict[str, str], cwd: str = REPO, startretries: int = STARTRETRIES,
-                 realtime: dict[str, int] | None = None) -> None:
+                 realtime: dict[str, int] | None = None, users: dict[str, str] | None = None) -> None:
         self.cwd = cwd
         self.startretries = startretries
-        realtime = realtime or {}
+        realtime, users = realtime or {}, users or {}
         # the broker first: started before the nodes, stopped after them
         names = sorted(procs, key=lambda n: n != BROKER)
         self.programs = [Program(n, procs[n], BROKER_STARTSECS if n == BROKER else NODE_STARTSECS, n in ONE_SHOT,
-                                 realtime.get(n, 0)) for n in names]
+                                 realtime.get(n, 0), users.get(n, "")) for n in names]
         self.setpriv: str | None = None  # found in run(): None, the children would outlive a kill -9 of this process
         self.rt_refused = ""  # why SCHED_FIFO was refused, once it was: later starts do not ask again
         self.stopping = False
@@ -188,7 +194,9 @@ class Supervisor:
             return ["/bin/bash", "-c", script]
         sig = PDEATHSIG_BROKER if p.name == BROKER else PDEATHSIG_NODE
         guard = f'[ "$PPID" = {os.getpid()} ] || exit {ORPHANED_EXIT}; '
-        return [self.setpriv, "--pdeathsig", sig, "--", "/bin/bash", "-c", guard + script]
+        # setpriv changes the user first, then arms the signal (which a change of user would clear)
+        user = ["--reuid", p.user, "--regid", p.user, "--init-groups"] if p.user and os.geteuid() == 0 else []
+        return [self.setpriv, *user, "--pdeathsig", sig, "--", "/bin/bash", "-c", guard + script]
 
     def spawn(self, p: Program) -> None:
         p.start_at = math.inf
@@ -312,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="quick deaths in a row before giving up on a process (default %(default)s)")
     ap.add_argument("--realtime", action="append", default=[], metavar="NAME=PRIO",
                     help="start NAME at SCHED_FIFO PRIO (1-99) where the host permits it (repeatable)")
+    ap.add_argument("--user", action="append", default=[], metavar="NAME=USER",
+                    help="when root, start NAME as USER (and group USER), e.g. broker=mosquitto (repeatable)")
     ap.add_argument("names", nargs="*", help="processes to run (default: all of the Procfile)")
     args = ap.parse_args(argv)
+    users = dict(item.partition("=")[::2] for item in args.user)
     realtime: dict[str, int] = {}
     for item in args.realtime:
         name, _, prio = item.partition("=")
@@ -331,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.rundir, exist_ok=True)
     with open(os.path.join(args.rundir, "supervise.pid"), "w") as f:
         f.write(f"{os.getpid()}\n")
-    return Supervisor(procs, startretries=args.startretries, realtime=realtime).run()
+    return Supervisor(procs, startretries=args.startretries, realtime=realtime, users=users).run()
 
 
 if __name__ == "__main__":

@@ -53,6 +53,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The per-client limits of every broker the project ships (deploy/mosquitto/mosquitto.conf for `make run`,
+# deploy/mosquitto/compose.conf for compose and a fleet; tests/deploy/test_broker_config.py checks they agree), so
+# that a test floods the broker a user runs: in flight per client (and the Receive Maximum a client is given, the
+# kit's own window), then queued per client, by count and by bytes; past them a QoS 1 message is dropped silently.
+BUS_LIMITS: dict[str, int] = {
+    "max_inflight_messages": 1000,
+    "max_queued_messages": 100_000,
+    "max_queued_bytes": 64 * 1024 * 1024,
+}
+
+
+def limits_conf() -> str:
+    return "".join(f"{key} {value}\n" for key, value in BUS_LIMITS.items())
+
+
 def mosquitto_bin() -> str | None:
     return shutil.which("mosquitto") or (
         "/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
@@ -60,23 +75,39 @@ def mosquitto_bin() -> str | None:
 
 @dataclass
 class Broker:
-    """A real mosquitto on 127.0.0.1:<port>; `restart()` kills it hard and starts it again."""
+    """A real mosquitto on 127.0.0.1:<port>; `restart()` kills it hard and starts it again. With make run's limits
+    (BUS_LIMITS); without persistence unless asked (`autosave_interval` seconds, as make run's broker saves: then a
+    restart keeps what was saved before the kill, in `workdir`/db)."""
 
     port: int
     workdir: Path
     proc: subprocess.Popen[bytes] | None = None
     log: list[str] = field(default_factory=list)
+    persistence: bool = False
+    autosave_interval: int = 1
 
     @property
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 
+    @property
+    def db_dir(self) -> Path:
+        return self.workdir / "db"
+
+    def _persistence_conf(self) -> str:
+        if not self.persistence:
+            return "persistence false\n"
+        self.db_dir.mkdir(exist_ok=True)
+        # started as root mosquitto becomes the user mosquitto, who cannot enter a private temporary folder
+        user = "user root\n" if is_root() else ""
+        return (f"{user}persistence true\npersistence_location {self.db_dir}/\n"
+                f"autosave_interval {self.autosave_interval}\nautosave_on_changes false\n")
+
     def start(self) -> None:
         conf = self.workdir / "mosquitto.conf"
         conf.write_text(
-            "per_listener_settings false\nallow_anonymous true\npersistence false\n"
-            "set_tcp_nodelay true\nmax_queued_messages 100000\nmax_inflight_messages 0\n"
-            f"listener {self.port} 127.0.0.1\n"
+            "per_listener_settings false\nallow_anonymous true\n" + self._persistence_conf()
+            + "set_tcp_nodelay true\n" + limits_conf() + f"listener {self.port} 127.0.0.1\n"
         )
         exe = mosquitto_bin()
         if not exe:

@@ -57,5 +57,6 @@ def host_broker_conf(secrets_dir: Path, port: int, extra: str = "") -> str:
     conf = conf.replace("/mosquitto/secrets/", f"{secrets_dir}/")
     conf = conf.replace(PLUGIN_IMAGE_PATH, str(broker_plugin()))
     conf = re.sub(r"^listener .*$\n^protocol .*$", "", conf, flags=re.M)
-    conf = re.sub(r"^(persistence|persistence_location|autosave_interval|include_dir) .*$", "", conf, flags=re.M)
+    conf = re.sub(r"^(persistence|persistence_location|autosave_interval|autosave_on_changes|include_dir) .*$", "",
+                  conf, flags=re.M)
     return conf + f"\nuser root\npersistence false\nlistener {port} 127.0.0.1\nprotocol mqtt\n{extra}"
