@@ -346,6 +346,8 @@ class Flasher:
         self._write_ops = self._build_write_ops()
         self._verify_ops = self._build_verify_ops()
         self._guard: bytes | None = None  # the bootloader area as read before anything was written
+        self._guard_candidate: bytes | None = None  # a baseline read with losses: confirmed by a second read
+        self._guard_passes = 0
         self._exposed = ""  # why a write could have reached the bootloader area (a reboot, a lost frame), if so
         self._pending: Failure | None = None  # a failure waiting for the bootloader area's read-back
         self._pending_phase = Phase.IDLE
@@ -365,10 +367,9 @@ class Flasher:
                               data_bytes=CHUNK, gate=k + CHUNK >= len(block)))
         return ops
 
-    def _guard_ops(self) -> list[Op]:
-        """READ_FLASH of the bootloader and its vectors (0x0000–0x04BF); with the baseline, each answer must
-        carry the bytes read before the write."""
-        base = self._guard
+    def _guard_ops(self, base: bytes | None) -> list[Op]:
+        """READ_FLASH of the bootloader and its vectors (0x0000–0x04BF); with `base`, each answer must carry
+        those bytes (READ answers carry no address: only a compared read is immune to a late answer)."""
         return [Op(p.read_flash(self.local_id, a), a,
                    expect=None if base is None else base[a:a + CHUNK])
                 for a in range(0, APP_START, CHUNK)]
@@ -478,9 +479,11 @@ class Flasher:
         elif phase in (Phase.GUARD, Phase.GUARD_CHECK):
             w = cfg.window
             after_failure = self._pending is not None  # best effort: the board may be gone
-            self.pipe = Pipeline(self._guard_ops(), window=w, timeout_s=cfg.frame_timeout_s,
+            base = self._guard if phase is Phase.GUARD_CHECK else self._guard_candidate
+            self.pipe = Pipeline(self._guard_ops(base), window=w, timeout_s=cfg.frame_timeout_s,
                                  tries=cfg.probe_tries if after_failure else cfg.read_retries, drain_s=cfg.drain_s,
-                                 rewind_to=lambda i: max(0, i - (w - 1)), keep_replies=phase is Phase.GUARD)
+                                 rewind_to=lambda i: max(0, i - (w - 1)), keep_replies=base is None,
+                                 not_before=now + (cfg.drain_s if self._guard_passes else 0.0))
         elif phase is Phase.ERASE:
             self.pipe = single(p.erase_flash(lid), cfg.erase_timeout_s, cfg.erase_tries)
         elif phase is Phase.WRITE:
@@ -538,7 +541,15 @@ class Flasher:
             self._enter(Phase.GUARD, now)
         elif ph is Phase.GUARD:
             assert self.pipe is not None
-            self._guard = b"".join(r.data if r is not None else b"" for r in self.pipe.replies)
+            self._guard_passes += 1
+            if self._guard_candidate is not None:  # the second read carried the same bytes: the baseline
+                self._guard = self._guard_candidate
+            elif self.pipe.retries == 0 and self._guard_passes == 1:  # every answer in order, none late
+                self._guard = b"".join(r.data if r is not None else b"" for r in self.pipe.replies)
+            else:  # a late answer may have been taken for the next chunk's: read again, compared
+                self._guard_candidate = b"".join(r.data if r is not None else b"" for r in self.pipe.replies)
+                self._enter(Phase.GUARD, now)
+                return
             self._enter(Phase.ERASE, now)
         elif ph is Phase.ERASE:
             self._enter(Phase.WRITE, now)
@@ -611,6 +622,12 @@ class Flasher:
 
     def _on_failure(self, failure: Failure, now: float) -> None:
         ph = self.phase
+        if ph is Phase.GUARD and self._guard_candidate is not None and self._guard_passes < 6 \
+                and failure.reason.startswith("read-back mismatch"):
+            self._guard_passes += 1
+            self._guard_candidate = None  # the first read was misaligned by a late answer: read it afresh
+            self._enter(Phase.GUARD, now)
+            return
         if ph is Phase.GUARD_CHECK:
             if failure.reason.startswith("read-back mismatch"):
                 self._guard_changed(failure)

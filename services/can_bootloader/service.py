@@ -44,6 +44,7 @@ from services.can_bootloader.flasher import (
     FlashWarning,
     Hold,
     Phase,
+    PhaseStarted,
     Rewind,
     read_exchange,
     reset_exchange,
@@ -595,14 +596,20 @@ class CanBootService:
 
         def every(now: float) -> None:
             snap = flasher.snapshot()
+            dt = max(now - t0, 1e-6)
             for ev in flasher.events():
-                if isinstance(ev, FlashWarning):
+                if isinstance(ev, PhaseStarted) and ev.phase is not snap.phase:
+                    # a phase begun and ended between two reports (the erase of a fast board, the guard's
+                    # reads): named in the progress all the same
+                    report({"phase": ev.phase.value, "done": 0, "total": ev.total_bytes, "board": board,
+                            "frames_sent": snap.frames_sent, "frames_per_s": round(snap.frames_sent / dt, 1),
+                            "retries": snap.retries})
+                elif isinstance(ev, FlashWarning):
                     warnings.append(ev.message)
                     log.warning("board %d: %s", board, ev.message)
                 elif isinstance(ev, Rewind):
                     where = f" at 0x{ev.address:06X}" if ev.address is not None else ""
                     log.info("board %d: %s retry%s: %s", board, ev.phase.value, where, ev.reason)
-            dt = max(now - t0, 1e-6)
             report({"phase": snap.phase.value, "done": snap.done, "total": snap.total, "board": board,
                     "frames_sent": snap.frames_sent, "frames_per_s": round(snap.frames_sent / dt, 1),
                     "retries": snap.retries})
