@@ -781,7 +781,7 @@ def _kind_name(fw: ModuleFirmware) -> str:
     return next(k for k, t in KINDS.items() if t == fw.module_type)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m services.roi_modules.sim",
                                  description="Simulated ROI modules on <prefix>.<octet>, ports 57344/57664")
     ap.add_argument("--prefix", default="127.0.2", help="network prefix (three octets), default 127.0.2")
@@ -794,20 +794,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--getter-bug", action="store_true", help="ODrive getters answer the control mode (firmware)")
     ap.add_argument("--head-firmware", action="store_true", help="answer FIRMWARE_REPORT (HEAD firmware)")
     ap.add_argument("--actuator-length", action="store_true",
-                    help="actuators answer GET_CURRENT_LENGTH with their length (uint16 BE ticks); without it they "
-                         "answer 0, as the released firmware does")
+                    help="actuators answer GET_CURRENT_LENGTH with their length (uint16 BE ticks), as a firmware that "
+                         "implements the getter does (make run's demo); without it they answer 0, as the released "
+                         "firmware does, and a service that never moved them cannot hold them at the bus stop")
     ap.add_argument("--actuator-max-speed", type=float, default=None,
                     help="ticks/s an actuator moves at most, whatever velocity is commanded")
     ap.add_argument("--watch-stop", action="store_true",
                     help="print one JSON line on stdout per module when it receives its first stop bytes "
                          '({"event": "stop_bytes", "octet", "kind", "action", "unix", "monotonic"}); SIGHUP '
                          "re-arms the watch")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s roi-sim %(message)s")
+    return ap
+
+
+def from_args(args: argparse.Namespace, prefix: str | None = None) -> RoiSim:
+    """The simulator the command line describes (`prefix`: another network prefix than its --prefix)."""
     specs = [SimModuleSpec.parse(t.strip()) for t in args.modules.split(",") if t.strip()]
-    sim = RoiSim(args.prefix, specs, seed=args.seed, getter_bug=args.getter_bug, head_firmware=args.head_firmware,
-                 actuator_length=args.actuator_length, actuator_max_speed=args.actuator_max_speed)
+    sim = RoiSim(prefix or args.prefix, specs, seed=args.seed, getter_bug=args.getter_bug,
+                 head_firmware=args.head_firmware, actuator_length=args.actuator_length,
+                 actuator_max_speed=args.actuator_max_speed)
     sim.set_loss(args.loss)
+    return sim
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s roi-sim %(message)s")
+    sim = from_args(args)
+    specs = list(sim.modules)
     signal.signal(signal.SIGTERM, lambda *_: sim._stop.set())
     signal.signal(signal.SIGUSR1, lambda *_: sim.set_loss(args.signal_loss))
     signal.signal(signal.SIGUSR2, lambda *_: sim.set_loss(0.0))
@@ -817,7 +830,7 @@ def main(argv: list[str] | None = None) -> None:
         sim.watch_stop(emit)
         signal.signal(signal.SIGHUP, lambda *_: sim.watch_stop(emit))
     log.info("serving %d modules on %s.x: %s", len(specs), args.prefix,
-             ", ".join(f"{s.kind}@{s.octet}" for s in specs))
+             ", ".join(f"{_kind_name(sim.modules[o])}@{o}" for o in specs))
     try:
         sim.serve_forever()
     except KeyboardInterrupt:

@@ -93,3 +93,20 @@ def test_length_feedback_off_keeps_the_estimate(broker_session: Broker) -> None:
         assert off is not None and off["estimated"] is True and off["position"] is None
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("velocity", [-5.0, 0.0, -0.0, 1000.5])
+def test_actuator_velocity_out_of_range_is_refused_and_nothing_sent(rig: Rig, velocity: float) -> None:
+    """An actuator's set_velocity is the speed of its moves, in (0, 1000] %/s. Before: -5 was taken as 5 %/s
+    (its absolute value) while 0 was refused."""
+    assert rig.bus.wait("/arm/health", lambda d: d["operational"]) is not None
+    speed = rig.sim.call(30, lambda fw: fw.speed[0])
+    rep = rig.call("arm", "set_velocity", {"velocity": velocity})
+    assert not rep.ok and rep.error["code"] == "invalid_request", rep.raw
+    assert "must be in (0, 1000]" in rep.error["message"], rep.error
+    if velocity:  # the same speed as a move's feed-forward (0 there means: keep the speed)
+        rep = rig.call("arm", "goto_position", {"position": 50.0, "velocity_feedforward": velocity})
+        assert not rep.ok and rep.error["code"] == "invalid_request", rep.raw
+    assert rig.sim.call(30, lambda fw: fw.speed[0]) == speed
+    assert rig.call("arm", "set_velocity", {"velocity": 5.0}).ok  # in range: taken
+    assert rig.sim.call(30, lambda fw: fw.speed[0]) == pytest.approx(5.0 / 100 * 150)

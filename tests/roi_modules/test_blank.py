@@ -22,9 +22,19 @@ from tests.roi_modules.harness import make_rig
 PROCFILE = Path(__file__).resolve().parents[2] / "deploy" / "Procfile.sim"
 
 
+def procfile_lines() -> dict[str, str]:
+    return dict(line.split(":", 1) for line in PROCFILE.read_text().splitlines() if re.match(r"^[\w-]+:", line))
+
+
+def procfile_sim_argv() -> list[str]:
+    """The demo simulator's command line arguments (after `python -m services.roi_modules.sim`)."""
+    words = shlex.split(procfile_lines()["roi-sim"])
+    return words[words.index("services.roi_modules.sim") + 1:]
+
+
 def procfile_roi() -> tuple[list[SimModuleSpec], list[dict[str, Any]]]:
     """The demo's simulated modules (roi-sim --modules) and the service's modules (ROBOBUS_ROI_MODULES)."""
-    lines = dict(line.split(":", 1) for line in PROCFILE.read_text().splitlines() if re.match(r"^[\w-]+:", line))
+    lines = procfile_lines()
     sim_args = shlex.split(lines["roi-sim"])
     specs = [SimModuleSpec.parse(t) for t in sim_args[sim_args.index("--modules") + 1].split(",")]
     env = dict(w.split("=", 1) for w in shlex.split(lines["roi-modules"]) if "=" in w and w.split("=")[0].isupper())
@@ -105,3 +115,9 @@ def test_compose_sim_profile_configures_the_modules_as_make_run() -> None:
     compose = yaml.safe_load((PROCFILE.parent / "compose.yaml").read_text())
     env = compose["services"]["roi-modules-sim"]["environment"]
     assert json.loads(env["ROBOBUS_ROI_MODULES"]) == procfile_roi()[1]
+    # the simulated modules too (the actuator's length feedback among them), on the compose network's prefix
+    command = compose["services"]["roi-sim"]["command"]
+    sim_argv = command[command.index("services.roi_modules.sim") + 1:]
+    make_run = procfile_sim_argv()
+    make_run[make_run.index("--prefix") + 1] = sim_argv[sim_argv.index("--prefix") + 1]
+    assert sim_argv == make_run

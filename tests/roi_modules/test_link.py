@@ -4,6 +4,7 @@ after a reset is operational as soon as its settings are pushed, not at the next
 
 from __future__ import annotations
 
+import itertools
 import json
 import selectors
 import socket
@@ -19,7 +20,7 @@ from services.roi_modules import protocol as p
 from services.roi_modules.settings import RoiSettings
 from services.roi_modules.sim import RoiSim, SimModuleSpec
 from tests.fixtures import Broker
-from tests.roi_modules.conftest import fresh_prefix
+from tests.roi_modules.conftest import fresh_prefix, wait_until
 from tests.roi_modules.harness import make_rig
 
 IO_CONFIGURED = {"name": "io", "octet": 10, "type": "gpio", "pin_modes": {"3": "output"}}
@@ -30,6 +31,7 @@ class Counter:
 
     def __init__(self, host: str) -> None:
         self.counts = {p.GENERAL_PORT: 0, p.SYSADMIN_PORT: 0}
+        self.times: dict[int, list[float]] = {p.GENERAL_PORT: [], p.SYSADMIN_PORT: []}  # monotonic arrivals
         self.sel = selectors.DefaultSelector()
         self.socks = []
         for port in self.counts:
@@ -54,10 +56,16 @@ class Counter:
                         break
                     with self.lock:
                         self.counts[key.data] += 1
+                        self.times[key.data].append(time.monotonic())
 
     def snapshot(self) -> dict[int, int]:
         with self.lock:
             return dict(self.counts)
+
+    def snapshot_times(self) -> list[float]:
+        """When each SysAdmin datagram (a probe) arrived, monotonic."""
+        with self.lock:
+            return list(self.times[p.SYSADMIN_PORT])
 
     def close(self) -> None:
         self.stop.set()
@@ -102,6 +110,29 @@ def test_never_answering_module_is_unreachable_and_probed_once_per_period(
         assert counts[p.SYSADMIN_PORT] >= 2, counts  # it does probe
         states = [json.loads(m.payload)["state"] for m in r.bus.since(0, "/ghost/health")]
         assert "error" not in states and set(states) <= {"connecting", "unreachable"}, states
+    finally:
+        r.close()
+
+
+def test_an_absent_module_is_probed_once_a_second(broker_session: Broker,
+                                                  empty_address: tuple[RoiSim, Counter]) -> None:
+    """The README's promise at the default probe period (1 s): one STATUS_REPORT a second to an address where
+    nothing answers, counted start to start. Before: ~1.6 s apart (the supervisor's period counted from the
+    failure, after the probe's own 0.55 s wait for a reply, then rounded up to the next maintain tick)."""
+    sim, counter = empty_address
+    r = make_rig(broker_session, [IO_CONFIGURED, {"name": "ghost", "octet": 40, "type": "odrive"}], sim=sim)
+    try:
+        h = r.bus.wait("/ghost/health", lambda d: d["state"] == "unreachable", timeout=20)
+        assert h is not None, r.bus.latest("/ghost/health")
+        start = len(counter.snapshot_times())
+        assert wait_until(lambda: len(counter.snapshot_times()) >= start + 6, 20), counter.snapshot_times()
+        times = counter.snapshot_times()[start:]
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        median = gaps[len(gaps) // 2]
+        # the maintain tick (0.1 s) rounds each up; a loaded host may delay one, never bring one early
+        assert 0.95 <= median <= 1.25, gaps
+        assert gaps[0] >= 0.95, gaps  # not more than one a second either
+        assert counter.snapshot()[p.GENERAL_PORT] == 0
     finally:
         r.close()
 

@@ -85,3 +85,27 @@ def test_sim_puts_a_module_of_another_kind_at_an_octet() -> None:
         assert fw.status_report(fw.boot_time).module_type == p.ModuleType.ACTUATOR
     finally:
         sim.close()
+
+
+def test_status_report_of_a_module_of_another_kind_says_so(broker_session: Broker) -> None:
+    """An ODrive configured, a blank GPIO module answering: the command's message names the mismatch and what the
+    module reports. Before: the ODrive's blank-state text ("An ODrive module is configured by any set command")."""
+    r = make_rig(broker_session, [{"name": "wheel", "octet": 20, "type": "odrive"}],
+                 sim_modules=[SimModuleSpec(20, "gpio")])
+    try:
+        assert r.bus.wait("/wheel/health", lambda d: "mismatch" in d["error_message"]) is not None
+        rep = r.call("wheel", "status_report").unwrap()
+        assert rep["module_type_name"] == "gpio" and rep["state_name"] == "blank_state", rep
+        msg = rep["message"]
+        assert msg.startswith("Module type mismatch: gpio answers at octet 20, configured odrive"), msg
+        assert msg.endswith("It reports blank_state.") and "ODrive" not in msg, msg
+        # the configured type answering: its own text, as before
+        r.sim.set_faults(20, offline=True)
+        assert r.bus.wait("/wheel/health", lambda d: not d["connection"], r.bus.mark()) is not None
+        r.sim.replace(20, "odrive")
+        assert wait_until(lambda: r.bus.latest("/wheel/health", 0) and "mismatch" not in
+                          (r.bus.latest("/wheel/health") or {}).get("error_message", "mismatch"), 15)
+        rep = r.call("wheel", "status_report").unwrap()
+        assert "mismatch" not in rep["message"] and "An ODrive module is configured" in rep["message"], rep
+    finally:
+        r.close()

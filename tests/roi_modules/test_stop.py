@@ -25,12 +25,15 @@ import pytest
 from services.roi_modules import protocol as p
 from services.roi_modules.models import RoiModuleConfig
 from services.roi_modules.sim import RoiSim, SimModuleSpec, WireRecord
+from services.roi_modules.sim import from_args as sim_from_args
+from services.roi_modules.sim import parser as sim_parser
 from shared.messages import StopState
 from shared.rpc import RpcClient
 from shared.stop import answer_topic, stop_topic
 from tests.fixtures import Broker
 from tests.roi_modules.conftest import fresh_prefix, wait_until
 from tests.roi_modules.harness import Rig, make_rig
+from tests.roi_modules.test_blank import procfile_roi, procfile_sim_argv
 
 DEADLINE = 20.0  # generous: the machine is shared
 _roots = itertools.count()
@@ -491,3 +494,95 @@ def test_a_motion_command_in_flight_sends_nothing_after_the_stop_and_the_stop_is
         assert rig.sim.call(10, lambda f: f.outputs[3]) == 0
     else:
         assert rig.sim.call(30, lambda f: f.target[0]) == 0.0
+
+
+# -- a node (re)started under the stop, and make run's demo ---------------------------------------------------------
+def test_a_node_started_under_the_stop_holds_an_actuator_it_measures_at_its_first_length(
+        broker_session: Broker) -> None:
+    """A lift left moving to 90 % by a service that is gone; the service starts while the stop is active. Its
+    position is unknown until the module's first length reply: meanwhile the stop answer says `pending` and the
+    health says why; at that reply the lift is held where it is measured, and the answer reports that write.
+    Before: "nothing sent: position unknown" at once, and the lift ran on to its old target."""
+    root = fresh_root()
+    sim = RoiSim(fresh_prefix(), [SimModuleSpec(30, "actuator")], seed=5, actuator_length=True).start()
+
+    def running(f: Any) -> None:
+        f.target[0], f.speed[0] = 0.9 * p.ACTUATOR_FIRMWARE_MAX_TICKS, 15.0  # ticks/s: 9 s to get there
+    sim.call(30, running)
+    assert wait_until(lambda: sim.call(30, lambda f: f.length[0]) > 10.0, DEADLINE)
+    setter = RpcClient(broker_session.settings(topic_root=root), name="roi-stop-setter")
+    setter.connect()
+    try:
+        stop = StopState(active=True, source="tester", reason="lift restart", ts=time.time())
+        assert setter.session.publish_wait(stop_topic(root), stop.model_dump_json(), qos=1, retain=True)
+        rig = make_rig(broker_session, [{"name": "lift", "octet": 30, "type": "actuator"}], sim=sim, root=root)
+        try:
+            a = answer(rig, stop)
+            d = next(d for d in a["devices"] if d["device"] == "lift")
+            assert d["stopped"] and d["error"] == "" and d["written_ts"] is not None, d
+            # held where it is, far short of its old target
+            assert wait_until(lambda: sim.call(30, lambda f: abs(f.target[0] - f.length[0]) < 1.0), DEADLINE)
+            assert sim.call(30, lambda f: f.target[0]) < 0.9 * p.ACTUATOR_FIRMWARE_MAX_TICKS - 10
+            # meanwhile: pending, in the answer and in the health, with why
+            suffix = answer_topic(root, rig.node)[len(f"{root}/{rig.node}"):]
+            answers = [json.loads(m.payload) for m in rig.bus.since(0, suffix)]
+            assert any(x["stop_ts"] == stop.ts and x["devices"] and x["devices"][0]["pending"]
+                       and x["devices"][0]["error"] == "" for x in answers), answers
+            pending = rig.bus.wait("/lift/health", lambda h: h["state"] == "stopped" and h["details"]["stop"]["pending"]
+                                   and "stop pending" in h["error_message"]
+                                   and "first GET_CURRENT_LENGTH reply" in h["error_message"])
+            assert pending is not None, [json.loads(m.payload)["error_message"] for m in rig.bus.since(0, "/health")]
+            held = rig.bus.wait("/lift/health", lambda h: h["state"] == "stopped"
+                                and not h["details"]["stop"]["pending"])
+            assert held is not None and "stop pending" not in held["error_message"], held
+        finally:
+            clear_stop(rig)
+            rig.close()
+    finally:
+        setter.close()
+        sim.close()
+
+
+def demo(length_feedback: bool) -> tuple[RoiSim, list[dict[str, Any]]]:
+    """`make run`'s simulated modules and the service's modules (deploy/Procfile.sim), on a prefix of the test's
+    own; `length_feedback` False: the demo's actuator as the released firmware (no length: the simulator's
+    default, without --actuator-length), and the service's setting for it left at its default."""
+    specs, modules = procfile_roi()
+    argv = procfile_sim_argv()
+    if not length_feedback:
+        argv = [a for a in argv if a != "--actuator-length"]
+        modules = [{k: v for k, v in m.items() if k != "length_feedback"} for m in modules]
+    sim = sim_from_args(sim_parser().parse_args(argv), prefix=fresh_prefix())
+    assert sorted(sim.modules) == sorted(s.octet for s in specs)
+    return sim.start(), modules
+
+
+@pytest.mark.parametrize("length_feedback", [True, False], ids=["as-shipped", "actuator-without-length"])
+def test_make_run_demo_stop_holds_every_module(broker_session: Broker, length_feedback: bool) -> None:
+    """`make run`'s demo: the stop reaches every motion module and the answer has no error (`robobus stop` exits 0),
+    the actuator held at its measured length. Before: roi_arm answered "nothing sent: the actuator's position is
+    unknown" (the demo's actuator gave no length) and `robobus stop` exited 1. An actuator that truly cannot be
+    held (no length, never moved) still says so, honestly."""
+    sim, modules = demo(length_feedback)
+    rig = make_rig(broker_session, modules, sim=sim, root=fresh_root())
+    try:
+        names = [m["name"] for m in modules]
+        assert wait_until(lambda: operational(rig, *names), DEADLINE), {n: health(rig, n) for n in names}
+        assert rig.bus.wait("/roi_arm/state/state", lambda s: True) is not None  # polled: its length was read
+        rig.sim.watch_stop()
+        stop = set_stop(rig, True, "demo")
+        a = answer(rig, stop)
+        devices = {d["device"]: d for d in a["devices"]}
+        assert sorted(devices) == ["roi_arm", "roi_wheel"], devices  # roi_io has no stop_outputs
+        assert devices["roi_wheel"]["error"] == "" and devices["roi_wheel"]["written_ts"] is not None
+        arm = devices["roi_arm"]
+        if length_feedback:
+            assert arm["error"] == "" and arm["written_ts"] is not None, arm
+            assert 30 in rig.sim.stop_stamps()
+        else:
+            assert arm["error"].startswith("nothing sent: the actuator's position is unknown"), arm
+            assert "answers GET_CURRENT_LENGTH with 0" in arm["error"] and arm["written_ts"] is None, arm
+            assert 30 not in rig.sim.stop_stamps()
+    finally:
+        clear_stop(rig)
+        rig.close()
