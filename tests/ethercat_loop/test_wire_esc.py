@@ -249,7 +249,7 @@ def test_next_deadline_properties(release: int, late: int, work: int, period: in
 
 def test_shared_block_slots_and_histograms() -> None:
     blk = SharedBlock.create()
-    other = SharedBlock(blk.path)
+    other = SharedBlock.open(blk.path)
     try:
         assert other.read_slot("snapshot") is None
         assert blk.write_slot("snapshot", b"hello")
@@ -271,7 +271,7 @@ def test_overrun_ring_keeps_the_last_records_in_order() -> None:
     from services.ethercat_loop.transport.shm import OVERRUN_RING, C
 
     blk = SharedBlock.create()
-    other = SharedBlock(blk.path)
+    other = SharedBlock.open(blk.path)
     try:
         assert other.overruns() == []
         for n in range(OVERRUN_RING + 44):  # the cycle: record n, then count it

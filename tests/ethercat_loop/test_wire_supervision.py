@@ -17,9 +17,10 @@ import pytest
 
 from services.ethercat_loop.control import SetDemands
 from services.ethercat_loop.protocol import PalmCommand, unpack_command
-from services.ethercat_loop.settings import EthercatSettings
+from services.ethercat_loop.settings import EthercatSettings, link_policy
 from services.ethercat_loop.sim.virtual_hand import HandControl
 from services.ethercat_loop.transport.process_backend import ProcessBackend
+from shared.link import SupervisedLink
 from tests.ethercat_loop.wire_fixtures import hand, wait_for
 
 pytestmark = pytest.mark.root
@@ -122,3 +123,28 @@ def test_restarts_back_off_until_a_good_run() -> None:
         _old, seen = _kill_and_watch(b)
         assert any("restarting in 0.3 s" in v["issue"] for v in seen), seen
         assert b.info()["restarts"] == 4
+
+
+def test_a_cycle_process_late_to_op_is_a_failed_attempt_and_the_next_one_runs() -> None:
+    """A cycle process that reaches OP after its start deadline (a loaded host, a slow scan) is stopped by the
+    service and its attempt counted as failed; on its way out it must leave the service's shared memory alone (it
+    deleted it, and every later attempt failed for ever with FileNotFoundError while health said `unreachable`). The
+    start is made late on purpose: the first cycle process sleeps past the deadline before it opens the NIC."""
+    with hand("0220") as (ns, ctl):
+        s = EthercatSettings(backend="virtual", ethercat_ifname=ns.master_if, ethercat_netns=ns.name,
+                             ethercat_push_config_on_start=False)
+        b = ProcessBackend(s, start_timeout_s=3.0)
+        b.start_delays = [4.0]  # OP about 1.5 s after the deadline, within the 5 s the service gives it to stop
+        link = SupervisedLink(link_policy(s), lambda _fields: None)
+        b.attach_link(link)
+        b.start()
+        try:
+            wait_for(lambda: b.connected() and b.valid_statuses() > 0, 60,
+                     f"valid process data from the next attempt ({link.details()})")
+            d = link.details()
+            assert d["failures"] == 1 and "did not reach OP within 3.0s" in d["last_failure"], d
+            # the late process did reach OP (it is the one that, on its way out, took the memory along)
+            to_op = [t for t in ctl.call("stats")["transitions"] if t.endswith("->0x08")]
+            assert len(to_op) >= 2, ctl.call("stats")["transitions"]
+        finally:
+            b.stop()

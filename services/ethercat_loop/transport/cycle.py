@@ -4,7 +4,7 @@ MQTT process by shared memory and pipes, so MQTT, JSON and logging never hold th
 
     MQTT process (ProcessBackend)                 cycle process (cycle_main), single-threaded
     submit(msg) --pickle--> control pipe ------>  drained at every tick, msg.apply(driver)
-    snapshot() <-- seqlock slots in /dev/shm <--  every valid status raw; a lean driver snapshot 10 Hz
+    snapshot() <-- seqlock slots (shared mem) <-  every valid status raw; a lean driver snapshot 10 Hz
     stats()    <-- counters + histograms <------  incremented in place every cycle
     on_can_rx  <-- event pipe (non-blocking) <--  driver.take_can_rx()
 
@@ -83,6 +83,7 @@ class CycleConfig:
     state_check_every: int
     error_after: int
     zero_cycles: int = STOP_ZERO_CYCLES
+    start_delay_s: float = 0.0  # tests: sleep this long before opening the NIC (a start made late on purpose)
 
 
 @dataclass
@@ -127,7 +128,7 @@ def fault_kind(exc: BaseException) -> tuple[str, int]:
 
 
 # ============================================================================ the cycle process
-def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connection) -> None:
+def cycle_main(cfg: CycleConfig, shm_fd: int, ctl: Connection, events: Connection) -> None:
     """Entry point of the cycle process."""
     # the node's own logging configuration (level, ROBOBUS_LOG_JSON), not a private one
     setup_logging(cfg.settings.log_level, cfg.settings.log_json)
@@ -137,7 +138,7 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
     # The parent's death closes the control pipe: the cycle reads EOF and stops the same way (zero
     # demands, leave OP). No PR_SET_PDEATHSIG: it fires when the *thread* that started us exits.
     os.set_blocking(events.fileno(), False)
-    shm = SharedBlock(shm_path)
+    shm = SharedBlock.attach(shm_fd)  # the MQTT process's: mapped here, never removed from here
     st = _CycleState()
 
     def publish() -> None:
@@ -148,6 +149,8 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
     for w in st.warnings:
         log.warning("%s", w)
     publish()
+    if cfg.start_delay_s > 0:  # tests: a bring-up made late on purpose (ProcessBackend.start_delays)
+        time.sleep(cfg.start_delay_s)
     master = EthercatMaster(cfg.master)
     _continue_counts(master, shm)
     try:
@@ -189,9 +192,6 @@ def cycle_main(cfg: CycleConfig, shm_path: str, ctl: Connection, events: Connect
             st.state = "stopped"
         publish()
         shm.close()
-        if "parent gone" in stopping:  # nobody is left to remove the shared block
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(shm_path)
     if lost is not None:
         log.error("EtherCAT bus lost: %s", lost)
         raise SystemExit(LOST_EXIT)
@@ -567,9 +567,9 @@ def _send_events(events: Connection, rx: list[CanRxFrame], cnt: Any) -> None:
 
 
 def _child_entry(argv: list[str]) -> None:
-    """`python -m services.ethercat_loop.cycle CTL_FD EVENTS_FD SHM_PATH`, the config pickled on stdin."""
+    """`python -m services.ethercat_loop.cycle CTL_FD EVENTS_FD SHM_FD`, the config pickled on stdin."""
     cfg: CycleConfig = pickle.loads(sys.stdin.buffer.read())
-    cycle_main(cfg, argv[2], Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False))
+    cycle_main(cfg, int(argv[2]), Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False))
 
 
 if __name__ == "__main__":

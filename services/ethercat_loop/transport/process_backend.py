@@ -58,7 +58,8 @@ class ProcessBackend(HandBackend):
         self.settings = settings
         self.nic = nic  # brings up the NIC at start (e.g. a simulated hand on a veth pair); None: settings name it
         s = self.settings
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s = start_timeout_s  # a cycle process not in OP by then is a failed attempt
+        self.start_delays: list[float] = []  # tests: each start of a cycle process takes the first (a late start)
         self.period_ns = s.ethercat_period_us * 1000
         self._proc: subprocess.Popen[bytes] | None = None
         self._shm: SharedBlock | None = None
@@ -189,8 +190,8 @@ class ProcessBackend(HandBackend):
         ev_r, ev_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "services.ethercat_loop.transport.cycle", str(ctl_r), str(ev_w), shm.path],
-                stdin=subprocess.PIPE, pass_fds=(ctl_r, ev_w), cwd=REPO,
+                [sys.executable, "-m", "services.ethercat_loop.transport.cycle", str(ctl_r), str(ev_w), str(shm.fd)],
+                stdin=subprocess.PIPE, pass_fds=(ctl_r, ev_w, shm.fd), cwd=REPO,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                                                os.environ.get("PYTHONPATH")]))})
         except BaseException:
@@ -205,7 +206,8 @@ class ProcessBackend(HandBackend):
         os.set_blocking(ctl_w, False)
         try:
             assert proc.stdin is not None
-            proc.stdin.write(pickle.dumps(cfg, 5))
+            delay = self.start_delays.pop(0) if self.start_delays else 0.0
+            proc.stdin.write(pickle.dumps(dataclasses.replace(cfg, start_delay_s=delay) if delay else cfg, 5))
             proc.stdin.close()
             deadline = time.monotonic() + self.start_timeout_s
             while True:

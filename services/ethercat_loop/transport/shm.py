@@ -3,8 +3,10 @@ wait on: counters and histograms the cycle increments in place (the reader toler
 being one cycle stale), and latest-value slots guarded by a sequence counter (a seqlock: the writer
 makes the sequence odd while writing; a reader retries if it saw an odd or changed sequence).
 
-The block is a file in /dev/shm mapped by both processes (no multiprocessing resource tracker,
-which would unlink a segment when the first attached process exits).
+The block has one owner, the MQTT process: it makes the block (an anonymous memory file, `memfd_create`: no
+name in /dev/shm, nothing anyone must unlink) and hands its descriptor to every cycle process it starts, which
+maps it and closes the descriptor. The memory goes when the last process that maps it ends, however it ends
+(kill -9 of either included); no cycle process, late, stopped or dying, can take it from the next one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import contextlib
 import mmap
 import os
 import struct
-import tempfile
 from collections.abc import Callable
 
 import numpy as np
@@ -70,16 +71,20 @@ REGIONS, TOTAL = _layout()
 
 
 class SharedBlock:
-    """Create with `SharedBlock.create()` (parent), attach with `SharedBlock(path)` (cycle process)."""
+    """Create with `SharedBlock.create()` (the owner: the MQTT process), attach with `SharedBlock.attach(fd)` (a cycle
+    process, given the owner's `fd`) or `SharedBlock.open(path)` (another process: `/proc/<pid>/fd/<fd>`)."""
 
-    def __init__(self, path: str, owner: bool = False) -> None:
-        self.path = path
+    def __init__(self, fd: int, owner: bool = False) -> None:
+        """Map the block open at `fd`. The owner keeps `fd` (to hand to the next cycle process) until `close`; an
+        attached block closes it at once: the mapping holds the memory."""
         self.owner = owner
-        fd = os.open(path, os.O_RDWR)
+        self.fd = fd if owner else -1
+        self.path = f"/proc/{os.getpid()}/fd/{fd}" if owner else ""
         try:
             self.mm = mmap.mmap(fd, TOTAL)
         finally:
-            os.close(fd)
+            if not owner:
+                os.close(fd)
         off, _size = REGIONS["counters"]
         self.counters: npt.NDArray[np.int64] = np.frombuffer(self.mm, np.int64, N_COUNTERS, off)
         self.hist: dict[str, npt.NDArray[np.int64]] = {
@@ -93,13 +98,21 @@ class SharedBlock:
 
     @classmethod
     def create(cls) -> SharedBlock:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="robobus-ecat-", dir=base)
+        fd = os.memfd_create("robobus-ecat", os.MFD_CLOEXEC)  # not inherited but where handed on (pass_fds)
         try:
             os.ftruncate(fd, TOTAL)
-        finally:
+            return cls(fd, owner=True)
+        except BaseException:
             os.close(fd)
-        return cls(path, owner=True)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int) -> SharedBlock:
+        return cls(fd)
+
+    @classmethod
+    def open(cls, path: str) -> SharedBlock:
+        return cls(os.open(path, os.O_RDWR))
 
     def close(self) -> None:
         # numpy views pin the buffer: drop them before closing the mapping
@@ -110,9 +123,9 @@ class SharedBlock:
         self.hist_mv = {}
         with contextlib.suppress(BufferError):
             self.mm.close()
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     # ---- seqlock slots --------------------------------------------------------------------
     def write_slot(self, name: str, payload: bytes) -> bool:
