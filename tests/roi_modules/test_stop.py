@@ -442,15 +442,30 @@ RACE_CASES = [
 ]
 
 
+@pytest.fixture
+def slow_rig(broker_session: Broker) -> Iterator[Rig]:
+    """The rig with a resend timeout of 0.2 s (the default: 50 ms): a command's resend ladder lasts 2.2 s, so a
+    test can set the stop while it runs even on a busy host (the liveness budget follows: 2.3 s)."""
+    r = make_rig(broker_session, MODULES, root=fresh_root(), roi_timeout_s=0.2)
+    try:
+        assert wait_until(lambda: operational(r, "io", "io2", "wheel", "arm"), DEADLINE), \
+            {n: health(r, n).get("state") for n in ("io", "io2", "wheel", "arm")}
+        yield r
+    finally:
+        clear_stop(r)
+        r.close()
+
+
 @pytest.mark.parametrize("case", RACE_CASES, ids=[c[0] for c in RACE_CASES])
 def test_a_motion_command_in_flight_sends_nothing_after_the_stop_and_the_stop_is_resent_until_acknowledged(
-        rig: Rig, case: tuple[str, str, dict[str, Any], int, p.GeneralPacket, p.GeneralPacket, int]) -> None:
+        slow_rig: Rig, case: tuple[str, str, dict[str, Any], int, p.GeneralPacket, p.GeneralPacket, int]) -> None:
     """The module applies every datagram but its replies are lost: the command admitted before the stop is in its
     resend ladder when the stop comes. Seen at the module (the simulator's wire log): after the stop's first
     datagram, nothing of the command arrives (no resend, nor its next datagram); the stop itself is written again
     while unacknowledged (here its first two writes lose their acks, the third is acknowledged), and the node's
     answer reports the time of the write the module acknowledged, not the first one. Before: the command's resends
     went on for up to 0.55 s after the stop, and the stop's own resends waited behind them."""
+    rig = slow_rig
     device, command, request, octet, motion, stop_pkt, per_write = case
     if device == "arm":
         assert rig.call("arm", "goto_position", {"position": 0.0}).ok  # the estimate starts there
