@@ -37,6 +37,7 @@ Usage: supervise.py [--procfile FILE] [--rundir DIR] [--startretries N] [--realt
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
@@ -206,7 +207,7 @@ class Supervisor:
             try:
                 p.pid = _posix_spawn(argv, priority)
             except PermissionError as exc:
-                if not priority:
+                if not priority or exc.errno != errno.EPERM:  # EACCES: the program, not the policy
                     raise
                 self.rt_refused = exc.strerror or str(exc)
                 log(f"realtime refused: SCHED_FIFO {priority} for {p.name!r} ({self.rt_refused}): it and every "
