@@ -214,7 +214,7 @@ class EpuckRobot:
         self._cancel_motion_timer()
         if self.controller.left or self.controller.right:
             self.controller.set_speed(0, 0)  # never resume motion by itself when the robot talks again
-            self.link.request_write()
+            self.link.request_write(urgent=True)
         self._pending_sensors = None  # data from a dead link must not be published later
         if self._frame is not None:
             self._frame = None
@@ -553,7 +553,8 @@ class EpuckRobot:
         if self.controller.left or self.controller.right:
             self.controller.set_speed(0, 0)
             decided = time.time()
-            if not self.link.request_write(lambda ts: self._motion_stop_written(decided, ts)):
+            # urgent: past the link's limit of untaken commands, and taken before them (links/wifi.py)
+            if not self.link.request_write(lambda ts: self._motion_stop_written(decided, ts), urgent=True):
                 self._motion_stop_written(decided, None)
 
     def _motion_stop_written(self, decided: float, ts: float | None) -> None:

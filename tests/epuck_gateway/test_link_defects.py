@@ -200,3 +200,117 @@ def test_a_robot_hanging_right_after_connect_is_silent_within_the_allowance_its_
         await link.close()
 
     asyncio.run(main())
+
+
+@pytest.fixture
+def half_fps_robot() -> Iterator[EpuckSimThread]:
+    """One image every 2 s, the sensors packet following it: one robot cycle (one command taken) per 2 s; the
+    radio module re-applies the command it took to the F407 at 50 Hz meanwhile."""
+    s = EpuckSimThread(1, EpuckSimConfig(sensors_hz=50, image_fps=0.5, image_holds_cycle=True, uart_hz=50)).start()
+    yield s
+    s.close()
+
+
+def test_at_half_an_image_a_second_the_deadmans_stop_is_taken_at_the_next_cycle(
+        half_fps_robot: EpuckSimThread) -> None:
+    """Two LED changes in the image period fill the link's limit of untaken commands: the deadman's stop
+    (`request_write(urgent=True)`) must not wait behind them (it did: taken two or three cycles later, 4-6 s), and
+    must not leave them to be taken first either: the robot takes it at its next cycle, with every LED set."""
+    robot = half_fps_robot.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        ctl = EpuckController()
+        link = make_link(robot.port, ctl, states)
+        link.start()
+        assert await wait_for(lambda: link.stats.sensors >= 1, 10)
+        ctl.set_speed(200, 200)
+        link.request_write()
+        assert await wait_for(lambda: robot.world.speed_left == 200, 10)
+        written = robot.stats.commands
+        for name in ("led1", "led3"):
+            ctl.set_leds(**{name: True})
+            link.request_write()
+        assert await wait_for(lambda: robot.stats.commands >= written + 2, 2)  # both written: the limit is full
+        told: list[float | None] = []
+        cycles = robot.stats.cycles
+        ctl.set_speed(0, 0)
+        assert link.request_write(told.append, urgent=True)
+        assert told and told[0] is not None  # written at once
+        assert await wait_for(lambda: robot.world.speed_left == 0, 10)
+        assert robot.stats.cycles <= cycles + 1, (robot.stats.cycles, cycles)  # the next cycle took it
+        assert robot.world.leds == LED_BITS["led1"] | LED_BITS["led3"]  # the stop carries the whole state
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_at_half_an_image_a_second_a_newer_speed_replaces_the_untaken_ones(half_fps_robot: EpuckSimThread) -> None:
+    """A teleop stream (a new speed every 250 ms for 3 s) to a robot that takes one command per 2 s: each cycle
+    takes the newest speed, never one an older write queued, and the last one is taken at the first cycle after
+    it was written (it waited two cycles behind older speeds)."""
+    robot = half_fps_robot.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        ctl = EpuckController()
+        link = make_link(robot.port, ctl, states)
+        link.start()
+        assert await wait_for(lambda: link.stats.sensors >= 1, 10)
+        values = [100 + 20 * i for i in range(12)]
+        written_at: dict[int, float] = {}
+        seen: list[tuple[int, float]] = []  # speed the robot drives at, from when
+
+        async def watch() -> None:
+            while True:
+                if not seen or seen[-1][0] != robot.world.speed_left:
+                    seen.append((robot.world.speed_left, time.monotonic()))
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        for v in values:
+            ctl.set_speed(v, v)
+            written_at[v] = time.monotonic()
+            link.request_write()
+            await asyncio.sleep(0.25)
+        cycles = robot.stats.cycles
+        assert await wait_for(lambda: robot.world.speed_left == values[-1], 10)
+        assert robot.stats.cycles <= cycles + 1, (robot.stats.cycles, cycles)
+        watcher.cancel()
+        # every speed the robot took was the newest written before it took it
+        for v, t in seen:
+            if v in written_at:
+                newer = [w for w in values if written_at[w] > written_at[v] and written_at[w] < t - 0.05]
+                assert not newer, (v, newer, seen)
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_at_half_an_image_a_second_a_one_shot_is_applied_by_one_short_cycle(half_fps_robot: EpuckSimThread) -> None:
+    """Sound and IR calibration are level-triggered on the robot: the radio module re-sends the last command it
+    took at every exchange with the F407 (50 Hz here) until it takes the next, once per cycle of its own, and a
+    cycle with the image lasts the image period. With the image in the one-shot's command a melody restarted ~100
+    times; without it the cycle that applies it is short and the clear is taken right after."""
+    robot = half_fps_robot.robots[0]
+
+    async def main() -> None:
+        states: States = []
+        images: list[object] = []
+        ctl = EpuckController()
+        link = make_link(robot.port, ctl, states)
+        link._on_packets = lambda p, t: images.extend(x for x in p if type(x).__name__ == "ImagePacket")
+        link.start()
+        assert await wait_for(lambda: len(images) >= 1, 10)
+        ctl.play(SOUND_MARIO)
+        ctl.calibrate_ir()
+        link.request_write()
+        assert await wait_for(lambda: robot.world.sound_starts >= 1 and robot.world.calibrations >= 1, 10)
+        assert await wait_for(lambda: robot.command is not None and robot.command.sound == 0, 5)  # cleared
+        n = len(images)
+        assert await wait_for(lambda: len(images) >= n + 2, 10)  # the stream goes on, two image periods later
+        assert robot.world.sound_starts <= 3 and robot.world.calibrations <= 3, robot.world
+        assert robot.world.melodies.count(SOUND_MARIO) == 1
+        await link.close()
+
+    asyncio.run(main())

@@ -178,3 +178,33 @@ def test_garbage_with_packet_ids_is_not_a_live_robot_and_is_counted() -> None:
         assert "unreachable" in kinds, kinds
 
     asyncio.run(main())
+
+
+def test_a_connect_timeout_says_what_timed_out() -> None:
+    """A robot that never answers the TCP connect (a SYN lost on the way): the failure's reason names the connect
+    timeout and its length (it read `cannot connect to host:port: ` with nothing after it: a TimeoutError's text
+    is empty)."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def no_answer(*args: object, **kwargs: object) -> object:
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+        loop.create_connection = no_answer  # type: ignore[method-assign,assignment]
+        states: list[tuple[bool, str, str]] = []
+        link = EpuckLink("r1", EpuckLinkConfig("127.0.0.1", 9, connect_timeout_s=0.2, reconnect_min_s=0.05,
+                                               reconnect_max_s=0.1, stale_timeout_s=0.4),
+                         EpuckController(), lambda p, t: None, lambda c, s, m: states.append((c, s, m)),
+                         lambda e: None)
+        link.start()
+        assert await wait_for(lambda: link.stats.connects == 0 and link.sup.details().get("last_failure"), 5)
+        reason = link.sup.details()["last_failure"]
+        assert reason == ("cannot connect to 127.0.0.1:9: no answer to the TCP connect within 0.2 s "
+                          "(connect timeout)"), reason
+        assert await wait_for(lambda: any(s == "unreachable" for _c, s, _m in states), 5)
+        assert "connect timeout" in next(m for _c, s, m in states if s == "unreachable")
+        await link.close()
+
+    asyncio.run(main())

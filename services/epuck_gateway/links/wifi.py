@@ -16,13 +16,24 @@ within 15 ms never played). The link therefore keeps at most `MAX_UNTAKEN` writt
 robot has not yet taken (one is taken per robot cycle, i.e. per packet that ends a cycle and began
 after the write); beyond that, changes coalesce into the next write, which goes when the robot takes
 one. With the robot's count off by at most the cycle in progress, and one liveness probe, its queue
-stays below 5. A stop therefore leaves at once even when the robot's cycle is slow (0.5 fps images:
-one cycle per image, 2 s), and `request_write(on_written)` says when it left.
+stays below 5, and `request_write(on_written)` says when a state left.
 
-The bus stop (`write_stop`) is written at once whatever the robot's queue holds: the firmware ends with the
-newest command either way (it takes them in order, or flushes all but the newest at 5), and a stop carries no
-one-shot, so nothing it coalesces over can be lost. A robot whose link is down keeps its last speeds (no
-watchdog on the robot); its stop is the next connection's first command, which always has speeds 0.
+Motion does not queue: a robot cycle is one image at a slow image rate (2 s at 0.5 fps), and a speed that waited
+behind one or two untaken commands ran that much longer or later than asked (a 1 s deadman stopped a robot after
+2.7 s). A command whose wheel speeds (or obstacle avoidance) differ from the last written, while the robot has
+untaken commands none of which carries a one-shot, replaces them: it is written `FIRMWARE_FLUSH` times in one
+write, so the firmware finds 5 queued at its next cycle, drops the older ones and takes it (a whole state: the
+dropped ones held nothing it lacks). The stops go that way whatever is queued (a stop beats a melody not yet
+played): the deadman's (`request_write(urgent=True)`), the bus stop (`write_stop`), the stop before a close or a
+reset. A robot whose link is down keeps its last speeds (no watchdog on the robot); its stop is the next
+connection's first command, which always has speeds 0.
+
+One-shots (sound, IR calibration, step-counter write) are level-triggered on the robot: the radio module
+re-sends the last command it took to the F407 on every exchange (reference section 3), and takes a new one once
+per cycle of its own. A command that carries a one-shot therefore asks for no image (protocols/wifi.py
+`EpuckController.build`): the cycle that applies it is short (the sensors packet, or 0x03), and the clear that
+follows it (with the streams asked for) is taken at the next; with the image in it, the one-shot stayed for a
+whole image period (at 0.5 fps a melody restarted 50-100 times).
 
 Health is the kit's link supervisor's (shared/link.py, docs/kit.md "Health"): the link reports what
 happens (attempt, opened, failed, data, garbage, closed) and reconnects on the supervisor's back-off,
@@ -61,12 +72,16 @@ from services.epuck_gateway.links.base import (
 from services.epuck_gateway.links.liveness import LinkLiveness
 from services.epuck_gateway.protocols.wifi import (
     REQ_SENSORS,
+    SET_OBSTACLE_AVOIDANCE,
+    SET_STEPS,
     EmptyPacket,
+    EpuckCommand,
     EpuckController,
     EpuckStreamParser,
     FramingError,
     ImagePacket,
     Packet,
+    ProtocolError,
     SensorsPacket,
     implausible_sensors,
     stop_command,
@@ -81,6 +96,7 @@ STOP_LINGER_S = 0.2
 LOWAT_MIN = 1024  # only an image's remainder is worth a setsockopt; sensors packets are 105 bytes
 LOWAT_MAX = 65536  # below the receive buffer, so the mark can always be met
 MAX_UNTAKEN = 2  # written commands the robot has not taken yet; its firmware flushes at 5 queued (module doc)
+FIRMWARE_FLUSH = 5  # queued commands from which the firmware keeps only the newest (reference section 4)
 
 
 @dataclass
@@ -142,8 +158,9 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         self._stopped = asyncio.Event()
         self._watchdog: asyncio.TimerHandle | None = None
         self._accepted = False  # the robot answered this connection's first command
-        # per written command the robot has not taken yet: the packet count it must see a cycle end beyond
-        self._untaken: collections.deque[int] = collections.deque()
+        # per written command the robot has not taken yet: the packet count it must see a cycle end beyond, and
+        # whether it carries a one-shot (it must not be flushed by a replacing write)
+        self._untaken: collections.deque[tuple[int, bool]] = collections.deque()
         self._last_written = b""
         self._session_writes = 0  # commands written on this connection (the first must be alone: reference §3)
         self._written_request = 0
@@ -171,7 +188,7 @@ class EpuckLink(RobotLink[asyncio.Transport]):
             # already, and a second command in the first's TCP segment would make it refuse both (reference §3).
             self._dirty = True
             return time.time()
-        return self._write_state(force=True)
+        return self._write_state(force=True, replace=True)
 
     async def close(self) -> None:
         """Stop the robot (speeds 0, LEDs off, stop sound, request 0), wait for its 0x03, close."""
@@ -180,7 +197,7 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         if self.connected and self._transport is not None:
             self._stop_mark = self.parser.packets + (1 if self.parser.in_packet else 0)
             self._stopped.clear()
-            self._write(stop_command().encode())  # the last word: not paced
+            self._write_replacing(stop_command().encode())  # the last word: not paced, nothing queued before it
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), self.config.stop_drain_s)
             self._drop_transport()
@@ -193,8 +210,11 @@ class EpuckLink(RobotLink[asyncio.Transport]):
             transport, _ = await asyncio.wait_for(
                 asyncio.get_running_loop().create_connection(lambda: _Wire(self), cfg.host, cfg.port),
                 cfg.connect_timeout_s)
-        except (OSError, TimeoutError) as exc:
-            raise OpenFailed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}") from None
+        except TimeoutError:  # (before OSError: TimeoutError is one) its text is empty
+            raise OpenFailed(f"cannot connect to {cfg.host}:{cfg.port}: no answer to the TCP connect within "
+                             f"{cfg.connect_timeout_s:g} s (connect timeout)") from None
+        except OSError as exc:
+            raise OpenFailed(f"cannot connect to {cfg.host}:{cfg.port}: {str(exc) or type(exc).__name__}") from None
         assert isinstance(transport, asyncio.Transport)
         sock = transport.get_extra_info("socket")
         self._sock, self._lowat = sock, 1
@@ -246,7 +266,7 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         self._written_request = first.request
         self._last_written = first.encode()
         self._write(self._last_written)
-        self._untaken.append(self.parser.packets)
+        self._untaken.append((self.parser.packets, False))
         self.controller.sent(self.parser.packets, False)
         owed, self.owed_stop = self.owed_stop, None
         if owed is not None:  # a stop decided while the link was down: this first command (speeds 0) is it
@@ -267,28 +287,60 @@ class EpuckLink(RobotLink[asyncio.Transport]):
 
     # -- writes: at once, within what the robot's command queue takes ----------------------------------
     def _flush(self) -> None:
-        if not (self._dirty and self._accepted) or self._closing or len(self._untaken) >= MAX_UNTAKEN:
-            return  # the first command not answered yet, or the robot's queue is full enough: wait for a cycle
+        if not (self._dirty and self._accepted) or self._closing:
+            return  # nothing new, or the first command not answered yet
+        if self._urgent:
+            self._write_state(force=False, replace=True)
+            return
+        if self._untaken and not any(oneshot for _mark, oneshot in self._untaken) and self._moves():
+            self._write_state(force=False, replace=True)  # a new speed replaces the untaken ones (module doc)
+            return
+        if len(self._untaken) >= MAX_UNTAKEN:
+            return  # the robot's queue is full enough: wait for a cycle
         self._write_state(force=False)
 
-    def _write_state(self, force: bool) -> float:
-        """Write the controller's whole state (unless it is the state last written and not `force`); tell the
+    def _moves(self) -> bool:
+        """The state to write sets other wheel speeds (or obstacle avoidance) than the last one written."""
+        try:
+            last = EpuckCommand.decode(self._last_written)
+        except ProtocolError:
+            return True
+        if last.settings & SET_STEPS:
+            return True  # its speed bytes were step counters: the speeds it leaves are older ones
+        level = self.controller.level()
+        return ((last.left, last.right, last.settings & SET_OBSTACLE_AVOIDANCE)
+                != (level.left, level.right, level.settings & SET_OBSTACLE_AVOIDANCE))
+
+    def _write_state(self, force: bool, replace: bool = False) -> float:
+        """Write the controller's whole state (unless it is the state last written and not `force`); `replace`:
+        so that the robot takes it at its next cycle, dropping what it had not taken (module doc). Tell the
         waiting listeners; the time it left."""
         cmd = self.controller.build()
         data = cmd.encode()
         self._dirty = False
+        self._urgent = False
         if force or data != self._last_written:
             self._written_request = cmd.request
             self.liveness.set_request(cmd.request)
             self._set_budget()
             self._last_written = data
-            self._write(data)
             mark = self.parser.packets + (1 if self.parser.in_packet else 0)
-            self._untaken.append(mark)
+            if replace:
+                self._write_replacing(data)
+                self._untaken.clear()
+            else:
+                self._write(data)
+            self._untaken.append((mark, self.controller.awaiting_clear))
             self.controller.sent(self.parser.packets, self.parser.in_packet)
         ts = time.time()
         self._tell_written(ts)  # written now, or the robot already holds this very state
         return ts
+
+    def _write_replacing(self, data: bytes) -> None:
+        """A command the robot takes at its next cycle, whatever was queued before it: written `FIRMWARE_FLUSH`
+        times at once when the robot has untaken commands (the firmware keeps only the newest of 5 or more
+        queued), once when it has none."""
+        self._write(data * (FIRMWARE_FLUSH if self._untaken else 1))
 
     def _ends_cycle(self, p: Packet) -> bool:
         """The robot's cycle ends with the sensors packet, or the image when no sensors follow it, or 0x03."""
@@ -332,7 +384,7 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         Closing at once with the robot's stream unread in our receive buffer makes the kernel send an
         RST, which can discard the stop command before the robot has read it. The left connection keeps
         draining (its bytes go nowhere) for `STOP_LINGER_S`, so it ends with a FIN after the stop."""
-        self._write(stop_command().encode())
+        self._write_replacing(stop_command().encode())
         t, self._transport = self._transport, None
         self.connected = False
         if t is not None:
@@ -396,7 +448,7 @@ class EpuckLink(RobotLink[asyncio.Transport]):
                 self.stats.empty += 1
                 if self._stop_mark is not None and base + i > self._stop_mark:
                     self._stopped.set()
-            if self._ends_cycle(p) and self._untaken and base + i > self._untaken[0]:
+            if self._ends_cycle(p) and self._untaken and base + i > self._untaken[0][0]:
                 self._untaken.popleft()  # the robot's cycle that began after that write took it
         self.stats.packets += len(packets)
         valid = self._valid(packets)

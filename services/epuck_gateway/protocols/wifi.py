@@ -383,9 +383,10 @@ class EpuckController:
 
     The robot repeats the last command it got on every cycle (reference section 3), so:
     - level state (request, speeds, LEDs, RGB, obstacle avoidance) is sent once, on change;
-    - one-shot flags (IR calibration, sound, set-steps) go out once and are cleared by the next
-      command, sent as soon as a whole packet that the robot started after our command has arrived
-      (so the firmware applied the flag at least one cycle), as GCtronic's clients do;
+    - one-shot flags (IR calibration, sound, set-steps) go out once, in a command that asks for no image
+      (the robot's cycle that applies it is then short), and are cleared by the next command, sent as soon
+      as a whole packet that the robot started after our command has arrived (so the firmware applied the
+      flag at least one cycle), as GCtronic's clients do;
     - motion is never restored after a reconnect: the first command of a link has speeds 0.
     """
 
@@ -414,8 +415,12 @@ class EpuckController:
         if self._steps is not None:
             settings |= SET_STEPS
             left, right = self._steps
-        cmd = replace(cmd, settings=settings, left=left, right=right, sound=self._oneshot_sound)
         self.awaiting_clear = bool(self._oneshot_settings or self._oneshot_sound or self._steps is not None)
+        # The radio module re-applies the last command it took at every exchange with the F407 until it takes
+        # the next, once per cycle of its own; a cycle with the image lasts an image period (2 s at 0.5 fps). A
+        # one-shot asks for no image, so the cycle that applies it is short and the clear is taken right after.
+        request = cmd.request & ~REQ_IMAGE if self.awaiting_clear else cmd.request
+        cmd = replace(cmd, request=request, settings=settings, left=left, right=right, sound=self._oneshot_sound)
         self._oneshot_settings = 0
         self._oneshot_sound = 0
         self._steps = None

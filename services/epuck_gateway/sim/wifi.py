@@ -4,12 +4,15 @@ Behaviour copied from the ESP32 WiFi firmware as the reference describes it (sec
 - `listen(1)` and one client at a time; the next client is accepted only after the current one left;
 - nothing is sent before the first command, which must be 21 bytes starting with 0x80;
 - then the robot streams with the last command it got: each cycle it takes one queued command
-  (if 5 or more are queued, the older ones are flushed), applies it to the "F407" (every flag is
-  level-triggered: calibration and sound repeat until a command clears them), and sends the image
+  (if 5 or more are queued, the older ones are flushed), applies it to the "F407", and sends the image
   (id byte, then 9 x 4092 + 1572 bytes), then the sensors packet, or 0x03 when nothing is requested;
   with the image requested, the cycle waits for the next image (`image_fps`), so the sensors packet
   comes once per image, as on the robot (`image_holds_cycle`; off = sensors every cycle, images when
   due, a load profile for benchmarks);
+- the radio module's UART task sends the last command it took to the F407 on every exchange of its own
+  (`uart_hz`, reference section 3), whatever the socket cycle does: every flag is level-triggered, so
+  calibration, sound and a step-counter write are applied again at each exchange until a command that
+  clears them is taken (at 0.5 fps with the image in the command, 100 times at 50 Hz);
 - on a disconnect the motors keep their last speeds (no watchdog on the robot).
 
 For the bus stop's measurements (`StopWatch`): once armed, a robot time-stamps the first stop it receives
@@ -91,6 +94,7 @@ class EpuckSimConfig:
     stamp: bool = False  # benchmarks: magnetometer X carries the send time (unix time mod 1000 s)
     nodelay: bool = True  # the ESP32's lwIP uses Nagle; the sim does not, so latency figures are the gateway's
     image_holds_cycle: bool = True  # firmware: a cycle with the image requested waits for the image
+    uart_hz: float = 50.0  # the radio module's exchanges with the F407, each re-applying the last command (0: off)
 
 
 @dataclass
@@ -218,6 +222,7 @@ class EpuckSimRobot:
                 first.set()
 
         rx = asyncio.ensure_future(read_commands())
+        uart = asyncio.ensure_future(self._uart())
         try:
             waiter = asyncio.ensure_future(first.wait())
             await asyncio.wait([rx, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -227,10 +232,29 @@ class EpuckSimRobot:
                 return
             await self._stream(writer, queue, rx)
         finally:
-            rx.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await rx
             writer.transport.abort()
+            rx.cancel()
+            uart.cancel()
+            # not `await task` under suppress(CancelledError): a stop() cancelling this session meanwhile would be
+            # swallowed, and the server would accept on (a SIGTERM then hung the simulator)
+            await asyncio.wait([rx, uart])
+
+    async def _uart(self) -> None:
+        """The radio module's UART task: the last command taken goes to the F407 on every exchange, applied there
+        each time (its flags are level-triggered)."""
+        if self.config.uart_hz <= 0:
+            return
+        period = 1.0 / self.config.uart_hz
+        while True:
+            await asyncio.sleep(period)
+            if self.command is not None and not self.hung:
+                self._apply(self.command)
+
+    def _apply(self, cmd: EpuckCommand) -> None:
+        now = time.monotonic()
+        self.world.advance(now - self._last_physics)
+        self._last_physics = now
+        self.world.apply(cmd)
 
     async def _stream(self, writer: asyncio.StreamWriter, queue: collections.deque[EpuckCommand],
                       rx: asyncio.Task[None]) -> None:
@@ -259,10 +283,8 @@ class EpuckSimRobot:
                 self.command = queue.popleft()
             cmd = self.command
             assert cmd is not None
+            self._apply(cmd)  # taken: at once, as the next exchange with the F407 would
             now = time.monotonic()
-            self.world.advance(now - self._last_physics)
-            self._last_physics = now
-            self.world.apply(cmd)
             while self._inject:
                 writer.write(self._inject.pop(0))
             if not self.silent:
