@@ -186,6 +186,12 @@ class Device:
             "error": False, "error_message": "", "details": {},
         }
         self._health_lock = threading.Lock()
+        # health is published from several threads (the service's loop, the heartbeat, the connect callback): each
+        # publish takes a ticket before it reads the state, and one whose ticket is older than one already sent
+        # is dropped, so a snapshot read before a change can never be the retained health after it (publish_health)
+        self._health_tickets = 0
+        self._health_sent = 0
+        self._publish_lock = threading.Lock()
         self.link: SupervisedLink | None = None
         self.commands: dict[str, tuple[CommandSpec, Handler]] = {}
         self.moves_when: dict[str, Callable[[Any], bool]] = {}  # motion=BY_REQUEST command -> its predicate
@@ -247,8 +253,16 @@ class Device:
         """Retained, with a Message Expiry Interval of a few heartbeats (`health_expiry_beats`): the broker drops
         it when its node dies without a word (kill -9, a cut), so a reader of one device's health is never told a
         dead node's device is live."""
-        self.node.session.publish(f"{self.base}/health", self.health_message().model_dump_json(),
-                                  qos=1, retain=True, properties=health_properties(self.node.settings))
+        with self._publish_lock:
+            self._health_tickets += 1
+            ticket = self._health_tickets
+        payload = self.health_message().model_dump_json()  # outside the lock: it takes the link's own
+        with self._publish_lock:
+            if ticket < self._health_sent:
+                return  # a snapshot begun later has gone out already: this one may be older than it
+            self._health_sent = ticket
+            self.node.session.publish(f"{self.base}/health", payload,
+                                      qos=1, retain=True, properties=health_properties(self.node.settings))
 
     # -- state, events, streams ------------------------------------------------------------------
     def _slot(self, spec: StateSpec | BinarySpec) -> RateSlot:

@@ -6,7 +6,10 @@ the suite beside `stress-ng --cpu 1`)."""
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
+from typing import Any
 
 from services.epuck_gateway.api import API
 from services.epuck_gateway.service import build
@@ -34,3 +37,34 @@ def test_every_configured_robot_is_a_device_once_built_before_any_connection() -
     finally:
         sys.setswitchinterval(interval)
         gateway.pool.shutdown(wait=False)
+
+
+def test_a_health_snapshot_read_before_a_change_is_never_published_after_it() -> None:
+    """At start the connect callback (paho's thread) publishes every robot's health while the loop's link reports
+    `connected`: a `connecting` snapshot read before that change and sent after it was the retained health until
+    the next change (up to 150 ms, `streaming`). A publish whose snapshot began earlier than one already sent is
+    dropped (shared/device.py publish_health)."""
+    settings = EpuckSettings(mqtt_url="mqtt://127.0.0.1:9", epuck_robots=[{"id": "r", "host": "127.0.0.1", "port": 9}])
+    node = Node(API, settings)
+    dev = node.device("r")
+    sent: list[dict[str, Any]] = []
+    node.session.publish = lambda topic, payload, **kw: sent.append(json.loads(payload))  # type: ignore[method-assign]
+    dev.set_health(state="connecting")
+    read, go = threading.Event(), threading.Event()
+    real = dev.health_message
+
+    def slow_message() -> Any:
+        msg = real()  # the old state, read now ...
+        if threading.current_thread().name == "heartbeat":
+            read.set()
+            go.wait(5)  # ... and sent after the change
+        return msg
+
+    dev.health_message = slow_message  # type: ignore[method-assign]
+    beat = threading.Thread(target=dev.publish_health, name="heartbeat")
+    beat.start()
+    assert read.wait(5)
+    dev.set_health(state="connected")  # the link's change, published at once
+    go.set()
+    beat.join(5)
+    assert sent[-1]["state"] == "connected", [m["state"] for m in sent]
