@@ -110,8 +110,8 @@ def supervised(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, S
         yield proc, port, statuses, log
     finally:
         statuses.close()
-        # the supervisor's children are in process groups of their own: a SIGKILL of the supervisor alone would
-        # leave them running, so stop it as Ctrl-C does, and kill what is left of its children after
+        # stop it as Ctrl-C does (its children die with it even on a SIGKILL, tests/deploy/test_supervise_lifecycle.py;
+        # this is the orderly path), and kill whatever of its children is left after
         children = list(_children(proc.pid).values()) if proc.poll() is None else []
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
