@@ -36,6 +36,9 @@ order they reached the modules' sockets (`stop_log()`). The time is the kernel's
 the module's socket (SO_TIMESTAMPNS), not the moment this one thread for every module got round to reading it:
 a real module reads its own socket, and fifty modules' stops queued behind one another here are the simulator's
 delay, not the sender's (where the kernel gives no time: when it was read).
+
+The wire log (`record_wire()`, `wire_log()`): every general datagram the modules receive and apply, in order, for
+tests that must see what reached a module and when (nothing of a command after the bus stop's datagrams).
 """
 
 from __future__ import annotations
