@@ -65,6 +65,7 @@ from services.epuck_gateway.protocols.firmware import (
     BadFirmware,
     FirmwareError,
     FlashTimeout,
+    OneBar,
     ProgrammerBusy,
     ProgrammerNotFound,
     flash_firmware,
@@ -129,6 +130,7 @@ class EpuckRobot:
         self.sup.device_state("streaming")
         self.link: RobotLink[Any] = self._make_link()
         self._flashing = False
+        self.firmware_state = ""  # what a failed update left on the robot, until a flash succeeds
         self.sensors_gate = RateGate.for_jitter(settings.epuck_sensors_hz)
         self.image_gate = RateGate.for_jitter(settings.epuck_image_fps)
         self.unwrap_l, self.unwrap_r = StepUnwrapper(), StepUnwrapper()
@@ -229,8 +231,16 @@ class EpuckRobot:
 
     def _details(self) -> dict[str, Any]:
         s = self.link.stats
-        return {"transport": self.cfg.transport, "address": self.cfg.address, "reconnects": s.reconnects,
-                "framing_errors": s.framing_errors}
+        out: dict[str, Any] = {"transport": self.cfg.transport, "address": self.cfg.address,
+                               "reconnects": s.reconnects, "framing_errors": s.framing_errors}
+        since = getattr(self.link, "resync_since", None)  # serial: no poll until the robot answers a resync
+        if since is not None:
+            out["resync"] = {"since_s": round(time.monotonic() - since, 1),
+                             "unanswered": getattr(self.link, "resync_unanswered", 0),
+                             "message": "resynchronising the serial line: no poll until the robot answers"}
+        if self.firmware_state:
+            out["firmware"] = self.firmware_state
+        return out
 
     def _on_framing_error(self, err: FramingError) -> None:
         self.node.count_decode_error(f"{self.cfg.id}: {err.describe()}")
@@ -474,28 +484,45 @@ class EpuckRobot:
                 job.progress("pause", force=True)
                 asyncio.run_coroutine_threadsafe(
                     self.pause_link(f"firmware update through {programmer}"), loop).result(15)
+                bar = OneBar(req.verify)
+
+                def progress(phase: str, done: int, total: int) -> None:
+                    # one bar: its total covers load and verify; the end of each is always sent (rate cap)
+                    done_all, total_all = bar.update(phase, done, total)
+                    job.progress(phase, done_all, total_all, force=OneBar.final(phase, done, total))
+
                 try:
-                    res = flash_firmware(programmer, elf, lambda phase, done, total: job.progress(phase, done, total),
-                                         verify=req.verify, cancelled=lambda: job.cancelled, force=req.force,
-                                         stall_s=self.settings.epuck_flash_stall_s)
-                except ProgrammerNotFound as exc:
-                    raise CommandError(ErrorCode.UNAVAILABLE, str(exc)) from None
-                except ProgrammerBusy as exc:
-                    raise CommandError(ErrorCode.BUSY, str(exc)) from None
-                except FlashTimeout as exc:  # the message says the robot's state when its flash was touched
-                    raise CommandError(ErrorCode.TIMEOUT, str(exc)) from None
-                except BadFirmware as exc:
-                    raise CommandError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+                    res = flash_firmware(programmer, elf, progress, verify=req.verify, cancelled=lambda: job.cancelled,
+                                         force=req.force, stall_s=self.settings.epuck_flash_stall_s)
                 except FirmwareError as exc:
-                    raise CommandError(ErrorCode.DEVICE_ERROR, str(exc)) from None
+                    self._firmware_failed(exc)
+                    raise _flash_error(exc) from None
                 finally:
                     job.progress("resume", force=True)
                     asyncio.run_coroutine_threadsafe(self.resume_link(), loop).result(15)
         finally:
             self._flashing = False
+        self._firmware_ok()
         log.info("firmware updated", extra={"robot": self.cfg.id, "bytes": res.bytes_loaded, "s": res.duration_s})
         return EpuckFlashResult(programmer=programmer, bytes_loaded=res.bytes_loaded, sections=res.sections,
                                 verified=res.verified, duration_s=res.duration_s)
+
+    def _firmware_failed(self, exc: FirmwareError) -> None:
+        """A failed update that touched the robot's flash: its health says what it left until a flash succeeds
+        (`details.firmware`; a robot left without a valid firmware is an `error` saying so)."""
+        if not exc.robot_state:
+            return  # nothing was written: the robot runs what it ran
+        self.firmware_state = f"the last firmware update failed: {exc.robot_state}"
+        if exc.no_valid_firmware:
+            self.sup.fault(self.firmware_state)
+        else:
+            self.sup.clear_fault()
+        self.dev.set_health(details=self._details())
+
+    def _firmware_ok(self) -> None:
+        self.firmware_state = ""
+        self.sup.clear_fault()
+        self.dev.set_health(details=self._details())
 
     def _require_link(self) -> None:
         if not self.link.connected:
@@ -646,6 +673,19 @@ class EpuckRobot:
         png = await loop.run_in_executor(self.pool, to_png, img.data, img.width, img.height)
         return EpuckSnapshot(png_base64=base64.b64encode(png).decode(), width=img.width, height=img.height,
                              seq=seq, ts=ts)
+
+
+def _flash_error(exc: FirmwareError) -> CommandError:
+    """A failed update as the job's error (the message says the robot's state when its flash was touched)."""
+    if isinstance(exc, ProgrammerNotFound):
+        return CommandError(ErrorCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, ProgrammerBusy):
+        return CommandError(ErrorCode.BUSY, str(exc))
+    if isinstance(exc, FlashTimeout):
+        return CommandError(ErrorCode.TIMEOUT, str(exc))
+    if isinstance(exc, BadFirmware):
+        return CommandError(ErrorCode.INVALID_REQUEST, str(exc))
+    return CommandError(ErrorCode.DEVICE_ERROR, str(exc))
 
 
 def sensors_fields(s: EpuckRawSensors, ts: float, seq: int, unwrap_l: StepUnwrapper,

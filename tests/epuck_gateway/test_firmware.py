@@ -25,6 +25,7 @@ from services.epuck_gateway.protocols.firmware import (
     FlashTimeout,
     GdbMi,
     NotBootable,
+    OneBar,
     ProgrammerNotFound,
     check_elf,
     flash_firmware,
@@ -198,6 +199,13 @@ def test_gateway_flash_job_pauses_and_restores_the_robots_link(
         assert body["programmer"] == programmer.link
         phases = [p["phase"] for p in progress]
         assert "pause" in phases and "load" in phases and "resume" in phases
+        # one bar whose total covers the load and the verify: never back, and full at the end of the verify
+        size = check_elf(elf).size
+        bytes_reports = [p for p in progress if p["phase"] in ("load", "verify")]
+        assert {p["total"] for p in bytes_reports} == {2 * size}, bytes_reports
+        dones = [p["done"] for p in bytes_reports]
+        assert dones == sorted(dones) and dones[-1] == 2 * size, dones
+        assert any(p["phase"] == "load" and p["done"] == size for p in progress)  # the load's end is sent
         img = check_elf(elf)
         assert all(programmer.session.read(s.address, s.size) == s.data for s in img.segments)
         states = [json.loads(m.payload)["state"] for m in bus.since(mark, "/usb1/health")]
@@ -225,8 +233,21 @@ def test_gateway_flash_job_pauses_and_restores_the_robots_link(
             msg = result["error"]["message"]
             assert "stalled" in msg and "no valid firmware" in msg and "run the same command again" in msg, msg
             assert not hung.session.running and hung.session.stats.detached == 0
+            # the robot's health says it until a flash succeeds: an error naming the firmware, in its details too
+            h = bus.wait_json("/usb1/health", lambda d: "no valid firmware" in d["error_message"], timeout=15)
+            assert h is not None and h["error"] and h["state"] == "error", h
+            assert "no valid firmware" in h["details"]["firmware"], h
+            time.sleep(1.5)  # still said after the link is back and the heartbeat has gone out
+            h = bus.latest_json("/usb1/health")
+            assert h is not None and "no valid firmware" in h["error_message"], h
         finally:
             hung.close()
+        mark = bus.mark()
+        req = {"elf_base64": base64.b64encode(elf.read_bytes()).decode()}
+        rep, result = client.call_job(node, "usb1", "flash", req, lambda p: None, timeout=120)
+        assert rep.ok and result is not None and result["ok"], (rep.raw, result)
+        h = bus.wait_json("/usb1/health", lambda d: d["state"] == "streaming", mark, timeout=15)
+        assert h is not None and not h["error"] and "firmware" not in h["details"], h
     finally:
         serial.close()
 
@@ -390,3 +411,18 @@ def test_cli_refuses_a_port_another_process_holds(elf: Path, programmer: Program
     out = " ".join(done.stderr.split())
     assert done.returncode == 1 and "in use by another process" in out and "nothing was sent" in out, out
     assert programmer.session.stats.packets == 0
+
+
+def test_one_bar_covers_the_load_and_the_verify() -> None:
+    """The gateway's `flash` job reports one bar: the load fills its first half, the verify its second (never
+    back to 0 between them); other phases keep its place; a retry starts it over; each phase's end is final (sent
+    past the job's rate cap). It read load 88 %, verify 0 %, done."""
+    bar = OneBar(verify=True)
+    seen = [bar.update(p, d, t) for p, d, t in [("connect", 0, 0), ("load", 0, 100), ("load", 88, 100),
+                                                ("load", 100, 100), ("verify", 0, 100), ("verify", 100, 100),
+                                                ("detach", 0, 0)]]
+    assert seen == [(0, 0), (0, 200), (88, 200), (100, 200), (100, 200), (200, 200), (200, 200)]
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert bar.update("retry", 0, 0) == (0, 200)
+    assert OneBar(verify=False).update("load", 100, 100) == (100, 100)
+    assert OneBar.final("load", 100, 100) and OneBar.final("verify", 100, 100) and not OneBar.final("load", 88, 100)

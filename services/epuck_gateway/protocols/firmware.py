@@ -54,7 +54,11 @@ STALL_S = 10.0  # no load/verify progress for this long: the programmer stopped 
 
 
 class FirmwareError(Exception):
-    """A firmware update that cannot go on; the message says why, in the user's terms."""
+    """A firmware update that cannot go on; the message says why, in the user's terms. `robot_state` says what
+    the update left on the robot ("" when its flash was not touched), `no_valid_firmware` whether it can run."""
+
+    robot_state: str = ""
+    no_valid_firmware: bool = False
 
 
 class BadFirmware(FirmwareError):
@@ -201,7 +205,30 @@ _MACHINES = {3: "x86", 62: "x86-64", 183: "AArch64", 243: "RISC-V", 8: "MIPS", 9
 # =============================================================================================
 # gdb-multiarch over MI
 # =============================================================================================
-Progress = Callable[[str, int, int], None]  # phase, done, total (bytes for "load")
+Progress = Callable[[str, int, int], None]  # phase, done, total (bytes for "load" and "verify")
+
+
+@dataclass
+class OneBar:
+    """One progress bar for a whole update: its total covers the load and the verify (the image's bytes, twice when
+    verified), so it never goes back to 0 between them; the other phases keep its place, a retry starts it over.
+    `update(phase, done, total)` -> (done, total) of the bar; `final` whether this report ends a phase's bytes."""
+
+    verify: bool = True
+    done: int = 0
+    total: int = 0
+
+    def update(self, phase: str, done: int, total: int) -> tuple[int, int]:
+        if phase == "retry":
+            self.done = 0
+        elif phase in ("load", "verify") and total:
+            self.total = total * (2 if self.verify else 1)
+            self.done = min(self.total, done + (total if phase == "verify" else 0))
+        return self.done, self.total
+
+    @staticmethod
+    def final(phase: str, done: int, total: int) -> bool:
+        return phase in ("load", "verify") and bool(total) and done >= total
 
 
 @dataclass
@@ -351,6 +378,11 @@ class _Flash:
     verified_bad: bool = False
     left_halted: bool = False  # gdb ended without detaching while the port was there
 
+    @property
+    def no_valid_firmware(self) -> bool:
+        """The failure left the robot without a firmware that can run (erased, partly written, or not matching)."""
+        return self.load_started and (self.verified_bad or not self.loaded)
+
     def robot_state(self) -> str:
         """The robot's state after a failure, and the way out; "" if its firmware was not touched."""
         if not self.load_started:
@@ -432,7 +464,10 @@ def _with_state(exc: FirmwareError, state: _Flash, retried: list[str]) -> Firmwa
     if retried:
         msg = f"{'; '.join(retried)}; then, retried: {msg}"
     robot = state.robot_state()
-    return type(exc)(f"{msg}. {robot[0].upper()}{robot[1:]}" if robot else msg)
+    err = type(exc)(f"{msg}. {robot[0].upper()}{robot[1:]}" if robot else msg)
+    err.robot_state = robot
+    err.no_valid_firmware = state.no_valid_firmware
+    return err
 
 
 def _flash_once(programmer: str, image: FirmwareImage, report: Progress, verify: bool, gdb: str, timeout_s: float,
