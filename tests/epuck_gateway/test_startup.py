@@ -48,7 +48,12 @@ def test_a_health_snapshot_read_before_a_change_is_never_published_after_it() ->
     node = Node(API, settings)
     dev = node.device("r")
     sent: list[dict[str, Any]] = []
-    node.session.publish = lambda topic, payload, **kw: sent.append(json.loads(payload))  # type: ignore[method-assign]
+
+    def record(topic: str, payload: bytes | str, **kw: Any) -> bool:
+        sent.append(json.loads(payload))
+        return True
+
+    setattr(node.session, "publish", record)  # noqa: B010 (a stand-in for the broker)
     dev.set_health(state="connecting")
     read, go = threading.Event(), threading.Event()
     real = dev.health_message
