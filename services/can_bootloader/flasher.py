@@ -544,9 +544,8 @@ class Flasher:
             self._guard_passes += 1
             if self._guard_candidate is not None:  # the second read carried the same bytes: the baseline
                 self._guard = self._guard_candidate
-            elif self.pipe.retries == 0 and self._guard_passes == 1:  # every answer in order, none late
-                self._guard = b"".join(r.data if r is not None else b"" for r in self.pipe.replies)
-            else:  # a late answer may have been taken for the next chunk's: read again, compared
+            else:  # one answer corrupted, or a late one taken for the next chunk's, would be a false alarm
+                # later: read again, compared
                 self._guard_candidate = b"".join(r.data if r is not None else b"" for r in self.pipe.replies)
                 self._enter(Phase.GUARD, now)
                 return

@@ -274,7 +274,7 @@ def test_power_loss_through_the_bridge(broker_session: Broker, palm: Palm, clien
     node, _svc = boot_service(broker_session, palm)
     board = palm.boards.board(8)
     boot_area = bytes(board.flash[:0x04C0])
-    first = 1 + 0x04C0 // 8  # the magic packet, then the bootloader area's baseline reads
+    first = 1 + 2 * (0x04C0 // 8)  # the magic packet, then the bootloader area's baseline, read twice
     try:
         for k in range(first, first + 1 + 10 + 4):  # ERASE, the first two blocks' 10 write frames, 4 more
             with palm.boards._lock:

@@ -36,7 +36,7 @@ from services.can_bootloader.sim import (
 from .harness import Wire
 
 IMAGE = load_intel_hex(make_intel_hex())
-GUARD_READS = 0x04C0 // 8  # the bootloader area read before the erase (its baseline)
+GUARD_READS = 2 * (0x04C0 // 8)  # the bootloader area read twice before the erase (its baseline, confirmed)
 
 
 def small_image(aware: bool = True) -> FlashImage:
@@ -74,7 +74,7 @@ def test_frame_sequence_is_the_originals() -> None:
     s = wire.sent
     assert s[0] == p.BootFrame(0x66A, p.MAGIC_DATA)
     # the bootloader area's baseline, read before anything is written
-    assert s[1:1 + GUARD_READS] == [p.read_flash(3, a) for a in range(0, 0x04C0, 8)]
+    assert s[1:1 + GUARD_READS] == [p.read_flash(3, a) for a in range(0, 0x04C0, 8)] * 2
     s = s[GUARD_READS:]
     assert s[1] == p.BootFrame(0x662, b"\x00")
     assert s[2] == p.BootFrame(0x665, bytes.fromhex("C00400"))
@@ -272,7 +272,8 @@ def test_cancel_leaves_the_bootloader_ready() -> None:
 def test_events_sequence() -> None:
     f, _ = flash(BootBoard(0), small_image())
     phases = [e.phase for e in f.events() if isinstance(e, PhaseStarted)]
-    assert phases == [Phase.MAGIC, Phase.GUARD, Phase.ERASE, Phase.WRITE, Phase.VERIFY, Phase.RESET, Phase.CHECK,
+    assert phases == [Phase.MAGIC, Phase.GUARD, Phase.GUARD, Phase.ERASE, Phase.WRITE, Phase.VERIFY, Phase.RESET,
+                      Phase.CHECK,
                       Phase.CHECK_RESET]
 
 
