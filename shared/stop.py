@@ -416,23 +416,29 @@ class StopLatch:
         with self._lock:
             old = ch.state
             ch.read = True
-            was_lost = ch.name in self._lost
-            self._lost.discard(ch.name)
             if all(c.read for c in self.channels.values()):
                 self._read = True
                 if self.known:
                     self.known_event.set()
-            if new == old and self._answer is not None:
-                if was_lost:  # the operator set the lost stop again: the answer no longer says it is lost
-                    self._changed_lost()
-                return  # the same stop again (redelivered on reconnect): answered already
-            if (old is not None and old.active and new is not None and not new.active and new.ts < old.ts):
-                # a release older than the stop it would lift is stale (each channel has its own guard)
-                self.counters.decode_error()
-                log.warning("stale release ignored: older than the active stop",
-                            extra={"channel": ch.name, "release_ts": new.ts, "stop_ts": old.ts,
-                                   "source": new.source})
-                return
+            stale = (old is not None and old.active and new is not None and not new.active and new.ts < old.ts)
+            # the broker holds this latch's stop again (set again, or replaced by a valid message): not lost; a
+            # stale release leaves it lost (the broker still does not have the stop the node holds)
+            was_lost = ch.name in self._lost and not stale
+            if was_lost:
+                self._lost.discard(ch.name)
+            same = new == old and self._answer is not None
+        if same:
+            if was_lost:  # the operator set the lost stop again: the answer no longer says it is lost
+                self._changed_lost()
+            return  # the same stop again (redelivered on reconnect): answered already
+        if stale:
+            # a release older than the stop it would lift is stale (each channel has its own guard)
+            self.counters.decode_error()
+            log.warning("stale release ignored: older than the active stop",
+                        extra={"channel": ch.name, "release_ts": new.ts if new else 0.0,
+                               "stop_ts": old.ts if old else 0.0, "source": new.source if new else ""})
+            return
+        with self._lock:
             ch.state = new
             if new is not None:
                 self._last_read = ch
@@ -453,15 +459,15 @@ class StopLatch:
         """A stop on channel `ch` (message `msg`): every motion device's stop action runs with the effective stop
         (`stop`: `msg`, or the other channel's newer active stop), and the node answers `msg`."""
         devs = [d for d in self.devices() if d.motion]
-        log.warning("bus stop active", extra={"channel": ch.name, "source": msg.source, "reason": msg.reason,
-                                              "devices": [d.name for d in devs]})
         with self._lock:
             self._entries = {d.name: StopDeviceAnswer(device=d.name, stopped=True, pending=True) for d in devs}
             self._answer = StopAnswer(node=self.node, service=self.service, active=True, stop_ts=msg.ts,
                                       source=msg.source, reason=msg.reason, channel=ch.name, received_ts=received,
                                       devices=[], ts=received)
-        for d in devs:  # the stop first, then what reports it
+        for d in devs:  # the stop first, then what reports it (the log line too)
             self._run_action(d, stop, gen)
+        log.warning("bus stop active", extra={"channel": ch.name, "source": msg.source, "reason": msg.reason,
+                                              "devices": [d.name for d in devs]})
         for d in devs:
             d.cancel_motion_jobs(f"cancelled by the bus stop ({describe(stop)})")
             d.publish_health()

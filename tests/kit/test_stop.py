@@ -285,7 +285,7 @@ def test_a_motion_device_made_during_an_active_stop_is_stopped_at_once(bus: Bus)
         bus.wait_answer(node.name, stop)
         late = build(node, devices=("wheel9",), sensors=())  # binds its motion command, then its stop action
         final = bus.wait_answer(node.name, stop)
-        assert wait_for(lambda: late["wheel9"].stops, DEADLINE)
+        assert wait_for(lambda: bool(late["wheel9"].stops), DEADLINE)
         assert wait_for(lambda: {d["device"]: d for d in (bus.answered(node.name, stop) or final)["devices"]}
                         .get("wheel9", {}).get("written_ts") is not None, DEADLINE), bus.latest(
                             answer_topic(bus.root, node.name))
