@@ -151,7 +151,8 @@ class MqttSession:
         return self.ready.wait(timeout)
 
     def stop(self) -> None:
-        self._closing = True
+        with self._write_lock:  # from here on write_now writes nothing: see there
+            self._closing = True
         try:
             self.client.disconnect()
         finally:
@@ -239,10 +240,14 @@ class MqttSession:
     def write_now(self) -> None:
         """Write queued packets on this thread, if no other thread is writing. What is left queued (another
         thread holds the write lock and may have looked at the queue already; the socket took only part; an
-        error: paho's own loop sees a broken socket and reconnects) is left to the network thread, woken."""
+        error: paho's own loop sees a broken socket and reconnects) is left to the network thread, woken. Once
+        the session is closing, nothing is written here: the DISCONNECT queued by `stop` must not be written from
+        inside a paho callback (a handler answering on the network thread), where paho's on_disconnect waits for
+        the callback lock that very thread holds (the node hung at SIGTERM under a stream of commands)."""
         if self._write_lock.acquire(blocking=False):
             try:
-                self._packet_write()
+                if not self._closing:
+                    self._packet_write()
             except Exception:  # the socket went away under us: paho's loop handles it
                 pass
             finally:
