@@ -1,7 +1,8 @@
 """Footprint of `make run`: resident memory and CPU of every process of the whole simulated system, idle.
 
 Starts what `make run` starts (deploy/dev/supervise.py over deploy/Procfile.sim: the broker, every service on its
-simulator, the dashboard and the banner, under one supervisor process), on free ports and a private broker so
+simulator, the dashboard and the banner, under one supervisor process), on ports and links of its own (the
+Procfile's `${ROBOBUS_PORT_*}` / `${ROBOBUS_LINK_*}` variables, shared/tools/simrig.py) and a private broker so
 that it runs beside anything; waits until every registered service has a node online; then samples every process
 of the tree (the supervisor, its children and theirs, e.g. the EtherCAT cycle process) for `--seconds`: resident
 memory (VmRSS, the mean of the samples) and CPU (utime + stime over the window, as a fraction of one core); and,
@@ -10,25 +11,29 @@ interpreter, shared libraries and extension modules, whose pages the processes s
 
     python bench/footprint.py [--seconds 30] [--quick]
 
-Targets: the whole system <= 400 MB resident and <= 20 % of one core idle; each service process <= 45 MB.
-Prints a table per process, the totals with their ratio to the targets, and met / not met; last line: one JSON
-object.
+Each part is judged against its own bound, so that a service added to `make run` brings its own budget:
+- the kit's overhead (the supervisor, the broker, the dashboard, the banner: every process that serves no
+  registered service) <= 75 MB resident and <= 3 % of one core;
+- each registered service (its node, the processes the node starts, and its simulators, `<x>-sim` serving `<x>-...`)
+  against the bound its rig declares (`SimRig.footprint`), by default node <= 45 MB, all <= 90 MB and <= 10 % of a
+  core.
+The whole system's figures are judged against the sum of those bounds. Prints a table per process, one per part,
+met / not met; last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,58 +44,64 @@ import paho.mqtt.client as mqtt  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from results import Figure, report, variant_name  # noqa: E402
 
-from shared.registry import service_plugins  # noqa: E402
+from shared.registry import service_packages  # noqa: E402
 from shared.tools.localbroker import free_port  # noqa: E402
+from shared.tools.simrig import Footprint, footprint_of, own_procfile_env, procfile_commands, sim_serves  # noqa: E402
 
-TARGET_TOTAL_MB = 400.0
-TARGET_TOTAL_CORE = 0.20
-TARGET_SERVICE_MB = 45.0
+# the kit's own processes: the supervisor, the broker, the dashboard, the banner (and the recorder or Home
+# Assistant's bridge when asked for); every process that serves no registered service
+KIT_MB = 75.0
+KIT_CORE = 0.03
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
-# the Procfile's fixed addresses, replaced by free ones so the bench runs beside a `make run`
-FIXED_PORTS = ("50000", "8080")
-# the e-puck simulator's robots: on consecutive ports from its --base-port
-EPUCK_BASE_PORT, EPUCK_ROBOTS = 11000, 2
+KIT = "kit"
 
 
-def _free_run(count: int) -> int:
-    """The first of `count` consecutive free ports."""
-    for _ in range(100):
-        base = free_port()
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base + 1, base + count):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
-def procfile(tmp: Path) -> Path:
-    text = (REPO / "deploy" / "Procfile.sim").read_text()
-    for fixed in FIXED_PORTS:
-        text = re.sub(rf"\b{fixed}\b", str(free_port()), text)
-    base = _free_run(EPUCK_ROBOTS)  # every robot's port moves: the gateway reaches each of them
-    for i in range(EPUCK_ROBOTS):
-        text = re.sub(rf"\b{EPUCK_BASE_PORT + i}\b", str(base + i), text)
-    text = text.replace("/tmp/robobus-epuck-serial", str(tmp / "epuck-serial"))
+def procfile(tmp: Path) -> tuple[Path, dict[str, str]]:
+    """`make run`'s Procfile with the lines deploy/dev/run-local.sh starts, and the environment that gives its
+    ports and links ones of this run's own (the Procfile's `${ROBOBUS_PORT_*}` / `${ROBOBUS_LINK_*}` variables)."""
+    lines = procfile_commands()
     # Home Assistant discovery runs only on request (ROBOBUS_HOMEASSISTANT=true), as in deploy/dev/run-local.sh
     if os.environ.get("ROBOBUS_HOMEASSISTANT", "false") != "true":
-        text = "\n".join(line for line in text.splitlines() if not line.startswith("homeassistant:")) + "\n"
+        lines.pop("homeassistant", None)
     # and the recorder only when recording (ROBOBUS_RECORD=1), as deploy/dev/run-local.sh
     if os.environ.get("ROBOBUS_RECORD", "0") != "1":
-        text = "\n".join(line for line in text.splitlines() if not line.startswith("recorder:")) + "\n"
+        lines.pop("recorder", None)
     out = tmp / "Procfile"
-    out.write_text(text)
+    out.write_text("".join(f"{name}: {command}\n" for name, command in lines.items()))
+    return out, own_procfile_env(lines.values(), tmp)
+
+
+def parts(procs: dict[str, int], pids: dict[int, int]) -> dict[int, str]:
+    """pid -> the part it counts to: the registered service whose node or simulator it is (or descends from),
+    else the kit. `procs`: Procfile process -> pid, as the supervisor spawned it; `pids`: pid -> its parent."""
+    services = set(service_packages())
+    serves = sim_serves(procs)
+    owner = {pid: (name if name in services else serves.get(name, KIT)) for name, pid in procs.items()}
+    out: dict[int, str] = {}
+    for pid in pids:
+        p, hops = pid, 0
+        while p not in owner and p in pids and hops < 32:
+            p, hops = pids[p], hops + 1
+        out[pid] = owner.get(p, KIT)
     return out
 
 
-def tree(root: int) -> dict[int, str]:
-    """pid -> a short name, for `root` and every process under it."""
+def spawned(log: Path) -> dict[str, int]:
+    """Procfile process -> its pid, from the supervisor's log (the last `spawned: 'name' with pid N` of each)."""
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"spawned: '([^']+)' with pid (\d+)", log.read_text())}
+
+
+def bounds() -> dict[str, Footprint]:
+    """Each registered service's bound: its rig's (SimRig.footprint), else the default."""
+    return {name: footprint_of(pkg) for name, pkg in service_packages().items()}
+
+
+def tree(root: int) -> tuple[dict[int, str], dict[int, int]]:
+    """pid -> a short name, and pid -> its parent, for `root` and every process under it."""
     children: dict[int, list[int]] = {}
     names: dict[int, str] = {}
+    parent: dict[int, int] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -101,6 +112,7 @@ def tree(root: int) -> dict[int, str]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(d.name))
+        parent[int(d.name)] = ppid
         names[int(d.name)] = _name([c.decode(errors="replace") for c in cmd if c])
     out: dict[int, str] = {}
     todo = [root]
@@ -108,7 +120,7 @@ def tree(root: int) -> dict[int, str]:
         pid = todo.pop()
         out[pid] = names.get(pid, "?")
         todo.extend(children.get(pid, []))
-    return out
+    return out, {pid: parent[pid] for pid in out if pid in parent}
 
 
 def _name(argv: list[str]) -> str:
@@ -192,19 +204,22 @@ def main() -> None:
         port = free_port()
         conf = tmp / "mosquitto.conf"
         conf.write_text(f"allow_anonymous true\npersistence false\nset_tcp_nodelay true\nlistener {port} 127.0.0.1\n")
+        procfile_path, own_env = procfile(tmp)
         env = {**os.environ, "ROBOBUS_MOSQUITTO_CONF": str(conf), "ROBOBUS_MQTT_URL": f"mqtt://127.0.0.1:{port}",
                "ROBOBUS_ROI_NETWORK": f"127.{40 + os.getpid() % 200}.9",
-               "PATH": f"{REPO / '.venv' / 'bin'}:/usr/sbin:{os.environ.get('PATH', '')}"}
+               "PATH": f"{REPO / '.venv' / 'bin'}:/usr/sbin:{os.environ.get('PATH', '')}", **own_env}
+        sup_log = tmp / "supervise.log"
         # as deploy/dev/run-local.sh starts it (-S: the supervisor needs no site-packages)
-        sup = subprocess.Popen([sys.executable, "-S", str(REPO / "deploy/dev/supervise.py"), "--procfile",
-                                str(procfile(tmp)), "--rundir", str(tmp / "run")],
-                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+        with sup_log.open("wb") as out:
+            sup = subprocess.Popen([sys.executable, "-S", str(REPO / "deploy/dev/supervise.py"), "--procfile",
+                                    str(procfile_path), "--rundir", str(tmp / "run")],
+                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            services = {p.name for p in service_plugins()}
+            services = set(service_packages())
             online_s = wait_online(port, services, 90.0)
             time.sleep(a.settle)
-            pids = tree(sup.pid)
+            pids, parents = tree(sup.pid)
+            part = parts(spawned(sup_log), parents)
             first = {pid: s for pid in pids if (s := sample(pid)) is not None}
             rss: dict[int, list[int]] = {pid: [] for pid in first}
             t0 = time.monotonic()
@@ -228,46 +243,78 @@ def main() -> None:
         if pid not in last or not rss[pid]:
             continue
         mb = sum(rss[pid]) / len(rss[pid]) / 1024
-        rows.append({"pid": pid, "process": pids[pid], "rss_mb": round(mb, 1),
+        rows.append({"pid": pid, "process": pids[pid], "part": part.get(pid, KIT), "rss_mb": round(mb, 1),
                      "cpu_core": round((last[pid][1] - cpu0) / window, 4), "anon_mb": made[pid].get("RssAnon"),
                      "file_mb": made[pid].get("RssFile"), "threads": made[pid].get("Threads")})
-    rows.sort(key=lambda r: -r["rss_mb"])
-    service_mods = {p.module.rsplit(".", 1)[0].replace("services.", "") for p in service_plugins()}
+    rows.sort(key=lambda r: (r["part"] != KIT, r["part"], -r["rss_mb"]))
+    judged = judge(rows, bounds(), {p.name: p for p in spawned_nodes(rows)})
+    print(f"`make run` idle, {len(rows)} processes, {window:.0f} s window ({online_s:.1f} s to every node online)")
+    print(f"{'part':<16} {'process':<36} {'RSS MB':>8} {'CPU % core':>11}   {'own MB':>7} {'files MB':>9} "
+          f"{'threads':>8}")
+    for r in rows:
+        print(f"{r['part']:<16} {r['process']:<36} {r['rss_mb']:>8.1f} {100 * r['cpu_core']:>11.1f}   "
+              f"{r['anon_mb'] or 0:>7.1f} {r['file_mb'] or 0:>9.1f} {r['threads'] or 0:>8}")
+    for f in judged:
+        print(f"{f.name}: {f.value} {f.unit} {f.op} {f.target:g} = {f.ratio}: {'met' if f.met else 'not met'}")
     total_mb = sum(r["rss_mb"] for r in rows)
     total_core = sum(r["cpu_core"] for r in rows)
-    print(f"`make run` idle, {len(rows)} processes, {window:.0f} s window ({online_s:.1f} s to every node online)")
-    print(f"{'process':<44} {'RSS MB':>8} {'CPU % core':>11}   {'own MB':>7} {'files MB':>9} {'threads':>8}")
-    over = []
-    for r in rows:
-        is_service = r["process"] in service_mods
-        flag = ""
-        if is_service and r["rss_mb"] > TARGET_SERVICE_MB:
-            flag = f"  > {TARGET_SERVICE_MB:.0f} MB"
-            over.append(r["process"])
-        print(f"{r['process']:<44} {r['rss_mb']:>8.1f} {100 * r['cpu_core']:>11.1f}   {r['anon_mb'] or 0:>7.1f} "
-              f"{r['file_mb'] or 0:>9.1f} {r['threads'] or 0:>8}{flag}")
-    met_mb, met_core = total_mb <= TARGET_TOTAL_MB, total_core <= TARGET_TOTAL_CORE
-    print(f"{'total':<44} {total_mb:>8.1f} {100 * total_core:>11.1f}")
-    print(f"total RSS {total_mb:.0f} MB / {TARGET_TOTAL_MB:.0f} MB = {total_mb / TARGET_TOTAL_MB:.2f}: "
-          f"{'met' if met_mb else 'not met'}")
-    print(f"total CPU {100 * total_core:.1f} % / {100 * TARGET_TOTAL_CORE:.0f} % of a core = "
-          f"{total_core / TARGET_TOTAL_CORE:.2f}: {'met' if met_core else 'not met'}")
-    print(f"each service <= {TARGET_SERVICE_MB:.0f} MB: {'met' if not over else 'not met (' + ', '.join(over) + ')'}")
     result = {"bench": "footprint", "processes": rows, "total_rss_mb": round(total_mb, 1),
               "total_cpu_core": round(total_core, 4), "window_s": round(window, 1),
               "load": round(os.getloadavg()[0], 2),
-              "targets": {"total_rss_mb": TARGET_TOTAL_MB, "total_cpu_core": TARGET_TOTAL_CORE,
-                          "service_rss_mb": TARGET_SERVICE_MB},
-              "met": {"total_rss": met_mb, "total_cpu": met_core, "service_rss": not over}}
-    service_rows: list[dict[str, Any]] = [r for r in rows if r["process"] in service_mods]
-    biggest = max(service_rows, key=lambda r: float(r["rss_mb"]), default=None)
-    report("footprint", result, [
-        Figure(f"`make run` idle, {len(rows)} processes: resident memory", round(total_mb), "MB", "<=",
-               TARGET_TOTAL_MB),
-        Figure("`make run` idle: CPU", round(100 * total_core, 1), "% of a core", "<=", 100 * TARGET_TOTAL_CORE),
-        Figure(f"largest service process ({biggest['process'] if biggest else '-'})",
-               float(biggest["rss_mb"]) if biggest else None, "MB", "<=", TARGET_SERVICE_MB),
-    ], variant=variant_name("quick" if a.quick else ""))
+              "targets": {"kit": {"rss_mb": KIT_MB, "cpu_core": KIT_CORE},
+                          **{s: vars(b) for s, b in bounds().items()}},
+              "met": {f.name: f.met for f in judged}}
+    report("footprint", result, judged, variant=variant_name("quick" if a.quick else ""))
+
+
+def spawned_nodes(rows: list[dict[str, Any]]) -> list[Node]:
+    """The node process of each service: the part's process whose name is its package's (not a simulator's, not
+    a process the node started)."""
+    packages = service_packages()
+    out = []
+    for r in rows:
+        pkg = packages.get(r["part"])
+        if pkg is not None and r["process"] == pkg.replace("services.", ""):
+            out.append(Node(r["part"], float(r["rss_mb"])))
+    return out
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    rss_mb: float
+
+
+def judge(rows: list[dict[str, Any]], service_bounds: dict[str, Footprint], nodes: dict[str, Node]) -> list[Figure]:
+    """The figures, headline first: the whole system against the sum of the bounds; then the kit's overhead and
+    each service (node, all its processes, its CPU) against its own bound."""
+    def total(part: str, key: str) -> float:
+        return sum(float(r[key]) for r in rows if r["part"] == part)
+
+    budget_mb = KIT_MB + sum(b.total_mb for b in service_bounds.values())
+    budget_core = KIT_CORE + sum(b.cpu_core for b in service_bounds.values())
+    all_mb = sum(float(r["rss_mb"]) for r in rows)
+    all_core = sum(float(r["cpu_core"]) for r in rows)
+    figures = [
+        Figure(f"`make run` idle, {len(rows)} processes: resident memory (kit + each service's bound)", round(all_mb),
+               "MB", "<=", budget_mb),
+        Figure("`make run` idle: CPU (kit + each service's bound)", round(100 * all_core, 1), "% of a core", "<=",
+               round(100 * budget_core, 1)),
+        Figure("the kit's overhead (supervisor, broker, dashboard): resident memory", round(total(KIT, "rss_mb"), 1),
+               "MB", "<=", KIT_MB),
+        Figure("the kit's overhead: CPU", round(100 * total(KIT, "cpu_core"), 1), "% of a core", "<=",
+               100 * KIT_CORE),
+    ]
+    for name, b in sorted(service_bounds.items()):
+        node = nodes.get(name)
+        figures += [
+            Figure(f"{name}: node process resident memory", node.rss_mb if node else None, "MB", "<=", b.node_mb),
+            Figure(f"{name}: node, its processes and simulators, resident memory", round(total(name, "rss_mb"), 1),
+                   "MB", "<=", b.total_mb),
+            Figure(f"{name}: CPU", round(100 * total(name, "cpu_core"), 1), "% of a core", "<=",
+                   round(100 * b.cpu_core, 1)),
+        ]
+    return figures
 
 
 if __name__ == "__main__":

@@ -87,3 +87,9 @@ def service_apis() -> list[ServiceAPI]:
 def service_names() -> list[str]:
     """The registered services' names, without importing them (for status checks)."""
     return [p.name for p in service_plugins()]
+
+
+def service_packages() -> dict[str, str]:
+    """service name -> the package its API module is in (`services.epuck_gateway` for `services.epuck_gateway.api`),
+    without importing it: where the service's other rooms (rig, protocol, settings, __main__) are found."""
+    return {p.name: p.module.rpartition(".")[0] or p.module for p in service_plugins()}

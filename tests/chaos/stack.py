@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,59 +27,24 @@ from shared.registry import service_names
 from shared.rpc import RpcClient
 from shared.settings import KitSettings
 from shared.tools.localbroker import REPO, Broker, free_port
+from shared.tools.simrig import PROCFILE, consecutive_free_ports, own_procfile_env, procfile_variables, sim_serves
+from shared.tools.simrig import procfile_commands as simrig_procfile_commands
 
-PROCFILE = REPO / "deploy" / "Procfile.sim"
+__all__ = ["PROCFILE", "SimStack", "consecutive_free_ports", "own_resources", "procfile_commands", "sim_serves",
+           "sim_stack"]
+
 # the harness runs its own broker; the banner only prints; the dashboard is an HTTP server on a fixed port
 # for browsers (tests/dashboard has its own stack); Home Assistant discovery runs only on request
 NOT_PROCESSES = {"broker", "banner", "dashboard", "homeassistant"}
-_LINE = re.compile(r"^([A-Za-z0-9_-]+):\s*(.+)$")
 
 
 def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
     """name -> shell command, for every process of `make run` but the broker and the banner."""
-    out: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        m = _LINE.match(line.strip())
-        if m and m.group(1) not in NOT_PROCESSES:
-            out[m.group(1)] = m.group(2)
-    return out
+    return {n: c for n, c in simrig_procfile_commands(path).items() if n not in NOT_PROCESSES}
 
 
-# The Procfile's fixed ports inside the kernel's ephemeral range (32768-60999 here): any client socket of the
-# stack may be given one as its local port before the simulator binds it (seen once: "Address already in use"
-# for DexRun's 50000, every chaos check then failing on a crashed simulator). A free port replaces each.
-EPHEMERAL_FIXED_PORTS = ("50000",)
-
-
-def sim_serves(names: Iterable[str]) -> dict[str, str]:
-    """simulator process -> the process it is the device side of, by the Procfile's naming: `<x>-sim` is the
-    device side of the one other process named `<x>-...` (epuck-sim: epuck-gateway, roi-sim: roi-modules). A
-    simulator without exactly one such process is an error: the chaos run would not know whose devices to watch."""
-    names = list(names)
-    out: dict[str, str] = {}
-    for sim in (n for n in names if n.endswith("-sim")):
-        prefix = sim[: -len("sim")]
-        served = [n for n in names if n.startswith(prefix) and n != sim]
-        if len(served) != 1:
-            raise ValueError(f"{sim}: {len(served)} processes named {prefix}... ({served}), not one: "
-                             "name the simulator after the process it serves")
-        out[sim] = served[0]
-    return out
-
-
-def free_ephemeral_ports(commands: dict[str, str]) -> dict[str, str]:
-    out = dict(commands)
-    for fixed in EPHEMERAL_FIXED_PORTS:
-        port = str(free_port())
-        out = {n: re.sub(rf"\b{fixed}\b", port, c) for n, c in out.items()}
-    return out
-
-
-# The Procfile's other fixed resources, which a `make run` (or another run of this stack) on the same host
-# holds: the e-puck simulator's two ports, the serial simulator's link, and the ROI network (its ports are
-# fixed by the protocol). The stack takes its own of each, so that it runs beside them.
-EPUCK_FIXED_PORTS = ("11000", "11001")
-EPUCK_FIXED_LINK = "/tmp/robobus-epuck-serial"
+# The ROI network: its ports are fixed by the protocol, so the stack takes a loopback /24 of its own
+# (the Procfile's ${ROBOBUS_ROI_NETWORK:-127.0.2}).
 ROI_PORTS = (57344, 57664)
 ROI_OCTETS = (10, 20, 30, 100)  # the Procfile's modules and the node's host octet
 
@@ -93,15 +58,6 @@ def _bindable(host: str, port: int, kind: socket.SocketKind = socket.SOCK_STREAM
         return True
 
 
-def consecutive_free_ports(n: int) -> list[int]:
-    for _ in range(200):
-        base = free_port()
-        ports = [base + i for i in range(n)]
-        if all(_bindable("", p) for p in ports[1:]):
-            return ports
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def free_roi_network() -> str:
     """A loopback /24 whose ROI addresses and ports are free: 127.100-149.x, a range no other test uses."""
     for n in range(200):
@@ -113,12 +69,13 @@ def free_roi_network() -> str:
 
 
 def own_resources(commands: dict[str, str], workdir: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """The Procfile's commands on ports, a link and a ROI network of this stack's own; the environment to set."""
-    out = free_ephemeral_ports(commands)
-    for fixed, port in zip(EPUCK_FIXED_PORTS, consecutive_free_ports(len(EPUCK_FIXED_PORTS)), strict=True):
-        out = {n: re.sub(rf"\b{fixed}\b", str(port), c) for n, c in out.items()}
-    out = {n: c.replace(EPUCK_FIXED_LINK, str(workdir / "epuck-serial")) for n, c in out.items()}
-    return out, {"ROBOBUS_ROI_NETWORK": free_roi_network()}
+    """The Procfile's commands and the environment that gives them ports, links and a ROI network of this stack's
+    own: every port and link variable of the lines (shared/tools/simrig.py, `own_procfile_env`), free when chosen,
+    so that the stack runs beside a `make run` or another stack."""
+    env = own_procfile_env(commands.values(), workdir)
+    if "ROBOBUS_ROI_NETWORK" in procfile_variables(commands.values()):
+        env["ROBOBUS_ROI_NETWORK"] = free_roi_network()
+    return dict(commands), env
 
 
 @dataclass
@@ -317,3 +274,12 @@ def sample(pid: int) -> ProcSample | None:
     fields = stat[stat.rindex(")") + 2:].split()
     cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
     return ProcSample(time.monotonic(), rss, threads, cpu)
+
+
+def expand(command: str, env: dict[str, str]) -> list[str]:
+    """The words bash makes of a Procfile command (its variables expanded with `env`, quotes removed): what a
+    test reads to see the values a process is started with."""
+    script = f"for w in {command}; do printf '%s\\0' \"$w\"; done"
+    out = subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True,
+                         check=True)
+    return out.stdout.decode().split("\0")[:-1]

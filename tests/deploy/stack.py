@@ -13,9 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from shared.registry import service_packages
 from shared.settings import KitSettings
 from tests.deploy.deployfiles import DEPLOY, REPO, host_broker_conf, make_secrets
 from tests.deploy.mqttprobe import creds, start_host_broker
@@ -34,14 +37,35 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 600
     return proc
 
 
+def compose_services(path: Path = DEPLOY / "compose.yaml") -> dict[str, dict[str, Any]]:
+    """compose.yaml's containers, as written (its anchors merged; no docker needed)."""
+    return dict(yaml.safe_load(path.read_text())["services"])
+
+
+def compose_nodes(path: Path = DEPLOY / "compose.yaml") -> dict[str, str]:
+    """container -> the registered service whose node it runs: its command is `python3 -m <the service's package>`
+    (a simulator's, `-m <package>.sim`, is none)."""
+    by_package = {pkg: name for name, pkg in service_packages().items()}
+    out: dict[str, str] = {}
+    for container, spec in compose_services(path).items():
+        command = spec.get("command") or []
+        if isinstance(command, list) and "-m" in command[:-1]:
+            service = by_package.get(command[command.index("-m") + 1])
+            if service is not None:
+                out[container] = service
+    return out
+
+
+def sim_profile(profiles: list[str] | None) -> bool:
+    """A container of `make up`'s simulated system: profile `sim`, or a `sim-<name>` one compose.sh brings along."""
+    return any(p == "sim" or p.startswith("sim-") for p in profiles or [])
+
+
 def expected_nodes() -> list[str]:
-    """The sim profile's MQTT nodes: the services whose package exists in this checkout."""
-    nodes = ["ethercat-loop", "can-bootloader", "epuck-gateway"]
-    if (REPO / "services" / "roi_modules" / "sim.py").exists():
-        nodes.append("roi-modules")
-    if (REPO / "services" / "dexter_gateway" / "sim.py").exists():
-        nodes.append("dexter-gateway")
-    return nodes
+    """The sim profile's MQTT nodes: every registered service that has a node container in the sim profiles (a
+    service's node is named as the service)."""
+    services = compose_services()
+    return sorted({s for c, s in compose_nodes().items() if sim_profile(services[c].get("profiles"))})
 
 
 @dataclass

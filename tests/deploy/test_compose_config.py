@@ -1,34 +1,53 @@
 """compose.yaml against the code: every ROBOBUS_* variable a service container is given is a setting that
 service reads (the compose file once set ROBOBUS_ETHERCAT_IFACE; the service reads ..._IFNAME), every
-fleet env file resolves, and roi-modules / dexter-gateway join the sim profile only once their package exists.
-`docker compose config` needs the compose plugin, not a running daemon."""
+fleet env file resolves, and every registered service has its node in the sim profiles. Which container runs
+which service's node and which settings class it reads are derived (its command's `-m <package>`, the class its
+`__main__.py` gives run_service), so a new service is checked as soon as it has its container.
+`docker compose config` needs the compose plugin, not a running daemon; the checks of compose.yaml as written
+need neither."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
-from services.can_bootloader.settings import CanBootSettings
-from services.dexter_gateway.settings import DexterSettings
-from services.epuck_gateway.service import EpuckSettings
-from services.ethercat_loop.settings import EthercatSettings
-from services.roi_modules.settings import RoiSettings
+from shared.registry import service_packages
+from shared.settings import KitSettings
 from shared.tools.fleet_watch import FleetWatchSettings
 from shared.tools.recorder import RecorderSettings
-from tests.deploy.deployfiles import DEPLOY, REPO
-from tests.deploy.stack import Stack
+from tests.deploy.deployfiles import DEPLOY
+from tests.deploy.stack import Stack, compose_nodes, compose_services, expected_nodes, sim_profile
 
-SETTINGS: dict[str, type[BaseSettings]] = {"ethercat-loop": EthercatSettings, "can-bootloader": CanBootSettings,
-                                           "epuck-gateway": EpuckSettings, "roi-modules": RoiSettings,
-                                           "dexter-gateway": DexterSettings}
-NODE_OF = {"ethercat-loop": "ethercat-loop", "ethercat-loop-sim": "ethercat-loop", "can-bootloader": "can-bootloader",
-           "can-bootloader-sim": "can-bootloader", "epuck-gateway": "epuck-gateway",
-           "epuck-gateway-sim": "epuck-gateway", "roi-modules-sim": "roi-modules",
-           "dexter-gateway": "dexter-gateway", "dexter-gateway-sim": "dexter-gateway"}
+
+def settings_class(service: str) -> type[KitSettings]:
+    """The settings class a service's node reads: the one its `__main__.py` gives `run_service(API, Settings,
+    build)`, imported from where __main__.py imports it."""
+    package = service_packages()[service]
+    spec = importlib.util.find_spec(f"{package}.__main__")
+    assert spec is not None and spec.origin, f"{service}: no {package}/__main__.py"
+    tree = ast.parse(Path(spec.origin).read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "run_service"]
+    assert len(calls) == 1 and len(calls[0].args) >= 2 and isinstance(calls[0].args[1], ast.Name), (
+        f"{service}: {package}/__main__.py must call run_service(API, <its settings class>, build) once")
+    name = calls[0].args[1].id
+    source = next((n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                   and any((a.asname or a.name) == name for a in n.names)), f"{package}.__main__")
+    cls = getattr(importlib.import_module(source), name)
+    assert isinstance(cls, type) and issubclass(cls, KitSettings), f"{service}: {name} is no KitSettings subclass"
+    return cls
+
+
+SETTINGS: dict[str, type[BaseSettings]] = {s: settings_class(s) for s in service_packages()}
+NODE_OF = compose_nodes()
 # Read by the container around the service, not by its settings: the healthcheck and logging knobs.
 NOT_SETTINGS = {"ROBOBUS_HEALTHCHECK_WAIT_S"}
 
@@ -56,10 +75,10 @@ def env_names(cls: type[BaseSettings]) -> set[str]:
     return names
 
 
-def config(tmp_path: Path, profiles: str, secrets_args: tuple[str, ...] = (), **env: str) -> dict:
+def config(tmp_path: Path, profiles: str, secrets_args: tuple[str, ...] = (), **env: str) -> dict[str, Any]:
     st = Stack("robobus-config-check", tmp_path, profiles=profiles, extra_env=env)
     st.make_secrets(*secrets_args)
-    return yaml.safe_load(st.compose("config").stdout)
+    return dict(yaml.safe_load(st.compose("config").stdout))
 
 
 @pytest.mark.parametrize("profiles", ["sim", "hand", "epuck", "dexter"])
@@ -107,11 +126,26 @@ def test_fleet_env_files_resolve(compose_ok, tmp_path, env_file):
         assert given["ROBOBUS_ETHERCAT_IFNAME"] == env["ROBOBUS_ETHERCAT_IFNAME"]
 
 
-def test_new_services_join_the_sim_profile_only_when_their_package_exists(compose_ok, tmp_path):
+def test_every_registered_service_joins_the_sim_profile(compose_ok, tmp_path):
     svcs = set(config(tmp_path, "sim")["services"])
-    assert ("roi-modules-sim" in svcs) == (REPO / "services/roi_modules/sim.py").exists()
-    assert ("dexter-gateway-sim" in svcs) == (REPO / "services/dexter_gateway/sim.py").exists()
-    assert {"broker", "ethercat-loop-sim", "can-bootloader-sim", "epuck-gateway-sim", "epuck-sim"} <= svcs
+    written = compose_services()
+    wanted = {c for c, s in NODE_OF.items() if sim_profile(written[c].get("profiles"))}
+    assert {"broker", "epuck-sim"} | wanted <= svcs, sorted(wanted - svcs)
+
+
+def test_every_registered_service_has_its_node_container_in_the_sim_profiles() -> None:
+    missing = sorted(set(service_packages()) - set(expected_nodes()))
+    assert not missing, (f"deploy/compose.yaml has no node container for {missing} in the profile `sim` (or a "
+                         "`sim-<name>` one): add `<service>-sim` with `command: [\"python3\", \"-m\", \"<package>\"]` "
+                         "(docs/kit.md, 'How to add a service')")
+    assert set(SETTINGS) == set(service_packages())  # every registered service's settings class is found
+
+
+def test_compose_sh_brings_every_sim_profile_along() -> None:
+    profiles = {p for spec in compose_services().values() for p in spec.get("profiles") or [] if p.startswith("sim-")}
+    script = (DEPLOY / "compose.sh").read_text()
+    missing = sorted(p for p in profiles if not re.search(rf"profiles\+=\",{re.escape(p)}\"", script))
+    assert not missing, f"deploy/compose.sh does not bring {missing} along with `sim`: add a line for each"
 
 
 def test_the_recorder_has_its_own_user_a_volume_and_rotation_from_the_environment(compose_ok, tmp_path):
