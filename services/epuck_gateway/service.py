@@ -36,7 +36,7 @@ async def serve(robots: list[EpuckRobot], pool: ThreadPoolExecutor) -> None:
         log.info("all robots stopped")
 
 
-__all__ = ["EpuckGateway", "EpuckSettings", "build", "serve"]
+__all__ = ["EpuckGateway", "build", "serve"]  # the settings are settings.py's
 
 
 class EpuckGateway:

@@ -2,16 +2,19 @@
 client of another service's wire (ethercat-loop's CAN-bridge client for python-can) lives with the service it
 talks to, and what it needs of a contract comes from that service's own package.
 
-Where a service's devices have a module of their own (`DEVICE_MODULES`), `service.py` holds no device code (no
+Where a service's devices have a module of their own (found, for every registered service, as the modules of its
+package beside service.py that hold device code: `device_modules()`), `service.py` holds no device code (no
 handler, no `bind_all`, no `node.device(...)`), and the device module does not import its `service.py`, a
 simulator or a transport's module, nor builds a transport itself (it calls what the service hands it: the factory
-the service loaded by name, tests/kit/test_transports.py)."""
+the service loaded by name, tests/kit/test_transports.py). A service with one small device keeps it in service.py."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
+from shared.registry import service_packages
 from tests.fixtures import REPO
 from tests.kit.test_layers import imported_names
 
@@ -42,10 +45,6 @@ def test_no_service_imports_another() -> None:
     assert crossings == []
 
 
-# The services whose devices live in a module of their own: `service.py` keeps the wiring (the service object and
-# `build()`); the device classes, their handlers (`@handles`, `@runs`) and `bind_all` are in the device module,
-# built from what they use (a node, settings, a transport or link, the bus stop's pass), never from the service.
-DEVICE_MODULES = {"roi_modules": "modules.py", "dexter_gateway": "arm.py", "epuck_gateway": "robot.py"}
 _HANDLER_MARKS = {"handles", "runs"}
 
 
@@ -67,14 +66,43 @@ def _device_code(path: Path) -> list[str]:
     return found
 
 
+def package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.origin, package
+    return Path(spec.origin).parent
+
+
+def device_modules() -> dict[str, tuple[str, Path, list[str]]]:
+    """service -> (its package, the package's folder, the modules beside service.py that hold device code: its
+    device modules, relative to the folder; none for a service whose one small device is in service.py)."""
+    out = {}
+    for svc, package in service_packages().items():
+        folder = package_dir(package)
+        found = [str(f.relative_to(folder)) for f in sorted(folder.rglob("*.py"))
+                 if (f.name != "service.py" or f.parent != folder) and _device_code(f)]
+        out[svc] = (package, folder, found)
+    return out
+
+
+# the services whose devices live in a module of their own, as this tree has them (the rule's own check)
+EXPECTED_HERE = {"roi-modules": ["modules.py"], "dexter-gateway": ["arm.py"], "epuck-gateway": ["robot.py"]}
+
+
 def test_device_classes_live_outside_service_py() -> None:
-    for svc, module in DEVICE_MODULES.items():
-        pkg = REPO / "services" / svc
-        in_service = _device_code(pkg / "service.py")
-        assert in_service == [], f"services/{svc}/service.py holds device code (move it to {module}): {in_service}"
-        in_module = _device_code(pkg / module)
-        assert any("@handles" in f for f in in_module), f"services/{svc}/{module} binds no handler"
-        assert any(".bind_all(" in f for f in in_module), f"services/{svc}/{module} calls no bind_all"
+    modules = device_modules()
+    assert {s: m for s, (_, _, m) in modules.items() if m and s in EXPECTED_HERE} == EXPECTED_HERE
+    for svc, (package, folder, found) in modules.items():
+        in_service = _device_code(folder / "service.py") if (folder / "service.py").exists() else []
+        if not found:
+            assert in_service, (f"{svc}: no module of {package} makes a device (node.device(...)), binds handlers "
+                                "(@handles / @runs, bind_all): put the device classes in a device module beside "
+                                "service.py (docs/kit.md, the rooms of a service)")
+            continue
+        assert in_service == [], f"{package}.service holds device code (move it to {found}): {in_service}"
+        for module in found:
+            in_module = _device_code(folder / module)
+            assert any("@handles" in f for f in in_module), f"{package}: {module} binds no handler"
+            assert any(".bind_all(" in f for f in in_module), f"{package}: {module} calls no bind_all"
 
 
 def test_device_modules_do_not_reach_back_into_the_service() -> None:
@@ -85,12 +113,13 @@ def test_device_modules_do_not_reach_back_into_the_service() -> None:
     transports = _transport_modules()
     builders = transport_builders()
     bad = []
-    for svc, module in DEVICE_MODULES.items():
-        path = REPO / "services" / svc / module
-        name = f"services.{svc}.{module.removesuffix('.py')}"
-        own = f"services.{svc}.service"
-        bad += [f"services/{svc}/{module}:{line}: {mod}" for line, mod in imported_names(path, name)
-                if mod == own or mod.startswith(f"{own}.")]
-        bad += [f"services/{svc}/{module}:{v}" for v in forbidden_imports(path, name, transports)]
-        bad += [f"services/{svc}/{module}:{v}" for v in builds_a_transport(path, builders)]
+    for package, folder, found in device_modules().values():
+        for module in found:
+            path = folder / module
+            name = f"{package}.{module.removesuffix('.py').replace('/', '.')}"
+            own = f"{package}.service"
+            bad += [f"{name}:{line}: {mod}" for line, mod in imported_names(path, name)
+                    if mod == own or mod.startswith(f"{own}.")]
+            bad += [f"{name}:{v}" for v in forbidden_imports(path, name, transports)]
+            bad += [f"{name}:{v}" for v in builds_a_transport(path, builders)]
     assert bad == []
