@@ -4,12 +4,24 @@ rejected, counted and logged, never crash a service.
 
 Each target takes raw fuzzer bytes. `python -m tests.fuzz TARGET [atheris/libFuzzer flags]` runs one under
 atheris (coverage-guided); tests/fuzz/test_fuzz.py runs each briefly; hypothesis tests of the codecs live
-beside each service's tests."""
+beside each service's tests.
+
+A service declares its own targets in its protocol module, found through the registry (no list to edit here):
+
+    FUZZ = {"<service>_<what>": decode_function}   # target name -> a function of raw device bytes
+    FUZZ_ALLOWED = (ProtocolError,)                # what a decoder may raise: its own documented rejection
+
+The declaration is read from the module's source (ast), so that atheris instruments the module when it is first
+imported; every registered service must be covered by a target (tests/fuzz/test_fuzz.py)."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -150,7 +162,54 @@ def _dexter_seeds() -> list[bytes]:
     return [b"\x07" + status + read, b"\xf0" + read]
 
 
+def _declared_run(module: str, name: str) -> Callable[[bytes], object]:
+    def run(data: bytes) -> object:
+        return importlib.import_module(module).FUZZ[name](data)
+
+    return run
+
+
+def _declared_allowed(module: str) -> Callable[[], tuple[type[BaseException], ...]]:
+    def allowed() -> tuple[type[BaseException], ...]:
+        return tuple(getattr(importlib.import_module(module), "FUZZ_ALLOWED", ()))
+
+    return allowed
+
+
+def fuzz_names(path: Path) -> list[str]:
+    """The target names of a module-level `FUZZ = {"name": decoder, ...}` in the source at `path` ([] without)."""
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "FUZZ":
+            if not isinstance(value, ast.Dict) or not all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                                          for k in value.keys):
+                raise ValueError(f"{path}: FUZZ must be a dict literal with string keys (target name -> decoder)")
+            return [str(k.value) for k in value.keys if isinstance(k, ast.Constant)]
+    return []
+
+
+def declared_targets() -> list[Target]:
+    """The targets every registered service declares in its protocol module (`FUZZ`, `FUZZ_ALLOWED`)."""
+    from shared.registry import service_packages
+
+    out = []
+    for package in service_packages().values():
+        module = f"{package}.protocol"
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin:
+            continue
+        for name in fuzz_names(Path(spec.origin)):
+            out.append(Target(name, _declared_run(module, name), _declared_allowed(module), (module,)))
+    return out
+
+
 def targets() -> dict[str, Target]:
+    declared = declared_targets()
     out = [
         Target("palm_status", _palm_status, tuple, ("services.ethercat_loop.protocol",), _palm_seeds),
         Target("palm_command", _palm_command, tuple, ("services.ethercat_loop.protocol",), _palm_command_seeds),
@@ -164,4 +223,17 @@ def targets() -> dict[str, Target]:
         Target("dexter_replies", _dexter_replies, _dexter_allowed, ("services.dexter_gateway.protocol",),
                _dexter_seeds),
     ]
-    return {t.name: t for t in out}
+    found = {t.name: t for t in out}
+    for t in declared:
+        if t.name in found:
+            raise ValueError(f"fuzz target {t.name!r} declared twice ({t.modules[0]} and {found[t.name].modules})")
+        found[t.name] = t
+    return found
+
+
+def uncovered_services() -> dict[str, str]:
+    """service -> its package, for every registered service no target exercises (no module of its package)."""
+    from shared.registry import service_packages
+
+    modules = [m for t in targets().values() for m in t.modules]
+    return {s: p for s, p in service_packages().items() if not any(m.startswith(f"{p}.") for m in modules)}

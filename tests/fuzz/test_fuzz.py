@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzz.targets import targets
+from tests.fuzz.targets import fuzz_names, targets, uncovered_services
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = 20000
@@ -35,3 +35,23 @@ def test_decoder_survives_fuzzing(name: str, tmp_path: Path) -> None:
                        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"Done {RUNS} runs" in r.stderr, r.stderr[-2000:]
+
+
+def test_every_registered_service_has_its_decoders_fuzzed() -> None:
+    missing = uncovered_services()
+    assert not missing, (f"no fuzz target exercises {missing}: declare the decoders of device bytes in the "
+                         "service's protocol module, FUZZ = {'<service>_<what>': decoder} and FUZZ_ALLOWED = "
+                         "(its own errors,) (tests/fuzz/targets.py)")
+
+
+def test_a_fuzz_declaration_is_read_from_the_source(tmp_path: Path) -> None:
+    src = tmp_path / "protocol.py"
+    src.write_text("import x\nFUZZ = {'a_lines': decode, 'a_frames': frames}\nFUZZ_ALLOWED = (Err,)\n")
+    assert fuzz_names(src) == ["a_lines", "a_frames"]
+    src.write_text("FUZZ: dict = {'b': f}\n")
+    assert fuzz_names(src) == ["b"]
+    src.write_text("DECODERS = {}\n")
+    assert fuzz_names(src) == []
+    src.write_text("FUZZ = dict(a=f)\n")
+    with pytest.raises(ValueError, match="dict literal"):
+        fuzz_names(src)
