@@ -161,6 +161,7 @@ class PalmService:
         self._known_faults: dict[int, int] = {}
         self._mode: Literal["torque", "pwm"] = settings.ethercat_control_mode
         self._stopped = False
+        self._runner: threading.Thread | None = None  # the thread in run(), the publisher
         # health is set by the publisher thread and, last, by shutdown: the final `stopped` must not be
         # overwritten by a check that was under way, and it keeps the last details with the link marked down
         self._health_lock = threading.Lock()
@@ -205,6 +206,7 @@ class PalmService:
 
     def run(self) -> None:
         """Publisher and watchdog loop (node.run body)."""
+        self._runner = threading.current_thread()  # shutdown waits for it
         rates = {spec.name: self.settings.state_rates.get(spec.name, spec.rate_hz or 1.0)
                  for spec in (JOINTS, MOTORS, TACTILE, EXTRAS, LOOP)}
         cycle_hz = 1e6 / self.settings.ethercat_period_us
@@ -333,12 +335,17 @@ class PalmService:
                 self.link.clear_fault()
 
     def shutdown(self) -> None:
-        """Node shutdown hook: zero demands, leave OP, say so, before the node goes offline."""
+        """Node shutdown hook, before the node goes offline, in the fail-safe order: commands that move refused from
+        now on; the backend zeroes every demand on the wire and leaves OP, then stops what reads the cycle's shared
+        memory and closes it; then the publisher ends; then the stop is said (event, health)."""
         if self._stopped:
             return
-        self._stopped = True
-        self._stop.set()
+        self._stopped = True  # _require_normal refuses from here on: nothing new to the cycle while it halts
         self.backend.stop()
+        self._stop.set()
+        runner = self._runner
+        if runner is not None and runner is not threading.current_thread():
+            runner.join(5.0)
         rep = self.backend.stop_report()
         self.dev.emit(STOPPED, PalmStopped(ts=time.time(), zero_demand_cycles=int(rep.get("zero_demand_cycles", 0)),
                                            demands_sent_last=list(rep.get("demands_sent_last", [])),
@@ -518,6 +525,8 @@ class PalmService:
         self.backend.submit(msg)
 
     def _require_normal(self) -> None:
+        if self._stopped:
+            raise CommandError(ErrorCode.UNAVAILABLE, "the service is stopping: every demand is zeroed")
         cur = self.lease.holder(time.monotonic())
         if cur is not None:
             raise CommandError(ErrorCode.BUSY, f"the CAN bridge is leased by {cur.holder!r}: the hand is in CAN "

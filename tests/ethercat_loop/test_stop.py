@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -352,3 +354,40 @@ def test_the_model_backend_reports_the_stop_and_zeroes_its_motors(broker_session
     finally:
         client.session.publish_wait(stop_topic(root), b"", qos=1, retain=True)
         client.close()
+
+
+def test_sigterm_under_a_demand_stream_zeroes_the_demands_and_exits_promptly(rig_factory: Callable[..., Rig]) -> None:
+    """SIGTERM while a client streams demands: the fail-safe first (zero demands on the wire, then the palm leaves
+    OP), then the readers of the cycle's shared memory stop, then it is closed. The node exits cleanly within a few
+    seconds (it crashed with `mmap closed or invalid` on a reader still running after the close, and hung past
+    10 s)."""
+    rig = rig_factory()
+    stop_known(rig)
+    streaming = threading.Event()
+    streaming.set()
+
+    def stream() -> None:  # 200 Hz, each demand living 100 ms, as a client drives the hand
+        while streaming.is_set():
+            rig.client.send(rig.node, DEV, "set_demands", {"motors": {"0": 120, "3": -80}})
+            time.sleep(0.005)
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    try:
+        rig.until_on_wire(moving, "the streamed demand")
+        t0 = time.monotonic()
+        rig.proc.signal(signal.SIGTERM)
+        try:
+            code = rig.proc.proc.wait(8.0)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 8 s after SIGTERM: {rig.proc.text()[-3000:]}") from None
+        took = time.monotonic() - t0
+    finally:
+        streaming.clear()
+        t.join(2)
+    log = rig.proc.text()
+    assert code == 0 and "Traceback" not in log and "closed or invalid" not in log, log[-3000:]
+    assert took < 5.0, f"exited {took:.1f} s after SIGTERM"
+    stats = rig.ctl.call("stats")
+    assert stats["zero_demand_frames_before_leaving_op"] >= 20, stats
+    assert not any(decoded(stats["last_command"]).motor_data), stats["last_command"]

@@ -148,3 +148,48 @@ def test_a_cycle_process_late_to_op_is_a_failed_attempt_and_the_next_one_runs() 
             assert len(to_op) >= 2, ctl.call("stats")["transitions"]
         finally:
             b.stop()
+
+
+def test_the_shared_memory_closes_under_no_reader() -> None:
+    """stop() while other threads read the cycle's shared memory as the service's do (a handler's link check and
+    submit on paho's thread, the publisher's snapshot and stats, the deadline thread's look at the newest status):
+    every read after the close finds the link down, none finds the memory closed under it (`mmap closed or
+    invalid`, an IndexError on an emptied view: the node's publisher died of it at SIGTERM under a demand
+    stream)."""
+    with hand("0220") as (ns, _ctl):
+        b = ProcessBackend(EthercatSettings(backend="virtual", ethercat_ifname=ns.master_if, ethercat_netns=ns.name,
+                                            ethercat_push_config_on_start=False))
+        b.start()
+        errors: list[BaseException] = []
+        done = threading.Event()
+        reads = [0]
+
+        def read() -> None:
+            while not done.is_set():
+                try:
+                    b.connected()
+                    b.submit(SetDemands({0: 10}))
+                    b.last_valid_status()
+                    b.stats()
+                    b.snapshot()
+                    b.info()
+                    b.stop_sent_ns(1)
+                    reads[0] += 1
+                except BaseException as exc:  # any of them is the defect
+                    errors.append(exc)
+                    return
+
+        readers = [threading.Thread(target=read, daemon=True) for _ in range(3)]
+        try:
+            wait_for(lambda: b.connected(), what="valid process data")
+            for t in readers:
+                t.start()
+            wait_for(lambda: reads[0] > 50, what="the readers at work")
+        finally:
+            b.stop()
+            time.sleep(0.2)  # reads after the close
+            done.set()
+            for t in readers:
+                t.join(5)
+        assert not errors, errors[:3]
+        assert not b.connected() and b.stats() is not None

@@ -67,6 +67,9 @@ class ProcessBackend(HandBackend):
         self._events_r: Connection | None = None
         self._lock = threading.Lock()
         self._snap_lock = threading.Lock()
+        # the shared memory is closed under this lock (and the two above): every other reader of it holds one of
+        # them, so no thread (a handler on paho's thread, the publisher, the node's deadline thread) reads it closed
+        self._shm_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._state_seq = 0
         self._state = _CycleState()
@@ -243,41 +246,53 @@ class ProcessBackend(HandBackend):
         self._threads.append(t)
 
     def stop(self) -> None:
+        """In this order: the fail-safe (the cycle process zeroes every demand for STOP_ZERO_CYCLES exchanged cycles,
+        leaves OP and exits), then the readers of the shared memory (the monitor, the event pump), then the shared
+        memory closes. Commands that come meanwhile find the link down and the pipe closed: refused, never a
+        crash."""
         if self._stopped or self._shm is None:
             return
         self._stopped = True
-        self._stop_ev.set()
-        for t in self._threads:  # the monitor: a restart under way ends (its half-started process stopped)
+        self._stop_ev.set()  # no restart and no attempt from now on (one under way ends: its process stopped)
+        self._halt(self._proc)
+        for t in self._threads:  # the monitor: a start under way ends (its half-started process stopped)
             if t.name == "ethercat-monitor" and t is not threading.current_thread():
                 t.join(10)
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            if self._ctl_w is not None:
-                self._send(_Stop("stop"), force=True)
-            else:
-                proc.terminate()
-            try:
-                proc.wait(max(3.0, 3 * STOP_ZERO_CYCLES * self.period_ns / 1e9))
-            except subprocess.TimeoutExpired:
-                log.error("cycle process did not stop in time: killing it")
-                proc.kill()
-                proc.wait(5)
+        self._halt(self._proc)  # a process the monitor had started just before it saw the stop
         self._poll_state()
         self._running = False
         self._teardown()
 
+    def _halt(self, proc: subprocess.Popen[bytes] | None) -> None:
+        """Zero the demands and leave OP (the cycle process does both, then exits); wait for it."""
+        if proc is None or proc.poll() is not None:
+            return
+        if self._ctl_w is not None and proc is self._proc:
+            self._send(_Stop("stop"), force=True)
+        else:
+            proc.terminate()  # SIGTERM: it zeroes demands and leaves OP too, if it got there
+        try:
+            proc.wait(max(3.0, 3 * STOP_ZERO_CYCLES * self.period_ns / 1e9))
+        except subprocess.TimeoutExpired:
+            log.error("cycle process did not stop in time: killing it")
+            proc.kill()
+            proc.wait(5)
+
     def _teardown(self) -> None:
         for t in self._threads:
             t.join(1.0)
-        for conn in (self._ctl_w, self._events_r):
-            if conn is not None:
-                conn.close()
-        self._ctl_w = self._events_r = None
+        with self._lock:  # not under a submit's feet
+            for conn in (self._ctl_w, self._events_r):
+                if conn is not None:
+                    conn.close()
+            self._ctl_w = self._events_r = None
         if self._shm is not None:
-            with self._snap_lock:
-                self._read_snapshot()
-                self._shm.close()
-            self._shm = None
+            with self._lock, self._snap_lock:
+                self._read_snapshot()  # the last of it, for the views that outlive the cycle
+                with self._shm_lock:
+                    shm, self._shm = self._shm, None
+                    if shm is not None:
+                        shm.close()
         while self.cleanups:
             self.cleanups.pop()()
 
@@ -322,8 +337,9 @@ class ProcessBackend(HandBackend):
             self._poll_state_locked()
 
     def _poll_state_locked(self) -> None:
-        shm = self._shm
-        got = shm.read_slot("status") if shm is not None and shm.seq("status") != self._state_seq else None
+        with self._shm_lock:
+            shm = self._shm
+            got = shm.read_slot("status") if shm is not None and shm.seq("status") != self._state_seq else None
         if got is not None and got[0] != self._state_seq:
             self._state_seq = got[0]
             new: _CycleState = pickle.loads(got[1])
@@ -494,11 +510,14 @@ class ProcessBackend(HandBackend):
 
     def stats(self) -> EthercatLoopStats:
         """The last full 1 s window plus totals since start and the cycle's realtime policy."""
-        shm = self._shm
-        if shm is None:
-            return self._window.last
-        c = shm.counters_dict()
-        win = self._window.roll(time.monotonic_ns(), c, shm.hist["wake"])
+        with self._shm_lock:  # copies only: a demand's check of the link waits for this lock, never for numpy
+            shm = self._shm
+            if shm is None:
+                return self._window.last
+            c = shm.counters_dict()
+            hist = {k: v.copy() for k, v in shm.hist.items()}
+            recent = shm.overruns()
+        win = self._window.roll(time.monotonic_ns(), c, hist["wake"])
         cycles = max(1, c["cycles"])
         totals = {
             **{k: c[k] for k in ("cycles", "overruns", "skipped_cycles", "frames", "lost", "stale", "late",
@@ -507,10 +526,10 @@ class ProcessBackend(HandBackend):
                                  "commands_applied", "state_checks", "events_dropped",
                                  "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
                                  "overrun_slack_work", "late_starts")},
-            "wake_us": percentiles(shm.hist["wake"]), "cpu_us": percentiles(shm.hist["cpu"]),
-            "wake_over_period": int(shm.hist["wake"][self.period_ns // 1000 :].sum()),
-            "rtt_us": percentiles(shm.hist["rtt"]), "command_us": percentiles(shm.hist["command"]),
-            **self._overrun_view(),
+            "wake_us": percentiles(hist["wake"]), "cpu_us": percentiles(hist["cpu"]),
+            "wake_over_period": int(hist["wake"][self.period_ns // 1000 :].sum()),
+            "rtt_us": percentiles(hist["rtt"]), "command_us": percentiles(hist["command"]),
+            **self._overrun_view(recent),
             "cpu_mean_us": round(c["cpu_ns_sum"] / cycles / 1000, 1),
             "cpu_max_us": c["cpu_ns_max"] / 1000, "wake_max_us": c["wake_ns_max"] / 1000,
             "dropped_submits": self.dropped_submits, "bad_raw_reads": self.bad_raw_reads, "restarts": self.restarts,
@@ -519,16 +538,17 @@ class ProcessBackend(HandBackend):
             "policy": self._state.policy, "mqtt_policy": self._mqtt_policy,
             "warnings": list(self._state.warnings) + self._mqtt_warnings}})
 
-    def _overrun_view(self) -> dict[str, Any]:
+    @staticmethod
+    def _overrun_view(recent: list[dict[str, int | bool]]) -> dict[str, Any]:
         """The kept overrun records (cycle_shm.OVERRUN_FIELDS: release in CLOCK_MONOTONIC ns, then µs after
         it the wake-up, frame sent, exchange done and end; periods skipped; lost frame; slack work)."""
-        recent = self._shm.overruns() if self._shm is not None else []
         return {"recent_overruns": recent[-OVERRUNS_SHOWN:], "overrun_releases_ns": [o["release_ns"] for o in recent]}
 
     def histograms(self) -> dict[str, Any]:
         """Raw 1 µs histograms (wake, cpu, rtt) for the benchmark."""
-        shm = self._shm
-        return {k: v.copy() for k, v in shm.hist.items()} if shm is not None else {}
+        with self._shm_lock:
+            shm = self._shm
+            return {k: v.copy() for k, v in shm.hist.items()} if shm is not None else {}
 
     def info(self) -> dict[str, Any]:
         self._poll_state()
@@ -559,32 +579,35 @@ class ProcessBackend(HandBackend):
 
     def _no_data(self) -> bool:
         """No valid status for `error_after_lost` cycles in a row (the cycle sets the flag in place)."""
-        shm = self._shm
-        return shm is not None and bool(shm.get("health_error"))
+        with self._shm_lock:
+            shm = self._shm
+            return shm is not None and bool(shm.get("health_error"))
 
     def on_can_rx(self, handler: CanRxHandler) -> None:
         self._rx_handler = handler
 
     def valid_statuses(self) -> int:
         """The raw status slot's sequence: the cycle writes every valid status there (one shared-memory read)."""
-        shm = self._shm
-        return shm.seq("raw") if shm is not None else 0
+        with self._shm_lock:
+            shm = self._shm
+            return shm.seq("raw") if shm is not None else 0
 
     def last_valid_status(self) -> tuple[int, float | None]:
         """The raw status slot's sequence and the cycle's own stamp of that status (CLOCK_MONOTONIC: the clock of
         time.monotonic() in every process): one consistent read of the slot's head."""
-        shm = self._shm
-        got = shm.raw_stamp() if shm is not None else None
-        if got is None:
-            return self.valid_statuses(), None
-        return got[0], got[1] / 1e9
+        with self._shm_lock:
+            shm = self._shm
+            got = shm.raw_stamp() if shm is not None else None
+            seq = shm.seq("raw") if shm is not None else 0
+        return (seq, None) if got is None else (got[0], got[1] / 1e9)
 
     def stop_sent_ns(self, seq: int) -> int | None:
         """The cycle writes the time, then the stop's number, in the cycle that sent its first frame."""
-        shm = self._shm
-        if shm is None or shm.get("stop_seq") < seq:
-            return None
-        return shm.get("stop_sent_ns")
+        with self._shm_lock:
+            shm = self._shm
+            if shm is None or shm.get("stop_seq") < seq:
+                return None
+            return shm.get("stop_sent_ns")
 
     def connected(self, no_data: bool | None = None) -> bool:
         """Valid process data are being exchanged: the cycle is in OP (by its own account, kept current by
