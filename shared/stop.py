@@ -298,8 +298,9 @@ class StopLatch:
     @property
     def known(self) -> bool:
         """The stop state has been read on the stop connection, by a round trip sent after the main connection's
-        latest (re)connect: a motion command received on it may be judged."""
-        return self._read and self._synced_epoch >= self._main_epoch
+        latest (re)connect (so the main connection's subscriptions, the commands', are made too): a motion command
+        received on it may be judged."""
+        return self._read and self._main_epoch > 0 and self._synced_epoch >= self._main_epoch
 
     def main_connected(self) -> None:
         """The main connection (re)connected (its network thread, before the birth): the state is known again once
@@ -354,7 +355,11 @@ class StopLatch:
         if refused is not None:
             raise refused
         if not self.known and threading.get_ident() not in self._no_wait:
-            self.known_event.wait(ADMIT_WAIT_S)  # the stop message, when it comes, arrives on the network thread
+            # the stop message and the round trip come on the stop connection's network thread; the state may be
+            # known and unknown again meanwhile (the main connection's connect asks for a fresh round trip)
+            end = time.monotonic() + ADMIT_WAIT_S
+            while not self.known and (left := end - time.monotonic()) > 0:
+                self.known_event.wait(left)
             gen = self.generation
             refused = self._refusal()
             if refused is not None:
