@@ -9,6 +9,7 @@ DASH   := shared/tools/dashboard
 MODELINA := tests/contract/modelina
 MCAPCLI := .venv-mcapcli
 TSEXAMPLE := examples/typescript
+FOXCLIENT := tests/foxglove/wsclient
 # The suite runs in four processes (pytest-xdist), each of tests/conftest.py's units (a module, the docker modules
 # together, the realtime modules together, the conformance suite per service) whole in one; PYTEST_WORKERS=0 runs
 # it in one process, in file order. The suite mostly waits (on brokers, stacks, deadlines), so four fit two cores;
@@ -32,7 +33,8 @@ help:
 	@echo "make prove  make test RUNS times beside stress-ng --cpu 1, then RUNS times quiet (default 3)"
 
 setup: system-deps $(STAMP) $(NODEV)/node_modules/.installed $(DASH)/node_modules/.installed \
-       $(MODELINA)/node_modules/.installed $(TSEXAMPLE)/node_modules/.installed $(MCAPCLI)/.installed
+       $(MODELINA)/node_modules/.installed $(TSEXAMPLE)/node_modules/.installed $(MCAPCLI)/.installed \
+       $(FOXCLIENT)/node_modules/.installed
 
 # Debian packages: mosquitto (broker), its clients, iproute2 (netns/veth for the EtherCAT tests),
 # rt-tests (cyclictest, the realtime anchor of bench/ethercat_cycle.py), nodejs/npm (AsyncAPI parser).
@@ -62,6 +64,11 @@ $(MODELINA)/node_modules/.installed: $(MODELINA)/package.json $(MODELINA)/packag
 # The TypeScript example client (mqtt.js, tsc), run by tests/contract/test_example_typescript.py.
 $(TSEXAMPLE)/node_modules/.installed: $(TSEXAMPLE)/package.json $(TSEXAMPLE)/package-lock.json
 	cd $(TSEXAMPLE) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# The Foxglove WebSocket protocol's own client (@foxglove/ws-protocol), run by tests/foxglove against `robobus foxglove`.
+$(FOXCLIENT)/node_modules/.installed: $(FOXCLIENT)/package.json $(FOXCLIENT)/package-lock.json
+	cd $(FOXCLIENT) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 # pymcap-cli, an MCAP implementation independent of ours (its own reader, small-mcap), which

@@ -17,7 +17,7 @@ repo=$(dirname "$here")
 # absolute: compose resolves relative paths against deploy/, the caller means its own directory
 secrets=$(realpath -m "${ROBOBUS_SECRETS_DIR:-$here/secrets}")
 export ROBOBUS_SECRETS_DIR=$secrets
-files=(-f "$here/compose.yaml")
+files=(-f "$here/compose.yaml" -f "$here/compose.foxglove.yaml")   # + robobus foxglove (profiles sim, foxglove)
 notes=()
 
 dockerd_pid=$(pgrep -xo dockerd || true)
