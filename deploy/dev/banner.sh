@@ -26,6 +26,7 @@ robobus is up. Where to look:
   robobus call NODE/DEVICE COMMAND '{}'   send a command (see docs/asyncapi.yaml for all of them)
   dashboard: http://127.0.0.1:${ROBOBUS_DASHBOARD_PORT:-8080}/   (in a browser; its MQTT goes through the page's server at /mqtt)
   foxglove:  ws://127.0.0.1:${ROBOBUS_FOXGLOVE_PORT:-8765}   (Foxglove: Open connection -> Foxglove WebSocket; layout deploy/foxglove/robobus-demo.json)
+  metrics:   http://127.0.0.1:${ROBOBUS_PROMETHEUS_PORT:-9880}/metrics   (Prometheus: scrape it; alert rules in deploy/prometheus/, docs/prometheus.md)
   broker: $ROBOBUS_MQTT_URL   websockets for other dashboards: ws://127.0.0.1:9001
 Ctrl-C stops everything.
 MSG

@@ -16,6 +16,7 @@ command -v npm >/dev/null 2>&1 || need+=(npm)
 command -v gdb-multiarch >/dev/null 2>&1 || need+=(gdb-multiarch)
 command -v arm-none-eabi-as >/dev/null 2>&1 || need+=(binutils-arm-none-eabi)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)   # the dashboard's browser tests (headless)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)   # promtool checks the alert rules; the tests run the real Prometheus
 [ ${#need[@]} -eq 0 ] && exit 0
 echo "robobus: installing Debian packages: ${need[*]}"
 SUDO=""
