@@ -4,7 +4,9 @@ A mosquitto with an MQTT and a websockets listener (optionally with a password f
 their simulators exactly as deploy/Procfile.sim starts them (ethercat-loop on the model backend,
 can-bootloader with ROBOBUS_CAN_SIM=true, two simulated e-puck2 robots on TCP and one on a serial pty with
 epuck-gateway, three simulated ROI modules with roi-modules, a simulated Dexter with dexter-gateway), and
-`robobus dashboard` serving the page. Headless Debian chromium, driven by Python playwright."""
+`robobus dashboard` serving the page. Every other registered service is started as `make run` starts it: its
+node's and its simulators' lines of deploy/Procfile.sim, on ports and links of the stack's own. Headless Debian
+chromium, driven by Python playwright."""
 
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from shared.registry import service_names
 from shared.rpc import RpcClient, wait_for
 from shared.settings import KitSettings
 from shared.tools.localbroker import REPO, mosquitto_bin
+from shared.tools.simrig import own_procfile_env, procfile_commands, sim_serves
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -163,11 +167,13 @@ class SimStack:
     procs: dict[str, Proc] = field(default_factory=dict)
     dashboard_url: str = ""
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, shell: str = "") -> Proc:
+        """`python <args>`, or a Procfile command line (`shell`, run by bash as the supervisor runs it)."""
         log = self.workdir / f"{name}.log"
         full = {**os.environ, "PYTHONUNBUFFERED": "1", "ROBOBUS_MQTT_URL": self.mqtt_url, **(env or {})}
+        argv = ["bash", "-c", shell] if shell else [sys.executable, *args]
         with log.open("wb") as out:
-            p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=full, stdout=out, stderr=subprocess.STDOUT,
+            p = subprocess.Popen(argv, cwd=REPO, env=full, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         self.procs[name] = Proc(name, p, log)
         return self.procs[name]
@@ -200,6 +206,20 @@ class SimStack:
         assert wait_for(lambda: _listening(dexter_port), 20), self.procs["dexter-sim"].text()
         self.spawn("dexter-gateway", ["-m", "services.dexter_gateway"], {
             "ROBOBUS_DEXTER_ARMS": json.dumps([{"id": "dexter1", "host": "127.0.0.1", "port": dexter_port}])})
+        self.start_from_procfile([n for n in nodes if n not in STARTED_HERE])
+
+    def start_from_procfile(self, services: list[str]) -> None:
+        """Each service as `make run` starts it: its simulators' lines of deploy/Procfile.sim, then its node's, with
+        the Procfile's port and link variables given values of this stack's own."""
+        lines = procfile_commands()
+        serves = sim_serves(lines)
+        wanted = [n for n in lines if serves.get(n) in services] + [n for n in services if n in lines]
+        missing = [s for s in services if s not in lines]
+        assert not missing, f"deploy/Procfile.sim has no line for {missing}"
+        env = own_procfile_env([lines[n] for n in wanted], self.workdir)
+        path = f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"
+        for name in wanted:
+            self.spawn(name, [], {**env, "PATH": path}, shell=lines[name])
 
     def _start_earlier(self) -> None:
         """The three services the dashboard was first measured with (bench/dashboard.py --stack three)."""
@@ -229,6 +249,9 @@ class SimStack:
             return all((n, d) in healths for n in nodes for d in seen[n].get("devices", []) if d != "_node")
 
         assert wait_for(online, timeout, 0.5), {n: p.text() for n, p in self.procs.items() if not p.alive()}
+        statuses = {t.split("/")[1]: json.loads(p) for t, p, _ in client.collect_retained("robobus/+/status") if p}
+        for n in nodes:  # the devices each node says it serves (its status): what the page must show
+            DEVICES[n] = sorted(d for d in statuses[n].get("devices", []) if d != "_node")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs[name].popen
@@ -275,10 +298,13 @@ def _udp_free(host: str, port: int) -> bool:
         return True
 
 
-# `make run`'s whole stack: every service on its simulator (deploy/Procfile.sim)
-NODES = ["can-bootloader", "dexter-gateway", "epuck-gateway", "ethercat-loop", "roi-modules"]
-DEVICES = {"can-bootloader": ["motors"], "dexter-gateway": ["dexter1"], "epuck-gateway": ["epuck1", "epuck2", "epuck3"],
-           "ethercat-loop": ["rh"], "roi-modules": ["roi_arm", "roi_io", "roi_wheel"]}
+# `make run`'s whole stack: every registered service on its simulator (deploy/Procfile.sim)
+NODES = sorted(service_names())
+# the services start_services starts with the dashboard tests' own settings (a short erase time for the CAN boards,
+# the ROI modules blank); every other registered service is started from its Procfile lines
+STARTED_HERE = {"can-bootloader", "dexter-gateway", "epuck-gateway", "ethercat-loop", "roi-modules"}
+# node -> its devices, as each node's status names them once the stack is up (sim_stack fills it)
+DEVICES: dict[str, list[str]] = {}
 # the stack of the dashboard's first benchmark figures: the hand, two e-pucks on TCP, the CAN boards
 NODES_EARLIER = ["can-bootloader", "epuck-gateway", "ethercat-loop"]
 
