@@ -33,9 +33,10 @@ from shared.tools.simrig import procfile_commands as simrig_procfile_commands
 __all__ = ["PROCFILE", "SimStack", "consecutive_free_ports", "own_resources", "procfile_commands", "sim_serves",
            "sim_stack"]
 
-# the harness runs its own broker; the banner only prints; the dashboard is an HTTP server on a fixed port
-# for browsers (tests/dashboard has its own stack); Home Assistant discovery runs only on request
-NOT_PROCESSES = {"broker", "banner", "dashboard", "homeassistant"}
+# the harness runs its own broker; the banner only prints; the dashboard and the Foxglove bridge are servers on a
+# fixed port for people's tools (tests/dashboard and tests/foxglove have their own stacks); Home Assistant discovery
+# runs only on request
+NOT_PROCESSES = {"broker", "banner", "dashboard", "foxglove", "homeassistant"}
 
 
 def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
