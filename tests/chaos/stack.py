@@ -35,8 +35,9 @@ __all__ = ["PROCFILE", "SimStack", "consecutive_free_ports", "own_resources", "p
 
 # the harness runs its own broker; the banner only prints; the dashboard and the Foxglove bridge are servers on a
 # fixed port for people's tools (tests/dashboard and tests/foxglove have their own stacks); Home Assistant discovery
-# runs only on request
-NOT_PROCESSES = {"broker", "banner", "dashboard", "foxglove", "homeassistant"}
+# runs only on request; the Prometheus exporter is a server for Prometheus (tests/prometheus runs it beside a stack
+# of its own)
+NOT_PROCESSES = {"broker", "banner", "dashboard", "foxglove", "homeassistant", "prometheus"}
 
 
 def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
