@@ -15,7 +15,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from shared.tools.localbroker import REPO
