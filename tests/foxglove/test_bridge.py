@@ -75,7 +75,7 @@ def procfile_roi(stack: SimStack) -> None:
     prefix = roi_prefix()
     stack.spawn("roi-sim", ["-m", "services.roi_modules.sim", "--prefix", prefix, "--modules",
                             ",".join(f"{kind}:{octet}" for _, octet, kind in ROI_MODULES), "--actuator-length"])
-    modules = [{"name": n, "octet": o, "type": k} for n, o, k in ROI_MODULES]
+    modules: list[dict[str, Any]] = [{"name": n, "octet": o, "type": k} for n, o, k in ROI_MODULES]
     for m in modules:
         m.update({"gpio": {"pin_modes": {"0": "input_pullup", "1": "input", "3": "output"}},
                   "odrive": {"initial_mode": "velocity"}, "actuator": {"length_feedback": "on"}}[str(m["type"])])
@@ -110,8 +110,8 @@ def test_every_channel_is_the_contracts_and_every_message_validates(demo: Demo) 
     missing = {t: topics.get(t, {}).get("messages") for t in want if not topics.get(t, {}).get("messages")}
     assert not missing, missing
     catalog = TopicCatalog.from_document(load_document(), ROOT)
-    for t in topics:
-        catalog.learn(t, json.dumps({"service": t.split("/")[1]}).encode()) if t.endswith("/status") else None
+    for n in NODES:  # each node named after its service, as the bridge learns from their statuses
+        catalog.learn(f"{ROOT}/{n}/status", json.dumps({"service": n}).encode())
     for topic, s in topics.items():
         assert s["invalid"] == 0, (topic, s["errors"])
         assert s["encoding"] == "json" and s["schemaEncoding"] == "jsonschema" and s["hasValidator"], (topic, s)
