@@ -76,9 +76,10 @@ def procfile_roi(stack: SimStack) -> None:
     stack.spawn("roi-sim", ["-m", "services.roi_modules.sim", "--prefix", prefix, "--modules",
                             ",".join(f"{kind}:{octet}" for _, octet, kind in ROI_MODULES), "--actuator-length"])
     modules: list[dict[str, Any]] = [{"name": n, "octet": o, "type": k} for n, o, k in ROI_MODULES]
+    extra: dict[str, dict[str, Any]] = {"gpio": {"pin_modes": {"0": "input_pullup", "1": "input", "3": "output"}},
+                                        "odrive": {"initial_mode": "velocity"}, "actuator": {"length_feedback": "on"}}
     for m in modules:
-        m.update({"gpio": {"pin_modes": {"0": "input_pullup", "1": "input", "3": "output"}},
-                  "odrive": {"initial_mode": "velocity"}, "actuator": {"length_feedback": "on"}}[str(m["type"])])
+        m.update(extra[str(m["type"])])
     stack.spawn("roi-modules", ["-m", "services.roi_modules"], {
         "ROBOBUS_ROI_NETWORK": prefix, "ROBOBUS_ROI_HOST_OCTET": "100", "ROBOBUS_ROI_MODULES": json.dumps(modules)})
 
