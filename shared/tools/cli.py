@@ -502,6 +502,28 @@ def schema(
                   + (f" for the topic root {root}" if root else ""))
 
 
+@app.command("new-service")
+def new_service(
+    name: Annotated[str, typer.Argument(help="The service's name: lower-case words joined by '-' (sixth-io)")],
+    package: Annotated[str | None, typer.Option(help="Its Python package; default services.<name_with_underscores>")
+                       ] = None,
+    folder: Annotated[Path | None, typer.Option("--dir", help="Where to write it; default the package's folder "
+                                                              "under this checkout")] = None,
+) -> None:
+    """Write the rooms of a new, working service (with a simulator and a rig) and print what to add outside it."""
+    from shared.tools.scaffold import create, names, registration
+
+    try:
+        n = names(name, package)
+        target = folder or Path(__file__).resolve().parents[2].joinpath(*n.package.split("."))
+        written = create(name, target, n.package)
+    except (ValueError, FileExistsError) as exc:
+        err_console.print(f"[red]robobus: {exc}[/red]")
+        raise typer.Exit(2) from None
+    console.print(f"wrote {len(written)} files in {target}; now add (docs/kit.md, 'How to add a service'):")
+    sys.stdout.write(registration(name, n.package))
+
+
 def _load_plugins() -> None:
     """Sub-commands contributed through the `robobus.cli` entry points (robobus flash, robobus can, ...)."""
     for plugin in cli_plugins():
