@@ -22,7 +22,7 @@ def fixed_resources(command: str) -> list[str]:
     """The ports (numbers from 1024) and file-system paths of a command that no variable names."""
     bare = _DEFAULTS.sub(" ", command)
     found = [n for n in re.findall(r"(?<![\w.])(\d{4,5})(?![\w.])", bare) if 1024 <= int(n) <= 65535]
-    return found + re.findall(r"/(?:tmp|dev|run)/[\w./-]+", bare)
+    return found + re.findall(r"(?<![\w./])/(?:tmp|dev|run)/[\w./-]+", bare)
 
 
 def test_every_fixed_resource_of_the_procfile_is_a_named_variable() -> None:
