@@ -239,7 +239,8 @@ class BusCollector(Collector):
                 self._node(s, site, node, n, now)
             self._latches(s, now)
             for (site, name), (value, _) in sorted(view.bridges.items()):
-                s.add("robobus_bridge_connected" if name == "state" else "robobus_bridge_reachable", (site,), value)
+                s.add("robobus_bridge_connected" if name == "state" else "robobus_bridge_reachable", (site,),
+                      value == "1")
             for (site, node, dev, cmd, outcome, code), count in sorted(view.job_results.items()):
                 s.add("robobus_job_results", (site, node, dev, cmd, outcome, code), count)
             for (site, node, dev, cmd), dur in sorted(view.job_last_duration.items()):
