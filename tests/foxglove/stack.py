@@ -36,10 +36,11 @@ def client_missing() -> str | None:
     return None
 
 
-def start_bridge(stack: SimStack, env: dict[str, str] | None = None, name: str = "foxglove") -> int:
+def start_bridge(stack: SimStack, env: dict[str, str] | None = None, name: str = "foxglove",
+                 args: list[str] | None = None) -> int:
     """`robobus foxglove` as make run starts it (python -m shared.tools.foxglove), on a free port."""
     port = free_ports(1)[0]
-    stack.spawn(name, ["-m", "shared.tools.foxglove", "--port", str(port)], env)
+    stack.spawn(name, ["-m", "shared.tools.foxglove", "--port", str(port), *(args or [])], env)
     assert wait_for_true(lambda: _listening(port), 30), stack.procs[name].text()
     return port
 
