@@ -751,6 +751,8 @@ class StopLatch:
                 self._probes.pop(self._periodic or b"", None)
                 self._periodic = None
             due = self._ready and self._periodic is None and now >= self._next_probe
+            if due:
+                self._next_probe = now + PROBE_EVERY_S  # also if it cannot go (closing): no busy loop
             oldest = min((t for t, _, _ in self._probes.values()), default=None)
             changed = not self._closing and self.path.check(now, oldest)
         if due:
@@ -758,7 +760,9 @@ class StopLatch:
         if changed:
             self._path_changed()
         with self._lock:
-            waits = [max(self._next_probe - now, 0.0) if self._periodic is None else PROBE_EVERY_S]
+            # the next periodic round trip (while connected and none is out), else a look a period later (the
+            # start's grace, a lost one); and the moment the one out would lag
+            waits = [self._next_probe - now if self._ready and self._periodic is None else PROBE_EVERY_S]
             oldest = min((t for t, _, _ in self._probes.values()), default=None)
             if oldest is not None and not self.path.lagging:
                 waits.append(oldest + LAG_S - now)

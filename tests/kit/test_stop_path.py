@@ -212,6 +212,18 @@ def test_the_lag_rule_without_flapping() -> None:
     assert not never.check(1.0, None) and never.check(stop_mod.START_GRACE_S + 0.1, None) and never.lagging
 
 
+def test_the_check_does_not_spin_while_the_stop_connection_is_down(broker_session: Broker) -> None:
+    """The housekeeping asks the latch when to look again: a period while there is no connection to probe on, not
+    at once (the housekeeping thread would spin)."""
+    node = Node(API, broker_session.settings(topic_root=f"stoppath{time.monotonic_ns()}", node="down"))
+    build(node)
+    try:
+        assert node.stop_latch.tick() >= stop_mod.PROBE_EVERY_S * 0.9
+        assert node.stop_latch.tick() >= stop_mod.PROBE_EVERY_S * 0.9
+    finally:
+        node.stop()
+
+
 def test_a_lagging_stop_path_is_noticed_counted_and_good_again_without_flapping(own_bus: Bus,
                                                                                  broker: Broker) -> None:
     """The broker stalled 2 s (SIGSTOP): the stop path lags (its round trip is out past LAG_S), the node's stats
