@@ -104,7 +104,7 @@ class WsClient:
         return self._ask({"op": "call", "service": service, "request": request}, timeout)
 
     def report(self) -> dict[str, Any]:
-        return self._ask({"op": "report"}, 10.0)
+        return self._ask({"op": "report"}, 30.0)
 
     def seen(self, kind: str, since: float = 0.0) -> list[dict[str, Any]]:
         with self._lock:
