@@ -301,6 +301,13 @@ EJABBERD_MAX_QUEUE = 100_000  # as mosquitto's max_queued_messages in the shippe
 EJABBERD_HOST = "robobus"  # the cluster's one ejabberd host (users are user@robobus): its certificate names it
 
 
+def bound_client_ids(user: str) -> str:
+    """The client ids of `user` (U or U-<anything>, as mosquitto/robobus_auth.c binds them) as a PCRE, for ejabberd's
+    resource_regexp (the MQTT client id is the session's resource)."""
+    literal = "".join(f"[{c}]" if c in ".-" else c for c in user)  # user names: letters, digits, - _ .
+    return f"^{literal}(-.*)?$"
+
+
 def ejabberd_conf(acl_text: str, users: list[str]) -> str:
     """The clustered centre's ejabberd.yml (deploy/compose.cluster.yaml): mod_mqtt only, ejabberd's own users, and
     the centre's ACL as mod_mqtt's access_publish / access_subscribe. mod_mqtt checks a subscription's filter, not
@@ -324,16 +331,16 @@ def ejabberd_conf(acl_text: str, users: list[str]) -> str:
            "listen:", "  -", "    port: 1883", '    ip: "::"', "    module: mod_mqtt", "    backlog: 1000",
            "  -", "    port: 8883", '    ip: "::"', "    module: mod_mqtt", "    backlog: 1000", "    tls: true",
            f"certfiles: [{EJABBERD_PEM}]",
-           "auth_method: [internal]",
-           "acl:"]
-    acl_name = {u: "u_" + u.replace("-", "_") for u in users}
-    out += [f'  {acl_name[u]}:\n    user: "{u}"' for u in sorted(users)]
+           "auth_method: [internal]"]
+    # Client ids bound to users, as mosquitto's plugin does at CONNECT (mosquitto/robobus_auth.c): mod_mqtt checks
+    # each rule against the client's user AND its client id (the session's JID is user@host/<client id>), so every
+    # allow names a user together with the ids it may use, U or U-... A client with another id connects but may
+    # publish and subscribe nothing (mod_mqtt denies what no rule allows): `%c` is only ever its own user's id, so
+    # neither an operator's id nor a `+` id opens another client's replies.
     out += ["access_rules:"]
     for who, name in sorted(rules.items(), key=lambda kv: kv[1]):
-        if "*" in who:
-            out += [f"  {name}:", "    - allow: all"]
-        else:
-            out += [f"  {name}:", *(f"    - allow: {acl_name[u]}" for u in sorted(who))]
+        out += [f"  {name}:", *(f"    - allow: {{user: \"{u}\", resource_regexp: '{bound_client_ids(u)}'}}"
+                                for u in sorted(users if "*" in who else who))]
     out += ["api_permissions:", '  "console commands":', "    from: [ejabberd_ctl]", "    who: all", '    what: "*"',
             # mod_admin_extra: ejabberdctl's change_password, with which a restarted first node
             # (ejabberd/entrypoint.sh) sets its users' passwords again

@@ -8,8 +8,12 @@
  * 2. Replies only to requests received. A write to <...>/_client/<client id>/reply by user U is refused
  *    (PUBACK 135) unless the client id is U's own, or a request naming that Response Topic reached U's node,
  *    i.e. was published on <root>/U/<device>/cmd/<name> by someone other than U, within the last
- *    `plugin_opt_reply_ttl` seconds (default 600). Users named bridge-* (a fleet centre's site bridges)
- *    relay the replies of their site, whose broker checked them: the ACL file limits them to the site's root.
+ *    `plugin_opt_reply_ttl` seconds (default 600), by the client whose reply topic it is: a request grants
+ *    only when its Response Topic is <...>/_client/<the sender's own client id>/reply, or when it came over a
+ *    fleet bridge (user bridge-*: the centre checked its sender). So a node that may call another (can-bootloader
+ *    leases ethercat-loop's CAN bridge) cannot have it answer onto a third client's reply topic (the operator's):
+ *    the request still reaches the node, its reply there is refused. Users named bridge-* (a fleet centre's site
+ *    bridges) relay the replies of their site, whose broker checked them: the ACL file limits them to the site's root.
  *    So may the users named in `plugin_opt_relay_users` (space-separated; default "fleet-gate": the centre's
  *    answer for a cut-off site, deploy/fleet_gate.py).
  *    The ACL file is still consulted for everything this plugin lets through.
@@ -38,7 +42,7 @@ static mosquitto_plugin_id_t *plugin_id;
 static struct grant grants[MAX_GRANTS];
 static long reply_ttl_s = 600;
 static char relay_users[1024] = " fleet-gate ";  /* space-delimited on both sides */
-static unsigned long refused_ids, refused_replies;
+static unsigned long refused_ids, refused_replies, refused_grants;
 
 static int id_is_users(const char *id, const char *user)
 {
@@ -131,6 +135,18 @@ static int is_relay(const char *user)
 	return strstr(relay_users, key) != NULL;
 }
 
+/* A request's Response Topic that its sender may name: its own reply topic, <...>/_client/<its client id>/reply, or
+ * anything relayed by a fleet bridge (a bridge's publishes carry the username it logs in with at the centre,
+ * bridge-<site>: the centre's broker bound the requester's reply topic to the requester). */
+static int names_own_reply_topic(const struct mosquitto *client, const char *sender, const char *response)
+{
+	char id[256];
+	const char *own = mosquitto_client_id(client);
+	if(sender && !strncmp(sender, "bridge-", 7)) return 1;
+	if(!own || !reply_client(response, id, sizeof(id))) return 0;
+	return !strcmp(id, own);
+}
+
 static int on_basic_auth(int event, void *event_data, void *userdata)
 {
 	struct mosquitto_evt_basic_auth *ed = event_data;
@@ -161,7 +177,17 @@ static int on_message(int event, void *event_data, void *userdata)
 	if(!mosquitto_property_read_string(ed->properties, MQTT_PROP_RESPONSE_TOPIC, &response, false)) {
 		return MOSQ_ERR_SUCCESS;
 	}
-	grant(node, response, time(NULL));
+	if(names_own_reply_topic(ed->client, sender, response)) {
+		grant(node, response, time(NULL));
+	}else{
+		refused_grants++;
+		if(refused_grants <= 10 || refused_grants % 1000 == 0) {
+			mosquitto_log_printf(MOSQ_LOG_NOTICE, "robobus_auth: a request from client '%s' (user '%s') on %s "
+					"names the response topic %s, not its own: %s may not answer there (refused so far: %lu)",
+					mosquitto_client_id(ed->client) ? mosquitto_client_id(ed->client) : "", sender ? sender : "",
+					ed->topic, response, node, refused_grants);
+		}
+	}
 	free(response);
 	return MOSQ_ERR_SUCCESS;
 }

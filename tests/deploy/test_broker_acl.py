@@ -400,3 +400,37 @@ def test_a_site_cannot_write_its_own_reachability_at_the_centre(central_broker):
                                                        ("site-a/robobus/_bridge/reachable", b"1")], viewer.received
     for p in (viewer, site, watch):
         p.close()
+
+
+def test_a_node_that_may_call_another_cannot_have_it_answer_a_third_client(secure_broker):
+    """can-bootloader may call ethercat-loop (cmd/bridge_lease: the palm's CAN bridge). A request of its naming the
+    operator's reply topic as its Response Topic reaches the hand's node, whose dispatch answers there (an unknown
+    command is answered too): the broker refuses that answer, since a request grants a reply only on its sender's
+    own reply topic. The same request naming can-bootloader's own reply topic is answered; the operator's own
+    request is answered to the operator, and only that answer reaches it."""
+    from shared import Node
+    from shared.settings import KitSettings
+    from tests.kit.motion_node import API, build
+
+    port, d = secure_broker
+    user, password = creds(d, "ethercat-loop")
+    node = Node(API, KitSettings(mqtt_url=f"mqtt://127.0.0.1:{port}", mqtt_username=user, mqtt_password=password,
+                                 node="ethercat-loop"))
+    build(node, devices=("rh",), sensors=())
+    node.start()
+    op, boot = probe(port, d, "operator"), probe(port, d, "can-bootloader")
+    try:
+        ops, boots = f"robobus/_client/{op.client_id}/reply", f"robobus/_client/{boot.client_id}/reply"
+        assert op.subscribe(ops) == [1] and boot.subscribe(boots) == [1]
+        assert node.session.connected.wait(SETTLE_S)
+        request(boot, "robobus/ethercat-loop/rh/cmd/bridge_lease", ops, b'{"from": "can-bootloader"}')
+        request(boot, "robobus/ethercat-loop/rh/cmd/bridge_lease", boots, b'{"from": "can-bootloader"}')
+        assert boot.wait_for(lambda t, p, r: t == boots, SETTLE_S), "the node did not answer can-bootloader itself"
+        request(op, "robobus/ethercat-loop/rh/cmd/read", ops)
+        assert op.wait_for(lambda t, p, r: t == ops and b"speed" in p, SETTLE_S), op.received
+        time.sleep(0.5)
+        assert len(op.received) == 1, f"the node answered can-bootloader's request onto the operator's: {op.received}"
+    finally:
+        for p in (op, boot):
+            p.close()
+        node.stop()

@@ -28,6 +28,7 @@ from shared.settings import KitSettings
 from tests.deploy.deployfiles import DEPLOY, make_secrets
 from tests.deploy.mqttprobe import Probe, creds
 from tests.deploy.stack import DOCKER, Stack, run
+from tests.deploy.test_fleet_centre_acl import centre_probes, connector, probe_count
 from tests.fixtures import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -230,6 +231,16 @@ def test_a_viewer_at_the_cluster_cannot_command_or_stop_a_site(cluster):
     finally:
         for p in (viewer, operator, local):
             p.close()
+
+
+def test_no_probe_gets_through_the_clustered_centre(cluster):
+    """The centre's probe suite (test_fleet_centre_acl.py, which the mosquitto centre passes too) against a node:
+    client ids are bound to users in every access rule (make_secrets.ejabberd_conf), so neither the operator's id nor
+    the id `+` reads or forges another client's replies. A granted SUBACK or an accepted PUBACK counts as access
+    (mod_mqtt checks a filter once and each publish at once)."""
+    centre, _ = cluster
+    leaks = centre_probes(connector("127.0.0.1", centre.ports["ejabberd2"], centre.secrets), filters_checked=True)
+    assert not leaks, f"{len(leaks)} of {probe_count()} probes got through: {leaks}"
 
 
 def test_killing_the_node_a_site_is_bridged_to_moves_the_bridge_and_loses_no_qos1_message(cluster):
