@@ -141,8 +141,8 @@ def main() -> None:
         scraper.join(10)
         msgs_after = _messages(url)
     finally:
-        for p in procs:
-            p.stop(5)
+        for proc in procs:
+            proc.stop(5)
         stack.stop()
     out: dict[str, dict[str, float]] = {}
     for n in pids:
