@@ -98,12 +98,20 @@ awk -v a="$start" -v b="$built" -v c="$done_" \
   'BEGIN { printf "robobus: built in %.1f s, every container healthy %.1f s later\n", b - a, c - b }'
 port=${ROBOBUS_BROKER_PORT:-1883}
 sdir=${ROBOBUS_SECRETS_DIR:-deploy/secrets}
+# The CLI lives in the checkout's venv, which `make up` does not make (a fresh clone has none): say so, and give a
+# command that works anyway: the broker container's own mosquitto_sub, as the viewer (its env file is the broker's).
+if [ -x .venv/bin/robobus ]; then
+  cli="set -a; . $sdir/operator.env; set +a; ROBOBUS_MQTT_URL=mqtt://127.0.0.1:$port .venv/bin/robobus status"
+else
+  cli="the robobus CLI (.venv/bin/robobus) is not installed here: \`make setup\` makes the venv, then
+  set -a; . $sdir/operator.env; set +a; ROBOBUS_MQTT_URL=mqtt://127.0.0.1:$port .venv/bin/robobus status"
+fi
 cat <<MSG
 robobus is up (project $project, profiles: $COMPOSE_PROFILES). Broker: mqtt://127.0.0.1:$port, websockets ws://127.0.0.1:${ROBOBUS_BROKER_WS_PORT:-9001}
   operator credentials (commands):  $sdir/operator.env
   read-only credentials:            $sdir/viewer.env
-  set -a; . $sdir/operator.env; set +a; ROBOBUS_MQTT_URL=mqtt://127.0.0.1:$port .venv/bin/robobus status
-  mosquitto_sub -h 127.0.0.1 -p $port -u viewer -P "\$(sed -n 's/^ROBOBUS_MQTT_PASSWORD=//p' $sdir/viewer.env)" -i viewer-\$\$ -v -t '${ROBOBUS_TOPIC_ROOT:-robobus}/+/status'
+  $cli
+  deploy/compose.sh exec broker sh -c 'mosquitto_sub -u viewer -P "\$ROBOBUS_MQTT_PASSWORD" -i viewer-sh-\$\$ -v -t "${ROBOBUS_TOPIC_ROOT:-robobus}/+/status"'
   make down   stops everything (broker data and secrets are kept)
 MSG
 [ -z "$hand_note" ] || say "WARNING: $hand_note"
