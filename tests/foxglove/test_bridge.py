@@ -31,8 +31,10 @@ LAYOUT = REPO / "deploy" / "foxglove" / "robobus-demo.json"
 
 
 class Demo:
-    def __init__(self, stack: SimStack, client: RpcClient, port: int, ws: WsClient, recording: Path) -> None:
+    def __init__(self, stack: SimStack, client: RpcClient, port: int, ws: WsClient, recording: Path,
+                 broker: Broker) -> None:
         self.stack, self.client, self.port, self.ws, self.recording = stack, client, port, ws, recording
+        self.broker = broker
 
     def report(self) -> dict[str, Any]:
         return self.ws.report()
@@ -58,7 +60,7 @@ def demo() -> Iterator[Demo]:
             stack.spawn("recorder", ["-m", "shared.tools.record_cli", "record", "-o", str(recording)])
             stack.wait_online(client, NODES)
             ws = WsClient(port)
-            yield Demo(stack, client, port, ws, recording)
+            yield Demo(stack, client, port, ws, recording, broker)
         finally:
             if ws is not None:
                 ws.close()
@@ -279,3 +281,16 @@ def test_the_demo_layout_plots_live_and_on_a_recording(demo: Demo) -> None:
             if pid.startswith("Plot!"):
                 got = evaluate(p, last[t])
                 assert len(got) == 1 and isinstance(got[0], int | float), (pid, p, got)
+
+
+def test_the_loss_of_the_broker_is_said_and_its_return_clears_it(demo: Demo) -> None:
+    ws = demo.ws
+    joints = f"{ROOT}/ethercat-loop/rh/state/joints"
+    t0 = time.monotonic()
+    demo.broker.restart(down_s=1.0)
+    assert wait_for_true(lambda: any(e.get("statusId") == "broker" for e in ws.seen("status", t0)), 20), ws.events[-5:]
+    warn = next(e for e in ws.seen("status", t0) if e.get("statusId") == "broker")
+    assert "broker" in warn["message"] and warn["level"] == 1, warn  # 1: warning
+    assert wait_for_true(lambda: any("broker" in e["statusIds"] for e in ws.seen("removeStatus", t0)), 30)
+    before = demo.report()["topics"][joints]["messages"]
+    assert wait_for_true(lambda: demo.report()["topics"][joints]["messages"] > before + 10, 60)

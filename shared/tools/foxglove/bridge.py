@@ -42,7 +42,7 @@ from typing import Any
 
 import foxglove
 import paho.mqtt.client as mqtt
-from foxglove import MessageSchema, Schema, Service, ServiceRequest, ServiceSchema
+from foxglove import MessageSchema, Schema, Service, ServiceRequest, ServiceSchema, StatusLevel
 from foxglove.websocket import Capability, ChannelView, Client, ServerListener, WebSocketServer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -250,7 +250,20 @@ class FoxgloveBridge:
             self.session.subscribe(topic_filter, self._on_message, qos=1)
         self.session.subscribe(self.reply_topic, self._on_reply, qos=1)
         self.session.client.on_publish = self.requests.on_publish
+        self.session.on_connect(self._broker_back)
+        self.session.on_disconnect(self._broker_lost)
         self.session.start()
+
+    def _broker_lost(self) -> None:
+        """Foxglove's problems list says so: what the channels show is the last that came, not current."""
+        if self.server is not None:
+            b = self.settings.broker()
+            self.server.publish_status(f"robobus: the broker {b.host}:{b.port} is not reached; what is shown is the "
+                                       "last that came", StatusLevel.Warning, id="broker")
+
+    def _broker_back(self) -> None:
+        if self.server is not None:
+            self.server.remove_status(["broker"])
 
     def stop(self) -> None:
         self.session.stop()

@@ -48,6 +48,8 @@ client.on("serverInfo", (info) => {
   out({ event: "serverInfo", name: info.name, capabilities: info.capabilities, encodings: info.supportedEncodings });
 });
 client.on("error", (err) => out({ event: "error", error: String(err) }));
+client.on("status", (st) => out({ event: "status", level: st.level, message: st.message, statusId: st.id }));
+client.on("removeStatus", (st) => out({ event: "removeStatus", statusIds: st.statusIds }));
 client.on("close", () => {
   out({ event: "closed" });
   process.exit(0);
