@@ -1,4 +1,4 @@
-"""What the Foxglove tests and bench/foxglove.py run: `make run`'s services on their simulators (as
+"""What the Foxglove tests and bench/foxglove_bridge.py run: `make run`'s services on their simulators (as
 tests/dashboard/stack.py starts them, from deploy/Procfile.sim, on free ports), `robobus foxglove` as a process of
 its own on a free port, and the protocol's own client (tests/foxglove/wsclient/client.js, Node.js) driven over its
 standard input and output."""

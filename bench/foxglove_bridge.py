@@ -3,7 +3,7 @@ simulator: the hand's joints at 100 Hz, three e-pucks with their cameras, the RO
 client (the protocol's own, tests/foxglove/wsclient/client.js) is subscribed to every channel, validating each
 message against its schema.
 
-    python bench/foxglove.py [--seconds 30] [--quick]
+    python bench/foxglove_bridge.py [--seconds 30] [--quick]
 
 Figures: the bridge's CPU in % of one core over the window (from /proc: user + system), its resident memory (mean
 over the window), the messages per second it forwarded to the client, and the client's count of invalid messages.
@@ -55,7 +55,7 @@ def main() -> None:
 
     why = client_missing()
     if why:
-        print(f"bench/foxglove.py: {why}", file=sys.stderr)
+        print(f"bench/foxglove_bridge.py: {why}", file=sys.stderr)
         raise SystemExit(2)
     with tempfile.TemporaryDirectory(prefix="robobus-bench-foxglove-") as d:
         broker = Broker(free_port(), Path(d))
@@ -88,7 +88,7 @@ def main() -> None:
     invalid = sum(v["invalid"] for v in r1["topics"].values())
     cpu = 100 * (c1 - c0) / span
     rss = sum(samples) / len(samples)
-    result: dict[str, Any] = {"bench": "foxglove", "window_s": round(span, 1), "cpu_pct_core": round(cpu, 2),
+    result: dict[str, Any] = {"bench": "foxglove_bridge", "window_s": round(span, 1), "cpu_pct_core": round(cpu, 2),
                               "rss_mb": round(rss, 1), "rss_max_mb": round(max(samples), 1),
                               "messages_per_s": round(msgs / span, 1), "channels": len(r1["topics"]),
                               "services": len(r1["services"]), "invalid": invalid,
@@ -98,7 +98,7 @@ def main() -> None:
                Figure("bridge resident memory", round(rss, 1), "MB", "<=", RSS_TARGET_MB),
                Figure("messages forwarded to the client", round(msgs / span, 1), "msg/s"),
                Figure("invalid messages seen by the client", invalid, "", "<=", 0)]
-    report("foxglove", result, figures, variant=variant_name("quick" if a.quick else ""))
+    report("foxglove_bridge", result, figures, variant=variant_name("quick" if a.quick else ""))
 
 
 if __name__ == "__main__":
