@@ -46,7 +46,7 @@ class DriverControls(Protocol):
     nullified: bool
     edc_mode: int
 
-    def queue_demands(self, demands: dict[int, int]) -> None: ...
+    def queue_demands(self, demands: dict[int, int], deadline_ns: int | None = None) -> None: ...
     def set_mode(self, mode: ControlMode) -> None: ...
     def halt(self, enable: bool) -> None: ...
     def bus_stop(self, seq: int) -> None: ...
@@ -88,9 +88,12 @@ class SetControlMode(_Message):
 
 @dataclass(frozen=True)
 class SetDemands(_Message):
-    """motor id -> demand; each value stays valid for `demand_timeout_ms` from the cycle it reached."""
+    """motor id -> demand; each value stays valid for `demand_timeout_ms` from the cycle it reached, and never past
+    `deadline_ns` (CLOCK_MONOTONIC ns: the client's own deadline for the request, from its send time; None: it gave
+    none). One whose deadline passed before it reached the cycle never takes effect."""
 
     demands: dict[int, int]
+    deadline_ns: int | None = None
 
     def validate(self, mode: ControlMode) -> str | None:
         err = _motors_ok(tuple(self.demands))
@@ -101,7 +104,7 @@ class SetDemands(_Message):
         return f"demands {bad} out of the {mode} range {lo}..{hi}" if bad else None
 
     def apply(self, d: DriverControls) -> None:
-        d.queue_demands(self.demands)
+        d.queue_demands(self.demands, self.deadline_ns)
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ class _Motor:
     can_errors: tuple[int, int] | None = None
     terms: dict[str, int] = field(default_factory=dict)
     demand: int = 0
-    demand_ns: int | None = None
+    demand_until: int | None = None  # CLOCK_MONOTONIC ns the demand holds until (None: no demand armed)
     demand_sent: int = 0
 
 
@@ -188,7 +188,7 @@ class PalmDriver:
         self.phase = "init"
         self._init_seen: dict[int, set[int]] = {}
         self._slow_seen: list[set[int]] = [set() for _ in range(NUM_MOTORS)]
-        self._fresh: dict[int, int] = {}
+        self._fresh: dict[int, tuple[int, int]] = {}  # motor -> (demand, its deadline or _FOREVER), newest wins
         self._controls: deque[tuple[int, dict[int, int]]] = deque(maxlen=64)  # (to_motor type, motor -> word)
         self._config_steps: deque[tuple[int, dict[int, int]]] = deque(maxlen=64 * 11)
         self._can_tx: deque[CanFrame] = deque()
@@ -206,14 +206,19 @@ class PalmDriver:
         self._pending_blocks: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
         self.c: dict[str, int] = dict.fromkeys(
             ("cycles", "statuses", "dropped", "lost", "decode_errors", "motor_missing", "motor_data_errors",
-             "demands_expired", "configs_sent", "controls_sent", "resets_sent", "init_timeout",
+             "demands_expired", "demands_late", "configs_sent", "controls_sent", "resets_sent", "init_timeout",
              "can_tx", "can_rx", "can_tx_overflow", "non_demand_cycles", "halt_zero_cycles"), 0)
         self.last_error = ""
         self._reset_init()
 
     # -- control operations (DriverControls: what control messages do; see control.py) ---------------
-    def queue_demands(self, demands: dict[int, int]) -> None:
-        self._fresh.update(demands)
+    def queue_demands(self, demands: dict[int, int], deadline_ns: int | None = None) -> None:
+        """Demands for the next command; each holds `demand_timeout_ms` from that cycle and never past `deadline_ns`
+        (CLOCK_MONOTONIC): one already past it then never reaches the wire."""
+        until = _FOREVER if deadline_ns is None else deadline_ns
+        fresh = self._fresh
+        for mid, v in demands.items():
+            fresh[mid] = (v, until)
 
     def set_mode(self, mode: ControlMode) -> None:
         if mode != self.mode:
@@ -273,7 +278,7 @@ class PalmDriver:
         self._fresh.clear()
         self._out_until = -1  # the cached demand words are stale
         for m in self.motors:
-            m.demand, m.demand_ns = 0, None
+            m.demand, m.demand_until = 0, None
 
     def _reset_init(self) -> None:
         self.phase = "init"
@@ -491,23 +496,26 @@ class PalmDriver:
         """Fresh demands in, expired ones (deadman) out; the words to send, and until when they hold."""
         motors = self.motors
         if self._fresh:
-            for mid, v in self._fresh.items():
-                motors[mid].demand, motors[mid].demand_ns = v, now_ns
+            # the deadman from this cycle, cut at the client's deadline; one past it already never takes effect
+            hold = now_ns + self.demand_timeout_ns
+            for mid, (v, deadline) in self._fresh.items():
+                if deadline < now_ns:
+                    self.c["demands_late"] += 1
+                    continue
+                motors[mid].demand, motors[mid].demand_until = v, min(hold, deadline)
             self._fresh.clear()
         out = []
-        timeout = self.demand_timeout_ns
-        oldest = now_ns - timeout
         until = _FOREVER
         for m in motors:
             v = m.demand
-            t = m.demand_ns
-            if t is None or t < oldest:
+            t = m.demand_until
+            if t is None or t < now_ns:
                 if t is not None:
                     self.c["demands_expired"] += 1
-                    m.demand, m.demand_ns = 0, None
+                    m.demand, m.demand_until = 0, None
                 v = 0
             else:
-                until = min(until, t + timeout)
+                until = min(until, t)
                 if zero:
                     v = 0
             m.demand_sent = v

@@ -102,6 +102,7 @@ from services.ethercat_loop.settings import EthercatSettings, link_policy, overr
 from services.ethercat_loop.snapshot import PalmSnapshot
 from shared import CommandError, Device, ErrorCode, Node, ServiceUnavailable
 from shared.device import handles, moves_when
+from shared.dispatch import request_deadline
 from shared.lifecycle import Hooks
 from shared.link import LinkState, SupervisedLink
 from shared.messages import StopState
@@ -575,7 +576,10 @@ class PalmService:
                     raise CommandError(ErrorCode.INVALID_REQUEST, f"unknown joint {name!r} (actuated joints: "
                                                                   f"{sorted(jm)})")
                 demands[jm[name]] = v
-        self._submit(SetDemands(demands))
+        # the client's deadline for this request (from its send time), to the cycle: the deadman ends there if it
+        # comes first, and a demand that reaches the cycle past it never goes out (CLOCK_MONOTONIC: system-wide)
+        deadline = request_deadline()
+        self._submit(SetDemands(demands, None if deadline is None else int(deadline * 1e9)))
         return PalmDemandsReply(motors=demands, mode=self._mode, timeout_ms=self.settings.ethercat_demand_timeout_ms)
 
     @handles(NULLIFY, inline=True)

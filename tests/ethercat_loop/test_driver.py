@@ -401,3 +401,29 @@ def test_messages_and_snapshots_pickle():
     r = Rig().run(30)
     snap = r.snap()
     assert pickle.loads(pickle.dumps(snap)) == snap
+
+
+def test_a_demand_never_takes_effect_after_its_deadline():
+    """The client's own deadline for a demand (from its send time, shared.dispatch.request_deadline) reaches the
+    driver with it: one already past it when the cycle takes it (it sat in a stalled node's socket) never goes on
+    the wire; one that is not yet past it holds until it, or the deadman's 100 ms from the cycle it reached,
+    whichever comes first. Made-up times: the rig's clock moves 1 ms a cycle."""
+    r = Rig()
+    r.run(10)
+    apply(r.driver, SetDemands({0: 300}, deadline_ns=r.t))  # the next cycle runs 1 ms past it
+    r.run(5)
+    assert [c.motor_data[0] for c in r.commands[-5:]] == [0] * 5
+    assert r.snap().counters["demands_late"] == 1 and r.model.motors[0].pwm == 0
+    apply(r.driver, SetDemands({0: 300}, deadline_ns=r.t + 20 * MS))  # 20 ms left: the deadline, not the deadman
+    n = len(r.commands)
+    r.run(40)
+    sent = [c.motor_data[0] for c in r.commands[n:]]
+    assert sent[:20] == [300] * 20 and set(sent[20:]) == {0}, sent
+    apply(r.driver, SetDemands({0: 300}, deadline_ns=r.t + 500 * MS))  # the deadman comes first
+    apply(r.driver, SetDemands({1: 200}))  # no deadline given: the deadman alone
+    n = len(r.commands)
+    r.run(120)
+    sent0 = [c.motor_data[0] for c in r.commands[n:]]
+    sent1 = [c.motor_data[1] for c in r.commands[n:]]
+    assert sent0[:101] == [300] * 101 and set(sent0[101:]) == {0}, sent0
+    assert sent1[:101] == [200] * 101 and set(sent1[101:]) == {0}, sent1

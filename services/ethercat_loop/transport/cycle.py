@@ -36,7 +36,7 @@ from typing import Any
 
 from services.ethercat_loop.backend import STOP_ZERO_CYCLES, build_driver
 from services.ethercat_loop.calibration import HandCalibration
-from services.ethercat_loop.control import CanRxFrame, Halt
+from services.ethercat_loop.control import CanRxFrame, Halt, SetDemands
 from services.ethercat_loop.driver import PalmDriver
 from services.ethercat_loop.loop_stats import HIST_US
 from services.ethercat_loop.settings import EthercatSettings
@@ -62,7 +62,18 @@ log = logging.getLogger("robobus.ethercat.cycle")
 MAX_MSGS_PER_CYCLE = 64
 EOF_CHECK_EVERY = 50  # cycles between two polls of the control pipe for EOF when no message was announced
 CAN_RX_CHUNK = 20  # frames per event message: keeps each pipe write under PIPE_BUF (atomic)
-SUBMIT_STAMP = struct.Struct("<Q")  # each control message starts with its submit time (CLOCK_MONOTONIC ns)
+# each control message starts with its submit time (CLOCK_MONOTONIC ns) and, for a SetDemands, the motors it sets
+# (bit per motor; 0 for any other message): a backlog's superseded demands are dropped without unpickling them
+SUBMIT_HEAD = struct.Struct("<QI")
+
+
+def submit_frame(msg: object, now_ns: int) -> bytes:
+    """A control message as the MQTT side writes it to the pipe: SUBMIT_HEAD, then the pickle."""
+    mask = 0
+    if isinstance(msg, SetDemands):
+        for motor in msg.demands:
+            mask |= 1 << motor
+    return SUBMIT_HEAD.pack(now_ns, mask) + pickle.dumps(msg, 5)
 SLACK_SNAPSHOT_NS = 300_000  # the least slack a snapshot may start in; more if recent ones took longer
 SLACK_STATE_CHECK_NS = 400_000  # an AL state read is one round trip per slave (bounded: see below)
 CHECK_RESERVE_NS = 100_000  # what the cycle still does after the state check, with margin
@@ -234,6 +245,7 @@ K_STATE_CHECKS = C["state_checks"]
 K_STOP_SENT_NS = C["stop_sent_ns"]
 K_STOP_SEQ = C["stop_seq"]
 K_SUBMITS = C["submits"]
+K_SUPERSEDED = C["superseded"]
 K_WAKE_NS_MAX = C["wake_ns_max"]
 K_WKC_ERRORS = C["wkc_errors"]
 _mono, _cpu_time = time.monotonic_ns, time.thread_time_ns  # one global lookup each, not a module's attribute
@@ -252,9 +264,9 @@ class _Cycle:
     in the period's slack) and `close` (CPU time, the next release, overrun accounting). What one period hands
     the next lives in the attributes; what one period's steps hand each other is passed as arguments."""
 
-    __slots__ = ("cfg", "check_due", "cnt", "ctl", "ctl_poll", "cycle", "drained", "driver", "events", "h_cmd",
-                 "h_cpu", "h_rtt", "h_wake", "halting", "master", "no_exchange", "period", "publish", "quarter",
-                 "recovery_seen", "rescan_after", "rescan_backoff", "shm", "slack_check", "snap_cost",
+    __slots__ = ("backlog", "cfg", "check_due", "cnt", "ctl", "ctl_poll", "cycle", "drained", "driver", "events",
+                 "h_cmd", "h_cpu", "h_rtt", "h_wake", "halting", "master", "no_exchange", "period", "publish",
+                 "quarter", "recovery_seen", "rescan_after", "rescan_backoff", "shm", "slack_check", "snap_cost",
                  "snapshot_due", "st", "statuses_seen", "stop_seen", "stopping", "submitted", "wc", "write_raw")
 
     def __init__(self, cfg: CycleConfig, master: EthercatMaster, driver: PalmDriver, shm: SharedBlock,
@@ -268,6 +280,7 @@ class _Cycle:
         self.ctl_poll = select.poll()
         self.ctl_poll.register(ctl.fileno(), select.POLLIN)
         self.submitted: list[int] = []  # submit times of the commands applied this cycle
+        self.backlog: list[bytes] = []  # the control messages read this cycle, applied in order
         self.stop_seen = driver.stop_seq
         self.wc = master.counters
         self.period = cfg.period_ns
@@ -367,28 +380,47 @@ class _Cycle:
         announced = cnt[K_SUBMITS] - self.drained
         if announced > 0 or self.cycle % EOF_CHECK_EVERY == 0:
             limit = min(max(announced, 1), MAX_MSGS_PER_CYCLE)
-            n = 0
-            ctl, poll, driver, stopping = self.ctl, self.ctl_poll.poll, self.driver, self.stopping
-            while n < limit and poll(0):  # readable, or EOF (POLLHUP)
-                n += 1
+            ctl, poll, backlog = self.ctl, self.ctl_poll.poll, self.backlog
+            while len(backlog) < limit and poll(0):  # readable, or EOF (POLLHUP)
                 self.drained += 1
                 try:
-                    data = ctl.recv_bytes()
-                    msg = pickle.loads(memoryview(data)[SUBMIT_STAMP.size :])
+                    backlog.append(ctl.recv_bytes())
                 except (EOFError, OSError):
-                    stopping.append("parent gone")
+                    self.stopping.append("parent gone")
                     break
-                if isinstance(msg, _Stop):
-                    stopping.append(msg.reason)
-                else:  # validated once, by the service, before it was submitted
-                    msg.apply(driver)
-                    cnt[K_COMMANDS_APPLIED] += 1
-                    self.submitted.append(SUBMIT_STAMP.unpack_from(data)[0])
+            if backlog:
+                self.apply_backlog(backlog)
+                backlog.clear()
         if self.stopping and not self.halting:
             Halt(True).apply(self.driver)
             self.halting = True
             self.st.state = "stopping"
             self.publish()
+
+    def apply_backlog(self, backlog: list[bytes]) -> None:
+        """The messages read this cycle, in order; a SetDemands whose every motor a newer one in the backlog sets
+        again is superseded (only the newest demand of a motor can reach the frame): counted, never unpickled."""
+        cnt, driver, head = self.cnt, self.driver, SUBMIT_HEAD
+        newer = 0  # motors set by the SetDemands after the one looked at
+        skip = 0  # bit i: backlog[i] superseded
+        if len(backlog) > 1:
+            for i in range(len(backlog) - 1, -1, -1):
+                mask = head.unpack_from(backlog[i])[1]
+                if mask:
+                    if not mask & ~newer:
+                        skip |= 1 << i
+                    newer |= mask
+        for i, data in enumerate(backlog):
+            if skip >> i & 1:
+                cnt[K_SUPERSEDED] += 1
+                continue
+            msg = pickle.loads(memoryview(data)[head.size :])
+            if isinstance(msg, _Stop):
+                self.stopping.append(msg.reason)
+            else:  # validated once, by the service, before it was submitted
+                msg.apply(driver)
+                cnt[K_COMMANDS_APPLIED] += 1
+                self.submitted.append(head.unpack_from(data)[0])
 
     def write(self, command: bytes, status: bytes | None, wake: int) -> int:
         """The command goes out now (its reply is read at the next release); then what the MQTT side reads: how

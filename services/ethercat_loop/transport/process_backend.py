@@ -31,10 +31,10 @@ from services.ethercat_loop.snapshot import PalmSnapshot, status_fields
 from services.ethercat_loop.transport.cycle import (
     CAN_RX_CHUNK,
     LOST_EXIT,
-    SUBMIT_STAMP,
     CycleConfig,
     _CycleState,
     _Stop,
+    submit_frame,
 )
 from services.ethercat_loop.transport.master import MasterConfig
 from services.ethercat_loop.transport.realtime import RtSettings, current_policy, process_fifo
@@ -308,7 +308,7 @@ class ProcessBackend(HandBackend):
         self._send(msg)
 
     def _send(self, msg: object, force: bool = False) -> None:
-        data = SUBMIT_STAMP.pack(time.monotonic_ns()) + pickle.dumps(msg, 5)
+        data = submit_frame(msg, time.monotonic_ns())
         with self._lock:
             conn = self._ctl_w
             if conn is None:
@@ -525,7 +525,7 @@ class ProcessBackend(HandBackend):
                                  "rescans", "max_consecutive_no_status",
                                  "commands_applied", "state_checks", "events_dropped",
                                  "overrun_late_wake", "overrun_slow_exchange", "overrun_lost_frame",
-                                 "overrun_slack_work", "late_starts")},
+                                 "overrun_slack_work", "late_starts", "superseded")},
             "wake_us": percentiles(hist["wake"]), "cpu_us": percentiles(hist["cpu"]),
             "wake_over_period": int(hist["wake"][self.period_ns // 1000 :].sum()),
             "rtt_us": percentiles(hist["rtt"]), "command_us": percentiles(hist["command"]),

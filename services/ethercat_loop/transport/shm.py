@@ -38,6 +38,7 @@ COUNTERS = (
     # the bus stop (control.BusStop): when the first frame built after stop number `stop_seq` left (CLOCK_MONOTONIC
     # ns); written by the cycle, time first, only in a cycle that applied control messages
     "stop_sent_ns", "stop_seq",
+    "superseded",  # SetDemands dropped from a backlog read in one cycle: newer ones set all their motors again
 )
 C = {name: i for i, name in enumerate(COUNTERS)}
 N_COUNTERS = 64
