@@ -14,9 +14,10 @@ interpreter, shared libraries and extension modules, whose pages the processes s
 Each part is judged against its own bound, so that a service added to `make run` brings its own budget:
 - the kit's overhead (the supervisor, the broker, the dashboard, the banner: every process that serves no
   registered service) <= 75 MB resident and <= 3 % of one core;
+- each tool beside the kit (the Foxglove bridge, the Prometheus exporter: `TOOLS`) against its own bound;
 - each registered service (its node, the processes the node starts, and its simulators, `<x>-sim` serving `<x>-...`)
-  against the bound its rig declares (`SimRig.footprint`), by default node <= 45 MB, all <= 90 MB and <= 10 % of a
-  core.
+  against the bound its rig declares (`SimRig.footprint`, each service's from its own measured shape), by default
+  node <= 45 MB, all <= 70 MB and <= 4 % of a core.
 The whole system's figures are judged against the sum of those bounds. Prints a table per process, one per part,
 met / not met; last line: one JSON object.
 """
@@ -52,6 +53,9 @@ from shared.tools.simrig import Footprint, footprint_of, own_procfile_env, procf
 # Assistant's bridge when asked for); every process that serves no registered service
 KIT_MB = 75.0
 KIT_CORE = 0.03
+# the tools `make run` starts beside the kit, each with a bound of its own (resident MB, fraction of a core): a
+# server for people's tools that reads the bus, idle here with no client connected
+TOOLS: dict[str, tuple[float, float]] = {"foxglove": (70.0, 0.03), "prometheus": (50.0, 0.02)}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 KIT = "kit"
@@ -77,7 +81,8 @@ def parts(procs: dict[str, int], pids: dict[int, int]) -> dict[int, str]:
     else the kit. `procs`: Procfile process -> pid, as the supervisor spawned it; `pids`: pid -> its parent."""
     services = set(service_packages())
     serves = sim_serves(procs)
-    owner = {pid: (name if name in services else serves.get(name, KIT)) for name, pid in procs.items()}
+    owner = {pid: (name if name in services or name in TOOLS else serves.get(name, KIT))
+             for name, pid in procs.items()}
     out: dict[int, str] = {}
     for pid in pids:
         p, hops = pid, 0
@@ -291,8 +296,10 @@ def judge(rows: list[dict[str, Any]], service_bounds: dict[str, Footprint], node
     def total(part: str, key: str) -> float:
         return sum(float(r[key]) for r in rows if r["part"] == part)
 
-    budget_mb = KIT_MB + sum(b.total_mb for b in service_bounds.values())
-    budget_core = KIT_CORE + sum(b.cpu_core for b in service_bounds.values())
+    tools = {name: bound for name, bound in TOOLS.items() if any(r["part"] == name for r in rows)}
+    budget_mb = KIT_MB + sum(b.total_mb for b in service_bounds.values()) + sum(mb for mb, _ in tools.values())
+    budget_core = (KIT_CORE + sum(b.cpu_core for b in service_bounds.values())
+                   + sum(core for _, core in tools.values()))
     all_mb = sum(float(r["rss_mb"]) for r in rows)
     all_core = sum(float(r["cpu_core"]) for r in rows)
     figures = [
@@ -305,6 +312,12 @@ def judge(rows: list[dict[str, Any]], service_bounds: dict[str, Footprint], node
         Figure("the kit's overhead: CPU", round(100 * total(KIT, "cpu_core"), 1), "% of a core", "<=",
                100 * KIT_CORE),
     ]
+    for name, (mb, core) in sorted(tools.items()):
+        figures += [
+            Figure(f"{name} (a tool beside the kit): resident memory", round(total(name, "rss_mb"), 1), "MB", "<=",
+                   mb),
+            Figure(f"{name}: CPU", round(100 * total(name, "cpu_core"), 1), "% of a core", "<=", round(100 * core, 1)),
+        ]
     for name, b in sorted(service_bounds.items()):
         node = nodes.get(name)
         figures += [

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from shared.tools.simrig import Ports, RigCommand, SimRig
+from shared.tools.simrig import Footprint, Ports, RigCommand, SimRig
 
 GROUP = "239.74.163.2"  # python-can's IPv4 default group; the port (per rig) keeps stacks apart
 # the link is the adapter: on udp_multicast the node's own socket, healthy with or without peers
@@ -72,4 +72,5 @@ RIG = SimRig(
                       "commands (timeout) or malformed (device_error, counted)",
     },
     needs=_needs,
+    footprint=Footprint(node_mb=45.0, total_mb=50.0, cpu_core=0.01),  # simulated boards in-process, idle
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from services.dexter_gateway.models import DexterArmConfig
-from shared.tools.simrig import Ports, RigCommand, SimRig
+from shared.tools.simrig import Footprint, Ports, RigCommand, SimRig
 
 _DEFAULTS = DexterArmConfig(id="dexter1", host="127.0.0.1")
 
@@ -27,4 +27,5 @@ RIG = SimRig(
     read_command=RigCommand("dexter1", "heartbeat"),
     not_applicable={"wrong_kind": "DexRun has no identification (no version or kind in any reply): another "
                                   "device at its port is garbage to the gateway (the garbage fault)"},
+    footprint=Footprint(node_mb=45.0, total_mb=65.0, cpu_core=0.015),  # one arm's 10 Hz status poll
 )

@@ -8,7 +8,7 @@ import json
 from services.epuck_gateway.links.base import budget_s
 from services.epuck_gateway.links.wifi import EpuckLinkConfig
 from services.epuck_gateway.sim.wifi import EpuckSimConfig
-from shared.tools.simrig import Ports, RigCommand, SimRig
+from shared.tools.simrig import Footprint, Ports, RigCommand, SimRig
 
 
 def _robots(ports: Ports) -> dict[str, str]:
@@ -32,4 +32,5 @@ RIG = SimRig(
     read_command=RigCommand("epuck1", "stream", {"image": True, "sensors": True}),
     not_applicable={"wrong_kind": "the e-puck2's WiFi protocol has no identification: a device of another kind is "
                                   "garbage to it (implausible packets: see garbage)"},
+    footprint=Footprint(node_mb=46.0, total_mb=90.0, cpu_core=0.08),  # 2 WiFi robots + 1 serial at 50 Hz
 )

@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 from services.ethercat_loop.settings import EthercatSettings
-from shared.tools.simrig import Argv, Ports, RigCommand, SimRig
+from shared.tools.simrig import Argv, Footprint, Ports, RigCommand, SimRig
 
 _DEFAULTS = EthercatSettings()
 HAND = ["-m", "services.ethercat_loop.sim.veth_hand"]
@@ -86,4 +86,5 @@ RIG = SimRig(
     # harmless command that must be answered (ok, or `unavailable` while the palm is not in OP)
     read_command=RigCommand(_DEFAULTS.ethercat_device, "set_demands", {"motors": {"0": 0}}),
     needs=needs,
+    footprint=Footprint(node_mb=45.0, total_mb=50.0, cpu_core=0.08),  # the palm model's 1 kHz cycle, in-process
 )

@@ -18,7 +18,7 @@ import threading
 
 from services.roi_modules import protocol as p
 from shared.tools import simrig
-from shared.tools.simrig import Ports, RigCommand, SimRig
+from shared.tools.simrig import Footprint, Ports, RigCommand, SimRig
 
 PREFIX = f"127.198.{os.getpid() % 250 + 1}"
 OCTETS = (10, 20)
@@ -48,6 +48,7 @@ RIG = SimRig(
                                "--octets", ",".join(map(str, OCTETS))],
     wrong_kind_sim=lambda ports: _sim("odrive:10,gpio:20"),
     read_command=RigCommand("wheel", "ping"),
+    footprint=Footprint(node_mb=45.0, total_mb=65.0, cpu_core=0.035),  # 3 modules polled
 )
 
 

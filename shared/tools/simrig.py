@@ -48,8 +48,8 @@ class Footprint:
     (`SimRig.footprint`); every other service is held to the default."""
 
     node_mb: float = 45.0     # resident memory of the node process itself
-    total_mb: float = 90.0    # resident memory of the node, its children and its simulators
-    cpu_core: float = 0.10    # their CPU, idle, as a fraction of one core
+    total_mb: float = 70.0    # resident memory of the node, its children and its simulators
+    cpu_core: float = 0.04    # their CPU, idle, as a fraction of one core
 
 
 DEFAULT_FOOTPRINT = Footprint()

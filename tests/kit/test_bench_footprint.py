@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from shared.tools.simrig import DEFAULT_FOOTPRINT, Footprint, procfile_variables
+from shared.tools.simrig import Footprint, procfile_variables
 from tests.chaos.stack import expand
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,11 +64,14 @@ def test_each_service_is_judged_against_its_own_bound_and_the_whole_against_thei
     rows = [_row(1, "supervise", "kit", 12), _row(2, "mosquitto", "kit", 9), _row(3, "dashboard", "kit", 46),
             _row(4, "epuck_gateway", "epuck-gateway", 45), _row(5, "epuck_gateway.sim", "epuck-gateway", 36),
             _row(6, "robobus_sixth", "sixth-io", 41, 0.02), _row(7, "robobus_sixth.sim", "sixth-io", 60, 0.2)]
-    bounds = {"epuck-gateway": DEFAULT_FOOTPRINT, "sixth-io": Footprint(node_mb=40.0, total_mb=80.0, cpu_core=0.1)}
+    from services.epuck_gateway.rig import RIG as EPUCK_RIG
+
+    assert EPUCK_RIG.footprint is not None  # its own, measured shape (2 WiFi robots + 1 serial)
+    bounds = {"epuck-gateway": EPUCK_RIG.footprint, "sixth-io": Footprint(node_mb=40.0, total_mb=80.0, cpu_core=0.1)}
     nodes = {"epuck-gateway": footprint.Node("epuck-gateway", 45), "sixth-io": footprint.Node("sixth-io", 41)}
     figures = {f.name: f for f in footprint.judge(rows, bounds, nodes)}
     whole = next(f for n, f in figures.items() if n.startswith("`make run` idle, 7 processes"))
-    assert whole.target == footprint.KIT_MB + DEFAULT_FOOTPRINT.total_mb + 80.0  # grows with each service
+    assert whole.target == footprint.KIT_MB + EPUCK_RIG.footprint.total_mb + 80.0  # grows with each service
     assert figures["the kit's overhead (supervisor, broker, dashboard): resident memory"].value == 67
     assert figures["the kit's overhead (supervisor, broker, dashboard): resident memory"].met
     assert figures["epuck-gateway: node, its processes and simulators, resident memory"].value == 81
