@@ -87,6 +87,10 @@ TARGET_P99_STALL_MS = 50.0  # from a stalled node's (or broker's) resume to the 
 ROOT = "robobus"
 EPUCK, ROI, DEXTER, HAND = "epuck-gateway", "roi-modules", "dexter-gateway", "ethercat-loop"
 SERVICES = (EPUCK, ROI, DEXTER, HAND)
+# registered services with motion commands that this bench does not measure, and why (tests/kit/test_bench_stop.py
+# fails for a motion service in neither)
+NOT_MEASURED = {"can-bootloader": "its one motion command resets a motor board: nothing keeps moving to stop; "
+                                  "tests/can_bootloader/test_stop.py holds it to the stop"}
 HAND_DEVICE = "rh"
 ROI_HOST_OCTET = 200
 ROI_BENCH_OCTET = 201  # the bench's own address on the modules' network (the sentinel's traffic)

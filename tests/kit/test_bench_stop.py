@@ -68,3 +68,20 @@ def test_a_node_restarted_under_the_stop_stops_every_device_it_serves() -> None:
     for name, svc in result["services"].items():
         assert svc["rounds"] == 1 and svc["missing"] == 0, (name, svc, out.stdout[-2000:])
         assert svc["stop_errors"] == 0 and svc["reached_wire"] == 0, (name, svc)
+
+
+def test_every_registered_motion_service_is_measured_or_says_why() -> None:
+    """A service with a motion command is measured by bench/stop.py (its SERVICES), or named in NOT_MEASURED with
+    the reason: a sixth motion service is never silently left out of the stop's bench."""
+    from shared.registry import service_apis
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import stop as bench_stop  # bench/stop.py
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    motion = {api.service for api in service_apis()
+              if any(spec.motion for spec in [*api.commands.values(), *api.jobs.values()])}
+    covered = set(bench_stop.SERVICES) | set(bench_stop.NOT_MEASURED)
+    assert motion <= covered, f"motion services bench/stop.py neither measures nor excuses: {sorted(motion - covered)}"
+    assert not set(bench_stop.NOT_MEASURED) & set(bench_stop.SERVICES)
