@@ -85,19 +85,28 @@ def child_main() -> None:
 
 class Streamer:
     """A teleoperation client: `move` demands at RATE_HZ on the node's main connection, QoS 1, no deadline (the
-    worst case: every one of them is run), from a connection of its own."""
+    worst case: every one of them is run), from a connection of its own; it counts the node's answers."""
 
     def __init__(self, broker: Broker, root: str) -> None:
         self.topic = f"{root}/{NODE}/wheel1/cmd/move"
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"streamer-{time.monotonic_ns()}",
                                   protocol=mqtt.MQTTv5)
         self.client.max_inflight_messages_set(0)  # no cap: a stalled peer fills the socket, as a real client does
+        self.sent = 0
+        self.answered = 0
+        subscribed = threading.Event()
+        self.client.on_subscribe = lambda *a: subscribed.set()
+        self.client.on_message = self._on_answer
         self.client.connect("127.0.0.1", broker.port)
         self.client.loop_start()
-        self.sent = 0
+        self.client.subscribe(f"{self.topic}/reply", qos=1)  # where the node answers a request with no reply topic
+        assert subscribed.wait(DEADLINE)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+
+    def _on_answer(self, client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        self.answered += 1  # paho's network thread only
 
     def _run(self) -> None:
         period = 1.0 / RATE_HZ
@@ -109,8 +118,11 @@ class Streamer:
             self.done.wait(max(nxt - time.monotonic(), 0.0))
 
     def close(self) -> None:
+        """Stop streaming, and wait until the node answered every demand: the next round starts from a node that
+        has caught up (on a busy host it may not keep up with the backlog a stall leaves)."""
         self.done.set()
         self.thread.join(5)
+        wait_for(lambda: self.answered >= self.sent, DEADLINE)
         self.client.disconnect()
         self.client.loop_stop()
 
