@@ -121,7 +121,7 @@ schema-check: setup
 # bench/suite.py (`make test` on a fresh clone, timed) is the whole suite, so not a default: BENCHES=suite.
 # ethercat_cycle and deploy need root (deploy docker too): without them they say so and write nothing. A bench
 # that fails does not stop the others; `make bench` names it at the end and fails.
-BENCHES ?= rpc ethercat_cycle ethercat_model_idle flash epuck roi dexter stop record dashboard deploy footprint prometheus
+BENCHES ?= rpc ethercat_cycle ethercat_model_idle flash epuck roi dexter stop record dashboard deploy footprint prometheus foxglove_bridge
 bench: setup
 	@failed=""; for b in $(BENCHES); do echo "== bench/$$b.py $(BENCH_ARGS)"; \
 	  ROBOBUS_BENCH_RESULTS=bench/results $(BIN)/python bench/$$b.py $(BENCH_ARGS) || failed="$$failed $$b"; done; \
