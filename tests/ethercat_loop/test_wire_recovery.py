@@ -4,6 +4,7 @@ working counter within 1 s of its return, and must not look connected while it e
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -194,3 +195,46 @@ def test_a_stale_reply_to_an_sii_read_at_bring_up_is_caught_and_the_bus_scanned_
         assert all("not trusted" in t for t in notes), notes
         disagreed = [t for t in notes if "the SII disagrees" in t]
         assert not disagreed or "the SII read again declares 70 B + 232 B" in disagreed[0], notes
+
+
+def test_an_outage_is_named_while_the_slave_is_absent_and_measured_from_its_last_valid_data() -> None:
+    """A power cycle of 2 s: the recovery episode is named while the hand is still off (its first step, from the
+    moment the data stopped), and its closing line measures the outage, from the last valid data to the first
+    valid data again, not from the first step the recovery took (it said 114 ms of a 3.9 s outage)."""
+    with backend() as (b, ctl):
+        wait_for(lambda: b.connected(), what="valid process data")
+        seen: list[tuple[int, int]] = []  # (raw slot sequence, the cycle's stamp) of each newest valid status seen
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                seq, at = b.last_valid_status()
+                if at is not None and (not seen or seq != seen[-1][0]):
+                    seen.append((seq, round(at * 1e9)))
+                time.sleep(0.002)
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        try:
+            ctl.call("power_cycle", off_ms=2000)
+            wait_for(lambda: any(s.startswith("outage: no valid process data") for _, s in steps(b)), 10,
+                     "the outage named")
+            assert not ctl.call("stats")["powered"], f"named only once the hand was back: {steps(b)}"
+            wait_for(lambda: any(s.startswith("valid process data again after") for _, s in steps(b)), 20,
+                     "the episode's end")
+        finally:
+            done.set()
+            t.join(2)
+        end = next(s for _, s in steps(b) if s.startswith("valid process data again after"))
+        took_ns = int(end.split("after ")[1].split(" ms")[0]) * 1_000_000
+        gap = max(range(1, len(seen)), key=lambda i: seen[i][1] - seen[i - 1][1])
+        last = seen[gap - 1][1]  # exact: the newest stamp all through the outage
+        # the first valid status again: the one seen, less the statuses (two sequence steps each, one a period) that
+        # came after it before the watcher looked
+        first = seen[gap][1] - ((seen[gap][0] - seen[gap - 1][0]) // 2 - 1) * 1_000_000
+        assert first - last > 2_000_000_000, (first - last) / 1e6
+        # the master's "valid" is a frame with the full working counter; the palm's first answers after power-on
+        # can be empty mailboxes (dropped statuses: not in the count above), a few tens of ms at most
+        assert -50_000_000 <= took_ns - (first - last) <= 5_000_000, (
+            f"outage measured {took_ns / 1e6:.0f} ms, {(first - last) / 1e6:.0f} ms from the last valid data to the "
+            f"first again: {steps(b)}")

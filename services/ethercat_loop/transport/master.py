@@ -133,6 +133,9 @@ class RecoveryPolicy:
     # a step's writes not acknowledged are written again (they are idempotent) for this long before the ladder
     # goes to find the slave: a write whose reply came back late on a stalled host is not a slave gone
     write_retry_ns: int = 100_000_000
+    # cycles in a row without valid process data that open a recovery episode at once (the cycle's outage rule,
+    # ETHERCAT_ERROR_AFTER_LOST): it is named while the slave is absent, and it counts from the last valid data
+    outage_cycles: int = 20
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,8 @@ class WireCounters:
     escalation_failures: int = 0  # ladders that timed out (retried with backoff)
     rescans: int = 0  # full re-scans of the bus
     bad_run: int = 0  # consecutive cycles without valid process data (lost or wrong working counter)
+    valid_ns: int = 0  # CLOCK_MONOTONIC ns the last valid status came back (its kernel receive time)
+    back_ns: int = 0  # ... and the first one after a run without (the end of the last outage)
     last_wkc: int = 0
     rtt_max_ns: int = 0
     state_issue: str = ""  # "" when every slave is in OP
@@ -692,7 +697,12 @@ class EthercatMaster:
         if not ex.lost and rtt > self.cfg.late_us * 1000:
             c.late += 1
             ex.late = True
-        c.bad_run = 0 if status is not None else c.bad_run + 1
+        if status is not None:
+            c.valid_ns = t0 + rtt
+            if c.bad_run:
+                c.back_ns, c.bad_run = c.valid_ns, 0
+        else:
+            c.bad_run += 1
         return ex
 
     def _exchange_physical(self, bus: _Bus, command: bytes, give_up_ns: int | None) -> tuple[int, bytes | None]:
@@ -770,8 +780,8 @@ class EthercatMaster:
                               else f"the NIC {self.cfg.iface} was replaced")
             self.counters.state_issue = f"NIC {self.cfg.iface} gone"
             return self.counters.state_issue
-        if self._episode_ns is not None and self.counters.bad_run:
-            self._episode_no_data = True
+        if self.counters.bad_run >= self.policy.outage_cycles:
+            self._begin_episode()  # an outage: named now, from the moment the data stopped
         if self._esc is not None:
             return self._escalate(bus, give_up_ns)
         states = self._read_states(bus, give_up_ns)
@@ -854,16 +864,27 @@ class EthercatMaster:
         self.recovery_seq += 1
 
     def _begin_episode(self) -> None:
+        """A recovery episode opens (once): at the last valid data when the data have stopped (an outage counts from
+        there, not from the first step recovery takes, which waits for a silent slave to be confirmed), else now."""
+        c = self.counters
         if self._episode_ns is None:
-            self._episode_ns, self._episode_no_data, self._abandons = time.monotonic_ns(), False, 0
-        if self.counters.bad_run:
+            now = time.monotonic_ns()
+            start = c.valid_ns if c.bad_run and 0 < c.valid_ns <= now else now
+            self._episode_ns, self._episode_no_data, self._abandons = start, bool(c.bad_run), 0
+            if c.bad_run:
+                self._note(f"outage: no valid process data for {(now - start) / 1e6:.0f} ms ({c.bad_run} frames "
+                           f"in a row, working counter {c.last_wkc}); recovering")
+        if c.bad_run:
             self._episode_no_data = True
 
     def _end_episode(self, attempt: str = "") -> None:
-        """Every slave in OP with valid process data: the episode's last step, however it got there."""
+        """Every slave in OP with valid process data: the episode's last step, however it got there, and how long
+        it took: an outage from its last valid data to the first valid data again, else from the first step."""
         if self._episode_ns is None:
             return
-        took = (time.monotonic_ns() - self._episode_ns) / 1e6
+        c = self.counters
+        end = c.back_ns if self._episode_no_data and c.back_ns >= self._episode_ns else time.monotonic_ns()
+        took = (end - self._episode_ns) / 1e6
         what = "valid process data again" if self._episode_no_data else "every slave in OP again"
         self._note(f"{what} after {took:.0f} ms{attempt}")
         self._episode_ns, self._abandons = None, 0
