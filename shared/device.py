@@ -239,13 +239,8 @@ class Device:
             h = dict(self._health)
         if self.link is not None:
             h["details"] = {**h.get("details", {}), "link": self.link.details()}
-        stopped = self.node.stop_latch.overlay(self.name) if self._motion else None
-        if stopped is not None:  # the bus stop: what the device does now, over what its link says
-            detail = stopped.pop("stop")
-            if self.stop_note:
-                stopped["error_message"] += f"; {self.stop_note}"
-            h.update(stopped)
-            h["details"] = {**h.get("details", {}), "stop": detail}
+        if self._motion:  # the bus stop's overlay and its path's state (shared/stop.py, StopLatch.dress)
+            self.node.stop_latch.dress(self.name, h, self.stop_note)
         return Health(service=self.node.api.service, node=self.node.name, device=self.name,
                       version=self.node.version, ts=time.time(), **h)
 

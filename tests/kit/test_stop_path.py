@@ -277,8 +277,6 @@ def test_dress_puts_the_stop_path_in_a_motion_devices_health(bus: Bus) -> None:
         node.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="needs Device.health_message to call StopLatch.dress (shared/device.py, the "
-                                       "lead's file): remove this mark with that change")
 def test_a_motion_devices_health_says_the_stop_path_lags(bus: Bus) -> None:
     node, _ = start_node(bus, name="healthy")
     try:
