@@ -544,9 +544,11 @@ class RoiModule:
         whatever the module's queue holds: transport.send_now_many): the whole sequence is written again, in
         order and ahead of the queue, every resend timeout until the module has acknowledged every datagram of one
         write (its reply is the ack, docs/reference/roi.md §5.4), up to the resend ladder, even to a module that
-        looks silent (resend.StopLadder). The node's stop answer reports the time of the write that holds (the
-        latest written when the acks came). Not acknowledged, or refused by the module: the answer and the health
-        say so. A newer write for this module (`supersede_stop`) or the stop's end ends this one, unreported."""
+        looks silent (resend.StopLadder), then every second until it is acknowledged (a module that answers again
+        while the stop holds gets it). The node's stop answer reports the time of the write that holds (the latest
+        written when the acks came). Not acknowledged (meanwhile), or refused by the module: the answer and the
+        health say so; an acknowledgement after that clears it. A newer write for this module (`supersede_stop`) or
+        the stop's end ends this one, unreported."""
         tr = self.ctx.transport
         latch = self.node.stop_latch
         loop = asyncio.get_running_loop()
@@ -562,8 +564,14 @@ class RoiModule:
                 d = w.ladder.decide(loop.time())
                 if d.step is Step.REFUSED:
                     return  # superseded (the newer write reports) or the stop is over (nothing to report)
-                if d.step in (Step.ANSWERED, Step.LOST):
+                if d.step is Step.ANSWERED:
                     break
+                if d.step is Step.LOST:  # said once; written again every slow_s until acknowledged or over
+                    latch.report(self.dev.name, gen, None,
+                                 f"the stop was sent, but no reply from {tr.address(self.cfg.octet)} to "
+                                 f"{len(w.ladder.writes)} writes of the stop {s.roi_timeout_s * 1000:.0f} ms apart: "
+                                 f"written again every {w.ladder.slow_s:g} s until the module acknowledges it")
+                    continue
                 if self.kind_mismatch:
                     problems.append(f"nothing more sent: {self.mismatch_message()}")
                     break

@@ -80,14 +80,18 @@ class StopLadder:
     """The bus stop's `count` datagrams to one module, written together (transport.send_now_many) and acknowledged
     one by one (each reply is one datagram's ack). Acknowledged when every datagram of the latest write has its
     reply; otherwise written again every `timeout_s`, up to `retries` times (the module looking silent or not: on
-    a busy host the acks of many stops at once can be late)."""
+    a busy host the acks of many stops at once can be late); then the ladder is LOST once (the caller says the
+    stop is not acknowledged) and the stop is written again every `slow_s` until it is, or the stop is over: a
+    module that comes back while the stop holds gets it."""
 
     count: int
     timeout_s: float
     retries: int
+    slow_s: float = 1.0  # past the ladder: written again this often until acknowledged
     writes: list[tuple[float, float]] = field(default_factory=list)  # (when, Unix time the write left)
     acked: set[int] = field(default_factory=set)  # indices of the latest write's datagrams answered
     over: str = ""  # the stop this ladder serves is over (released, or a newer one): why
+    lost_said: bool = False  # LOST was decided once (the caller reported it); the slow rewrites go on
 
     def written(self, now: float, unix: float) -> None:
         """The whole sequence was written (again) at `now` (leaving the socket at Unix time `unix`): acks start
@@ -119,10 +123,12 @@ class StopLadder:
             return Decision(Step.SEND)
         if self.done:
             return Decision(Step.ANSWERED)
-        due = self.writes[-1][0] + self.timeout_s
+        past_ladder = len(self.writes) > self.retries
+        due = self.writes[-1][0] + (self.slow_s if past_ladder and self.lost_said else self.timeout_s)
         if now < due:
             return Decision(Step.WAIT, until=due)
-        if len(self.writes) > self.retries:
+        if past_ladder and not self.lost_said:
+            self.lost_said = True
             return Decision(Step.LOST)
         return Decision(Step.SEND)
 

@@ -74,12 +74,18 @@ def test_the_stop_is_written_again_until_one_write_is_acknowledged() -> None:
     assert lad.written_at == 1000.05  # the write that holds: the latest, not the first
 
 
-def test_the_stop_ladder_gives_up_after_its_retries_and_ends_with_its_stop() -> None:
-    lad = StopLadder(count=1, timeout_s=0.05, retries=2)
+def test_the_stop_ladder_says_lost_once_then_writes_slowly_until_acknowledged_and_ends_with_its_stop() -> None:
+    lad = StopLadder(count=1, timeout_s=0.05, retries=2, slow_s=1.0)
     for i in range(3):
         lad.written(i * 0.05, 1000.0 + i)
     assert lad.decide(0.1).step is Step.WAIT
-    assert lad.decide(0.2).step is Step.LOST
+    assert lad.decide(0.2).step is Step.LOST  # said once (the answer says not acknowledged) ...
+    assert lad.decide(0.25) == Decision(Step.WAIT, until=1.1)  # ... then written again every second
+    assert lad.decide(1.1).step is Step.SEND
+    lad.written(1.1, 1010.0)
+    assert lad.decide(1.5).step is Step.WAIT
+    lad.ack(0)  # the module answers again while the stop holds
+    assert lad.decide(1.6).step is Step.ANSWERED and lad.written_at == 1010.0
     lad2 = StopLadder(count=1, timeout_s=0.05, retries=2)
     lad2.written(0.0, 1000.0)
     lad2.end("released")

@@ -601,3 +601,32 @@ def test_make_run_demo_stop_holds_every_module(broker_session: Broker, length_fe
     finally:
         clear_stop(rig)
         rig.close()
+
+
+def test_a_stop_the_module_does_not_acknowledge_is_written_until_it_does(broker_session: Broker) -> None:
+    """The wheel's replies lost past the stop's resend ladder: the answer says the stop is not acknowledged (and
+    that it is written again every second); the module answers again while the stop holds: it gets the stop, and
+    the answer's error clears with the write that holds. Before: after the ladder nothing more was sent, and the
+    error stayed."""
+    r = make_rig(broker_session, MODULES, root=fresh_root())
+    try:
+        assert wait_until(lambda: operational(r, "wheel"), DEADLINE), health(r, "wheel")
+        stop_pkt = _velocity(0.0)
+        r.sim.record_wire(lambda rec: None)  # the simulator keeps its wire log
+        r.sim.set_faults(20, drop_replies=True)
+        stop = set_stop(r, True, "replies lost for long")
+        failed = answer(r, stop)
+        d = next(d for d in failed["devices"] if d["device"] == "wheel")
+        assert "no reply" in d["error"] and "written again every" in d["error"], d
+        writes = sum(same(rec, stop_pkt) for rec in r.sim.wire_log(20))
+        r.sim.set_faults(20, drop_replies=False)
+
+        def cleared(a: dict[str, Any]) -> bool:
+            w = next((x for x in a["devices"] if x["device"] == "wheel"), None)
+            return a["stop_ts"] == stop.ts and w is not None and w["error"] == "" and w["written_ts"] is not None
+        suffix = answer_topic(r.client.root, r.node)[len(f"{r.client.root}/{r.node}"):]
+        assert r.bus.wait(suffix, cleared, timeout=DEADLINE) is not None, r.bus.latest(suffix)
+        assert sum(same(rec, stop_pkt) for rec in r.sim.wire_log(20)) > writes  # written again after the ladder
+    finally:
+        clear_stop(r)
+        r.close()
