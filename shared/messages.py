@@ -148,6 +148,8 @@ class StopDeviceAnswer(BaseModel):
         default=None, description="Unix time (s) the stop reached the device, as the service reports it (its "
                                   "deadman's write), not when it was decided; null while pending or on release")
     error: str = Field(default="", description="The service's stop action failed: how")
+    note: str = Field(default="", description="What the stop cannot do on the device yet, or at all (a pending stop's "
+                                           "reason, e.g. a position not known yet): the device's health says it too")
 
 
 class StopAnswer(BaseModel):

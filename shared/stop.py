@@ -142,6 +142,7 @@ class MotionDevice(Protocol):
     name: str
     stop_action: StopAction | None
     stop_inline: bool
+    stop_note: str
 
     @property
     def motion(self) -> bool: ...
@@ -596,16 +597,27 @@ class StopLatch:
         with self._lock:  # one snapshot published at a time, in order: the retained answer is the latest
             if self._answer is None:
                 return
-            answer = self._answer.model_copy(update={"devices": [self._entries[k] for k in sorted(self._entries)],
+            answer = self._answer.model_copy(update={"devices": self._devices_answered(),
                                                      "broker_lost": bool(self._broker_lost()),
                                                      "ts": time.time()})
             self.session.publish(self.answer_topic, answer.model_dump_json(), qos=1, retain=True)
+
+    def _devices_answered(self) -> list[StopDeviceAnswer]:
+        """The devices' entries, each with its device's note while the stop holds it (under the latch's lock)."""
+        notes = {d.name: d.stop_note for d in self.devices() if getattr(d, "stop_note", "")} if self.active else {}
+        return [e.model_copy(update={"note": notes[k]}) if k in notes else e
+                for k, e in sorted(self._entries.items())]
+
+    def note_changed(self, device: str) -> None:
+        """A device's `stop_note` changed (a pending stop's reason, or its end): the answer says it again."""
+        if device in self._entries:
+            self._publish_answer()
 
     def answer(self) -> StopAnswer | None:
         with self._lock:
             if self._answer is None:
                 return None
-            return self._answer.model_copy(update={"devices": [self._entries[k] for k in sorted(self._entries)],
+            return self._answer.model_copy(update={"devices": self._devices_answered(),
                                                    "broker_lost": bool(self._broker_lost())})
 
     def _broker_lost(self) -> list[str]:

@@ -613,6 +613,7 @@ class RoiModule:
         self.dev.stop_note = why
         log.warning("bus stop pending", extra={"device": self.cfg.name, "why": why})
         self.dev.publish_health()
+        self.node.stop_latch.note_changed(self.dev.name)
 
     def stop_possible(self) -> None:
         """What a pending stop waited for came (on the loop): the stop pass writes it now (or reports why not)."""
@@ -621,6 +622,7 @@ class RoiModule:
             return
         self.dev.stop_note = ""
         latch = self.node.stop_latch
+        latch.note_changed(self.dev.name)
         if latch.active and latch.generation == gen:
             self.ctx.stop_pass.request(self.dev.name)
         else:

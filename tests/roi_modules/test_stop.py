@@ -538,11 +538,12 @@ def test_a_node_started_under_the_stop_holds_an_actuator_it_measures_at_its_firs
             # held where it is, far short of its old target
             assert wait_until(lambda: sim.call(30, lambda f: abs(f.target[0] - f.length[0]) < 1.0), DEADLINE)
             assert sim.call(30, lambda f: f.target[0]) < 0.9 * p.ACTUATOR_FIRMWARE_MAX_TICKS - 10
-            # meanwhile: pending, in the answer and in the health, with why
+            # meanwhile: pending, in the answer and in the health, each with why
             suffix = answer_topic(root, rig.node)[len(f"{root}/{rig.node}"):]
             answers = [json.loads(m.payload) for m in rig.bus.since(0, suffix)]
             assert any(x["stop_ts"] == stop.ts and x["devices"] and x["devices"][0]["pending"]
-                       and x["devices"][0]["error"] == "" for x in answers), answers
+                       and x["devices"][0]["error"] == ""
+                       and "first GET_CURRENT_LENGTH reply" in x["devices"][0]["note"] for x in answers), answers
             pending = rig.bus.wait("/lift/health", lambda h: h["state"] == "stopped" and h["details"]["stop"]["pending"]
                                    and "stop pending" in h["error_message"]
                                    and "first GET_CURRENT_LENGTH reply" in h["error_message"])
