@@ -35,6 +35,9 @@ META_CHANNEL = "asyncapi.channel"
 META_KIND = "robobus.kind"
 META_RECEIVES = "robobus.node_receives"
 META_CANDIDATES = "asyncapi.candidates"
+# a channel the recorder derives from another (the camera as foxglove.CompressedImage beside its raw bytes):
+# not bus traffic, so never republished
+META_DERIVED = "robobus.derived"
 
 JSON = "application/json"
 

@@ -81,6 +81,9 @@ def record(
                                                "seconds (0 = keep trying, for unattended runs)")] = 10.0,
     seconds: Annotated[float, typer.Option(help="Stop after this many seconds (0 = until Ctrl-C)")] = 0.0,
     info: Annotated[Path | None, typer.Option("--info", help="Describe a recording instead (= inspect)")] = None,
+    foxglove_images: Annotated[bool | None, typer.Option(
+        "--foxglove-images/--no-foxglove-images", help="Beside each image topic's raw bytes, a channel of the same "
+        "topic as foxglove.CompressedImage (default ROBOBUS_RECORD_FOXGLOVE_IMAGES, on)")] = None,
     if_enabled: Annotated[bool, typer.Option("--if-enabled", help="Record only when ROBOBUS_RECORD=1, else "
                                              "idle until stopped (make run's Procfile)")] = False,
 ) -> None:
@@ -111,6 +114,8 @@ def record(
         overrides["record_compression"] = compression
     if filters:
         overrides["record_filters"] = filters
+    if foxglove_images is not None:
+        overrides["record_foxglove_images"] = foxglove_images
     settings = load_settings(RecorderSettings, **overrides)
     setup_logging("WARNING" if settings.log_level == "INFO" else settings.log_level, settings.log_json)
     subs = settings.record_filters or [f"{settings.topic_root}/#"]
@@ -309,7 +314,8 @@ def inspect_cmd(
     for col in ("topic", "count", "rate Hz", "kind", "schema / encoding", "flags"):
         table.add_column(col, justify="right" if col in ("count", "rate Hz") else "left")
     for c in s.channels:
-        flags = " ".join(f for f, on in (("retained", c.retain), ("command", c.node_receives)) if on)
+        flags = " ".join(f for f, on in (("retained", c.retain), ("command", c.node_receives),
+                                         ("derived, not replayed", c.derived)) if on)
         enc = c.schema if c.schema != "-" else c.encoding
         table.add_row(c.topic, str(c.count), f"{c.rate_hz:.2f}", c.kind, enc, flags)
     console.print(table)

@@ -10,6 +10,10 @@ What a file holds:
   message encoding `json` with the contract's JSON Schema (`jsonschema` encoding, standalone with
   `$defs`) registered per AsyncAPI channel; binary topics (the e-puck camera) carry their MQTT 5 Content
   Type as message encoding and channel metadata, with no schema.
+- beside each image topic's raw channel, a channel of the same topic with the image as
+  `foxglove.CompressedImage` (JSON, the JSON Schema `robobus foxglove` advertises: the same conversion,
+  shared.tools.foxglove.images), so a Foxglove layout's Image panel reads a recording as it reads the live
+  bridge. Marked `robobus.derived`: not bus traffic, so replay never republishes it.
 - log time = publish time = when the recorder received the message from the broker (MQTT carries no
   send time), in ns since the Unix epoch.
 - the retain flag as published (subscription option Retain As Published), so a replay republishes
@@ -66,13 +70,16 @@ from shared.tools.bus_catalog import (
     META_CANDIDATES,
     META_CHANNEL,
     META_CONTENT_TYPE,
+    META_DERIVED,
     META_KIND,
     META_QOS,
     META_RECEIVES,
     META_RETAIN,
     META_TOPIC,
     TopicCatalog,
+    TopicInfo,
 )
+from shared.tools.foxglove import images
 
 log = logging.getLogger("robobus.record")
 
@@ -116,6 +123,8 @@ class RecorderSettings(KitSettings):
                                          "QoS 1 messages this long while we reconnect")
     record_asyncapi: Path | None = Field(None, description="AsyncAPI document for the schemas (default: built "
                                          "from the installed services, else docs/asyncapi.yaml)")
+    record_foxglove_images: bool = Field(True, description="Beside each image topic's raw bytes, a channel of the "
+                                         "same topic as foxglove.CompressedImage (what Foxglove's Image panel reads)")
 
     @field_validator("record_filters")
     @classmethod
@@ -137,6 +146,7 @@ class RecordOptions:
     filters: Sequence[str] = ()
     broker: str = ""
     document: dict[str, Any] | None = None  # attached to every file
+    foxglove_images: bool = True  # a derived foxglove.CompressedImage channel beside each image topic
 
     @classmethod
     def from_settings(cls, s: RecorderSettings, filters: Sequence[str], document: dict[str, Any] | None,
@@ -146,7 +156,8 @@ class RecordOptions:
         return cls(path=Path((path or s.record_path).replace("{time}", stamp)), max_bytes=s.record_max_bytes,
                    max_duration_s=s.record_max_duration_s, compression=s.record_compression,
                    chunk_bytes=s.record_chunk_bytes, flush_s=s.record_flush_s, filters=tuple(filters),
-                   broker=f"{b.scheme}://{b.host}:{b.port}", document=document)
+                   broker=f"{b.scheme}://{b.host}:{b.port}", document=document,
+                   foxglove_images=s.record_foxglove_images)
 
 
 @dataclass
@@ -154,6 +165,7 @@ class RecordStats:
     messages: int = 0
     payload_bytes: int = 0
     side_records: int = 0
+    derived_records: int = 0  # foxglove.CompressedImage messages written beside the raw images
     finished_bytes: int = 0  # bytes of the files already closed
     files: list[Path] = field(default_factory=list)
 
@@ -184,6 +196,10 @@ class McapFile:
         self.sequence: dict[int, int] = {}
         self.schemas: dict[str, int] = {}
         self.props_channel = 0
+        # raw image channel -> (its foxglove.CompressedImage channel, frame id, image format)
+        self.derived: dict[int, tuple[int, str, str]] = {}
+        self.image_channels: dict[str, int] = {}  # topic -> its foxglove.CompressedImage channel
+        self.image_schema = 0
         # registered up front: the mcap writer lists a Schema group in its summary offsets even when it
         # is empty, which a strict reader (pymcap-cli doctor) calls an offset to a missing group
         self.props_schema = self.writer.register_schema("MqttProperties", "jsonschema",
@@ -323,6 +339,13 @@ class Recorder:
         st.payload_bytes += len(payload)
         if props and any(k in props for k in _SIDE_PROPS):
             self._write_props(f, cid, seq, key[0], props, log_time)
+        img = f.derived.get(cid)
+        if img is not None and payload:  # an empty payload clears a retained value: no image to show
+            dcid, frame_id, fmt = img
+            dseq = f.sequence[dcid] = f.sequence[dcid] + 1
+            f.writer.add_message(dcid, log_time, images.compressed_image(payload, log_time, frame_id, fmt),
+                                 log_time, dseq)
+            st.derived_records += 1
 
     def _write_props(self, f: McapFile, cid: int, seq: int, topic: str, props: dict[str, Any],
                      log_time: int) -> None:
@@ -376,7 +399,27 @@ class Recorder:
         f.channels[key] = cid
         f.sequence[cid] = 0
         self._topics.add(topic)
+        fmt = images.image_format(content_type) if self.opts.foxglove_images else None
+        if fmt is not None:
+            parts = topic.split("/")  # {root}/{node}/{device}/state/{name}: the frame is the device, as live
+            f.derived[cid] = (self._image_channel(f, topic, info, content_type), parts[-3] if len(parts) >= 3 else "",
+                              fmt)
         return cid
+
+    @staticmethod
+    def _image_channel(f: McapFile, topic: str, info: TopicInfo, content_type: str) -> int:
+        """The topic's foxglove.CompressedImage channel (one per topic, whatever retain flags its raw channels
+        have): the schema, encoding and metadata `robobus foxglove` advertises for it, marked derived."""
+        dcid = f.image_channels.get(topic)
+        if dcid is None:
+            if not f.image_schema:
+                f.image_schema = f.writer.register_schema(images.SCHEMA_NAME, "jsonschema", images.SCHEMA_BYTES)
+            meta = {META_TOPIC: topic, META_KIND: info.kind, META_CONTENT_TYPE: content_type, META_DERIVED: "true"}
+            if info.channel:
+                meta[META_CHANNEL] = info.channel
+            dcid = f.image_channels[topic] = f.writer.register_channel(topic, "json", f.image_schema, meta)
+            f.sequence[dcid] = 0
+        return dcid
 
 
 # -- the subscriber -------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Replay republishes with the original timing (log times, scaled by `rate`), optio
 topic root so that a replay never collides with live devices. Commands and inbound streams (what a
 node *receives*: channel metadata `robobus.node_receives`) are skipped unless asked for, since
 replaying a command moves hardware. MQTT 5 properties come back from the `_robobus/mqtt_properties`
-side channel; Response Topics under the recorded root are moved to the new root too.
+side channel; Response Topics under the recorded root are moved to the new root too. Channels the
+recorder derived (the camera as foxglove.CompressedImage beside its raw bytes: `robobus.derived`) are
+not bus traffic and are never republished; the raw channel of the same topic is.
 
 Timing: each message has a due time t0 + (log_time - first) / rate on the monotonic clock (absolute, so
 a late message does not shift the ones after it); the publishing thread sleeps until then and writes
@@ -40,7 +42,14 @@ from shared.mqtt.lean import LeanPublisher
 from shared.mqtt.session import MqttSession, reply_properties, unique_client_id
 from shared.mqtt.wire import MqttProtocolError
 from shared.settings import KitSettings
-from shared.tools.bus_catalog import META_CONTENT_TYPE, META_KIND, META_QOS, META_RECEIVES, META_RETAIN
+from shared.tools.bus_catalog import (
+    META_CONTENT_TYPE,
+    META_DERIVED,
+    META_KIND,
+    META_QOS,
+    META_RECEIVES,
+    META_RETAIN,
+)
 from shared.tools.recorder import PROPS_TOPIC, RECORDING_META
 
 log = logging.getLogger("robobus.replay")
@@ -89,6 +98,7 @@ class ReplayStats:
     published: int = 0
     skipped_commands: int = 0
     skipped_outside_root: int = 0
+    skipped_derived: int = 0  # messages of derived channels (foxglove.CompressedImage): never bus traffic
     loops: int = 0
     late_ns: list[int] = field(default_factory=list)  # publish time minus due time, per message
 
@@ -124,6 +134,10 @@ class Replayer:
             if ch.topic == PROPS_TOPIC:
                 continue
             md = ch.metadata
+            if md.get(META_DERIVED) == "true":
+                self.stats.skipped_derived += summary.statistics.channel_message_counts.get(ch.id, 0) \
+                    if summary.statistics else 0
+                continue
             if self.opts.topics and not any(mqtt.topic_matches_sub(f, ch.topic) for f in self.opts.topics):
                 continue
             if md.get(META_RECEIVES) == "true" and not self.opts.include_commands:
@@ -420,6 +434,7 @@ class ChannelSummary:
     kind: str
     retain: bool
     node_receives: bool
+    derived: bool  # made by the recorder from another channel of the topic (not bus traffic, not replayed)
     metadata: dict[str, str]
 
 
@@ -451,14 +466,15 @@ def inspect(path: Path) -> FileSummary:
     duration = max((end - start) / 1e9, 0.0)
     compressions = sorted({c.compression or "none" for c in summary.chunk_indexes})
     chans = []
-    for ch in sorted(summary.channels.values(), key=lambda c: c.topic):
+    for ch in sorted(summary.channels.values(), key=lambda c: (c.topic, c.id)):
         count = stats.channel_message_counts.get(ch.id, 0) if stats else 0
         schema = summary.schemas.get(ch.schema_id)
         chans.append(ChannelSummary(
             id=ch.id, topic=ch.topic, count=count, rate_hz=count / duration if duration > 0 else 0.0,
             encoding=ch.message_encoding, schema=f"{schema.name} ({schema.encoding})" if schema else "-",
             kind=ch.metadata.get(META_KIND, ""), retain=ch.metadata.get(META_RETAIN) == "true",
-            node_receives=ch.metadata.get(META_RECEIVES) == "true", metadata=dict(ch.metadata)))
+            node_receives=ch.metadata.get(META_RECEIVES) == "true",
+            derived=ch.metadata.get(META_DERIVED) == "true", metadata=dict(ch.metadata)))
     return FileSummary(path=str(path), size=path.stat().st_size, messages=stats.message_count if stats else 0,
                        start_ns=start, end_ns=end, duration_s=duration, chunks=len(summary.chunk_indexes),
                        compression=",".join(compressions) or "-", channels=chans, metadata=meta,
