@@ -136,13 +136,14 @@ static int is_relay(const char *user)
 }
 
 /* A request's Response Topic that its sender may name: its own reply topic, <...>/_client/<its client id>/reply, or
- * anything relayed by a fleet bridge (a bridge's publishes carry the username it logs in with at the centre,
- * bridge-<site>: the centre's broker bound the requester's reply topic to the requester). */
+ * anything relayed by a fleet bridge (the centre's broker bound the requester's reply topic to the requester). For
+ * a bridge's publishes mosquitto_client_username() is the bridge's local_username, unset in the generated
+ * bridge.conf: no username. Every shipped broker refuses anonymous clients, so only a bridge has none. */
 static int names_own_reply_topic(const struct mosquitto *client, const char *sender, const char *response)
 {
 	char id[256];
 	const char *own = mosquitto_client_id(client);
-	if(sender && !strncmp(sender, "bridge-", 7)) return 1;
+	if(!sender || !strncmp(sender, "bridge-", 7)) return 1;
 	if(!own || !reply_client(response, id, sizeof(id))) return 0;
 	return !strcmp(id, own);
 }

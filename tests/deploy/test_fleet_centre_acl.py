@@ -252,3 +252,34 @@ def test_the_cluster_binds_every_rule_to_the_users_client_ids():
             assert not ids.match("+") and not ids.match("operator-1" if u != "operator" else "viewer-1"), allow
     reply = conf["modules"]["mod_mqtt"]["access_subscribe"]["+/+/_client/%c/reply"]
     assert {e["allow"]["user"] for e in rules[reply]} == set(users)
+
+
+def test_a_site_node_answers_the_centres_operator_over_the_bridge(tmp_path: Path) -> None:
+    """A request relayed by a site's bridge grants its node the requester's reply topic (the centre bound it to the
+    requester; the bridge's publishes carry no username at the site): a kit node at the site answers the centre's
+    operator through the bridge."""
+    from shared import Node
+    from shared.rpc import RpcClient
+    from shared.settings import KitSettings
+    from tests.deploy.stack import bridged_host_brokers
+    from tests.kit.motion_node import API, build
+
+    with bridged_host_brokers(tmp_path) as (cport, central, eport, edge):
+        user, password = creds(edge, "ethercat-loop")
+        node = Node(API, KitSettings(mqtt_url=f"mqtt://127.0.0.1:{eport}", mqtt_username=user, node="ethercat-loop",
+                                     mqtt_password=password, topic_root=A))
+        build(node, devices=("rh",), sensors=())
+        node.start()
+        try:
+            u, pw = creds(central, "operator")
+            s = KitSettings(mqtt_url=f"mqtt://127.0.0.1:{cport}", mqtt_username=u, mqtt_password=pw, topic_root=A)
+            with RpcClient(s, name="test-centre-op") as c:
+                deadline, rep = time.monotonic() + WAIT_S, None
+                while rep is None and time.monotonic() < deadline:  # until the bridge is up
+                    try:
+                        rep = c.call("ethercat-loop", "rh", "read", {}, timeout=2)
+                    except TimeoutError:
+                        pass
+            assert rep is not None and rep.ok, rep
+        finally:
+            node.stop()
