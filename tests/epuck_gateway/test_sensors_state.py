@@ -1,5 +1,6 @@
 """The sensors state built from a decoded packet: every field in place, NaN/inf as null, any 104 bytes
-give a valid `EpuckSensors` whose JSON survives the contract's strict round trip."""
+give a valid `EpuckSensors` whose JSON survives the contract's strict round trip; the gateway's path straight
+from the wire values gives the same fields and the same JSON bytes as the decoded packet's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from services.epuck_gateway.protocols.wifi import (
     battery_volts,
     gyro_to_dps,
 )
-from services.epuck_gateway.robot import sensors_model
+from services.epuck_gateway.robot import sensors_fields, sensors_fields_of, sensors_model
+from shared.payloads import dump
 
 
 def _model(raw: EpuckRawSensors, seq: int = 7) -> EpuckSensors:
@@ -66,3 +68,16 @@ def test_any_packet_gives_a_state_that_passes_the_contract(data: bytes) -> None:
     again = EpuckSensors.model_validate_json(text, strict=True)
     assert again.model_dump_json() == text
     assert struct.unpack_from("<3h", data) == (m.acc_raw.x, m.acc_raw.y, m.acc_raw.z)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=SENSORS_SIZE, max_size=SENSORS_SIZE), st.integers(0, 2**31), st.floats(0, 2e9))
+def test_the_wire_path_gives_the_decoded_packets_fields_and_json(data: bytes, seq: int, ts: float) -> None:
+    ul1, ur1, ul2, ur2 = StepUnwrapper(), StepUnwrapper(), StepUnwrapper(), StepUnwrapper()
+    for _ in range(2):  # the unwrappers' second update counts on from the first
+        decoded = sensors_fields(EpuckRawSensors.decode(data), ts, seq, ul1, ur1)
+        wire = sensors_fields_of(data, ts, seq, ul2, ur2)
+        assert wire == decoded
+        assert [type(v) for v in wire.values()] == [type(v) for v in decoded.values()]
+        assert (dump(EpuckSensors, EpuckSensors.model_validate(wire))
+                == dump(EpuckSensors, EpuckSensors.model_validate(decoded)))

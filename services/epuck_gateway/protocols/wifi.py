@@ -15,7 +15,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 # -- packet ids and sizes ---------------------------------------------------------------------
 IMAGE_ID = 0x01
@@ -176,14 +176,20 @@ class EpuckRawSensors:
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> EpuckRawSensors:
-        if len(data) != SENSORS_SIZE:
-            raise ProtocolError(f"a sensors packet is {SENSORS_SIZE} bytes, got {len(data)}")
-        v = _SENSORS.unpack(data)
+        v = unpack_sensors(data)
         return cls(acc=v[0:3], acceleration=v[3], orientation=v[4], inclination=v[5], gyro=v[6:9],
                    mag=v[9:12], temperature=v[12], proximity=v[13:21], ambient=v[21:29], tof=v[29],
                    mic=v[30:34], steps=v[34:36], battery=v[36], sd_state=v[37], tv_toggle=v[38],
                    tv_address=v[39], tv_data=v[40], selector=v[41], ground_proximity=v[42:45],
                    ground_ambient=v[45:48], button=v[48], reserved=v[49])  # type: ignore[arg-type]
+
+
+def unpack_sensors(data: bytes | memoryview) -> tuple[Any, ...]:
+    """The sensors packet's 50 wire values in order (`EpuckRawSensors.decode` names them; the gateway's hot path
+    reads them straight from here: robot.sensors_fields_of)."""
+    if len(data) != SENSORS_SIZE:
+        raise ProtocolError(f"a sensors packet is {SENSORS_SIZE} bytes, got {len(data)}")
+    return _SENSORS.unpack(data)
 
 
 _PROX_AMBIENT = struct.Struct("<16H")  # offsets 37..68: 8 proximity, 8 ambient
