@@ -108,3 +108,22 @@ def test_a_hung_hand_is_confirmed_although_its_frame_in_flight_is_never_answered
         m.check_states(clock.t + period - 200_000)
     assert bridge.waits and min(bridge.waits) >= m.cfg.late_us, bridge.waits
     assert bridge.recovers == 1 and "slave 1 bridge in NONE" in m.counters.state_issue
+
+
+def test_the_ladder_waits_for_a_slave_known_not_to_answer_when_its_read_is_cut_short() -> None:
+    """After a power cycle the bridge is given its address back first and answers in INIT while the palm still has
+    none: the INIT -> OP ladder (written to every slave's address) cannot work before the palm is found. A palm read
+    cut short at one check is no news that it answers: the ladder waits for it (it started, its writes were not
+    taken by the palm, and the slave was 'looked for' again and again until a re-scan)."""
+    m = EthercatMaster(MasterConfig("none", recovery=RecoveryPolicy(silent_confirm_ns=10**12)))
+    bridge, palm = _Slave("bridge"), _Slave("palm")
+    ident = HandIdentity(0x530, 6, 0, 1, "0220", "palm", 2, 1, "sii", 70, 232, 3, ("bridge", "palm"))
+    m._bus = _Bus(master=None, palm=palm, info=PROTOCOLS["0220"], ident=ident, slaves=[bridge, palm])
+    m.counters.bad_run = 40
+    init: tuple[int, int] | None = (pysoem.INIT_STATE, 0)
+    none: tuple[int, int] | None = (pysoem.NONE_STATE, 0)
+    reads = iter([[init, none], [init, none], [init, None], [init, None], [init, None]])
+    m._read_states = lambda _bus, _give_up: next(reads)  # type: ignore[method-assign,assignment]
+    issues = [m.check_states() for _ in range(3)]  # the third: the palm's read cut short
+    assert m.counters.escalations == 0 and m._esc is None, issues
+    assert "slave 1 bridge in INIT" in issues[-1]

@@ -472,7 +472,7 @@ class _Cycle:
         slack_work = False
         self.check_due -= 1
         self.snapshot_due -= 1
-        recheck = (status is None or st.state_issue) and self.cycle % 10 == 0
+        recheck = self.cycle % 10 == 0 and (status is None or st.state_issue or master.episode_open)
         if master.rescan_needed and not self.halting and mono() >= self.rescan_after:
             # a full re-scan stops the cycle for as long as it takes: only ever while no valid data flow
             slack_work = True

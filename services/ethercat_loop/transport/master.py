@@ -838,7 +838,9 @@ class EthercatMaster:
             if now >= self._recover_after_ns:
                 self._recover(bus, i, s, now)
             return issue
-        if silent:  # another slave is not answering yet: the ladder needs every one of them
+        if silent or any(j != i for j in self._silent_since):
+            # another slave is not answering yet (seen so, and not seen answering since: a read cut short this time
+            # is no news): the ladder needs every one of them, so that one is found first (recover)
             return issue
         tries = self._quick[1] + 1 if self._quick[0] == issue else 1
         if tries > self.policy.quick_tries or st & 0x0F in (pysoem.INIT_STATE, pysoem.PREOP_STATE, pysoem.BOOT_STATE):
@@ -859,6 +861,11 @@ class EthercatMaster:
         return issue
 
     # ---- escalation -----------------------------------------------------------------------
+    @property
+    def episode_open(self) -> bool:
+        """A recovery episode has not seen its end yet (the cycle checks the states every 10 cycles meanwhile)."""
+        return self._episode_ns is not None
+
     def _note(self, text: str) -> None:
         self.recovery_log.append((time.monotonic_ns(), text))
         self.recovery_seq += 1

@@ -36,7 +36,7 @@ from services.ethercat_loop.transport.cycle import (
     _Stop,
     submit_frame,
 )
-from services.ethercat_loop.transport.master import MasterConfig
+from services.ethercat_loop.transport.master import MasterConfig, RecoveryPolicy
 from services.ethercat_loop.transport.realtime import RtSettings, current_policy, process_fifo
 from services.ethercat_loop.transport.shm import RAW_HEAD, C, SharedBlock
 from shared.link import SupervisedLink
@@ -115,7 +115,8 @@ class ProcessBackend(HandBackend):
         if not iface:
             raise BackendUnavailable(f"backend {s.backend!r} needs ROBOBUS_ETHERCAT_IFNAME (the EtherCAT NIC)")
         return MasterConfig(iface, netns, s.ethercat_expect_protocol or None, s.ethercat_recv_timeout_us,
-                            s.ethercat_late_us, s.ethercat_program_sms)
+                            s.ethercat_late_us, s.ethercat_program_sms,
+                            recovery=RecoveryPolicy(outage_cycles=s.ethercat_error_after_lost))
 
     def start(self) -> None:
         if self._shm is not None:
