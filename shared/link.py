@@ -113,7 +113,9 @@ class LinkSupervisor:
         """The link is open (TCP connected, socket bound, port open); data has not been seen yet."""
         self.counters.sessions += 1
         self._opened_at = now
-        if self.state not in (LinkState.STOPPED,):
+        # operational already: the device's data came before the transport said the link was open (a helper
+        # process that streams as soon as it is up); they prove it open, and health must not flicker back
+        if self.state not in (LinkState.STOPPED, LinkState.OPERATIONAL):
             self._enter(LinkState.CONNECTED, now, "link open; waiting for the device's first valid data")
         self.tick(now)
 

@@ -324,3 +324,13 @@ def test_a_watched_source_keeps_a_link_alive_whoever_looks_first() -> None:
     link.tick()
     assert shown[-1]["state"] == "silent" and "0.26 s" in shown[-1]["error_message"], shown[-1]
     assert [h["state"] for h in shown[n0 - 1 :]] == ["operational", "silent"], shown
+
+
+def test_valid_data_before_the_link_is_said_open_keep_it_operational() -> None:
+    """A helper process streams valid data as soon as it is up, and the transport says 'opened' a moment later:
+    health stays operational (it flickered back to 'connected', connection false, for one publish)."""
+    s = LinkSupervisor(POLICY, now=0.0)
+    s.attempt(0.0)
+    s.data(0.1)
+    s.opened(0.11)
+    assert s.health(0.12)["state"] == "operational" and s.details(0.12)["sessions"] == 1
