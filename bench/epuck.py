@@ -24,8 +24,8 @@ contention as much as the gateway.
     python bench/epuck.py --robots 50 --sensors-only --py-spy prof.txt   # the gateway's profile (py-spy, --gil)
     python bench/epuck.py --serial 4 --quick   # asercom v2 over ptys: latency and achievable polling rate
 
-Targets: the gateway's CPU <= 1.6 x the bare reference's (TARGET_CPU_RATIO_IMAGES, TARGET_CPU_RATIO_SENSORS); sensor latency p99 <= 10 ms, no lag growth, no frame dropped, every lost
-robot seen within 1 s.
+Targets: the gateway's CPU <= 1.6 x the bare reference's (TARGET_CPU_RATIO_IMAGES, TARGET_CPU_RATIO_SENSORS);
+sensor latency p99 <= 10 ms, no lag growth, no frame dropped, every lost robot seen within 1 s.
 
 The WiFi robots run the `--free-sensors` profile (sensors every 20 ms and images when due, heavier
 than the firmware's cycle, where the sensors packet rides on each image). Serial mode polls each
