@@ -71,6 +71,7 @@ from shared.tools.localbroker import Broker, free_port  # noqa: E402
 TARGET_CPU_RATIO_IMAGES = 1.6
 TARGET_CPU_RATIO_SENSORS = 1.6
 TARGET_P99_MS = 10.0
+STARVED_BELOW = 0.9  # sensors delivered, of the robots' rate: below, the run measured the host's contention
 HOG_ARGS = ["--cpu", "1"]  # --hog: one core's worth of other work on the host
 LAG_GROWTH_LIMIT_MS = 5.0  # p50 of the last third minus p50 of the first third
 
@@ -206,6 +207,13 @@ def reference_messages(kinds: dict[str, list[int]], seconds: float) -> list[list
     if seconds <= 0:
         return []
     return [[kind, round(nbytes / n), round(n / seconds, 2)] for kind, (n, nbytes) in sorted(kinds.items()) if n]
+
+
+def rate_of_nominal(msgs_per_s: float, robots: int, sensors_hz: float) -> float | None:
+    """The sensors messages received over what the robots were asked for: well below 1, the simulator or the
+    gateway was starved of CPU by other work, and every figure of the run measures that contention."""
+    nominal = robots * sensors_hz
+    return round(msgs_per_s / nominal, 2) if nominal > 0 else None
 
 
 def cpu_ratio(gateway_pct: float, reference_pct: float) -> float | None:
@@ -439,6 +447,7 @@ def main() -> None:
             + (", beside stress-ng " + " ".join(HOG_ARGS) if a.hog else ""))
     link_bytes = sum(float(x.get("bytes_per_s", 0.0)) for x in links_in_window)  # the window's last second
     dropped = max(0, frames_sent - frames_received - after_stop)
+    delivered = rate_of_nominal(len(lat) / gw_window.seconds, a.robots, a.sensors_hz) if not a.line_rate else None
     result = {
         "bench": "epuck-gateway",
         "case": case,
@@ -462,6 +471,7 @@ def main() -> None:
         "sensor_latency_ms": {"p50": round(p50, 2), "p99": round(p99, 2), "max": round(max(lat, default=0.0), 2)},
         "sensor_msgs_measured": len(lat),
         "sensor_msgs_per_s": round(len(lat) / gw_window.seconds, 1),
+        "sensor_rate_of_nominal": delivered,
         "frames_sent": frames_sent,
         "frames_received": frames_received,
         # sent by the robots and never reached the subscriber, except those that came after the stop
@@ -490,10 +500,14 @@ def main() -> None:
           f"{1000 * max(rec.lost.values(), default=float('nan')):.0f} ms; load average (1 min) "
           f"{gw_window.loads[0]:.2f} -> {gw_window.loads[1]:.2f}, reference {ref_window.loads[0]:.2f} -> "
           f"{ref_window.loads[1]:.2f}")
+    if delivered is not None and delivered < STARVED_BELOW:
+        print(f"the host was too busy: {100 * delivered:.0f} % of the robots' sensors rate reached the subscriber; "
+              "this run's figures measure the contention, not the gateway (run it again at a quieter moment)")
     report("epuck", result, [
         Figure(f"gateway CPU / bare reference's, {case}", ratio, "x", "<=", ratio_target),
         Figure("gateway CPU (information: moves with the host)", round(cpu_pct, 1), "% of a core"),
         Figure("bare reference CPU (same robots' bytes, same messages)", round(ref_pct, 1), "% of a core"),
+        Figure("sensors delivered, of the robots' rate (below 0.9: a busy host)", delivered, "x"),
         Figure("sensor latency p99", round(p99, 2), "ms", "<=", TARGET_P99_MS),
         Figure("lag growth (p50, last third - first third)", round(growth, 2), "ms", "<=", LAG_GROWTH_LIMIT_MS),
         Figure("camera frames dropped", dropped, "", "<=", 0),

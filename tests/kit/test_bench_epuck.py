@@ -51,6 +51,12 @@ def test_cpu_ratio_is_none_without_a_reference() -> None:
     assert epuck.cpu_ratio(30.0, 0.0) is None
 
 
+def test_rate_of_nominal_says_how_much_of_the_robots_rate_arrived() -> None:
+    assert epuck.rate_of_nominal(2250.0, 50, 50.0) == 0.9
+    assert epuck.rate_of_nominal(400.0, 50, 50.0) < epuck.STARVED_BELOW
+    assert epuck.rate_of_nominal(10.0, 0, 50.0) is None
+
+
 def test_read_json_line_skips_other_output_and_finds_its_key() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "print('log line'); print('{\"other\": 1}'); "
                              "print('{\"bare\": {\"bytes\": 5}}')"], stdout=subprocess.PIPE, text=True)
