@@ -17,11 +17,10 @@ from shared.tools.asyncapi import build_document
 
 
 def _models(annotation: Any, out: set[type[BaseModel]]) -> set[type[BaseModel]]:
-    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
-        if annotation not in out:
-            out.add(annotation)
-            for f in annotation.model_fields.values():
-                _models(f.annotation, out)
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel) and annotation not in out:
+        out.add(annotation)
+        for f in annotation.model_fields.values():
+            _models(f.annotation, out)
     for arg in typing.get_args(annotation):
         _models(arg, out)
     return out
