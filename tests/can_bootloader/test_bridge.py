@@ -154,13 +154,15 @@ def test_full_path_flash(broker_session: Broker, palm: Palm, client: RpcClient) 
 def test_can_send_cli(broker_session: Broker, palm: Palm) -> None:
     """`robobus can send SID LEN HEXDATA` through ethercat-loop's send_can (the seed's SendCanMessage)."""
     env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "COLUMNS": "200"}
+    # a window of 500 ms (the default 50): on a loaded host the palm's answer frame may come later than 50 ms
     args = [sys.executable, "-m", "shared.tools.cli", "can", "send", "0x664", "0", "--bus", "2", "--node", palm.name,
-            "--device", palm.device]
+            "--device", palm.device, "--window-ms", "500"]
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0x674 [4] 40 41 42 43" in r.stdout
     r = subprocess.run([*args[:5], "0x70A", "8", "55AA55AA55AA55AA", "--bus", "1", "--node", palm.name,
-                        "--device", palm.device, "--json"], env=env, capture_output=True, text=True, timeout=60)
+                        "--device", palm.device, "--window-ms", "500", "--json"], env=env, capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     reply = json.loads(r.stdout)
     assert {"bus": 1, "sid": 0x71A, "data": "55aa55aa55aa55aa"}.items() <= reply["frames"][0].items()
