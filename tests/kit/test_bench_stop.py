@@ -4,7 +4,10 @@ refused `stopped` with nothing on a wire. No speed figure is asserted here: that
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +17,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """bench/stop.py in a session of its own, every process of it (its simulators and services) killed at the end
+    whatever ends the test: a timeout must not leave a whole simulated system running beside the suite."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "stop.py"), *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=540)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a whole system of simulators: minutes on a loaded host
 def test_the_stop_bench_measures_every_service_and_finds_no_motion_while_stopped() -> None:
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "stop.py"), "--quick", "--robots", "3", "--arms", "2"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = _bench("--quick", "--robots", "3", "--arms", "2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "stop" and result["rounds"] == 5
@@ -35,15 +52,15 @@ def test_the_stop_bench_measures_every_service_and_finds_no_motion_while_stopped
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stalled", ["node", "broker"])
-def test_a_stop_sent_during_a_stall_reaches_every_wire_when_the_stall_ends(stalled: str) -> None:
-    """Every service's node (or the broker) stopped with SIGSTOP for 3 s while a client streams setpoints, the stop
-    published during the stall: after the SIGCONT the stop is on every device's wire (or answered, where the wire
-    has no stop bytes), no Dexter gets a motion request after it, and none of it waits behind the backlog (the old
-    path took seconds: one inbound queue, demands without an age). The 50 ms target is the bench's verdict."""
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "stop.py"), "--stall", stalled, "--rounds", "2",
-                          "--robots", "2", "--arms", "1", "--roi-modules", "6"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+@pytest.mark.timeout(600)
+def test_a_stop_sent_during_a_stall_reaches_every_wire_when_the_stall_ends() -> None:
+    """Every service's node stopped with SIGSTOP for 3 s while a client streams setpoints, the stop published during
+    the stall: after the SIGCONT the stop is on every device's wire (or answered, where the wire has no stop bytes),
+    no Dexter gets a motion request after it, and none of it waits behind the backlog (the old path took seconds:
+    one inbound queue, demands without an age). The 50 ms target is the bench's verdict; a stalled broker is
+    tests/kit/test_stop_stall.py's (and `bench/stop.py --stall broker`)."""
+    stalled = "node"
+    out = _bench("--stall", stalled, "--rounds", "2", "--robots", "2", "--arms", "1", "--roi-modules", "6")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["stall"] == stalled and result["rounds"] == 2
@@ -56,13 +73,12 @@ def test_a_stop_sent_during_a_stall_reaches_every_wire_when_the_stall_ends(stall
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_node_restarted_under_the_stop_stops_every_device_it_serves() -> None:
     """Every service's node killed -9 while its devices move, the stop set while none runs, the nodes started again:
     each holds every device it serves (the stop on every wire after the restart, each node's answer without an
     error), and no Dexter gets a motion request."""
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "stop.py"), "--restart", "--rounds", "1",
-                          "--robots", "2", "--arms", "1", "--roi-modules", "6"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = _bench("--restart", "--rounds", "1", "--robots", "2", "--arms", "1", "--roi-modules", "6")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for name, svc in result["services"].items():
@@ -77,11 +93,11 @@ def test_every_registered_motion_service_is_measured_or_says_why() -> None:
 
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        import stop as bench_stop  # bench/stop.py
+        import stop as bench_stop  # type: ignore[import-not-found]  # bench/stop.py
     finally:
         sys.path.remove(str(REPO / "bench"))
     motion = {api.service for api in service_apis()
-              if any(spec.motion for spec in [*api.commands.values(), *api.jobs.values()])}
+              if any(c.motion for c in api.commands.values()) or any(j.motion for j in api.jobs.values())}
     covered = set(bench_stop.SERVICES) | set(bench_stop.NOT_MEASURED)
     assert motion <= covered, f"motion services bench/stop.py neither measures nor excuses: {sorted(motion - covered)}"
     assert not set(bench_stop.NOT_MEASURED) & set(bench_stop.SERVICES)
