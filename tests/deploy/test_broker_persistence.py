@@ -27,7 +27,7 @@ from shared.tools.localbroker import REPO, Broker, free_port, mosquitto_bin
 MAKE_RUN_CONF = REPO / "deploy" / "mosquitto" / "mosquitto.conf"
 SUPERVISE = REPO / "deploy" / "dev" / "supervise.py"
 TOPIC = "robobus/_stop"
-START_S = 15.0  # a busy host may take this long to start a process
+START_S = 40.0  # a busy host may take this long to start a process (15 s was short beside a full suite)
 # mosquitto saves once more than autosave_interval whole seconds have passed since its last save (its main loop
 # wakes at least every 100 ms): the window of a kill -9 is autosave_interval + 1 s; plus slack for a busy host
 SAVE_SLACK_S = 1.0
