@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+import time
 from typing import Any, cast
 
 from services.roi_modules import protocol as p
@@ -22,6 +24,35 @@ from shared.stop_pass import StopPass
 from shared.transports import TransportUnavailable, load_transport
 
 log = logging.getLogger("robobus.roi")
+
+Early = tuple[int, list[p.GeneralPacket], float, list[asyncio.Future[p.GeneralPacket]]]  # gen, pkts, t, futs
+
+
+class _ThreadFirstStopPass(StopPass):
+    """The kit's StopPass, but the first call of an activation writes every module's stop on the kit's thread
+    (`RoiService._write_early`) before it schedules the pass: the loop's pass may wait behind whatever the loop
+    has queued (after a stalled process: seconds of datagrams, heartbeats and streamed setpoints)."""
+
+    def __init__(self, node: Node, svc: RoiService) -> None:
+        super().__init__(node, svc._stop_pass)
+        self._svc = svc
+
+    def request(self, name: str) -> None:
+        gen = self.node.stop_latch.generation
+        with self._lock:
+            first, members = gen != self._gen, list(self._members)
+        if first and self.node.loop is not None and threading.current_thread() is not _loop_thread(self.node):
+            self._svc._write_early(gen, members)
+        super().request(name)
+
+
+def _loop_thread(node: Node) -> threading.Thread | None:
+    loop = node.loop
+    try:
+        return threading.current_thread() if loop is not None and asyncio.get_running_loop() is loop else None
+    except RuntimeError:
+        return None
+
 
 PHASE_SLOTS = 5  # maintain ticks go out in this many groups spread over the period (RoiService.serve)
 
@@ -37,7 +68,10 @@ class RoiService:
         self.transport = make_transport(self, settings)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
-        self.stop_pass = StopPass(node, self._stop_pass)
+        self.stop_pass: StopPass = _ThreadFirstStopPass(node, self)
+        self._early: dict[str, Early] = {}  # the stop written on the kit's thread, for the pass's bookkeeping
+        self._early_lock = threading.Lock()
+        self.stop_timing: dict[str, float] = {}  # the last activation: early write, pass start (ms after read)
         self.by_name: dict[str, RoiModule] = {}
         self._confirming: set[asyncio.Task[None]] = set()
         # what a module uses of the service (modules.py)
@@ -51,6 +85,43 @@ class RoiService:
             self.by_name[mod.dev.name] = mod
 
     # -- the bus stop (docs/kit.md, "Stopping everything"; the README's "Stopping everything") ------------------
+    def _write_early(self, gen: int, members: list[str]) -> None:
+        """On the kit's thread, when it reads a stop: every member module's stop datagrams written at once from
+        here (transport.send_from_thread), ahead of anything the loop has queued. The loop's pass does the rest
+        (halt, reports, acks); a module whose stop cannot be built here is left to the pass (it says why)."""
+        t0 = time.monotonic()
+        if not self.transport.opened.is_set():
+            return
+        batch: list[tuple[RoiModule, list[p.GeneralPacket]]] = []
+        for name in members:
+            m = self.by_name.get(name)
+            if m is None or m.kind_mismatch:
+                continue
+            try:
+                batch.append((m, m.stop_packets()))
+            except Exception:  # StopPending, CommandError, ...: the pass decides and reports
+                continue
+        if not batch:
+            return
+        try:
+            sent = self.transport.send_from_thread([(m.cfg.octet, pkts) for m, pkts in batch])
+        except RequestLost as exc:
+            log.warning("bus stop: the write from the kit's thread failed (the pass writes it)",
+                        extra={"error": str(exc)})
+            return
+        with self._early_lock:
+            for (m, pkts), (t, futs) in zip(batch, sent, strict=True):
+                self._early[m.dev.name] = (gen, pkts, t, futs)
+        self.stop_timing = {"early_start": t0, "early_ms": (time.monotonic() - t0) * 1000}
+
+    def _take_early(self, name: str, gen: int) -> Early | None:
+        with self._early_lock:
+            e = self._early.pop(name, None)
+        if e is not None and e[0] != gen:
+            self.transport.forget(self.by_name[name].cfg.octet, e[1], e[3])
+            return None
+        return e
+
     def _stop_pass(self, due: dict[str, int]) -> None:
         """The bus stop of the modules `due` (name -> the stop's activation count), on the loop: every module's
         stop datagrams written at once (transport.send_now_many), then each module's acknowledgements awaited on
@@ -59,14 +130,27 @@ class RoiService:
             self._confirm(self._stop_when_open(due))
             return
         latch = self.node.stop_latch
+        start = self.stop_timing.get("early_start")
+        if start is not None and "pass_ms" not in self.stop_timing:
+            self.stop_timing["pass_ms"] = (time.monotonic() - start) * 1000
+            log.info("bus stop written from the kit's thread", extra={k: round(v, 2) for k, v in
+                                                                      self.stop_timing.items() if k != "early_start"})
         # nothing that moves may follow the stop's datagrams: the motion requests in flight to these modules end
         # now, their resends cancelled and their slots free (their guards refuse from the stop's activation on)
-        self.transport.halt({m.cfg.octet for m in (self.by_name.get(n) for n in due) if m is not None})
+        halted = self.transport.halt({m.cfg.octet for m in (self.by_name.get(n) for n in due) if m is not None})
         batch: list[tuple[RoiModule, int, list[p.GeneralPacket]]] = []
         for name, gen in due.items():
             m = self.by_name.get(name)
             if m is None:
                 continue
+            early = self._take_early(name, gen)
+            if early is not None:
+                if m.cfg.octet not in halted:  # written already, ahead of the loop's queue: the bookkeeping
+                    m.supersede_stop()
+                    self._confirm(m.confirm_stop(m.stop_written(gen, early[1], early[2], early[3])))
+                    continue
+                # a motion request was in flight as the thread wrote: the stop is written again after it
+                self.transport.forget(m.cfg.octet, early[1], early[3])
             if m.kind_mismatch:
                 latch.report(name, gen, None, f"nothing sent: {m.mismatch_message()}")
                 continue

@@ -37,6 +37,8 @@ import contextvars
 import functools
 import ipaddress
 import logging
+import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -236,6 +238,10 @@ class RoiTransport:
         self._transports: dict[int, asyncio.DatagramTransport] = {}
         self.opened = asyncio.Event()  # both sockets bound (set by open(), on the loop)
         self._prefix_dot = cfg.prefix + "."
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._raw: dict[int, socket.socket] = {}  # the bound sockets, for the stop's write from another thread
+        self._echo_lock = threading.Lock()  # _echo is touched by the loop and by send_from_thread
+        self.thread_writes = 0  # stop writes made from the kit's thread (send_from_thread): logs and tests
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -247,12 +253,16 @@ class RoiTransport:
                 self.close()
                 raise OSError(exc.errno, f"cannot bind {self.cfg.host_address}:{port}: {exc.strerror}") from None
             self._transports[port] = tr
+            sock = tr.get_extra_info("socket")
+            self._raw[port] = getattr(sock, "_sock", sock)  # asyncio's TransportSocket wraps the real socket
+        self._loop = loop
         self.opened.set()
 
     def close(self) -> None:
         for tr in self._transports.values():
             tr.close()
         self._transports.clear()
+        self._raw.clear()
         self.opened.clear()
         for pend in self._pending.values():
             if not pend.fut.done():
@@ -314,26 +324,52 @@ class RoiTransport:
         tr = self._transports.get(self.cfg.general_port)
         if tr is None:
             raise RequestLost("the transport is closed")
-        loop = asyncio.get_running_loop()
+        return self._write_batch(asyncio.get_running_loop(), tr.sendto, batch)
+
+    def send_from_thread(self, batch: list[tuple[int, list[p.GeneralPacket]]]
+                         ) -> list[tuple[float, list[asyncio.Future[p.GeneralPacket]]]]:
+        """send_now_many from any thread (the kit's, which reads the bus stop): written with the socket's own
+        sendto (a datagram write is one system call, safe beside the loop's), not queued behind the loop's work
+        (after a stall: seconds of datagrams and callbacks). The futures are the loop's, answered on the loop.
+        RequestLost when the transport is closed or a write fails (the loop's pass writes it instead)."""
+        sock = self._raw.get(self.cfg.general_port)
+        loop = self._loop
+        if sock is None or loop is None or loop.is_closed():
+            raise RequestLost("the transport is closed")
+
+        def write(data: bytes, dest: tuple[str, int]) -> None:
+            try:
+                sock.sendto(data, dest)
+            except OSError as exc:  # a full socket buffer (non-blocking) or closed meanwhile
+                raise RequestLost(f"the stop's datagram to {dest[0]} was not written: {exc}") from None
+
+        sent = self._write_batch(loop, write, batch)
+        self.thread_writes += 1
+        return sent
+
+    def _write_batch(self, loop: asyncio.AbstractEventLoop, write: Callable[[bytes, tuple[str, int]], None],
+                     batch: list[tuple[int, list[p.GeneralPacket]]]
+                     ) -> list[tuple[float, list[asyncio.Future[p.GeneralPacket]]]]:
         port = self.cfg.general_port
         # everything but the writes first (bytes, reply futures: no reply is read before this returns), so that
         # the datagrams leave back to back
         rounds: list[list[tuple[int, bytes, tuple[str, int], bool]]] = []
         futs: list[list[asyncio.Future[p.GeneralPacket]]] = []
-        for n, (octet, pkts) in enumerate(batch):
-            dest = (self.address(octet), port)
-            futs.append([])
-            for i, pkt in enumerate(pkts):
-                fut: asyncio.Future[p.GeneralPacket] = loop.create_future()
-                self._echo.setdefault((octet, port, pkt.sub_device_id, pkt.action), deque()).append(fut)
-                futs[n].append(fut)
-                if i == len(rounds):
-                    rounds.append([])
-                rounds[i].append((n, pkt.encode(), dest, i == len(pkts) - 1))
+        with self._echo_lock:
+            for n, (octet, pkts) in enumerate(batch):
+                dest = (self.address(octet), port)
+                futs.append([])
+                for i, pkt in enumerate(pkts):
+                    fut: asyncio.Future[p.GeneralPacket] = loop.create_future()
+                    self._echo.setdefault((octet, port, pkt.sub_device_id, pkt.action), deque()).append(fut)
+                    futs[n].append(fut)
+                    if i == len(rounds):
+                        rounds.append([])
+                    rounds[i].append((n, pkt.encode(), dest, i == len(pkts) - 1))
         left = [0.0] * len(batch)
         for writes in rounds:
             for n, data, dest, last in writes:
-                tr.sendto(data, dest)
+                write(data, dest)
                 if last:
                     left[n] = time.time()
         for octet, pkts in batch:
@@ -349,14 +385,19 @@ class RoiTransport:
                 continue
             fut.cancel()
             key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
-            q = self._echo.get(key)
-            if q is not None:
-                with contextlib.suppress(ValueError):
-                    q.remove(fut)
-                if not q:
-                    del self._echo[key]
+            with self._echo_lock:
+                q = self._echo.get(key)
+                if q is not None:
+                    with contextlib.suppress(ValueError):
+                        q.remove(fut)
+                    if not q:
+                        del self._echo[key]
 
     def _take_echo(self, key: Key) -> asyncio.Future[p.GeneralPacket] | None:
+        with self._echo_lock:
+            return self._take_echo_locked(key)
+
+    def _take_echo_locked(self, key: Key) -> asyncio.Future[p.GeneralPacket] | None:
         q = self._echo.get(key)
         while q:
             fut = q.popleft()
@@ -367,16 +408,16 @@ class RoiTransport:
         self._echo.pop(key, None)
         return None
 
-    def halt(self, octets: set[int]) -> int:
+    def halt(self, octets: set[int]) -> set[int]:
         """The bus stop is coming to these modules (on the loop, before its write): every request of theirs whose
         guard refuses now is woken and ends at once (RequestRefused), its resends cancelled, its slot free for the
-        stop's resends. Returns how many were halted."""
-        n = 0
+        stop's resends. Returns the octets of the requests halted."""
+        n: set[int] = set()
         for key, pend in list(self._pending.items()):
             if key[0] in octets and pend.guard is not None and not pend.fut.done() and pend.guard():
                 del self._pending[key]  # a late reply to it is no answer to anyone (or the stop's, if its key)
                 pend.fut.set_result(_WAKE)
-                n += 1
+                n.add(key[0])
         return n
 
     async def _request(self, key: Key, data: bytes, retries: int | None, counts: bool,

@@ -134,14 +134,14 @@ def test_a_guarded_request_is_halted_at_once_and_sends_nothing_more(sim: RoiSim)
             assert await loop.run_in_executor(None, lambda: wait_until(lambda: len(sim.wire_log(20)) >= 1, 10))
             stopped["now"] = True
             t0 = loop.time()
-            assert tr.halt({20}) == 1
+            assert tr.halt({20}) == {20}
             with pytest.raises(RequestRefused, match="stopped"):
                 await task
             took = loop.time() - t0
             await asyncio.sleep(0.6)  # two resend timeouts: nothing more comes
             # a request with no guard is not halted
             sim.set_faults(20, drop_replies=False)
-            assert tr.halt({20}) == 0
+            assert tr.halt({20}) == set()
             await tr.general(20, p.odrive_request(p.OdriveAction.GET_ALL))
             return len([r for r in sim.wire_log(20) if r.action == p.OdriveAction.SET_VELOCITY]), \
                 tr.links[20].resent, took
