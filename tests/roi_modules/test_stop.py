@@ -171,6 +171,42 @@ def test_every_module_gets_its_first_stop_datagram_before_any_gets_its_second(ri
     assert last_first < first_second, seen
 
 
+def test_the_stop_reaches_every_module_while_the_services_loop_is_held(rig: Rig) -> None:
+    """A loop that is busy when the stop comes (after a stalled process: seconds of queued datagrams, heartbeats and
+    streamed setpoints) does not hold the stop back: the kit's thread that reads the stop writes every module's
+    stop datagrams itself (transport.send_from_thread). Order-based: every module has its stop while the loop is
+    still held; once it runs, the loop's pass takes the replies to that write as its acknowledgements (none
+    counted unmatched, no second write) and the answer reports that write."""
+    moving(rig)
+    svc = rig.service.svc
+    unmatched = {o: svc.transport.links[o].unmatched for o in (10, 20, 30)}
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(DEADLINE + 5)
+
+    rig.sim.watch_stop()
+    rig.service.loop.call_soon_threadsafe(hold)
+    try:
+        assert held.wait(DEADLINE)
+        stop = set_stop(rig, True, "loop held")
+        assert wait_until(lambda: sorted(rig.sim.stop_stamps()) == [10, 20, 30], DEADLINE), rig.sim.stop_stamps()
+        assert not release.is_set()  # the loop was held all along: nothing of this came from it
+    finally:
+        release.set()
+    stamps = rig.sim.stop_stamps()
+    a = answer(rig, stop)
+    devices = {d["device"]: d for d in a["devices"]}
+    for name, octet in (("io", 10), ("wheel", 20), ("arm", 30)):
+        d = devices[name]
+        assert d["stopped"] and not d["pending"] and d["error"] == "", d
+        assert abs(d["written_ts"] - stamps[octet].unix) < 1.0, (d, stamps[octet])
+    assert {o: svc.transport.links[o].unmatched for o in (10, 20, 30)} == unmatched
+    assert svc.transport.thread_writes >= 1
+    assert wheel(rig)[:4] == (p.ControlMode.VELOCITY, p.InputMode.VELOCITY_RAMP, 0.0, 0.0)
+
+
 def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_it_got_round_to_it() -> None:
     """One thread serves every simulated module: a stop it reads late (here: while a test holds the simulator's
     lock) is stamped with the time it reached the module's socket (the kernel's), not when it was read; one that
