@@ -190,7 +190,12 @@ class Supervisor:
 
     def argv(self, p: Program) -> list[str]:
         """bash running the program (exec'd: the pid is the program's), behind setpriv's parent-death signal."""
-        script = f"cd {_shell_quote(self.cwd)} && {exec_line(p.command)}"
+        # a program run as another user (the broker) may not be able to enter the checkout (a clone in a 0700
+        # folder): it then runs in the folder it inherits, the supervisor's (deploy/dev/run-local.sh starts the
+        # supervisor there, and gives such a program absolute paths)
+        cd = f"cd {_shell_quote(self.cwd)} 2>/dev/null; " if p.user and os.geteuid() == 0 else \
+            f"cd {_shell_quote(self.cwd)} && "
+        script = cd + exec_line(p.command)
         if self.setpriv is None:
             return ["/bin/bash", "-c", script]
         sig = PDEATHSIG_BROKER if p.name == BROKER else PDEATHSIG_NODE
