@@ -97,9 +97,6 @@ LOWAT_MIN = 1024  # only an image's remainder is worth a setsockopt; sensors pac
 LOWAT_MAX = 65536  # below the receive buffer, so the mark can always be met
 MAX_UNTAKEN = 2  # written commands the robot has not taken yet; its firmware flushes at 5 queued (module doc)
 FIRMWARE_FLUSH = 5  # queued commands from which the firmware keeps only the newest (reference section 4)
-# Stream bytes handled per turn of the loop (_Wire): an image and a few sensors packets, so a usual read is one turn
-TURN_BYTES = 40 * 1024
-BACKLOG_PAUSE = 256 * 1024  # bytes kept unhandled beyond which reading pauses (the kernel holds the rest)
 
 
 @dataclass
@@ -120,21 +117,11 @@ class EpuckLinkConfig:
 
 class _Wire(asyncio.Protocol):
     """Feeds the link while its connection is the link's current one (a connection being left after a
-    framing error lingers a moment, and its bytes must not reach the next connection's parser).
-
-    At most `TURN_BYTES` per turn of the loop: a read holds up to 256 KiB, and after a stall (the process
-    stopped, the loop blocked) every robot's socket holds seconds of stream, so one loop iteration parsed and
-    published 20 robots' backlogs before a callback queued meanwhile (the bus stop's pass, shared/stop_pass.py)
-    got its turn. The rest is kept here and continued with `call_soon`, after what was queued before it; reading
-    pauses while more than `BACKLOG_PAUSE` waits, so the kernel holds the remainder (nothing is dropped, the
-    stream stays in order)."""
+    framing error lingers a moment, and its bytes must not reach the next connection's parser)."""
 
     def __init__(self, link: EpuckLink) -> None:
         self.link = link
         self.transport: asyncio.BaseTransport | None = None
-        self._backlog = bytearray()
-        self._next: asyncio.Handle | None = None  # the continuation of the backlog, queued
-        self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -143,43 +130,10 @@ class _Wire(asyncio.Protocol):
         return self.transport is not None and self.link._transport is self.transport
 
     def data_received(self, data: bytes) -> None:
-        if not self._current():
-            return
-        if self._next is None and len(data) <= TURN_BYTES:
-            self.link._on_data(data)  # the usual read (a sensors packet, an image): at once, no copy
-            return
-        self._backlog += data
-        if len(self._backlog) > BACKLOG_PAUSE and not self._paused and isinstance(self.transport, asyncio.Transport):
-            self.transport.pause_reading()
-            self._paused = True
-        if self._next is None:
-            self._turn()
-
-    def _turn(self) -> None:
-        """One turn's worth of the backlog; the rest after the callbacks queued meanwhile."""
-        self._next = None
-        if not self._current():
-            self._backlog.clear()
-            return
-        chunk = bytes(self._backlog[:TURN_BYTES])
-        del self._backlog[:TURN_BYTES]
-        if self._backlog:
-            self.link.backlog_turns += 1  # turns that left part of a backlog for later (logs, tests)
-        self.link._on_data(chunk)
-        if not self._current():  # a framing error left the connection: its remaining bytes go nowhere
-            self._backlog.clear()
-        elif self._backlog:
-            self._next = asyncio.get_running_loop().call_soon(self._turn)
-            return
-        if self._paused and isinstance(self.transport, asyncio.Transport) and not self.transport.is_closing():
-            self._paused = False
-            self.transport.resume_reading()
+        if self._current():
+            self.link._on_data(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._next is not None:
-            self._next.cancel()
-            self._next = None
-        self._backlog.clear()
         if self._current():
             self.link._lose(f"connection lost: {exc}" if exc else "connection closed by the robot")
 
@@ -213,7 +167,6 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         self._probed_at = -1.0
         self._sock: Any = None  # the connection's socket (asyncio's TransportSocket), for SO_RCVLOWAT
         self._lowat = 1
-        self.backlog_turns = 0  # loop turns that handled part of a backlog and left the rest for later (_Wire)
 
     # -- public ---------------------------------------------------------------------------------
     def _write_soon(self) -> None:
