@@ -28,6 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from footprint import sample  # noqa: E402  (one process's resident kB and CPU seconds, from /proc)
 from results import Figure, report, variant_name  # noqa: E402
 
 from shared.tools.localbroker import NodeProcess, free_port  # noqa: E402
@@ -37,8 +38,6 @@ from tests.chaos.stack import SimStack  # noqa: E402  (make run's processes on a
 TARGET_CPU_PCT = 5.0
 TARGET_RSS_MB = 60.0
 TARGET_SCRAPE_MS = 100.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 # the reference: paho alone, subscribed to what the exporter subscribes to, counting messages
 REFERENCE = """
@@ -54,16 +53,6 @@ c.on_message = on_message
 c.connect(host, port)
 c.loop_forever()
 """
-
-
-def sample(pid: int) -> tuple[int, float] | None:
-    """(resident kB, CPU seconds) of one process."""
-    try:
-        statm = Path(f"/proc/{pid}/statm").read_text().split()
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(statm[1]) * PAGE_KB, (int(stat[11]) + int(stat[12])) / CLK_TCK
 
 
 class Scraper(threading.Thread):
