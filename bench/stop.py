@@ -667,12 +667,16 @@ class Bench:
                 self.errors.append(f"round {rnd}: {arm} got a motion request after the watch was armed and before "
                                    "the stop (the bench's own move, late)")
 
-        release = StopState(active=False, source=SOURCE, reason=f"round {rnd} released", ts=time.time())
-        self.c.session.publish(stop_topic(ROOT), release.model_dump_json(), qos=1, retain=True)
-        got = self.bus.wait_answers(release, SERVICES, 10)
-        if len(got) != len(SERVICES):
-            self.errors.append(f"round {rnd}: release not answered by {sorted(set(SERVICES) - set(got))}")
+        self.release(f"round {rnd}", 10)
         return worst
+
+    def release(self, what: str, timeout: float) -> None:
+        """Release the stop (retained, as `robobus stop --release`) and note every node that does not answer."""
+        release = StopState(active=False, source=SOURCE, reason=f"{what} released", ts=time.time())
+        self.c.session.publish(stop_topic(ROOT), release.model_dump_json(), qos=1, retain=True)
+        got = self.bus.wait_answers(release, SERVICES, timeout)
+        if len(got) != len(SERVICES):
+            self.errors.append(f"{what}: release not answered by {sorted(set(SERVICES) - set(got))}")
 
     # -- a stall: the nodes (or the broker) stopped while a client streams, the stop sent meanwhile -------------
     def stream_targets(self) -> list[Call]:
@@ -769,11 +773,7 @@ class Bench:
             if moves:
                 self.fig[DEXTER].reached_wire += 1
                 self.errors.append(f"stall round {rnd}: {arm} got a motion request after the stop: {moves[:2]}")
-        release = StopState(active=False, source=SOURCE, reason=f"stall round {rnd} released", ts=time.time())
-        self.c.session.publish(stop_topic(ROOT), release.model_dump_json(), qos=1, retain=True)
-        got_rel = self.bus.wait_answers(release, SERVICES, 15)
-        if len(got_rel) != len(SERVICES):
-            self.errors.append(f"stall round {rnd}: release not answered by {sorted(set(SERVICES) - set(got_rel))}")
+        self.release(f"stall round {rnd}", 15)
         return worst
 
     # -- a restart under the stop: nodes killed while their devices move, the stop set, the nodes started again -----
@@ -841,11 +841,7 @@ class Bench:
         while time.monotonic() < end and not all(self.bus.connected(n, d) == len(d)
                                                  for n, d in self.sys.devices().items()):
             time.sleep(0.1)
-        release = StopState(active=False, source=SOURCE, reason=f"restart round {rnd} released", ts=time.time())
-        self.c.session.publish(stop_topic(ROOT), release.model_dump_json(), qos=1, retain=True)
-        got_rel = self.bus.wait_answers(release, SERVICES, 15)
-        if len(got_rel) != len(SERVICES):
-            self.errors.append(f"restart round {rnd}: release not answered by {sorted(set(SERVICES) - set(got_rel))}")
+        self.release(f"restart round {rnd}", 15)
         return worst
 
     def close(self) -> None:
