@@ -116,9 +116,11 @@ RECOVERY_STEPS_SHOWN = 12
 TEST_HOLDER = "_test_adc_channels"
 # the bus stop (docs/kit.md, "Stopping everything"): a BusStop the cycle has not confirmed is sent again this often
 # (lost with a cycle process that died, or submitted before the palm was in OP); the write is reported as failed
-# after STOP_WRITE_GRACE_S without a frame carrying it
+# after STOP_WRITE_GRACE_S without a frame carrying it, and still sent while the stop holds: the first frame that
+# carries it is reported then (the answer's error clears)
 STOP_RESEND_S = 0.1
 STOP_WRITE_GRACE_S = 5.0
+STOP_LATE_LOOK_S = 0.02  # how often a stop reported as failed is looked at again (not the 1 ms of a fresh one)
 
 
 # ------------------------------------------------------------------------------------------- the service
@@ -173,10 +175,11 @@ class PalmService:
         # health: the kit's link supervisor (docs/kit.md, "Health"), fed from what this process reads of the
         # cycle (the count of valid statuses, the cycle process's starts, deaths and exits), never from the cycle
         self.link = self.dev.supervise_link(link_policy(settings))
-        # the bus stop: the last BusStop submitted, not yet confirmed by the cycle (number, since, last sent)
+        # the bus stop: the last BusStop submitted, not yet confirmed by the cycle (number, since, last sent, the
+        # latch's activation it belongs to, reported as failed)
         self._bus_stop_lock = threading.Lock()
         self._bus_stop_no = 0
-        self._bus_stop_pending: tuple[int, float, float] | None = None
+        self._bus_stop_pending: tuple[int, float, float, int, bool] | None = None
         self._fault_lock = threading.Lock()
         self._kind_fault = ""  # the backend's: not the palm configured
         self._device_faults = ""  # the palm's: serious motor flags, silent motors
@@ -242,8 +245,9 @@ class PalmService:
                     self._health(snap)
             # awake at least every fifth of the liveness budget, to feed the link whatever the state rates
             feed_by = now + min(0.05, self.settings.ethercat_liveness_s / 5)
-            if self._bus_stop_pending is not None:  # a stop's frame to report: look again soon
-                feed_by = now + 0.001
+            pending = self._bus_stop_pending
+            if pending is not None:  # a stop's frame to report: look again soon
+                feed_by = now + (STOP_LATE_LOOK_S if pending[4] else 0.001)
             self._stop.wait(max(0.0005, min(*due.values(), next_health, feed_by) - time.monotonic()))
 
     def _feed_link(self) -> None:
@@ -280,44 +284,54 @@ class PalmService:
         with self._bus_stop_lock:
             self._bus_stop_no += 1
             seq = self._bus_stop_no
-            self._bus_stop_pending = (seq, now, now)
+            self._bus_stop_pending = (seq, now, now, self.node.stop_latch.generation, False)
         self.backend.submit(BusStop(seq))
         return LATER
 
     def _check_bus_stop(self, now: float) -> None:
         """Publisher thread, while a stop's frame is not reported: report it once the cycle sent it; send the
         stop again while the cycle has not (a cycle process that died took it along, or the palm was not in OP
-        yet: a new cycle starts with zero demands anyway); give up, saying why, after STOP_WRITE_GRACE_S."""
+        yet: a new cycle starts with zero demands anyway). After STOP_WRITE_GRACE_S without that frame the answer
+        says why (an error), and the stop is still sent while it holds: a palm that reaches OP late reports its
+        first stopped frame then, which clears the error. A released stop is never sent again (a BusStop forgets
+        the demands held: after the release those are new ones)."""
         with self._bus_stop_lock:
             pending = self._bus_stop_pending
         if pending is None:
             return
-        seq, since, sent = pending
+        seq, since, sent, gen, failed = pending
+        latch = self.node.stop_latch
+        if not latch.active or latch.generation != gen:
+            with self._bus_stop_lock:
+                if self._bus_stop_pending == pending:
+                    self._bus_stop_pending = None  # released (or a newer stop, with its own pending)
+            return
         at_ns = self.backend.stop_sent_ns(seq)
-        error = ""
-        if at_ns is None:
-            connected = self.backend.connected()
-            if now - since < STOP_WRITE_GRACE_S:
-                if connected and now - sent >= STOP_RESEND_S:
-                    with self._bus_stop_lock:
-                        if self._bus_stop_pending == pending:
-                            self._bus_stop_pending = (seq, since, now)
-                    self.backend.submit(BusStop(seq))
+        if at_ns is not None:
+            with self._bus_stop_lock:
+                if self._bus_stop_pending != pending:
+                    return  # a newer stop: its own report
+                self._bus_stop_pending = None
+            self.dev.stop_written(at=time.time() - (time.monotonic_ns() - at_ns) / 1e9)
+            return
+        connected = self.backend.connected()
+        resend = connected and now - sent >= STOP_RESEND_S
+        give_up = not failed and now - since >= STOP_WRITE_GRACE_S
+        if not (resend or give_up):
+            return
+        with self._bus_stop_lock:
+            if self._bus_stop_pending != pending:
                 return
+            self._bus_stop_pending = (seq, since, now if resend else sent, gen, failed or give_up)
+        if resend:
+            self.backend.submit(BusStop(seq))
+        if give_up:
             error = ("the cycle did not report the stop's frame within "
                      f"{STOP_WRITE_GRACE_S:.0f} s" if connected else
                      "the palm is not in OP: no frame carried the stop (its motors get no demand at all, and stop "
                      "on their own 20 ms no-demand timeout; a cycle that starts again starts with zero demands)")
-        with self._bus_stop_lock:
-            if self._bus_stop_pending != pending:
-                return  # a newer stop: its own report
-            self._bus_stop_pending = None
-        if error:
             log.error("bus stop not confirmed on the wire: %s", error)
             self.dev.stop_written(error=error)
-        else:
-            assert at_ns is not None
-            self.dev.stop_written(at=time.time() - (time.monotonic_ns() - at_ns) / 1e9)
 
     def _apply_fault(self, kind: str | None = None, device: str | None = None) -> None:
         """The one `error` of the device: a palm of the wrong kind (the backend) and the faults the palm reports

@@ -30,6 +30,7 @@ from services.ethercat_loop.protocol import (
     make_sid,
     unpack_command,
 )
+from services.ethercat_loop.service import STOP_WRITE_GRACE_S
 from services.ethercat_loop.sim.netns import VethNetns
 from services.ethercat_loop.sim.virtual_hand import HandControl
 from shared.messages import StopState
@@ -278,9 +279,12 @@ def test_a_node_started_while_the_stop_is_active_comes_up_stopped(rig_factory: C
 
     rig = rig_factory(before)
     stop = box["stop"]
-    a = rig.answer(stop)
+    # the stop reached the palm: a frame of the running cycle carried it (not an error, not pending). On a loaded
+    # host the palm may reach OP past the write's grace: the answer says so first, then the frame clears it
+    a = rig.bus.wait(answer_topic(rig.root, rig.node),
+                     lambda a: a["stop_ts"] == stop.ts and a["active"] and a["devices"][0]["written_ts"] is not None,
+                     "the answer with the stop's frame")
     d = a["devices"][0]
-    # the stop reached the palm: a frame of the running cycle carried it (not an error, not pending)
     assert d["stopped"] and not d["pending"] and d["error"] == "" and d["written_ts"] >= stop.ts, d
     rig.health(lambda h: h.get("state") == "stopped" and "maintenance" in h.get("error_message", ""),
                "health stopped")
@@ -304,6 +308,44 @@ def test_a_node_started_while_the_stop_is_active_comes_up_stopped(rig_factory: C
     log = wait_for(lambda: [f for f in rig.ctl.call("can_log")["frames"] if f[2] == request], DEADLINE,
                    "the data request on the palm's CAN bus")
     assert log and not [f for f in rig.ctl.call("can_log")["frames"] if f[2] == demand]
+
+
+def test_a_palm_that_reaches_op_past_the_writes_grace_is_said_then_stopped_by_its_first_frame(
+        rig_factory: Callable[..., Rig]) -> None:
+    """The stop active before the node starts, the palm (the hand process) frozen until past the write's grace: the
+    answer says no frame carried the stop (an error, not pending); the stop is still sent while it holds, and the
+    first frame of the cycle that reaches OP is reported: the error clears, with the frame's time."""
+    answers: list[dict[str, Any]] = []
+    box: dict[str, Any] = {}
+
+    def before(rig: Rig) -> None:
+        def on(msg: Any) -> None:
+            if msg.payload:
+                answers.append(json.loads(msg.payload))
+        rig.client.subscribe_before(answer_topic(rig.root, rig.node), on)
+        box["stop"] = rig.set_stop(True, "maintenance")
+        pid = rig.ns.hand_proc.pid
+        os.killpg(pid, signal.SIGSTOP)
+        box["thaw"] = threading.Timer(STOP_WRITE_GRACE_S + 2.0, os.killpg, (pid, signal.SIGCONT))
+        box["thaw"].start()
+
+    try:
+        rig = rig_factory(before)
+    finally:
+        if "thaw" in box:
+            box["thaw"].join()
+    stop = box["stop"]
+    final = rig.bus.wait(answer_topic(rig.root, rig.node),
+                         lambda a: a["stop_ts"] == stop.ts and a["devices"][0]["written_ts"] is not None,
+                         "the answer with the stop's frame")
+    d = final["devices"][0]
+    assert d["stopped"] and not d["pending"] and d["error"] == "" and d["written_ts"] >= stop.ts, d
+    said = [a["devices"][0] for a in answers if a["stop_ts"] == stop.ts and a["devices"]]
+    failed = [x for x in said if "the palm is not in OP" in x["error"]]
+    assert failed and not failed[0]["pending"] and failed[0]["written_ts"] is None, said
+    assert said.index(failed[0]) < said.index(d) if d in said else True, said
+    rep = rig.call("set_demands", {"motors": {"3": 100}})
+    assert not rep.ok and rep.error is not None and rep.error["code"] == "stopped", rep
 
 
 def test_the_driver_forgets_demands_and_drops_a_queued_jiggle_at_the_stop() -> None:
