@@ -575,6 +575,7 @@ def _rescan(master: EthercatMaster, st: _CycleState, publish: Callable[[], None]
     except (NoDevice, WrongKind) as exc:
         # nothing to drive where the palm was: the service's link supervisor reconnects (its back-off and
         # probe period), with a new cycle process, rather than this one re-scanning on a rhythm of its own
+        st.recovery = _recovery_view(master)  # with the re-scan's failure (the last status this process writes)
         raise _BusLost(exc) from None
     except (MasterError, OSError, ValueError) as exc:
         master.rescan_needed = f"re-scan failed: {exc}"

@@ -1050,6 +1050,13 @@ class EthercatMaster:
         netns, self.cfg.netns = self.cfg.netns, None  # this thread is in the namespace already
         try:
             ident = self.open()
+        except NoDevice as exc:
+            # the NIC may go only after the slave fell silent (a namespace torn down, a USB adapter unplugged):
+            # the re-scan asked for another reason then, and its failure is where the NIC's loss shows
+            gone = not _ifindex(self.cfg.iface)
+            self._note(f"re-scan ({why or 'requested'}) found no palm: "
+                       + (f"the NIC {self.cfg.iface} vanished" if gone and "vanished" not in why else str(exc)))
+            raise
         finally:
             self.cfg.netns = netns
         self.to_op()

@@ -73,6 +73,9 @@ class ProcessBackend(HandBackend):
         self._state_lock = threading.Lock()
         self._state_seq = 0
         self._state = _CycleState()
+        # what recovery did in the cycle processes that ended (a re-scan that found no NIC, a death): the next one
+        # starts with none, and health must still say why the link was lost while the palm is probed for
+        self._ended_recovery: dict[str, Any] | None = None
         self._snap: PalmSnapshot | None = None
         self._snap_seq = 0
         self._merged: PalmSnapshot | None = None
@@ -184,6 +187,8 @@ class ProcessBackend(HandBackend):
             self._snap_seq = shm.seq("snapshot")
             self._raw_seq = (shm.seq("raw"), self._snap_seq)
         old = self._state  # the hand's identity stays in health while another cycle process starts
+        if old.recovery and old.recovery.get("steps"):
+            self._ended_recovery = dict(old.recovery)
         shm.write_slot("status", pickle.dumps(_CycleState(identity=dict(old.identity), policy=old.policy,
                                                           warnings=list(old.warnings)), 5))
         for k in ("submits", "consecutive_no_status", "health_error", "in_op"):
@@ -564,9 +569,18 @@ class ProcessBackend(HandBackend):
                 "state": self._link_state(no_data),
                 "error": self._restarting or st.error or st.fatal, "no_data": no_data,
                 "issue": self._restarting or st.state_issue, "restarts": self.restarts, "last_exit": self.last_exit,
-                "recovery": dict(st.recovery) if st.recovery else None,
+                "recovery": self._recovery_view(st),
                 "warnings": list(st.warnings) + self._mqtt_warnings,
                 "mapping": ident.get("mapping"), "slaves": ident.get("slaves"), "realtime_policy": st.policy}
+
+    def _recovery_view(self, st: _CycleState) -> dict[str, Any] | None:
+        """What recovery did: the running cycle process's steps, else those of the last one that ended (until a
+        new one has steps of its own); the counts are the running one's."""
+        if st.recovery and st.recovery.get("steps"):
+            return dict(st.recovery)
+        if self._ended_recovery is not None:
+            return {**(st.recovery or {}), "steps": list(self._ended_recovery["steps"])}
+        return dict(st.recovery) if st.recovery else None
 
     def _link_state(self, no_data: bool) -> str:
         """The cycle's state, with `no_data` for a cycle in OP that exchanges no valid process data (before
