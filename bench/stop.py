@@ -37,9 +37,10 @@ object.
     python bench/stop.py --quick       # 5 rounds
     python bench/stop.py --hog         # beside bench/ethercat_cycle.py --hog's mixed load (stress-ng: CPU, memory,
                                        # sockets, disk; installed with apt if missing)
-    python bench/stop.py --stall node  # each round: every service node SIGSTOPped 3 s while a client streams
-                                       # setpoints (100 Hz, 100 ms age), the stop published during the stall;
-                                       # measured from the SIGCONT (--stall broker: the broker stalled instead)
+    python bench/stop.py --stall node  # each round: each service's node in turn SIGSTOPped 3 s while a client
+                                       # streams setpoints (100 Hz, 100 ms age), the stop published during the
+                                       # stall; measured from the SIGCONT (--stall nodes: every node at once, a
+                                       # frozen host's; --stall broker: the broker stalled instead)
 
 Targets (this 2-core machine): p99 <= 20 ms quiet, <= 50 ms beside the hog, <= 50 ms from a stall's resume, for
 every service; 0 motion commands executed while stopped.
@@ -695,7 +696,9 @@ class Bench:
         """Put everything in motion, stream at 100 Hz to one device per service (RpcClient.send: each setpoint
         lives 100 ms), stop `pids` (SIGSTOP) for `stall_s`, publish the stop a third of the way in, resume them
         (SIGCONT) and measure, per service, from the resume to its last device's stop on the wire (Dexters and a
-        model hand: to the node's stop answer's written_ts)."""
+        model hand: to the node's stop answer's written_ts). A stalled node's round measures that node's service
+        only (the others read the stop as it came); a stalled broker's, every service."""
+        measured = [svc for svc in SERVICES if svc in pids] if what == "node" else list(SERVICES)
         self.put_in_motion(rnd)
         time.sleep(0.2)
         ep_mark, roi_mark, dx_marks = self.arm_epucks(), self.arm_roi(), self.arm_dexters()
@@ -744,7 +747,7 @@ class Bench:
         if self.sys.hand_ctl is not None:
             st = self.hand_stamp(10)
             stamps[HAND] = {HAND_DEVICE: float(st["unix"])} if st is not None else {}
-        for svc in SERVICES:
+        for svc in measured:
             a = answers.get(svc)
             if svc not in stamps:  # no stop bytes on this wire: the node's answer says when it wrote the stop
                 written = [d.written_ts for d in a.devices] if a is not None else []
@@ -855,9 +858,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="stops measured (default 25, --quick 5)")
     ap.add_argument("--hog", action="store_true",
                     help="beside the mixed load of bench/ethercat_cycle.py --hog (stress-ng " + " ".join(HOG) + ")")
-    ap.add_argument("--stall", choices=("node", "broker"), default=None,
-                    help="each round stops every service node's process (or the broker) with SIGSTOP while a client "
-                         "streams, publishes the stop during the stall, and measures from the SIGCONT")
+    ap.add_argument("--stall", choices=("node", "nodes", "broker"), default=None,
+                    help="each round stops each service node's process in turn (nodes: every node at once; broker: "
+                         "the broker) with SIGSTOP while a client streams, publishes the stop during the stall, and "
+                         "measures from the SIGCONT")
     ap.add_argument("--restart", action="store_true",
                     help="each round kills -9 every service node while its devices move, sets the stop, starts the "
                          "nodes again, and measures from the restart to each device's stop (no target: a start)")
@@ -915,11 +919,16 @@ def main() -> None:
             print(f"the watches see the motion probes when no stop is active: {result['watch_check']} "
                   f"({'every device' if bench.watch_check_ok else 'NOT every device: a leak could go unseen'})",
                   flush=True)
-            stalled = ({n: system.pids[n] for n in SERVICES} if a.stall == "node" else
+            stalled = ({n: system.pids[n] for n in SERVICES} if a.stall == "nodes" else
                        {"broker": broker.proc.pid} if a.stall == "broker" and broker.proc is not None else {})
             for rnd in range(1, rounds + 1):
-                worst = (bench.stall_round(rnd, a.stall, a.stall_s, stalled) if a.stall else
-                         bench.restart_round(rnd) if a.restart else bench.round(rnd))
+                if a.stall == "node":  # each node on its own, in turn: the stall the stop path must outrun
+                    worst = {}
+                    for svc in SERVICES:
+                        worst.update(bench.stall_round(rnd, "node", a.stall_s, {svc: system.pids[svc]}))
+                else:
+                    worst = (bench.stall_round(rnd, a.stall, a.stall_s, stalled) if a.stall else
+                             bench.restart_round(rnd) if a.restart else bench.round(rnd))
                 print(f"stop {rnd:2d}: " + ", ".join(f"{s} {worst[s]:.1f} ms" if s in worst else f"{s} -"
                                                      for s in SERVICES), flush=True)
             result["load_1m"] = round(os.getloadavg()[0], 2)
@@ -943,7 +952,7 @@ def main() -> None:
     probes = sum(f.probes for f in bench.fig.values())
     executed = sum(len(f.not_refused) + f.reached_wire for f in bench.fig.values())
     start = "the nodes' restart under the stop (killed -9 while moving)" if a.restart else (
-             f"the {'nodes' if a.stall == 'node' else 'broker'}' resume (SIGCONT after a {a.stall_s:g} s SIGSTOP, "
+             f"the {'nodes' if a.stall in ('node', 'nodes') else 'broker'}' resume (SIGCONT after a {a.stall_s:g} s SIGSTOP, "
              "the stop published during it, a client streaming)" if a.stall else "the stop's publish")
     print(f"\nfrom {start} to each service's last device, {rounds} stops"
           f"{' beside the mixed hog' if a.hog else ' (no hog)'}"
