@@ -42,8 +42,11 @@ class _ThreadFirstStopPass(StopPass):
         with self._lock:
             first, members = gen != self._gen, list(self._members)
         if first and self.node.loop is not None and threading.current_thread() is not _loop_thread(self.node):
-            with short_switch_interval():  # the loop's thread, busy, must not take the GIL for 1 ms at a time
-                self._svc._write_early(gen, members)
+            try:
+                with short_switch_interval():  # the loop's thread, busy, must not take the GIL for 1 ms at a time
+                    self._svc._write_early(gen, members)
+            except Exception:  # whatever failed here, the loop's pass writes every module's stop
+                log.exception("bus stop: the write from the kit's thread failed (the pass writes it)")
         super().request(name)
 
 

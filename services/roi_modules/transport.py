@@ -48,6 +48,7 @@ from typing import Any
 
 from services.roi_modules import protocol as p
 from services.roi_modules.resend import Ladder, Step
+from services.roi_modules.sendmmsg import send_many
 
 log = logging.getLogger("robobus.roi.transport")
 
@@ -354,20 +355,26 @@ class RoiTransport:
         if sock is None or loop is None or loop.is_closed():
             raise RequestLost("the transport is closed")
 
-        def write(data: bytes, dest: tuple[str, int]) -> None:
+        def write_all(datagrams: list[tuple[bytes, tuple[str, int]]]) -> None:
+            # one system call for the whole stop (sendmmsg.py: each sendto gave the GIL up to a busy thread)
             try:
-                sock.sendto(data, dest)
+                sent = send_many(sock, datagrams)
             except OSError as exc:  # a full socket buffer (non-blocking) or closed meanwhile
-                raise RequestLost(f"the stop's datagram to {dest[0]} was not written: {exc}") from None
+                raise RequestLost(f"the stop's datagrams were not written: {exc}") from None
+            if sent < len(datagrams):
+                raise RequestLost(f"the stop's datagram to {datagrams[sent][1][0]} was not written "
+                                  f"({sent} of {len(datagrams)} were)")
 
         with short_switch_interval():
-            sent = self._write_batch(loop, write, batch)
+            sent = self._write_batch(loop, None, batch, write_all)
         self.thread_writes += 1
         return sent
 
-    def _write_batch(self, loop: asyncio.AbstractEventLoop, write: Callable[[bytes, tuple[str, int]], None],
-                     batch: list[tuple[int, list[p.GeneralPacket]]]
+    def _write_batch(self, loop: asyncio.AbstractEventLoop, write: Callable[[bytes, tuple[str, int]], None] | None,
+                     batch: list[tuple[int, list[p.GeneralPacket]]],
+                     write_all: Callable[[list[tuple[bytes, tuple[str, int]]]], None] | None = None,
                      ) -> list[tuple[float, list[asyncio.Future[p.GeneralPacket]]]]:
+        """The writes of send_now_many: one datagram at a time with `write`, or all in one call with `write_all`."""
         port = self.cfg.general_port
         # everything but the writes first (bytes, reply futures: no reply is read before this returns), so that
         # the datagrams leave back to back
@@ -385,11 +392,16 @@ class RoiTransport:
                         rounds.append([])
                     rounds[i].append((n, pkt.encode(), dest, i == len(pkts) - 1))
         left = [0.0] * len(batch)
-        for writes in rounds:
-            for n, data, dest, last in writes:
-                write(data, dest)
-                if last:
-                    left[n] = time.time()
+        if write_all is not None:
+            write_all([(data, dest) for writes in rounds for _, data, dest, _ in writes])
+            left = [time.time()] * len(batch)
+        else:
+            assert write is not None
+            for writes in rounds:
+                for n, data, dest, last in writes:
+                    write(data, dest)
+                    if last:
+                        left[n] = time.time()
         for octet, pkts in batch:
             self.links[octet].sent += len(pkts)
         now = time.time()

@@ -207,6 +207,25 @@ def test_the_stop_reaches_every_module_while_the_services_loop_is_held(rig: Rig)
     assert wheel(rig)[:4] == (p.ControlMode.VELOCITY, p.InputMode.VELOCITY_RAMP, 0.0, 0.0)
 
 
+def test_a_write_from_the_kits_thread_that_fails_unexpectedly_leaves_the_stop_to_the_loops_pass(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever breaks the kit thread's write (here: the batched send raises something no socket raises), the
+    loop's pass is still scheduled and writes every module's stop; the answer reports those writes."""
+    from services.roi_modules import transport
+
+    def broken(*_: object) -> int:
+        raise RuntimeError("not a socket error")
+
+    monkeypatch.setattr(transport, "send_many", broken)
+    moving(rig)
+    rig.sim.watch_stop()
+    stop = set_stop(rig, True, "thread write broken")
+    assert wait_until(lambda: sorted(rig.sim.stop_stamps()) == [10, 20, 30], DEADLINE), rig.sim.stop_stamps()
+    devices = {d["device"]: d for d in answer(rig, stop)["devices"]}
+    assert all(d["stopped"] and not d["pending"] and d["error"] == "" for d in devices.values()), devices
+    assert rig.service.svc.transport.thread_writes == 0
+
+
 def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_it_got_round_to_it() -> None:
     """One thread serves every simulated module: a stop it reads late (here: while a test holds the simulator's
     lock) is stamped with the time it reached the module's socket (the kernel's), not when it was read; one that
