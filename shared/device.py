@@ -239,6 +239,8 @@ class Device:
             h = dict(self._health)
         if self.link is not None:
             h["details"] = {**h.get("details", {}), "link": self.link.details()}
+            if h.get("error_message"):  # an age it states, counted to now (not to when the state was entered)
+                h["error_message"] = self.link.live_message(str(h["error_message"]))
         if self._motion:  # the bus stop's overlay and its path's state (shared/stop.py, StopLatch.dress)
             self.node.stop_latch.dress(self.name, h, self.stop_note)
         return Health(service=self.node.api.service, node=self.node.name, device=self.name,

@@ -90,6 +90,9 @@ class LinkSupervisor:
     _next_attempt: float = 0.0
     _fault: str = ""
     _message: str = ""
+    # the message as a function of the time it is read: an age it states is the age when published, not when the
+    # state was entered ("no valid data for 0.3 s" repeated by every heartbeat of a 12 s cut)
+    _render: Callable[[float], str] | None = None
     _time_in: dict[str, float] = field(default_factory=dict)
     _device_state: str | None = None     # the service's finer name while operational ("streaming")
     _device_operational: bool = True     # the service may say a reachable device cannot work (blank state)
@@ -129,7 +132,7 @@ class LinkSupervisor:
         if self._absent_since is None:
             self._absent_since = now
         if self.state is LinkState.UNREACHABLE:
-            self._message = self._unreachable_message(now)
+            self._enter(LinkState.UNREACHABLE, now, render=self._unreachable_message)
         elif self._heard:
             self._enter(LinkState.LOST, now, f"link lost: {reason}; reconnecting")
         else:
@@ -225,18 +228,21 @@ class LinkSupervisor:
                 and now - max(self._last_data, self._quiet_until or 0.0) > budget):
             self.counters.silences += 1
             owed = "" if self._quiet_until is None else " after an exchange answered when done"
-            self._enter(LinkState.SILENT, now, f"no valid data for {_secs(now - self._last_data)} s "
-                                                f"(allowed {_secs(budget)} s{owed})")
+            last = self._last_data
+            self._enter(LinkState.SILENT, now, render=lambda t: f"no valid data for {_secs(t - last)} s "
+                                                                f"(allowed {_secs(budget)} s{owed})")
         elif st is LinkState.CONNECTED and self._opened_at is not None and now - self._opened_at > budget:
+            opened = self._opened_at
             if self._heard:
-                self._enter(LinkState.SILENT, now, f"link open but no valid data since it opened "
-                                                    f"{now - self._opened_at:.1f} s ago (allowed {_secs(budget)} s)")
+                self._enter(LinkState.SILENT, now, render=lambda t: (
+                    f"link open but no valid data since it opened {t - opened:.1f} s ago (allowed {_secs(budget)} s)"))
             else:
-                self._enter(LinkState.UNREACHABLE, now, f"link open but the device never sent valid data in "
-                                                         f"{now - self._opened_at:.1f} s (allowed {_secs(budget)} s)")
+                self._enter(LinkState.UNREACHABLE, now, render=lambda t: (
+                    f"link open but the device never sent valid data in {t - opened:.1f} s "
+                    f"(allowed {_secs(budget)} s)"))
         elif (st in (LinkState.CONNECTING, LinkState.LOST) and self._absent_since is not None
               and now - self._absent_since > budget):
-            self._enter(LinkState.UNREACHABLE, now, self._unreachable_message(now))
+            self._enter(LinkState.UNREACHABLE, now, render=self._unreachable_message)
         return self.state
 
     def next_attempt_in(self, now: float) -> float:
@@ -276,7 +282,7 @@ class LinkSupervisor:
         elif connection:
             state, message = (self._device_state or st.value), self._device_message
         else:
-            state, message = st.value, self._message
+            state, message = st.value, self._message  # as entered: health is pushed on a change, not on a tick
         return {"connection": connection, "operational": operational, "state": state,
                 "error": bool(self._fault), "error_message": message, "details": {"link": self.details(now)}}
 
@@ -300,12 +306,25 @@ class LinkSupervisor:
         return out
 
     # -- inside ------------------------------------------------------------------------------------
-    def _enter(self, state: LinkState, now: float, message: str) -> None:
+    def message(self, now: float) -> str:
+        """The state's message as of `now` (the ages it states counted to `now`)."""
+        return self._render(now) if self._render is not None else self._message
+
+    def live_message(self, now: float, shown: str) -> str:
+        """`shown`, the health message last pushed, told again at `now`: the same text with the ages it states
+        counted to `now` when it is this supervisor's own (not operational, no fault), else `shown`."""
+        if self._fault or self.state is LinkState.OPERATIONAL or self._render is None:
+            return shown
+        return self._render(now) if shown == self._message else shown
+
+    def _enter(self, state: LinkState, now: float, message: str = "",
+               render: Callable[[float], str] | None = None) -> None:
         if state is not self.state:
             self._time_in[self.state.value] = self._time_in.get(self.state.value, 0.0) + (now - self._since)
             self._since = now
             self.state = state
-        self._message = message
+        self._message = message if render is None else render(now)
+        self._render = render
 
     def _schedule_retry(self, now: float) -> None:
         absent_long = self._absent_since is not None and now - self._absent_since > self.policy.liveness_s
@@ -462,6 +481,12 @@ class SupervisedLink:
     def details(self) -> dict[str, Any]:
         with self._lock:
             return self.sup.details(self._clock())
+
+    def live_message(self, shown: str) -> str:
+        """The health message `shown` as of now (LinkSupervisor.live_message): every health published states the
+        ages as they are when it goes out (the kit's one rule for the age a message states)."""
+        with self._lock:
+            return self.sup.live_message(self._clock(), shown)
 
     def _event(self, fn: Callable[[float], None]) -> None:
         now = self._clock()

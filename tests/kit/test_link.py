@@ -334,3 +334,55 @@ def test_valid_data_before_the_link_is_said_open_keep_it_operational() -> None:
     s.data(0.1)
     s.opened(0.11)
     assert s.health(0.12)["state"] == "operational" and s.details(0.12)["sessions"] == 1
+
+
+def test_the_age_a_message_states_is_its_age_when_told_not_when_the_state_began() -> None:
+    """One rule for every service: a health message that states an age (no data for, never sent in, since it
+    opened) states it as of the moment it is told. The state's change is pushed once (no health per tick); every
+    later telling (a heartbeat, a stop's overlay) counts the age to then. A fault's text and a service's own text
+    are told as given."""
+    now = [0.0]
+    shown: list[dict[str, Any]] = []
+    link = SupervisedLink(LinkPolicy(liveness_s=0.25, probe_period_s=1.0), shown.append, clock=lambda: now[0])
+    link.attempt()
+    link.opened()
+    link.data()
+    now[0] = 0.3
+    link.tick()
+    pushed = shown[-1]["error_message"]
+    assert shown[-1]["state"] == "silent" and pushed == "no valid data for 0.3 s (allowed 0.25 s)", shown[-1]
+    n = len(shown)
+    now[0] = 12.0
+    link.tick()
+    assert len(shown) == n, "a tick pushes no new health for an age that grew"
+    assert link.live_message(pushed) == "no valid data for 12.0 s (allowed 0.25 s)"
+    assert link.live_message("the service's own words") == "the service's own words"
+    link.closed("reset by peer")  # lost, then unreachable after the budget: its message counts on too
+    now[0] = 13.0
+    link.tick()
+    h = shown[-1]
+    assert h["state"] == "unreachable" and h["error_message"].startswith("no valid data from the device for 1.0 s")
+    now[0] = 20.0
+    assert link.live_message(h["error_message"]).startswith("no valid data from the device for 8.0 s")
+    link.fault("not the palm configured")
+    link.tick()
+    assert link.live_message(shown[-1]["error_message"]) == "not the palm configured"
+
+
+def test_a_published_health_states_the_age_as_of_its_publishing(echo_node: Node, client: RpcClient) -> None:
+    """Through a device: the heartbeat after a cut says how long the device has been silent by then."""
+    dev = echo_node.device(f"aged{time.monotonic_ns()}")
+    seen: list[dict[str, Any]] = []
+    client.subscribe_before(f"{dev.base}/health", lambda m: seen.append(json.loads(m.payload)))
+    link = dev.supervise_link(LinkPolicy(liveness_s=0.2))
+    link.attempt()
+    link.opened()
+    link.data()
+    assert wait_for(lambda: bool(seen) and seen[-1]["state"] == "silent", 10), seen[-3:]
+    t0 = seen[-1]["ts"]
+    time.sleep(1.2)
+    dev.publish_health()
+    assert wait_for(lambda: seen[-1]["ts"] > t0 + 1.0, 10), seen[-2:]
+    said = float(seen[-1]["error_message"].split("no valid data for ")[1].split(" s")[0])
+    age = seen[-1]["details"]["link"]["last_data_age_s"]
+    assert said >= 1.2 and abs(said - age) < 0.15, seen[-1]
