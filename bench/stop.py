@@ -952,7 +952,8 @@ def main() -> None:
     probes = sum(f.probes for f in bench.fig.values())
     executed = sum(len(f.not_refused) + f.reached_wire for f in bench.fig.values())
     start = "the nodes' restart under the stop (killed -9 while moving)" if a.restart else (
-             f"the {'nodes' if a.stall in ('node', 'nodes') else 'broker'}' resume (SIGCONT after a {a.stall_s:g} s SIGSTOP, "
+             f"the {'nodes' if a.stall in ('node', 'nodes') else 'broker'}' resume (SIGCONT after a {a.stall_s:g} s "
+             "SIGSTOP, "
              "the stop published during it, a client streaming)" if a.stall else "the stop's publish")
     print(f"\nfrom {start} to each service's last device, {rounds} stops"
           f"{' beside the mixed hog' if a.hog else ' (no hog)'}"

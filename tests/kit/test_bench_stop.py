@@ -55,9 +55,9 @@ def test_the_stop_bench_measures_every_service_and_finds_no_motion_while_stopped
 @pytest.mark.timeout(600)
 def test_a_stop_sent_during_a_stall_reaches_every_wire_when_the_stall_ends() -> None:
     """Each service's node in turn stopped with SIGSTOP for 3 s while a client streams setpoints, the stop published
-    during the stall: after the SIGCONT the stop is on every device's wire (or answered, where the wire has no stop bytes),
-    no Dexter gets a motion request after it, and none of it waits behind the backlog (the old path took seconds:
-    one inbound queue, demands without an age). The 50 ms target is the bench's verdict; a stalled broker is
+    during the stall: after the SIGCONT the stop is on every device's wire (or answered, where the wire has no stop
+    bytes), no Dexter gets a motion request after it, and none of it waits behind the backlog (the old path took
+    seconds: one inbound queue, demands without an age). The 50 ms target is the bench's verdict; a stalled broker is
     tests/kit/test_stop_stall.py's (and `bench/stop.py --stall broker`)."""
     stalled = "node"
     out = _bench("--stall", stalled, "--rounds", "1", "--robots", "2", "--arms", "1", "--roi-modules", "6")
