@@ -53,16 +53,18 @@ from services.roi_modules.sendmmsg import send_many
 log = logging.getLogger("robobus.roi.transport")
 
 
-WRITE_SWITCH_INTERVAL_S = 1e-5  # the interpreter's switch interval while the stop is written from a thread
+WRITE_SWITCH_INTERVAL_S = 0.005  # the interpreter's switch interval while the stop is written from a thread
 
 
 @contextlib.contextmanager
-def short_switch_interval() -> Iterator[None]:
-    """The interpreter's switch interval at WRITE_SWITCH_INTERVAL_S for a write from a thread beside a busy loop:
-    every sendto gives up the GIL, and taking it back from a busy thread waited a whole interval (1 ms) per
-    datagram (measured: 250 writes beside a busy thread, 240 ms; at 10 us, 22 ms)."""
+def held_switch_interval() -> Iterator[None]:
+    """The interpreter's switch interval at least WRITE_SWITCH_INTERVAL_S for the stop's write from the kit's
+    thread beside a busy loop: the write is a millisecond of Python (packets, reply futures, the datagram vector)
+    and one system call (sendmmsg), so the thread that holds the GIL should keep it until the datagrams are out.
+    At the service's 1 ms (or shorter) the busy loop took the GIL back every interval, and each hand-back waited
+    for a CPU (measured beside a loop serving 50 modules: 5-50 ms from the stop's read to its datagrams)."""
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, WRITE_SWITCH_INTERVAL_S))
+    sys.setswitchinterval(max(interval, WRITE_SWITCH_INTERVAL_S))
     try:
         yield
     finally:
@@ -365,7 +367,7 @@ class RoiTransport:
                 raise RequestLost(f"the stop's datagram to {datagrams[sent][1][0]} was not written "
                                   f"({sent} of {len(datagrams)} were)")
 
-        with short_switch_interval():
+        with held_switch_interval():
             sent = self._write_batch(loop, None, batch, write_all)
         self.thread_writes += 1
         return sent
@@ -393,8 +395,10 @@ class RoiTransport:
                     rounds[i].append((n, pkt.encode(), dest, i == len(pkts) - 1))
         left = [0.0] * len(batch)
         if write_all is not None:
+            # stamped as the call starts: the datagrams leave during it, and taking the GIL back after it may wait
+            t = time.time()
             write_all([(data, dest) for writes in rounds for _, data, dest, _ in writes])
-            left = [time.time()] * len(batch)
+            left = [t] * len(batch)
         else:
             assert write is not None
             for writes in rounds:
