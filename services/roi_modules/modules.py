@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar
 
 from services.roi_modules import protocol as p
 from services.roi_modules.api import (
@@ -135,30 +134,11 @@ class StopWrite:
     ladder: StopLadder
 
 
-H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
-
-
 def next_probe(started: float, now: float, wait: float) -> float:
     """When the next probe goes: `wait` (the link supervisor's, counted by it from `now`, when the probe ended)
     counted from when the probe `started` instead, so that a probe's own wait for its reply is not added to the
     probe period; never before `now`."""
     return max(now, started + wait)
-
-
-def typed(handler: H) -> H:
-    """A command that sends general packets: refused (device_error) while a module of another type answers at the
-    octet, before anything is computed or sent; what it sends that moves the module is guarded by the bus stop
-    (`RoiModule.stop_guard`: no such datagram, first send or resend, once the stop is active; the command is then
-    answered `stopped`). Under `@handles`."""
-    @functools.wraps(handler)
-    async def guarded(self: RoiModule, req: Any) -> Any:
-        self.check_kind()
-        guard_sends(self.stop_guard())  # this command's own task: its context is its own
-        try:
-            return await handler(self, req)
-        except RequestRefused as exc:
-            raise _stopped(exc) from None
-    return cast(H, guarded)
 
 
 class RoiModule:
@@ -292,6 +272,19 @@ class RoiModule:
     def check_kind(self) -> None:
         if self.kind_mismatch:
             raise CommandError(ErrorCode.DEVICE_ERROR, f"{self.cfg.name}: {self.mismatch_message()}")
+
+    @contextlib.contextmanager
+    def command_sends(self) -> Iterator[None]:
+        """The body of a command that sends general packets, in `with self.command_sends():`. Refused (device_error)
+        while a module of another type answers at the octet, before anything is computed or sent; what it sends
+        that moves the module is guarded by the bus stop (`stop_guard`: no such datagram, first send or resend,
+        once the stop is active; the command is then answered `stopped`)."""
+        self.check_kind()
+        guard_sends(self.stop_guard())  # the command's own task: its context is its own
+        try:
+            yield
+        except RequestRefused as exc:
+            raise _stopped(exc) from None
 
     def operational_state(self, state: int) -> bool:
         return state in p.OPERATIONAL_STATES
@@ -649,22 +642,22 @@ class RoiModule:
         return self.raw_moves(p.GeneralPacket(req.sub_device_id, req.action, bytes.fromhex(req.payload_hex)))
 
     @handles(QUEUE_GENERAL)
-    @typed
     async def cmd_queue_general(self, req: RoiQueueGeneral) -> RoiRawReply:
-        pkt = p.GeneralPacket(req.sub_device_id, req.action, bytes.fromhex(req.payload_hex))
-        why = self.raw_motion(pkt)
-        if why:
-            raise CommandError(ErrorCode.FORBIDDEN, f"{self.cfg.name}: {why}")
-        try:
-            rep = (await self.ctx.transport.general(self.cfg.octet, pkt, retries=req.retries) if req.wait_reply
-                   else await self.ctx.transport.general_once(self.cfg.octet, pkt))
-        except RequestLost as exc:
-            raise _unavailable(exc, "general packet") from None
-        if rep is None:
-            return RoiRawReply(replied=False)
-        self.on_raw_reply(pkt, rep)
-        return RoiRawReply(replied=True, action=rep.action, sub_device_id=rep.sub_device_id,
-                           payload_hex=rep.payload.hex())
+        with self.command_sends():
+            pkt = p.GeneralPacket(req.sub_device_id, req.action, bytes.fromhex(req.payload_hex))
+            why = self.raw_motion(pkt)
+            if why:
+                raise CommandError(ErrorCode.FORBIDDEN, f"{self.cfg.name}: {why}")
+            try:
+                rep = (await self.ctx.transport.general(self.cfg.octet, pkt, retries=req.retries) if req.wait_reply
+                       else await self.ctx.transport.general_once(self.cfg.octet, pkt))
+            except RequestLost as exc:
+                raise _unavailable(exc, "general packet") from None
+            if rep is None:
+                return RoiRawReply(replied=False)
+            self.on_raw_reply(pkt, rep)
+            return RoiRawReply(replied=True, action=rep.action, sub_device_id=rep.sub_device_id,
+                               payload_hex=rep.payload.hex())
 
     @handles(QUEUE_SYSADMIN)
     async def cmd_queue_sysadmin(self, req: RoiQueueSysAdmin) -> RoiRawReply:
@@ -829,26 +822,26 @@ class GpioModule(RoiModule):
         self.publish_modes()
 
     @handles(SET_PIN_MODE)
-    @typed
     async def cmd_set_pin_mode(self, req: RoiSetPinMode) -> RoiAck:
-        mode = PIN_MODE_CODES[req.mode]
-        await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_PIN_MODE, bytes([mode])), "SET_PIN_MODE")
-        self.modes[req.pin] = mode
-        if mode != p.PinMode.OUTPUT:
-            self.outputs.pop(req.pin, None)
-        self.publish_modes()
-        return RoiAck(accepted=True, detail=f"pin {req.pin} is {req.mode}")
+        with self.command_sends():
+            mode = PIN_MODE_CODES[req.mode]
+            await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_PIN_MODE, bytes([mode])), "SET_PIN_MODE")
+            self.modes[req.pin] = mode
+            if mode != p.PinMode.OUTPUT:
+                self.outputs.pop(req.pin, None)
+            self.publish_modes()
+            return RoiAck(accepted=True, detail=f"pin {req.pin} is {req.mode}")
 
     @handles(SET_PIN_OUTPUT)
-    @typed
     async def cmd_set_pin_output(self, req: RoiSetPinOutput) -> RoiAck:
-        if self.modes[req.pin] not in (0, p.PinMode.OUTPUT):
-            raise CommandError(ErrorCode.INVALID_REQUEST, f"pin {req.pin} is {PIN_MODE_NAMES[self.modes[req.pin]]}; "
-                                                          "set_pin_mode output first")
-        await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_OUTPUT, bytes([req.value])), "SET_OUTPUT")
-        self.outputs[req.pin] = req.value
-        self.values[req.pin] = req.value
-        return RoiAck(accepted=True, detail=f"pin {req.pin} = {req.value}")
+        with self.command_sends():
+            if self.modes[req.pin] not in (0, p.PinMode.OUTPUT):
+                mode = PIN_MODE_NAMES[self.modes[req.pin]]
+                raise CommandError(ErrorCode.INVALID_REQUEST, f"pin {req.pin} is {mode}; set_pin_mode output first")
+            await self.set_ok(p.GeneralPacket(req.pin, p.GpioAction.SET_OUTPUT, bytes([req.value])), "SET_OUTPUT")
+            self.outputs[req.pin] = req.value
+            self.values[req.pin] = req.value
+            return RoiAck(accepted=True, detail=f"pin {req.pin} = {req.value}")
 
 
 class MotionModule(RoiModule, ABC):
@@ -905,17 +898,17 @@ class MotionModule(RoiModule, ABC):
         return self.position
 
     @handles(GOTO_POSITION)
-    @typed
     async def cmd_goto(self, req: RoiGotoPosition) -> RoiAck:
-        await self.goto(req.position, req)
-        return RoiAck(accepted=True, detail=f"target {req.position} {self.unit}")
+        with self.command_sends():
+            await self.goto(req.position, req)
+            return RoiAck(accepted=True, detail=f"target {req.position} {self.unit}")
 
     @handles(GOTO_RELATIVE)
-    @typed
     async def cmd_goto_relative(self, req: RoiGotoPosition) -> RoiAck:
-        target = self.current_position() + req.position
-        await self.goto(target, req)
-        return RoiAck(accepted=True, detail=f"target {target} {self.unit}")
+        with self.command_sends():
+            target = self.current_position() + req.position
+            await self.goto(target, req)
+            return RoiAck(accepted=True, detail=f"target {target} {self.unit}")
 
     def admit_job(self, req: RoiMoveRequest) -> None:
         if self.dev.running_jobs():
@@ -1080,33 +1073,33 @@ class OdriveModule(MotionModule):
         await self.set_value("position", p.OdriveAction.SET_POSITION, target)
 
     @handles(SET_VELOCITY)
-    @typed
     async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
-        self.check_limits(req.velocity, req.torque_feedforward)
-        await self.modes("velocity")
-        if req.torque_feedforward:
-            await self.set_value("torque", p.OdriveAction.SET_TORQUE, req.torque_feedforward)
-        await self.set_value("velocity", p.OdriveAction.SET_VELOCITY, req.velocity)
-        return RoiAck(accepted=True, detail=f"velocity {req.velocity} rev/s")
+        with self.command_sends():
+            self.check_limits(req.velocity, req.torque_feedforward)
+            await self.modes("velocity")
+            if req.torque_feedforward:
+                await self.set_value("torque", p.OdriveAction.SET_TORQUE, req.torque_feedforward)
+            await self.set_value("velocity", p.OdriveAction.SET_VELOCITY, req.velocity)
+            return RoiAck(accepted=True, detail=f"velocity {req.velocity} rev/s")
 
     @handles(SET_TORQUE)
-    @typed
     async def cmd_set_torque(self, req: RoiSetTorque) -> RoiAck:
-        self.check_limits(torque=req.torque)
-        await self.modes("torque")
-        await self.set_value("torque", p.OdriveAction.SET_TORQUE, req.torque)
-        self.torque_sp = req.torque
-        return RoiAck(accepted=True, detail=f"torque {req.torque} Nm")
+        with self.command_sends():
+            self.check_limits(torque=req.torque)
+            await self.modes("torque")
+            await self.set_value("torque", p.OdriveAction.SET_TORQUE, req.torque)
+            self.torque_sp = req.torque
+            return RoiAck(accepted=True, detail=f"torque {req.torque} Nm")
 
     @handles(CLEAR_ERRORS)
-    @typed
     async def cmd_clear_errors(self, req: RoiEmpty) -> RoiAck:
-        await self.set_ok(p.odrive_request(p.OdriveAction.CLEAR_ERRORS), "CLEAR_ERRORS")
-        # the module state (2/4) would otherwise stay in health until the next STATUS_REPORT (up to 12.8 s)
-        with contextlib.suppress(RequestLost):
-            await self.poll()
-            await self.fetch_status()
-        return RoiAck(accepted=True, detail="errors cleared")
+        with self.command_sends():
+            await self.set_ok(p.odrive_request(p.OdriveAction.CLEAR_ERRORS), "CLEAR_ERRORS")
+            # the module state (2/4) would otherwise stay in health until the next STATUS_REPORT (up to 12.8 s)
+            with contextlib.suppress(RequestLost):
+                await self.poll()
+                await self.fetch_status()
+            return RoiAck(accepted=True, detail="errors cleared")
 
     async def stop(self) -> None:
         """Velocity mode, 0 rev/s (the original's cancel sent velocity 0 in whatever mode was active, which
@@ -1272,12 +1265,12 @@ class ActuatorModule(MotionModule):
         self.speed_set = True
 
     @handles(SET_VELOCITY)
-    @typed
     async def cmd_set_velocity(self, req: RoiSetVelocity) -> RoiAck:
-        if req.torque_feedforward:
-            raise CommandError(ErrorCode.INVALID_REQUEST, "an actuator takes no torque_feedforward")
-        await self.set_speed(req.velocity)
-        return RoiAck(accepted=True, detail=f"moves at {req.velocity} %/s")
+        with self.command_sends():
+            if req.torque_feedforward:
+                raise CommandError(ErrorCode.INVALID_REQUEST, "an actuator takes no torque_feedforward")
+            await self.set_speed(req.velocity)
+            return RoiAck(accepted=True, detail=f"moves at {req.velocity} %/s")
 
     def stop_packets(self) -> list[p.GeneralPacket]:
         """The bus stop: the ROI actuator protocol has no stop code (docs/reference/roi.md §3.7), so the actuator is
