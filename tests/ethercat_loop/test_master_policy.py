@@ -125,5 +125,5 @@ def test_the_ladder_waits_for_a_slave_known_not_to_answer_when_its_read_is_cut_s
     reads = iter([[init, none], [init, none], [init, None], [init, None], [init, None]])
     m._read_states = lambda _bus, _give_up: next(reads)  # type: ignore[method-assign,assignment]
     issues = [m.check_states() for _ in range(3)]  # the third: the palm's read cut short
-    assert m.counters.escalations == 0 and m._esc is None, issues
+    assert m.counters.escalations == 0 and m.recovery.escalation is None, issues
     assert "slave 1 bridge in INIT" in issues[-1]

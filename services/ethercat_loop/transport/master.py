@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import select
@@ -29,6 +30,8 @@ import pysoem
 
 from services.ethercat_loop.protocol import BRIDGE_PRODUCT_CODE, PROTOCOLS, ProtocolInfo, protocol_for_product
 from services.ethercat_loop.transport.netns import enter_netns
+from services.ethercat_loop.transport.recovery import Action, BusView, Do, Recovery, state_name
+from services.ethercat_loop.transport.recovery import RecoveryPolicy as RecoveryPolicy  # part of this API
 
 log = logging.getLogger("robobus.ethercat.master")
 
@@ -45,8 +48,6 @@ REG_ALSTAT = 0x0130  # AL status (state | 0x10 error), then 0x0134 AL status cod
 REG_ESC_COUNTS = 0x0004  # FMMUs supported, SyncManagers supported
 MAX_FMMUS = 16
 MAX_SMS = 16
-LADDER = ("init", "preop", "safeop", "op", "verify")  # the escalation's steps, in order
-LADDER_STATE = {"init": 0x01, "preop": 0x02, "safeop": 0x04, "op": 0x08}
 MIN_WAIT_NS = 20_000  # even a late cycle waits this long for its frame
 ETHERTYPE = b"\x88\xa4"  # EtherCAT
 ETH_P_ALL = 0x0003
@@ -58,7 +59,6 @@ LOGICAL_BASE = 0x00010000  # EML's per-slave layout starts here (docs/reference/
 SIOCGSTAMPNS = 0x8907  # the receive time of the last frame read from a socket (CLOCK_REALTIME)
 _TIMESPEC = struct.Struct("<qq")
 _TIMESPEC_ZERO = bytes(_TIMESPEC.size)
-STATE_NAMES = {0: "NONE", 1: "INIT", 2: "PRE-OP", 3: "BOOT", 4: "SAFE-OP", 8: "OP"}
 
 
 class MasterError(RuntimeError):
@@ -89,11 +89,6 @@ class SizeMismatch(WrongKind):
         self.confirmed = confirmed
 
 
-def state_name(state: int) -> str:
-    base = STATE_NAMES.get(state & 0x0F, f"{state & 0x0F:#x}")
-    return base + ("+ERROR" if state & 0x10 else "")
-
-
 @dataclass
 class MasterConfig:
     iface: str
@@ -108,34 +103,6 @@ class MasterConfig:
     # answer is retried. Nothing waits on configuration: allow EC_TIMEOUTSAFE (20 ms), i.e. up to 10 sends.
     config_write_timeout_us: int = 20_000
     recovery: RecoveryPolicy = field(default_factory=lambda: RecoveryPolicy())
-
-
-@dataclass(frozen=True)
-class RecoveryPolicy:
-    """How the master escalates. A slave out of OP first gets the cheap step (acknowledge an
-    error, SAFE-OP -> OP); when that is not enough, or the working counter stays wrong while every slave
-    claims OP, every slave goes through INIT -> PRE-OP -> SAFE-OP -> OP with its SyncManagers written
-    before the PRE-OP request and its FMMUs before the SAFE-OP request (the order a standard ESC expects:
-    some activate FMMUs only on that transition). Capped attempts with doubling backoff, then a full
-    re-scan of the bus; a re-scan also follows a slave that came back with another identity."""
-
-    escalate_after: int = 100  # cycles in a row without valid process data while every slave reports OP
-    quick_tries: int = 3  # cheap steps on one issue before escalating
-    step_timeout_ns: int = 300_000_000  # a requested state not reached within this fails the attempt
-    max_attempts: int = 4  # escalations before a full re-scan
-    backoff_ns: int = 50_000_000  # before attempt n > 1: backoff * 2**(n-2), capped
-    backoff_cap_ns: int = 1_000_000_000
-    recover_timeout_us: int = 500  # SOEM's recover (station address + identity check) per try
-    # a slave not answering at its address is acted on only after this long (and 3 reads): this VM stalls
-    # the hand's vCPU for up to tens of ms, and SOEM's recover sent to a slave that is only slow can leave
-    # it without its station address
-    silent_confirm_ns: int = 150_000_000
-    # a step's writes not acknowledged are written again (they are idempotent) for this long before the ladder
-    # goes to find the slave: a write whose reply came back late on a stalled host is not a slave gone
-    write_retry_ns: int = 100_000_000
-    # cycles in a row without valid process data that open a recovery episode at once (the cycle's outage rule,
-    # ETHERCAT_ERROR_AFTER_LOST): it is named while the slave is absent, and it counts from the last valid data
-    outage_cycles: int = 20
 
 
 @dataclass(frozen=True)
@@ -220,17 +187,11 @@ class _Bus:
     # per slave, the SyncManager and FMMU register blocks as configured: what an escalation writes back
     golden: list[tuple[bytes, bytes]] = field(default_factory=list)
 
-
-@dataclass
-class _Escalation:
-    reason: str
-    started_ns: int
-    attempt: int = 1
-    step: str = "init"
-    requested: bool = False  # the step's writes are done; now waiting for the state
-    step_ns: int = 0  # when the step's request went out
-    not_before_ns: int = 0  # backoff
-    unacked_since_ns: int = 0  # the step's writes have not been acknowledged since then (0: they were)
+    @functools.cached_property
+    def view(self) -> BusView:
+        """The bus as the recovery machine knows it."""
+        return BusView(tuple(str(s.name) for s in self.slaves), self.ident.palm_position - 1, self.ident.serial,
+                       self.ident.expected_wkc)
 
 
 class EthercatMaster:
@@ -242,8 +203,6 @@ class EthercatMaster:
         self.counters = WireCounters()
         self._bus: _Bus | None = None
         self._output = b""
-        self._sightings: dict[int, int] = {}  # slave index -> consecutive checks found out of OP
-        self._silent_since: dict[int, int] = {}  # slave index -> first of its consecutive "not answering" reads
         self.socket_fds: list[int] = []  # SOEM's raw socket(s), made non-blocking and waited on with select
         self._stamp_fd = -1  # the primary socket, asked for the receive time of each reply
         # the same sockets (dup'ed descriptors: one receive queue each), read to drop stale replies before a send
@@ -260,21 +219,34 @@ class EthercatMaster:
         self._stale_before = 0  # stale replies dropped just before the frame in flight was sent
         self._result: Exchange | None = None  # a reply read early (settle) or a synchronous exchange
         self.policy = cfg.recovery
-        self._quick: tuple[str, int] = ("", 0)  # the issue the cheap steps work on, and how many were sent
-        self._esc: _Escalation | None = None
-        self._recover_after_ns = 0  # backoff of SOEM's recover() for a slave that does not answer
-        self.rescan_needed = ""  # why a full re-scan is due ("" none): the cycle calls rescan()
-        # what recovery did, newest last: (CLOCK_MONOTONIC ns, text); the cycle publishes it, the MQTT side
-        # logs each entry (no logging in the realtime process)
-        self.recovery_log: deque[tuple[int, str]] = deque(maxlen=32)
-        self.recovery_seq = 0
-        # a recovery episode: from the first thing recovery does until every slave is in OP with valid process
-        # data, whatever path brought them back (the ladder, the cheap steps, a re-scan); its end is noted
-        self._episode_ns: int | None = None
-        self._episode_no_data = False  # the episode saw process data invalid (else: states only)
-        self._abandons = 0  # ladders left to find a slave that did not take their writes, this episode
+        # the recovery's decisions (transport/recovery.py): this master reads and writes for it
+        self.recovery = Recovery(cfg.recovery, self.counters)
         self._ifindex = 0  # the NIC's index when it was opened (a NIC unplugged and back has another)
         self._scan_late = 0  # replies that came back late during the last scan (_configure)
+
+    @property
+    def recovery_log(self) -> deque[tuple[int, str]]:
+        """What recovery did, newest last: (CLOCK_MONOTONIC ns, text); the cycle publishes it, the MQTT side logs
+        each entry (no logging in the realtime process)."""
+        return self.recovery.log
+
+    @property
+    def recovery_seq(self) -> int:
+        return self.recovery.seq
+
+    @property
+    def rescan_needed(self) -> str:
+        """Why a full re-scan is due ("" none): the cycle calls rescan()."""
+        return self.recovery.rescan_needed
+
+    @rescan_needed.setter
+    def rescan_needed(self, why: str) -> None:
+        self.recovery.rescan_needed = why
+
+    @property
+    def episode_open(self) -> bool:
+        """A recovery episode has not seen its end yet (the cycle checks the states every 10 cycles meanwhile)."""
+        return self.recovery.episode_open
 
     @property
     def identity(self) -> HandIdentity:
@@ -358,7 +330,7 @@ class EthercatMaster:
                     return bus
                 why = f"{self._scan_late} replies came back late (a stale reply may have been taken for an answer)"
             log.warning("scan %d of %d not trusted (%s); scanning again", scan, CONFIG_SCANS, why)
-            self._note(f"scan {scan} not trusted ({why}); scanning again")
+            self.recovery.note(time.monotonic_ns(), f"scan {scan} not trusted ({why}); scanning again")
             self._quiet_wire()
             m.close()
         raise AssertionError("unreachable")
@@ -763,9 +735,8 @@ class EthercatMaster:
         """One recovery step, bounded by the CLOCK_MONOTONIC time `give_up_ns` when given: read every slave's
         AL state; act on the first slave confirmed out of OP (or on process data that stay invalid while all
         claim OP); or advance an escalation already under way. Returns "" when all is well, else what is
-        being worked on (for health). A slave must be seen out of OP twice in a row (three times when it
-        did not answer at all) before anything is done: one lost state-read frame must not trigger a
-        recovery of a healthy slave. No logging here (this runs in the realtime process): steps go to
+        being worked on (for health). What to do is the recovery machine's (transport/recovery.py); this
+        reads and writes what it asks for. No logging here (this runs in the realtime process): steps go to
         `recovery_log`, which the MQTT side logs."""
         bus = self._need()
         # the reply in flight first: the state reads must not take its timestamp. While no valid data flow it is
@@ -773,258 +744,48 @@ class EthercatMaster:
         # and every read after it was then cut short before `late_us` (no evidence), check after check, so a
         # hung slave was never confirmed and the ladder never ran (silent for ever, never lost)
         self.settle(self._settle_by(bus, give_up_ns))
-        if self.counters.bad_run and not self.rescan_needed and self.nic_replaced():
-            # no valid data and the NIC is not the one opened (gone, or gone and back): SOEM's socket is bound
-            # to the old one, where no slave can ever answer; only a re-scan opens the NIC by name again
-            self._want_rescan(f"the NIC {self.cfg.iface} vanished" if not _ifindex(self.cfg.iface)
-                              else f"the NIC {self.cfg.iface} was replaced")
-            self.counters.state_issue = f"NIC {self.cfg.iface} gone"
-            return self.counters.state_issue
-        if self.counters.bad_run >= self.policy.outage_cycles:
-            self._begin_episode()  # an outage: named now, from the moment the data stopped
-        if self._esc is not None:
-            return self._escalate(bus, give_up_ns)
-        states = self._read_states(bus, give_up_ns)
-        confirmed: tuple[int, Any, int, int] | None = None
-        silent = False  # a slave did not answer at its address: find it (recover) before anything else
-        for i, s in enumerate(bus.slaves):
-            got = states[i]
-            if got is None:  # not read this time: no evidence either way
-                continue
-            st, code = got
-            if st == pysoem.OP_STATE:
-                self._sightings.pop(i, None)
-                self._silent_since.pop(i, None)
-                continue
-            if st == pysoem.NONE_STATE and self.counters.bad_run == 0:
-                # the last frame came back with the full working counter: every slave processed it, so
-                # a read at its address that got no answer in time is a slow answer (a stalled host: the
-                # hand's answers reach 20 ms on this VM), not a slave gone. Counting it sent SOEM's recover
-                # (temporary station address, identity check) to a healthy slave, which, cut short by the
-                # same stall, left it without its address: seconds of "not in OP" (a 4 s outage)
-                continue
-            n = self._sightings[i] = self._sightings.get(i, 0) + 1
-            silent = silent or st == pysoem.NONE_STATE
-            if st == pysoem.NONE_STATE:
-                # and silent for silent_confirm_ns: three reads 10 cycles apart fit in one host stall
-                since = self._silent_since.setdefault(i, time.monotonic_ns())
-                if time.monotonic_ns() - since < self.policy.silent_confirm_ns:
-                    continue
-            else:
-                self._silent_since.pop(i, None)
-            if n >= (3 if st == pysoem.NONE_STATE else 2) and (
-                    confirmed is None or (st == pysoem.NONE_STATE and confirmed[2] != pysoem.NONE_STATE)):
-                confirmed = (i, s, st, code)
-        c = self.counters
-        if confirmed is None:
-            all_op = not self._sightings and all(x is not None for x in states)
-            if all_op and c.bad_run >= self.policy.escalate_after:
-                self._start_escalation(f"no valid process data for {c.bad_run} cycles (working counter "
-                                       f"{c.last_wkc}, expected {bus.ident.expected_wkc}) while every slave "
-                                       f"reports OP")
-                return c.state_issue
-            if not self._sightings and c.bad_run == 0:
-                c.state_issue = ""
-                self._quick = ("", 0)
-                self._end_episode()
-            return c.state_issue
-        i, s, st, code = confirmed
-        issue = f"slave {i + 1} {s.name} in {state_name(st)} (AL code {code:#06x})"
-        if c.state_issue != issue:
-            c.left_op += 1
-        c.state_issue = issue
-        now = time.monotonic_ns()
-        if st == pysoem.NONE_STATE:  # not answering at its address: gone, or back with the address cleared
-            if now >= self._recover_after_ns:
-                self._recover(bus, i, s, now)
-            return issue
-        if silent or any(j != i for j in self._silent_since):
-            # another slave is not answering yet (seen so, and not seen answering since: a read cut short this time
-            # is no news): the ladder needs every one of them, so that one is found first (recover)
-            return issue
-        tries = self._quick[1] + 1 if self._quick[0] == issue else 1
-        if tries > self.policy.quick_tries or st & 0x0F in (pysoem.INIT_STATE, pysoem.PREOP_STATE, pysoem.BOOT_STATE):
-            self._start_escalation(issue if tries <= self.policy.quick_tries
-                                   else f"{issue} after {tries - 1} acknowledge/OP requests")
-            return c.state_issue
-        self._quick = (issue, tries)
-        c.recoveries += 1
-        self._begin_episode()
-        if st & pysoem.STATE_ERROR:
-            self._note(f"slave {i + 1} {s.name}: acknowledge {state_name(st)} (AL code {code:#06x})")
-            s.state = (st & 0x0F) | pysoem.STATE_ACK
+        r = self.recovery
+        if r.nic_check_due and self.nic_replaced():
+            return r.nic_lost(time.monotonic_ns(), self.cfg.iface, vanished=not _ifindex(self.cfg.iface))
+        act = r.check(time.monotonic_ns())
+        if act.do is Do.WRITE_STEP:
+            acked = self._write_step(bus, act, give_up_ns)
+            return r.step_written(time.monotonic_ns(), acked)
+        if act.do is Do.READ_STATES:
+            states = self._read_states(bus, give_up_ns)
+            act = r.states(time.monotonic_ns(), states, bus.view)
+        if act.do is Do.RECOVER:
+            # SOEM's recover: find the slave at its position again, give it back its station address if it lost
+            # it (a power cycle), provided vendor, product and revision are the ones configured
+            ok = int(bus.slaves[act.slave].recover(self.policy.recover_timeout_us)) > 0
+            serial = self._palm_serial(bus) if ok and act.check_serial else None
+            return r.recovered(time.monotonic_ns(), ok, serial)
+        if act.do is Do.REQUEST_STATE:
+            s = bus.slaves[act.slave]
+            s.state = act.state
             s.write_state()
-        elif st == pysoem.SAFEOP_STATE:
-            self._note(f"slave {i + 1} {s.name}: SAFE-OP -> OP")
-            s.state = pysoem.OP_STATE
-            s.write_state()
-        return issue
+        return act.issue
 
-    # ---- escalation -----------------------------------------------------------------------
-    @property
-    def episode_open(self) -> bool:
-        """A recovery episode has not seen its end yet (the cycle checks the states every 10 cycles meanwhile)."""
-        return self._episode_ns is not None
-
-    def _note(self, text: str) -> None:
-        self.recovery_log.append((time.monotonic_ns(), text))
-        self.recovery_seq += 1
-
-    def _begin_episode(self) -> None:
-        """A recovery episode opens (once): at the last valid data when the data have stopped (an outage counts from
-        there, not from the first step recovery takes, which waits for a silent slave to be confirmed), else now."""
-        c = self.counters
-        if self._episode_ns is None:
-            now = time.monotonic_ns()
-            start = c.valid_ns if c.bad_run and 0 < c.valid_ns <= now else now
-            self._episode_ns, self._episode_no_data, self._abandons = start, bool(c.bad_run), 0
-            if c.bad_run:
-                self._note(f"outage: no valid process data for {(now - start) / 1e6:.0f} ms ({c.bad_run} frames "
-                           f"in a row, working counter {c.last_wkc}); recovering")
-        if c.bad_run:
-            self._episode_no_data = True
-
-    def _end_episode(self, attempt: str = "") -> None:
-        """Every slave in OP with valid process data: the episode's last step, however it got there, and how long
-        it took: an outage from its last valid data to the first valid data again, else from the first step."""
-        if self._episode_ns is None:
-            return
-        c = self.counters
-        end = c.back_ns if self._episode_no_data and c.back_ns >= self._episode_ns else time.monotonic_ns()
-        took = (end - self._episode_ns) / 1e6
-        what = "valid process data again" if self._episode_no_data else "every slave in OP again"
-        self._note(f"{what} after {took:.0f} ms{attempt}")
-        self._episode_ns, self._abandons = None, 0
-
-    def _recover(self, bus: _Bus, i: int, s: Any, now: int) -> None:
-        """SOEM's recover: find the slave at its position again, give it back its station address if it
-        lost it (a power cycle), provided vendor, product and revision are the ones configured. A slave
-        that answers at its position with another identity is never given the address: after the capped
-        tries, a full re-scan takes the bus as it now is."""
-        c = self.counters
-        c.recoveries += 1
-        self._begin_episode()
-        ok = int(s.recover(self.policy.recover_timeout_us)) > 0
-        if ok:
-            self._recover_after_ns = 0
-            self._note(f"slave {i + 1} {s.name}: answering at its address again")
-            if s is bus.palm:
-                serial = self._palm_serial(bus)
-                if serial is not None and serial != bus.ident.serial:
-                    self._want_rescan(f"the palm came back with serial {serial} (was {bus.ident.serial})")
-            return
-        tries = self._quick[1] + 1 if self._quick[0] == f"recover {i}" else 1
-        self._quick = (f"recover {i}", tries)
-        delay = min(self.policy.backoff_cap_ns, self.policy.backoff_ns << min(tries, 16))
-        self._recover_after_ns = now + delay
-        if tries == 1 or tries % 10 == 0:
-            self._note(f"slave {i + 1} {s.name}: not answering (try {tries}; next in {delay / 1e6:.0f} ms)")
-        if tries > 3 * self.policy.max_attempts:
-            self._want_rescan(f"slave {i + 1} {s.name} does not take its address back after {tries} tries "
-                              "(gone, or another device at its position)")
+    def _write_step(self, bus: _Bus, act: Action, give_up_ns: int | None) -> bool:
+        """The ladder's step to every slave: its SyncManagers and FMMUs as configured when asked, then the AL
+        control word. False: a write was not acknowledged (the rest not sent)."""
+        try:
+            for i, s in enumerate(bus.slaves):
+                sms, fmmus = bus.golden[i]
+                if act.sms and sms:
+                    s._fpwr(REG_SM0, sms, self._wait_us(give_up_ns))
+                if act.fmmus and fmmus:
+                    s._fpwr(REG_FMMU0, fmmus, self._wait_us(give_up_ns))
+                s._fpwr(REG_ALCTL, struct.pack("<H", act.state), self._wait_us(give_up_ns))
+        except pysoem.WkcError:
+            return False
+        return True
 
     def _palm_serial(self, bus: _Bus) -> int | None:
         try:
             return int.from_bytes(bus.palm.eeprom_read(SII_SERIAL_WORD, 5000)[:4], "little")
         except Exception:  # pysoem raises its own errors for a read that did not complete
             return None
-
-    def _want_rescan(self, why: str) -> None:
-        self._begin_episode()
-        if not self.rescan_needed:
-            self.rescan_needed = why
-            self._note(f"full re-scan: {why}")
-
-    def _start_escalation(self, reason: str) -> None:
-        self._begin_episode()
-        now = time.monotonic_ns()
-        self._esc = _Escalation(reason, now, step_ns=now)
-        self.counters.escalations += 1
-        self.counters.state_issue = f"recovering: {reason}"
-        self._note(f"escalating (attempt 1 of {self.policy.max_attempts}): {reason}; INIT -> PRE-OP -> SAFE-OP -> OP")
-
-    def _escalate(self, bus: _Bus, give_up_ns: int | None) -> str:
-        """Advance the INIT -> PRE-OP -> SAFE-OP -> OP ladder by one action: a step's writes, or a read of
-        the states it waits for."""
-        e = self._esc
-        assert e is not None
-        c = self.counters
-        now = time.monotonic_ns()
-        if now < e.not_before_ns:
-            return c.state_issue
-        if e.step == "verify":
-            if c.bad_run == 0:
-                self._episode_no_data = True  # the ladder took every slave out of OP: no data meanwhile
-                self._end_episode(f" (attempt {e.attempt} of the ladder)")
-                self._esc = None
-                self._quick = ("", 0)
-                self._sightings.clear()
-                self._silent_since.clear()
-                c.state_issue = ""
-                return ""
-        elif not e.requested:
-            target = LADDER_STATE[e.step]
-            try:
-                for i, s in enumerate(bus.slaves):
-                    sms, fmmus = bus.golden[i]
-                    if e.step == "preop" and sms:  # SyncManagers first, then ask for PRE-OP
-                        s._fpwr(REG_SM0, sms, self._wait_us(give_up_ns))
-                    if e.step == "safeop" and fmmus:  # FMMUs written BEFORE the SAFE-OP request
-                        s._fpwr(REG_FMMU0, fmmus, self._wait_us(give_up_ns))
-                    ack = pysoem.STATE_ACK if e.step == "init" else 0
-                    s._fpwr(REG_ALCTL, struct.pack("<H", target | ack), self._wait_us(give_up_ns))
-            except pysoem.WkcError:
-                # not acknowledged: a reply late on a stalled host (the write taken all the same), or a slave that
-                # stopped answering (power lost again?). Written again at the next check for write_retry_ns, then
-                # the ladder goes to find the slave; one that never takes them brings a full re-scan
-                if not e.unacked_since_ns:
-                    e.unacked_since_ns = now
-                    self._note(f"step {e.step}: a write was not acknowledged; writing again")
-                if now - e.unacked_since_ns < self.policy.write_retry_ns:
-                    return c.state_issue
-                self._esc = None
-                self._sightings.clear()
-                self._silent_since.clear()
-                self._abandons += 1
-                self._note(f"step {e.step}: a slave did not take the write for "
-                           f"{(now - e.unacked_since_ns) / 1e6:.0f} ms; looking for it again")
-                if self._abandons >= self.policy.max_attempts:
-                    self._want_rescan(f"the ladder's writes were not taken {self._abandons} times")
-                return c.state_issue
-            e.requested, e.step_ns, e.unacked_since_ns = True, now, 0
-            self._note(f"step {e.step}: " + ("SyncManagers written, " if e.step == "preop" else
-                                            "FMMUs written, " if e.step == "safeop" else "")
-                       + f"{state_name(target)} requested")
-        else:
-            target = LADDER_STATE[e.step]
-            states = self._read_states(bus, give_up_ns)
-            if all(x is not None and x[0] & 0x0F == target and not x[0] & pysoem.STATE_ERROR for x in states):
-                e.step = LADDER[LADDER.index(e.step) + 1]
-                e.requested, e.step_ns = False, now
-                if e.step == "verify":
-                    self._note("every slave in OP; waiting for valid process data")
-                return c.state_issue
-            bad = [f"{bus.slaves[i].name}: {state_name(x[0])} (AL code {x[1]:#06x})" for i, x in enumerate(states)
-                   if x is not None and x[0] & 0x0F != target]
-            if any(x is not None and x[0] & pysoem.STATE_ERROR for x in states):
-                return self._step_failed(e, now, f"{e.step}: refused: {', '.join(bad)}")
-        if now - e.step_ns > self.policy.step_timeout_ns:
-            return self._step_failed(e, now, f"{e.step}: not reached within {self.policy.step_timeout_ns / 1e6:.0f} ms")
-        return c.state_issue
-
-    def _step_failed(self, e: _Escalation, now: int, why: str) -> str:
-        c = self.counters
-        c.escalation_failures += 1
-        if e.attempt >= self.policy.max_attempts:
-            self._esc = None
-            self._want_rescan(f"{e.attempt} escalations failed (last: {why})")
-            return c.state_issue
-        delay = min(self.policy.backoff_cap_ns, self.policy.backoff_ns << (e.attempt - 1))
-        e.attempt += 1
-        e.step, e.requested, e.step_ns, e.not_before_ns = "init", False, now + delay, now + delay
-        self._note(f"attempt {e.attempt - 1} failed ({why}); attempt {e.attempt} of {self.policy.max_attempts} "
-                   f"in {delay / 1e6:.0f} ms")
-        return c.state_issue
 
     def _wait_us(self, give_up_ns: int | None) -> int:
         if give_up_ns is None:
@@ -1035,35 +796,28 @@ class EthercatMaster:
         """The whole bring-up again (config_init, mapping, SAFE-OP, OP): the bus as it now is. Blocking (tens
         of ms or more); the cycle calls it only while no valid process data flow anyway. Raises MasterError
         when the bus cannot be brought up (the cycle then tries again later)."""
-        why, self.rescan_needed = self.rescan_needed, ""
+        why = self.recovery.rescan_started()
         self.settle()
         self._result = None  # the old bus's last reply: not news about the new one
-        self.counters.rescans += 1
         old = self._bus
         self._bus = None
         if old is not None:
             with contextlib.suppress(Exception):
                 old.master.close()
-        self._esc, self._quick, self._recover_after_ns = None, ("", 0), 0
-        self._sightings.clear()
-        self._silent_since.clear()
         netns, self.cfg.netns = self.cfg.netns, None  # this thread is in the namespace already
         try:
             ident = self.open()
         except NoDevice as exc:
             # the NIC may go only after the slave fell silent (a namespace torn down, a USB adapter unplugged):
             # the re-scan asked for another reason then, and its failure is where the NIC's loss shows
-            gone = not _ifindex(self.cfg.iface)
-            self._note(f"re-scan ({why or 'requested'}) found no palm: "
-                       + (f"the NIC {self.cfg.iface} vanished" if gone and "vanished" not in why else str(exc)))
+            self.recovery.rescan_found_nothing(time.monotonic_ns(), why, self.cfg.iface,
+                                               not _ifindex(self.cfg.iface), str(exc))
             raise
         finally:
             self.cfg.netns = netns
         self.to_op()
-        self.counters.state_issue = ""
         self.counters.bad_run = 0
-        self._note(f"re-scan done ({why or 'requested'}): palm {ident.palm_name} serial {ident.serial}, "
-                   f"protocol {ident.protocol}")
+        self.recovery.rescan_done(time.monotonic_ns(), why, ident.palm_name, ident.serial, ident.protocol)
         return ident
 
 
