@@ -51,7 +51,7 @@ def install_tracer(out: str) -> None:
     """In the gateway process: wrap the functions on the path, stamp per correlation, dump at exit."""
     import socket
 
-    from services.dexter_gateway import arm as svc
+    from services.dexter_gateway import device as svc
     from services.dexter_gateway import protocol
     from services.dexter_gateway import transport as tr
     from shared import dispatch

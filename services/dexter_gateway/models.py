@@ -14,7 +14,7 @@ from shared.contract import NAME_RE
 JointList = list[float]
 ANGLE_LIMIT_DEG = 720.0
 # J6 (wrist roll, degrees from its zero) and J7 (gripper) as the typed commands take them; the raw path holds a
-# raw move to the same ranges (arm.py `check_raw_motion`)
+# raw move to the same ranges (device.py `check_raw_motion`)
 J6_MIN_DEG, J6_MAX_DEG = -150.0, 150.0
 J7_MIN_DEG, J7_MAX_DEG = 0.0, 300.0
 

@@ -1,4 +1,4 @@
-"""dexter-gateway's MQTT surface: one `DexterArm` (arm.py: the device, its link, its handlers) per configured
+"""dexter-gateway's MQTT surface: one `DexterArm` (device.py: the device, its link, its handlers) per configured
 arm; `DexterGateway` starts and closes them, `build()` checks the configuration and loads the transport
 ROBOBUS_DEXTER_TRANSPORT names (`tcp` by default: tcp.py), whose factory makes each arm's link.
 """
@@ -9,7 +9,7 @@ import logging
 from typing import cast
 
 from services.dexter_gateway.api import API
-from services.dexter_gateway.arm import DexterArm
+from services.dexter_gateway.device import DexterArm
 from services.dexter_gateway.settings import DexterSettings
 from services.dexter_gateway.transport import LinkFactory
 from shared import Node, ServiceUnavailable

@@ -59,7 +59,7 @@ OBSTACLE = API.command("obstacle_avoidance", EpuckObstacleAvoidance, EpuckActuat
                        doc="Enable or disable the on-board obstacle avoidance (it drives the wheels: a motion "
                            "command, and the bus stop turns it off)")
 STREAM = API.command("stream", EpuckStream, EpuckActuators, errors=_LINK, doc="Image and sensors streams on/off")
-# moves for some requests only (motion=BY_REQUEST): a `D` line (the robot's @moves_when predicate, robot.py)
+# moves for some requests only (motion=BY_REQUEST): a `D` line (the robot's @moves_when predicate, device.py)
 ASCII = API.command("ascii", EpuckAsciiRequest, EpuckAsciiReply, errors=[*_LINK, ErrorCode.TIMEOUT],
                     motion=BY_REQUEST,
                     doc="asercom ASCII mode, one typed line (`D,200,200`, `N`); robots on a serial port only. A `D` "

@@ -1,4 +1,4 @@
-"""epuck-gateway's MQTT surface: one `EpuckRobot` (robot.py: the device, its link, its handlers) per configured
+"""epuck-gateway's MQTT surface: one `EpuckRobot` (device.py: the device, its link, its handlers) per configured
 robot, all on one asyncio loop; `EpuckGateway` sends the bus stop to them in one pass, `build()` wires it.
 """
 
@@ -9,7 +9,7 @@ import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from services.epuck_gateway.robot import EpuckRobot
+from services.epuck_gateway.device import EpuckRobot
 from services.epuck_gateway.settings import EpuckSettings
 from shared import Node
 from shared.lifecycle import Hooks

@@ -45,7 +45,7 @@ _MODULE = [ErrorCode.UNAVAILABLE, ErrorCode.DEVICE_ERROR]
 _MOVE = [*_MODULE, ErrorCode.BUSY, ErrorCode.TIMEOUT]
 # a GPIO pin configured in `stop_outputs` drives something that moves: set_pin_output, set_pin_mode and a raw
 # SET_OUTPUT / SET_PIN_MODE packet to it move for some requests only (motion=BY_REQUEST: the module's @moves_when
-# predicates, modules.py), refused with `stopped` during the bus stop
+# predicates, device.py), refused with `stopped` during the bus stop
 PIN_STATES = API.state("pin_states", RoiPinStates, doc="GPIO: pin modes, on change")
 PIN_VALUES = API.state("pin_values", RoiPinValues, doc="GPIO: pin values after each read sweep")
 STATE = API.state("state", RoiMotionState, rate_hz=20,

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from services.roi_modules import protocol as p
 from services.roi_modules.api import API
-from services.roi_modules.modules import MODULE_CLASSES, ModuleContext, MotionModule, RoiModule, StopPending
+from services.roi_modules.device import MODULE_CLASSES, ModuleContext, MotionModule, RoiModule, StopPending
 from services.roi_modules.settings import RoiSettings
 from services.roi_modules.transport import RequestLost, RoiTransport, held_switch_interval
 from shared import CommandError, Node, ServiceUnavailable

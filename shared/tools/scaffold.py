@@ -1,9 +1,9 @@
 """`robobus new-service NAME`: the rooms of a minimal working service (docs/kit.md, "How to add a service").
 
 The service it writes is small but whole: a tiny line protocol over TCP (pure codec, fuzz targets declared), a
-transport that reports to the kit's link supervisor, a device module whose motion command declares `motion=True`
-and binds a stop action, request models that refuse unknown keys, a simulator on the real wire that can be told
-to be a device of another kind, a rig for the conformance suite, and a README. The suite generates one in a
+transport that reports to the kit's link supervisor, a device module (`device.py`) whose motion command declares
+`motion=True` and binds a stop action, request models that refuse unknown keys, a simulator on the real wire that
+can be told to be a device of another kind, a rig for the conformance suite, and a README. The suite generates one in a
 temporary folder and holds it to the conformance suite and the layout rules (tests/kit/test_scaffold.py), so the
 guide and the kit cannot drift apart.
 
@@ -459,7 +459,7 @@ def tcp_link(settings: __CLS__Settings, link: SupervisedLink, on_position: Calla
     return TcpLink(settings, link, on_position)
 '''
 
-FILES["positioner.py"] = '''
+FILES["device.py"] = '''
 """__SERVICE__'s device: its handlers and its stop action, given a narrow context (the node, the settings, the
 link the service made), never the service."""
 
@@ -525,14 +525,14 @@ class Positioner:
 '''
 
 FILES["service.py"] = '''
-"""__SERVICE__'s wiring: the device (positioner.py) and the transport the settings name, loaded by name."""
+"""__SERVICE__'s wiring: the device (device.py) and the transport the settings name, loaded by name."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from __PACKAGE__.api import API
-from __PACKAGE__.positioner import Positioner
+from __PACKAGE__.device import Positioner
 from __PACKAGE__.settings import __CLS__Settings
 from shared import Node, ServiceUnavailable
 from shared.lifecycle import Hooks

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic_core import to_json
 
 from services.dexter_gateway import protocol as p
-from services.dexter_gateway.arm import error_info, reply_dict, status_model
+from services.dexter_gateway.device import error_info, reply_dict, status_model
 from services.dexter_gateway.models import DexterCommandReply, DexterJoint, DexterServo, DexterStatus
 from services.dexter_gateway.transport import LinkReply
 from shared.payloads import dump

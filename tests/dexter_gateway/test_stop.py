@@ -24,7 +24,7 @@ import pytest
 
 from services.dexter_gateway import protocol as p
 from services.dexter_gateway.api import API
-from services.dexter_gateway.arm import STOP_NOTE
+from services.dexter_gateway.device import STOP_NOTE
 from services.dexter_gateway.sim import DexterSim, DexterSimConfig
 from services.dexter_gateway.transport import DexterLink, DexterLinkConfig, DexterLinkError
 from shared.contract import BY_REQUEST, command_errors

@@ -10,6 +10,7 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.epuck_gateway.device import sensors_fields, sensors_fields_of, sensors_model
 from services.epuck_gateway.models import EpuckSensors
 from services.epuck_gateway.protocols.wifi import (
     SENSORS_SIZE,
@@ -19,7 +20,6 @@ from services.epuck_gateway.protocols.wifi import (
     battery_volts,
     gyro_to_dps,
 )
-from services.epuck_gateway.robot import sensors_fields, sensors_fields_of, sensors_model
 from shared.payloads import dump
 
 

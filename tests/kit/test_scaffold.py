@@ -22,7 +22,7 @@ from shared.tools.simrig import procfile_variables, sim_serves
 REPO = Path(__file__).resolve().parents[2]
 NAME = "sixth-io"
 PACKAGE = "robobus_sixth_io"
-ROOMS = ("__init__.py", "api.py", "models.py", "settings.py", "protocol.py", "transport.py", "positioner.py",
+ROOMS = ("__init__.py", "api.py", "models.py", "settings.py", "protocol.py", "transport.py", "device.py",
          "service.py", "__main__.py", "sim.py", "rig.py", "README.md")
 
 

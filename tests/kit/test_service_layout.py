@@ -3,10 +3,11 @@ client of another service's wire (ethercat-loop's CAN-bridge client for python-c
 talks to, and what it needs of a contract comes from that service's own package.
 
 Where a service's devices have a module of their own (found, for every registered service, as the modules of its
-package beside service.py that hold device code: `device_modules()`), `service.py` holds no device code (no
-handler, no `bind_all`, no `node.device(...)`), and the device module does not import its `service.py`, a
-simulator or a transport's module, nor builds a transport itself (it calls what the service hands it: the factory
-the service loaded by name, tests/kit/test_transports.py). A service with one small device keeps it in service.py."""
+package beside service.py that hold device code: `device_modules()`), that module is `device.py` in every service,
+`service.py` holds no device code (no handler, no `bind_all`, no `node.device(...)`), and the device module does not
+import its `service.py`, a simulator or a transport's module, nor builds a transport itself (it calls what the
+service hands it: the factory the service loaded by name, tests/kit/test_transports.py). A service with one small
+device keeps it in service.py."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def device_modules() -> dict[str, tuple[str, Path, list[str]]]:
 
 
 # the services whose devices live in a module of their own, as this tree has them (the rule's own check)
-EXPECTED_HERE = {"roi-modules": ["modules.py"], "dexter-gateway": ["arm.py"], "epuck-gateway": ["robot.py"]}
+EXPECTED_HERE = {"roi-modules": ["device.py"], "dexter-gateway": ["device.py"], "epuck-gateway": ["device.py"]}
+DEVICE_MODULE = "device.py"  # the one name of the room (docs/kit.md), the same in every service
 
 
 def test_device_classes_live_outside_service_py() -> None:
@@ -98,6 +100,8 @@ def test_device_classes_live_outside_service_py() -> None:
                                 "(@handles / @runs, bind_all): put the device classes in a device module beside "
                                 "service.py (docs/kit.md, the rooms of a service)")
             continue
+        assert found == [DEVICE_MODULE], (f"{package}: device code in {found}: the device module is "
+                                          f"{DEVICE_MODULE} beside service.py (docs/kit.md, the rooms of a service)")
         assert in_service == [], f"{package}.service holds device code (move it to {found}): {in_service}"
         for module in found:
             in_module = _device_code(folder / module)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.roi_modules import protocol as p
-from services.roi_modules.modules import next_probe
+from services.roi_modules.device import next_probe
 from services.roi_modules.resend import Decision, Ladder, Step, StopLadder
 from services.roi_modules.sim import RoiSim, SimModuleSpec
 from services.roi_modules.transport import RequestRefused, RoiTransport, TransportConfig, guard_sends
