@@ -6,11 +6,14 @@ it: a test that rewrites a tracked file (a screenshot, a generated document) fai
 Refresh such files on purpose (`make screenshots`, `make schema`).
 
 Parallel runs: every test module is one unit of work (its module-scoped stacks and its tables of results stay in one
-process; a long test that shares none of them is its own, `_OWN_UNIT`); the tests that use docker (`docker_ready`:
-one image build per run, compose projects) are one unit together (`_uses_docker`), and so are the modules that run
-realtime processes (`_uses_realtime`). xdist's controller hands out whole units (`unit_of`, a scheduler of our own on
-xdist's loadscope: it sees only test ids). Each worker has its own session broker on a free port. Units start
-longest first (`_LONG_FIRST`, measured), so that no long one is left to the end. `-n0` runs everything in one
+process; a long test that shares none of them is its own, `_OWN_UNIT`); the modules that use docker are units of
+their own too, run side by side: their compose projects have names and ports of their own, the image build is done
+once per machine at a time (tests/deploy/conftest.py takes a lock around it: the second worker finds it cached), and
+the one stack that takes dockerd's realtime budget (the hand profile) holds the realtime lock below. The modules that
+run realtime processes on the host are one unit (`_uses_realtime`). xdist's controller hands out whole units
+(`unit_of`, a scheduler of our own on xdist's loadscope: it sees only test ids). Each worker has its own session
+broker on a free port. Units start longest first (`_LONG_FIRST`, measured), so that no long one is left to the end.
+`-n0` runs everything in one
 process, in the usual order."""
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ REPO = Path(__file__).resolve().parent.parent
 _CLEAN_AT_START: list[bool] = []
 
 # Units of work that take longest, longest first (from `--durations=0` of a parallel run): started first so the
-# run does not end waiting on one of them. A unit not listed starts after these, in file order. The docker unit
-# is the longest (image build, compose projects one after the other: every stack with ethercat-loop takes
-# a share of dockerd's realtime budget, so two at once do not fit).
+# run does not end waiting on one of them. A unit not listed starts after these, in file order. The clustered centre
+# is the longest (three ejabberd nodes joining, two sites bridged to them).
 _LONG_FIRST = (
-    "docker",
+    "tests/deploy/test_cluster.py",
     "realtime",
     "tests/chaos/test_chaos.py",
+    "tests/deploy/test_fleet.py",
+    "tests/deploy/test_compose_sim.py",
     "tests/chaos/test_chaos.py::test_network_partition",
     "tests/dashboard/test_browser.py",
     "tests/contract/test_generic_tools.py",
@@ -54,10 +58,8 @@ _SPLIT_BY_PARAM = {"tests/conformance/test_conformance.py"}
 # Long tests that use none of their module's module-scoped fixtures (their own stack, brokers, namespaces): each its
 # own unit, so that the rest of its module and it can run in two workers at once.
 _OWN_UNIT = frozenset({"tests/chaos/test_chaos.py::test_network_partition"})
-# The modules that use docker (a test or fixture of theirs takes `docker_ready`, `images` or `compose_ok`): one
-# unit (one image build per run; compose projects one after the other, since every stack with ethercat-loop takes
-# a share of dockerd's realtime budget and two at once do not fit). tests/deploy's host-only modules (brokers on
-# the host, no container) are units of their own.
+# The modules that use docker (a test or fixture of theirs takes `docker_ready`, `images` or `compose_ok`): each a
+# unit of its own, like tests/deploy's host-only modules (brokers on the host, no container).
 _DOCKER_FIXTURE = re.compile(r"def \w+\([^)]*\b(docker_ready|images|compose_ok)\b", re.S)
 
 
@@ -91,8 +93,6 @@ def unit_of(nodeid: str) -> str:
     if nodeid in _OWN_UNIT:
         return nodeid
     module, _, rest = nodeid.partition("::")
-    if module.startswith("tests/deploy/") and _uses_docker(module):
-        return "docker"
     if _uses_realtime(module):
         return "realtime"
     if module in _SPLIT_BY_PARAM and rest.endswith("]") and "[" in rest:
@@ -101,11 +101,10 @@ def unit_of(nodeid: str) -> str:
     return module
 
 
-# The realtime unit and the docker unit run in two workers at once, and each has realtime processes: the realtime
-# container's cycle and virtual hand (tests/deploy/test_realtime_container.py, a compose stack: it stays in the
-# docker unit, since stacks with ethercat-loop share dockerd's realtime budget) against the realtime unit's. At
-# SCHED_FIFO on two cores they starve each other (frames lost, "no EtherCAT slave answers"). So each such module
-# holds one lock on the machine for its whole life: its module-scoped nodes and hands run across its tests, and
+# The realtime unit and the realtime container (tests/deploy/test_realtime_container.py: the hand profile's cycle
+# and virtual hand in a compose stack, with dockerd's realtime budget) run in two workers at once. At SCHED_FIFO on
+# two cores they starve each other (frames lost, "no EtherCAT slave answers"). So each such module holds one lock on
+# the machine for its whole life: its module-scoped nodes and hands run across its tests, and
 # would go on running while another module's test held a lock taken per test. The other tests go on beside them.
 _REALTIME_LOCK = Path(tempfile.gettempdir()) / "robobus-tests-realtime.lock"
 _REALTIME_CONTAINER = frozenset({"tests/deploy/test_realtime_container.py"})

@@ -4,16 +4,34 @@ saying why, only where docker cannot run (not root, no apt, dockerd refuses to s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.deploy.deployfiles import DEPLOY, REPO
 
 TIMINGS: dict[str, float] = {}
+# Docker's setup and the image build, one worker at a time on this machine: the docker modules run in several workers
+# at once (tests/conftest.py), and a second worker must neither start dockerd again nor build the same images beside
+# the first (it finds them cached once the first is done)
+_SETUP_LOCK = Path(tempfile.gettempdir()) / "robobus-tests-docker-setup.lock"
+
+
+@contextlib.contextmanager
+def _one_at_a_time() -> Iterator[None]:
+    with open(_SETUP_LOCK, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -25,8 +43,9 @@ def docker_ready() -> Iterator[str]:
         pytest.skip("ROBOBUS_SKIP_DOCKER is set")
     t0 = time.monotonic()
     try:
-        proc = subprocess.run([str(DEPLOY / "dev" / "ensure-docker.sh")], cwd=REPO, capture_output=True, text=True,
-                              timeout=900)
+        with _one_at_a_time():
+            proc = subprocess.run([str(DEPLOY / "dev" / "ensure-docker.sh")], cwd=REPO, capture_output=True,
+                                  text=True, timeout=900)
     except subprocess.TimeoutExpired:
         pytest.skip("docker could not be set up within 15 min (deploy/dev/ensure-docker.sh)")
     if proc.returncode != 0:
@@ -52,7 +71,8 @@ def images(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     stack.make_secrets()
     # the centre's users too (fleet-watch's env file), so one config holds every profile
     stack.make_secrets("--central", "--site", "s=s/robobus")
-    stack.build()
+    with _one_at_a_time():
+        stack.build()
     TIMINGS["build_s"] = stack.timings["build_s"]
     return docker_ready
 

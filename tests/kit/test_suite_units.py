@@ -36,7 +36,7 @@ def test_a_long_test_that_shares_none_of_its_modules_fixtures_is_a_unit_of_its_o
         assert not fixtures & {a.arg for a in test.args.args}, (nodeid, fixtures)
 
 
-def test_every_module_that_uses_docker_is_in_the_docker_unit_and_only_those() -> None:
+def test_every_module_that_uses_docker_is_a_unit_of_its_own_and_builds_under_one_lock() -> None:
     deploy = sorted(p for p in (REPO / "tests/deploy").glob("test_*.py"))
     docker = {p.name for p in deploy if _uses_docker(str(p.relative_to(REPO)))}
     # the modules that build images or run compose projects (their fixtures take `images` / `docker_ready`)
@@ -48,8 +48,14 @@ def test_every_module_that_uses_docker_is_in_the_docker_unit_and_only_those() ->
         rel = str(p.relative_to(REPO))
         takes_docker = any(f"{name}:" in text or f"{name})" in text or f"{name}," in text
                            for name in ("docker_ready", "images", "compose_ok"))
-        assert (unit_of(f"{rel}::test_x") == "docker") == takes_docker, rel
+        assert _uses_docker(rel) == takes_docker, rel
+        if takes_docker:  # side by side with the others: their stacks have names and ports of their own
+            assert unit_of(f"{rel}::test_x") == rel, rel
     assert not _uses_docker(str(Path("tests/deploy/no_such_module.py")))
+    # dockerd's setup and the image build, one worker at a time
+    conf = (REPO / "tests/deploy/conftest.py").read_text()
+    assert "with _one_at_a_time():\n            proc = subprocess.run" in conf
+    assert "with _one_at_a_time():\n        stack.build()" in conf
 
 
 def test_the_modules_that_run_realtime_processes_are_one_unit() -> None:
@@ -68,7 +74,7 @@ def test_every_module_with_realtime_processes_holds_the_realtime_lock_for_its_wh
 
     for m in c._REALTIME_CONTAINER:
         assert (REPO / m).exists(), m
-        assert unit_of(f"{m}::test_x") == "docker" and c._holds_realtime_lock(m)
+        assert unit_of(f"{m}::test_x") == m and c._holds_realtime_lock(m)
     wire = [str(p.relative_to(REPO)) for p in (REPO / "tests/ethercat_loop").glob("test_wire_*.py")]
     assert wire and all(c._holds_realtime_lock(m) for m in wire if unit_of(f"{m}::test_x") == "realtime")
     assert not c._holds_realtime_lock("tests/ethercat_loop/test_protocol.py")
