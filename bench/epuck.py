@@ -58,7 +58,7 @@ from results import Figure, report, variant_name
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from services.epuck_gateway.protocols.wifi import REQ_IMAGE, REQ_SENSORS  # noqa: E402
+from services.epuck_gateway.protocol.wifi import REQ_IMAGE, REQ_SENSORS  # noqa: E402
 from shared.mqtt.session import MqttSession, unique_client_id  # noqa: E402
 from shared.rpc import RpcClient  # noqa: E402
 from shared.settings import KitSettings  # noqa: E402
@@ -248,7 +248,7 @@ def bare_main(spec: dict[str, Any]) -> None:
     thread, `publish` from the loop) publishes pre-made payloads of the gateway's sizes at the gateway's message
     rates (`spec["messages"]`: [kind, bytes, per second] for all robots). Prints {"bare_ready": ...} once every robot
     streams, {"bare": counters} on SIGUSR1 and at SIGTERM's exit."""
-    from services.epuck_gateway.protocols.wifi import EpuckCommand  # the first command's bytes only
+    from services.epuck_gateway.protocol.wifi import EpuckCommand  # the first command's bytes only
 
     counts = {"bytes": 0, "reads": 0, "published": 0}
     first = EpuckCommand(request=int(spec["request"])).encode()

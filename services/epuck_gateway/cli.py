@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-from services.epuck_gateway.protocols.firmware import (
+from services.epuck_gateway.protocol.firmware import (
     STALL_S,
     BadFirmware,
     FirmwareError,

@@ -36,7 +36,6 @@ from services.epuck_gateway.api import (
     STREAM,
 )
 from services.epuck_gateway.image import to_jpeg, to_png
-from services.epuck_gateway.links.base import LineDropped, RobotLink, link_policy
 from services.epuck_gateway.models import (
     EpuckActuators,
     EpuckAsciiReply,
@@ -60,8 +59,8 @@ from services.epuck_gateway.models import (
     EpuckStream,
 )
 from services.epuck_gateway.pacing import RateGate
-from services.epuck_gateway.protocols.asercom import ascii_command
-from services.epuck_gateway.protocols.firmware import (
+from services.epuck_gateway.protocol.asercom import ascii_command
+from services.epuck_gateway.protocol.firmware import (
     BadFirmware,
     FirmwareError,
     FlashTimeout,
@@ -71,7 +70,7 @@ from services.epuck_gateway.protocols.firmware import (
     flash_firmware,
     parse_elf,
 )
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     LED_BITS,
     LED_BODY,
     MIC_NAMES,
@@ -94,6 +93,7 @@ from services.epuck_gateway.protocols.wifi import (
     unpack_sensors,
 )
 from services.epuck_gateway.settings import SERVICE, EpuckSerialRobot, EpuckSettings, EpuckWifiRobot
+from services.epuck_gateway.transport.base import LineDropped, RobotLink, link_policy
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
 from shared.device import handles, moves_when, runs
 from shared.stop_pass import StopPass
@@ -104,7 +104,7 @@ log = logging.getLogger("robobus.epuck")
 
 @runtime_checkable
 class AsciiLink(Protocol):
-    """A link that speaks asercom's ASCII mode (the serial link, links/serial.py)."""
+    """A link that speaks asercom's ASCII mode (the serial link, transport/serial.py)."""
 
     async def ascii(self, line: bytes, timeout_s: float = 1.0, motion: bool = False) -> str: ...
 
@@ -125,7 +125,7 @@ class EpuckRobot:
         self._snapshot_holds = 0
         self._apply_stream()
         # The kit's link supervisor drives the health (docs/kit.md "Health"); the links report to it and set
-        # its budget from what the robot was asked to send (links/liveness.py).
+        # its budget from what the robot was asked to send (transport/liveness.py).
         self.sup = self.dev.supervise_link(link_policy(settings.epuck_stale_timeout_s, settings.epuck_reconnect_min_s,
                                                        settings.epuck_reconnect_max_s, settings.epuck_probe_period_s))
         self.sup.device_state("streaming")
@@ -390,7 +390,7 @@ class EpuckRobot:
         """The robot's part of the gateway's stop pass (EpuckGateway.stop_pass, on the loop beside its link):
         speeds 0, the on-board obstacle avoidance off (it drives the wheels itself), pending one-shots dropped,
         the deadman disarmed (nothing left to stop), and the whole state written at once, past the image and the
-        queue limits (links/wifi.py and links/serial.py `write_stop`). Returns the time the stop left, or None
+        queue limits (transport/wifi.py and transport/serial.py `write_stop`). Returns the time the stop left, or None
         when the link is down: then the next connection's first command (speeds 0 always) is the stop,
         reported when it leaves (`_stop_reached`)."""
         self._cancel_motion_timer()
@@ -587,7 +587,7 @@ class EpuckRobot:
         if self.controller.left or self.controller.right:
             self.controller.set_speed(0, 0)
             decided = time.time()
-            # urgent: past the link's limit of untaken commands, and taken before them (links/wifi.py)
+            # urgent: past the link's limit of untaken commands, and taken before them (transport/wifi.py)
             if not self.link.request_write(lambda ts: self._motion_stop_written(decided, ts), urgent=True):
                 self._motion_stop_written(decided, None)
 

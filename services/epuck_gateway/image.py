@@ -7,7 +7,7 @@ from array import array
 
 from PIL import Image
 
-from services.epuck_gateway.protocols.wifi import IMAGE_HEIGHT, IMAGE_SIZE, IMAGE_WIDTH, ProtocolError
+from services.epuck_gateway.protocol.wifi import IMAGE_HEIGHT, IMAGE_SIZE, IMAGE_WIDTH, ProtocolError
 
 
 def rgb565_image(data: bytes, width: int = IMAGE_WIDTH, height: int = IMAGE_HEIGHT) -> Image.Image:

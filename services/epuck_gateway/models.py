@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.epuck_gateway.protocols.wifi import RGB_MAX, SPEED_LIMIT
+from services.epuck_gateway.protocol.wifi import RGB_MAX, SPEED_LIMIT
 
 _REQ = ConfigDict(extra="forbid", strict=True)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from services.epuck_gateway.links.base import budget_s
-from services.epuck_gateway.links.wifi import EpuckLinkConfig
 from services.epuck_gateway.sim.wifi import EpuckSimConfig
+from services.epuck_gateway.transport.base import budget_s
+from services.epuck_gateway.transport.wifi import EpuckLinkConfig
 from shared.tools.simrig import Footprint, Ports, RigCommand, SimRig
 
 
@@ -15,10 +15,10 @@ def _robots(ports: Ports) -> dict[str, str]:
     return {"ROBOBUS_EPUCK_ROBOTS": json.dumps([{"id": "epuck1", "host": "127.0.0.1", "port": ports["epuck"]}])}
 
 
-# The budget the gateway applies to a streaming robot (links/liveness.py, links/base.budget_s): the stale timeout
-# plus the longest recent image interval, rounded up to 0.1 s. At the simulator's default 10 fps the intervals seen
-# are a little above 0.1 s (timer overshoot), so 0.8 + 0.1+ rounds to 1.0 s. A robot without a link is unreachable
-# after the stale timeout alone (0.8 s).
+# The budget the gateway applies to a streaming robot (transport/liveness.py, transport/base.budget_s): the stale
+# timeout plus the longest recent image interval, rounded up to 0.1 s. At the simulator's default 10 fps the intervals
+# seen are a little above 0.1 s (timer overshoot), so 0.8 + 0.1+ rounds to 1.0 s. A robot without a link is
+# unreachable after the stale timeout alone (0.8 s).
 LIVENESS_S = budget_s(EpuckLinkConfig("").stale_timeout_s + 1.0 / EpuckSimConfig().image_fps + 0.01)
 
 RIG = SimRig(

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.epuck_gateway.protocols.asercom import (
+from services.epuck_gateway.protocol.asercom import (
     ALL_SENSORS_SIZE,
     ARG_SIZES,
     AsercomChainParser,
@@ -43,7 +43,7 @@ from services.epuck_gateway.protocols.asercom import (
     set_tof,
     wire_code,
 )
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     SOUND_MARIO,
     EpuckCommand,
     EpuckRawSensors,

@@ -29,7 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from services.epuck_gateway.protocols.wifi import EpuckCommand
+from services.epuck_gateway.protocol.wifi import EpuckCommand
 from services.epuck_gateway.sim.serial import EpuckSerialSimConfig, EpuckSerialSimRobot, EpuckSerialSimThread
 from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimRobot, EpuckSimThread
 from shared.messages import StopState
@@ -412,7 +412,7 @@ def test_the_simulator_stamps_a_stop_with_its_arrival_not_when_its_loop_got_roun
 
 def test_the_serial_simulator_sees_every_kind_of_stop(tmp_path: Path) -> None:
     """-0x09 with speeds 0 (not a step-counter write), binary -D 0,0, ASCII `S` and `D,0,0`: each is the stop."""
-    from services.epuck_gateway.protocols.asercom import encode_chain, set_all_actuators
+    from services.epuck_gateway.protocol.asercom import encode_chain, set_all_actuators
 
     sim = EpuckSerialSimThread(1, str(tmp_path / "tty")).start()
     r = sim.robots[0]

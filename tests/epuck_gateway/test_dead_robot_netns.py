@@ -19,8 +19,8 @@ from tests.fixtures import can_netns
 
 RUNNER = """
 import asyncio, json, sys, time
-from services.epuck_gateway.protocols.wifi import EpuckController
-from services.epuck_gateway.links.wifi import EpuckLink, EpuckLinkConfig
+from services.epuck_gateway.protocol.wifi import EpuckController
+from services.epuck_gateway.transport.wifi import EpuckLink, EpuckLinkConfig
 
 def state(c, s, m):
     print(json.dumps({"t": time.monotonic(), "connected": c, "state": s, "message": m}), flush=True)

@@ -16,9 +16,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from services.epuck_gateway.links.serial import default_image_fps
 from services.epuck_gateway.sim.serial import EpuckSerialSimConfig, EpuckSerialSimRobot, EpuckSerialSimThread
 from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimRobot, EpuckSimThread
+from services.epuck_gateway.transport.serial import default_image_fps
 from shared.rpc import RpcClient
 from tests.epuck_gateway.conftest import GATEWAY, BusRecorder, wait_until
 from tests.fixtures import Broker
@@ -180,7 +180,7 @@ def test_over_wifi_at_a_slow_image_rate_the_stop_leaves_at_once_and_is_reported_
             assert abs(fault["ts"] - arrived) <= 0.2, (fault["ts"], arrived)  # the time it left, not decided
             assert wait_until(lambda: robot.world.speed_left == 0, 5)
             # applied at the robot's next cycle: the stop replaces a set_speed the robot had not taken yet (written
-            # 5 times, so the firmware drops the older), it does not wait behind it (links/wifi.py)
+            # 5 times, so the firmware drops the older), it does not wait behind it (transport/wifi.py)
             assert robot.stats.cycles <= cycles_at_stop + 1, (robot.stats.cycles, cycles_at_stop)
             # the robot has taken both commands and the gateway has seen it (one cycle more) before the next
             # round, or that round's set_speed would wait its turn behind them (two untaken at most)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from services.epuck_gateway.port_lock import hold_port
-from services.epuck_gateway.protocols.firmware import (
+from services.epuck_gateway.protocol.firmware import (
     BadFirmware,
     FirmwareError,
     FlashTimeout,

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from services.epuck_gateway.image import rgb565_image
-from services.epuck_gateway.protocols.wifi import SET_CALIBRATE_IR, SOUND_MARIO, SOUND_STOP, EpuckCommand
+from services.epuck_gateway.protocol.wifi import SET_CALIBRATE_IR, SOUND_MARIO, SOUND_STOP, EpuckCommand
 from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
 from shared.rpc import RpcClient
 from shared.tools.asyncapi import ContractValidator, build_document

@@ -12,7 +12,7 @@ from typing import Any
 from PIL import Image
 
 from services.epuck_gateway.image import rgb565_image
-from services.epuck_gateway.protocols.wifi import SOUND_MARIO
+from services.epuck_gateway.protocol.wifi import SOUND_MARIO
 from services.epuck_gateway.sim.serial import EpuckSerialSimThread
 from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
 from shared.rpc import RpcClient

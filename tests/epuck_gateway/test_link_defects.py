@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.epuck_gateway.links.wifi import EpuckLink, EpuckLinkConfig
-from services.epuck_gateway.protocols.wifi import LED_BITS, SOUND_MARIO, EpuckController
+from services.epuck_gateway.protocol.wifi import LED_BITS, SOUND_MARIO, EpuckController
 from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
+from services.epuck_gateway.transport.wifi import EpuckLink, EpuckLinkConfig
 
 States = list[tuple[float, bool, str, str]]
 

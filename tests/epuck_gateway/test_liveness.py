@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.epuck_gateway.links.liveness import LinkLiveness
-from services.epuck_gateway.protocols.wifi import REQ_IMAGE, REQ_SENSORS
+from services.epuck_gateway.protocol.wifi import REQ_IMAGE, REQ_SENSORS
+from services.epuck_gateway.transport.liveness import LinkLiveness
 
 
 def test_without_images_the_robot_talks_every_cycle() -> None:

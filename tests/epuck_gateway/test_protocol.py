@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.epuck_gateway.image import rgb565_image
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     COMMAND_SIZE,
     IMAGE_SIZE,
     SENSORS_SIZE,

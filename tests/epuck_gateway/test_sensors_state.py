@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from services.epuck_gateway.device import sensors_fields, sensors_fields_of, sensors_model
 from services.epuck_gateway.models import EpuckSensors
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     SENSORS_SIZE,
     EpuckRawSensors,
     StepUnwrapper,

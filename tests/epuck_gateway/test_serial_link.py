@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from services.epuck_gateway.links.serial import EpuckSerialConfig, EpuckSerialLink
 from services.epuck_gateway.port_lock import PortBusy, hold_port
-from services.epuck_gateway.protocols.wifi import SOUND_MARIO, EpuckController, EpuckRawSensors, Packet, SensorsPacket
+from services.epuck_gateway.protocol.wifi import SOUND_MARIO, EpuckController, EpuckRawSensors, Packet, SensorsPacket
 from services.epuck_gateway.sim.serial import EpuckSerialSimConfig, EpuckSerialSimThread
+from services.epuck_gateway.transport.serial import EpuckSerialConfig, EpuckSerialLink
 
 States = list[tuple[float, bool, str, str]]
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     EMPTY_ID,
     IMAGE_ID,
     SENSORS_ID,

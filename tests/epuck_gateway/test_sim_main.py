@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.epuck_gateway.links.serial import EpuckSerialConfig, EpuckSerialLink
-from services.epuck_gateway.protocols.wifi import EpuckController, Packet
+from services.epuck_gateway.protocol.wifi import EpuckController, Packet
+from services.epuck_gateway.transport.serial import EpuckSerialConfig, EpuckSerialLink
 from shared.tools.localbroker import REPO
 from tests.chaos.stack import consecutive_free_ports
 

@@ -6,8 +6,7 @@ import asyncio
 import contextlib
 import os
 
-from services.epuck_gateway.links.wifi import EpuckLink, EpuckLinkConfig
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     COMMAND_SIZE,
     EpuckCommand,
     EpuckController,
@@ -17,6 +16,7 @@ from services.epuck_gateway.protocols.wifi import (
     SensorsPacket,
     stop_command,
 )
+from services.epuck_gateway.transport.wifi import EpuckLink, EpuckLinkConfig
 
 
 def make_link(port: int, ctl: EpuckController, states: list[tuple[bool, str, str]],

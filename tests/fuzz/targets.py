@@ -85,7 +85,7 @@ def _boot_reply(data: bytes) -> object:
 
 
 def _epuck_stream(data: bytes) -> object:
-    from services.epuck_gateway.protocols.wifi import EpuckStreamParser
+    from services.epuck_gateway.protocol.wifi import EpuckStreamParser
 
     parser = EpuckStreamParser()
     events = []
@@ -97,13 +97,13 @@ def _epuck_stream(data: bytes) -> object:
 
 
 def _epuck_command(data: bytes) -> object:
-    from services.epuck_gateway.protocols.wifi import EpuckCommand
+    from services.epuck_gateway.protocol.wifi import EpuckCommand
 
     return EpuckCommand.decode(data)
 
 
 def _epuck_allowed() -> tuple[type[BaseException], ...]:
-    from services.epuck_gateway.protocols.wifi import ProtocolError
+    from services.epuck_gateway.protocol.wifi import ProtocolError
 
     return (ProtocolError,)
 
@@ -215,8 +215,8 @@ def targets() -> dict[str, Target]:
         Target("palm_command", _palm_command, tuple, ("services.ethercat_loop.protocol",), _palm_command_seeds),
         Target("ethercat_frame", _ethercat_frame, _ethercat_frame_allowed, ("services.ethercat_loop.sim.esc_frames",)),
         Target("bootloader_reply", _boot_reply, tuple, ("services.can_bootloader.protocol",)),
-        Target("epuck_stream", _epuck_stream, tuple, ("services.epuck_gateway.protocols.wifi",)),
-        Target("epuck_command", _epuck_command, _epuck_allowed, ("services.epuck_gateway.protocols.wifi",),
+        Target("epuck_stream", _epuck_stream, tuple, ("services.epuck_gateway.protocol.wifi",)),
+        Target("epuck_command", _epuck_command, _epuck_allowed, ("services.epuck_gateway.protocol.wifi",),
                lambda: [b"\x80" + bytes(20)]),
         Target("roi_datagram", _roi_datagram, _roi_allowed, ("services.roi_modules.protocol",),
                lambda: [b"\x01" + bytes(64), b"\x00" + bytes(64)]),

@@ -19,7 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from services.epuck_gateway.protocols.wifi import REQ_SENSORS, SENSORS_SIZE
+from services.epuck_gateway.protocol.wifi import REQ_SENSORS, SENSORS_SIZE
 from services.epuck_gateway.sim.wifi import EpuckSimConfig, EpuckSimThread
 from shared.tools.localbroker import Broker, free_port
 

@@ -284,7 +284,7 @@ def test_no_service_imports_a_simulator_or_a_transport_module():
     assert len(files) >= 5
     mods = _transport_modules()
     assert {"services.ethercat_loop.model_backend", "services.can_bootloader.sim",
-            "services.epuck_gateway.links.wifi", "services.epuck_gateway.links.serial",
+            "services.epuck_gateway.transport.wifi", "services.epuck_gateway.transport.serial",
             "services.roi_modules.udp", "services.dexter_gateway.tcp"} <= mods
     bad = {f"{f.relative_to(REPO)}:{v}" for f in files
            for v in forbidden_imports(f, f"services.{f.parent.name}.service", mods)}

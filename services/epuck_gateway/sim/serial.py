@@ -42,7 +42,7 @@ import tty
 from dataclasses import dataclass
 from typing import TypeVar
 
-from services.epuck_gateway.protocols.asercom import (
+from services.epuck_gateway.protocol.asercom import (
     CAM_RGB565,
     DEFAULT_IMAGE,
     AsercomChainParser,
@@ -50,7 +50,7 @@ from services.epuck_gateway.protocols.asercom import (
     all_sensors_block,
     parse_ascii_reply,
 )
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     COMMAND_ID,
     IMAGE_HEIGHT,
     IMAGE_WIDTH,

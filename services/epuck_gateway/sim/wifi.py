@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     COMMAND_ID,
     COMMAND_SIZE,
     EMPTY_ID,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     ACC_COUNTS_PER_G,
     IMAGE_HEIGHT,
     IMAGE_WIDTH,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.epuck_gateway.protocols.wifi import REQ_IMAGE
+from services.epuck_gateway.protocol.wifi import REQ_IMAGE
 
 RECENT_IMAGES = 8
 

@@ -30,7 +30,7 @@ connection's first command, which always has speeds 0.
 
 One-shots (sound, IR calibration, step-counter write) are level-triggered on the robot: the radio module
 re-sends the last command it took to the F407 on every exchange (reference section 3), and takes a new one once
-per cycle of its own. A command that carries a one-shot therefore asks for no image (protocols/wifi.py
+per cycle of its own. A command that carries a one-shot therefore asks for no image (protocol/wifi.py
 `EpuckController.build`): the cycle that applies it is short (the sensors packet, or 0x03), and the clear that
 follows it (with the streams asked for) is taken at the next; with the image in it, the one-shot stayed for a
 whole image period (at 0.5 fps a melody restarted 50-100 times).
@@ -41,7 +41,7 @@ probing once per probe period once the robot is `unreachable`. The budget it giv
 allowed silence for what the robot was asked to send (liveness.py), set again as the images actually
 seen change it (`set_budget`): a healthy slow image stream does not flap the link, and a robot that
 sends nothing at all is `silent` within the allowance in force. Valid data is a plausible sensors packet
-(protocols/wifi.implausible_sensors), or an image or 0x03 that another packet completes after (random bytes
+(protocol/wifi.implausible_sensors), or an image or 0x03 that another packet completes after (random bytes
 hold the ids 0x01/0x02/0x03 too); anything else is garbage, counted, and resets the link. A silent link is
 kept, not reset: a hung robot keeps its TCP connection and reconnecting would only make the health
 toggle; one probe (the current state again) goes out, and TCP_USER_TIMEOUT makes the kernel drop a
@@ -59,18 +59,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.epuck_gateway.links.base import (
-    ErrorHandler,
-    OpenFailed,
-    OwedHandler,
-    PacketsHandler,
-    RobotLink,
-    StateHandler,
-    budget_s,
-    link_policy,
-)
-from services.epuck_gateway.links.liveness import LinkLiveness
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     REQ_SENSORS,
     SET_OBSTACLE_AVOIDANCE,
     SET_STEPS,
@@ -86,6 +75,17 @@ from services.epuck_gateway.protocols.wifi import (
     implausible_sensors,
     stop_command,
 )
+from services.epuck_gateway.transport.base import (
+    ErrorHandler,
+    OpenFailed,
+    OwedHandler,
+    PacketsHandler,
+    RobotLink,
+    StateHandler,
+    budget_s,
+    link_policy,
+)
+from services.epuck_gateway.transport.liveness import LinkLiveness
 from shared.link import SupervisedLink
 
 if TYPE_CHECKING:

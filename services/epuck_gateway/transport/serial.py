@@ -54,19 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 import serial
 
-from services.epuck_gateway.links.base import (
-    ErrorHandler,
-    LineDropped,
-    OpenFailed,
-    OwedHandler,
-    PacketsHandler,
-    RobotLink,
-    StateHandler,
-    budget_s,
-    link_policy,
-)
 from services.epuck_gateway.port_lock import exclusive_tty, port_holder
-from services.epuck_gateway.protocols.asercom import (
+from services.epuck_gateway.protocol.asercom import (
     CAM_RGB565,
     DEFAULT_IMAGE,
     AsercomCommand,
@@ -81,7 +70,7 @@ from services.epuck_gateway.protocols.asercom import (
     sensors_packet,
     set_all_actuators,
 )
-from services.epuck_gateway.protocols.wifi import (
+from services.epuck_gateway.protocol.wifi import (
     REQ_IMAGE,
     REQ_SENSORS,
     EpuckController,
@@ -91,6 +80,17 @@ from services.epuck_gateway.protocols.wifi import (
     SensorsPacket,
     implausible_sensors,
     stop_command,
+)
+from services.epuck_gateway.transport.base import (
+    ErrorHandler,
+    LineDropped,
+    OpenFailed,
+    OwedHandler,
+    PacketsHandler,
+    RobotLink,
+    StateHandler,
+    budget_s,
+    link_policy,
 )
 from shared.link import SupervisedLink
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from services.epuck_gateway.protocols.wifi import EpuckController, FramingError, Packet
+from services.epuck_gateway.protocol.wifi import EpuckController, FramingError, Packet
 from shared.link import LinkPolicy, LinkState, SupervisedLink
 
 log = logging.getLogger("robobus.epuck.link")
@@ -44,7 +44,7 @@ class EpuckLinkStats:
     silences: int = 0
     reply_timeouts: int = 0  # serial: polls not answered in time
     garbage_bytes: int = 0  # bytes that cannot come from the robot (WiFi: a packet that failed its checks)
-    resyncs: int = 0  # serial: resynchronisations written (links/serial.py RESYNC): at each session's start and
+    resyncs: int = 0  # serial: resynchronisations written (transport/serial.py RESYNC): at each session's start and
     # whenever the line was out of step (a reply late, garbled, or followed by unasked bytes)
     resyncs_unanswered: int = 0  # serial: of those, the ones not answered within their window (written again)
 

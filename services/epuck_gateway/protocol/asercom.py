@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.epuck_gateway.protocols.wifi import SENSORS_SIZE, EpuckCommand, ProtocolError
+from services.epuck_gateway.protocol.wifi import SENSORS_SIZE, EpuckCommand, ProtocolError
 
 ALL_SENSORS_SIZE = 103  # -0x08: the WiFi sensors bytes 0..101 plus one reserved byte (no button)
 ACTUATORS_SIZE = 19  # -0x09 payload = WiFi command bytes 2..20
