@@ -1,5 +1,5 @@
 """roi-modules' MQTT surface: `RoiService` owns the transport (the one ROBOBUS_ROI_TRANSPORT names, loaded by name:
-`udp`, both UDP sockets, by default) and one device per configured ROI module (modules.py: each built from a
+`udp`, both UDP sockets, by default) and one device per configured ROI module (device.py: each built from a
 `ModuleContext`, not the service), runs one maintain task per module on one asyncio loop, and sends the bus stop;
 `build()` wires it all (the transport's factory checks the ROI ports).
 """
@@ -78,7 +78,7 @@ class RoiService:
         self.stop_timing: dict[str, float] = {}  # the last activation: early write, pass start (ms after read)
         self.by_name: dict[str, RoiModule] = {}
         self._confirming: set[asyncio.Task[None]] = set()
-        # what a module uses of the service (modules.py)
+        # what a module uses of the service (device.py)
         self.context = ModuleContext(node, settings, self.transport, self.stop_pass)
 
     def build_modules(self) -> None:

@@ -157,7 +157,7 @@ _GUARD: contextvars.ContextVar[SendGuard | None] = contextvars.ContextVar("roi_s
 def guard_sends(guard: SendGuard | None) -> None:
     """Every general request the calling task sends from now on asks `guard(packet)` before each send and resend
     (the first included): a non-empty answer ends the request with RequestRefused, nothing more sent. A motion
-    command's guard refuses once the bus stop is active (modules.py). A task's context is its own."""
+    command's guard refuses once the bus stop is active (device.py). A task's context is its own."""
     _GUARD.set(guard)
 
 
