@@ -18,6 +18,8 @@ repo=$(dirname "$here")
 secrets=$(realpath -m "${ROBOBUS_SECRETS_DIR:-$here/secrets}")
 export ROBOBUS_SECRETS_DIR=$secrets
 files=(-f "$here/compose.yaml" -f "$here/compose.foxglove.yaml")   # + robobus foxglove (profiles sim, foxglove)
+# compose.prometheus.yaml (profile prometheus) is not named here: compose.yaml includes it, and naming it again
+# merges its services with themselves (compose refuses the doubled list entries)
 notes=()
 
 dockerd_pid=$(pgrep -xo dockerd || true)

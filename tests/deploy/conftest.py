@@ -57,7 +57,7 @@ def docker_ready() -> Iterator[str]:
 
 
 # every profile the container tests bring up; the virtual hand runs in the ethercat-loop image
-ALL_PROFILES = "sim,record,hand,central"
+ALL_PROFILES = "sim,record,hand,central,prometheus"
 
 
 @pytest.fixture(scope="session")
