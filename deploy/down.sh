@@ -8,7 +8,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 if [ -n "${ROBOBUS_ENV_FILE:-}" ]; then set -a; . "$ROBOBUS_ENV_FILE"; set +a; fi
-export COMPOSE_PROFILES=${COMPOSE_PROFILES:-sim,hand,epuck,dexter}
+# every profile `make up` can start (compose's `down` removes no container of a profile it is not given)
+export COMPOSE_PROFILES=${COMPOSE_PROFILES:-sim,hand,epuck,dexter,record,central,foxglove,prometheus}
 secrets=${ROBOBUS_SECRETS_DIR:-$here/secrets}
 root=${ROBOBUS_TOPIC_ROOT:-robobus}
 compose() { ROBOBUS_COMPOSE_VERBOSE=0 "$here/compose.sh" "$@"; }
