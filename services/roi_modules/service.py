@@ -17,7 +17,7 @@ from services.roi_modules import protocol as p
 from services.roi_modules.api import API
 from services.roi_modules.device import MODULE_CLASSES, ModuleContext, MotionModule, RoiModule, StopPending
 from services.roi_modules.settings import RoiSettings
-from services.roi_modules.transport import RequestLost, RoiTransport, held_switch_interval
+from services.roi_modules.transport import RequestLost, RoiTransport, short_switch_interval
 from shared import CommandError, Node, ServiceUnavailable
 from shared.lifecycle import Hooks
 from shared.stop_pass import StopPass
@@ -43,7 +43,7 @@ class _ThreadFirstStopPass(StopPass):
             first, members = gen != self._gen, list(self._members)
         if first and self.node.loop is not None and threading.current_thread() is not _loop_thread(self.node):
             try:
-                with held_switch_interval():  # the loop's thread, busy, must not take the GIL every 1 ms meanwhile
+                with short_switch_interval():  # the loop's thread, busy, must not take the GIL for 1 ms at a time
                     self._svc._write_early(gen, members)
             except Exception:  # whatever failed here, the loop's pass writes every module's stop
                 log.exception("bus stop: the write from the kit's thread failed (the pass writes it)")

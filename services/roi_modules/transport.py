@@ -48,23 +48,20 @@ from typing import Any
 
 from services.roi_modules import protocol as p
 from services.roi_modules.resend import Ladder, Step
-from services.roi_modules.sendmmsg import send_many
 
 log = logging.getLogger("robobus.roi.transport")
 
 
-WRITE_SWITCH_INTERVAL_S = 0.005  # the interpreter's switch interval while the stop is written from a thread
+WRITE_SWITCH_INTERVAL_S = 1e-5  # the interpreter's switch interval while the stop is written from a thread
 
 
 @contextlib.contextmanager
-def held_switch_interval() -> Iterator[None]:
-    """The interpreter's switch interval at least WRITE_SWITCH_INTERVAL_S for the stop's write from the kit's
-    thread beside a busy loop: the write is a millisecond of Python (packets, reply futures, the datagram vector)
-    and one system call (sendmmsg), so the thread that holds the GIL should keep it until the datagrams are out.
-    At the service's 1 ms (or shorter) the busy loop took the GIL back every interval, and each hand-back waited
-    for a CPU (measured beside a loop serving 50 modules: 5-50 ms from the stop's read to its datagrams)."""
+def short_switch_interval() -> Iterator[None]:
+    """The interpreter's switch interval at WRITE_SWITCH_INTERVAL_S for a write from a thread beside a busy loop:
+    every sendto gives up the GIL, and taking it back from a busy thread waited a whole interval (1 ms) per
+    datagram (measured: 250 writes beside a busy thread, 240 ms; at 10 us, 22 ms)."""
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(max(interval, WRITE_SWITCH_INTERVAL_S))
+    sys.setswitchinterval(min(interval, WRITE_SWITCH_INTERVAL_S))
     try:
         yield
     finally:
@@ -357,26 +354,20 @@ class RoiTransport:
         if sock is None or loop is None or loop.is_closed():
             raise RequestLost("the transport is closed")
 
-        def write_all(datagrams: list[tuple[bytes, tuple[str, int]]]) -> None:
-            # one system call for the whole stop (sendmmsg.py: each sendto gave the GIL up to a busy thread)
+        def write(data: bytes, dest: tuple[str, int]) -> None:
             try:
-                sent = send_many(sock, datagrams)
+                sock.sendto(data, dest)
             except OSError as exc:  # a full socket buffer (non-blocking) or closed meanwhile
-                raise RequestLost(f"the stop's datagrams were not written: {exc}") from None
-            if sent < len(datagrams):
-                raise RequestLost(f"the stop's datagram to {datagrams[sent][1][0]} was not written "
-                                  f"({sent} of {len(datagrams)} were)")
+                raise RequestLost(f"the stop's datagram to {dest[0]} was not written: {exc}") from None
 
-        with held_switch_interval():
-            sent = self._write_batch(loop, None, batch, write_all)
+        with short_switch_interval():
+            sent = self._write_batch(loop, write, batch)
         self.thread_writes += 1
         return sent
 
-    def _write_batch(self, loop: asyncio.AbstractEventLoop, write: Callable[[bytes, tuple[str, int]], None] | None,
-                     batch: list[tuple[int, list[p.GeneralPacket]]],
-                     write_all: Callable[[list[tuple[bytes, tuple[str, int]]]], None] | None = None,
+    def _write_batch(self, loop: asyncio.AbstractEventLoop, write: Callable[[bytes, tuple[str, int]], None],
+                     batch: list[tuple[int, list[p.GeneralPacket]]]
                      ) -> list[tuple[float, list[asyncio.Future[p.GeneralPacket]]]]:
-        """The writes of send_now_many: one datagram at a time with `write`, or all in one call with `write_all`."""
         port = self.cfg.general_port
         # everything but the writes first (bytes, reply futures: no reply is read before this returns), so that
         # the datagrams leave back to back
@@ -394,18 +385,11 @@ class RoiTransport:
                         rounds.append([])
                     rounds[i].append((n, pkt.encode(), dest, i == len(pkts) - 1))
         left = [0.0] * len(batch)
-        if write_all is not None:
-            # stamped as the call starts: the datagrams leave during it, and taking the GIL back after it may wait
-            t = time.time()
-            write_all([(data, dest) for writes in rounds for _, data, dest, _ in writes])
-            left = [t] * len(batch)
-        else:
-            assert write is not None
-            for writes in rounds:
-                for n, data, dest, last in writes:
-                    write(data, dest)
-                    if last:
-                        left[n] = time.time()
+        for writes in rounds:
+            for n, data, dest, last in writes:
+                write(data, dest)
+                if last:
+                    left[n] = time.time()
         for octet, pkts in batch:
             self.links[octet].sent += len(pkts)
         now = time.time()

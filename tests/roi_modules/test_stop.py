@@ -209,14 +209,14 @@ def test_the_stop_reaches_every_module_while_the_services_loop_is_held(rig: Rig)
 
 def test_a_write_from_the_kits_thread_that_fails_unexpectedly_leaves_the_stop_to_the_loops_pass(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever breaks the kit thread's write (here: the batched send raises something no socket raises), the
+    """Whatever breaks the kit thread's write (here: it raises something no socket raises), the
     loop's pass is still scheduled and writes every module's stop; the answer reports those writes."""
-    from services.roi_modules import transport
+    from services.roi_modules.transport import RoiTransport
 
-    def broken(*_: object) -> int:
+    def broken(*_: object) -> object:
         raise RuntimeError("not a socket error")
 
-    monkeypatch.setattr(transport, "send_many", broken)
+    monkeypatch.setattr(RoiTransport, "send_from_thread", broken)
     moving(rig)
     rig.sim.watch_stop()
     stop = set_stop(rig, True, "thread write broken")
