@@ -249,7 +249,11 @@ class Device:
     def publish_health(self) -> None:
         """Retained, with a Message Expiry Interval of a few heartbeats (`health_expiry_beats`): the broker drops
         it when its node dies without a word (kill -9, a cut), so a reader of one device's health is never told a
-        dead node's device is live."""
+        dead node's device is live. Nothing while the node is not connected: paho would queue it and send it after
+        the connect, behind the fresh health the node publishes then for every device, so the retained health
+        would be an older state than the device's (seen: `connecting` after `operational`)."""
+        if not self.node.session.connected.is_set():
+            return
         with self._publish_lock:
             self._health_tickets += 1
             ticket = self._health_tickets

@@ -386,3 +386,39 @@ def test_a_published_health_states_the_age_as_of_its_publishing(echo_node: Node,
     said = float(seen[-1]["error_message"].split("no valid data for ")[1].split(" s")[0])
     age = seen[-1]["details"]["link"]["last_data_age_s"]
     assert said >= 1.2 and abs(said - age) < 0.15, seen[-1]
+
+
+def test_no_health_is_queued_while_the_node_is_not_connected(broker_session: Any) -> None:
+    """Health changes before the node is connected are not queued in paho (which would send them after the fresh
+    health the node publishes at its connect, leaving an older state retained): the retained health after the
+    connect is the device's newest."""
+    from tests.kit.echo_node import API, build
+
+    node = Node(API, broker_session.settings(node=f"early-{time.monotonic_ns()}", health_interval_s=30))
+    stop = build(node, "early")  # the echo service's handlers on device `early`
+    dev = node.device("early")
+    link = dev.supervise_link(LinkPolicy(liveness_s=5.0))
+    link.attempt()
+    link.opened()  # connected (the link), then operational, all before the node's MQTT connect
+    queued = len(node.session.client._out_messages)  # paho's queue of messages not yet sent
+    link.data()
+    dev.set_health(details={"early": True})
+    assert len(node.session.client._out_messages) == queued, "a health change was queued while not connected"
+    client = RpcClient(broker_session.settings(), name=f"early-reader-{time.monotonic_ns()}")
+    client.connect()
+    try:
+        node.start()
+        assert node.session.wait_ready(10)
+        def retained() -> list[dict[str, Any]]:
+            return [json.loads(p) for _, p, _ in client.collect_retained(f"{dev.base}/health")]
+
+        assert wait_for(lambda: bool(retained()), 10)
+        got = retained()
+        assert got and got[-1]["state"] == "operational" and got[-1]["details"]["early"] is True, got
+        time.sleep(0.5)  # anything queued would have followed the connect's publish by now
+        again = retained()
+        assert again and again[-1]["state"] == "operational", again
+    finally:
+        stop.set()
+        node.stop()
+        client.close()
