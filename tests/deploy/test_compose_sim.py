@@ -56,6 +56,7 @@ def test_every_node_online_and_every_container_healthy(sim: Stack):
     for node in expected_nodes():
         assert seen.get(node, {}).get("online") is True, (node, seen.get(node), sim.logs())
     states = {c["Service"]: c for c in sim.containers()}
+    assert "foxglove" in states, sorted(states)  # `robobus foxglove` is part of make up's sim profile
     for svc, c in states.items():
         assert c["State"] == "running", (svc, c)
         if svc not in ("epuck-sim", "roi-sim", "dexter-sim"):  # device simulators speak no MQTT
