@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -331,6 +332,17 @@ def _start(exe: str, conf: Path) -> subprocess.Popen[bytes]:
                             start_new_session=True)
 
 
+def _wait_listening(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), 1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"no broker listening on port {port} after {timeout_s:g} s"
+            time.sleep(0.05)
+
+
 @pytest.fixture
 def host_fleet(tmp_path: Path) -> Iterator[tuple[int, Path, subprocess.Popen[bytes]]]:
     """(centre's port, centre's secrets, the edge broker's process) with the bridge up."""
@@ -350,6 +362,8 @@ def host_fleet(tmp_path: Path) -> Iterator[tuple[int, Path, subprocess.Popen[byt
         + make_secrets.bridge_conf("site-a", "site-a/robobus", f"127.0.0.1:{cport}", u, p))
     procs = [_start(exe, tmp_path / "central.conf"), _start(exe, tmp_path / "edge.conf")]
     try:
+        for port in (cport, eport):  # both listening before a test connects (a loaded host starts them slowly)
+            _wait_listening(port, 15)
         yield cport, central, procs[1]
     finally:
         for proc in procs:

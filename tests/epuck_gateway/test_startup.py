@@ -54,6 +54,7 @@ def test_a_health_snapshot_read_before_a_change_is_never_published_after_it() ->
         return True
 
     setattr(node.session, "publish", record)  # noqa: B010 (a stand-in for the broker)
+    node.session.connected.set()  # as connected (no health is published before the node is)
     dev.set_health(state="connecting")
     read, go = threading.Event(), threading.Event()
     real = dev.health_message
