@@ -17,7 +17,7 @@ FOXCLIENT := tests/foxglove/wsclient
 PYTEST_WORKERS ?= 4
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps run test lint pytest bench bench-quick perf-table schema schema-check chaos soak prove screenshots clean help
+.PHONY: setup system-deps docker-deps run test lint pytest bench bench-quick perf-table schema schema-check chaos soak prove screenshots clean help
 
 help:
 	@echo "make run     start a local mosquitto and every service on simulators"
@@ -92,13 +92,20 @@ pytest: setup
 # pytest prints the slowest 15 tests and, from ROBOBUS_TEST_T0, the wall time of `make test` after setup. Lint runs
 # beside the tests, niced (it is CPU for half a minute, the suite mostly waits); its output is printed after them, and
 # either failing fails `make test`.
-test: setup
+test: setup docker-deps
 	@export ROBOBUS_TEST_T0=$$(date +%s.%N); lint_log=$$(mktemp); \
 	( nice -n 10 $(MAKE) --no-print-directory lint > $$lint_log 2>&1; echo $$? > $$lint_log.rc ) & \
 	$(MAKE) --no-print-directory pytest; rc=$$?; wait; \
 	echo "== make lint (beside the tests)"; cat $$lint_log; lint_rc=$$(cat $$lint_log.rc); rm -f $$lint_log $$lint_log.rc; \
 	if [ "$$lint_rc" != 0 ]; then echo "make test: lint failed"; fi; \
 	[ "$$rc" = 0 ] && [ "$$lint_rc" = 0 ]
+
+# The container tests' engine (docker.io, compose v2, dockerd, a base image: deploy/dev/ensure-docker.sh), installed
+# or started when missing, as part of make test's setup (before its timer starts, like the apt packages of
+# system-deps); not for `make run`, which needs no docker. Where docker cannot run, the container tests skip saying why.
+docker-deps:
+	@if [ "$$(id -u)" = 0 ] && [ -z "$${ROBOBUS_SKIP_DOCKER:-}" ]; then \
+	  deploy/dev/ensure-docker.sh > /dev/null || echo "make test: docker cannot run here (the container tests say why)"; fi
 
 # The busy-machine proof: the whole suite RUNS times with a CPU hog on one core, RUNS times quiet.
 RUNS ?= 3
@@ -121,7 +128,7 @@ schema-check: setup
 # bench/suite.py (`make test` on a fresh clone, timed) is the whole suite, so not a default: BENCHES=suite.
 # ethercat_cycle and deploy need root (deploy docker too): without them they say so and write nothing. A bench
 # that fails does not stop the others; `make bench` names it at the end and fails.
-BENCHES ?= rpc ethercat_cycle ethercat_model_idle flash epuck roi dexter stop record dashboard deploy footprint prometheus foxglove_bridge
+BENCHES ?= rpc ethercat_cycle ethercat_model_idle flash epuck roi dexter stop record dashboard deploy footprint prometheus foxglove_bridge fleet
 bench: setup
 	@failed=""; for b in $(BENCHES); do echo "== bench/$$b.py $(BENCH_ARGS)"; \
 	  ROBOBUS_BENCH_RESULTS=bench/results $(BIN)/python bench/$$b.py $(BENCH_ARGS) || failed="$$failed $$b"; done; \

@@ -18,6 +18,14 @@ Targets: >= 30 fps and <= 25 % of one core in the browser. Last line: one JSON o
     python bench/dashboard.py --quick    # 10 s per view
     python bench/dashboard.py --quick --stack three
     python bench/dashboard.py --quick --direct   # the page on the broker's websockets listener, not the relay
+    python bench/dashboard.py --fleet 100        # the fleet view at a centre of 100 sites (below)
+
+`--fleet N`: the page as at a fleet's centre of N sites (the sites named as ROBOBUS_CENTRAL_SITES names them):
+the broker holds what a centre holds of each (fleet-watch's verdict, three nodes' status, five devices' health,
+tests/dashboard/stack.py fleet_messages) and every device's health is published again every 5 s (the kit's
+heartbeat), N sites' worth. Measured: the time from opening the page to every site's row drawn in order, and
+one window of the top of the page (the fleet rows above the make-run stack's own view) with the same figures
+and targets.
 
 The page connects as `robobus dashboard` serves it by default: through the dashboard server's relay (/mqtt,
 one websocket frame per 50 ms at most, shared/tools/dashboard/relay.py); `--direct` puts it on mosquitto's
@@ -48,6 +56,7 @@ from tests.dashboard.stack import (  # noqa: E402
     NODES_EARLIER,
     browser,
     browser_missing,
+    fleet_messages,
     measure_page,
     sim_stack,
 )
@@ -80,7 +89,12 @@ def main() -> None:
                          "e-pucks and the CAN boards, the stack of the first figures (to compare with them)")
     ap.add_argument("--direct", action="store_true",
                     help="the page on the broker's websockets listener instead of the dashboard server's relay")
+    ap.add_argument("--fleet", type=int, default=0, metavar="N",
+                    help="the fleet view at a centre of N sites (their health refreshed every 5 s)")
     a = ap.parse_args()
+    if a.fleet:
+        fleet_main(a)
+        return
     nodes = NODES if a.stack == "make-run" else NODES_EARLIER
     seconds = 10.0 if a.quick else a.seconds
     why = browser_missing()
@@ -153,6 +167,76 @@ def main() -> None:
         Figure("frames per second of the page, worst view", round(worst_fps, 1), "fps", ">=", TARGET_FPS),
     ], variant=variant_name("quick" if a.quick else "", "three" if a.stack == "three" else "",
                             "direct" if a.direct else ""))
+
+
+def fleet_main(a: argparse.Namespace) -> None:
+    """The fleet view at a centre of `a.fleet` sites (the module docstring)."""
+    import threading
+
+    seconds = 10.0 if a.quick else a.seconds
+    why = browser_missing()
+    if why:
+        print(f"dashboard benchmark skipped: {why}")
+        print(json.dumps({"skipped": why}))
+        return
+    tag = f"bf{os.getpid() % 10000}s"
+    msgs = fleet_messages(a.fleet, tag)
+    health = [(t, p) for t, p in msgs if t.endswith("/health")]
+    sites = "%20".join(f"{tag}{i:03d}={tag}{i:03d}/robobus" for i in range(a.fleet))
+    stop = threading.Event()
+    with sim_stack(nodes=NODES) as (stack, client), browser(1920, 1080) as ctx:
+        for t, p in msgs:
+            client.session.publish(t, p, qos=1, retain=True)
+
+        def heartbeats() -> None:  # every device's health again every 5 s, spread over the period
+            while not stop.is_set():
+                for t, p in health:
+                    client.session.publish(t, p, qos=1, retain=True)
+                    if stop.wait(5.0 / len(health)):
+                        return
+
+        beat = threading.Thread(target=heartbeats, daemon=True)
+        beat.start()
+        try:
+            page = ctx.new_page()
+            broker_url = stack.dashboard_url.replace("http://", "ws://") + "mqtt"
+            t0 = time.monotonic()
+            page.goto(f"{stack.dashboard_url}?broker={broker_url}&sites={sites}")
+            page.wait_for_function(f"() => document.querySelectorAll('#fleet-sites tbody tr').length === {a.fleet} "
+                                   f"&& document.querySelector('#fleet-sites tbody tr').dataset.site === '{tag}000'",
+                                   timeout=120_000)
+            shown_s = time.monotonic() - t0
+            for node in NODES:
+                page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=60_000)
+            time.sleep(a.warmup)
+            views: dict[str, dict[str, Any]] = {}
+            for probe in (False, True):
+                views[f"fleet of {a.fleet} above the site's view{', fps probe on' if probe else ''}"] = measure_page(
+                    page, seconds, fps_probe=probe)
+        finally:
+            stop.set()
+            beat.join(10)
+            for t, _ in msgs:
+                client.session.publish(t, b"", qos=1, retain=True)
+    worst_fps = min(v["fps"] for v in views.values() if v["fps"] is not None)
+    worst_cpu = max(v["browser_cpu_pct_all_processes"] for v in views.values() if v["fps"] is None)
+    print(f"fleet view: {a.fleet} sites ({len(msgs)} retained messages, {len(health) / 5.0:.0f} health messages/s) "
+          f"drawn in order {shown_s:.2f} s after the page opened")
+    for name, v in views.items():
+        print(f"{name}: {v['fps'] if v['fps'] is not None else v['draws_per_s']} fps/draws, {v['msgs_per_s']:.0f} "
+              f"msg/s, handling {v['handling_pct_of_core']:.1f} % + drawing {v['drawing_pct_of_core']:.1f} % of a "
+              f"core, all chromium processes {v['browser_cpu_pct_all_processes']:.1f} % of one core")
+    result = {"fleet_sites": a.fleet, "retained_messages": len(msgs), "health_per_s": round(len(health) / 5.0, 1),
+              "shown_s": round(shown_s, 2), "views": views, "seconds_per_view": seconds,
+              "targets": {"fps_ge_30": worst_fps >= TARGET_FPS,
+                          "browser_cpu_le_25pct": worst_cpu <= TARGET_BROWSER_CPU_PCT}}
+    result["pass"] = all(result["targets"].values())  # type: ignore[attr-defined]
+    report("dashboard", result, [
+        Figure(f"the fleet view of {a.fleet} sites drawn after the page opened", round(shown_s, 2), "s", None, None),
+        Figure("every chromium process, fleet view", round(worst_cpu, 1), "% of a core", "<=",
+               TARGET_BROWSER_CPU_PCT),
+        Figure("frames per second of the page, fleet view", round(worst_fps, 1), "fps", ">=", TARGET_FPS),
+    ], variant=variant_name("quick" if a.quick else "", f"fleet{a.fleet}"))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ from results import Figure, report, variant_name  # noqa: E402
 from rpc import BareClient, bare_round_trips, serve_bare_loop  # noqa: E402  (bench/rpc.py: the bare paho echo)
 
 from services.dexter_gateway import protocol as p  # noqa: E402
-from services.dexter_gateway.transport import DexterLink, DexterLinkConfig  # noqa: E402
+from services.dexter_gateway.link import DexterLinkConfig  # noqa: E402
+from services.dexter_gateway.transport import DexterLink  # noqa: E402
 from shared.rpc import RpcClient, wait_for  # noqa: E402
 from shared.tools.localbroker import Broker, NodeProcess, free_port  # noqa: E402
 

@@ -7,6 +7,11 @@ the MQTT message arriving. Reported: gateway CPU, latency p50/p99, frames droppe
 over the run, and how fast every robot's health says it is lost once the simulator is frozen (SIGSTOP: no FIN,
 like robots leaving WiFi range). Last line: one JSON object.
 
+The broker, the gateway and the bare reference run as `make run` starts the broker and the nodes: SCHED_FIFO 10
+where the host permits it (`--priority 0`: ordinary, its own result variant). The subscriber that stamps the
+arrivals runs at ordinary priority, as a user's dashboard would; `--subscriber-priority` puts it at the same
+priority (a client on this host as services/ethercat_loop/README.md advises), which isolates the bus's own path.
+
 The gateway's CPU is judged as a ratio to a reference measured in the same run, on the same host: a % of a core
 does not travel between hosts (the same CPU model under another kernel build took twice the CPU). The bare
 reference (`bare_main`, a process of its own, once the gateway has left) reads the same robots' streams on one
@@ -54,6 +59,7 @@ import paho.mqtt.client as mqtt
 from ethercat_cycle import Hog
 from paho.mqtt.enums import CallbackAPIVersion
 from results import Figure, report, variant_name
+from run_priority import chrt, fifo_threads, run_priority, set_fifo
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -312,6 +318,13 @@ def main() -> None:
     ap.add_argument("--hog", action="store_true", help="beside stress-ng " + " ".join(HOG_ARGS) + " (both windows)")
     ap.add_argument("--line-rate", action="store_true",
                     help="robots stream as fast as the socket takes it; the gateway keeps its caps")
+    ap.add_argument("--priority", type=int, default=None,
+                    help="SCHED_FIFO priority of the broker, the gateway and the bare reference, as make run starts "
+                         "the broker and the nodes (ROBOBUS_RUN_RT_PRIORITY, default 10 where this host permits it; "
+                         "0: ordinary scheduling)")
+    ap.add_argument("--subscriber-priority", action="store_true",
+                    help="the bench's subscriber (its threads) at --priority too, as the ethercat-loop README advises "
+                         "for a client on the same host (default: ordinary, as a user's dashboard runs)")
     ap.add_argument("--serial", type=int, default=0, metavar="N", help="serial mode: N robots on ptys (asercom v2)")
     ap.add_argument("--poll-hz", type=float, default=1000.0, help="serial mode: polls per second per robot")
     ap.add_argument("--py-spy", metavar="FILE", default="",
@@ -330,6 +343,8 @@ def main() -> None:
     warmup = 3.0 if a.quick else 5.0
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     images = not a.sensors_only
+    priority, priority_note = run_priority(a.priority)
+    print(f"broker, gateway and bare reference: {priority_note}", flush=True)
     gw_env = {"ROBOBUS_EPUCK_SENSORS_HZ": str(a.sensors_hz), "ROBOBUS_EPUCK_IMAGE_FPS": str(a.image_fps),
               "ROBOBUS_LOG_LEVEL": "WARNING", "ROBOBUS_EPUCK_STREAM_IMAGE": "true" if images else "false"}
 
@@ -337,6 +352,8 @@ def main() -> None:
         hog = Hog(Path(tmp), HOG_ARGS) if a.hog else None
         broker = Broker(free_port(), Path(tmp))
         broker.start()
+        if broker.proc is not None:
+            set_fifo(broker.proc.pid, priority)
         sim = subprocess.Popen(
             [sys.executable, "-m", "services.epuck_gateway.sim", "--count", str(a.robots), "--base-port", "0",
              "--stamp", "--free-sensors", "--sensors-hz", robot_hz, "--image-fps", robot_fps],
@@ -357,9 +374,14 @@ def main() -> None:
             sub.start()
             if not sub.wait_connected(10):
                 raise RuntimeError("subscriber could not connect to the broker")
+            if a.subscriber_priority:
+                # this bench's threads (the subscriber that stamps each arrival) at the gateway's priority: a client
+                # the host's load keeps off the CPU receives late whatever the gateway does. Its threads only: the
+                # simulator, the hog and the bare reference run as they were started.
+                fifo_threads(priority)
             time.sleep(0.3)
             gw = subprocess.Popen(
-                [sys.executable, "-m", "services.epuck_gateway"], cwd=REPO,
+                [*chrt(priority), sys.executable, "-m", "services.epuck_gateway"], cwd=REPO,
                 env={**env, "ROBOBUS_MQTT_URL": broker.url, "ROBOBUS_EPUCK_ROBOTS": json.dumps(robots), **gw_env},
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(warmup)
@@ -409,7 +431,8 @@ def main() -> None:
             spec = {"robots": [[r["host"], r["port"]] for r in robots], "robot_names": [r["id"] for r in robots],
                     "request": REQ_SENSORS | (REQ_IMAGE if images else 0), "broker": broker.url,
                     "messages": reference_messages(kinds, gw_window.seconds)}
-            bare = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--bare", json.dumps(spec)],
+            bare = subprocess.Popen([*chrt(priority), sys.executable, str(Path(__file__).resolve()), "--bare",
+                                     json.dumps(spec)],
                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             read_json_line(bare, "bare_ready", 20)
             time.sleep(min(warmup, 3.0))
@@ -457,6 +480,9 @@ def main() -> None:
         "image_fps": a.image_fps if images else 0,
         "line_rate": a.line_rate,
         "hog": " ".join(HOG_ARGS) if a.hog else None,
+        "rt_priority": priority,
+        "priority": priority_note,
+        "subscriber_priority": priority if a.subscriber_priority else 0,
         "measured_s": round(gw_window.seconds, 1),
         "gateway_cpu_pct_of_one_core": round(cpu_pct, 1),
         # the reference measured in the same run (bare_main): the gateway's CPU is judged as a ratio to it
@@ -514,7 +540,9 @@ def main() -> None:
         Figure("camera frames dropped", dropped, "", "<=", 0),
         Figure("lost robots seen within", round(max(rec.lost.values(), default=float("inf")), 3), "s", "<=", 1.0),
     ], variant=variant_name("quick" if a.quick else "", f"robots{a.robots}" if a.robots != 20 else "",
-                            "sensors-only" if a.sensors_only else "", "hog" if a.hog else ""))
+                            "sensors-only" if a.sensors_only else "", "hog" if a.hog else "",
+                            "" if priority else "ordinary-priority",
+                            "fifo-subscriber" if a.subscriber_priority and priority else ""))
 
 
 TARGET_SERIAL_HZ = 50.0  # a serial robot should be polled at least as often as the WiFi sensors stream

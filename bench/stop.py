@@ -6,7 +6,9 @@ private broker and free ports. Each simulator stamps the first stop bytes it rec
 (docs/kit.md "Stopping everything"; the simulators' stop watches):
 
 - e-pucks: the first command that sets both wheel speeds to 0, stamped with the kernel's arrival time of its bytes
-  (one simulator loop serves all 20 robots) (services/epuck_gateway/sim/, SIGUSR2 arms);
+  (one simulator loop serves all 20 robots) (services/epuck_gateway/sim/, SIGUSR2 arms); the simulator runs one
+  SCHED_FIFO step above the nodes, as robots are machines of their own: starved, it read late, and the kernel had
+  merged the stop's TCP segment with a later command's, stamped with the later arrival;
 - ROI modules: the first stop datagram (ODrive SET_VELOCITY 0, actuator length setter, GPIO SET_OUTPUT; every
   GPIO module has a `stop_outputs` pin here), stamped with the kernel's time of its arrival at the module's socket
   (one simulator thread serves all 51 modules: when it got round to reading each one is its own delay)
@@ -42,6 +44,11 @@ object.
                                        # stall; measured from the SIGCONT (--stall nodes: every node at once, a
                                        # frozen host's; --stall broker: the broker stalled instead)
 
+The broker and the service nodes run as `make run` starts them, at SCHED_FIFO 10 where the host permits it, and
+so do this bench's threads (the operator's client: a client starved by the host's load would publish the stop
+late whatever the bus does); the simulators and the hog run at ordinary priority. `--priority 0`: everything
+ordinary (its own result variant).
+
 Targets (this 2-core machine): p99 <= 20 ms quiet, <= 50 ms beside the hog, <= 50 ms from a stall's resume, for
 every service; 0 motion commands executed while stopped.
 """
@@ -69,6 +76,7 @@ from typing import IO, Any
 import paho.mqtt.client as mqtt
 from ethercat_cycle import HOG, Hog  # the mixed load of the cycle bench's --hog
 from results import Figure, report, variant_name  # notes the machine's load when imported: at the start
+from run_priority import chrt, fifo_threads, run_priority, set_fifo
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -87,11 +95,9 @@ TARGET_P99_HOG_MS = 50.0
 TARGET_P99_STALL_MS = 50.0  # from a stalled node's (or broker's) resume to the stop on every wire
 ROOT = "robobus"
 EPUCK, ROI, DEXTER, HAND = "epuck-gateway", "roi-modules", "dexter-gateway", "ethercat-loop"
+# the services measured; a registered service with a motion command that is not here says why in its rig
+# (SimRig.stop_unmeasured; tests/kit/test_bench_stop.py fails for one in neither)
 SERVICES = (EPUCK, ROI, DEXTER, HAND)
-# registered services with motion commands that this bench does not measure, and why (tests/kit/test_bench_stop.py
-# fails for a motion service in neither)
-NOT_MEASURED = {"can-bootloader": "its one motion command resets a motor board: nothing keeps moving to stop; "
-                                  "tests/can_bootloader/test_stop.py holds it to the stop"}
 HAND_DEVICE = "rh"
 ROI_HOST_OCTET = 200
 ROI_BENCH_OCTET = 201  # the bench's own address on the modules' network (the sentinel's traffic)
@@ -264,8 +270,9 @@ class System:
     """The simulators and the four services, each in its own process."""
 
     def __init__(self, tmp: Path, broker_url: str, robots: int, arms: int, virtual_hand: bool,
-                 roi_modules: int = 50) -> None:
+                 roi_modules: int = 50, rt_priority: int = 0) -> None:
         self.tmp = tmp
+        self.rt_priority = rt_priority  # SCHED_FIFO of the service nodes, as make run starts them (0: ordinary)
         self.virtual_hand = virtual_hand
         self.hand_ctl: HandControl | None = None
         self.broker_url = broker_url
@@ -299,9 +306,9 @@ class System:
         self.logs.append(f)
         return f
 
-    def sim(self, name: str, args: list[str]) -> JsonLines:
-        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=self.env, stdout=subprocess.PIPE,
-                                stderr=self._log(f"{name}.err"), text=True)
+    def sim(self, name: str, args: list[str], priority: int = 0) -> JsonLines:
+        proc = subprocess.Popen([*chrt(priority), sys.executable, *args], cwd=REPO, env=self.env,
+                                stdout=subprocess.PIPE, stderr=self._log(f"{name}.err"), text=True)
         self.procs.append(proc)
         self.pids[name] = proc.pid
         assert proc.stdout is not None
@@ -310,14 +317,21 @@ class System:
     def service(self, name: str, module: str, env: dict[str, str]) -> None:
         self.specs[name] = (module, env)
         log = self._log(name)
-        proc = subprocess.Popen([sys.executable, "-m", module], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        # every thread of the node at the priority from its first instruction, as make run's supervisor starts it
+        proc = subprocess.Popen([*chrt(self.rt_priority), sys.executable, "-m", module], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT,
                                 env={**self.env, "ROBOBUS_MQTT_URL": self.broker_url, "ROBOBUS_NODE": name, **env})
         self.procs.append(proc)
         self.pids[name] = proc.pid
 
     def start(self) -> None:
+        # The robots' side above the nodes' priority, as robots are machines of their own: a simulator starved by
+        # the nodes it stands beside reads late, and Linux merges TCP segments waiting unread into one, stamped
+        # with the newest's arrival (tcp_try_coalesce): a stop read late together with a command written 50 ms
+        # after it was timed by that command (broker stall rounds, the nodes at SCHED_FIFO draining backlogs)
         self.epuck_sim = self.sim("epuck-sim", ["-m", "services.epuck_gateway.sim", "--count", str(self.n_robots),
-                                                "--base-port", "0"])
+                                                "--base-port", "0"],
+                                  priority=self.rt_priority + 1 if self.rt_priority else 0)
         mods = ",".join(f"{m['type']}:{m['octet']}" for m in self.roi_modules) + f",gpio:{ROI_SENTINEL}"
         self.roi_sim = self.sim("roi-sim", ["-m", "services.roi_modules.sim", "--prefix", self.prefix, "--modules",
                                             mods, "--watch-stop", "--seed", "1", "--actuator-length"])
@@ -869,6 +883,9 @@ def main() -> None:
     ap.add_argument("--roi-modules", type=int, default=50, help="simulated ROI modules (default 50)")
     ap.add_argument("--robots", type=int, default=20)
     ap.add_argument("--arms", type=int, default=3)
+    ap.add_argument("--priority", type=int, default=None,
+                    help="SCHED_FIFO priority of the broker and the service nodes, as make run starts them "
+                         "(ROBOBUS_RUN_RT_PRIORITY, default 10 where this host permits it; 0: ordinary scheduling)")
     ap.add_argument("--hand", choices=("auto", "virtual", "model"), default="auto",
                     help="virtual: the virtual EtherCAT hand on a veth pair (root); model: the palm model backend, no "
                          "wire; auto: virtual where this machine can (default)")
@@ -878,19 +895,24 @@ def main() -> None:
         raise SystemExit(f"--hand virtual: {why_not}")
     virtual_hand = why_not is None
     rounds = a.rounds or (5 if a.quick else 25)
+    priority, priority_note = run_priority(a.priority)
     target = TARGET_P99_STALL_MS if a.stall else TARGET_P99_HOG_MS if a.hog else TARGET_P99_QUIET_MS
     if a.hog:
         ensure_stress_ng()
     result: dict[str, Any] = {"bench": "stop", "rounds": rounds, "hog": " ".join(HOG) if a.hog else None,
                               "stall": a.stall, "stall_s": a.stall_s if a.stall else None, "robots": a.robots,
                               "roi_modules": a.roi_modules, "dexters": a.arms,
-                              "hand": "virtual hand on a veth pair" if virtual_hand else f"model backend ({why_not})"}
+                              "hand": "virtual hand on a veth pair" if virtual_hand else f"model backend ({why_not})",
+                              "rt_priority": priority, "priority": priority_note}
     hog: Hog | None = None
     with tempfile.TemporaryDirectory(prefix="robobus-bench-stop-") as tmpdir:
         tmp = Path(tmpdir)
         broker = Broker(free_port(), tmp)
         broker.start()
-        system = System(tmp, broker.url, a.robots, a.arms, virtual_hand, a.roi_modules)
+        if broker.proc is not None:
+            set_fifo(broker.proc.pid, priority)
+        print(f"broker, service nodes and this bench's client: {priority_note}", flush=True)
+        system = System(tmp, broker.url, a.robots, a.arms, virtual_hand, a.roi_modules, priority)
         client = RpcClient(KitSettings(mqtt_url=broker.url), name="bench-stop")
         bench: Bench | None = None
         try:
@@ -915,6 +937,11 @@ def main() -> None:
             if a.hog:
                 hog = Hog(tmp)
                 time.sleep(1.0)
+            # the operator's client (this process's threads: its stop publishes, the watches' readers) at the same
+            # priority, as services/ethercat_loop/README.md has the client that drives the hand: the time measured
+            # starts at the publish, and a client the host's load keeps off the CPU would publish late whatever the
+            # bus does. Its threads only, once every child (simulators, the hog) runs: they keep their own.
+            fifo_threads(priority)
             result["watch_check"] = bench.check_watches()
             print(f"the watches see the motion probes when no stop is active: {result['watch_check']} "
                   f"({'every device' if bench.watch_check_ok else 'NOT every device: a leak could go unseen'})",
@@ -995,7 +1022,8 @@ def main() -> None:
                             f"stall-{a.stall}" if a.stall else "", "restart" if a.restart else "",
                             f"roi{a.roi_modules}" if a.roi_modules != 50 else "",
                             f"robots{a.robots}" if a.robots != 20 else "", f"arms{a.arms}" if a.arms != 3 else "",
-                            "model-hand" if not virtual_hand else ""))
+                            "model-hand" if not virtual_hand else "",
+                            "" if priority else "ordinary-priority"))
 
 
 if __name__ == "__main__":

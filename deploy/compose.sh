@@ -7,13 +7,12 @@
 #   compose.vhand.yaml     ROBOBUS_VHAND=1: the realtime container against a virtual hand (deploy/vhand.sh)
 #   compose.wan.yaml       ROBOBUS_WAN_NETWORK is set (a fleet simulated on one host)
 #   compose.tls.yaml       the secrets folder has certs/server.crt (a centre always has: make_secrets --central)
-# and the profiles: COMPOSE_PROFILES (default `sim`); `sim` brings sim-roi / sim-dexter along once
-# services/roi_modules / services/dexter_gateway exist. Uses Debian's docker client (/usr/bin/docker) with
+# and the profiles: COMPOSE_PROFILES (default `sim`); `sim` brings along every `sim-<name>` profile of
+# compose.yaml (sim-roi, sim-dexter, ...). Uses Debian's docker client (/usr/bin/docker) with
 # BuildKit when present: the client first on PATH may lack buildx.
 #   deploy/compose.sh up -d --build --wait      deploy/compose.sh ps      deploy/compose.sh down
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(dirname "$here")
 # absolute: compose resolves relative paths against deploy/, the caller means its own directory
 secrets=$(realpath -m "${ROBOBUS_SECRETS_DIR:-$here/secrets}")
 export ROBOBUS_SECRETS_DIR=$secrets
@@ -62,8 +61,12 @@ fi
 
 profiles=${COMPOSE_PROFILES:-sim}
 if [[ ",$profiles," == *,sim,* ]]; then
-  [ -f "$repo/services/roi_modules/sim.py" ] && profiles+=",sim-roi"
-  [ -f "$repo/services/dexter_gateway/sim.py" ] && profiles+=",sim-dexter"
+  # every `sim-<name>` profile of compose.yaml comes along: a service on its simulator that needs what the others
+  # do not (roi-modules shares its simulator's network namespace) is still part of the simulated system
+  for p in $(grep -oE '^[[:space:]]+profiles: \[[^]]*\]' "$here/compose.yaml" | grep -oE 'sim-[A-Za-z0-9_-]+' \
+             | sort -u); do
+    profiles+=",$p"
+  done
 fi
 export COMPOSE_PROFILES=$profiles
 

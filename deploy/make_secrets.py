@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: shared.registry, standard library only
+from shared.fleet_topics import root_filters
 from shared.registry import service_names
 
 PBKDF2_ITERATIONS = 101  # mosquitto_passwd's default for `$7$`
@@ -87,8 +88,11 @@ USES: dict[str, tuple[Grant, ...]] = {
 
 
 # A fleet bridge's topics under its site root (bridge_conf and the centre's ACL for its bridge user).
-BRIDGE_OUT = ("+/status", "+/+/health", "+/+/state/+", "+/+/event/+", "_client/+/reply", "_bridge/uptime",
-              "_bridge/state")
+# `+/+/cmd/+/reply`: a request without a Response Topic (an MQTT 3 client) is answered on <request topic>/reply
+# (README, commands), which must reach the centre's requester as an MQTT 5 reply does. One level deeper than
+# BRIDGE_IN's `+/+/cmd/+`, so nothing a bridge carries in goes back out.
+BRIDGE_OUT = ("+/status", "+/+/health", "+/+/state/+", "+/+/event/+", "_client/+/reply", "+/+/cmd/+/reply",
+              "_bridge/uptime", "_bridge/state")
 BRIDGE_IN = "+/+/cmd/+"
 # The bus stop (shared/stop.py) comes in too: the centre's operator stops (and releases) a site through its bridge.
 # The centre's {root}/_stop lands on the site's {root}/_stop/fleet, a latch of its own: the centre's retained copy,
@@ -162,15 +166,21 @@ def central_acl(sites: dict[str, str]) -> str:
         out += [f"user bridge-{site}", *(f"topic write {root}/{t}" for t in BRIDGE_OUT),
                 f"topic read {root}/{BRIDGE_IN}", f"topic read {root}/{UPLINK_SET}",
                 f"topic read {root}/{BRIDGE_STOP}", ""]
+    # The centre's two watchers subscribe one wildcard per depth of the sites' roots, not a filter per site
+    # (shared/fleet_topics.py: at a clustered centre they renew their subscriptions every few seconds, each filter
+    # checked against every access entry); their rules are those wildcards. Under a root only its site's bridge
+    # publishes, so a wildcard reads what the sites' own rules would, and a watcher ignores roots it has no site for.
+    roots = sorted(sites.values())
     # the centre's watcher (robobus fleet-watch): reads each site's heartbeat, says whether it is reachable
-    out += ["user fleet-watch"]
-    for root in sorted(sites.values()):
-        out += [f"topic read {root}/_bridge/uptime", f"topic write {root}/_bridge/reachable"]
-    # the centre's gate (deploy/fleet_gate.py): answers `unavailable` for a site fleet-watch says is cut off
-    out += ["", "user fleet-gate"]
-    for root in sorted(sites.values()):
-        out += [f"topic read {root}/_bridge/reachable", f"topic read {root}/{BRIDGE_IN}",
-                f"topic write {root}/_client/+/reply"]
+    out += ["user fleet-watch", *(f"topic read {f}" for f in root_filters(roots, "_bridge/uptime")),
+            *(f"topic write {f}" for f in root_filters(roots, "_bridge/reachable"))]
+    # the centre's gate (deploy/fleet_gate.py): answers `unavailable` for a site fleet-watch says is cut off; the
+    # heartbeat too: a command sent into a link that has just died is answered once no heartbeat follows it
+    out += ["", "user fleet-gate",
+            *(f"topic read {f}" for suffix in ("_bridge/reachable", "_bridge/uptime", BRIDGE_IN)
+              for f in root_filters(roots, suffix)),
+            *(f"topic write {f}" for suffix in ("_client/+/reply", f"{BRIDGE_IN}/reply")
+              for f in root_filters(roots, suffix))]
     out += ["", "user operator"]
     for root in sorted(sites.values()):
         # the bus stop of each site (bridged in): the operator alone sets and releases it, as at a site
@@ -370,36 +380,67 @@ def _openssl(folder: Path, *args: str) -> None:
                          ) from e
 
 
-def central_certs(folder: Path, names: list[str], rotate: bool = False) -> list[str]:
+def central_certs(folder: Path, names: list[str], rotate: str = "") -> list[str]:
     """The fleet's CA and the centre's server certificate in folder/certs (ca.crt, ca.key, server.crt, server.key:
     what compose.tls.yaml and mosquitto/tls.conf use), and folder/fleet-ca.crt, the copy for the sites. Kept on
     re-runs; the server certificate is made again when `names` (its subjectAltNames: the names and addresses the
-    sites connect to) change, with the same CA. Returns the names in the certificate."""
+    sites connect to) change, with the same CA. Returns the names in the certificate.
+
+    The CA is replaced in two steps, so that no site's bridge ever meets a certificate it does not trust (a
+    refused TLS bridge can leave mosquitto 2.0.11 serving nobody: deploy/README.md, "A site's broker that stops
+    serving"). `rotate="begin"`: a new CA and a server certificate from it wait in certs/next/; the centre keeps
+    serving the old one; fleet-ca.crt holds both CAs, which every site gets. `rotate="finish"`, once every site
+    has that file: the waiting CA and certificate take the old ones' place (restart the centre's broker), and
+    fleet-ca.crt holds the new CA alone (the sites' two-CA copies still trust it)."""
     certs = folder / "certs"
     certs.mkdir(exist_ok=True)
     os.chmod(certs, 0o755)
+    nxt = certs / "next"
     names = sorted(set(names))
-    if rotate or not (certs / "ca.crt").exists() or not (certs / "ca.key").exists():
-        _openssl(certs, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", str(TLS_DAYS),
-                 "-subj", "/CN=robobus fleet CA", "-keyout", "ca.key", "-out", "ca.crt")
-        os.chmod(certs / "ca.key", 0o600)
-        (certs / "server.names").unlink(missing_ok=True)
+    if rotate == "finish":
+        if not (nxt / "ca.crt").exists():
+            raise SystemExit("make_secrets: --rotate-ca-finish: no rotation begun (make_secrets --rotate-ca first)")
+        for f in ("ca.crt", "ca.key", "server.crt", "server.key", "server.names"):
+            shutil.move(str(nxt / f), str(certs / f))
+        shutil.rmtree(nxt)
+    if not (certs / "ca.crt").exists() or not (certs / "ca.key").exists():
+        _new_ca(certs)
     done = (certs / "server.names").read_text().split() if (certs / "server.names").exists() else None
     if done != names or not (certs / "server.crt").exists():
-        san = ",".join(f"IP:{n}" if _is_ip(n) else f"DNS:{n}" for n in names)
-        (certs / "san.ext").write_text(f"subjectAltName={san}\n")
-        _openssl(certs, "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={names[0]}", "-keyout", "server.key",
-                 "-out", "server.csr")
-        _openssl(certs, "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", str(TLS_DAYS), "-extfile", "san.ext", "-out", "server.crt")
-        key = certs / "server.key"
-        write_private(key, key.read_text(), owner=BROKER_UID)  # the broker (uid 1883) reads it
-        (certs / "server.names").write_text(" ".join(names) + "\n")
-    for f in ("ca.crt", "server.crt"):
-        os.chmod(certs / f, 0o644)
-    (folder / FLEET_CA).write_bytes((certs / "ca.crt").read_bytes())
+        _server_cert(certs, certs, names)
+    if rotate == "begin":
+        nxt.mkdir(exist_ok=True)
+        os.chmod(nxt, 0o755)
+        _new_ca(nxt)
+        _server_cert(nxt, nxt, names)
+    for d in (certs, nxt):
+        for f in ("ca.crt", "server.crt"):
+            if (d / f).exists():
+                os.chmod(d / f, 0o644)
+    bundle = (certs / "ca.crt").read_bytes() + ((nxt / "ca.crt").read_bytes() if (nxt / "ca.crt").exists() else b"")
+    (folder / FLEET_CA).write_bytes(bundle)
     os.chmod(folder / FLEET_CA, 0o644)
     return names
+
+
+def _new_ca(d: Path) -> None:
+    _openssl(d, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", str(TLS_DAYS),
+             "-subj", "/CN=robobus fleet CA", "-keyout", "ca.key", "-out", "ca.crt")
+    os.chmod(d / "ca.key", 0o600)
+    (d / "server.names").unlink(missing_ok=True)
+
+
+def _server_cert(ca_dir: Path, d: Path, names: list[str]) -> None:
+    """d/server.crt and server.key for `names`, signed by ca_dir's CA."""
+    san = ",".join(f"IP:{n}" if _is_ip(n) else f"DNS:{n}" for n in names)
+    (d / "san.ext").write_text(f"subjectAltName={san}\n")
+    _openssl(d, "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={names[0]}", "-keyout", "server.key",
+             "-out", "server.csr")
+    _openssl(d, "x509", "-req", "-in", "server.csr", "-CA", str(ca_dir / "ca.crt"), "-CAkey", str(ca_dir / "ca.key"),
+             "-CAcreateserial", "-days", str(TLS_DAYS), "-extfile", "san.ext", "-out", "server.crt")
+    key = d / "server.key"
+    write_private(key, key.read_text(), owner=BROKER_UID)  # the broker (uid 1883) reads it
+    (d / "server.names").write_text(" ".join(names) + "\n")
 
 
 def _is_ip(name: str) -> bool:
@@ -477,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="centre: a name or address sites connect to (its certificate's subjectAltName); "
                          "localhost, 127.0.0.1 and this host's names are always in")
     ap.add_argument("--rotate", action="store_true", help="new passwords for every user")
+    ap.add_argument("--rotate-ca", action="store_true",
+                    help="centre: begin replacing the fleet's CA (the centre keeps its certificate; fleet-ca.crt "
+                         "holds the old and the new CA: give it to every site)")
+    ap.add_argument("--rotate-ca-finish", action="store_true",
+                    help="centre: once every site has the two-CA fleet-ca.crt, switch the centre to the new CA's "
+                         "certificate (restart its broker)")
     args = ap.parse_args(argv)
     folder: Path = args.dir
     folder.mkdir(parents=True, exist_ok=True)
@@ -489,9 +536,15 @@ def main(argv: list[str] | None = None) -> int:
         acl = central_acl(sites)
         names = central_certs(folder, [*args.tls_name, "localhost", "127.0.0.1", socket.gethostname(),
                                        socket.getfqdn(), *((*CLUSTER_NODES, EJABBERD_HOST) if args.cluster else ())],
-                             args.rotate)
+                             "finish" if args.rotate_ca_finish else "begin" if args.rotate_ca else "")
         print(f"make_secrets: TLS for the sites' bridges: {folder}/certs/server.crt for {', '.join(names)}; "
               f"give each site {folder}/{FLEET_CA} with its bridge-<site>.env")
+        if args.rotate_ca:
+            print(f"make_secrets: a new CA waits in {folder}/certs/next/; {folder}/{FLEET_CA} now holds both CAs: "
+                  "give it to every site (restart their bridges), then run make_secrets --central --rotate-ca-finish "
+                  "and restart the centre's broker")
+        if args.rotate_ca_finish:
+            print("make_secrets: the centre's certificate is now the new CA's: restart the centre's broker")
     else:
         if args.bridge_to:
             site = next(iter(parse_pairs(args.site, "--site")), "") if args.site else ""

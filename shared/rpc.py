@@ -15,9 +15,31 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import paho.mqtt.client as mqtt
+from pydantic import Field, field_validator
 
+from shared.mqtt.failover import parse_brokers
 from shared.mqtt.session import MqttSession, command_properties, reply_properties, unique_client_id
 from shared.settings import KitSettings
+
+
+class FailoverSettings(KitSettings):
+    """A client of a clustered centre (the `robobus` CLI, the dashboard, fleet-watch, fleet-gate): its nodes in
+    ROBOBUS_FLEET_BROKERS, each reached with ROBOBUS_MQTT_URL's scheme, user and TLS."""
+
+    fleet_brokers: str = Field("", description="A clustered centre's nodes, 'HOST:PORT,HOST:PORT,...': connect to "
+                                               "the first and, when its node fails, to the next in turn (as a "
+                                               "site's bridge, round_robin); empty: ROBOBUS_MQTT_URL's broker")
+
+    @field_validator("fleet_brokers")
+    @classmethod
+    def _brokers(cls, v: str) -> str:
+        parse_brokers(v)
+        return v
+
+    def brokers(self) -> list[tuple[str, int]]:
+        """Where to connect, in order: ROBOBUS_FLEET_BROKERS' nodes, else ROBOBUS_MQTT_URL's broker."""
+        b = self.broker()
+        return parse_brokers(self.fleet_brokers) or [(b.host, b.port)]
 
 
 class RpcError(Exception):
@@ -75,12 +97,14 @@ class _Waiter:
 
 
 class RpcClient:
-    """A connected MQTT client that can call `{root}/{node}/{device}/cmd/{name}`."""
+    """A connected MQTT client that can call `{root}/{node}/{device}/cmd/{name}`. With FailoverSettings it
+    connects to the first of its brokers that answers and, on a drop, to the next in turn."""
 
     def __init__(self, settings: KitSettings | None = None, name: str = "robobus-client") -> None:
         self.settings = settings or KitSettings()
         self.root = self.settings.topic_root
-        self.session = MqttSession(self.settings, unique_client_id(name))
+        brokers = self.settings.brokers() if isinstance(self.settings, FailoverSettings) else None
+        self.session = MqttSession(self.settings, unique_client_id(name), brokers=brokers)
         self.reply_topic = f"{self.root}/_client/{self.session.client_id}/reply"
         self._pending: dict[bytes, _Waiter] = {}  # correlation data -> the call waiting for it
         self._lock = threading.Lock()
@@ -97,9 +121,9 @@ class RpcClient:
         self.session.start()
         if not self.session.wait_connected(timeout):
             self.session.stop()
-            b = self.session.broker
+            where = ", ".join(f"{h}:{p}" for h, p in self.session.brokers)
             why = self.session.last_error or "no answer"
-            raise ConnectionError(f"cannot use the MQTT broker at {b.host}:{b.port} ({why}) after {timeout:g} s")
+            raise ConnectionError(f"cannot use the MQTT broker at {where} ({why}) after {timeout:g} s")
         # The SUBACK for the reply topic must be in before the first request goes out.
         self._settle()
 

@@ -65,6 +65,7 @@ import functools
 import inspect
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -237,6 +238,23 @@ class StopPath:
         return f"the bus stop's path lags ({self.why}; last good round trip {age}): a stop may reach it late"
 
 
+def lift_this_thread() -> int | None:
+    """Put the calling thread one SCHED_FIFO priority above the one it runs at, when it runs at one (the node was
+    started at a realtime priority: `make run`, compose's hand profile). The stop connection's network thread, and
+    the stop actions it starts (threads inherit it), then preempt the node's own command threads: after a stall of
+    the broker or the node, the backlog of commands that reaches the node at once never holds a core the stop
+    needs. At an ordinary priority nothing changes (a thread cannot be put above its peers without realtime
+    rights). Returns the new priority, or None; raises OSError where the lift is refused (no CAP_SYS_NICE and an
+    RLIMIT_RTPRIO at the node's own priority)."""
+    if not hasattr(os, "sched_getscheduler"):
+        return None
+    if os.sched_getscheduler(0) != os.SCHED_FIFO:  # pid 0: the calling thread (Linux)
+        return None
+    priority = min(os.sched_getparam(0).sched_priority + 1, os.sched_get_priority_max(os.SCHED_FIFO))
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    return priority
+
+
 class StopLatch:
     """One node's view of its root's stop: the gate of motion commands, the devices' stop actions, the answer.
     It reads the stop on its own connection (`session`), made from `settings` with client id `client_id`."""
@@ -281,6 +299,8 @@ class StopLatch:
         self.known_event = threading.Event()  # set with `known` (tests and tools wait on it)
         self._when_known: list[Callable[[], None]] = []
         self._no_wait: set[int] = set()  # the two network threads (seen on connect): they must never wait
+        self.thread_priority: int | None = None  # the stop connection's thread's SCHED_FIFO priority, if lifted
+        self._lift_refused = False
         for ch in self.channels.values():  # both before the round trip that makes the state known (_on_connect)
             self.session.subscribe(ch.topic, functools.partial(self._on_stop, ch), qos=1)
         self.session.subscribe(self._sync_topic, self._on_sync, qos=1)
@@ -665,7 +685,10 @@ class StopLatch:
             h.update(stopped)
             h["details"] = {**h.get("details", {}), "stop": detail}
         now = time.monotonic()
-        h["details"] = {**h.get("details", {}), "stop_path": self.path.details(now)}
+        path = self.path.details(now)
+        if self.thread_priority is not None:
+            path["priority"] = self.thread_priority  # the stop thread's SCHED_FIFO priority (lift_this_thread)
+        h["details"] = {**h.get("details", {}), "stop_path": path}
         lag = self.path.message(now)
         if lag:
             h["error_message"] = f"{h['error_message']}; {lag}" if h.get("error_message") else lag
@@ -695,6 +718,7 @@ class StopLatch:
         """Stop connection's network thread, once the broker acknowledged every subscription (both stop topics
         among them): the round trip that makes the state known."""
         with self._lock:
+            self._lift()
             self._no_wait.add(threading.get_ident())
             self._conn_no += 1
             self._probes.clear()
@@ -703,7 +727,18 @@ class StopLatch:
             self.path.up(time.monotonic())
         self._probe()
 
+    def _lift(self) -> None:
+        """The stop connection's thread one priority above the node's (`lift_this_thread`), once it can be."""
+        if self.thread_priority is not None or self._lift_refused:
+            return
+        try:
+            self.thread_priority = lift_this_thread()
+        except OSError as exc:
+            self._lift_refused = True
+            log.warning("the stop connection's thread stays at the node's priority: %s", exc)
+
     def _on_sync(self, msg: mqtt.MQTTMessage) -> None:
+        self._lift()  # again on every round trip: the process may be put at a realtime priority after the connect
         corr = getattr(msg.properties, "CorrelationData", None)
         now = time.monotonic()
         token = bytes(corr) if corr is not None else b""

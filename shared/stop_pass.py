@@ -14,6 +14,12 @@ last write. The kit's call that scheduled the pass waits for its writes (at most
 that waits, bounded): the kit's thread would otherwise go on with the activation's per-device health publishes
 and take the GIL from the pass at every switch interval.
 
+A service whose loop may be busy when the stop comes (after a stalled process or broker: seconds of queued
+packets, commands and publishes) also gives an `early` writer: the first call of an activation runs it on the
+kit's thread, before it schedules the pass, to write every device's stop it can from there, ahead of the loop's
+queue (ROI's datagrams, the e-puck2 WiFi robots' commands); the pass then does the bookkeeping and writes what
+the early writer could not.
+
 No device is written twice by one activation: the kit's own call for a device the activation's pass already
 covers does nothing. Any other call (a motion command that ran across the stop: the kit's `done`; a device made
 during the stop) puts that device in the next pass, so the stop is written again after whatever the command sent.
@@ -22,9 +28,11 @@ during the stop) puts that device in the next pass, so the stop is written again
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shared import Node
@@ -37,21 +45,42 @@ log = logging.getLogger("robobus.stop")
 # and reports it (StopLatch.report with that count) once the writes are done, in a later turn of the loop.
 PassRunner = Callable[[dict[str, int]], None]
 PASS_WAIT_S = 0.1  # the longest the kit's thread waits for the pass it scheduled (StopPass.request)
+# On the kit's thread, the first call of an activation: write the stop of the devices named (the pass's members)
+# for that activation, from there; whatever it leaves, the pass writes. It returns, per device it wrote, what the
+# pass needs of that write (its time, its packets...), which the pass takes back with `StopPass.take_early`.
+EarlyWriter = Callable[[int, list[str]], dict[str, Any]]
+WRITE_SWITCH_INTERVAL_S = 1e-5  # the interpreter's switch interval while the stop is written from a thread
+
+
+@contextlib.contextmanager
+def short_switch_interval() -> Iterator[None]:
+    """The interpreter's switch interval at WRITE_SWITCH_INTERVAL_S for a write from a thread beside a busy loop:
+    every send gives up the GIL, and taking it back from a busy thread waited a whole interval (1 ms) per
+    write (measured: 250 datagrams beside a busy thread, 240 ms; at 10 us, 22 ms)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, WRITE_SWITCH_INTERVAL_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
 
 
 class StopPass:
     """Gathers the stop actions of one activation into one pass on the loop."""
 
-    def __init__(self, node: Node, run: PassRunner, wait_s: float = PASS_WAIT_S) -> None:
+    def __init__(self, node: Node, run: PassRunner, wait_s: float = PASS_WAIT_S,
+                 early: EarlyWriter | None = None) -> None:
         self.node = node
         self._run_pass = run
         self.wait_s = wait_s
+        self._early = early
         self._lock = threading.Lock()
         self._members: list[str] = []  # the devices whose stop action is this pass's, in their order
         self._gen: int | None = None  # the activation whose calls are covered by its pass
         self._covered: set[str] = set()  # the devices of that activation whose own call has not come yet
         self._due: dict[str, int] = {}
         self._scheduled = False
+        self._written_early: dict[str, tuple[int, Any]] = {}  # device -> (activation, what the early writer wrote)
         self.passes = 0  # passes run (logs and tests)
 
     def action(self, name: str) -> Callable[[StopState], Any]:
@@ -73,6 +102,18 @@ class StopPass:
         loop = self.node.loop
         if loop is None or not loop.is_running():
             raise RuntimeError("the service's event loop is not running")
+        on_loop = _running_loop() is loop
+        if self._early is not None and not on_loop:
+            with self._lock:
+                first, members = gen != self._gen, list(self._members)
+            if first:
+                try:
+                    with short_switch_interval():  # the loop's thread, busy, must not take the GIL 1 ms at a time
+                        wrote = self._early(gen, members)
+                    with self._lock:
+                        self._written_early.update((n, (gen, w)) for n, w in wrote.items())
+                except Exception:  # whatever failed here, the pass writes every device's stop
+                    log.exception("bus stop: the write from the kit's thread failed (the pass writes it)")
         with self._lock:
             if gen != self._gen:  # a new activation: every device in one pass
                 self._gen = gen
@@ -96,16 +137,18 @@ class StopPass:
             with self._lock:
                 self._scheduled = False
             raise
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
         if not on_loop:
             # Hold the kit's thread (the MQTT network thread) until the pass has written: it would otherwise go on
             # with the activation's per-device health publishes and take the GIL from the pass every switch
             # interval, and on a busy host each hand-back waits for a CPU (measured: a pass of 0.5 ms of work took
             # 3-12 ms). Bounded: a loop that does not run the pass in time is not waited for.
             written.wait(self.wait_s)
+
+    def take_early(self, name: str) -> tuple[int, Any] | None:
+        """For the pass: (activation, what the early writer returned) for `name`'s last write from the kit's thread,
+        forgotten here; None if there was none. One of an older activation is the caller's to discard."""
+        with self._lock:
+            return self._written_early.pop(name, None)
 
     def _run(self, written: threading.Event) -> None:
         with self._lock:
@@ -124,3 +167,10 @@ class StopPass:
                     latch.report(name, gen, None, "the stop pass failed (see the service's log)")
         finally:
             written.set()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -111,8 +111,8 @@ _REALTIME_CONTAINER = frozenset({"tests/deploy/test_realtime_container.py"})
 
 
 @contextlib.contextmanager
-def _realtime_alone() -> Iterator[None]:
-    with open(_REALTIME_LOCK, "a") as f:
+def _realtime_alone(lock: Path = _REALTIME_LOCK) -> Iterator[None]:
+    with open(lock, "a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -158,6 +158,78 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return _LONG_FIRST.index(unit) if unit in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: file order within a rank, so each module keeps its own order
+
+
+# Test modules whose asserts pytest rewrites (its import hook): every test module, every conftest.py, and the plugin
+# modules of `pytest_plugins`. Folders pytest does not collect from are skipped.
+_PLUGIN_MODULES = ("tests/fixtures.py",)
+_NOT_COLLECTED = {"node_modules", "__pycache__", "build", "dist"}
+
+
+def _rewritten_sources(args: list[str]) -> list[Path]:
+    """The modules whose asserts a run on `args` (its paths and test ids) rewrites."""
+    out = {REPO / m for m in _PLUGIN_MODULES}
+    for arg in args:
+        path = Path(arg.split("::", 1)[0]).resolve()
+        if path.is_file():
+            out.add(path)
+            out.update(p / "conftest.py" for p in path.parents
+                       if p.is_relative_to(REPO) and (p / "conftest.py").exists())
+            continue
+        for folder, dirs, files in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in _NOT_COLLECTED]
+            out.update(Path(folder) / f for f in files if f == "conftest.py" or re.fullmatch(r"test_.*\.py", f))
+    return sorted(out)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller (or the one process of a serial run) compiles the repository's modules (`_compile_sources`).
+    A parallel run also rewrites the asserts of its test modules once, here, before its workers start, into pytest's
+    cache of rewritten modules (`__pycache__/*-pytest-*.pyc`, ignored by git), where each worker then finds them:
+    otherwise every worker rewrites every module it collects (it collects them all), 7 s of CPU each on this
+    machine, since pytest writes no such file under PYTHONDONTWRITEBYTECODE, and four workers that start together
+    rewrite the same modules side by side anyway. Best effort, through pytest's own functions (private ones): if they
+    change, the workers rewrite as before."""
+    if hasattr(config, "workerinput"):
+        return
+    _compile_sources()
+    if not getattr(config.option, "numprocesses", None):
+        return  # a run in one process: it rewrites each module once anyway
+    with contextlib.suppress(Exception):
+        _rewrite_once(config)
+
+
+# The packages every test process and every process a test starts (nodes, simulators, the CLI: hundreds in a run)
+# import: compiled once here, before any of them starts. Under PYTHONDONTWRITEBYTECODE (set in this machine's
+# sessions) no process writes a .pyc, so each compiled every module it imported, each time it started.
+_COMPILED = ("shared", "services", "tests")
+
+
+def _compile_sources() -> None:
+    import compileall
+
+    for top in _COMPILED:
+        for folder, dirs, files in os.walk(REPO / top):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in _NOT_COLLECTED]
+            for f in files:
+                if f.endswith(".py"):  # compile_file skips a module whose .pyc is current
+                    compileall.compile_file(os.path.join(folder, f), quiet=2)
+
+
+def _rewrite_once(config: pytest.Config) -> None:
+    from _pytest.assertion import rewrite
+
+    if config.getoption("assertmode") != "rewrite":
+        return
+    state = config.stash[rewrite.assertstate_key]
+    for source in _rewritten_sources(config.args):
+        pyc = rewrite.get_cache_dir(source) / (source.name[:-3] + rewrite.PYC_TAIL)
+        if rewrite._read_pyc(source, pyc) is not None:
+            continue  # cached by an earlier run, still current
+        if not rewrite.try_makedirs(pyc.parent):
+            return  # a read-only checkout: the workers rewrite in memory, as before
+        source_hash, code = rewrite._rewrite_test(source, config)
+        rewrite._write_pyc(state, code, source_hash, pyc)
 
 
 def _status() -> str | None:

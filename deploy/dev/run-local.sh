@@ -3,8 +3,8 @@
 # its simulator, under one small supervisor process (deploy/dev/supervise.py reads deploy/Procfile.sim): what dies
 # is started again, the broker included; Ctrl-C stops the nodes first, then the broker; a supervisor killed (-9
 # too) takes every process with it. The broker keeps its retained messages (the bus stop) in run/mosquitto/
-# across its restarts; the broker and ethercat-loop run at SCHED_FIFO ${ROBOBUS_RUN_RT_PRIORITY:-10} where the
-# host permits it (0: normal priority). deploy/README.md, "make run".
+# across its restarts; the broker and every service node run at SCHED_FIFO ${ROBOBUS_RUN_RT_PRIORITY:-10} where
+# the host permits it (0: normal priority). deploy/README.md, "make run".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH:/usr/sbin"
@@ -38,11 +38,19 @@ else
     fi
   fi
 fi
-# the demand path at a realtime priority (services/ethercat_loop/README.md, "Priorities on a busy host"): the
-# supervisor says so, or why the host refused it
+# The stop's and the demands' path at a realtime priority (services/ethercat_loop/README.md, "Priorities on a busy
+# host"; docs/kit.md, what the stop guarantees): the broker and every service node (a folder of services/ with an
+# api.py is a service; its Procfile name is the folder's with dashes), not the simulators nor the tools. The
+# supervisor says so, or why the host refused it.
 rt=${ROBOBUS_RUN_RT_PRIORITY:-10}
 realtime=()
-[ "$rt" != 0 ] && realtime=(--realtime "broker=$rt" --realtime "ethercat-loop=$rt")
+if [ "$rt" != 0 ]; then
+  for node in broker $(for api in services/*/api.py; do basename "$(dirname "$api")" | tr _ -; done); do
+    if echo "$procs" | grep -qx -- "$node"; then realtime+=(--realtime "$node=$rt"); fi
+  done
+fi
+# (tests: what the supervisor would be given, and nothing started)
+[ "${1:-}" = --print-realtime ] && { echo "${realtime[*]}"; exit 0; }
 # Home Assistant discovery only on request: it publishes retained configs other tools would see.
 [ "${ROBOBUS_HOMEASSISTANT:-false}" = true ] || procs=$(echo "$procs" | grep -vx homeassistant)
 # The bus recorder only when asked to record (ROBOBUS_RECORD=1): idle, it would hold ~40 MB for nothing.

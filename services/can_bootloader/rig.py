@@ -73,4 +73,6 @@ RIG = SimRig(
     },
     needs=_needs,
     footprint=Footprint(node_mb=45.0, total_mb=50.0, cpu_core=0.01),  # simulated boards in-process, idle
+    stop_unmeasured="its one motion command resets a motor board: nothing keeps moving to stop; "
+                    "tests/can_bootloader/test_stop.py holds it to the stop",
 )

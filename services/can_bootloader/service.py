@@ -20,6 +20,7 @@ RESET can leave any more.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -64,13 +65,14 @@ from services.can_bootloader.models import (
     _Firmware,
 )
 from services.can_bootloader.settings import BRIDGE_INTERFACE, SIM_TRANSPORT, CanBootSettings, default_window
-from services.can_bootloader.transport import CanPort, TransportError
+from services.can_bootloader.transport import BusHooks, CanPort, TransportError
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
 from shared.device import handles, runs
 from shared.lifecycle import Hooks
 from shared.link import LinkPolicy, SupervisedLink
 from shared.messages import StopState
 from shared.stop import describe
+from shared.transport import Attempt, ReconnectSteps, on_clock
 from shared.transports import TransportUnavailable, load_transport
 
 __all__ = ["CanBootService", "build"]  # the contract is api.py's, the settings settings.py's
@@ -81,6 +83,22 @@ log = logging.getLogger("robobus.can_bootloader")
 # the reasons of a board the bus stop held (flasher.py's Flasher._held) or kept from starting (_not_started)
 _NOT_STARTED = "not started by the bus stop"
 _HELD_PREFIXES = ("held by the bus stop", _NOT_STARTED)
+
+
+class _NoLink:
+    """The reconnect machine's link before `attach` gives it the device's: nothing is attempted before then."""
+
+    def attempt(self, now: float) -> None:
+        raise RuntimeError("the buses are not attached to a device yet")
+
+    def failed(self, now: float, reason: str) -> None:
+        pass
+
+    def closed(self, now: float, reason: str) -> None:
+        pass
+
+    def next_attempt_in(self, now: float) -> float:
+        return math.inf
 
 
 # -- the service -------------------------------------------------------------------------------------------
@@ -115,6 +133,8 @@ class CanBootService:
         self._images: dict[int, tuple[FlashImage, int | None]] = {}  # admitted request -> image, stop generation
         self._jobs: set[JobContext] = set()
         self._closing = threading.Event()
+        self._steps = ReconnectSteps(_NoLink(), max_wait_s=math.inf)  # attach() binds it to the device's link
+        self._steps_lock = threading.Lock()
         self.last_error = ""       # the last failure (a flash, an exchange, the adapter): details, never `error`
         self._faults: dict[int, str] = {}  # board -> what it reports (NOT bootloader-aware): the device's `error`
         self.dev: Any = None
@@ -137,6 +157,8 @@ class CanBootService:
         self.link = dev.supervise_link(LinkPolicy(liveness_s=s.can_liveness_s, backoff_min_s=s.can_backoff_min_s,
                                                   backoff_max_s=max(s.can_backoff_max_s, s.can_backoff_min_s),
                                                   probe_period_s=s.can_probe_period_s))
+        # the kit's reconnect machine, driven by the link's tick (`_connect`): attempts, failures, sessions' ends
+        self._steps = ReconnectSteps(on_clock(self.link), max_wait_s=math.inf)
         if not self.ports:
             self.link.fault("no CAN bus is configured (can_bus1 and can_bus2 are both null)")
         for port in self.ports.values():
@@ -152,33 +174,47 @@ class CanBootService:
         self._watcher.start()
 
     def _connect(self) -> None:
-        """One attempt to open every configured bus that is not open; the link supervisor counts it (a failure
-        is never an `error`) and says when to try again (its back-off, then one probe per probe period)."""
+        """One turn of the kit's reconnect machine (`shared.transport.ReconnectSteps`, driven by the link's tick):
+        when the supervisor says so (its back-off, then one probe per probe period), one attempt to open every
+        configured bus that is not open; the machine tells the supervisor the attempt and its failure (counted,
+        never an `error`). A session is every configured bus open; it is over once one is closed (lost)."""
         closed = [pt for pt in self.ports.values() if not pt.is_open]
         if not closed or self.link is None:
             return
-        self.link.attempt()
+        steps = self._steps
+        with self._steps_lock:
+            now = time.monotonic()
+            if steps.in_session:  # a bus was lost (told by `_lost`): the session is over
+                steps.session_over(now, self.last_error)
+            if not isinstance(steps.next_action(now), Attempt):
+                return
         errors = []
         for port in closed:
             try:
                 port.open()
             except TransportError as exc:
                 errors.append(str(exc))
-        if errors:
-            self.last_error = "; ".join(errors)
-            log.warning("%s", self.last_error)
-            self.link.failed(self.last_error)
-        else:
-            self.link.opened()
+        with self._steps_lock:
+            if errors:
+                self.last_error = "; ".join(errors)
+                log.warning("%s", self.last_error)
+                steps.open_failed(time.monotonic(), self.last_error)
+            else:
+                steps.opened()
+                self.link.opened()
 
     def _lost(self, port: CanPort, reason: str) -> None:
         """The adapter failed (error state, a failed send or read, the bridge's palm offline): close the bus, the
-        link is lost (or never reached), and it is reopened after the supervisor's back-off."""
+        link is lost (or never reached), and it is reopened after the supervisor's back-off. A bus lost while
+        others were not open yet (no session) is told all the same."""
         self.last_error = reason
         log.warning("%s", reason)
         port.close()
-        if self.link is not None and not self._closing.is_set():
-            self.link.closed(reason)
+        if self.link is None or self._closing.is_set():
+            return
+        with self._steps_lock:
+            if not self._steps.lost(time.monotonic(), reason):
+                self.link.closed(reason)
 
     def check_link(self) -> None:
         """One turn of the link: reopen what is closed when the supervisor says so, check the adapters, and
@@ -226,6 +262,8 @@ class CanBootService:
         """Shutdown hook: cancel flashes (before RESET the board stays in its bootloader, ready to be flashed
         again), let them stop, then close the buses (the bridge lease is released)."""
         self._closing.set()
+        with self._steps_lock:
+            self._steps.close()
         if self._watcher is not None:
             self._watcher.join(2.0)
         with self._mutex:
@@ -248,13 +286,13 @@ class CanBootService:
 
     def start_sim(self) -> None:
         """Simulated boards on the configured (virtual) buses, in this process (`make run`, demos): the transport
-        `can-bootloader.sim` (ROBOBUS_CAN_SIM), loaded by name (shared/transports.py) with the settings and the
-        ports."""
+        `can-bootloader.sim` (ROBOBUS_CAN_SIM), loaded by name (shared/transports.py), given the settings and the
+        ports (`BusHooks`)."""
         try:
             boards = load_transport(API.service, SIM_TRANSPORT)
         except TransportUnavailable as exc:
             raise ServiceUnavailable(str(exc)) from None
-        self.sims.extend(boards(self.settings, self.ports))
+        self.sims.extend(boards(self.settings, BusHooks(self.ports)))
 
     # -- health ------------------------------------------------------------------------------------------------
     def update_health(self) -> None:

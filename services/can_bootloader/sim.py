@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.can_bootloader import protocol as p
 from services.can_bootloader.image import APP_END, APP_START, BLOCK, ERASE_ROW
-from services.can_bootloader.transport import CanPort
+from services.can_bootloader.transport import BusHooks, CanPort
 
 if TYPE_CHECKING:
     from services.can_bootloader.settings import CanBootSettings
@@ -481,11 +481,13 @@ def sims_on_ports(ports: Mapping[int, CanPort], board_ids: Iterable[int], row_wr
     return sims
 
 
-def demo_boards(settings: CanBootSettings, ports: Mapping[int, CanPort]) -> list[BootBusSim]:
-    """Transport `can-bootloader.sim` (ROBOBUS_CAN_SIM=true; entry point `robobus.transports`): the simulated
-    boards ROBOBUS_CAN_SIM_BOARDS names on the configured buses, in the service's process, started (`make run`,
-    demos). The service stops each (`stop()`, then `bus.shutdown()`) at shutdown."""
-    return sims_on_ports(ports, settings.can_sim_boards, settings.can_sim_row_write_s, settings.can_sim_erase_s)
+def demo_boards(settings: CanBootSettings, hooks: BusHooks) -> list[BootBusSim]:
+    """Transport `can-bootloader.sim` (ROBOBUS_CAN_SIM=true; entry point `robobus.transports`; the kit's one
+    signature, `factory(settings, hooks)`): the simulated boards ROBOBUS_CAN_SIM_BOARDS names on the configured
+    buses (`hooks.ports`), in the service's process, started (`make run`, demos). The service stops each (`stop()`,
+    then `bus.shutdown()`) at shutdown."""
+    return sims_on_ports(hooks.ports, settings.can_sim_boards, settings.can_sim_row_write_s,
+                         settings.can_sim_erase_s)
 
 
 def make_firmware(first: int = SIMPLEMOTOR_FIRST, last: int = SIMPLEMOTOR_LAST, *, aware: bool = True,

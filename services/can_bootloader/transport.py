@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import can
@@ -30,6 +31,13 @@ class CanBusConfig(BaseModel):
     channel: str = Field("robobus-can1", description="Interface channel (can0, PCAN_USBBUS1, palm bus '1', ...)")
     bitrate: int | None = Field(None, description="Bit rate, for interfaces that set it (1 Mbit/s on the hand)")
     options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for can.Bus")
+
+
+@dataclass(frozen=True)
+class BusHooks:
+    """What the service gives a transport of its buses (the factory's `hooks`): its ports, by bus number."""
+
+    ports: Mapping[int, CanPort]
 
 
 class TransportError(RuntimeError):

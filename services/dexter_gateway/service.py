@@ -1,6 +1,6 @@
 """dexter-gateway's MQTT surface: one `DexterArm` (device.py: the device, its link, its handlers) per configured
 arm; `DexterGateway` starts and closes them, `build()` checks the configuration and loads the transport
-ROBOBUS_DEXTER_TRANSPORT names (`tcp` by default: tcp.py), whose factory makes each arm's link.
+ROBOBUS_DEXTER_TRANSPORT names (`tcp` by default: transport.py's `tcp_link`), whose factory makes each arm's link.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import cast
 
 from services.dexter_gateway.api import API
 from services.dexter_gateway.device import DexterArm
+from services.dexter_gateway.link import LinkFactory
 from services.dexter_gateway.settings import DexterSettings
-from services.dexter_gateway.transport import LinkFactory
 from shared import Node, ServiceUnavailable
 from shared.lifecycle import Hooks
 from shared.transports import TransportUnavailable, load_transport
@@ -53,7 +53,8 @@ def build(node: Node, settings: DexterSettings) -> DexterGateway:
 
 def link_factory(settings: DexterSettings) -> LinkFactory:
     """The transport ROBOBUS_DEXTER_TRANSPORT names, through the kit's transport loader (shared/transports.py,
-    entry points `dexter-gateway.<name>`; `tcp`: tcp.py), loaded once; each arm calls it for its link."""
+    entry points `dexter-gateway.<name>`; `tcp`: transport.py's `tcp_link`), loaded once; each arm calls it for its
+    link with the settings and its `LinkHooks`."""
     try:
         return cast(LinkFactory, load_transport(API.service, settings.dexter_transport))
     except TransportUnavailable as exc:

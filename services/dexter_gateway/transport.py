@@ -54,12 +54,23 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
+from services.dexter_gateway.link import (
+    Cancelled,
+    ChangeHandler,
+    DecodeErrorHandler,
+    DexterLinkConfig,
+    DexterLinkError,
+    DexterLinkStats,
+    LinkHooks,
+    LinkReply,
+    MotionStopped,
+    ReplyHandler,
+)
 from services.dexter_gateway.protocol import (
     MAX_INSTRUCTION_ID,
     MOTION_OPLETS,
-    Firmware,
     ProtocolError,
     Reply,
     ReplyAssembler,
@@ -69,71 +80,11 @@ from services.dexter_gateway.protocol import (
     moves,
     resolve_param,
 )
-from shared.link import LinkPolicy, SupervisedLink
+from services.dexter_gateway.settings import DexterSettings
+from shared.link import SupervisedLink
+from shared.transport import OpenFailed, ReconnectLoop, Transport
 
 log = logging.getLogger("robobus.dexter.link")
-
-
-class DexterLinkError(Exception):
-    """A command that did not complete; `code` is one of the contract's error codes."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass
-class DexterLinkConfig:
-    host: str
-    port: int = 50000
-    firmware: Firmware = Firmware.NEWEST
-    connect_timeout_s: float = 3.0
-    reply_timeout_s: float = 2.0
-    motion_timeout_s: float = 300.0  # F / w / RunFile: until the motion FIFO has drained
-    fifo_timeout_s: float = 120.0  # a queued move while the FIFO is full: until a slot frees
-    keepalive_s: float = 10.0  # DexRun closes after 30 s of silence
-    reconnect_min_s: float = 0.2
-    reconnect_max_s: float = 2.0
-    liveness_s: float = 3.0  # valid data must come within this (the kit's supervisor: silent / unreachable)
-    probe_period_s: float = 3.0  # an unreachable arm: one attempt per period
-    queue_limit: int = 64
-    job_id: int = 1
-
-    def policy(self) -> LinkPolicy:
-        """The link's budget and reconnect rhythm, for the kit's supervisor."""
-        return LinkPolicy(liveness_s=self.liveness_s, backoff_min_s=self.reconnect_min_s,
-                          backoff_max_s=max(self.reconnect_max_s, self.reconnect_min_s),
-                          probe_period_s=self.probe_period_s)
-
-    @property
-    def idle_probe_s(self) -> float:
-        """Silence after which the link sends a `g`: DexRun's idle close (keepalive_s < 30 s), and soon enough
-        that its reply, or its timeout, comes within one liveness budget."""
-        return max(0.05, min(self.keepalive_s, self.liveness_s - self.reply_timeout_s))
-
-
-@dataclass
-class DexterLinkStats:
-    connects: int = 0  # sessions: DexRun answered our probe
-    reconnects: int = 0
-    commands: int = 0
-    timeouts: int = 0
-    out_of_step: int = 0
-    stale_replies: int = 0
-    keepalives: int = 0
-    busy: int = 0
-    stopped: int = 0  # motion requests the bus stop kept from the arm (queued, or checked at the write)
-    rtt_last_ms: float = 0.0
-    rtt_avg_ms: float = 0.0  # exponentially weighted, 1/16
-    rtt_max_ms: float = 0.0
-
-
-@dataclass
-class LinkReply:
-    request: Request
-    reply: Reply
-    rtt_s: float
 
 
 @dataclass
@@ -200,27 +151,10 @@ class LinkHold:
         return rep
 
 
-ChangeHandler = Callable[[], None]  # serving or config_fault changed
-ReplyHandler = Callable[[LinkReply], None]
-DecodeErrorHandler = Callable[[str], None]
-Cancelled = Callable[[], bool]
-MotionStopped = Callable[[], str]  # why motion may not be sent now ("" when it may)
-
-
-class LinkFactory(Protocol):
-    """What makes an arm's link: a `robobus.transports` entry point `dexter-gateway.<name>` (docs/kit.md,
-    "Transports"; `tcp`: tcp.py's `tcp_link`), loaded by name once when the service is built and called once per
-    arm with `DexterLink`'s arguments."""
-
-    def __call__(self, name: str, config: DexterLinkConfig, *, supervisor: SupervisedLink | None = None,
-                 on_change: ChangeHandler | None = None, on_reply: ReplyHandler | None = None,
-                 on_decode_error: DecodeErrorHandler | None = None,
-                 keepalive_args: Callable[[], Sequence[str]] | None = None,
-                 motion_stopped: MotionStopped | None = None) -> DexterLink: ...
-
-
-class DexterLink:
-    """One arm's link. `start()`; `request(oplet, args)` from any thread; `close()`."""
+class DexterLink(Transport):
+    """One arm's link. `start()`; `request(oplet, args)` from any thread; `close()`. A `shared.transport.Transport`
+    under the kit's reconnect loop: `open()` connects and has DexRun answer a probe, `run_session()` keeps the
+    served link alive until it is lost."""
 
     def __init__(self, name: str, config: DexterLinkConfig, *, supervisor: SupervisedLink | None = None,
                  on_change: ChangeHandler | None = None, on_reply: ReplyHandler | None = None,
@@ -251,12 +185,12 @@ class DexterLink:
         self._lock = threading.Lock()  # guards the turn queue
         self._turns: deque[_Turn] = deque()
         self._held = False
-        self._thread: threading.Thread | None = None
+        self._first: LinkReply | None = None  # the probe's reply: the session's first valid data
+        self._loop = ReconnectLoop(self, self.sup, name=f"dexter-link-{name}")
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> DexterLink:
-        self._thread = threading.Thread(target=self._supervise, name=f"dexter-link-{self.name}", daemon=True)
-        self._thread.start()
+        self._loop.start()
         return self
 
     @property
@@ -343,14 +277,14 @@ class DexterLink:
     def close(self) -> None:
         """Refuse new commands, fail the queued ones; the one in flight finishes; close the socket."""
         self._closing.set()
+        self._loop.stop()
         self.sup.stop("shutdown")  # first: the teardown below is not a loss
         with self._lock:
             for t in self._turns:
                 t.abandoned = True
                 t.granted.set()
         self._lost.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        self._loop.join(5)
         with self._lock:
             held = self._held
         if not held:
@@ -551,11 +485,11 @@ class DexterLink:
         s.rtt_max_ms = round(max(s.rtt_max_ms, ms), 3)
 
     def _went_down(self, why: str) -> None:
-        """The served link ends: the supervisor hears it once (`closed`: lost, reconnecting with back-off)."""
+        """The served link ends: the supervisor hears it once, at once, from the thread that saw it (the kit's loop:
+        `closed`, lost, reconnecting with back-off; nothing while closing: the supervisor is stopped already)."""
         if self.serving:
             self.serving = False
-            if not self._closing.is_set():  # closing: the supervisor is stopped already
-                self.sup.closed(why)
+            self._loop.lost(why)
             self.on_change()
 
     def _lose(self, why: str) -> None:
@@ -571,61 +505,54 @@ class DexterLink:
             with contextlib.suppress(OSError):
                 s.close()
 
-    # -- supervisor: connect, probe, keepalive, reconnect ---------------------------------------------------
+    # -- under the kit's reconnect loop: connect and probe, then keep the link alive ---------------------------
     def _set_config_fault(self, fault: str) -> None:
         if fault != self.config_fault:
             self.config_fault = fault
             self.on_change()
 
-    def _failed(self, why: str) -> None:
-        """An attempt that did not give a served link: counted by the supervisor, never an error."""
+    def _failed(self, why: str) -> OpenFailed:
+        """An attempt that did not give a served link: counted by the supervisor (the loop), never an error."""
         self.message = why
-        self.sup.failed(why)
+        return OpenFailed(why)
 
-    def _supervise(self) -> None:
-        """Attempt, session, and wait what the kit's supervisor says (its back-off while lost; one probe per
-        probe period once the arm is unreachable)."""
+    def open(self) -> None:
+        """Connect, then have DexRun answer a `g` probe: only a served link counts as open (the loop waits what the
+        kit's supervisor says between attempts: its back-off while lost; one probe per probe period once the arm
+        is unreachable)."""
         cfg = self.config
-        while not self._closing.is_set():
-            wait = self.sup.next_attempt_in()
-            if wait > 0:
-                self._closing.wait(min(wait, 1.0))  # re-read: a deadline passing may change the rhythm
-                continue
-            self.sup.attempt()
-            try:
-                sock = socket.create_connection((cfg.host, cfg.port), timeout=cfg.connect_timeout_s)
-            except socket.gaierror as exc:  # the host name does not resolve: the configuration is wrong
-                why = f"cannot resolve {cfg.host!r}: {exc}"
-                self._set_config_fault(why)
-                self._failed(why)
-                continue
-            except OSError as exc:
-                self._set_config_fault("")
-                self._failed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}")
-                continue
+        try:
+            sock = socket.create_connection((cfg.host, cfg.port), timeout=cfg.connect_timeout_s)
+        except socket.gaierror as exc:  # the host name does not resolve: the configuration is wrong
+            why = f"cannot resolve {cfg.host!r}: {exc}"
+            self._set_config_fault(why)
+            raise self._failed(why) from None
+        except OSError as exc:
             self._set_config_fault("")
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
-            self._asm.reset()
-            self._lost.clear()
-            self._session()
-
-    def _session(self) -> None:
-        """Probe, then keep the link alive until it is lost."""
+            raise self._failed(f"cannot connect to {cfg.host}:{cfg.port}: {exc or 'timeout'}") from None
+        self._set_config_fault("")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._asm.reset()
+        self._lost.clear()
         probe = build_request("g", self.keepalive_args(), job_id=self.config.job_id, firmware=self.config.firmware)
         self._acquire(None)
         try:
-            first = self._exchange(probe, self.config.reply_timeout_s)
+            self._first = self._exchange(probe, self.config.reply_timeout_s)
         except DexterLinkError as exc:
             msg = exc.message
             if exc.code == "timeout":
                 msg = ("connected, but DexRun did not answer within "
                        f"{self.config.reply_timeout_s:g} s (another client may hold the arm, or it hangs)")
             self._drop_socket()
-            self._failed(msg)  # a peer that is not DexRun sent garbage: counted as such (`_out_of_step`)
-            return
+            raise self._failed(msg) from None  # a peer that is not DexRun sent garbage: counted (`_out_of_step`)
         finally:
             self._release()
+
+    def run_session(self) -> str:
+        """Keep the served link alive until it is lost."""
+        first, self._first = self._first, None
+        assert first is not None
         self.stats.connects += 1
         if self.stats.connects > 1:
             self.stats.reconnects += 1
@@ -646,7 +573,9 @@ class DexterLink:
                     self.request("g", self.keepalive_args())
             elif not self.busy:
                 self._peek()
-        self._went_down(self.message or "link closed")
+        why = self.message or "link closed"
+        self._went_down(why)
+        return why
 
     def _peek(self) -> None:
         """While idle: has the robot closed the connection (DexRun's idle close, a reboot)?"""
@@ -669,3 +598,12 @@ class DexterLink:
                     self._lose("connection closed by the robot")
         finally:
             self._release()
+
+
+def tcp_link(settings: DexterSettings, hooks: LinkHooks) -> DexterLink:
+    """Transport `dexter-gateway.tcp` (ROBOBUS_DEXTER_TRANSPORT=tcp, the default; entry point `robobus.transports`):
+    the arm's link to DexRun at `hooks.config.host:port`, not started (the arm starts it). The simulator (sim.py) is
+    a peer on the same wire, reached at the host and port an arm's settings give."""
+    return DexterLink(hooks.name, hooks.config, supervisor=hooks.supervisor, on_change=hooks.on_change,
+                      on_reply=hooks.on_reply, on_decode_error=hooks.on_decode_error,
+                      keepalive_args=hooks.keepalive_args, motion_stopped=hooks.motion_stopped)

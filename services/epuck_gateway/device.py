@@ -93,7 +93,7 @@ from services.epuck_gateway.protocol.wifi import (
     unpack_sensors,
 )
 from services.epuck_gateway.settings import SERVICE, EpuckSerialRobot, EpuckSettings, EpuckWifiRobot
-from services.epuck_gateway.transport.base import LineDropped, RobotLink, link_policy
+from services.epuck_gateway.transport.base import LineDropped, LinkHooks, RobotLink, link_policy
 from shared import CommandError, ErrorCode, JobContext, Node, ServiceUnavailable
 from shared.device import handles, moves_when, runs
 from shared.stop_pass import StopPass
@@ -155,14 +155,14 @@ class EpuckRobot:
 
     def _make_link(self) -> RobotLink[Any]:
         """The robot's link: the transport its `transport` names (`epuck-gateway.wifi`, `.serial`), loaded by name
-        (shared/transports.py); the factory gets the robot's and the service's settings, the controller, the
-        callbacks and the supervisor."""
+        (shared/transports.py); the factory gets the service's settings and the hooks: the robot's settings, the
+        controller, the callbacks and the supervisor."""
         try:
             factory = load_transport(SERVICE, self.cfg.transport)
         except TransportUnavailable as exc:
             raise ServiceUnavailable(f"robot {self.cfg.id}: {exc}") from None
-        return cast(RobotLink[Any], factory(self.cfg, self.settings, self.controller, self._on_packets,
-                                            self._on_link_state, self._on_framing_error, self.sup))
+        return cast(RobotLink[Any], factory(self.settings, LinkHooks(
+            self.cfg, self.controller, self._on_packets, self._on_link_state, self._on_framing_error, self.sup)))
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:

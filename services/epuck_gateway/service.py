@@ -50,9 +50,24 @@ class EpuckGateway:
         # a busy machine delayed the loop past the online status, CONNACK and SUBACK on paho's thread.)
         self.pool = ThreadPoolExecutor(max_workers=max(1, settings.epuck_encode_workers),
                                        thread_name_prefix="epuck-encode")
-        self.stop_pass = StopPass(node, self._stop_pass)
+        # the first call of an activation writes every WiFi robot's stop from the kit's thread (`_write_early`):
+        # the loop's pass may wait behind whatever the loop has queued (after a stalled node or broker: hundreds
+        # of commands and packets)
+        self.stop_pass = StopPass(node, self._stop_pass, early=self._write_early)
         self.robots = [EpuckRobot(node, cfg, settings, self.pool, self.stop_pass) for cfg in settings.epuck_robots]
         self.by_id = {r.cfg.id: r for r in self.robots}
+
+    def _write_early(self, gen: int, members: list[str]) -> dict[str, float]:
+        """On the kit's thread, as it reads a stop: each robot's stop written from there where its link can
+        (EpuckLink.write_stop_from_thread: WiFi, nothing half written), and the time it left; the pass writes it
+        again, and the rest."""
+        written: dict[str, float] = {}
+        for name in members:
+            r = self.by_id.get(name)
+            at = r.link.write_stop_from_thread() if r is not None else None
+            if at is not None:
+                written[name] = at
+        return written
 
     def _stop_pass(self, due: dict[str, int]) -> None:
         """The bus stop of the robots `due` (name -> the stop's activation count), on the loop: every robot's stop
@@ -60,17 +75,25 @@ class EpuckGateway:
         one can wait for a full line), each stamped as it left; the reports in the loop's next turn."""
         robots = sorted((self.by_id[n] for n in due if n in self.by_id), key=lambda r: r.cfg.transport != "wifi")
         done: list[tuple[EpuckRobot, float | None, str]] = []
+        first: list[str] = []  # the robots whose stop left from the kit's thread first (`_write_early`)
         for r in robots:
+            early = self.stop_pass.take_early(r.cfg.id)
+            thread_at = float(early[1]) if early is not None and early[0] == due[r.cfg.id] else None
+            if thread_at is not None:
+                first.append(r.cfg.id)
             try:
-                done.append((r, r.stop_now(), ""))
+                at = r.stop_now()
+                # the stop left from the kit's thread first: the time it did is this activation's answer
+                done.append((r, thread_at if thread_at is not None and at is not None else at, ""))
             except Exception as exc:  # one robot's failure must not keep the stop from the others
                 log.exception("bus stop: writing the stop failed", extra={"robot": r.cfg.id})
                 done.append((r, None, f"{type(exc).__name__}: {exc}"))
         # the reports (the answer and the health, published per robot) after the pass: its caller waits for the
         # writes only (stop_pass.py)
-        asyncio.get_running_loop().call_soon(self._report_pass, due, done)
+        asyncio.get_running_loop().call_soon(self._report_pass, due, done, first)
 
-    def _report_pass(self, due: dict[str, int], done: list[tuple[EpuckRobot, float | None, str]]) -> None:
+    def _report_pass(self, due: dict[str, int], done: list[tuple[EpuckRobot, float | None, str]],
+                     first: list[str]) -> None:
         latch = self.node.stop_latch
         for r, at, error in done:
             if error:
@@ -82,6 +105,7 @@ class EpuckGateway:
         stop = latch.state
         log.warning("bus stop: robots stopped in one pass",
                     extra={"robots": [r.cfg.id for r, at, _ in done if at is not None], "owed": owed,
+                           "from_thread": first,
                            "pass": self.stop_pass.passes, "source": stop.source if stop else "",
                            "reason": stop.reason if stop else ""})
 

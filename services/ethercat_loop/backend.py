@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.ethercat_loop.calibration import HandCalibration
@@ -47,6 +48,14 @@ class LinkEvents(Protocol):
     def recovering(self, reason: str) -> None: ...
     def recovered(self) -> None: ...
     def next_attempt_in(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class BackendHooks:
+    """What the service gives a backend's factory (the kit's one signature, `factory(settings, hooks)`): the
+    hand's calibration, loaded once."""
+
+    calibration: HandCalibration
 
 
 def build_driver(settings: EthercatSettings, calibration: HandCalibration, protocol: str | None = None) -> PalmDriver:

@@ -18,12 +18,12 @@ from typing import Any
 
 from services.ethercat_loop.backend import (
     STOP_ZERO_CYCLES,
+    BackendHooks,
     BackendUnavailable,
     CanRxHandler,
     HandBackend,
     build_driver,
 )
-from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.control import CanRxFrame, ControlMessage, Halt
 from services.ethercat_loop.driver import PalmDriver
 from services.ethercat_loop.loop_stats import HIST_US, WINDOW_COUNTERS, LoopWindow, new_histogram
@@ -264,9 +264,10 @@ def load_can_nodes(spec: str, model: PalmModel) -> list[CanNode]:
     return nodes
 
 
-def model_backend(settings: EthercatSettings, calibration: HandCalibration) -> ModelBackend:
+def model_backend(settings: EthercatSettings, hooks: BackendHooks) -> ModelBackend:
     """Transport `ethercat-loop.model` (ROBOBUS_ETHERCAT_BACKEND=model; entry point `robobus.transports`): the
     driver against the palm model in this process, with the CAN peers ROBOBUS_ETHERCAT_CAN_NODES names."""
+    calibration = hooks.calibration
     model = PalmModel(settings.ethercat_protocol, calibration=calibration)
     for spec in settings.ethercat_can_nodes:
         for peer in load_can_nodes(spec, model):

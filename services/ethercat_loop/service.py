@@ -1,7 +1,9 @@
-"""ethercat-loop's MQTT surface: health, rate-capped state, commands and the leased CAN bridge.
+"""ethercat-loop's MQTT surface: `PalmService`, the wiring of its jobs, and `build` (the kit's hook).
 
-Everything here runs off the cycle: handlers turn requests into driver messages (`backend.submit`),
-a publisher thread turns driver snapshots into state at the configured rates.
+Everything here runs off the cycle: handlers turn requests into driver messages (`backend.submit`), a publisher
+thread turns driver snapshots into state at the configured rates. The jobs have modules of their own: the palm's
+health (health.py `PalmHealth`), the CAN bridge and its lease (can_bridge.py `CanBridge`), the bus stop's report
+(stop_report.py `StopReport`, pure); the handlers stay here and call them.
 """
 
 from __future__ import annotations
@@ -13,13 +15,11 @@ from typing import Any, Literal, cast
 
 from services.ethercat_loop.api import (
     API,
-    CAN_RX,
     CAN_TX,
     EXTRAS,
     JOINTS,
     LEASE,
     LOOP,
-    MOTOR_FAULT,
     MOTORS,
     NULLIFY,
     RELEASE,
@@ -32,27 +32,23 @@ from services.ethercat_loop.api import (
     TACTILE,
     TEST_ADC,
 )
-from services.ethercat_loop.backend import BackendUnavailable, HandBackend
-from services.ethercat_loop.bridge import BridgeLease, Lease, frame_in, frame_out
+from services.ethercat_loop.backend import BackendHooks, BackendUnavailable, HandBackend
 from services.ethercat_loop.calibration import HandCalibration
+from services.ethercat_loop.can_bridge import CanBridge
 from services.ethercat_loop.control import (
     BusStop,
-    CanFrame,
-    CanRxFrame,
-    CanTx,
     ControlMessage,
     MotorConfig,
     NullifyDemands,
     ResetMotors,
-    SetCanDirect,
     SetControlMode,
     SetDemands,
     SetMotorConfig,
     SetTestMode,
     SystemControls,
 )
+from services.ethercat_loop.health import PalmHealth
 from services.ethercat_loop.models import (
-    EthercatLoopStats,
     MotorRef,
     PalmAck,
     PalmAdcChannel,
@@ -61,9 +57,6 @@ from services.ethercat_loop.models import (
     PalmBridgeLease,
     PalmBridgeLeaseRequest,
     PalmBridgeReleaseRequest,
-    PalmCanFrameIn,
-    PalmCanRx,
-    PalmCanTx,
     PalmControlModeRequest,
     PalmDemandsReply,
     PalmDemandsRequest,
@@ -74,7 +67,6 @@ from services.ethercat_loop.models import (
     PalmMotor,
     PalmMotorConfigReply,
     PalmMotorConfigRequest,
-    PalmMotorFault,
     PalmMotors,
     PalmNullifyRequest,
     PalmSendCanReply,
@@ -91,60 +83,31 @@ from services.ethercat_loop.protocol import (
     SENSOR_NAMES,
     CanDirection,
     EdcCommand,
-    MotorFlag,
     SystemControl,
     config_crc,
-    serious_flags,
     split_channel_word,
     split_sid,
 )
-from services.ethercat_loop.settings import EthercatSettings, link_policy, overrun_threshold
+from services.ethercat_loop.settings import EthercatSettings, link_policy
 from services.ethercat_loop.snapshot import PalmSnapshot
+from services.ethercat_loop.stop_report import STOP_WRITE_GRACE_S, StopReport
 from shared import CommandError, Device, ErrorCode, Node, ServiceUnavailable
 from shared.device import handles, moves_when
 from shared.dispatch import request_deadline
 from shared.lifecycle import Hooks
-from shared.link import LinkState, SupervisedLink
 from shared.messages import StopState
 from shared.stop import LATER
 from shared.transports import TransportUnavailable, load_transport
 
-__all__ = ["PalmService", "build", "make_backend"]  # the contract is api.py's, the settings settings.py's
+# the contract is api.py's, the settings settings.py's; STOP_WRITE_GRACE_S is stop_report.py's
+__all__ = ["STOP_WRITE_GRACE_S", "PalmService", "build", "make_backend"]
 log = logging.getLogger("robobus.ethercat")
-SEND_CAN_HOLDER = "_send_can"
-RECOVERY_STEPS_SHOWN = 12
 TEST_HOLDER = "_test_adc_channels"
-# the bus stop (docs/kit.md, "Stopping everything"): a BusStop the cycle has not confirmed is sent again this often
-# (lost with a cycle process that died, or submitted before the palm was in OP); the write is reported as failed
-# after STOP_WRITE_GRACE_S without a frame carrying it, and still sent while the stop holds: the first frame that
-# carries it is reported then (the answer's error clears)
-STOP_RESEND_S = 0.1
-STOP_WRITE_GRACE_S = 5.0
-STOP_LATE_LOOK_S = 0.02  # how often a stop reported as failed is looked at again (not the 1 ms of a fresh one)
 
 
 # ------------------------------------------------------------------------------------------- the service
-class _BackendLink:
-    """The link events as the backend reports them, to the kit's supervisor; only the fault is kept apart: the
-    backend's (a device of the wrong kind) and the service's (motor faults the palm reports) are one `error`,
-    set and cleared by `PalmService._apply_fault`."""
-
-    def __init__(self, service: PalmService, link: SupervisedLink) -> None:
-        self._svc = service
-        self._link = link
-        self.attempt, self.opened, self.failed, self.closed = link.attempt, link.opened, link.failed, link.closed
-        self.garbage, self.recovering, self.recovered = link.garbage, link.recovering, link.recovered
-        self.next_attempt_in = link.next_attempt_in
-
-    def fault(self, message: str) -> None:
-        self._svc._apply_fault(kind=message)
-
-    def clear_fault(self) -> None:
-        self._svc._apply_fault(kind="")
-
-
 class PalmService:
-    """Binds the commands, publishes state and health, owns the CAN bridge lease."""
+    """Binds the commands and publishes state; holds the palm's health, its CAN bridge and its bus stop's report."""
 
     def __init__(self, node: Node, backend: HandBackend, settings: EthercatSettings,
                  calibration: HandCalibration) -> None:
@@ -152,47 +115,24 @@ class PalmService:
         self.backend = backend
         self.settings = settings
         self.dev: Device = node.device(settings.ethercat_device)
-        self.lease = BridgeLease()
         # the calibration the driver uses (loaded once by `build`): joint names -> motor ids
         self.joint_to_motor = dict(calibration.motor_of_joint)
-        self._lease_active: Lease | None = None  # what the driver was last told
-        self._lease_lock = threading.Lock()
-        self._collect: list[CanRxFrame] | None = None
         self._stop = threading.Event()
-        self._direct_until = 0.0  # ignore no-demand flags until then (CAN direct mode just ended)
-        self._rates_bad_since: float | None = None  # since when a 1 s window's counts are over their thresholds
-        self._known_faults: dict[int, int] = {}
         self._mode: Literal["torque", "pwm"] = settings.ethercat_control_mode
         self._stopped = False
         self._runner: threading.Thread | None = None  # the thread in run(), the publisher
-        # health is set by the publisher thread and, last, by shutdown: the final `stopped` must not be
-        # overwritten by a check that was under way, and it keeps the last details with the link marked down
-        self._health_lock = threading.Lock()
-        self._health_final = False
-        self._last_details: dict[str, Any] = {}
         self._joints_src: tuple[Any, ...] | None = None  # the snapshot joints the rows below were built from
         self._joints_rows: list[PalmJoint] = []
         # health: the kit's link supervisor (docs/kit.md, "Health"), fed from what this process reads of the
         # cycle (the count of valid statuses, the cycle process's starts, deaths and exits), never from the cycle
         self.link = self.dev.supervise_link(link_policy(settings))
-        # the bus stop: the last BusStop submitted, not yet confirmed by the cycle (number, since, last sent, the
-        # latch's activation it belongs to, reported as failed)
-        self._bus_stop_lock = threading.Lock()
-        self._bus_stop_no = 0
-        self._bus_stop_pending: tuple[int, float, float, int, bool] | None = None
-        self._fault_lock = threading.Lock()
-        self._kind_fault = ""  # the backend's: not the palm configured
-        self._device_faults = ""  # the palm's: serious motor flags, silent motors
-        self._statuses_seen = backend.last_valid_status()[0]
-        self._heard_since = time.monotonic()  # valid data flow since (a motor is judged silent only after that)
-        # liveness is judged on when the newest valid status arrived (the cycle's own stamp), read again by the node's
-        # deadline thread before it judges: a publisher held up on a loaded host is not a silent palm
-        self.link.watch(self._arrival)
-        backend.attach_link(_BackendLink(self, self.link))
-        backend.on_can_rx(self._on_can_rx)
+        self.health = PalmHealth(settings, backend, self.dev, self.link)
+        self.bridge = CanBridge(node, self.dev, backend)
+        self.bus_stop = StopReport()  # the last BusStop submitted, until the cycle confirms it
+        backend.on_can_rx(self.bridge.on_can_rx)
         d = self.dev
         d.bind_all(self)  # the commands marked below (@handles)
-        d.on_stream(CAN_TX, self._on_can_tx)
+        d.on_stream(CAN_TX, self.bridge.on_can_tx)
         # only enqueues (the control pipe, as nullify_demands): on the MQTT network thread, at once
         d.on_stop(self._bus_stop, inline=True)
 
@@ -220,9 +160,9 @@ class PalmService:
         next_health = start
         while not self._stop.is_set():
             now = time.monotonic()
-            self._feed_link()
-            self._check_lease(now)
-            if self._bus_stop_pending is not None:
+            self.health.feed_link()
+            self.bridge.expire(now)
+            if self.bus_stop.pending is not None:
                 self._check_bus_stop(now)
             names = [n for n, t in due.items() if now >= t]
             at = {n: due[n] for n in names}  # when each was meant to go: the kit's rate cap counts that
@@ -242,37 +182,11 @@ class PalmService:
                 if now >= next_health:
                     # on the states' 10 ms grid when it is a tick anyway: no wake-up of its own
                     next_health = (min(at.values()) if at else now) + 0.25
-                    self._health(snap)
+                    self.health.check(snap)
             # awake at least every fifth of the liveness budget, to feed the link whatever the state rates
             feed_by = now + min(0.05, self.settings.ethercat_liveness_s / 5)
-            pending = self._bus_stop_pending
-            if pending is not None:  # a stop's frame to report: look again soon
-                feed_by = now + (STOP_LATE_LOOK_S if pending[4] else 0.001)
+            feed_by = self.bus_stop.look_again(now) or feed_by  # a stop's frame to report: look again soon
             self._stop.wait(max(0.0005, min(*due.values(), next_health, feed_by) - time.monotonic()))
-
-    def _feed_link(self) -> None:
-        """Valid process data seen since the last look (the cycle's count of valid statuses moved): the link's
-        liveness, with the time the newest of them arrived (the cycle's stamp, not this look's: a look held up
-        past the budget must not pass off old data as live). Every tick of the publisher (10 ms at the default
-        joints rate), off the cycle."""
-        n, at = self.backend.last_valid_status()
-        if n != self._statuses_seen:
-            self._statuses_seen = n
-            now = time.monotonic()
-            fresh = at is None or now - at <= self.settings.ethercat_liveness_s
-            if fresh and self.link.state is not LinkState.OPERATIONAL:
-                # the palm is heard from again: its identity, finer state and faults before `connection` flips
-                self._heard_since = now
-                self._health(self.backend.snapshot(), arriving=True)
-            self.link.data(at=at)
-
-    def _arrival(self) -> float | None:
-        """The link's source (docs/kit.md, SupervisedLink.watch), on the node's deadline thread: when the newest valid
-        status arrived, while the palm is operational. Coming back is the publisher's (`_feed_link`), which sets
-        the palm's finer state and faults first."""
-        if self.link.state is not LinkState.OPERATIONAL:
-            return None
-        return self.backend.last_valid_status()[1]
 
     # -- the bus stop (docs/kit.md, "Stopping everything") ------------------------------------------------
     def _bus_stop(self, stop: StopState) -> object:
@@ -280,74 +194,28 @@ class PalmService:
         nullify_demands (the original driver's `nullify_demand`): from the next frame on every demand is zero, and
         stays zero, sent every cycle. The kit refuses every demand meanwhile. Reported (`stop_written`) with the
         time the first frame carrying it left, once the cycle says so (`_check_bus_stop`)."""
-        now = time.monotonic()
-        with self._bus_stop_lock:
-            self._bus_stop_no += 1
-            seq = self._bus_stop_no
-            self._bus_stop_pending = (seq, now, now, self.node.stop_latch.generation, False)
+        seq = self.bus_stop.stop(time.monotonic(), self.node.stop_latch.generation)
         self.backend.submit(BusStop(seq))
         return LATER
 
     def _check_bus_stop(self, now: float) -> None:
-        """Publisher thread, while a stop's frame is not reported: report it once the cycle sent it; send the
-        stop again while the cycle has not (a cycle process that died took it along, or the palm was not in OP
-        yet: a new cycle starts with zero demands anyway). After STOP_WRITE_GRACE_S without that frame the answer
-        says why (an error), and the stop is still sent while it holds: a palm that reaches OP late reports its
-        first stopped frame then, which clears the error. A released stop is never sent again (a BusStop forgets
-        the demands held: after the release those are new ones)."""
-        with self._bus_stop_lock:
-            pending = self._bus_stop_pending
+        """Publisher thread, while a stop's frame is not reported: what the cycle and the latch say, to the
+        stop's report (stop_report.py), which says whether to report the frame, send the stop again, or say
+        that no frame carried it."""
+        pending = self.bus_stop.pending
         if pending is None:
             return
-        seq, since, sent, gen, failed = pending
         latch = self.node.stop_latch
-        if not latch.active or latch.generation != gen:
-            with self._bus_stop_lock:
-                if self._bus_stop_pending == pending:
-                    self._bus_stop_pending = None  # released (or a newer stop, with its own pending)
-            return
-        at_ns = self.backend.stop_sent_ns(seq)
-        if at_ns is not None:
-            with self._bus_stop_lock:
-                if self._bus_stop_pending != pending:
-                    return  # a newer stop: its own report
-                self._bus_stop_pending = None
-            self.dev.stop_written(at=time.time() - (time.monotonic_ns() - at_ns) / 1e9)
-            return
-        connected = self.backend.connected()
-        resend = connected and now - sent >= STOP_RESEND_S
-        give_up = not failed and now - since >= STOP_WRITE_GRACE_S
-        if not (resend or give_up):
-            return
-        with self._bus_stop_lock:
-            if self._bus_stop_pending != pending:
-                return
-            self._bus_stop_pending = (seq, since, now if resend else sent, gen, failed or give_up)
-        if resend:
-            self.backend.submit(BusStop(seq))
-        if give_up:
-            error = ("the cycle did not report the stop's frame within "
-                     f"{STOP_WRITE_GRACE_S:.0f} s" if connected else
-                     "the palm is not in OP: no frame carried the stop (its motors get no demand at all, and stop "
-                     "on their own 20 ms no-demand timeout; a cycle that starts again starts with zero demands)")
-            log.error("bus stop not confirmed on the wire: %s", error)
-            self.dev.stop_written(error=error)
-
-    def _apply_fault(self, kind: str | None = None, device: str | None = None) -> None:
-        """The one `error` of the device: a palm of the wrong kind (the backend) and the faults the palm reports
-        (the health check), together."""
-        with self._fault_lock:
-            if kind is not None:
-                self._kind_fault = kind
-            if device is not None:
-                self._device_faults = device
-            if self._health_final:
-                return
-            text = "; ".join(t for t in (self._kind_fault, self._device_faults) if t)
-            if text:
-                self.link.fault(text)
-            else:
-                self.link.clear_fault()
+        verdict = self.bus_stop.check(pending, now, active=latch.active, generation=latch.generation,
+                                         sent_at_ns=self.backend.stop_sent_ns(pending.seq),
+                                         connected=self.backend.connected())
+        if verdict.written_ns is not None:
+            self.dev.stop_written(at=time.time() - (time.monotonic_ns() - verdict.written_ns) / 1e9)
+        if verdict.resend is not None:
+            self.backend.submit(BusStop(verdict.resend))
+        if verdict.error:
+            log.error("bus stop not confirmed on the wire: %s", verdict.error)
+            self.dev.stop_written(error=verdict.error)
 
     def shutdown(self) -> None:
         """Node shutdown hook, before the node goes offline, in the fail-safe order: commands that move refused from
@@ -365,16 +233,9 @@ class PalmService:
         self.dev.emit(STOPPED, PalmStopped(ts=time.time(), zero_demand_cycles=int(rep.get("zero_demand_cycles", 0)),
                                            demands_sent_last=list(rep.get("demands_sent_last", [])),
                                            model_demands=list(rep.get("model_demands", []))))
-        with self._health_lock, self._fault_lock:
-            self._health_final = True
-            details = dict(self._last_details)
-            details["bus"] = {**details.get("bus", {}), "issue": "stopped"}
-            self.dev.set_health(details=details)
-            # stopped: connection false, no valid data (the kit's details.link says so), whatever the last check saw
-            self.link.clear_fault()
-            self.link.stop("shutdown: demands zeroed, the palm left OP")
+        self.health.close("shutdown: demands zeroed, the palm left OP")
 
-    # -- state and health -----------------------------------------------------------------------------
+    # -- state -----------------------------------------------------------------------------------
     def _publish(self, names: list[str], s: PalmSnapshot, at: dict[str, float]) -> None:
         ts = time.time()
         if "joints" in names and s.joints:
@@ -408,129 +269,6 @@ class PalmService:
             self.dev.publish(LOOP, self.backend.stats().model_copy(update={"ts": ts, "counters": dict(s.counters)}),
                              at=at["loop_stats"])
 
-    def _loss_problems(self, stats: EthercatLoopStats) -> tuple[list[str], list[str]]:
-        """(problems, warnings) of a link that delivers valid data: what the palm's `operational` and the health
-        message say. Whether data flow at all is the link supervisor's (`silent` past the liveness budget), and
-        `error` is for faults the palm reports (docs/kit.md, "Health"). Per 1 s window, counts above their
-        thresholds (lost frames, wrong working counters, overruns, dropped statuses) are a warning; sustained for
-        `ethercat_loss_sustain_s` they are a problem: not operational, the message names each. A healthy link on
-        a loaded host loses a burst of frames to a scheduling stall now and then, and health that flips for that
-        one second is an alarm nobody can act on. An outage shorter than the budget (20 cycles or more without a
-        valid status, the motors' cut-out) is a warning for its window."""
-        s = self.settings
-        warnings: list[str] = []
-        if stats.outages:
-            warnings.append(f"warning: {stats.outages} outage(s) of {s.ethercat_error_after_lost} cycles or more "
-                            "without valid process data in the last second")
-        rates: list[str] = []
-        lost = stats.frames_lost
-        if lost > s.ethercat_lost_threshold:
-            rates.append(f"{lost} frames lost in the last second (threshold {s.ethercat_lost_threshold})")
-        wkc = stats.wkc_errors
-        if wkc > s.ethercat_lost_threshold:
-            rates.append(f"{wkc} frames with a wrong working counter in the last second "
-                         f"(threshold {s.ethercat_lost_threshold})")
-        overruns, limit = stats.overruns, overrun_threshold(s)
-        if overruns > limit:
-            rates.append(f"{overruns} overruns in the last second (threshold {limit})")
-        drops = stats.drops
-        if drops > s.ethercat_drop_threshold:
-            rates.append(f"{drops} dropped statuses in the last second (threshold {s.ethercat_drop_threshold})")
-        now = time.monotonic()
-        if not rates:
-            self._rates_bad_since = None
-            return [], warnings
-        if self._rates_bad_since is None:
-            self._rates_bad_since = now
-        lasted = now - self._rates_bad_since
-        if lasted >= s.ethercat_loss_sustain_s:
-            return [f"{r}, for {lasted:.0f} s" for r in rates], warnings
-        return [], [f"warning: {r}" for r in rates] + warnings
-
-    @staticmethod
-    def _realtime(info: dict[str, Any], stats: EthercatLoopStats) -> dict[str, Any] | None:
-        """The cycle's scheduling and the realtime settings it was refused (None: the backend has no
-        realtime cycle to report on, e.g. the in-process model)."""
-        rt = stats.realtime
-        if not isinstance(rt, dict) and "warnings" not in info:
-            return None
-        rt = rt if isinstance(rt, dict) else {}
-        warnings = [str(w) for w in rt.get("warnings") or []]
-        warnings += [str(w) for w in info.get("warnings") or [] if str(w) not in warnings]
-        return {"policy": rt.get("policy") or info.get("realtime_policy") or "", "warnings": warnings}
-
-    def _health(self, s: PalmSnapshot | None, arriving: bool = False) -> None:
-        with self._health_lock:
-            if not self._health_final:
-                self._health_locked(s, arriving)
-
-    def _health_locked(self, s: PalmSnapshot | None, arriving: bool = False) -> None:
-        """The palm's view for the link supervisor, which owns connection, state and error (docs/kit.md): while
-        valid data flow, the finer state (initializing, running, ...) and whether the palm can work; the faults it
-        reports (serious motor flags, silent motors) as the device's fault; and the details (identity, the bus,
-        recovery, realtime, restarts)."""
-        info = self.backend.info()
-        stats = self.backend.stats()
-        problems, warnings = self._loss_problems(stats)
-        realtime = self._realtime(info, stats)
-        valid = arriving or self.link.state is LinkState.OPERATIONAL
-        name = "starting"  # valid data, no snapshot yet
-        direct = False
-        silent_ns = self.settings.ethercat_silent_motor_ms * 1_000_000
-        # after an outage every motor was unseen for its length: silence counts once data have flowed that long
-        judge_silence = time.monotonic() - self._heard_since > silent_ns / 1e9
-        faults: list[str] = []
-        if s is not None and valid:
-            direct = s.can_direct
-            if direct:
-                self._direct_until = time.monotonic() + 1.0
-            quiet_flags = MotorFlag.NO_DEMAND_SEEN if time.monotonic() < self._direct_until else 0
-            for m in s.motors:
-                flags = (m.flags or 0) & ~quiet_flags
-                bad = serious_flags(flags)
-                if bad:
-                    faults.append(f"motor {m.id} ({m.joint}): {', '.join(bad)}")
-                    if self._known_faults.get(m.id) != flags:
-                        self.dev.emit(MOTOR_FAULT, PalmMotorFault(ts=time.time(), motor=m.id, joint=m.joint,
-                                                                  flags=m.flags or 0, serious=bad))
-                self._known_faults[m.id] = flags if bad else 0
-                if (judge_silence and not direct and s.phase == "operation" and
-                        (m.last_seen_ns is None or s.now_ns - m.last_seen_ns > silent_ns) and s.cycle > 1000):
-                    faults.append(f"motor {m.id} ({m.joint}) not answering")
-            name = "can_direct" if direct else ("test_mode" if s.edc_command != EdcCommand.SENSOR_DATA
-                                                else ("initializing" if s.phase == "init" else "running"))
-            if info.get("issue"):
-                name = "slave_recovery"  # data flow, but a slave is being brought back
-        details = {k: info.get(k) for k in ("vendor", "product", "revision", "serial", "protocol", "backend")}
-        # the bus as the cycle sees it (the link's own counts are the kit's `details.link`): the cycle's state,
-        # what recovery works on, stale replies since start
-        bus: dict[str, Any] = {"cycle": str(info.get("state", "")), "issue": info.get("issue") or ""}
-        totals = stats.totals or {}
-        if "stale" in totals:  # wire backends: replies dropped as not belonging to the frame just sent (since start)
-            bus["stale_replies"] = int(totals["stale"])
-        details["bus"] = bus
-        if "restarts" in info:  # wire backends: cycle processes started again after one died
-            details["restarts"] = int(info["restarts"])
-            if info.get("last_exit"):
-                details["last_exit"] = str(info["last_exit"])
-        recovery = info.get("recovery")
-        if recovery:
-            now = time.monotonic_ns()
-            details["recovery"] = {
-                **{k: recovery.get(k, 0) for k in ("escalations", "escalation_failures", "rescans", "recoveries")},
-                "steps": [{"ago_s": round((now - int(t)) / 1e9, 3), "step": str(text)}
-                          for t, text in recovery.get("steps", [])[-RECOVERY_STEPS_SHOWN:]]}
-        # refused realtime settings are warnings: in details and the message, never an error by themselves
-        warnings += [f"warning: {w}" for w in realtime["warnings"]] if realtime else []
-        if realtime is not None:
-            details["realtime"] = realtime
-        self._last_details = details
-        self.dev.set_health(details=details)
-        if valid:  # the palm's view, as last seen while it was heard from
-            self._apply_fault(device="; ".join(faults[:6]))
-            ready = s is not None and s.phase == "operation" and not direct and not problems
-            self.link.device_state(name, operational=ready, message="; ".join(problems[:6] + warnings))
-
     # -- helpers --------------------------------------------------------------------------------------
     def _submit(self, msg: ControlMessage) -> None:
         """Validate once (the cycle applies without checking again), then hand it to the backend."""
@@ -542,7 +280,7 @@ class PalmService:
     def _require_normal(self) -> None:
         if self._stopped:
             raise CommandError(ErrorCode.UNAVAILABLE, "the service is stopping: every demand is zeroed")
-        cur = self.lease.holder(time.monotonic())
+        cur = self.bridge.holder(time.monotonic())
         if cur is not None:
             raise CommandError(ErrorCode.BUSY, f"the CAN bridge is leased by {cur.holder!r}: the hand is in CAN "
                                                "direct mode and its demands are zero")
@@ -648,7 +386,7 @@ class PalmService:
     @handles(TEST_ADC)
     def test_adc_channels(self, req: PalmAdcTestRequest) -> PalmAdcTestReply:
         self._require_normal()
-        lease = self.lease.acquire(TEST_HOLDER, req.timeout_ms + 1000, time.monotonic())
+        lease = self.bridge.lease.acquire(TEST_HOLDER, req.timeout_ms + 1000, time.monotonic())
         try:
             start = self.backend.snapshot()
             base = start.status_count if start else 0
@@ -657,7 +395,7 @@ class PalmService:
                                        and s.status_count >= base + 3, req.timeout_ms / 1000)
         finally:
             self.backend.submit(SetTestMode(EdcCommand.SENSOR_DATA))
-            self.lease.release(lease.lease_id)
+            self.bridge.lease.release(lease.lease_id)
         if snap is None:
             raise CommandError(ErrorCode.TIMEOUT, f"the palm did not answer in SENSOR_CHANNEL_NUMBERS mode within "
                                                   f"{req.timeout_ms} ms")
@@ -683,25 +421,7 @@ class PalmService:
         data = bytes.fromhex(req.data)
         if req.length is not None:
             data = data[:req.length]
-        return self._send_can(req, data)
-
-    def _send_can(self, req: PalmSendCanRequest, data: bytes) -> PalmSendCanReply:
-        lease = self.lease.acquire(SEND_CAN_HOLDER, req.window_ms + 2000, time.monotonic())
-        try:
-            with self._lease_lock:
-                self._collect = []
-                self._lease_active = lease
-                self.backend.submit(SetCanDirect(True))
-                self.backend.submit(CanTx((CanFrame(req.bus, req.sid, data),)))
-            time.sleep(req.window_ms / 1000)
-            with self._lease_lock:
-                got, self._collect = self._collect or [], None
-                self._lease_active = None
-                self.backend.submit(SetCanDirect(False))
-        finally:
-            self.lease.release(lease.lease_id)
-        sent = PalmCanFrameIn(bus=req.bus, sid=req.sid, data=data.hex())
-        return PalmSendCanReply(sent=sent, frames=[frame_out(f) for f in got])
+        return self.bridge.send_and_collect(req, data)
 
     @handles(LEASE)
     def bridge_lease(self, req: PalmBridgeLeaseRequest) -> PalmBridgeLease:
@@ -710,70 +430,25 @@ class PalmService:
         if not self.backend.connected():
             raise CommandError(ErrorCode.UNAVAILABLE, "the palm is not in OP")
         now = time.monotonic()
-        lease = self.lease.acquire(req.holder, req.ttl_ms, now)
-        with self._lease_lock:
-            if self._lease_active is None or self._lease_active.lease_id != lease.lease_id:
-                self._lease_active = lease
-                self.backend.submit(SetCanDirect(True))
-                log.info("CAN bridge leased", extra={"holder": req.holder, "lease_id": lease.lease_id})
+        lease = self.bridge.open(req.holder, req.ttl_ms, now)
         return PalmBridgeLease(lease_id=lease.lease_id, expires_in_ms=round((lease.expires - now) * 1000))
 
     @handles(RELEASE)
     def bridge_release(self, req: PalmBridgeReleaseRequest) -> PalmEmpty:
-        cur = self.lease.holder(time.monotonic())
-        if cur is not None and cur.holder.startswith("_"):
-            raise CommandError(ErrorCode.NOT_FOUND, f"no lease {req.lease_id!r}")
-        if not self.lease.release(req.lease_id):
-            raise CommandError(ErrorCode.NOT_FOUND, f"no lease {req.lease_id!r} (expired or released)")
-        self._end_direct(req.lease_id, "released")
+        self.bridge.release(req.lease_id)
         return PalmEmpty()
-
-    def _end_direct(self, lease_id: str, why: str) -> None:
-        with self._lease_lock:
-            if self._lease_active is not None and self._lease_active.lease_id == lease_id:
-                self._lease_active = None
-                self.backend.submit(SetCanDirect(False))
-                log.info("CAN bridge back to normal operation", extra={"lease_id": lease_id, "why": why})
-
-    def _check_lease(self, now: float) -> None:
-        gone = self.lease.expire(now)
-        if gone is not None and not gone.holder.startswith("_"):
-            self._end_direct(gone.lease_id, f"holder {gone.holder!r} quiet for {gone.ttl_s * 1000:.0f} ms")
-
-    # -- the CAN bridge streams -----------------------------------------------------------------------
-    def _on_can_tx(self, msg: PalmCanTx) -> None:
-        """Network thread: quick. A stale lease id is counted and dropped."""
-        if not self.lease.touch(msg.lease_id, time.monotonic()):
-            self.node.count_decode_error(f"can_tx for lease {msg.lease_id!r}, which is not held")
-            return
-        frames = msg.frames
-        # the bus stop: no TO_MOTOR frame (docs/reference/shadow_ethercat.md §1.9) leaves
-        if frames and self.node.stop_latch.active:
-            frames = [f for f in frames if split_sid(f.sid)[0] != CanDirection.TO_MOTOR]
-            for _ in range(len(msg.frames) - len(frames)):
-                self.node.count_decode_error("can_tx: a TO_MOTOR frame dropped while the bus stop is active")
-        if frames:
-            self.backend.submit(CanTx(tuple(frame_in(f) for f in frames)))
-
-    def _on_can_rx(self, frames: list[CanRxFrame]) -> None:
-        with self._lease_lock:
-            lease = self._lease_active
-            if self._collect is not None:
-                self._collect.extend(frames)
-                return
-        if lease is not None:
-            self.dev.stream_publish(CAN_RX, PalmCanRx(lease_id=lease.lease_id, frames=[frame_out(f) for f in frames]))
 
 
 # ------------------------------------------------------------------------------------------- wiring
 def make_backend(settings: EthercatSettings, calibration: HandCalibration | None = None) -> HandBackend:
     """The backend ROBOBUS_ETHERCAT_BACKEND names, through the kit's transport loader (shared/transports.py,
     entry points `ethercat-loop.<name>`): `model` (driver + palm model in-process), `virtual` (the realtime cycle
-    process against the virtual hand) or `nic` (a real NIC); each factory gets the settings and the calibration."""
+    process against the virtual hand) or `nic` (a real NIC); each factory gets the settings and the hooks (the
+    calibration): the kit's one signature, `factory(settings, hooks)`."""
     cal = calibration or HandCalibration.load(settings.ethercat_calibration)
     try:
         factory = load_transport(API.service, settings.backend)
-        return cast(HandBackend, factory(settings, cal))
+        return cast(HandBackend, factory(settings, BackendHooks(cal)))
     except TransportUnavailable as exc:
         raise BackendUnavailable(str(exc)) from exc
     except ImportError as exc:  # a factory's late import (pysoem, the realtime machinery)

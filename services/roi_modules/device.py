@@ -48,6 +48,15 @@ from services.roi_modules.api import (
     STATUS_REPORT,
     TEMPERATURE,
 )
+from services.roi_modules.link import (
+    LinkStats,
+    RequestLost,
+    RequestRefused,
+    RoiLink,
+    SendGuard,
+    background_traffic,
+    guard_sends,
+)
 from services.roi_modules.models import (
     PIN_MODE_CODES,
     PIN_MODE_NAMES,
@@ -78,15 +87,6 @@ from services.roi_modules.models import (
 )
 from services.roi_modules.resend import Step, StopLadder
 from services.roi_modules.settings import RoiSettings
-from services.roi_modules.transport import (
-    LinkStats,
-    RequestLost,
-    RequestRefused,
-    RoiTransport,
-    SendGuard,
-    background_traffic,
-    guard_sends,
-)
 from shared import CommandError, ErrorCode, JobContext, Node
 from shared.device import handles, moves_when, runs
 from shared.link import LinkPolicy, LinkState
@@ -104,7 +104,7 @@ class ModuleContext:
 
     node: Node
     settings: RoiSettings
-    transport: RoiTransport
+    transport: RoiLink
     stop_pass: StopPass
 
 
@@ -369,7 +369,7 @@ class RoiModule:
         """`phase` (0..1) offsets this module's ticks in the period: started together, every module would
         poll in the same instant, and a command arriving then would queue behind that burst of requests,
         replies and state publishes (in this loop and in the modules' network) instead of finding it idle."""
-        background_traffic()  # what this task sends queues behind commands (transport._Slot)
+        background_traffic()  # what this task sends queues behind commands (the transport's per-module queue)
         loop = asyncio.get_running_loop()
         period = self.ctx.settings.roi_maintain_period_s
         nxt = loop.time() + phase * period

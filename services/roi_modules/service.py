@@ -9,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from typing import Any, cast
 
 from services.roi_modules import protocol as p
 from services.roi_modules.api import API
 from services.roi_modules.device import MODULE_CLASSES, ModuleContext, MotionModule, RoiModule, StopPending
+from services.roi_modules.link import RequestLost, RoiLink, TransportHooks
 from services.roi_modules.settings import RoiSettings
-from services.roi_modules.transport import RequestLost, RoiTransport, short_switch_interval
 from shared import CommandError, Node, ServiceUnavailable
 from shared.lifecycle import Hooks
 from shared.stop_pass import StopPass
@@ -25,37 +24,7 @@ from shared.transports import TransportUnavailable, load_transport
 
 log = logging.getLogger("robobus.roi")
 
-Early = tuple[int, list[p.GeneralPacket], float, list[asyncio.Future[p.GeneralPacket]]]  # gen, pkts, t, futs
-
-
-class _ThreadFirstStopPass(StopPass):
-    """The kit's StopPass, but the first call of an activation writes every module's stop on the kit's thread
-    (`RoiService._write_early`) before it schedules the pass: the loop's pass may wait behind whatever the loop
-    has queued (after a stalled process: seconds of datagrams, heartbeats and streamed setpoints)."""
-
-    def __init__(self, node: Node, svc: RoiService) -> None:
-        super().__init__(node, svc._stop_pass)
-        self._svc = svc
-
-    def request(self, name: str) -> None:
-        gen = self.node.stop_latch.generation
-        with self._lock:
-            first, members = gen != self._gen, list(self._members)
-        if first and self.node.loop is not None and threading.current_thread() is not _loop_thread(self.node):
-            try:
-                with short_switch_interval():  # the loop's thread, busy, must not take the GIL for 1 ms at a time
-                    self._svc._write_early(gen, members)
-            except Exception:  # whatever failed here, the loop's pass writes every module's stop
-                log.exception("bus stop: the write from the kit's thread failed (the pass writes it)")
-        super().request(name)
-
-
-def _loop_thread(node: Node) -> threading.Thread | None:
-    loop = node.loop
-    try:
-        return threading.current_thread() if loop is not None and asyncio.get_running_loop() is loop else None
-    except RuntimeError:
-        return None
+Early = tuple[list[p.GeneralPacket], float, list[asyncio.Future[p.GeneralPacket]]]  # pkts, t, futs
 
 
 PHASE_SLOTS = 5  # maintain ticks go out in this many groups spread over the period (RoiService.serve)
@@ -72,9 +41,10 @@ class RoiService:
         self.transport = make_transport(self, settings)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
-        self.stop_pass: StopPass = _ThreadFirstStopPass(node, self)
-        self._early: dict[str, Early] = {}  # the stop written on the kit's thread, for the pass's bookkeeping
-        self._early_lock = threading.Lock()
+        # the first call of an activation writes every module's stop on the kit's thread (`_write_early`): the
+        # loop's pass may wait behind whatever the loop has queued (after a stalled process: seconds of
+        # datagrams, heartbeats and streamed setpoints)
+        self.stop_pass = StopPass(node, self._stop_pass, early=self._write_early)
         self.stop_timing: dict[str, float] = {}  # the last activation: early write, pass start (ms after read)
         self.by_name: dict[str, RoiModule] = {}
         self._confirming: set[asyncio.Task[None]] = set()
@@ -89,13 +59,13 @@ class RoiService:
             self.by_name[mod.dev.name] = mod
 
     # -- the bus stop (docs/kit.md, "Stopping everything"; the README's "Stopping everything") ------------------
-    def _write_early(self, gen: int, members: list[str]) -> None:
+    def _write_early(self, gen: int, members: list[str]) -> dict[str, Early]:
         """On the kit's thread, when it reads a stop: every member module's stop datagrams written at once from
         here (transport.send_from_thread), ahead of anything the loop has queued. The loop's pass does the rest
         (halt, reports, acks); a module whose stop cannot be built here is left to the pass (it says why)."""
         t0 = time.monotonic()
         if not self.transport.opened.is_set():
-            return
+            return {}
         batch: list[tuple[RoiModule, list[p.GeneralPacket]]] = []
         for name in members:
             m = self.by_name.get(name)
@@ -106,25 +76,26 @@ class RoiService:
             except Exception:  # StopPending, CommandError, ...: the pass decides and reports
                 continue
         if not batch:
-            return
+            return {}
         try:
             sent = self.transport.send_from_thread([(m.cfg.octet, pkts) for m, pkts in batch])
         except RequestLost as exc:
             log.warning("bus stop: the write from the kit's thread failed (the pass writes it)",
                         extra={"error": str(exc)})
-            return
-        with self._early_lock:
-            for (m, pkts), (t, futs) in zip(batch, sent, strict=True):
-                self._early[m.dev.name] = (gen, pkts, t, futs)
+            return {}
         self.stop_timing = {"early_start": t0, "early_ms": (time.monotonic() - t0) * 1000}
+        return {m.dev.name: (pkts, t, futs) for (m, pkts), (t, futs) in zip(batch, sent, strict=True)}
 
     def _take_early(self, name: str, gen: int) -> Early | None:
-        with self._early_lock:
-            e = self._early.pop(name, None)
-        if e is not None and e[0] != gen:
-            self.transport.forget(self.by_name[name].cfg.octet, e[1], e[3])
+        """What the kit's thread wrote to `name` for activation `gen`; one of an older activation is forgotten."""
+        e = self.stop_pass.take_early(name)
+        if e is None:
             return None
-        return e
+        written_gen, early = e
+        if written_gen != gen:
+            self.transport.forget(self.by_name[name].cfg.octet, early[0], early[2])
+            return None
+        return cast(Early, early)
 
     def _stop_pass(self, due: dict[str, int]) -> None:
         """The bus stop of the modules `due` (name -> the stop's activation count), on the loop: every module's
@@ -151,10 +122,10 @@ class RoiService:
             if early is not None:
                 if m.cfg.octet not in halted:  # written already, ahead of the loop's queue: the bookkeeping
                     m.supersede_stop()
-                    self._confirm(m.confirm_stop(m.stop_written(gen, early[1], early[2], early[3])))
+                    self._confirm(m.confirm_stop(m.stop_written(gen, *early)))
                     continue
                 # a motion request was in flight as the thread wrote: the stop is written again after it
-                self.transport.forget(m.cfg.octet, early[1], early[3])
+                self.transport.forget(m.cfg.octet, early[0], early[2])
             if m.kind_mismatch:
                 latch.report(name, gen, None, f"nothing sent: {m.mismatch_message()}")
                 continue
@@ -235,7 +206,7 @@ class RoiService:
         self._stopped = True
         for t in [*self._tasks, *self._confirming]:
             t.cancel()
-        if self.transport._transports:
+        if self.transport.bound:
             stops = [m.stop() for m in self.modules if isinstance(m, MotionModule) and m.live
                      and not m.kind_mismatch]
             with contextlib.suppress(Exception):
@@ -246,22 +217,22 @@ class RoiService:
             m.link.stop("service stopped; motors were sent a stop")
 
 
-def make_transport(svc: RoiService, settings: RoiSettings) -> RoiTransport:
+def make_transport(svc: RoiService, settings: RoiSettings) -> RoiLink:
     """The transport ROBOBUS_ROI_TRANSPORT names, through the kit's transport loader (shared/transports.py, entry
-    points `roi-modules.<name>`; `udp`: udp.py). Its factory gets the settings, the configured modules' octets and
-    the service's callbacks, once, when the service is built."""
+    points `roi-modules.<name>`; `udp`: transport.py's `udp_transport`). Its factory gets the settings and the
+    hooks (the configured modules' octets and the service's callbacks), once, when the service is built."""
     try:
         factory = load_transport(API.service, settings.roi_transport)
     except TransportUnavailable as exc:
         raise ServiceUnavailable(str(exc)) from None
-    return cast(RoiTransport, factory(settings, sorted({m.octet for m in settings.roi_modules}), live=svc._live,
-                                      on_reply=svc._on_reply, on_garbage=svc._on_garbage,
-                                      on_decode_error=svc._on_decode_error))
+    hooks = TransportHooks(sorted({m.octet for m in settings.roi_modules}), live=svc._live, on_reply=svc._on_reply,
+                           on_garbage=svc._on_garbage, on_decode_error=svc._on_decode_error)
+    return cast(RoiLink, factory(settings, hooks))
 
 
 def build(node: Node, settings: RoiSettings) -> RoiService:
     # the switch interval is the kit's setting (switch_interval_ms: 1 ms by default here, settings.py); the
-    # transport's factory checks that it can own the ROI ports (udp.py) before anything connects
+    # transport's factory checks that it can own the ROI ports (transport.py) before anything connects
     svc = RoiService(node, settings)
     svc.build_modules()
     return svc

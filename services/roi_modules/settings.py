@@ -7,8 +7,8 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
+from services.roi_modules.link import check_prefix
 from services.roi_modules.models import RoiModuleConfig
-from services.roi_modules.transport import check_prefix
 from shared.node import NODE_DEVICE
 from shared.settings import KitSettings
 from shared.transports import check_transport

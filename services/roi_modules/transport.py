@@ -33,107 +33,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import functools
-import ipaddress
 import logging
 import socket
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.roi_modules import protocol as p
+from services.roi_modules.link import (
+    LinkStats,
+    RequestLost,
+    RequestRefused,
+    TransportConfig,
+    TransportHooks,
+    background_traffic,
+    check_octet,
+    guard_sends,
+    is_background,
+    module_address,
+    send_guard,
+)
 from services.roi_modules.resend import Ladder, Step
+from services.roi_modules.settings import RoiSettings
+from shared import ServiceUnavailable
+from shared.stop_pass import short_switch_interval
 
 log = logging.getLogger("robobus.roi.transport")
 
-
-WRITE_SWITCH_INTERVAL_S = 1e-5  # the interpreter's switch interval while the stop is written from a thread
-
-
-@contextlib.contextmanager
-def short_switch_interval() -> Iterator[None]:
-    """The interpreter's switch interval at WRITE_SWITCH_INTERVAL_S for a write from a thread beside a busy loop:
-    every sendto gives up the GIL, and taking it back from a busy thread waited a whole interval (1 ms) per
-    datagram (measured: 250 writes beside a busy thread, 240 ms; at 10 us, 22 ms)."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, WRITE_SWITCH_INTERVAL_S))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
-
-
-class RequestLost(Exception):
-    """Every send of a request went unanswered: it was abandoned (and counted)."""
-
-
-class RequestRefused(Exception):
-    """The request's guard refused a send (the bus stop came): nothing more of it was sent. Not a loss."""
-
-
-# a motion request's guard: why this packet may not be sent now ("" when it may); see `guard_sends`
-SendGuard = Callable[[p.GeneralPacket], str]
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    prefix: str  # three octets, e.g. "192.168.2" (the firmware's network) or "127.0.2" (simulators)
-    host_octet: int  # our own address on that network
-    timeout_s: float = 0.05
-    max_retries: int = 10
-    general_port: int = p.GENERAL_PORT
-    sysadmin_port: int = p.SYSADMIN_PORT
-
-    def __post_init__(self) -> None:
-        check_prefix(self.prefix)
-        check_octet(self.host_octet)
-
-    @property
-    def host_address(self) -> str:
-        return module_address(self.prefix, self.host_octet)
-
-
-def check_prefix(prefix: str) -> str:
-    parts = prefix.split(".")
-    if len(parts) != 3 or not all(x.isdigit() and 0 <= int(x) <= 255 and str(int(x)) == x for x in parts):
-        raise ValueError(f"network prefix {prefix!r} must be three decimal octets, e.g. 192.168.2")
-    return prefix
-
-
-def check_octet(octet: int) -> int:
-    if not 1 <= octet <= 254:
-        raise ValueError(f"octet {octet} must be 1..254 (0 is the network, 255 broadcast)")
-    return octet
-
-
-def module_address(prefix: str, octet: int) -> str:
-    """`<prefix>.<octet>`, built from parts (never a text replace on a whole address, §5.5)."""
-    return str(ipaddress.IPv4Address(f"{check_prefix(prefix)}.{check_octet(octet)}"))
-
-
-@dataclass
-class LinkStats:
-    """One module's traffic counters (ConnectionState of §5.2 without its liveness rule: that is the link
-    supervisor's). `lost_since_connect`: requests abandoned since the module last answered."""
-
-    lost_since_connect: int = 0
-    lost_total: int = 0
-    sent: int = 0
-    resent: int = 0
-    replies: int = 0
-    unmatched: int = 0
-    bad_checksum: int = 0
-    last_reply: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"lost_since_connect": self.lost_since_connect,
-                "lost_total": self.lost_total, "sent": self.sent, "resent": self.resent, "replies": self.replies,
-                "unmatched": self.unmatched, "bad_checksum": self.bad_checksum}
+# the transport itself, and (for whoever drives it directly: tests, benches) link.py's names it uses
+__all__ = ["LinkStats", "RequestLost", "RequestRefused", "RoiTransport", "TransportConfig", "background_traffic",
+           "check_bindable", "guard_sends", "module_address", "udp_transport"]
 
 
 Key = tuple[int, int, int, int]  # octet, port, subDeviceID (-1 for SysAdmin), reply action
@@ -147,23 +80,6 @@ class _Pending:
 
 
 _WAKE = object()  # a pending request's future set by `halt`: decide again (its guard may refuse it now)
-_BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("roi_background", default=False)
-_GUARD: contextvars.ContextVar[SendGuard | None] = contextvars.ContextVar("roi_send_guard", default=None)
-
-
-def guard_sends(guard: SendGuard | None) -> None:
-    """Every general request the calling task sends from now on asks `guard(packet)` before each send and resend
-    (the first included): a non-empty answer ends the request with RequestRefused, nothing more sent. A motion
-    command's guard refuses once the bus stop is active (device.py). A task's context is its own."""
-    _GUARD.set(guard)
-
-
-def background_traffic() -> None:
-    """Mark what the calling task sends from now on as background (the maintain loop): it queues behind
-    commands for its module and yields to them between resends. A task's context is its own."""
-    _BACKGROUND.set(True)
-
-
 class _Slot:
     """One module port's single request in flight, handed over in priority order: commands first (FIFO among
     themselves), then background requests (FIFO). Hand-over keeps the slot busy, so nobody can jump in."""
@@ -275,6 +191,11 @@ class RoiTransport:
         self._loop = loop
         self.opened.set()
 
+    @property
+    def bound(self) -> bool:
+        """A socket is bound (open() has bound one or both, and close() has not run since)."""
+        return bool(self._transports)
+
     def close(self) -> None:
         for tr in self._transports.values():
             tr.close()
@@ -300,7 +221,7 @@ class RoiTransport:
         key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
         if insist and retries is None:
             retries = self.cfg.max_retries
-        g = _GUARD.get()
+        g = send_guard()
         guard = None if g is None else functools.partial(g, pkt)
         reply: p.GeneralPacket = await self._request(key, pkt.encode(), retries, True, insist=insist, guard=guard)
         return reply
@@ -308,7 +229,7 @@ class RoiTransport:
     async def general_once(self, octet: int, pkt: p.GeneralPacket) -> p.GeneralPacket | None:
         """Sent once; a reply taken if one comes within the timeout; silence is not counted as a loss."""
         key = (octet, self.cfg.general_port, pkt.sub_device_id, pkt.action)
-        g = _GUARD.get()
+        g = send_guard()
         guard = None if g is None else functools.partial(g, pkt)
         return await self._request(key, pkt.encode(), 0, False, guard=guard)  # type: ignore[no-any-return]
 
@@ -457,7 +378,7 @@ class RoiTransport:
             retries = self.cfg.max_retries if self.live is None or self.live(octet) else 0
         dest = (self.address(octet), port)
         loop = asyncio.get_running_loop()
-        urgent = not _BACKGROUND.get()
+        urgent = not is_background()
         ladder = Ladder(wait_s or self.cfg.timeout_s, retries, insist)
         await slot.acquire(urgent, key, data)
         held = True
@@ -578,3 +499,29 @@ class RoiTransport:
 def _expire(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def check_bindable(host: str) -> None:
+    """Both ROI ports on this host's address, or one clear line: the address is not ours, or the ports are
+    taken (only one process can own the ROI network, docs/reference/roi.md §1)."""
+    for port in (p.GENERAL_PORT, p.SYSADMIN_PORT):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise ServiceUnavailable(f"cannot bind {host}:{port} ({exc.strerror}): roi_network and "
+                                         "roi_host_octet must name an address of this host, and no other "
+                                         "process may own the ROI ports there") from None
+
+
+def udp_transport(settings: RoiSettings, hooks: TransportHooks) -> RoiTransport:
+    """Transport `roi-modules.udp` (ROBOBUS_ROI_TRANSPORT=udp, the default; entry point `robobus.transports`, the
+    kit's one signature): the transport on `<roi_network>.<roi_host_octet>` for the modules at `hooks.octets`, with
+    the settings' resend ladder and the hooks' callbacks. ServiceUnavailable if this host cannot own both ROI ports
+    there (checked now, so that the service stops before it connects, with the reason). The simulator (sim.py) is
+    a peer on the same wire, reached at the addresses the settings give."""
+    cfg = TransportConfig(settings.roi_network, settings.roi_host_octet, settings.roi_timeout_s,
+                          settings.roi_max_retries)
+    check_bindable(cfg.host_address)
+    return RoiTransport(cfg, sorted(set(hooks.octets)), live=hooks.live, on_reply=hooks.on_reply,
+                        on_garbage=hooks.on_garbage, on_decode_error=hooks.on_decode_error)

@@ -36,6 +36,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from shared.mqtt import paho_private
 from shared.mqtt import rx as mqtt_rx
 from shared.mqtt.address import ClientSettings, bound_client_id
+from shared.mqtt.failover import fail_over
 
 log = logging.getLogger("robobus.mqtt")
 
@@ -66,7 +67,8 @@ def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
 class MqttSession:
     """One paho client with remembered subscriptions and connect hooks."""
 
-    def __init__(self, settings: ClientSettings, client_id: str, will: Will | None = None) -> None:
+    def __init__(self, settings: ClientSettings, client_id: str, will: Will | None = None,
+                 brokers: list[tuple[str, int]] | None = None) -> None:
         self.settings = settings
         self.client_id = bound_client_id(settings.broker().username, client_id)
         self.connected = threading.Event()
@@ -114,7 +116,11 @@ class MqttSession:
         if will is not None:
             c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
         self.client = c
-        self.broker = broker
+        # where to connect, in order (a clustered centre's nodes: the next on a failed connect or a drop); one broker:
+        # the URL's. self.broker is the one connected to, or tried, now.
+        self.brokers = list(brokers) if brokers else [(broker.host, broker.port)]
+        self.broker = broker.model_copy(update={"host": self.brokers[0][0], "port": self.brokers[0][1]})
+        self._fail_over = fail_over(c, self.brokers, self.client_id, self._moved)
         # Direct writes: paho's publish() from any thread only queues the packet and wakes the network thread to
         # write it (one thread hop per message). Here the publishing thread writes it itself. paho's packet
         # queue takes one writer at a time, so its network thread's loop_write and ours share a lock. Not over
@@ -313,6 +319,8 @@ class MqttSession:
         self.ready.clear()
         if was and not self._closing:
             log.warning("disconnected from broker; reconnecting", extra={"reason": str(rc)})
+        if not self._closing:
+            self._fail_over()
         for hook in self._disconnect_hooks:
             try:
                 hook()
@@ -325,6 +333,10 @@ class MqttSession:
 
         exc = sys.exc_info()[1]
         self.last_error = f"cannot connect: {exc}" if exc else "cannot connect"
+        self._fail_over()
+
+    def _moved(self, host: str, port: int) -> None:
+        self.broker = self.broker.model_copy(update={"host": host, "port": port})
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reason_codes: Any,
                       properties: Properties | None = None) -> None:

@@ -1,6 +1,7 @@
 """`robobus`: look at the bus and talk to it from a terminal.
 
     robobus status                       every node and device (retained status and health); the bus stop's latches
+    robobus fleet status [--site S]      at a fleet's centre: one line per site (shared/tools/fleet_status.py)
     robobus call NODE/DEVICE CMD '{..}'  any command; jobs show a progress bar until their result
     robobus watch 'robobus/#'            live messages
     robobus stop [--reason R]            the bus-wide software stop (not a hardware e-stop); --release lifts it
@@ -23,25 +24,32 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from shared.registry import cli_plugins, service_names
-from shared.rpc import RpcClient
+from shared.rpc import FailoverSettings, RpcClient
 from shared.settings import KitSettings, load_settings
+from shared.tools.fleet_status import fleet_status
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="robobus: every robot transport on one MQTT 5 bus.")
+fleet_app = typer.Typer(no_args_is_help=True, help="A fleet's centre: every site at once.")
+fleet_app.command("status")(fleet_status)
+app.add_typer(fleet_app, name="fleet")
 console = Console()
 err_console = Console(stderr=True)
 
-Broker = Annotated[str | None, typer.Option("--broker", "-b", help="Broker URL (default ROBOBUS_MQTT_URL)")]
+Broker = Annotated[str | None, typer.Option("--broker", "-b", help=(
+    "Broker URL (default ROBOBUS_MQTT_URL, and ROBOBUS_FLEET_BROKERS' nodes in turn when set); given, that broker "
+    "alone"))]
 Root = Annotated[str | None, typer.Option("--root", help="Topic root (default ROBOBUS_TOPIC_ROOT)")]
 
 
-def _settings(broker: str | None, root: str | None) -> KitSettings:
+def _settings(broker: str | None, root: str | None) -> FailoverSettings:
     overrides: dict[str, Any] = {}
     if broker:
         overrides["mqtt_url"] = broker
+        overrides["fleet_brokers"] = ""  # a broker named on the command line is that broker alone
     if root:
         overrides["topic_root"] = root
-    return load_settings(KitSettings, **overrides)
+    return load_settings(FailoverSettings, **overrides)
 
 
 def _client(broker: str | None, root: str | None) -> RpcClient:
@@ -88,9 +96,13 @@ def status(
         c.subscribe_before(stop_topic(c.root), lambda m: stop_msgs[SITE_CHANNEL].append(bytes(m.payload)))
         c.subscribe_before(fleet_stop_topic(c.root), lambda m: stop_msgs[FLEET_CHANNEL].append(bytes(m.payload)))
         c.subscribe_before(f"{c.root}/+/_node/state/{ANSWER_STATE}", on_answer)
-        msgs = c.collect_retained(f"{c.root}/+/status", f"{c.root}/+/+/health", timeout=wait)
+        msgs = c.collect_retained(f"{c.root}/+/status", f"{c.root}/+/+/health", f"{c.root}/_bridge/reachable",
+                                  timeout=wait)
     finally:
         c.close()
+    # at a fleet's centre: fleet-watch's verdict on the site (none on a site's own broker)
+    verdict = next((p.strip() for t, p, _ in msgs if t == f"{c.root}/_bridge/reachable"), b"")
+    reachable = None if verdict not in (b"0", b"1") else verdict == b"1"
     topics = {SITE_CHANNEL: stop_topic(c.root), FLEET_CHANNEL: fleet_stop_topic(c.root)}
     latches = {ch: read_stop(topics[ch], p[-1])[0] if p else None for ch, p in stop_msgs.items()}
     answers: dict[str, StopAnswer] = {}
@@ -116,15 +128,42 @@ def status(
     view = StopView(c.root, latches, answers, online)
     if as_json:
         print(json.dumps({"nodes": nodes, "health": {f"{n}/{d}": h for (n, d), h in health.items()},
-                          **view.as_json()}, indent=2))
+                          "site_reachable": reachable, **view.as_json()}, indent=2))
         return
-    table = Table(title=f"robobus on {c.session.broker.host}:{c.session.broker.port} (root {c.root})")
+    if reachable is False:
+        console.print(f"[red]the site {c.root} is UNREACHABLE from this centre[/] (fleet-watch: "
+                      f"{c.root}/_bridge/reachable = 0): every node and device below is its last known state, "
+                      "not its present")
+    table = node_table(f"robobus on {c.session.broker.host}:{c.session.broker.port} (root {c.root})", nodes, health,
+                       view, stale=reachable is False)
+    if not nodes and not health:
+        console.print(f"no robobus nodes under '{c.root}/' on this broker")
+        for line in view.lines():
+            console.print(line)
+        raise typer.Exit(1)
+    console.print(table)
+    for line in view.lines():
+        console.print(line)
+    missing = sorted(set(service_names()) - {st.get("service") for st in nodes.values() if st.get("online")})
+    if missing:
+        console.print(f"registered services with no node online: {', '.join(missing)}")
+    if expect_all and missing:
+        raise typer.Exit(1)
+
+
+def node_table(title: str, nodes: dict[str, dict[str, Any]], health: dict[tuple[str, str], dict[str, Any]],
+               view: StopView, stale: bool = False) -> Table:
+    """One row per device (a node without devices: one row), as `robobus status` prints them; `robobus fleet
+    status --site` prints a site's so. `stale`: a site the centre cannot reach, its rows its last known."""
+    table = Table(title=title)
     for col in ("node", "service", "online", "device", "conn", "oper", "state", "error", "updated", "bus stop"):
         table.add_column(col)
     for name in sorted(set(nodes) | {n for n, _ in health}):
         st = nodes.get(name, {})
         online_ = st.get("online")
         on = "[green]online[/]" if online_ else ("[red]offline[/]" if online_ is False else "?")
+        if stale:  # its last word, not its present
+            on = f"[yellow]stale[/] (last {'online' if online_ else 'offline' if online_ is False else '?'})"
         devs = sorted(d for n, d in health if n == name) or [""]
         for i, dev in enumerate(devs):
             h = health.get((name, dev), {})
@@ -139,19 +178,7 @@ def status(
                 f"[red]{err}[/]" if err else "", _age(h.get("ts") or st.get("ts")),
                 view.node_text(name) if i == 0 else "",
             )
-    if not nodes and not health:
-        console.print(f"no robobus nodes under '{c.root}/' on this broker")
-        for line in view.lines():
-            console.print(line)
-        raise typer.Exit(1)
-    console.print(table)
-    for line in view.lines():
-        console.print(line)
-    missing = sorted(set(service_names()) - {st.get("service") for st in nodes.values() if st.get("online")})
-    if missing:
-        console.print(f"registered services with no node online: {', '.join(missing)}")
-    if expect_all and missing:
-        raise typer.Exit(1)
+    return table
 
 
 class StopView:

@@ -32,9 +32,11 @@ import typer
 from paho.mqtt.enums import CallbackAPIVersion
 from pydantic import Field, field_validator
 
+from shared.fleet_topics import root_filters
 from shared.logs import setup_logging
-from shared.mqtt import paho_private
-from shared.settings import KitSettings, load_settings
+from shared.mqtt.failover import fail_over as fail_over  # fleet_gate and the tests import it from here
+from shared.rpc import FailoverSettings
+from shared.settings import load_settings
 
 log = logging.getLogger("robobus.fleet_watch")
 
@@ -43,7 +45,9 @@ REACHABLE = "_bridge/reachable"
 HEARTBEAT_PERIOD_S = 2.0  # mosquitto 2.0.11 with `sys_interval 1` updates $SYS every 2 s (measured)
 
 
-class FleetWatchSettings(KitSettings):
+class FleetWatchSettings(FailoverSettings):
+    """ROBOBUS_FLEET_BROKERS: shared/rpc.py's FailoverSettings (the nodes in turn)."""
+
     fleet_sites: str = Field("", description="Sites watched: 'SITE=ROOT ...' (as ROBOBUS_CENTRAL_SITES) or 'ROOT ...'")
     fleet_watch_timeout_s: float = Field(4.0, ge=2.5, le=600,
                                          description="No heartbeat for this long: the site is unreachable")
@@ -54,27 +58,6 @@ class FleetWatchSettings(KitSettings):
         description="A broker that can lose a subscriber from its index (ejabberd): subscribe again every this many "
                     "seconds, and before saying a site is unreachable (then only if no heartbeat came within one "
                     "heartbeat period after that SUBSCRIBE's SUBACK); 0: never (mosquitto)")
-    fleet_brokers: str = Field("", description="A clustered centre's nodes, 'HOST:PORT,HOST:PORT,...': connect to "
-                                               "the first and, when its node fails, to the next in turn (as a "
-                                               "site's bridge, round_robin); empty: ROBOBUS_MQTT_URL's broker")
-
-    @field_validator("fleet_brokers")
-    @classmethod
-    def _brokers(cls, v: str) -> str:
-        for item in filter(None, (a.strip() for a in v.split(","))):
-            host, _, port = item.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"bad broker {item!r}: HOST:PORT")
-        return v
-
-    def brokers(self) -> list[tuple[str, int]]:
-        """Where to connect, in order: ROBOBUS_FLEET_BROKERS' nodes, else ROBOBUS_MQTT_URL's broker."""
-        nodes = [a.strip().rpartition(":") for a in self.fleet_brokers.split(",") if a.strip()]
-        if nodes:
-            return [(host, int(port)) for host, _, port in nodes]
-        b = self.broker()
-        return [(b.host, b.port)]
-
     @field_validator("fleet_sites")
     @classmethod
     def _sites(cls, v: str) -> str:
@@ -194,22 +177,6 @@ def unique_client_id(name: str) -> str:
     return f"{name}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def fail_over(client: mqtt.Client, brokers: list[tuple[str, int]], who: str) -> Any:
-    """A callback for on_connect_fail and on_disconnect: the client's next (re)connect goes to the next broker in
-    `brokers`, in turn (a clustered centre's nodes); with one broker it does nothing."""
-    at = [0]
-
-    def move(*_: object) -> None:
-        if len(brokers) < 2:
-            return
-        at[0] = (at[0] + 1) % len(brokers)
-        host, port = brokers[at[0]]
-        paho_private.retarget(client, host, port)  # paho's public setters refuse while it reconnects
-        log.warning("%s: the next connection to %s:%s", who, host, port)
-
-    return move
-
-
 def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
     roots = settings.roots()
     if not roots:
@@ -228,7 +195,7 @@ def run(settings: FleetWatchSettings, stop: threading.Event) -> None:
         client.tls_insecure_set(settings.mqtt_tls_insecure)
     client.reconnect_delay_set(1, 5)
     ready = settings.fleet_watch_ready_file
-    filters = [(f"{r}/{HEARTBEAT}", 0) for r in roots]
+    filters = [(f, 0) for f in root_filters(roots, HEARTBEAT)]  # a few wildcards, not one per site (fleet_topics)
     watcher = Watcher(roots, settings.fleet_watch_timeout_s,
                       lambda topic, value: client.publish(topic, value, qos=1, retain=True),
                       subscribe=lambda: client.subscribe(filters)[1],

@@ -65,6 +65,7 @@ def create(service: str, folder: Path, package: str | None = None) -> list[Path]
     written = []
     for filename, text in FILES.items():
         path = folder / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(text, n).lstrip("\n"))
         written.append(path)
     return written
@@ -77,7 +78,7 @@ def registration(service: str, package: str | None = None) -> str:
 
 
 REGISTRATION = '''
-# pyproject.toml
+# pyproject.toml (each line under its table; in this repository the tables exist already)
 [project.entry-points."robobus.services"]
 __SERVICE__ = "__PACKAGE__.api:API"
 [project.entry-points."robobus.transports"]
@@ -87,7 +88,9 @@ __SERVICE__ = "__PACKAGE__.api:API"
 __SIMPROC__: python -m __PACKAGE__.sim --port ${__PORTVAR__:-__PORT__}
 __SERVICE__: ROBOBUS___SECTION_UPPER___PORT=${__PORTVAR__:-__PORT__} python -m __PACKAGE__
 
-# deploy/compose.yaml, under services: (and `make schema`)
+# deploy/compose.yaml, under services: (and `make schema`). A service with an extra of its own (pyproject.toml's
+# [project.optional-dependencies]) adds `EXTRAS: <extra>` to both containers' build args: the image installs
+# `.[<extra>]` only.
   __SIMPROC__:
     <<: *service
     profiles: [sim]
@@ -321,9 +324,10 @@ class __CLS__Settings(KitSettings):
 '''
 
 FILES["transport.py"] = '''
-"""__SERVICE__'s `tcp` transport: the one owner of the device's socket. A thread connects (and reconnects, at the
-link supervisor's rhythm), checks the device's HELLO, and reads the position at the poll rate; commands are
-requests on the same socket, one at a time. Every event goes to the kit's link supervisor, which decides health.
+"""__SERVICE__'s `tcp` transport: the one owner of the device's socket, a `shared.transport.Transport`. The kit's
+reconnect loop opens it (and opens it again, at the link supervisor's rhythm); a session checks the device's HELLO
+and reads the position at the poll rate; commands are requests on the same socket, one at a time. Every event goes
+to the kit's link supervisor, which decides health.
 
 Registered as the entry point `__SERVICE__.tcp` (group `robobus.transports`); the service loads `tcp_link` by name.
 """
@@ -333,12 +337,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from __PACKAGE__ import protocol as p
+from __PACKAGE__.device import LinkHooks
 from __PACKAGE__.settings import __CLS__Settings
 from shared.errors import CommandError, ErrorCode
-from shared.link import SupervisedLink
+from shared.transport import OpenFailed, ReconnectLoop, Transport
 
 
 class Unavailable(CommandError):
@@ -348,25 +352,25 @@ class Unavailable(CommandError):
         super().__init__(ErrorCode.UNAVAILABLE, message)
 
 
-class TcpLink:
-    def __init__(self, settings: __CLS__Settings, link: SupervisedLink,
-                 on_position: Callable[[float], None]) -> None:
+class TcpLink(Transport):
+    def __init__(self, settings: __CLS__Settings, hooks: LinkHooks) -> None:
         self.s = settings
-        self.link = link
-        self.on_position = on_position
-        self._sock: socket.socket | None = None
+        self.link = hooks.link
+        self.on_position = hooks.on_position
+        self._opening: socket.socket | None = None  # opened, its HELLO not read yet
+        self._sock: socket.socket | None = None     # the session's socket, once the device said what it is
+        self._why = ""                              # why the session's socket was dropped
         self._buf = p.LineBuffer()
         self._io = threading.Lock()  # one request on the wire at a time
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="__SERVICE__-link", daemon=True)
+        self._loop = ReconnectLoop(self, hooks.link, name="__SERVICE__-link")
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop.start()
 
     def close(self) -> None:
-        self._closing.set()
+        self._loop.stop()
         self._drop("shutdown")
-        self._thread.join(2.0)
+        self._loop.join(2.0)
         self.link.stop("shutdown")
 
     # -- requests (any thread) ------------------------------------------------------------------------------
@@ -403,60 +407,56 @@ class TcpLink:
                     self.on_position(reply.value)
                 return reply
 
-    # -- the link's thread --------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._closing.is_set():
-            if self._sock is None:
-                self._connect()
-                continue
-            try:
-                self.request("READ")
-            except Unavailable:
-                pass
-            self._closing.wait(1.0 / self.s.__SECTION___poll_hz)
-
-    def _connect(self) -> None:
-        self.link.attempt()
+    # -- the kit's reconnect loop: open, one session ---------------------------------------------------------
+    def open(self) -> None:
         try:
             sock = socket.create_connection((self.s.__SECTION___host, self.s.__SECTION___port),
                                             timeout=self.s.__SECTION___reply_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
-            self.link.failed(str(exc))
-            self._closing.wait(self.link.next_attempt_in())
-            return
+            raise OpenFailed(str(exc)) from None
         self.link.opened()
         self._buf = p.LineBuffer()
+        self._opening = sock
+
+    def run_session(self) -> str:
+        sock, self._opening = self._opening, None
+        assert sock is not None
         try:
             hello = self._reply(sock)
         except (OSError, p.ProtocolError) as exc:
             sock.close()
-            self.link.closed(f"no HELLO: {exc}")
-            self._closing.wait(self.link.next_attempt_in())
-            return
+            return f"no HELLO: {exc}"
         kind = p.hello_kind(hello) if hello.word == "HELLO" else ""
         if kind != p.KIND:
             sock.close()
             self.link.fault(f"not a {p.KIND}: the device at {self.s.__SECTION___host}:{self.s.__SECTION___port} "
                             f"says {hello.word} {hello.text!r}")
-            self.link.closed("wrong kind")
-            self._closing.wait(self.link.next_attempt_in())
-            return
+            return "wrong kind"
         self.link.clear_fault()
         with self._io:
             self._sock = sock
+        while self._sock is not None:
+            try:
+                self.request("READ")
+            except Unavailable:
+                pass
+            if self._loop.wait(1.0 / self.s.__SECTION___poll_hz):
+                break
+        return self._why or "closed"
 
     def _drop(self, reason: str) -> None:
+        """The session's socket is gone: the kit's loop tells the supervisor at once (not while closing)."""
         sock, self._sock = self._sock, None
         if sock is not None:
+            self._why = reason
             sock.close()
-            if not self._closing.is_set():
-                self.link.closed(reason)
+            self._loop.lost(reason)
 
 
-def tcp_link(settings: __CLS__Settings, link: SupervisedLink, on_position: Callable[[float], None]) -> TcpLink:
-    """The factory the service loads by name: the device's link, not started."""
-    return TcpLink(settings, link, on_position)
+def tcp_link(settings: __CLS__Settings, hooks: LinkHooks) -> TcpLink:
+    """The factory the service loads by name (`factory(settings, hooks)`): the device's link, not started."""
+    return TcpLink(settings, hooks)
 '''
 
 FILES["device.py"] = '''
@@ -466,6 +466,8 @@ link the service made), never the service."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from __PACKAGE__ import protocol as p
@@ -476,6 +478,14 @@ from shared import CommandError, ErrorCode, Node
 from shared.device import Device, handles
 from shared.link import LinkPolicy, SupervisedLink
 from shared.messages import StopState
+
+
+@dataclass(frozen=True)
+class LinkHooks:
+    """What the device gives its transport (the factory's `hooks`): the link it reports to, and where positions go."""
+
+    link: SupervisedLink
+    on_position: Callable[[float], None]
 
 
 class Link(Protocol):
@@ -532,7 +542,7 @@ from __future__ import annotations
 from typing import Any
 
 from __PACKAGE__.api import API
-from __PACKAGE__.device import Positioner
+from __PACKAGE__.device import LinkHooks, Positioner
 from __PACKAGE__.settings import __CLS__Settings
 from shared import Node, ServiceUnavailable
 from shared.lifecycle import Hooks
@@ -554,7 +564,7 @@ def build(node: Node, settings: __CLS__Settings) -> __CLS__Service:
     except TransportUnavailable as exc:
         raise ServiceUnavailable(str(exc)) from None
     positioner = Positioner(node, settings)
-    link = factory(settings, positioner.supervised, positioner.on_position)
+    link = factory(settings, LinkHooks(positioner.supervised, positioner.on_position))
     positioner.attach(link)
     return __CLS__Service(positioner, link)
 
@@ -700,7 +710,57 @@ RIG = SimRig(
     garbage_sim=lambda ports: ["-m", "shared.tools.simrig", "garbage-tcp", "--port", str(ports["__SECTION__"])],
     wrong_kind_sim=lambda ports: _sim(ports["__SECTION__"], "--kind", "not-a-__SERVICE__"),
     read_command=RigCommand("__DEVICE__", "read"),
+    # move_to is a motion command: bench/stop.py measures the bus stop on each service's wire, or the rig says why
+    # it does not (tests/kit/test_bench_stop.py). Measure it there once the simulator stamps its stop, or say why.
+    stop_unmeasured="not measured yet: its simulator stamps no stop on its wire for bench/stop.py; its device binds "
+                    "a stop action that holds where it is",
 )
+'''
+
+FILES["tests/__init__.py"] = '''
+'''
+
+FILES["tests/test_end_to_end.py"] = '''
+"""__SERVICE__ end to end: its simulator and its node, each in its own process, run as its rig declares (rig.py), on
+the session's broker. `make test` collects a service's own tests (services/<package>/tests/) with the suite's
+fixtures (tests/fixtures.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from shared.rpc import RpcClient, wait_for
+from shared.tools.localbroker import NodeProcess
+from shared.tools.simrig import Ports
+from tests.fixtures import Broker
+
+from ..rig import RIG
+
+
+def test_the_node_reads_and_moves_its_simulator(broker_session: Broker) -> None:
+    ports = Ports()
+    root = f"__SECTION__{os.getpid()}{time.monotonic_ns() % 100000}"
+    sim = NodeProcess(RIG.sim(ports), {})
+    node = NodeProcess(["-m", RIG.node_module], {"ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_TOPIC_ROOT": root,
+                                                 **RIG.node_env(ports)})
+    assert RIG.read_command is not None
+    read = RIG.read_command
+    try:
+        with RpcClient(broker_session.settings(topic_root=root), name="__SECTION__-test") as client:
+
+            def read_ok() -> bool:  # the node answers once it is up, ok once its link to the simulator is
+                try:
+                    return client.call("__SERVICE__", read.device, read.name, read.payload, timeout=5).ok
+                except TimeoutError:
+                    return False
+
+            assert wait_for(read_ok, 30), node.text()[-2000:]
+            moved = client.call("__SERVICE__", read.device, "move_to", {"target": 10}, timeout=5)
+            assert moved.ok, moved
+    finally:
+        node.stop()
+        sim.stop()
 '''
 
 FILES["README.md"] = '''

@@ -434,3 +434,21 @@ def measure_page(page: Any, seconds: float, fps_probe: bool = True) -> dict[str,
         "browser_cpu_pct_by_process": {k: round((kb[k] - ka.get(k, 0.0)) / wall * 100, 1) for k in sorted(kb)},
         "bad_messages": b["bad"] - a["bad"],
     }
+
+
+def fleet_messages(n: int, tag: str, now: float | None = None) -> list[tuple[str, bytes]]:
+    """What a centre holds of `n` sites (retained): three nodes and five devices each, fleet-watch's verdict; site
+    000 unreachable, site 001 with a device not operational, site 002 stopped by the centre."""
+    out: list[tuple[str, bytes]] = []
+    for i in range(n):
+        r = f"{tag}{i:03d}/robobus"
+        out.append((f"{r}/_bridge/reachable", b"0" if i == 0 else b"1"))
+        for node in ("epuck-gateway", "roi-modules", "dexter-gateway"):
+            out.append((f"{r}/{node}/status", json.dumps({"online": True, "service": node}).encode()))
+        for k in range(5):
+            ok = not (i == 1 and k == 0)
+            out.append((f"{r}/roi-modules/m{k}/health", json.dumps({"state": "running" if ok else "silent",
+                                                                     "connection": ok, "operational": ok}).encode()))
+        if i == 2:
+            out.append((f"{r}/_stop", json.dumps({"active": True, "source": "op", "ts": now or time.time()}).encode()))
+    return out

@@ -49,8 +49,8 @@ def test_serves_the_page_contract_config_and_bundles(server: DashboardServer) ->
     assert status == 200 and json.loads(body) == json.loads(json.dumps(build_document()))
     assert json.loads(_get(server.url + "api/config.json")[2]) == {
         "ws_url": "ws://127.0.0.1:1", "topic_root": "site1/robobus", "username": "", "title": "robobus",
-        "relay": ""}
-    for name in ("app.js", "bus.js", "mqtt5.js", "contract.js", "forms.js", "charts.js", "style.css"):
+        "relay": "", "sites": ""}
+    for name in ("app.js", "bus.js", "mqtt5.js", "contract.js", "forms.js", "charts.js", "fleet.js", "style.css"):
         status, ctype, _ = _get(server.url + f"static/{name}")
         assert status == 200, name
     status, ctype, body = _get(server.url + "vendor/ajv2020.min.js")

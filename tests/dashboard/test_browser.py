@@ -20,7 +20,7 @@ from playwright.sync_api import expect
 from services.can_bootloader.sim import make_intel_hex
 from shared.rpc import RpcClient, wait_for
 from shared.tools.localbroker import REPO
-from tests.dashboard.stack import DEVICES, NODES, SimStack, browser, browser_missing, sim_stack
+from tests.dashboard.stack import DEVICES, NODES, SimStack, browser, browser_missing, fleet_messages, sim_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SHOTS_ENV = "ROBOBUS_DASHBOARD_SHOTS"  # where shoot() writes: a temporary directory unless set (make screenshots)
@@ -616,6 +616,76 @@ def test_losing_the_broker_turns_everything_stale_and_is_logged_once(
         assert not errors, errors
     finally:
         pg.close()
+
+
+def test_a_site_the_centre_cannot_reach_reads_as_last_known(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """At a fleet's centre, fleet-watch's {root}/_bridge/reachable "0": the header says the site is unreachable, every
+    node and device turns "stale since" (no green left: their retained messages are the last known), and the log
+    says so once; "1" and everything is current again. A page on a site's own broker (no verdict) shows no badge."""
+    _, client = stack
+    topic = "robobus/_bridge/reachable"
+    assert page.locator("#site").is_hidden()
+    try:
+        client.session.publish(topic, b"0", qos=1, retain=True)
+        page.wait_for_selector("#site[data-state=unreachable]", timeout=T)
+        assert "SITE UNREACHABLE since" in page.inner_text("#site")
+        for node in NODES:
+            page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=stale]", timeout=T)
+        for dev in [d for ds in DEVICES.values() for d in ds]:
+            page.wait_for_selector(f"article.device[data-device='{dev}'][data-health=stale]", timeout=T)
+        assert page.locator("article.device[data-health=ok]").count() == 0
+        assert "site unreachable from the centre" in card(page, "ethercat-loop", "rh").inner_text()
+        assert page.locator("#event-log li[data-event=unreachable]").count() == 1
+        client.session.publish(topic, b"1", qos=1, retain=True)
+        page.wait_for_selector("#site[data-state=reachable]", timeout=T)
+        for node in NODES:
+            page.wait_for_selector(f"tr.node[data-node='{node}'][data-status=online]", timeout=T)
+        page.wait_for_selector("article[data-device='rh'][data-health=ok]", timeout=T)
+        assert page.locator("article.device[data-health=stale]").count() == 0
+        assert page.locator("#event-log li[data-event=reachable]").count() == 1
+    finally:
+        client.session.publish(topic, b"", qos=1, retain=True)
+    page.wait_for_selector("#site[data-state=unknown]", state="hidden", timeout=T)
+
+
+def test_the_fleet_view_at_a_hundred_sites(page: Any, stack: tuple[SimStack, RpcClient]) -> None:
+    """At a fleet's centre (the server names the sites, here ?sites=): one row per site, a summary on top, the
+    unreachable site first, then those with a problem (a device not operational, the centre's stop active), the
+    rest by name; a site's link opens its own view (the page's root). Read at a hundred sites."""
+    st, client = stack
+    tag = f"fl{os.getpid() % 10000}s"
+    msgs = fleet_messages(100, tag)
+    sites = " ".join(f"{tag}{i:03d}={tag}{i:03d}/robobus" for i in range(100))
+    pg = page.context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        for t, p in msgs:
+            client.session.publish(t, p, qos=1, retain=True)
+        t0 = time.monotonic()
+        pg.goto(f"{st.dashboard_url}?broker={st.broker.ws_url}&sites={sites.replace(' ', '%20')}")
+        pg.wait_for_function("() => document.querySelectorAll('#fleet-sites tbody tr').length === 100", timeout=T)
+        pg.wait_for_function("() => document.querySelector('#fleet-summary').textContent.startsWith("
+                             "'99 of 100 sites reachable')", timeout=T)
+        shown_s = time.monotonic() - t0
+        summary = pg.inner_text("#fleet-summary")
+        assert "1 UNREACHABLE" in summary and "2 with a problem" in summary and "1 stopped" in summary, summary
+        rows = pg.locator("#fleet-sites tbody tr")
+        first = [rows.nth(i).get_attribute("data-site") for i in range(4)]
+        assert first == [f"{tag}000", f"{tag}001", f"{tag}002", f"{tag}003"], first
+        assert "STALE: last known" in rows.nth(0).inner_text()
+        assert "1 device(s) not operational" in rows.nth(1).inner_text()
+        assert "ACTIVE" in rows.nth(2).inner_text()
+        print(f"fleet view: 100 sites ({len(msgs)} retained messages) shown {shown_s:.2f} s after the page opened")
+        pg.click(f"#fleet-sites a[data-root='{tag}005/robobus']")  # the site's own view
+        pg.wait_for_selector("tr.node[data-node='roi-modules']", timeout=T)
+        assert pg.locator("tr.node").count() == 3
+        assert pg.locator("#fleet-sites tbody tr").count() == 100  # the fleet stays above it
+        assert not errors, errors
+    finally:
+        pg.close()
+        for t, _ in msgs:
+            client.session.publish(t, b"", qos=1, retain=True)
 
 
 def test_the_stop_button_stops_the_stacks_motion_devices(page: Any, stack: tuple[SimStack, RpcClient]) -> None:

@@ -341,15 +341,20 @@ def test_a_nullable_field_is_unavailable_when_null() -> None:
     by = {e.config["name"]: e.config for e in ents}
     pos = by["state position"]
     assert pos["availability_mode"] == "all"
-    node, process, value = pos["availability"]
+    node, process, site, value = pos["availability"]
     assert node["topic"] == "robobus/roi-modules/status"
     assert process == {"topic": "homeassistant/robobus/robobus/availability"}
+    assert site == {"topic": "homeassistant/robobus/robobus/reachable"}
     assert value["topic"] == pos["state_topic"]
     assert render(value["value_template"], b'{"position": null, "velocity": null, "ts": 1}') == "offline"
     assert render(value["value_template"], b'{"velocity": null, "ts": 1}') == "offline"
     assert render(value["value_template"], b'{"position": 0.0, "velocity": null, "ts": 1}') == "online"
-    # a field that is never null has no such entry (its node and the process only)
-    assert len(by["power voltage"]["availability"]) == 2
+    # a field that is never null has no such entry (its node, the process and the site only)
+    assert len(by["power voltage"]["availability"]) == 3
+    # health: its node and the site (not the process: it need not run)
+    assert [a["topic"] for a in by["connection"]["availability"]] == [
+        "robobus/roi-modules/status", "homeassistant/robobus/robobus/reachable"]
+    assert by["connection"]["availability_mode"] == "all"
 
 
 def test_sensors_follow_the_states_a_device_publishes(broker_session: Broker, client: RpcClient,

@@ -166,11 +166,12 @@ def stack(broker_session: Broker) -> Iterator[Stack]:
         for name in args:
             s.start(name)
         devices = EPUCKS + ROI
-        # every device's health entities announced, and its states' sensors (the e-pucks' sensors, the
-        # ODrive's power: states the devices publish within a few seconds)
+        # every device's health entities announced, and the states' sensors the tests read (the e-pucks'
+        # sensors, the ODrive's power, the actuator's state: states the devices publish within a few seconds)
         assert wait_for(lambda: all(len(view.configs(d)) >= 5 for d in devices)
-                        and any("sensors battery_v" in k for k in view.configs("epuck1"))
-                        and any("power voltage" in k for k in view.configs("roi_wheel")), 90), s.logs()
+                        and all(any("sensors battery_v" in k for k in view.configs(d)) for d in EPUCKS)
+                        and any("power voltage" in k for k in view.configs("roi_wheel"))
+                        and any(k.endswith("state position") for k in view.configs("roi_arm")), 90), s.logs()
         yield s
     finally:
         for p in s.procs.values():
@@ -308,3 +309,31 @@ def test_unavailable_when_a_node_or_the_discovery_process_dies_and_back(stack: S
     assert wait_for(lambda: view.payload(avail) == b"online", 30), stack.logs()
     assert wait_for(lambda: all(v not in (None, UNAVAILABLE) for d in EPUCKS for k, v in shown(d).items()
                                 if "acceleration" not in k), 60), shown("epuck1")
+
+
+def test_a_cut_site_s_devices_are_unavailable_until_it_is_back(stack: Stack) -> None:
+    """At a fleet's centre fleet-watch says a cut site unreachable on {root}/_bridge/reachable: every entity of
+    every device, health included, is unavailable (what the centre holds is the last known), and each that showed
+    a value shows one again when the site is reachable."""
+    view = stack.view
+
+    def shown() -> dict[str, str | None]:
+        return {k: view.state(c) for d in EPUCKS + ROI for k, c in view.configs(d).items()}
+
+    mirror = f"{stack.prefix}/robobus/{stack.root}/reachable"
+    health = ("connection", "operational", "problem", "state", "error message")
+    assert wait_for(lambda: sum(k.endswith(health) and v not in (None, UNAVAILABLE) for k, v in shown().items())
+                    >= 5 * len(EPUCKS + ROI), 60), shown()
+    before = {k for k, v in shown().items() if v not in (None, UNAVAILABLE)}
+    assert view.payload(mirror) == b"online"
+    client = RpcClient(stack.broker.settings(), name="ha-live-watch")
+    client.connect()
+    try:  # published as fleet-watch would, retained
+        client.session.publish(f"{stack.root}/_bridge/reachable", b"0", qos=1, retain=True)
+        assert wait_for(lambda: all(v == UNAVAILABLE for v in shown().values()), 30), shown()
+        assert view.payload(mirror) == b"offline"
+        client.session.publish(f"{stack.root}/_bridge/reachable", b"1", qos=1, retain=True)
+        assert wait_for(lambda: all(shown()[k] not in (None, UNAVAILABLE) for k in before), 30), shown()
+    finally:
+        client.session.publish(f"{stack.root}/_bridge/reachable", b"", qos=1, retain=True)
+        client.close()

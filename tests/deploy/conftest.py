@@ -22,6 +22,9 @@ TIMINGS: dict[str, float] = {}
 # at once (tests/conftest.py), and a second worker must neither start dockerd again nor build the same images beside
 # the first (it finds them cached once the first is done)
 _SETUP_LOCK = Path(tempfile.gettempdir()) / "robobus-tests-docker-setup.lock"
+# The run whose images are built (its xdist run id), written by the worker that built them: the run's other workers
+# skip their `compose build`, which even when cached hashes the whole build context (15-40 s of CPU on this machine)
+_BUILT = Path(tempfile.gettempdir()) / "robobus-tests-images-built"
 
 
 @contextlib.contextmanager
@@ -66,13 +69,19 @@ def images(docker_ready: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     side by side; cached layers unless the code changed). Modules bring stacks up without building."""
     from tests.deploy.stack import Stack  # late: imports the kit
 
-    secrets = tmp_path_factory.mktemp("build-secrets")
-    stack = Stack("robobus-build", secrets, profiles=ALL_PROFILES, extra_env={"ROBOBUS_VHAND": "1"})
-    stack.make_secrets()
-    # the centre's users too (fleet-watch's env file), so one config holds every profile
-    stack.make_secrets("--central", "--site", "s=s/robobus")
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one id for every worker of a run; none without workers
     with _one_at_a_time():
+        if run_id and _BUILT.exists() and _BUILT.read_text() == run_id:
+            TIMINGS["build_s"] = 0.0  # another worker of this run built them, from this tree
+            return docker_ready
+        secrets = tmp_path_factory.mktemp("build-secrets")
+        stack = Stack("robobus-build", secrets, profiles=ALL_PROFILES, extra_env={"ROBOBUS_VHAND": "1"})
+        stack.make_secrets()
+        # the centre's users too (fleet-watch's env file), so one config holds every profile
+        stack.make_secrets("--central", "--site", "s=s/robobus")
         stack.build()
+        if run_id:
+            _BUILT.write_text(run_id)
     TIMINGS["build_s"] = stack.timings["build_s"]
     return docker_ready
 

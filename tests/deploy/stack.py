@@ -56,6 +56,20 @@ def compose_nodes(path: Path = DEPLOY / "compose.yaml") -> dict[str, str]:
     return out
 
 
+def device_simulators(path: Path = DEPLOY / "compose.yaml") -> set[str]:
+    """The containers that run a service's device simulator (`python3 -m <the service's package>.sim`): they speak
+    the device's protocol, not MQTT, and have no healthcheck of their own."""
+    packages = set(service_packages().values())
+    out: set[str] = set()
+    for container, spec in compose_services(path).items():
+        command = spec.get("command") or []
+        if isinstance(command, list) and "-m" in command[:-1]:
+            module = str(command[command.index("-m") + 1])
+            if module.endswith(".sim") and module.removesuffix(".sim") in packages:
+                out.add(container)
+    return out
+
+
 def sim_profile(profiles: list[str] | None) -> bool:
     """A container of `make up`'s simulated system: profile `sim`, or a `sim-<name>` one compose.sh brings along."""
     return any(p == "sim" or p.startswith("sim-") for p in profiles or [])

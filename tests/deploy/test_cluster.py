@@ -25,6 +25,7 @@ import pytest
 
 from shared.rpc import RpcClient
 from shared.settings import KitSettings
+from tests.deploy.conftest import TIMINGS
 from tests.deploy.deployfiles import DEPLOY, make_secrets
 from tests.deploy.mqttprobe import Probe, creds
 from tests.deploy.stack import DOCKER, Stack, run
@@ -122,17 +123,27 @@ def cluster(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
         sites[site] = st
     run([DOCKER, "network", "create", wan])
     try:
+        t0 = time.monotonic()
         centre.compose("build")  # cached after the first run
         centre.compose("up", "-d", "--wait", "--wait-timeout", "300", timeout=400)
+        TIMINGS["cluster_up_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
         with ThreadPoolExecutor(len(sites)) as pool:
             for f in [pool.submit(sites[s].up, "broker", *services) for s, services in SITES.items()]:
                 f.result()
+        TIMINGS["cluster_sites_up_s"] = time.monotonic() - t0
         yield centre, sites
     finally:
-        for st in sites.values():
-            st.down()
-        centre.compose("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=180)
+        t0 = time.monotonic()
+        # the sites and the centre go down side by side (each waits out its containers' stop grace)
+        with ThreadPoolExecutor(len(sites) + 1) as pool:
+            downs = [pool.submit(st.down) for st in sites.values()]
+            downs.append(pool.submit(centre.compose, "down", "-v", "--remove-orphans", "-t", "5", check=False,
+                                     timeout=180))
+            for f in downs:
+                f.result()
         run([DOCKER, "network", "rm", wan], check=False)
+        TIMINGS["cluster_down_s"] = time.monotonic() - t0
 
 
 def test_the_generated_bridge_lists_every_node_and_keeps_the_first_as_its_main_one():

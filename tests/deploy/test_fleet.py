@@ -79,9 +79,12 @@ def fleet(images: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         TIMINGS["fleet_up_s"] = time.monotonic() - t0
         yield stacks
     finally:
-        for st in stacks.values():
-            st.down()
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(len(stacks)) as pool:  # side by side, as they came up
+            for f in [pool.submit(st.down) for st in stacks.values()]:
+                f.result()
         run([DOCKER, "network", "rm", wan], check=False)
+        TIMINGS["fleet_down_s"] = time.monotonic() - t0
 
 
 def centre_view(central: Stack, seconds: float, until=None) -> list[tuple[str, bytes, bool]]:
@@ -97,7 +100,28 @@ def test_the_edge_bridges_its_heartbeat_out_and_the_centre_lets_only_the_watcher
     assert "sys_interval 1" in conf and "topic uptime out 0 $SYS/broker/ s/robobus/_bridge/" in conf
     acl = make_secrets.central_acl({"s": "s/robobus"})
     watch = acl.split("user fleet-watch\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert watch == ["topic read s/robobus/_bridge/uptime", "topic write s/robobus/_bridge/reachable"]
+    assert watch == ["topic read +/+/_bridge/uptime", "topic write +/+/_bridge/reachable"]
+
+
+def test_the_watchers_rules_and_filters_do_not_grow_with_the_fleet():
+    """At a clustered centre the watchers renew their subscriptions every few seconds, each filter checked against
+    every access entry: one filter per site made that N x 12N matches (shared/fleet_topics.py). Their rules and
+    filters are one wildcard per depth of the sites' roots, for 2 sites as for 300."""
+    from shared.fleet_topics import root_filters
+
+    def rules(acl: str, user: str) -> list[str]:
+        return acl.split(f"user {user}\n", 1)[1].split("\n\n", 1)[0].splitlines()
+
+    few = make_secrets.central_acl({f"s{i}": f"s{i}/robobus" for i in range(2)})
+    many = make_secrets.central_acl({f"s{i}": f"s{i}/robobus" for i in range(300)})
+    for user in ("fleet-watch", "fleet-gate"):
+        assert rules(few, user) == rules(many, user), user
+    assert rules(many, "fleet-gate") == [
+        "topic read +/+/_bridge/reachable", "topic read +/+/_bridge/uptime", "topic read +/+/+/+/cmd/+",
+        "topic write +/+/_client/+/reply", "topic write +/+/+/+/cmd/+/reply"]
+    # roots of two depths: a wildcard for each
+    assert root_filters(["a/robobus", "b", "c/robobus"], "_bridge/uptime") == ["+/+/_bridge/uptime",
+                                                                               "+/_bridge/uptime"]
 
 
 def test_the_bound_assumes_the_keepalive_mosquitto_really_uses():

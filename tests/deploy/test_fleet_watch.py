@@ -8,6 +8,7 @@ carries nothing any more) is seen unreachable within the bound, and reachable ag
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -311,6 +312,74 @@ def test_a_state_the_gate_missed_and_gets_retained_again_is_not_dated_from_its_s
     assert b"unreachable since before 01:01:40 UTC: " in refusal, refusal  # 100 + 3600 s after the epoch
 
 
+def _gate(clock: Clock):  # type: ignore[no-untyped-def]
+    from tests.deploy.deployfiles import DEPLOY, load
+
+    gate_mod = load("robobus_fleet_gate", DEPLOY / "fleet_gate.py")
+    return gate_mod, gate_mod.Gate({"site-a/robobus": "site-a"}, now=clock, mono=clock, in_doubt_s=3.0)
+
+
+def test_a_command_no_heartbeat_follows_is_answered_unavailable_as_not_known_to_be_delivered():
+    """The seconds between a cut and fleet-watch's verdict: a command to a reachable site after which the site's
+    heartbeat stops is answered `unavailable` once in_doubt_s passed without one, saying that its delivery is not
+    known; one a later heartbeat followed is the site's to answer (nothing from the gate)."""
+    clock = Clock()
+    gate_mod, gate = _gate(clock)
+    gate.reachability("site-a/robobus", b"1", True)
+    gate.heartbeat("site-a/robobus")  # at 100
+    clock.t = 100.5
+    assert gate.command("site-a/robobus", "site-a/robobus/_client/op/reply", b"c1", "site-a/robobus/n/d/cmd/x") is None
+    clock.t = 100.6
+    gate.heartbeat("site-a/robobus")  # in flight as the command came: proves nothing
+    clock.t = 102.4
+    gate.heartbeat("site-a/robobus")  # the next: the link carried the command
+    clock.t = 110
+    assert gate.due() == [] and gate.pending == []
+    assert gate.command("site-a/robobus", "site-a/robobus/_client/op/reply", b"c2", "site-a/robobus/n/d/cmd/x") is None
+    clock.t = 110 + gate_mod.PROOF_S / 2
+    gate.heartbeat("site-a/robobus")  # too soon after the command to prove the link carried it
+    clock.t = 112.9
+    assert gate.due() == []  # not yet in doubt
+    clock.t = 113.0
+    ((p, body),) = gate.due()
+    assert (p.reply_to, p.correlation) == ("site-a/robobus/_client/op/reply", b"c2")
+    err = json.loads(body)["error"]
+    assert err["code"] == "unavailable", err
+    assert "no heartbeat from its broker since 00:01:50 UTC (0.0 s before this command came)" in err["message"]
+    assert "whether the command reached the site is not known" in err["message"], err
+    assert gate.due() == [] and gate.pending == []  # answered once
+
+
+def test_commands_to_a_site_never_heard_are_in_doubt_and_a_flood_is_bounded():
+    clock = Clock()
+    gate_mod, gate = _gate(clock)
+    assert gate.command("site-a/robobus", "r", None, "t") is None  # not judged yet: waits for a heartbeat
+    clock.t += 3.0
+    ((_, body),) = gate.due()
+    assert b"no heartbeat from its broker since this gate started (00:01:40 UTC)" in body
+    for i in range(gate_mod.PENDING_MAX + 5):
+        gate.command("site-a/robobus", f"r{i}", None, "t")
+    assert [p.reply_to for p, _ in gate.due()] == [f"r{i}" for i in range(5)]  # the oldest answered at once
+    assert len(gate.pending) == gate_mod.PENDING_MAX
+
+
+def test_a_command_without_a_response_topic_is_answered_where_a_node_answers_it():
+    """An MQTT 3 client names no Response Topic: a node answers on <request topic>/reply, and so does the gate."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    clock = Clock()
+    gate_mod, gate = _gate(clock)
+    assert gate_mod.reply_target("s/robobus/n/d/cmd/x", None) == ("s/robobus/n/d/cmd/x/reply", None)
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    props.ResponseTopic, props.CorrelationData = "s/robobus/_client/op/reply", b"k"
+    assert gate_mod.reply_target("s/robobus/n/d/cmd/x", props) == ("s/robobus/_client/op/reply", b"k")
+    gate.reachability("site-a/robobus", b"0", False)
+    body = gate.command("site-a/robobus", "site-a/robobus/n/d/cmd/x/reply", None, "site-a/robobus/n/d/cmd/x")
+    assert body is not None and json.loads(body)["error"]["code"] == "unavailable"
+    assert gate.pending == []  # refused at once: nothing waits
+
+
 def test_foreign_topics_are_counted(w):
     watcher, _, sent = w
     watcher.heartbeat("site-c/robobus/_bridge/uptime")
@@ -448,9 +517,11 @@ def test_a_command_to_a_cut_site_is_answered_unavailable_at_the_centre(host_flee
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-        props.CorrelationData = msg.properties.CorrelationData
-        client.publish(msg.properties.ResponseTopic, b'{"ok": true, "result": {"from": "site"}}', qos=1,
-                       properties=props)
+        reply_to = getattr(msg.properties, "ResponseTopic", None)
+        if reply_to:
+            props.CorrelationData = msg.properties.CorrelationData
+        client.publish(reply_to or f"{msg.topic}/reply", b'{"ok": true, "result": {"from": "site"}}', qos=1,
+                       properties=props)  # as a node: no Response Topic (MQTT 3), on <request topic>/reply
 
     node.client.on_message = answer
     assert node.subscribe("site-a/robobus/+/+/cmd/+") == [1]
@@ -466,8 +537,35 @@ def test_a_command_to_a_cut_site_is_answered_unavailable_at_the_centre(host_flee
         with RpcClient(op, name="robobus-cli") as c:
             rep = c.call("ethercat-loop", "rh", "get_state", {}, timeout=30)
             assert rep.ok and rep.result == {"from": "site"}, rep  # reachable: the site answers, not the gate
+            # an MQTT 3 client at the centre (no Response Topic): the site's <request topic>/reply crosses back
+            v3 = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"operator-v3-{os.getpid()}",
+                             protocol=mqtt.MQTTv311)
+            v3.username_pw_set(u, p)
+            replies: list[bytes] = []
+            got = threading.Event()
+            v3.on_message = lambda cl, ud, m: (replies.append(bytes(m.payload)), got.set())
+            subscribed = threading.Event()
+            v3.on_subscribe = lambda *a: subscribed.set()
+            v3.connect("127.0.0.1", cport)
+            v3.loop_start()
+            try:
+                v3.subscribe("site-a/robobus/ethercat-loop/rh/cmd/get_state/reply", 1)
+                assert subscribed.wait(10)
+                time.sleep(0.5)  # a requests's retained-free stream: nothing to wait for but the subscription
+                v3.publish("site-a/robobus/ethercat-loop/rh/cmd/get_state", b"{}", qos=1)
+                assert got.wait(15), "an MQTT 3 request's reply never reached the centre"
+                assert json.loads(replies[0]) == {"ok": True, "result": {"from": "site"}}
+            finally:
+                v3.loop_stop()
+                v3.disconnect()
             mark = viewer.mark()
             os.kill(edge.pid, signal.SIGSTOP)
+            # sent into the link as it dies, before fleet-watch's verdict: answered, never silent
+            t0 = time.monotonic()
+            rep = c.call("ethercat-loop", "rh", "get_state", {}, timeout=30)
+            answered_s = time.monotonic() - t0
+            assert not rep.ok and rep.error and rep.error["code"] == "unavailable", rep
+            assert answered_s < make_secrets.watch_bound_s() + 4.0, answered_s  # not the caller's 30 s
             assert viewer.wait_for(lambda t, p, r: p == b"0", make_secrets.watch_bound_s() + 2.0, mark)
             t0 = time.monotonic()
             rep = c.call("ethercat-loop", "rh", "get_state", {}, timeout=30)

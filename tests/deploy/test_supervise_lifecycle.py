@@ -221,3 +221,26 @@ def test_a_host_that_refuses_realtime_is_told_and_every_program_runs(supervise: 
     assert len(refused) == 1, s.text()
     assert "SCHED_FIFO 10 for 'broker' (Operation not permitted)" in refused[0]
     assert "normal priority" in refused[0]
+
+
+def test_run_local_gives_every_service_node_the_priority() -> None:
+    """make run's realtime list is derived from the tree: every service of services/ (a folder with an api.py)
+    that the Procfile starts, and the broker; never a simulator or a tool. A service added later gets it too."""
+    repo = Path(__file__).resolve().parents[2]
+    services = sorted(p.parent.name.replace("_", "-") for p in (repo / "services").glob("*/api.py"))
+    procfile = (repo / "deploy/Procfile.sim").read_text()
+    env = {k: v for k, v in os.environ.items() if k not in ("ROBOBUS_MQTT_URL", "ROBOBUS_RUN_RT_PRIORITY")}
+
+    def realtime(**extra: str) -> list[str]:
+        out = subprocess.run([str(repo / "deploy/dev/run-local.sh"), "--print-realtime"], env={**env, **extra},
+                             capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[-1].split()
+        return [a for a in out if a != "--realtime"]
+
+    # a broker named elsewhere (no local mosquitto): nothing is started or checked at 1883
+    args = realtime(ROBOBUS_MQTT_URL="mqtt://127.0.0.1:1")
+    assert sorted(args) == [f"{s}=10" for s in services if f"\n{s}:" in f"\n{procfile}"], args
+    assert {"ethercat-loop=10", "roi-modules=10", "epuck-gateway=10", "dexter-gateway=10"} <= set(args)
+    assert not any(a.split("=")[0].endswith("-sim") for a in args)
+    assert realtime(ROBOBUS_MQTT_URL="mqtt://127.0.0.1:1", ROBOBUS_RUN_RT_PRIORITY="0") == []
+    assert sorted(realtime(ROBOBUS_MQTT_URL="mqtt://127.0.0.1:1", ROBOBUS_RUN_RT_PRIORITY="20")) == sorted(
+        a[:-2] + "20" for a in args)

@@ -352,8 +352,11 @@ def test_file_jobs_cancel_between_blocks(gateway: Gateway) -> None:
     started.clear()
     job_id.clear()
 
+    # a file of 400 blocks on the arm: the one cancelled above may hold only a few, read before a cancel lands
+    (gateway.sim.cwd / "whole.bin").write_bytes(data)
+
     def run_read() -> None:
-        out["acc"], out["res"] = gateway.job("read_file", {"path": "big.bin"}, on_progress)
+        out["acc"], out["res"] = gateway.job("read_file", {"path": "whole.bin"}, on_progress)
 
     gateway.sim.delay_replies(0.02, 300, oplet="r")
     t = threading.Thread(target=run_read)

@@ -309,7 +309,10 @@ def test_at_half_an_image_a_second_a_one_shot_is_applied_by_one_short_cycle(half
         assert await wait_for(lambda: robot.command is not None and robot.command.sound == 0, 5)  # cleared
         n = len(images)
         assert await wait_for(lambda: len(images) >= n + 2, 10)  # the stream goes on, two image periods later
-        assert robot.world.sound_starts <= 3 and robot.world.calibrations <= 3, robot.world
+        # Each robot cycle (50 Hz) that still holds the one-shot restarts it: the fix takes a round trip (a few
+        # cycles quiet, more on a loaded host); the defect took an image period, ~100 cycles. A quarter of that
+        # tells them apart on any host.
+        assert robot.world.sound_starts <= 25 and robot.world.calibrations <= 25, robot.world
         assert robot.world.melodies.count(SOUND_MARIO) == 1
         await link.close()
 

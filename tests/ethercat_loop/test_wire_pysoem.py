@@ -4,6 +4,7 @@ Root only; skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -59,7 +60,16 @@ def _cmd(proto: str, d0: int) -> bytes:
     return pack_command(PalmCommand(motor_data=(d0,) + (0,) * 19), proto)
 
 
+# The configuration-write budget of the tests' own master where the budget is not what a test is about: it runs at
+# ordinary priority beside the suite's other workers, and a fresh-clone run saw a palm's answer to an AL-control
+# write miss the default 20 ms (the product's master, at its realtime priority, keeps the default)
+TEST_CONFIG_WRITE_US = 200_000
+
+
 def _run_master(ns: object, cfg: MasterConfig, body: object) -> object:
+    if cfg.config_write_timeout_us == MasterConfig.config_write_timeout_us:
+        cfg = dataclasses.replace(cfg, config_write_timeout_us=TEST_CONFIG_WRITE_US)
+
     def run() -> object:
         m = EthercatMaster(cfg)
         try:
@@ -143,10 +153,12 @@ def test_master_programs_sms_when_sii_lacks_them() -> None:
 
 def test_a_lost_configuration_reply_is_resent_not_fatal() -> None:
     # the palm writes both FMMUs but the first reply to each is lost (a flaky link; or, on a busy machine, a
-    # reply later than one send's wait): the master resends within config_write_timeout_us, as SOEM does
+    # reply later than one send's wait): the master resends within config_write_timeout_us, as SOEM does. The
+    # budget here is 10x the default 20 ms: what is tested is the resend, not how fast this host schedules the
+    # test's own (ordinary priority) master beside the suite's other workers
     with hand("0230", [*ECHO, "--no-sii-pd", "--lose-fmmu-replies", "2"]) as (ns, ctl):
-        got = _run_master(ns, MasterConfig(ns.master_if, netns=ns.name, recv_timeout_us=5000),
-                          lambda m: m.identity)
+        got = _run_master(ns, MasterConfig(ns.master_if, netns=ns.name, recv_timeout_us=5000,
+                                           config_write_timeout_us=TEST_CONFIG_WRITE_US), lambda m: m.identity)
         stats = ctl.call("stats")
     assert getattr(got, "mapping", None) == "programmed" and stats["dropped"] == 2
 

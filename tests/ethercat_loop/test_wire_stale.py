@@ -34,8 +34,9 @@ def _exchanges(ns: Any, n: int, drop_stale: bool = True,
     so the reply to command k echoes command k - 1."""
 
     def run() -> tuple[list[tuple[int, int | None, int]], dict[str, Any]]:
+        # a configuration-write budget for a master at ordinary priority (test_wire_pysoem.TEST_CONFIG_WRITE_US)
         m = EthercatMaster(MasterConfig(ns.master_if, netns=ns.name, recv_timeout_us=5000 if not pace_s else 500,
-                                        late_us=300))
+                                        late_us=300, config_write_timeout_us=200_000))
         try:
             m.open()
             m.to_op()

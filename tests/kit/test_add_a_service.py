@@ -6,7 +6,7 @@ it (`robobus.services`, `robobus.cli`). Nothing is installed into the project's 
 a subprocess whose PYTHONPATH puts that directory first, so the registry (importlib.metadata) finds the sixth
 distribution beside robobus. Then the schema export, the `robobus` CLI (its sub-commands and `status
 --expect-all`'s list of services), deploy/make_secrets.py's broker users and ACL, and the conformance harness's
-list of services must all name it.
+list of services must all name it, and the stop bench's rule names what its rig must declare.
 """
 
 from __future__ import annotations
@@ -191,6 +191,17 @@ def test_the_conformance_suite_holds_it_to_the_fault_script(sixth: Path) -> None
                          f"rig = rigs()[{SIXTH!r}]\nprint(type(rig).__name__, rig.node_module, rig.devices)")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["SimRig", "robobus_sixth", "('tank',)"], r.stdout
+
+
+def test_the_stop_bench_rule_names_it_and_what_its_rig_must_declare(sixth: Path) -> None:
+    """set_level is a motion command that bench/stop.py does not measure, and the rig gives no reason: the rule
+    names the service and the declaration its own folder lacks (no other file to edit)."""
+    r = run(sixth, "-c", "from tests.kit.test_bench_stop import unexcused_motion_services\n"
+                         "print('\\n'.join(unexcused_motion_services()))")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"{SIXTH}: a motion service bench/stop.py does not measure: say why in "
+                                     'robobus_sixth.rig (SimRig(..., stop_unmeasured="<why>")), or measure it in '
+                                     "bench/stop.py"], r.stdout
 
 
 def test_a_host_without_robobus_installed_reads_the_checkout(monkeypatch: pytest.MonkeyPatch,

@@ -48,6 +48,41 @@ def test_status_table_and_json(broker_session: Broker, echo_node: Node) -> None:
     assert echo_node.name in t.stdout and "running" in t.stdout
 
 
+def test_status_at_a_centre_says_a_cut_site_and_its_rows_are_last_known(broker_session: Broker) -> None:
+    """fleet-watch's {root}/_bridge/reachable "0": `robobus status` says the site is unreachable above the table and
+    shows its nodes `stale (last online)`, never plain online; "1" or no verdict (a site's own broker): as ever."""
+    from shared.rpc import RpcClient
+    from shared.settings import KitSettings
+
+    root = f"cut{os.getpid()}/robobus"
+    env = {**os.environ, "ROBOBUS_MQTT_URL": broker_session.url, "ROBOBUS_TOPIC_ROOT": root, "COLUMNS": "200"}
+
+    def status(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "shared.tools.cli", "status", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    with RpcClient(KitSettings(mqtt_url=broker_session.url, topic_root=root), name="cut") as c:
+        topics = [f"{root}/n1/status", f"{root}/n1/d1/health", f"{root}/_bridge/reachable"]
+        try:
+            c.session.publish_wait(topics[0], json.dumps({"online": True, "service": "x"}), qos=1, retain=True)
+            c.session.publish_wait(topics[1], json.dumps({"state": "running", "connection": True}), qos=1,
+                                   retain=True)
+            r = status()
+            assert "UNREACHABLE" not in r.stdout and "online" in r.stdout and "stale" not in r.stdout, r.stdout
+            assert json.loads(status("--json").stdout)["site_reachable"] is None
+            c.session.publish_wait(topics[2], b"0", qos=1, retain=True)
+            r = status()
+            assert f"the site {root} is UNREACHABLE from this centre" in r.stdout, r.stdout
+            assert "stale (last online)" in r.stdout, r.stdout
+            assert json.loads(status("--json").stdout)["site_reachable"] is False
+            c.session.publish_wait(topics[2], b"1", qos=1, retain=True)
+            r = status()
+            assert "UNREACHABLE" not in r.stdout and "stale" not in r.stdout, r.stdout
+        finally:
+            for t in topics:
+                c.session.publish_wait(t, b"", qos=1, retain=True)
+
+
 def test_status_reads_every_retained_status_and_health_once_the_broker_has_sent_them(broker_session: Broker) -> None:
     """`robobus status` stops gathering when its marker comes back, not after a fixed window: every retained message
     of the subscriptions before the marker is in (400 health topics and 40 nodes here, more than the broker sends

@@ -12,7 +12,7 @@ import pytest
 
 from shared import Node
 from shared.registry import service_names, service_plugins
-from shared.rpc import RpcClient
+from shared.rpc import RpcClient, wait_for
 from shared.tools.asyncapi import ContractValidator, build_document, discover_apis, render_yaml, write_docs
 from tests.fixtures import Broker
 from tests.kit.echo_node import API as ECHO_API
@@ -72,6 +72,19 @@ def test_everything_the_echo_node_publishes_validates(broker_session: Broker, cl
     node = Node(ECHO_API, broker_session.settings(node="contract1", health_interval_s=0.2))
     stop = build(node)
     seen: list[tuple[str, bytes]] = []
+    expected = {"status", "health", "nodeStats", "echo-test_state_counter", "echo-test_event_tick",
+                "echo-test_event_job_progress", "echo-test_event_job_result"}
+
+    found: set[str] = set()
+    checked = [0]
+
+    def channels() -> set[str]:
+        """Every message seen so far validated (each once), and the channels they were on."""
+        batch = seen[checked[0]:]
+        checked[0] += len(batch)
+        found.update(validator.validate(t, p) for t, p in batch if not t.endswith("/reply"))
+        return found
+
     client.subscribe_before("robobus/contract1/#", lambda m: seen.append((m.topic, bytes(m.payload))))
     node.start()
     assert node.session.wait_ready(10)
@@ -79,11 +92,11 @@ def test_everything_the_echo_node_publishes_validates(broker_session: Broker, cl
         client.call("contract1", "dev1", "echo", {"text": "x"})
         client.call_job("contract1", "dev1", "count", {"n": 5}, lambda e: None)
         client.call("contract1", "dev1", "boom", {})
-        time.sleep(1.5)  # heartbeats, node stats, 1 s of counter state and a tick event
+        # heartbeats, node stats, counter state and a tick event (every 100th count of a 100 Hz counter: about a
+        # second on a quiet host, longer on a busy one, hence a deadline rather than a fixed sleep)
+        wait_for(lambda: expected <= channels(), timeout=20, interval=0.1)
     finally:
         stop.set()
         node.stop()
     time.sleep(0.3)
-    channels = {validator.validate(t, p) for t, p in seen if not t.endswith("/reply")}
-    assert {"status", "health", "nodeStats", "echo-test_state_counter", "echo-test_event_tick",
-            "echo-test_event_job_progress", "echo-test_event_job_result"} <= channels
+    assert expected <= channels()

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 NAME = "sixth-io"
 PACKAGE = "robobus_sixth_io"
 ROOMS = ("__init__.py", "api.py", "models.py", "settings.py", "protocol.py", "transport.py", "device.py",
-         "service.py", "__main__.py", "sim.py", "rig.py", "README.md")
+         "service.py", "__main__.py", "sim.py", "rig.py", "README.md", "tests/__init__.py", "tests/test_end_to_end.py")
 
 
 def run(site: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -49,7 +49,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_it_writes_every_room(site: Path) -> None:
-    assert sorted(p.name for p in (site / PACKAGE).iterdir() if p.is_file()) == sorted(ROOMS)
+    written = sorted(str(p.relative_to(site / PACKAGE)) for p in (site / PACKAGE).rglob("*") if p.is_file()
+                     and "__pycache__" not in p.parts)
+    assert written == sorted(ROOMS)
     with pytest.raises(FileExistsError):
         scaffold.create(NAME, site / PACKAGE, PACKAGE)  # never over a service's own work
 
@@ -76,11 +78,14 @@ def test_requests_refuse_unknown_keys_and_the_motion_command_binds_a_stop(site: 
 
 
 def test_the_registry_based_rules_hold_it(site: Path) -> None:
-    """The layout rules (its device module), the unknown-keys contract test, the fuzz coverage and the api-imports
-    rule, each run with the generated service registered."""
+    """The layout rules (its device module), the transport factories' rules (the kit's one signature, no alias),
+    the unknown-keys contract test, the fuzz coverage, the stop bench's coverage (its rig says why it is not
+    measured) and the api-imports rule, each run with the generated service registered."""
     r = run(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-            "tests/kit/test_service_layout.py", "tests/contract/test_unknown_keys.py", "tests/kit/test_api_imports.py",
+            "tests/kit/test_service_layout.py", "tests/kit/test_transport_factories.py",
+            "tests/contract/test_unknown_keys.py", "tests/kit/test_api_imports.py",
             "tests/fuzz/test_fuzz.py::test_every_registered_service_has_its_decoders_fuzzed",
+            "tests/kit/test_bench_stop.py::test_every_registered_motion_service_is_measured_or_says_why",
             "tests/kit/test_bind_once.py::test_the_contract_and_settings_are_imported_from_api_and_settings_not_from_"
             "service", timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
@@ -89,6 +94,16 @@ def test_the_registry_based_rules_hold_it(site: Path) -> None:
         assert "sixth_io_replies" in listed.stdout.split() and "sixth_io_requests" in listed.stdout.split()
         fuzz = run(site, "-m", "tests.fuzz", "sixth_io_replies", "-runs=3000", "-seed=1")
         assert fuzz.returncode == 0, fuzz.stderr[-3000:]
+
+
+def test_its_own_tests_pass_with_the_suite_s_fixtures(site: Path) -> None:
+    """The service's own tests (services/<package>/tests/, which `make test` collects): its simulator and its node
+    end to end on the session's broker, with the suite's fixtures (tests/fixtures.py)."""
+    tests = site / PACKAGE / "tests"
+    assert (tests / "test_end_to_end.py").is_file()
+    r = run(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.fixtures", str(tests), timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "1 passed" in r.stdout, r.stdout[-2000:]
 
 
 def test_its_procfile_lines_follow_the_naming_and_variable_rules() -> None:

@@ -504,8 +504,12 @@ def test_a_node_keeps_an_active_stop_across_a_lost_broker(broker: Broker) -> Non
         with pytest.raises(CommandError) as err:
             node.dispatcher.dispatch("wheel1", "move", b'{"speed": 2}')
         assert err.value.code == ErrorCode.UNAVAILABLE
+        reconnects = node.session.reconnects
         broker.start()
         assert wait_for(lambda: node.stop_latch.known, DEADLINE)
+        # the stop is read on a connection of its own: the command subscription, on the main one, may come later
+        # (a command sent before it is in is dropped by the broker, unanswered)
+        assert wait_for(lambda: node.session.reconnects > reconnects and node.session.ready.is_set(), DEADLINE)
         with RpcClient(broker.settings(topic_root=root), name="stop-loss") as c:
             assert c.call("keeper", "wheel1", "move", {"speed": 2}, timeout=DEADLINE).ok
     finally:

@@ -5,11 +5,15 @@ in a restart is held and said lost."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -26,6 +30,7 @@ from tests.fixtures import Broker
 from tests.kit.motion_node import API, build
 from tests.kit.test_stop import DEADLINE, Bus, start_node
 
+REPO = Path(__file__).resolve().parents[2]
 HELD_S = 5.0  # how long a test holds the main connection's network thread
 
 
@@ -400,3 +405,54 @@ def test_no_stop_lost_when_none_was_active(own_bus: Bus, broker: Broker) -> None
     finally:
         node.stop()
 
+
+def _fifo_threads(pid: int) -> dict[str, int]:
+    """Thread name/id -> its realtime priority (0: not realtime)."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            name = (task / "comm").read_text().strip()
+            out[f"{name}/{task.name}"] = os.sched_getparam(int(task.name)).sched_priority
+    return out
+
+
+def test_a_node_at_a_realtime_priority_reads_the_stop_one_above_its_commands(bus: Bus) -> None:
+    """Started at SCHED_FIFO 10 (as `make run` starts it), the node's stop connection's thread runs at 11, its
+    other threads at 10, and its motion devices' health says so: after a stall, the backlog of commands on the
+    main connection never holds a core the stop needs. A node put at 10 once running (every thread, as
+    ethercat-loop's MQTT process puts itself) lifts it at the next round trip. At an ordinary priority nothing is
+    lifted."""
+    if subprocess.run(["chrt", "-f", "10", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this host refuses SCHED_FIFO to the tests (no CAP_SYS_NICE)")
+    env = {"ROBOBUS_MQTT_URL": bus.broker.url, "ROBOBUS_TOPIC_ROOT": bus.root, "ROBOBUS_HEALTH_INTERVAL_S": "0.5"}
+    for how in ("started", "later", "never"):
+        name = f"{how}node"
+        prefix = ["chrt", "-f", "10"] if how == "started" else []
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "tests.kit.motion_node"],
+                                env={**os.environ, **env, "ROBOBUS_NODE": name}, cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            topic = f"{bus.root}/{name}/wheel1/health"
+
+            def read_path() -> dict[str, Any]:
+                return dict(((bus.latest(topic) or {}).get("details") or {}).get("stop_path") or {})  # noqa: B023
+
+            # a heartbeat after the stop connection is up (its round trip back: rtt_ms)
+            assert wait_for(lambda: read_path().get("rtt_ms") is not None, 30), bus.latest(topic)
+            if how == "later":
+                assert "priority" not in read_path()
+                subprocess.run(["chrt", "-f", "-a", "-p", "10", str(proc.pid)], check=True)
+                assert wait_for(lambda: "priority" in read_path(), 10), read_path()
+            path = read_path()
+            threads = _fifo_threads(proc.pid)
+            if how == "never":
+                assert "priority" not in path, path
+                assert set(threads.values()) == {0}, threads
+            else:
+                assert path["priority"] == 11, path
+                lifted = [t for t, p in threads.items() if p == 11]
+                assert len(lifted) == 1, threads  # the stop connection's network thread alone
+                assert all(p in (10, 11) for p in threads.values()), threads
+        finally:
+            proc.terminate()
+            proc.wait(10)

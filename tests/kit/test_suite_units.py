@@ -52,10 +52,14 @@ def test_every_module_that_uses_docker_is_a_unit_of_its_own_and_builds_under_one
         if takes_docker:  # side by side with the others: their stacks have names and ports of their own
             assert unit_of(f"{rel}::test_x") == rel, rel
     assert not _uses_docker(str(Path("tests/deploy/no_such_module.py")))
-    # dockerd's setup and the image build, one worker at a time
+    # dockerd's setup and the image build, one worker at a time; under the same lock, a worker whose run's images
+    # another worker built skips its build
     conf = (REPO / "tests/deploy/conftest.py").read_text()
     assert "with _one_at_a_time():\n            proc = subprocess.run" in conf
-    assert "with _one_at_a_time():\n        stack.build()" in conf
+    images = conf[conf.index("def images("):conf.index("def pytest_terminal_summary")]
+    locked = images[images.index("    with _one_at_a_time():\n"):].split("\n    TIMINGS")[0]
+    assert "_BUILT.read_text() == run_id" in locked and "        stack.build()\n" in locked, locked
+    assert "_BUILT.write_text(run_id)" in locked.split("stack.build()")[1], locked
 
 
 def test_the_modules_that_run_realtime_processes_are_one_unit() -> None:
@@ -85,21 +89,26 @@ def test_every_module_with_realtime_processes_holds_the_realtime_lock_for_its_wh
 
 
 def test_the_realtime_lock_is_exclusive_across_processes(tmp_path: Path) -> None:
-    """Two workers are two processes: the second waits for the first's lock (flock on one file)."""
+    """Two workers are two processes: both name the same lock file, and the second waits for the first's lock (flock
+    on one file). Shown on a lock file of its own: the machine's is held by the realtime modules for minutes in a
+    parallel run, which this test would wait out."""
     import subprocess
     import sys
-
-    code = ("import time, tests.conftest as c\n"
-            "with c._realtime_alone():\n"
-            "    print('in', flush=True); time.sleep(1.0)\n")
-    first = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert first.stdout is not None and first.stdout.readline().strip() == "in"
     import time
 
-    from tests.conftest import _realtime_alone
+    from tests.conftest import _REALTIME_LOCK, _realtime_alone
 
+    lock = tmp_path / "realtime.lock"
+    code = ("import sys, time, pathlib, tests.conftest as c\n"
+            "print(c._REALTIME_LOCK, flush=True)\n"
+            "with c._realtime_alone(pathlib.Path(sys.argv[1])):\n"
+            "    print('in', flush=True); time.sleep(1.0)\n")
+    first = subprocess.Popen([sys.executable, "-c", code, str(lock)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert first.stdout is not None
+    assert first.stdout.readline().strip() == str(_REALTIME_LOCK)  # every worker computes the same file
+    assert first.stdout.readline().strip() == "in"
     t0 = time.monotonic()
-    with _realtime_alone():
+    with _realtime_alone(lock):
         waited = time.monotonic() - t0
     first.wait(10)
     assert waited > 0.5, waited  # it held the lock for 1 s after saying so
@@ -111,3 +120,31 @@ def test_the_wall_line_says_the_ratio_to_the_target_and_met_or_not() -> None:
     assert SUITE_TARGET_S == 420
     assert "ratio 0.93, met" in suite_verdict(389)
     assert "ratio 1.14, not met" in suite_verdict(480)
+
+
+def test_a_parallel_run_rewrites_every_module_its_workers_import_once_before_they_start() -> None:
+    """The controller's list of modules to rewrite (tests/conftest.py `_rewritten_sources`): every test module and
+    conftest.py of the paths given, the suite's plugin, nothing under node_modules; a single module brings the
+    conftest.py files above it."""
+    from tests.conftest import _rewritten_sources
+
+    whole = {p.relative_to(REPO).as_posix() for p in _rewritten_sources([str(REPO / "tests")])}
+    on_disk = {p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("*.py")
+               if (p.name.startswith("test_") or p.name == "conftest.py") and "node_modules" not in p.parts}
+    assert whole == on_disk | {"tests/fixtures.py"}, whole ^ (on_disk | {"tests/fixtures.py"})
+    one = {p.relative_to(REPO).as_posix() for p in _rewritten_sources([f"{REPO}/tests/deploy/test_fleet.py::test_x"])}
+    assert one == {"tests/deploy/test_fleet.py", "tests/deploy/conftest.py", "tests/conftest.py", "tests/fixtures.py"}
+
+
+def test_the_run_compiles_the_repositorys_modules_for_the_processes_it_starts() -> None:
+    """Every module of shared/, services/ and tests/ has a current .pyc once the run has started (pytest_configure),
+    which every process reads even under PYTHONDONTWRITEBYTECODE."""
+    import importlib.util
+
+    from tests.conftest import _compile_sources
+
+    _compile_sources()
+    for module in ("shared/rpc.py", "services/ethercat_loop/service.py", "tests/chaos/stack.py"):
+        source = REPO / module
+        pyc = Path(importlib.util.cache_from_source(str(source)))
+        assert pyc.exists() and pyc.stat().st_mtime >= source.stat().st_mtime, module

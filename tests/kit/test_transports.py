@@ -150,8 +150,8 @@ def test_roi_and_dexter_report_a_transport_that_does_not_import_as_unavailable(m
     from services.roi_modules.settings import RoiSettings
     from shared import Node, ServiceUnavailable
 
-    monkeypatch.setitem(sys.modules, "services.roi_modules.udp", None)
-    monkeypatch.setitem(sys.modules, "services.dexter_gateway.tcp", None)
+    monkeypatch.setitem(sys.modules, "services.roi_modules.transport", None)
+    monkeypatch.setitem(sys.modules, "services.dexter_gateway.transport", None)
     rs = RoiSettings(roi_network="127.0.2", roi_modules=[{"name": "io", "octet": 10, "type": "gpio"}])
     with pytest.raises(ServiceUnavailable, match="roi-modules transport 'udp' cannot be imported here"):
         build_roi(Node(ROI, rs), rs)
@@ -167,8 +167,8 @@ from services.ethercat_loop.model_backend import model_backend
 MADE = []
 
 
-def factory(settings, calibration):
-    backend = model_backend(settings, calibration)
+def factory(settings, hooks):
+    backend = model_backend(settings, hooks)
     MADE.append(backend)
     return backend
 '''
@@ -201,20 +201,20 @@ def test_a_package_outside_the_tree_adds_a_transport_to_a_service(tmp_path):
 
 OUT_OF_TREE_WIRES = '''
 """Transports for roi-modules and dexter-gateway from a package outside the tree: the registered ones, marked."""
-from services.dexter_gateway.tcp import tcp_link
-from services.roi_modules.udp import udp_transport
+from services.dexter_gateway.transport import tcp_link
+from services.roi_modules.transport import udp_transport
 
 MADE = []
 
 
-def roi(settings, octets, **callbacks):
-    transport = udp_transport(settings, octets, **callbacks)
+def roi(settings, hooks):
+    transport = udp_transport(settings, hooks)
     MADE.append(transport)
     return transport
 
 
-def dexter(name, config, **kw):
-    link = tcp_link(name, config, **kw)
+def dexter(settings, hooks):
+    link = tcp_link(settings, hooks)
     MADE.append(link)
     return link
 '''
@@ -285,7 +285,7 @@ def test_no_service_imports_a_simulator_or_a_transport_module():
     mods = _transport_modules()
     assert {"services.ethercat_loop.model_backend", "services.can_bootloader.sim",
             "services.epuck_gateway.transport.wifi", "services.epuck_gateway.transport.serial",
-            "services.roi_modules.udp", "services.dexter_gateway.tcp"} <= mods
+            "services.roi_modules.transport", "services.dexter_gateway.transport"} <= mods
     bad = {f"{f.relative_to(REPO)}:{v}" for f in files
            for v in forbidden_imports(f, f"services.{f.parent.name}.service", mods)}
     assert not bad, "\n".join(sorted(bad))
@@ -317,7 +317,7 @@ def test_the_import_rule_catches_a_forbidden_import(tmp_path):
 # -- no service.py builds a transport itself -------------------------------------------------------------------
 def _return_names(factory: object) -> set[str]:
     """The class names in a factory's return annotation (`-> RoiTransport`, `-> list[BootBusSim]`: BootBusSim), or
-    the class itself when the factory is one (dexter-gateway's `tcp_link` is `DexterLink`)."""
+    the class itself when the factory is one."""
     if isinstance(factory, type):
         return {factory.__name__}
     ann = getattr(factory, "__annotations__", {}).get("return")

@@ -267,6 +267,29 @@ def test_bridges_and_the_exporter_s_own_connection() -> None:
     assert bus.value("robobus_stop_active", site="site-a", channel="site") is None
 
 
+def test_a_cut_site_s_devices_read_stale_at_once_and_live_again_when_it_is_back() -> None:
+    """fleet-watch's verdict, not the age of the messages: a site the centre cannot reach exports its devices'
+    last health as stale (its retained copies are young, its node still says online) and leaves out its states;
+    the other site is untouched; reachable again, its devices are live again."""
+    bus = Bus("+/robobus", stale_s=60)
+    for site in ("site-a", "site-b"):
+        bus.send(f"{site}/robobus/_bridge/reachable", b"1")
+        bus.send(f"{site}/robobus/n/status", status("n"))
+        bus.send(f"{site}/robobus/n/d1/health", health())
+    assert bus.value("robobus_device_connection", site="site-a", device="d1") == 1
+    bus.send("site-a/robobus/_bridge/reachable", b"0")
+    bus.now += 1  # well within the stale time
+    assert bus.value("robobus_device_health_stale", site="site-a", device="d1") == 1
+    assert bus.value("robobus_device_connection", site="site-a", device="d1") == 0
+    assert bus.value("robobus_device_state", site="site-a", device="d1", state="stale") == 1
+    assert bus.value("robobus_link_attempts_total", site="site-a", device="d1") is None
+    assert bus.value("robobus_node_online", site="site-a", node="n") == 1  # its last word, beside reachable 0
+    assert bus.value("robobus_bridge_reachable", site="site-a") == 0
+    assert bus.value("robobus_device_connection", site="site-b", device="d1") == 1
+    bus.send("site-a/robobus/_bridge/reachable", b"1")
+    assert bus.value("robobus_device_connection", site="site-a", device="d1") == 1
+
+
 @pytest.mark.parametrize("payload", [b"", b"\xff\xfe", b"[1,2]", b"{\"online\": \"yes\"}", b"null", b"{"])
 def test_bad_payloads_are_counted_never_a_crash(payload: bytes) -> None:
     bus = Bus()

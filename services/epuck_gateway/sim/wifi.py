@@ -17,8 +17,12 @@ Behaviour copied from the ESP32 WiFi firmware as the reference describes it (sec
 
 For the bus stop's measurements (`StopWatch`): once armed, a robot time-stamps the first stop it receives
 (a command that sets both wheel speeds to 0), when its bytes arrive, not when a cycle applies it: the kernel's
-time of the newest bytes of the read that carried it (SO_TIMESTAMPNS), not the moment this one loop serving
-every robot got round to it (a robot's radio reads its own socket). Armed in
+arrival time of the bytes that carried it (SO_TIMESTAMPNS), not the moment this one loop serving every robot got
+round to it (a robot's radio reads its own socket). Linux gives a read the time of the newest segment it took, so
+while the watch is armed the robot reads one command (21 bytes) at a time: a stop read together with a command
+that arrived after it was stamped with that command's arrival. Segments that wait unread are merged by the kernel
+into one with the newest's time (tcp_try_coalesce): a simulator starved for tens of milliseconds still times a
+stop late, which is why bench/stop.py runs it above the nodes' priority. Armed in
 code with `robot.stop_watch.arm()`; from the command line, SIGUSR2 arms every robot and each prints
 `{"stop_seen": {"robot", "ts" (Unix time), "monotonic" (CLOCK_MONOTONIC, comparable across processes)}}`.
 
@@ -30,10 +34,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -62,11 +68,26 @@ SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux: the kernel's re
 _ANC_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
 
 
+@functools.cache
+def keep_kernel_stamps() -> socket.socket | None:
+    """One socket with SO_TIMESTAMPNS, held (cached) for the process's life. Linux stamps received bytes at their
+    arrival only while some socket asks for it, and turns that on from a deferred work item: bytes that arrive
+    before it ran are stamped when read instead. Asked at the first robot, it is on long before a stop arrives."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
 class _StampedSocket(socket.socket):
     """A connection whose reads note the kernel's arrival time of the newest bytes read (`arrival`, Unix time;
     None where the kernel gives none): asyncio's transport reads with `recv`, which this answers with recvmsg."""
 
     arrival: float | None = None
+    read_limit: Callable[[], int | None] | None = None  # the most one read takes, when it says (else asyncio's)
 
     @classmethod
     def adopt(cls, conn: socket.socket) -> socket.socket:
@@ -79,7 +100,8 @@ class _StampedSocket(socket.socket):
         return s
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        data, anc, _flags, _addr = self.recvmsg(bufsize, _ANC_SPACE, flags)
+        limit = self.read_limit() if self.read_limit is not None else None
+        data, anc, _flags, _addr = self.recvmsg(min(bufsize, limit) if limit else bufsize, _ANC_SPACE, flags)
         for level, kind, cmsg in anc:
             if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(cmsg) >= 16:
                 sec, nsec = struct.unpack_from("@qq", cmsg)
@@ -122,6 +144,7 @@ class EpuckSimRobot:
 
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0,
                  config: EpuckSimConfig | None = None, world: EpuckWorld | None = None) -> None:
+        keep_kernel_stamps()
         self.name = name
         self.host = host
         self.port = port
@@ -200,6 +223,8 @@ class EpuckSimRobot:
     async def _session(self, conn: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=conn)
         stamped = conn if isinstance(conn, _StampedSocket) else None
+        if stamped is not None:  # armed: one command per read, so that its time is that of its own bytes
+            stamped.read_limit = lambda: COMMAND_SIZE if self.stop_watch.armed else None
         self._client = writer
         self.connected = True
         queue: collections.deque[EpuckCommand] = collections.deque()

@@ -5,10 +5,14 @@ the bus stop) and report the same things: the packets (`PacketsHandler`), the su
 (`StateHandler`, through `StateReporter`), framing errors, the time a requested write left (`WrittenHandler`) or a
 stop owed to a robot whose link was down (`OwedHandler`), and one set of counters (`EpuckLinkStats`).
 
-Health is the kit's link supervisor's (shared/link.py, docs/kit.md "Health"): a link reports what happens (attempt,
-opened, failed, data, garbage, closed); `RobotLink.run` is the reconnect loop both links run on the supervisor's
-back-off, probing once per probe period once the robot is `unreachable`. A link says how it opens (`_open`, a
-TCP connection or a serial port) and what one session is (`_session`, until the link is lost: `_lose(reason)`).
+Health is the kit's link supervisor's (shared/link.py, docs/kit.md "Health"): a link reports what happens (opened,
+data, garbage); both links are `shared.transport.AsyncTransport`s and run under the kit's one reconnect loop
+(`AsyncReconnectLoop`: the attempts, their failures and the sessions' ends, on the supervisor's back-off, probing
+once per probe period once the robot is `unreachable`). A link says how it opens (`_open`, a TCP connection or a
+serial port) and what one session is (`_session`, until the link is lost: `_lose(reason)`).
+
+A link's factory has the kit's one signature, `factory(settings, hooks: LinkHooks)`: the service's settings, and
+what the robot's device gives its link (the robot's settings, the controller, the callbacks, the supervisor).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from services.epuck_gateway.protocol.wifi import EpuckController, FramingError, Packet
+from services.epuck_gateway.settings import EpuckSerialRobot, EpuckWifiRobot
 from shared.link import LinkPolicy, LinkState, SupervisedLink
+from shared.transport import AsyncReconnectLoop, AsyncTransport, LinkEvent
 
 log = logging.getLogger("robobus.epuck.link")
 H = TypeVar("H")  # what one session of a link runs on: a TCP transport, a serial port
@@ -108,8 +114,16 @@ class StateReporter:
         self._on_state(link_open, name, msg)
 
 
-class OpenFailed(Exception):
-    """A link could not be opened (the message says why: the supervisor's `failed`)."""
+@dataclass(frozen=True)
+class LinkHooks:
+    """What a robot's device gives its link (a transport factory's `hooks`)."""
+
+    robot: EpuckWifiRobot | EpuckSerialRobot
+    controller: EpuckController
+    on_packets: PacketsHandler
+    on_state: StateHandler
+    on_framing_error: ErrorHandler
+    supervisor: SupervisedLink
 
 
 class LineDropped(Exception):
@@ -117,9 +131,9 @@ class LineDropped(Exception):
     serial link's ASCII mode; here, so that the service catches it without importing a link)."""
 
 
-class RobotLink(ABC, Generic[H]):
-    """One robot's link: the surface and the reconnect loop both links share. `run()` until `close()`;
-    `request_write()` after changing the controller."""
+class RobotLink(AsyncTransport, ABC, Generic[H]):
+    """One robot's link: the surface both links share, run under the kit's reconnect loop. `run()` until
+    `close()`; `request_write()` after changing the controller."""
 
     def __init__(self, name: str, controller: EpuckController, on_packets: PacketsHandler, on_state: StateHandler,
                  on_framing_error: ErrorHandler, supervisor: SupervisedLink | None, policy: LinkPolicy) -> None:
@@ -140,7 +154,8 @@ class RobotLink(ABC, Generic[H]):
         self._urgent = False  # that state is a stop that must not wait (request_write(urgent=True))
         self._lost: asyncio.Future[str] | None = None  # the current session's end, with its reason
         self._closing = False
-        self._wake = asyncio.Event()
+        self._handle: H | None = None  # opened, its session not begun
+        self._reconnect = AsyncReconnectLoop(self, self.sup, max_wait_s=math.inf)
         self._task: asyncio.Task[None] | None = None
 
     # -- public -------------------------------------------------------------------------------------------
@@ -168,38 +183,38 @@ class RobotLink(ABC, Generic[H]):
         """The bus stop, already in the controller: write it now; the time it left, or None (link down: then
         `on_owed(time)` when the next session's first command, speeds 0, has left)."""
 
+    def write_stop_from_thread(self) -> float | None:
+        """The bus stop written from the stop's own thread, ahead of whatever the loop has queued: the time it
+        left, or None when this link cannot write from there (the loop's pass writes it, `write_stop`). A serial
+        write can wait for a full line: only a link that never blocks does it (transport/wifi.py)."""
+        return None
+
     @abstractmethod
     async def close(self) -> None:
         """Stop the robot and leave the link for good."""
 
-    # -- the reconnect loop ---------------------------------------------------------------------------------
+    # -- under the kit's reconnect loop ------------------------------------------------------------------------
     async def run(self) -> None:
         self._set_budget()
-        while not self._closing:
-            # the supervisor's rhythm: doubling waits after a failure, one probe per period once unreachable
-            wait = self.sup.next_attempt_in()
-            if wait > 0:
-                await self._pause(wait)
-                if self._closing:
-                    break
-            self.sup.attempt()
-            self._report()
-            try:
-                handle = await self._open()
-            except OpenFailed as exc:
-                self.sup.failed(str(exc))
-                self._report()
-                continue
-            if self.stats.connects:
-                self.stats.reconnects += 1
-            self.stats.connects += 1
-            reason = await self._session(handle)
-            self._session_ended(reason)
-            if self._closing:
-                break  # close() reports the end itself
-            self.sup.closed(reason)
+        await self._reconnect.run()
+
+    async def open(self) -> None:
+        self._handle = await self._open()
+
+    async def run_session(self) -> str:
+        handle, self._handle = self._handle, None
+        assert handle is not None
+        if self.stats.connects:
+            self.stats.reconnects += 1
+        self.stats.connects += 1
+        reason = await self._session(handle)
+        self._session_ended(reason)
+        return reason
+
+    def reported(self, event: LinkEvent) -> None:
+        if event is LinkEvent.CLOSED:
             self._set_budget()
-            self._report()
+        self._report()
 
     @abstractmethod
     async def _open(self) -> H:
@@ -224,11 +239,10 @@ class RobotLink(ABC, Generic[H]):
     def _report(self) -> None:
         self._reporter.report(self.connected)
 
-    async def _pause(self, seconds: float) -> None:
-        """Wait, or less if `close()` wakes the link."""
-        self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
+    def _stop_reconnecting(self) -> None:
+        """`close()` begins: no attempt any more, a wait in progress ends, nothing more is told to the supervisor."""
+        self._closing = True
+        self._reconnect.stop()
 
     def _lose(self, reason: str) -> None:
         """The current session is over (connection lost, port gone, framing error): `_session` returns `reason`."""

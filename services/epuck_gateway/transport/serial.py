@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import serial
 
@@ -84,7 +84,7 @@ from services.epuck_gateway.protocol.wifi import (
 from services.epuck_gateway.transport.base import (
     ErrorHandler,
     LineDropped,
-    OpenFailed,
+    LinkHooks,
     OwedHandler,
     PacketsHandler,
     RobotLink,
@@ -93,6 +93,7 @@ from services.epuck_gateway.transport.base import (
     link_policy,
 )
 from shared.link import SupervisedLink
+from shared.transport import OpenFailed
 
 if TYPE_CHECKING:
     from services.epuck_gateway.settings import EpuckSerialRobot, EpuckSettings
@@ -254,8 +255,7 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
 
     async def close(self) -> None:
         """Stop the robot (speeds 0, LEDs off, stop sound) and close the port."""
-        self._closing = True
-        self._wake.set()
+        self._stop_reconnecting()
         self._poke.set()
         await self._end_task()
         ser = self._serial
@@ -266,7 +266,7 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
                 ser.flush()
             self._close_port()
 
-    # -- port lifecycle (the reconnect loop is RobotLink.run) ---------------------------------------------
+    # -- port lifecycle (under the kit's reconnect loop: RobotLink.run) ---------------------------------------------
     async def _open(self) -> serial.Serial:
         cfg = self.config
         try:
@@ -569,13 +569,12 @@ class EpuckSerialLink(RobotLink[serial.Serial]):
             self._reply.set_result(None)
 
 
-def serial_link(robot: EpuckSerialRobot, settings: EpuckSettings, controller: EpuckController,
-                on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler,
-                supervisor: SupervisedLink) -> EpuckSerialLink:
+def serial_link(settings: EpuckSettings, hooks: LinkHooks) -> EpuckSerialLink:
     """Transport `epuck-gateway.serial` (a robot's `"transport": "serial"`; entry point `robobus.transports`):
     asercom v2 on a serial port (Bluetooth SPP, USB)."""
+    robot = cast("EpuckSerialRobot", hooks.robot)
     return EpuckSerialLink(robot.id, EpuckSerialConfig(
         port=robot.port, baud=robot.baud, poll_hz=robot.poll_hz, image_fps=robot.image_fps,
         stale_timeout_s=settings.epuck_stale_timeout_s, reopen_min_s=settings.epuck_reconnect_min_s,
         reopen_max_s=settings.epuck_reconnect_max_s, probe_period_s=settings.epuck_probe_period_s),
-        controller, on_packets, on_state, on_framing_error, supervisor)
+        hooks.controller, hooks.on_packets, hooks.on_state, hooks.on_framing_error, hooks.supervisor)

@@ -25,7 +25,9 @@ untaken commands none of which carries a one-shot, replaces them: it is written 
 write, so the firmware finds 5 queued at its next cycle, drops the older ones and takes it (a whole state: the
 dropped ones held nothing it lacks). The stops go that way whatever is queued (a stop beats a melody not yet
 played): the deadman's (`request_write(urgent=True)`), the bus stop (`write_stop`), the stop before a close or a
-reset. A robot whose link is down keeps its last speeds (no watchdog on the robot); its stop is the next
+reset. The bus stop is written first from the stop's own thread (`write_stop_from_thread`), ahead of whatever the
+loop has queued, when nothing of the loop's is half written in the socket; the loop's pass writes it again. A robot
+whose link is down keeps its last speeds (no watchdog on the robot); its stop is the next
 connection's first command, which always has speeds 0.
 
 One-shots (sound, IR calibration, step-counter write) are level-triggered on the robot: the radio module
@@ -54,10 +56,12 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import socket
+import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, cast
 
 from services.epuck_gateway.protocol.wifi import (
     REQ_SENSORS,
@@ -77,7 +81,7 @@ from services.epuck_gateway.protocol.wifi import (
 )
 from services.epuck_gateway.transport.base import (
     ErrorHandler,
-    OpenFailed,
+    LinkHooks,
     OwedHandler,
     PacketsHandler,
     RobotLink,
@@ -87,6 +91,7 @@ from services.epuck_gateway.transport.base import (
 )
 from services.epuck_gateway.transport.liveness import LinkLiveness
 from shared.link import SupervisedLink
+from shared.transport import OpenFailed
 
 if TYPE_CHECKING:
     from services.epuck_gateway.settings import EpuckSettings, EpuckWifiRobot
@@ -167,6 +172,14 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         self._probed_at = -1.0
         self._sock: Any = None  # the connection's socket (asyncio's TransportSocket), for SO_RCVLOWAT
         self._lowat = 1
+        # Every write to the connection holds this: the stop's thread writes the socket directly
+        # (`write_stop_from_thread`), and its bytes must never land inside a command the loop is writing. `_tail`:
+        # what of such a write the socket did not take, written by the loop before anything else. Re-entrant: a
+        # transport's write may call back into its protocol (pause_writing) on the loop's own thread.
+        self._write_lock = threading.RLock()
+        self._tail = b""
+        self._loop: asyncio.AbstractEventLoop | None = None  # the session's (the stop's thread hands a tail to it)
+        self.thread_stops = 0  # bus stops written from the stop's thread (tests, logs)
 
     # -- public ---------------------------------------------------------------------------------
     def _write_soon(self) -> None:
@@ -190,10 +203,33 @@ class EpuckLink(RobotLink[asyncio.Transport]):
             return time.time()
         return self._write_state(force=True, replace=True)
 
+    def write_stop_from_thread(self) -> float | None:
+        """On the stop's own thread (the kit's stop connection), before the loop's pass: the controller's state
+        with speeds 0 and obstacle avoidance off, written to the socket from here, `FIRMWARE_FLUSH` times when the
+        robot has untaken commands (so it takes the stop at its next cycle, as `write_stop`). Only on a link whose
+        first command has been answered and with nothing of the loop's waiting in the transport's buffer (a command
+        half written); else None, and the pass writes it. The controller is the loop's: read, not changed (the
+        pass sets it); a state read mid-change is written whole again by the pass right after."""
+        with self._write_lock:
+            t, sock, loop = self._transport, self._sock, self._loop
+            if (t is None or sock is None or loop is None or t.is_closing() or not self.connected or self._closing
+                    or not self._accepted or t.get_write_buffer_size() or self._tail):
+                return None
+            data = replace(self.controller.level(), left=0, right=0, settings=0).encode()
+            data *= FIRMWARE_FLUSH if self._untaken else 1
+            try:
+                n = os.write(sock.fileno(), data)
+            except OSError:  # full (BlockingIOError), reset or closed meanwhile: the pass writes it
+                return None
+            if n < len(data):  # the rest goes first in the loop's next write, or on its own
+                self._tail = data[n:]
+                loop.call_soon_threadsafe(self._write_tail)
+            self.thread_stops += 1
+            return time.time()
+
     async def close(self) -> None:
         """Stop the robot (speeds 0, LEDs off, stop sound, request 0), wait for its 0x03, close."""
-        self._closing = True
-        self._wake.set()
+        self._stop_reconnecting()
         if self.connected and self._transport is not None:
             self._stop_mark = self.parser.packets + (1 if self.parser.in_packet else 0)
             self._stopped.clear()
@@ -203,7 +239,7 @@ class EpuckLink(RobotLink[asyncio.Transport]):
             self._drop_transport()
         await self._end_task()
 
-    # -- connection (the reconnect loop is RobotLink.run) ------------------------------------------------
+    # -- connection (under the kit's reconnect loop: RobotLink.run) ------------------------------------------------
     async def _open(self) -> asyncio.Transport:
         cfg = self.config
         try:
@@ -240,7 +276,7 @@ class EpuckLink(RobotLink[asyncio.Transport]):
 
     async def _session(self, transport: asyncio.Transport) -> str:
         loop = asyncio.get_running_loop()
-        self._transport = transport
+        self._transport, self._loop = transport, loop
         self._lost = loop.create_future()
         if transport.is_closing():  # closed by the robot before the link took it over
             self._transport = None
@@ -255,6 +291,7 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         self._dirty = False
         self._untaken.clear()
         self._session_writes = 0
+        self._tail = b""
         # The robot sends nothing until its first command: send it at once, alone in its segment (the
         # firmware takes the first command only as exactly 21 bytes). Later writes wait for its packets.
         first = self.controller.on_link_up()
@@ -385,22 +422,33 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         RST, which can discard the stop command before the robot has read it. The left connection keeps
         draining (its bytes go nowhere) for `STOP_LINGER_S`, so it ends with a FIN after the stop."""
         self._write_replacing(stop_command().encode())
-        t, self._transport = self._transport, None
-        self.connected = False
+        with self._write_lock:
+            t, self._transport = self._transport, None
+            self.connected = False
         if t is not None:
             asyncio.get_running_loop().call_later(STOP_LINGER_S, t.close)
 
     def _drop_transport(self) -> None:
-        t, self._transport = self._transport, None
-        self.connected = False
+        with self._write_lock:
+            t, self._transport = self._transport, None
+            self.connected = False
+            self._tail = b""
         if t is not None:
             t.close()
 
+    def _write_tail(self) -> None:
+        with self._write_lock:
+            if self._tail and self._transport is not None and not self._transport.is_closing():
+                self._transport.write(self._tail)
+            self._tail = b""
+
     def _write(self, data: bytes) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(data)
-            self.stats.commands_sent += 1
-            self._session_writes += 1
+        with self._write_lock:
+            if self._transport is not None and not self._transport.is_closing():
+                tail, self._tail = self._tail, b""
+                self._transport.write(tail + data)
+                self.stats.commands_sent += 1
+                self._session_writes += 1
 
     # -- protocol callbacks -------------------------------------------------------------------
     def _wake_on_whole_image(self) -> None:
@@ -489,15 +537,14 @@ class EpuckLink(RobotLink[asyncio.Transport]):
         return packets
 
 
-def wifi_link(robot: EpuckWifiRobot, settings: EpuckSettings, controller: EpuckController,
-              on_packets: PacketsHandler, on_state: StateHandler, on_framing_error: ErrorHandler,
-              supervisor: SupervisedLink) -> EpuckLink:
+def wifi_link(settings: EpuckSettings, hooks: LinkHooks) -> EpuckLink:
     """Transport `epuck-gateway.wifi` (a robot's `"transport": "wifi"`, the default; entry point
     `robobus.transports`): the radio module's TCP server."""
+    robot = cast("EpuckWifiRobot", hooks.robot)
     return EpuckLink(robot.id, EpuckLinkConfig(
         host=robot.host, port=robot.port, connect_timeout_s=settings.epuck_connect_timeout_s,
         reconnect_min_s=settings.epuck_reconnect_min_s, reconnect_max_s=settings.epuck_reconnect_max_s,
         probe_period_s=settings.epuck_probe_period_s,
         stale_timeout_s=settings.epuck_stale_timeout_s, image_gap_max_s=settings.epuck_image_gap_max_s,
-        tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), controller, on_packets, on_state, on_framing_error,
-        supervisor)
+        tcp_user_timeout_s=settings.epuck_tcp_user_timeout_s), hooks.controller, hooks.on_packets, hooks.on_state,
+        hooks.on_framing_error, hooks.supervisor)

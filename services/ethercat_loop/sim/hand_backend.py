@@ -11,18 +11,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from services.ethercat_loop.backend import BackendUnavailable, HandBackend
-from services.ethercat_loop.calibration import HandCalibration
+from services.ethercat_loop.backend import BackendHooks, BackendUnavailable, HandBackend
 from services.ethercat_loop.settings import EthercatSettings
 
 
-def virtual_backend(settings: EthercatSettings, calibration: HandCalibration) -> HandBackend:
+def virtual_backend(settings: EthercatSettings, hooks: BackendHooks) -> HandBackend:
     """ProcessBackend against the virtual hand: on ROBOBUS_ETHERCAT_IFNAME, or on a namespace of its own."""
     # late: pysoem and the realtime machinery (an ImportError here is the caller's "cannot be imported here")
     from services.ethercat_loop.transport.process_backend import ProcessBackend
 
     nic = None if settings.ethercat_ifname else virtual_hand_nic(settings)
-    return ProcessBackend(settings, calibration, nic=nic)
+    return ProcessBackend(settings, hooks.calibration, nic=nic)
 
 
 def virtual_hand_nic(settings: EthercatSettings) -> Callable[[], tuple[str, str | None, Callable[[], None]]]:

@@ -20,7 +20,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from services.ethercat_loop.backend import STOP_ZERO_CYCLES, BackendUnavailable, CanRxHandler, HandBackend, LinkEvents
+from services.ethercat_loop.backend import (
+    STOP_ZERO_CYCLES,
+    BackendHooks,
+    BackendUnavailable,
+    CanRxHandler,
+    HandBackend,
+    LinkEvents,
+)
 from services.ethercat_loop.calibration import HandCalibration
 from services.ethercat_loop.control import CanRxFrame, CanTx, ControlMessage
 from services.ethercat_loop.loop_stats import LoopWindow, percentiles
@@ -657,7 +664,7 @@ def _exit_text(returncode: int | None) -> str:
     return f"exit status {returncode}"
 
 
-def nic_backend(settings: EthercatSettings, calibration: HandCalibration) -> ProcessBackend:
+def nic_backend(settings: EthercatSettings, hooks: BackendHooks) -> ProcessBackend:
     """Transport `ethercat-loop.nic` (ROBOBUS_ETHERCAT_BACKEND=nic; entry point `robobus.transports`): the realtime
     cycle process on the NIC ROBOBUS_ETHERCAT_IFNAME names (in ROBOBUS_ETHERCAT_NETNS, if set)."""
-    return ProcessBackend(settings, calibration)
+    return ProcessBackend(settings, hooks.calibration)

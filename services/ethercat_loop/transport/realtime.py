@@ -109,6 +109,8 @@ def process_fifo(priority: int) -> list[str]:
     refused: list[str] = []
     for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):
         try:
+            if os.sched_getscheduler(tid) == os.SCHED_FIFO and os.sched_getparam(tid).sched_priority > priority:
+                continue  # a thread already above it keeps its place (the kit's stop thread: shared/stop.py)
             os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(priority))
         except ProcessLookupError:
             continue  # the thread ended meanwhile

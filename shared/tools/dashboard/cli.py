@@ -17,7 +17,8 @@ from typing import Annotated, Any
 import typer
 from pydantic import Field
 
-from shared.settings import KitSettings, load_settings
+from shared.rpc import FailoverSettings
+from shared.settings import load_settings
 from shared.tools.dashboard.relay import Upstream
 from shared.tools.dashboard.server import DashboardServer, MissingAssets, PageConfig, Relay
 
@@ -27,13 +28,16 @@ WS_URL_DOC = ("Broker websockets URL the page starts with; empty = this server's
               "with ROBOBUS_DASHBOARD_RELAY=false")
 
 
-class DashboardSettings(KitSettings):
-    """ROBOBUS_DASHBOARD_* (the kit's topic_root is the page's default root)."""
+class DashboardSettings(FailoverSettings):
+    """ROBOBUS_DASHBOARD_* (the kit's topic_root is the page's default root); the relay goes to ROBOBUS_MQTT_URL's
+    broker, or to ROBOBUS_FLEET_BROKERS' nodes in turn."""
 
     dashboard_host: str = Field("127.0.0.1", description="Address the HTTP server binds")
     dashboard_port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = any free port)")
     dashboard_ws_url: str = Field("", description=WS_URL_DOC)
     dashboard_username: str = Field("", description="User name the connect form starts with (never a password)")
+    central_sites: str = Field("", description="At a fleet's centre: the sites, 'SITE=ROOT ...' (as fleet-watch "
+                                               "reads them): the page shows a fleet view, one row per site")
     dashboard_relay: bool = Field(True, description="Serve /mqtt, relaying the page's MQTT to ROBOBUS_MQTT_URL's "
                                                     "broker in fewer websocket frames; the page's default broker "
                                                     "when no websockets URL is set")
@@ -68,13 +72,16 @@ def dashboard(
                                  if v is not None}
     s = load_settings(DashboardSettings, **overrides)
     relay = None
+    nodes = s.brokers()
     if s.dashboard_relay:
-        b = s.broker()
-        relay = Relay(Upstream(b.host, b.port, _tls_context(s) if b.tls else None), s.dashboard_relay_flush_ms / 1000)
+        (host, port), others = nodes[0], tuple(nodes[1:])
+        relay = Relay(Upstream(host, port, _tls_context(s) if s.broker().tls else None, others=others),
+                      s.dashboard_relay_flush_ms / 1000)
     try:
         server = DashboardServer(build_document(root=s.topic_root),  # addresses under the running root
                                  PageConfig(ws_url=s.dashboard_ws_url, topic_root=s.topic_root,
-                                            username=s.dashboard_username, relay=relay is not None),
+                                            username=s.dashboard_username, relay=relay is not None,
+                                            sites=s.central_sites),
                                  s.dashboard_host, s.dashboard_port, relay=relay)
     except MissingAssets as exc:
         print(f"robobus: {exc}", file=sys.stderr)
@@ -83,7 +90,8 @@ def dashboard(
         print(f"robobus: cannot serve on {s.dashboard_host}:{s.dashboard_port}: {exc.strerror}", file=sys.stderr)
         raise typer.Exit(2) from None
     default = s.dashboard_ws_url or (f"relay {server.url.replace('http', 'ws', 1)}mqtt -> "
-                                     f"{s.broker().host}:{s.broker().port}" if relay else "ws://<the page's host>:9001")
+                                     + ", ".join(f"{h}:{p}" for h, p in nodes) if relay
+                                     else "ws://<the page's host>:9001")
     print(f"robobus dashboard: {server.url} (broker {default}, root {s.topic_root})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,14 +17,20 @@ State sensors tell the truth (shared/tools/dashboard/README.md, "Home Assistant 
   `{prefix}/robobus/<root>/<node>/<device>/<state>` at most ROBOBUS_HOMEASSISTANT_RATE_HZ (default 1) times a
   second, and the sensors read that topic: a 50 Hz e-puck costs Home Assistant one message a second per state.
 - Available only while their node is online (its status and Last Will), the process is online (its own retained
-  `{prefix}/robobus/<root>/availability`, "offline" as its Last Will and at shutdown) and, for a field the
-  contract allows to be null, while the last value is not null (`availability_mode: all`).
+  `{prefix}/robobus/<root>/availability`, "offline" as its Last Will and at shutdown), the site is reachable
+  and, for a field the contract allows to be null, while the last value is not null (`availability_mode: all`).
 - State classes from the field: counters (`total_*`, `*_received`, `*_errors`, ...; not in a state that reports a
   window, `window_s`) are `total_increasing`; rates and readings `measurement`; timestamps (`*_time`) are
   `device_class: timestamp`; ids, kinds, bit masks and switches (`*_id`, `type`, `valid`, `selector`, `*_io`) have
   no state class.
-Health entities read the node's retained health directly: they are available while the node is online, whether
-the discovery process runs or not.
+Health entities read the node's retained health directly: they are available while the node is online and its
+site reachable, whether the discovery process runs or not.
+
+The site's reachability: at a fleet's centre, `{root}/_bridge/reachable` (fleet-watch's verdict, "1"/"0") says
+whether the site's broker is heard; while it is "0" what the centre holds of the site is its last known, not its
+present. The process mirrors it, retained, on `{prefix}/robobus/<root>/reachable` ("offline" for "0", "online"
+otherwise, and "online" where no fleet-watch speaks: a site's own broker), and every device entity lists it in
+its availability: a cut site's devices read unavailable in Home Assistant until it is back.
 
 The bus-wide software stop of the topic root (shared/stop.py; not a hardware emergency stop) gets three entities of
 its own, on a device "robobus <root>": a `button` that sets the site's stop (Home Assistant publishes a StopState,
@@ -125,6 +131,11 @@ def _unit(name: str) -> str | None:
 def ha_base(prefix: str, root: str) -> str:
     """Where the process publishes for Home Assistant: its availability and the rate-capped states."""
     return f"{prefix}/robobus/{_slug(root)}"
+
+
+def reachable_topic(prefix: str, root: str) -> str:
+    """The process's retained mirror of the site's reachability (fleet-watch's {root}/_bridge/reachable)."""
+    return f"{ha_base(prefix, root)}/reachable"
 
 
 def availability_topic(prefix: str, root: str) -> str:
@@ -326,6 +337,7 @@ def device_entities(root: str, prefix: str, node: str, device: str, health: dict
     node_id = _slug(f"robobus_{root}_{node}")
     ident = _slug(f"robobus_{root}_{node}_{device}")
     node_avail = {"topic": f"{root}/{node}/status", "value_template": AVAILABILITY_TEMPLATE}
+    site_avail = {"topic": reachable_topic(prefix, root)}  # the site reachable (its mirror; "online" at a site)
     common = {
         "device": {"identifiers": [ident], "name": f"{node} {device}", "manufacturer": "robobus",
                    "model": service, "sw_version": str(health.get("version", ""))},
@@ -340,7 +352,8 @@ def device_entities(root: str, prefix: str, node: str, device: str, health: dict
 
     # health: the node's own retained topic, true while the node is online (the process need not run)
     health_topic = f"{base}/health"
-    health_common = {"state_topic": health_topic, "availability": [node_avail]}
+    health_common = {"state_topic": health_topic, "availability": [node_avail, site_avail],
+                     "availability_mode": "all"}
     flags = (("connection", "connection", "connectivity"), ("operational", "operational", "running"))
     for key, fld, cls in flags:
         add("binary_sensor", key, key, {**health_common, "device_class": cls,
@@ -366,7 +379,7 @@ def device_entities(root: str, prefix: str, node: str, device: str, health: dict
             continue
         leaf = path.rsplit(".", 1)[-1]
         topic = ha_state_topic(prefix, root, node, device, state)
-        avail: list[dict[str, Any]] = [node_avail, {"topic": availability_topic(prefix, root)}]
+        avail: list[dict[str, Any]] = [node_avail, {"topic": availability_topic(prefix, root)}, site_avail]
         if info.nullable:  # no value is unavailable, not a number "None"
             avail.append({"topic": topic, "value_template":
                           f"{{% set v = {info.expr} %}}{{{{ '{ONLINE}' if v is defined and v is not none "
@@ -395,6 +408,8 @@ class Discovery:
         self.version = version
         self.interval = 1.0 / settings.homeassistant_rate_hz
         self.availability = availability_topic(self.prefix, self.root)
+        self.reachable = reachable_topic(self.prefix, self.root)
+        self.site_reachable = ONLINE  # fleet-watch's verdict mirrored; online where none speaks
         self.ha_base = ha_base(self.prefix, self.root)
         self.session = MqttSession(settings, unique_client_id("robobus-homeassistant"),
                                    will=Will(self.availability, OFFLINE.encode(), qos=1, retain=True))
@@ -428,6 +443,7 @@ class Discovery:
         # our own retained configs, including an earlier run's: what a removal has to clear
         self.session.subscribe(f"{self.prefix}/+/+/+/config", self._on_config)
         self.session.subscribe(f"{self.prefix}/status", self._on_ha_status)
+        self.session.subscribe(f"{self.root}/_bridge/reachable", self._on_reachable)
         self.session.start()
         self._flusher.start()
 
@@ -441,8 +457,24 @@ class Discovery:
             self._flusher.join(5)
 
     def _on_connect(self) -> None:
+        self.session.publish(self.reachable, self.site_reachable, qos=1, retain=True)
         self.session.publish(self.availability, ONLINE, qos=1, retain=True)
         self.publish_stop()
+
+    def _on_reachable(self, msg: mqtt.MQTTMessage) -> None:
+        """fleet-watch's verdict on the site, mirrored for Home Assistant (retained): "0" offline, else online
+        (an empty payload: the verdict withdrawn, nobody says the site is cut)."""
+        value = bytes(msg.payload).strip()
+        if value not in (b"0", b"1", b""):
+            self.bad += 1
+            log.warning("ignoring %s = %r: not 0 or 1 (%d bad so far)", msg.topic, value[:40], self.bad)
+            return
+        mirrored = OFFLINE if value == b"0" else ONLINE
+        if mirrored != self.site_reachable:
+            log.warning("the site %s is %s", self.root, "unreachable: its devices unavailable" if mirrored == OFFLINE
+                        else "reachable")
+        self.site_reachable = mirrored
+        self.session.publish(self.reachable, mirrored, qos=1, retain=True)
 
     def publish_stop(self) -> None:
         """The bus stop's button and binary_sensor (retained)."""

@@ -80,17 +80,50 @@ def accept(ws: WSConnection) -> bytes:
 
 @dataclass
 class Upstream:
-    """The broker the relay connects to: its MQTT TCP listener, TLS when `tls`."""
+    """The broker the relay connects to: its MQTT TCP listener, TLS when `tls`; with `others` (a clustered centre's
+    other nodes, ROBOBUS_FLEET_BROKERS), each page's connection goes to the node the last one reached, else to the
+    next in turn that answers. A page whose node fails loses its websocket and reconnects (as it does on any loss of
+    the broker): that connection goes on to the next node."""
 
     host: str
     port: int
     tls: ssl.SSLContext | None = None
+    others: tuple[tuple[str, int], ...] = ()
+    _at: int = field(default=0, init=False, repr=False)  # the node the last connection reached
+
+    @property
+    def nodes(self) -> list[tuple[str, int]]:
+        return [(self.host, self.port), *self.others]
+
+    @property
+    def current(self) -> tuple[str, int]:
+        """The node the last connection reached (the first before any)."""
+        return self.nodes[self._at]
 
     def connect(self, timeout: float = 5.0) -> socket.socket:
-        s = socket.create_connection((self.host, self.port), timeout)
+        """A connection to the first node that answers, from the one the last connection reached; OSError (the
+        last node's) when none does."""
+        nodes, start = self.nodes, self._at
+        err: OSError | None = None
+        for i in range(len(nodes)):
+            at = (start + i) % len(nodes)
+            try:
+                s = self._open(*nodes[at], timeout)
+            except OSError as exc:
+                err = exc
+                if len(nodes) > 1:
+                    log.warning("relay: broker %s:%s unreachable (%s), trying the next", *nodes[at], exc)
+                continue
+            self._at = at
+            return s
+        assert err is not None
+        raise err
+
+    def _open(self, host: str, port: int, timeout: float) -> socket.socket:
+        s = socket.create_connection((host, port), timeout)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is not None:
-            s = self.tls.wrap_socket(s, server_hostname=self.host)
+            s = self.tls.wrap_socket(s, server_hostname=host)
         s.settimeout(None)
         return s
 

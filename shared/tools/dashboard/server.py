@@ -56,10 +56,11 @@ class PageConfig:
     username: str = ""
     title: str = "robobus"
     relay: bool = False
+    sites: str = ""  # a fleet's centre: 'SITE=ROOT ...' (ROBOBUS_CENTRAL_SITES): the page's fleet view
 
     def as_json(self) -> bytes:
         return json.dumps({"ws_url": self.ws_url, "topic_root": self.topic_root, "username": self.username,
-                           "title": self.title, "relay": "/mqtt" if self.relay else ""}).encode()
+                           "title": self.title, "relay": "/mqtt" if self.relay else "", "sites": self.sites}).encode()
 
 
 def vendor_files(node_modules: Path = NODE_MODULES) -> dict[str, Path]:
@@ -126,7 +127,8 @@ def _handler(app: DashboardApp, relay: Relay | None) -> type[BaseHTTPRequestHand
             try:
                 broker = r.upstream.connect()
             except OSError as exc:
-                log.warning("relay: broker %s:%s unreachable: %s", r.upstream.host, r.upstream.port, exc)
+                log.warning("relay: broker %s unreachable: %s",
+                            ", ".join(f"{h}:{p}" for h, p in r.upstream.nodes), exc)
                 self.send_error(HTTPStatus.BAD_GATEWAY, "broker unreachable")
                 return
             self.close_connection = True

@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.tools.prometheus.view import FLEET_CHANNEL, SERVICE_STATES, SITE_CHANNEL, BusView, Node
+from shared.tools.prometheus.view import FLEET_CHANNEL, SERVICE_STATES, SITE_CHANNEL, BusView, Node, Raw
 
 Metric = GaugeMetricFamily | CounterMetricFamily
 N = ("site", "node")
@@ -270,14 +270,19 @@ class BusCollector(Collector):
         if not n.online:  # a dead node's last words are not its present: only the above
             return
         service = str(st.get("service") or "")
-        self._stats(s, site, node, self.view.fresh(n.stats, now))
-        self._answer(s, site, node, self.view.fresh(n.stop_answer, now))
+        cut = self.view.cut(site)  # its last messages are the last known, not live: all stale
+
+        def fresh(raw: Raw | None) -> dict[str, Any] | None:
+            return None if cut else self.view.fresh(raw, now)
+
+        self._stats(s, site, node, fresh(n.stats))
+        self._answer(s, site, node, fresh(n.stop_answer))
         for device, dev in sorted(n.devices.items()):
             if dev.health is not None:
-                self._health(s, (site, node, device), service, self.view.fresh(dev.health, now), dev.health.value())
+                self._health(s, (site, node, device), service, fresh(dev.health), dev.health.value())
             for name, raw in sorted(dev.states.items()):
                 figures = FIGURES.get((service, name))
-                d = self.view.fresh(raw, now)
+                d = fresh(raw)
                 if figures is None or d is None:
                     continue
                 self._figures(s, (site, node, device), figures, d)

@@ -10,6 +10,8 @@ every few seconds, scrapes come every 15 s or so). What is honest about age:
   publisher stamped in it (`ts`), if earlier; a series whose message is older than `stale_s` is not exported as
   live (a device's health then says `connection 0`, `state="stale"`; states and counters are left out), and
   `robobus_last_seen_timestamp_seconds` says how old each source is;
+- a site the centre's fleet-watch says is unreachable (`{root}/_bridge/reachable` 0) is exported as stale whatever
+  the age of its messages: its devices' health reads `stale`, its states and counters are left out;
 - a node that starts again (a new session or pid, seen live) forgets what the previous process published and the
   devices it no longer serves."""
 
@@ -321,6 +323,12 @@ class BusView:
             self.bridges.clear()
 
     # -- reading (callers hold `lock`) ---------------------------------------------------------------------------
+    def cut(self, site: str) -> bool:
+        """The centre's fleet-watch says the site is unreachable ({root}/_bridge/reachable "0"): what it last sent
+        is its last known, not its present."""
+        b = self.bridges.get((site, "reachable"))
+        return b is not None and b[0] == "0"
+
     def fresh(self, raw: Raw | None, now: float) -> dict[str, Any] | None:
         """The message's content if it is young enough to be exported as live, else None."""
         if raw is None or now - raw.seen > self.stale_s:

@@ -3,6 +3,7 @@
 // Messages only update the model; the DOM is drawn on animation frames at a few Hz per kind of content,
 // so a 100 Hz state costs a JSON.parse and a few array writes, not a layout.
 import { Bus, decodeText } from "./bus.js";
+import { Fleet, parseSites } from "./fleet.js";
 import { Contract } from "./contract.js";
 import { buildCommandForm, splitDoc } from "./forms.js";
 import { Series, drawSparkline, formatValue } from "./charts.js";
@@ -64,7 +65,13 @@ const nodes = new Map();
 // the present session's retained messages are all in (Bus onSynced). `view()`: what the page shows (tests read it).
 const stop = { latches: { [SITE]: newLatch(), [FLEET]: newLatch() }, known: false, changedAt: 0, dirty: true,
                view: () => stopView() };
-window.__robobus = { nodes, link, stop, watched: () => (bus ? [...bus.watched] : []),
+// The site as the fleet's centre sees it (fleet-watch's {root}/_bridge/reachable): null where nobody says (a site's
+// own broker), false while the centre cannot reach it: then what the page shows of the site is its last known,
+// and every node and device is stale since `since` (when the page learnt it, or fleet-watch's retained verdict
+// came: the page cannot know the cut's own time).
+const site = { reachable: null, since: 0 };
+let fleet = null; // the fleet view (fleet.js), at a centre whose server names the sites
+window.__robobus = { nodes, link, stop, site, fleet: () => fleet, watched: () => (bus ? [...bus.watched] : []),
                      wsFrames: () => (bus && bus.client ? bus.client.frames : 0) };
 
 // Text only written when it changed: writing the same string still replaces the text node, and the
@@ -115,6 +122,7 @@ class NodeView {
   staleSince() {
     if (!this.status) return null;
     if (!link.connected || this.statusGen < link.gen) return link.lostAt || Date.now();
+    if (site.reachable === false) return site.since;
     return null;
   }
 
@@ -167,7 +175,7 @@ class NodeView {
       this.sinceSpan = el("span", { class: "since" });
       this.cells[2].replaceChildren(this.badge, this.sinceSpan);
     }
-    const sinceText = !st ? "" : stale ? `last heard ${st.online ? "online" : "OFFLINE"}, broker connection lost`
+    const sinceText = !st ? "" : stale ? `last heard ${st.online ? "online" : "OFFLINE"}, ${staleWhy()}`
       : st.online ? `for ${since(this.statusAt)}` : `for ${since(this.statusAt)}${st.reason ? ` — ${st.reason}` : ""}`;
     setText(this.sinceSpan, sinceText);
     const chips = [...this.devices.values()].map((d) => [d.name, ...d.healthClass()]);
@@ -400,7 +408,7 @@ class DeviceView {
       level = "stale";
       message = this.nodeView.online === false && !this.nodeView.staleSince()
         ? `node offline${st && st.reason ? `: ${st.reason}` : ""}; the health below is its last word`
-        : "broker connection lost: the health and states below are the last received";
+        : `${staleWhy()}: the health and states below are the last received`;
     }
     this.errorLine.dataset.level = level;
     setText(this.errorLine, message);
@@ -754,6 +762,10 @@ function onMessage(topic, payload, ctype, retained) {
   const t0 = performance.now();
   perf.msgs++;
   try {
+    if (fleet && fleet.route(topic, payload.length ? decodeText(payload) : "") && !topic.startsWith(`${root}/`)) {
+      perf.msgMs += performance.now() - t0;
+      return; // another site's: the fleet view's alone
+    }
     route(topic, payload, ctype, retained, t0);
   } catch (e) {
     perf.bad++;
@@ -768,6 +780,7 @@ function route(topic, payload, ctype, retained, nowMs) {
   if (!topic.startsWith(`${root}/`)) return;
   if (topic === bus.stopTopic) { onStop(SITE, payload); return; }
   if (bus.fleetTopic && topic === bus.fleetTopic) { onStop(FLEET, payload); return; }
+  if (topic === bus.reachableTopic) { onReachable(payload); return; }
   const parts = topic.slice(root.length + 1).split("/");
   if (parts[2] !== "state") dirtyNodes = true; // status, health, events: draw on the next tick
   if (parts.length === 2 && parts[1] === "status") { node(parts[0]).setStatus(json(payload), retained); return; }
@@ -853,6 +866,28 @@ function onStopAnswer(nv, payload) {
   for (const d of nv.devices.values()) d.dirty = true;
   stop.dirty = true;
   dirtyNodes = true;
+}
+
+// Why what the page shows is not current (the page's own link first: then it knows nothing new of anything).
+function staleWhy() { return link.connected && site.reachable === false ? "site unreachable from the centre" : "broker connection lost"; }
+
+// fleet-watch's verdict on the site: "0" unreachable, "1" reachable, empty: withdrawn (nobody says).
+function onReachable(payload) {
+  const v = decodeText(payload).trim();
+  if (v !== "0" && v !== "1" && v !== "") throw new Error(`${bus.reachableTopic} says ${JSON.stringify(v.slice(0, 40))}, not 0 or 1`);
+  const reachable = v === "" ? null : v === "1";
+  if (reachable === site.reachable) return;
+  if (reachable === false) {
+    site.since = Date.now();
+    logLine("site", "", "unreachable", `the centre does not hear ${root}: what is shown is its last known`, true);
+  } else if (site.reachable === false) logLine("site", "", "reachable", `after ${since(site.since)}`);
+  site.reachable = reachable;
+  const b = $("#site");
+  b.hidden = reachable === null;
+  b.dataset.state = reachable === null ? "unknown" : reachable ? "reachable" : "unreachable";
+  b.className = `badge ${reachable ? "ok" : "bad"}`;
+  b.textContent = reachable ? "site reachable" : `SITE UNREACHABLE since ${hms(site.since)}: last known values`;
+  markAllDirty();
 }
 
 function markAllDirty() {
@@ -1016,7 +1051,10 @@ setInterval(() => {
   const now = performance.now();
   const due = now - lastSecond >= 1000 || (drawNeeded && (now - lastText >= TEXT_EVERY_MS || now - lastChart >= CHART_EVERY_MS));
   // no frame asked for when nothing changed: an idle page costs the compositor nothing
-  if (!frameRequested && (due || imagesPending || dirtyNodes)) { frameRequested = true; requestAnimationFrame(frame); }
+  if (!frameRequested && (due || imagesPending || dirtyNodes || (fleet && fleet.urgent))) {
+    frameRequested = true;
+    requestAnimationFrame(frame);
+  }
 }, TICK_MS);
 
 function frame(now) {
@@ -1032,6 +1070,7 @@ function frame(now) {
   if (text) lastText = now;
   if (charts) { lastChart = now; drawNeeded = false; }
   if (second) lastSecond = now;
+  if (fleet) fleet.render(second);
   for (const n of nodes.values()) {
     if (n.dirty || second) n.render();
     for (const d of n.devices.values()) {
@@ -1117,6 +1156,8 @@ function resetModel() {
   }
   nodes.clear();
   $("#no-nodes").hidden = false;
+  Object.assign(site, { reachable: null, since: 0 });
+  $("#site").hidden = true;
   stop.latches = { [SITE]: newLatch(), [FLEET]: newLatch() };
   Object.assign(stop, { known: false, dirty: true });
 }
@@ -1167,6 +1208,12 @@ async function main() {
                   fleetStopTopic: contract.stop ? contract.stop.fleetTopic : null });
   setupStop();
   const form = $("#connect");
+  const sites = parseSites(new URLSearchParams(location.search).get("sites") ?? cfg.sites);
+  if (sites.length) { // a fleet's centre: its sites' rows above the chosen site's own view
+    fleet = new Fleet(sites, { onOpen: (r) => { form.root.value = r; connect(form, false); } });
+    fleet.mount($("main"), $("#overview"));
+    bus.extra = fleet.filters();
+  }
   let saved = {};
   try { saved = JSON.parse(localStorage.getItem(SAVED) || "{}") || {}; } catch { saved = {}; }
   const q = new URLSearchParams(location.search);

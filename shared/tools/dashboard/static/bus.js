@@ -42,6 +42,7 @@ export class Bus {
     this.pending = new Map(); // correlation hex -> {resolve, timer}
     this.clientId = `robobus-dash-${randomId(4)}`;
     this.watched = new Set(); // state topic filters subscribed: the states on screen
+    this.extra = {}; // filters of other roots, subscribed on every connect (the fleet view's)
   }
 
   // State topics (the hand's 100 Hz joints, 50 Hz sensors, the camera) are subscribed only while they are on
@@ -62,6 +63,8 @@ export class Bus {
     this.root = root;
     this.stopTopic = `${root}/${this.stopName}`;
     this.fleetTopic = this.fleetStopName ? `${root}/${this.fleetStopName}` : "";
+    // at a fleet's centre: fleet-watch's verdict on the site ("1"/"0", retained); never published at a site
+    this.reachableTopic = `${root}/_bridge/reachable`;
     // a broker that binds client ids to users (deploy/mosquitto/robobus_auth.c) accepts <user>-... only
     if (username && !this.clientId.startsWith(`${username}-`)) this.clientId = `${username}-${this.clientId}`;
     this.replyTopic = `${root}/_client/${this.clientId}/reply`;
@@ -79,9 +82,11 @@ export class Bus {
       // on screen (watch); the nodes' own counters (`_node/state/stats`) always.
       const subs = { [`${root}/+/status`]: { qos: 1 }, [`${root}/+/+/health`]: { qos: 1 },
                      [`${root}/+/_node/state/#`]: { qos: 0 }, [`${root}/+/+/event/#`]: { qos: 1 },
-                     [this.replyTopic]: { qos: 1 }, [this.stopTopic]: { qos: 1 } };
+                     [this.replyTopic]: { qos: 1 }, [this.stopTopic]: { qos: 1 },
+                     [this.reachableTopic]: { qos: 1 } };
       if (this.fleetTopic) subs[this.fleetTopic] = { qos: 1 };
       for (const filter of this.watched) subs[filter] = { qos: 0 };
+      for (const [filter, o] of Object.entries(this.extra)) if (!(filter in subs)) subs[filter] = o;
       client.subscribe(subs, (err) => {
         if (err) { this.onState("error", `subscribe failed: ${err.message}`); return; }
         this.onState("connected", url);
