@@ -1,5 +1,5 @@
 """The suite's plugin (tests/fixtures.py), one rule for the whole run (tests never write tracked files), and how
-the run is split between pytest-xdist workers (`make test PYTEST_WORKERS=4`).
+the run is split between pytest-xdist workers (`make test PYTEST_WORKERS=6`).
 
 On a clean checkout (CI, `../shared/tools/fresh-clone-check`), `git status` must be as clean after the run as before
 it: a test that rewrites a tracked file (a screenshot, a generated document) fails the run, naming the files.
@@ -187,7 +187,7 @@ def pytest_configure(config: pytest.Config) -> None:
     A parallel run also rewrites the asserts of its test modules once, here, before its workers start, into pytest's
     cache of rewritten modules (`__pycache__/*-pytest-*.pyc`, ignored by git), where each worker then finds them:
     otherwise every worker rewrites every module it collects (it collects them all), 7 s of CPU each on this
-    machine, since pytest writes no such file under PYTHONDONTWRITEBYTECODE, and four workers that start together
+    machine, since pytest writes no such file under PYTHONDONTWRITEBYTECODE, and workers that start together
     rewrite the same modules side by side anyway. Best effort, through pytest's own functions (private ones): if they
     change, the workers rewrite as before."""
     if hasattr(config, "workerinput"):
