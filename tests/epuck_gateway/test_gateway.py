@@ -50,7 +50,7 @@ def test_every_published_message_matches_the_contract(gateway: Gateway) -> None:
     doc = build_document()
     validator = ContractValidator(doc)
     mark = gateway.bus.mark()
-    wait_until(lambda: gateway.bus.since(mark, "/state/link"), 5)
+    wait_until(lambda: gateway.bus.since(mark, "/state/link"), 15)
     rep = gateway.call("epuck1", "leds", {"led1": True})
     validator.validate_reply(doc, f"{NODE}_cmd_leds", rep.raw)
     bad = gateway.call("epuck1", "set_speed", {"left": 5000, "right": 0})
@@ -67,7 +67,7 @@ def test_every_published_message_matches_the_contract(gateway: Gateway) -> None:
 def test_image_topic_is_jpeg_of_the_simulators_picture(gateway: Gateway) -> None:
     robot = gateway.sim.robots[4]
     mark = gateway.bus.mark()
-    wait_until(lambda: gateway.bus.since(mark, "/epuck5/state/image"), 5)
+    wait_until(lambda: gateway.bus.since(mark, "/epuck5/state/image"), 15)
     msg = gateway.bus.since(mark, "/epuck5/state/image")[-1]
     assert msg.content_type == "image/jpeg"
     jpeg = Image.open(io.BytesIO(msg.payload))
@@ -91,7 +91,7 @@ def test_snapshot_returns_png_even_with_the_image_stream_off(gateway: Gateway) -
         truth = rgb565_image(gateway.sim.call(gateway.sim.robots[4].world.camera))
         assert mean_abs_diff(png, truth) == 0.0  # PNG is lossless
         assert gateway.sim.robots[4].command is not None
-        assert wait_until(lambda: gateway.sim.robots[4].command.request == 2, 5)  # type: ignore[union-attr]
+        assert wait_until(lambda: gateway.sim.robots[4].command.request == 2, 15)  # type: ignore[union-attr]
     finally:
         assert gateway.call("epuck5", "stream", {"image": True}).ok
 
@@ -101,7 +101,7 @@ def test_set_speed_moves_the_robot_and_motion_expires(gateway: Gateway) -> None:
     mark = gateway.bus.mark()
     rep = gateway.call("epuck2", "set_speed", {"left": 500, "right": 500})
     assert rep.ok and rep.result["left_speed"] == 500 and rep.result["motion_expires_in_ms"] is not None
-    assert wait_until(lambda: robot.world.speed_left == 500, 5)
+    assert wait_until(lambda: robot.world.speed_left == 500, 15)
     # nobody renews the demand: the gateway stops the robot (motion_timeout_ms=400 here)
     assert wait_until(lambda: robot.world.speed_left == 0 and robot.world.speed_right == 0, 10)
     fault = gateway.bus.wait_json("/epuck2/event/fault", lambda d: d["kind"] == "motion_timeout", mark)
@@ -115,7 +115,7 @@ def test_renewed_set_speed_keeps_moving(gateway: Gateway) -> None:
     for _ in range(4):  # each demand pushes the 400 ms deadline out again
         rep = gateway.call("epuck2", "set_speed", {"left": -100, "right": 100})
         assert rep.ok and rep.result["motion_expires_in_ms"] > 300
-        assert wait_until(lambda: robot.world.speed_left == -100, 5)
+        assert wait_until(lambda: robot.world.speed_left == -100, 15)
         time.sleep(0.1)
     assert gateway.call("epuck2", "set_speed", {"left": 0, "right": 0}).result["motion_expires_in_ms"] is None
 
@@ -127,7 +127,7 @@ def test_leds_rgb_obstacle_reach_the_robot(gateway: Gateway) -> None:
                                                                                                 "blue": 3}})
     assert rep.ok and rep.result["rgb"]["led8"] == {"red": 1, "green": 2, "blue": 3}
     assert gateway.call("epuck1", "obstacle_avoidance", {"enabled": True}).ok
-    assert wait_until(lambda: robot.world.obstacle_avoidance, 5)
+    assert wait_until(lambda: robot.world.obstacle_avoidance, 15)
     assert robot.world.leds == 0x22
     assert robot.world.rgb[0] == (100, 0, 50) and robot.world.rgb[3] == (1, 2, 3)
     assert gateway.call("epuck1", "obstacle_avoidance", {"enabled": False}).ok
@@ -144,7 +144,7 @@ def test_oneshot_flags_are_cleared_by_the_next_command(gateway: Gateway) -> None
         cal = [k for k, c in enumerate(sent) if c.settings & SET_CALIBRATE_IR]
         return bool(cal) and len(sent) > cal[-1] + 1
 
-    assert wait_until(cleared, 5)
+    assert wait_until(cleared, 15)
     sent = list(robot.stats.received)[n:]
     i = next(k for k, c in enumerate(sent) if c.sound == SOUND_MARIO)
     assert sent[i + 1].sound == 0  # the very next command clears it
@@ -154,7 +154,7 @@ def test_oneshot_flags_are_cleared_by_the_next_command(gateway: Gateway) -> None
     # (the gateway goes on sending: the robot's command is a later one, with neither one-shot flag set)
     assert wait_until(lambda: robot.world.sound_starts >= 1 and robot.world.calibrations >= 1
                       and robot.command is not None and robot.command.sound == 0
-                      and not robot.command.settings & SET_CALIBRATE_IR, 5)
+                      and not robot.command.settings & SET_CALIBRATE_IR, 15)
     starts, cals = robot.world.sound_starts, robot.world.calibrations
     time.sleep(0.3)
     assert (robot.world.sound_starts, robot.world.calibrations) == (starts, cals)  # not re-applied
@@ -170,7 +170,7 @@ def test_set_steps_overwrites_the_counters(gateway: Gateway) -> None:
     mark = gateway.bus.mark()
     s = gateway.bus.wait_json("/epuck3/state/sensors", lambda d: d["steps"]["left"] == -1234, mark)
     assert s is not None and s["steps"]["right"] == 4321
-    assert wait_until(lambda: robot.command is not None and not robot.command.settings & 0x04, 5)
+    assert wait_until(lambda: robot.command is not None and not robot.command.settings & 0x04, 15)
 
 
 @pytest.mark.parametrize("command,payload", [
@@ -234,7 +234,7 @@ def test_disconnect_and_reconnect(gateway: Gateway) -> None:
 
 def test_silent_robot_is_reported_silent_and_stopped(gateway: Gateway) -> None:
     robot = gateway.sim.robots[3]
-    wait_until(lambda: robot.connected, 5)
+    wait_until(lambda: robot.connected, 15)
     mark = gateway.bus.mark()
     assert gateway.call("epuck4", "set_speed", {"left": 200, "right": 200}).ok
     robot.silent = True  # the socket stays open, nothing arrives (a robot out of WiFi range)
@@ -244,7 +244,7 @@ def test_silent_robot_is_reported_silent_and_stopped(gateway: Gateway) -> None:
         assert not down["connection"] and not down["operational"] and not down["error"]
         assert gateway.bus.wait_json("/epuck4/event/fault", lambda d: d["kind"] == "link_lost", mark)
         # fail safe: the demand is dropped, so the robot does not drive on when it talks again
-        assert wait_until(lambda: robot.command is not None and robot.command.left == 0, 5)
+        assert wait_until(lambda: robot.command is not None and robot.command.left == 0, 15)
     finally:
         robot.silent = False
     up = gateway.bus.wait_json("/epuck4/health", lambda d: d["state"] == "streaming", mark)
@@ -253,7 +253,7 @@ def test_silent_robot_is_reported_silent_and_stopped(gateway: Gateway) -> None:
 
 def test_health_says_connected_until_data_and_a_hung_robot_does_not_toggle(gateway: Gateway) -> None:
     robot = gateway.sim.robots[3]
-    wait_until(lambda: robot.connected, 5)
+    wait_until(lambda: robot.connected, 15)
     robot.hung = True  # the next connection is taken but nothing is ever sent (no FIN)
     mark = gateway.bus.mark()
     gateway.sim.call(robot.drop_client)
@@ -272,7 +272,7 @@ def test_health_says_connected_until_data_and_a_hung_robot_does_not_toggle(gatew
 
 def test_framing_error_is_counted_reported_and_the_link_reset(gateway: Gateway) -> None:
     robot = gateway.sim.robots[3]
-    wait_until(lambda: robot.connected, 5)
+    wait_until(lambda: robot.connected, 15)
     mark = gateway.bus.mark()
     conns = robot.stats.connections
     gateway.sim.call(lambda: robot.inject(b"\x7f"))
@@ -294,7 +294,7 @@ def test_gateway_stop_sends_stop_command(broker_session: Broker, spawn: Any, cli
         assert client.collect("robobus/epuck-stop/epuck1/health", 10,
                               until=lambda t, p: json.loads(p)["connection"])
         assert client.call("epuck-stop", "epuck1", "set_speed", {"left": 300, "right": 300}).ok
-        assert wait_until(lambda: sim.robots[0].world.speed_left == 300, 5)
+        assert wait_until(lambda: sim.robots[0].world.speed_left == 300, 15)
         assert proc.stop() == 0  # well inside the 1 s motion timeout: the stop comes from the shutdown
         for r in sim.robots:
             last = r.stats.received[-1]
