@@ -12,9 +12,9 @@ TSEXAMPLE := examples/typescript
 FOXCLIENT := tests/foxglove/wsclient
 # The suite runs in six processes (pytest-xdist), each of tests/conftest.py's units (a module, the docker modules
 # together, the realtime modules together, the conformance suite per service) whole in one; PYTEST_WORKERS=0 runs
-# it in one process, in file order. The suite mostly waits (on brokers, stacks, deadlines): with four processes two
-# cores stood idle 29 % of the run, with six 10 % (and the run took 15 % less); the realtime processes of two units
-# never run at once (one lock on the machine: tests/conftest.py).
+# it in one process, in file order. The suite mostly waits (on brokers, stacks, deadlines): four processes left two
+# cores idle for part of the run, six keep them busy (`bench/suite.py` measures the wall); the realtime processes of
+# two units never run at once (one lock on the machine: tests/conftest.py).
 PYTEST_WORKERS ?= 6
 PYTEST_ARGS ?=
 

@@ -240,7 +240,9 @@ def test_an_outage_is_named_while_the_slave_is_absent_and_measured_from_its_last
         first = seen[gap][1] - ((seen[gap][0] - seen[gap - 1][0]) // 2 - 1) * 1_000_000
         assert first - last > 2_000_000_000, (first - last) / 1e6
         # the master's "valid" is a frame with the full working counter; the palm's first answers after power-on
-        # can be empty mailboxes (dropped statuses: not in the count above), a few tens of ms at most
-        assert -50_000_000 <= took_ns - (first - last) <= 5_000_000, (
+        # can be empty mailboxes (dropped statuses: not in the count above), a few tens of ms at most; and on a busy
+        # host the cycle's late periods make the count of statuses undercount the time, putting `first` later (51 ms
+        # beside a CPU hog and six test processes). The defect this guards against was off by seconds.
+        assert -150_000_000 <= took_ns - (first - last) <= 5_000_000, (
             f"outage measured {took_ns / 1e6:.0f} ms, {(first - last) / 1e6:.0f} ms from the last valid data to the "
             f"first again: {steps(b)}")
