@@ -2,7 +2,7 @@
 `CI=true`), its wall time after setup against the target.
 
 The clone's setup (`make setup`: the venv, node packages, apt packages already present) runs first and is not
-timed; then `make test` (setup again, a no-op, then lint beside pytest in six processes), whose own last lines say
+timed; then `make test` (setup again, a no-op, then lint beside pytest in four processes), whose own last lines say
 its wall time after setup; this bench reads that line and pytest's tally. The clone is removed afterwards; docker's
 image cache is shared with the host, as on any machine that ran the suite before.
 

@@ -1,5 +1,5 @@
 """The suite's plugin (tests/fixtures.py), one rule for the whole run (tests never write tracked files), and how
-the run is split between pytest-xdist workers (`make test PYTEST_WORKERS=6`).
+the run is split between pytest-xdist workers (`make test PYTEST_WORKERS=4`).
 
 On a clean checkout (CI, `../shared/tools/fresh-clone-check`), `git status` must be as clean after the run as before
 it: a test that rewrites a tracked file (a screenshot, a generated document) fails the run, naming the files.

@@ -124,8 +124,11 @@ def test_garbage_on_can_rx_is_counted_and_dropped(broker_session: Broker, palm: 
 
 def test_full_path_flash(broker_session: Broker, palm: Palm, client: RpcClient) -> None:
     # every frame crosses the broker twice and the palm's loop: a test worker starved 2 s on a busy 2-core host
-    # (6 test processes) outlasted the default 20 x 100 ms per frame; this test is the path's bytes, not its timing
-    node, _svc = boot_service(broker_session, palm, can_flash=FlashConfig(frame_timeout_s=0.5))
+    # outlasted the default 20 x 100 ms per frame, and 2 x 100 ms for the magic packet; this test is the path's
+    # bytes, not its timing (test_power_loss_through_the_bridge keeps the defaults)
+    slow = FlashConfig(frame_timeout_s=0.5, magic_timeout_s=0.5, magic_tries=4, check_timeout_s=0.5,
+                       reset_timeout_s=3.0, erase_timeout_s=10.0)
+    node, _svc = boot_service(broker_session, palm, can_flash=slow)
     validator = ContractValidator(build_document([API]))
     seen: list[tuple[str, bytes]] = []
     client.subscribe_before(f"robobus/{node.name}/#", lambda m: seen.append((m.topic, bytes(m.payload))))
