@@ -92,16 +92,16 @@ def main() -> None:
     ap.add_argument("--fleet", type=int, default=0, metavar="N",
                     help="the fleet view at a centre of N sites (their health refreshed every 5 s)")
     a = ap.parse_args()
-    if a.fleet:
-        fleet_main(a)
-        return
-    nodes = NODES if a.stack == "make-run" else NODES_EARLIER
-    seconds = 10.0 if a.quick else a.seconds
     why = browser_missing()
     if why:
         print(f"dashboard benchmark skipped: {why}")
         print(json.dumps({"skipped": why}))
         return
+    if a.fleet:
+        fleet_main(a)
+        return
+    nodes = NODES if a.stack == "make-run" else NODES_EARLIER
+    seconds = 10.0 if a.quick else a.seconds
     views: dict[str, dict[str, Any]] = {}
     with sim_stack(nodes=nodes) as (stack, _client), browser(1920, 1080) as ctx:
         page = ctx.new_page()
@@ -174,11 +174,6 @@ def fleet_main(a: argparse.Namespace) -> None:
     import threading
 
     seconds = 10.0 if a.quick else a.seconds
-    why = browser_missing()
-    if why:
-        print(f"dashboard benchmark skipped: {why}")
-        print(json.dumps({"skipped": why}))
-        return
     tag = f"bf{os.getpid() % 10000}s"
     msgs = fleet_messages(a.fleet, tag)
     health = [(t, p) for t, p in msgs if t.endswith("/health")]

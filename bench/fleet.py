@@ -357,8 +357,7 @@ class Fleet:
         return running, exited
 
     def why_not_connected(self, site: str) -> dict[str, Any]:
-        log = self.work / "sites" / site / "mosquitto.log"
-        lines = log.read_text(errors="replace").splitlines() if log.exists() else ["(no log)"]
+        lines = self.broker_log(site) or ["(no log)"]
         seen = [e for e in self.events() if e.get("site") == site][-5:]
         err_file = self.work / f"replay-{len(self.sites)}.err"  # the step's replayer (add_sites)
         err = err_file.read_text(errors="replace")[-600:] if err_file.exists() else ""
@@ -366,13 +365,16 @@ class Fleet:
         return {"broker_log": lines[-12:], "replayer_events": seen, "replayer_stderr": err,
                 "broker": process_state(proc.pid) if proc is not None and proc.poll() is None else "exited"}
 
+    def broker_log(self, site: str) -> list[str]:
+        log = self.work / "sites" / site / "mosquitto.log"
+        return log.read_text(errors="replace").splitlines() if log.exists() else []
+
     def bridged_to(self, site: str) -> str | None:
         """The centre node a site's bridge holds now: the address of its broker's last connection attempt (every
         site is connected when asked, so that attempt is the one that held). Its first address is only a
         preference: a node slow to answer at start-up sends the bridge on to the next one."""
         assert self.centre is not None
-        log = self.work / "sites" / site / "mosquitto.log"
-        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        lines = self.broker_log(site)
         by_ip = {ip: n for n, ip in self.centre.ips.items()}
         for line in reversed(lines):
             m = BRIDGE_ATTEMPT.search(line)

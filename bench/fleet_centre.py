@@ -13,26 +13,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.deploy.stack import run as run  # noqa: E402  (the tests' command helper, as bench/deploy.py uses it)
+
 DEPLOY = REPO / "deploy"
 DOCKER = "/usr/bin/docker"
 NODES = ("ejabberd1", "ejabberd2", "ejabberd3")
 SERVICES = (*NODES, "fleet-watch", "fleet-gate")
 CGROUP = Path("/sys/fs/cgroup")
-
-
-def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 600,
-        check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(args, env={**os.environ, **(env or {})}, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                           f"{proc.stderr[-2000:]}")
-    return proc
 
 
 def free_port() -> int:

@@ -32,8 +32,8 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 600
     proc = subprocess.run(args, env={**os.environ, **(env or {})}, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
+        shown = " ".join(args[:8]) + (" ..." if len(args) > 8 else "")  # a fleet's make_secrets: 600 arguments
+        raise RuntimeError(f"{shown} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
